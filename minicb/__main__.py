@@ -1,0 +1,79 @@
+"""`python -m minicb demo | bench | sweep | profile | serve | grade` (chapter 00 and 06)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+DEMO_QUESTIONS = [
+    "What is the capital of France?",
+    "Give me three tips for staying focused while studying.",
+    "Explain in one sentence what a GPU is.",
+    "Write a haiku about autumn leaves.",
+]
+
+
+def demo(argv: list[str]) -> int:
+    """Answer a few chat prompts on the default model with continuous batching, print the
+    answers with timing and the step timeline as text."""
+    parser = argparse.ArgumentParser(prog="python -m minicb demo", description=demo.__doc__)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--policy", default="pd")
+    parser.add_argument("--max-tokens", type=int, default=48)
+    args = parser.parse_args(argv)
+    from minicb import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(args.model, policy=args.policy, max_num_seqs=8, max_num_batched_tokens=128)
+    t_load = time.perf_counter() - t0
+    print(f"loaded {args.model} in {t_load:.1f} s; policy={args.policy}")
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    conversations = [[{"role": "user", "content": q}] for q in DEMO_QUESTIONS]
+    t0 = time.perf_counter()
+    outputs = llm.chat(conversations, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    for question, out in zip(DEMO_QUESTIONS, outputs):
+        m = out.metrics
+        print(f"\n>>> {question}\n{out.text.strip()}")
+        print(f"    [{len(out.token_ids)} tokens, {out.finish_reason}; "
+              f"TTFT {m.first_token_time - m.arrival_time:.2f} s, "
+              f"done after {m.finish_time - m.arrival_time:.2f} s]")
+    total = sum(len(o.token_ids) for o in outputs)
+    print(f"\n{total} tokens in {elapsed:.2f} s = {total / elapsed:.1f} tokens/s "
+          f"over {len(llm.engine.trace)} steps")
+    try:
+        from minicb.viz import render_text
+        print("\n" + render_text(llm.engine.trace, width=100))
+    except ImportError:
+        pass
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = {"demo": demo}
+    try:
+        from minicb import bench
+        commands.update(bench=bench.main_bench, sweep=bench.main_sweep,
+                        profile=bench.main_profile)
+    except ImportError:
+        pass
+    try:
+        from minicb import serve
+        commands["serve"] = serve.main
+    except ImportError:
+        pass
+    try:
+        from minicb import grade
+        commands["grade"] = grade.main
+    except ImportError:
+        pass
+    if not argv or argv[0] not in commands:
+        print(f"usage: python -m minicb {{{','.join(commands)}}} [options]", file=sys.stderr)
+        return 2
+    return commands[argv[0]](argv[1:]) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""The reference attention backend in plain PyTorch (chapter 01): correct on any device, fast
+enough on the CPU. Decode rows are batched into one padded gather; each prefill chunk attends
+causally over its own pages."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from minicb.attention import AttentionMetadata
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             meta: AttentionMetadata) -> None:
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+
+
+def _context_slots(meta: AttentionMetadata, member: int, length: int) -> torch.Tensor:
+    pos = torch.arange(length, device=meta.page_tables.device)
+    pages = meta.page_tables[member].long()[pos // meta.page_size]
+    return pages * meta.page_size + pos % meta.page_size
+
+
+def _decode_gather(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slots of every decode member's context, padded to the longest: computed once per step
+    and shared by all layers."""
+    if "decode_slots" not in meta.cache:
+        n = meta.num_decodes
+        lens = meta.context_lens[:n].long()
+        width = int(max(meta.context_lens_list[:n]))
+        pos = torch.arange(width, device=lens.device)
+        valid = pos[None, :] < lens[:, None]
+        page_idx = (pos // meta.page_size).clamp(max=meta.page_tables.shape[1] - 1)
+        pages = meta.page_tables[:n].long()[:, page_idx]
+        slots = torch.where(valid, pages * meta.page_size + pos % meta.page_size, 0)
+        meta.cache["decode_slots"] = slots
+        meta.cache["decode_mask"] = valid
+    return meta.cache["decode_slots"], meta.cache["decode_mask"]
+
+
+def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+           meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads = k_cache.shape[-2]
+    group = num_heads // num_kv_heads
+    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
+    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+    out = torch.empty_like(q)
+    nd = meta.num_decodes
+    if nd:
+        slots, valid = _decode_gather(meta)
+        keys, values = k_flat[slots], v_flat[slots]  # [B, L, Hkv, D]
+        qd = q[:nd].view(nd, num_kv_heads, group, head_dim)
+        scores = torch.einsum("bhgd,blhd->bhgl", qd, keys) * scale
+        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        out[:nd] = torch.einsum("bhgl,blhd->bhgd", probs, values).reshape(nd, num_heads, head_dim)
+    qsl = meta.query_start_loc.tolist()
+    for b in range(nd, meta.num_members):
+        start, end, ctx = qsl[b], qsl[b + 1], meta.context_lens_list[b]
+        slots = _context_slots(meta, b, ctx)
+        keys = k_flat[slots].transpose(0, 1)  # [Hkv, ctx, D]
+        values = v_flat[slots].transpose(0, 1)
+        qb = q[start:end].transpose(0, 1)  # [H, qlen, D]
+        qlen = end - start
+        # query i sits at absolute position ctx - qlen + i and sees keys up to there
+        qpos = torch.arange(ctx - qlen, ctx, device=q.device)
+        mask = torch.arange(ctx, device=q.device)[None, :] <= qpos[:, None]
+        ob = F.scaled_dot_product_attention(qb, keys, values, attn_mask=mask, scale=scale,
+                                            enable_gqa=group > 1)
+        out[start:end] = ob.transpose(0, 1)
+    return out

@@ -1,0 +1,75 @@
+"""`EngineConfig`: every knob of the engine in one plain dataclass (introduced in chapter 01,
+grown in chapters 02-05). Names follow vLLM's where vLLM has the same knob."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+POLICIES = ("single", "static", "dynamic", "continuous", "chunked", "pd")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass
+class EngineConfig:
+    policy: str = "pd"
+    page_size: int = 16
+    num_pages: int = 2048
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 256
+    chunk_size: int = 256
+    min_chunk: int = 1
+    batch_timeout: float = 8  # dynamic batching: steps (int) or seconds (float with seconds=True)
+    batch_timeout_in_seconds: bool = False
+    enable_prefix_caching: bool = True
+    preemption: str = "newest"  # or "priority": who is preempted when decodes need a page
+    check_invariants: bool = False
+    attention_backend: str = "auto"
+    device: str = "cpu"
+    dtype: str = "auto"  # float32 on CPU, bfloat16 on CUDA
+    use_cuda_graphs: bool = True
+    gpu_memory_utilization: float = 0.9
+    seed: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field and what is allowed."""
+        if not isinstance(self.policy, str) and not hasattr(self.policy, "schedule"):
+            raise ValueError(f"policy must be one of {POLICIES} or a Scheduler, got {self.policy!r}")
+        if isinstance(self.policy, str) and self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        for name in ("page_size", "num_pages", "max_num_seqs", "max_num_batched_tokens",
+                     "chunk_size", "min_chunk"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size must be a power of two, got {self.page_size}")
+        if self.batch_timeout < 0:
+            raise ValueError(f"batch_timeout must be >= 0, got {self.batch_timeout}")
+        if self.preemption not in ("newest", "priority"):
+            raise ValueError(f"preemption must be 'newest' or 'priority', got {self.preemption!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+                             f"got {self.attention_backend!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1], "
+                             f"got {self.gpu_memory_utilization}")
+        if self.policy == "pd" and self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}) under policy 'pd', or running decodes cannot all advance")
+        if self.policy == "pd" and self.chunk_size < self.min_chunk:
+            raise ValueError(f"chunk_size ({self.chunk_size}) must be >= min_chunk "
+                             f"({self.min_chunk}) under policy 'pd'")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> EngineConfig:
+        """Build from keyword arguments, refusing unknown names with the list of known ones."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown engine option(s) {unknown}; known: {sorted(known)}")
+        return cls(**kwargs)

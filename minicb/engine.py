@@ -1,0 +1,477 @@
+"""The engine loop (chapter 03): `Engine.step()` runs the four phases of one iteration
+
+    1. schedule   the policy picks who advances and by how many tokens (may preempt)
+    2. forward    every member is flattened into one token batch and the model runs once
+    3. sample     one token for each member whose prompt is now fully in the cache
+    4. reclaim    finished requests leave; their pages and slots go back
+
+and appends a `StepRecord` to `engine.trace`. Follow one request's whole life from here."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+
+import torch
+
+from minicb.attention import build_metadata, resolve_backend
+from minicb.config import EngineConfig
+from minicb.kv_cache import PagePool
+from minicb.request import Request, RequestOutput, SamplingParams, Status
+from minicb.sampler import make_generator, sample
+from minicb.scheduler import ScheduledBatch, Scheduler, SchedulerContext, make_scheduler
+from minicb.trace import Member, RequestRecord, StepRecord
+
+
+class InvariantError(AssertionError):
+    """An engine invariant broke: the message names the step, the request and the rule."""
+
+
+class SchedulerError(ValueError):
+    """A scheduler returned a batch the engine refuses to run; the message names the rule."""
+
+
+def _load(model, device: str, dtype: torch.dtype):
+    from minicb.model.loader import load_model
+    if isinstance(model, tuple):
+        return model
+    return load_model(str(model), device=device, dtype=dtype)
+
+
+class Engine:
+    """Holds the model, the page pool, the queues and the trace; `step()` advances everything."""
+
+    def __init__(self, model="smollm2-135m", config: EngineConfig | None = None,
+                 clock=None, **options) -> None:
+        """`model`: a bundled name, a checkpoint directory, or a `(model, info)` pair already
+        loaded. `clock`: a callable returning seconds (the simulated executor passes its own)."""
+        if config is not None and options:
+            raise ValueError("pass either an EngineConfig or keyword options, not both")
+        policy = options.pop("policy", None)
+        self.config = config or EngineConfig.from_kwargs(**options)
+        if policy is not None:
+            self.config.policy = policy if isinstance(policy, str) else self.config.policy
+            self.config.validate()
+        self.scheduler: Scheduler = make_scheduler(policy if policy is not None
+                                                   else self.config.policy)
+        device = self.config.device
+        dtype = {"auto": torch.float32 if device == "cpu" else torch.bfloat16,
+                 "float32": torch.float32, "bfloat16": torch.bfloat16,
+                 "float16": torch.float16}[self.config.dtype]
+        self.model, self.info = _load(model, device, dtype)
+        self.attention_backend = resolve_backend(self.config.attention_backend, device)
+        self.model.set_attention_backend(self.attention_backend)
+        self.tokenizer = self.info.tokenizer
+        mc = self.info.config
+        self.pool = PagePool(self.config.num_pages, self.config.page_size, mc.num_layers,
+                             mc.num_kv_heads, mc.head_dim, dtype, device,
+                             self.config.enable_prefix_caching)
+        self.max_model_len = mc.max_position_embeddings
+        self.requests: dict[str, Request] = {}
+        self.pending: list[Request] = []  # added, arrival step/time not reached yet
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.free_slots = list(range(self.config.max_num_seqs))
+        self.trace: list[StepRecord] = []
+        self.step_count = 0
+        self._now = clock or time.perf_counter
+        self._sleep = getattr(clock, "sleep", time.sleep)  # a simulated clock jumps instead
+        self.t0 = self._now()
+        self._cancelled_since_last_step: list[str] = []
+        self._ids = itertools.count()
+        self._generators: dict[str, torch.Generator | None] = {}
+        self._failure_hook = None  # tests inject faults here: callable(batch) raising
+
+    # ------------------------------------------------------------------------------ clock
+    def clock(self) -> float:
+        """Seconds since the engine started (or since `reset_clock`)."""
+        return self._now() - self.t0
+
+    def reset_clock(self) -> None:
+        self.t0 = self._now()
+
+    # ------------------------------------------------------------------------------ requests
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt is a string but this checkpoint has no tokenizer; "
+                                 "pass token ids (a list of ints) instead")
+            return list(self.tokenizer.encode(prompt, add_special_tokens=False)) \
+                if prompt else []
+        if not isinstance(prompt, (list, tuple)) or \
+                any(not isinstance(t, int) or isinstance(t, bool) for t in prompt):
+            raise ValueError(f"prompt must be a string or a list of token ids, got {prompt!r:.80}")
+        return list(prompt)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, arrival_step: int | None = None,
+                    arrival_time: float | None = None, priority: int = 0) -> str:
+        """Queue a request; it joins the waiting queue at `arrival_step` or `arrival_time`
+        (engine-clock seconds), or now. Returns its id. Bad input raises ValueError and leaves
+        the engine untouched."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        token_ids = self.tokenize(prompt)
+        if not token_ids:
+            raise ValueError("prompt is empty: give at least one token")
+        vocab = self.info.config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
+        total = len(token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens "
+                             f"({params.max_tokens}) = {total} exceeds the model's context of "
+                             f"{self.max_model_len} tokens")
+        capacity = self.pool.num_pages * self.pool.page_size
+        if total > capacity:
+            raise ValueError(f"prompt + max_tokens = {total} tokens can never fit in the page "
+                             f"pool ({self.pool.num_pages} pages x {self.pool.page_size} = "
+                             f"{capacity} tokens); raise num_pages or lower max_tokens")
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+            while request_id in self.requests:
+                request_id = f"req-{next(self._ids)}"
+        request_id = str(request_id)
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if arrival_step is not None and (not isinstance(arrival_step, int) or arrival_step < 1):
+            raise ValueError(f"arrival_step must be an integer >= 1, got {arrival_step!r}")
+        if arrival_time is not None and arrival_time < 0:
+            raise ValueError(f"arrival_time must be >= 0 seconds, got {arrival_time!r}")
+        if not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        req = Request(request_id, token_ids, params, priority=priority, arrival_step=arrival_step,
+                      arrival_time=arrival_time, eos_token_ids=tuple(self.info.eos_token_ids),
+                      seq_index=len(self.requests))
+        self.requests[request_id] = req
+        self._generators[request_id] = make_generator(params.seed)
+        self.pending.append(req)
+        if arrival_step is None and arrival_time is None:
+            self._arrive(req)
+        return request_id
+
+    def _arrive(self, req: Request) -> None:
+        self.pending.remove(req)
+        req.metrics.arrival_step = self.step_count + 1 if req.arrival_step is None \
+            else req.arrival_step
+        req.metrics.arrival_time = self.clock() if req.arrival_time is None \
+            else req.arrival_time
+        if self.config.preemption == "priority":
+            index = next((i for i, r in enumerate(self.waiting)
+                          if r.status is Status.WAITING and r.priority > req.priority),
+                         len(self.waiting))
+            self.waiting.insert(index, req)
+        else:
+            self.waiting.append(req)
+
+    def _admit_arrivals(self) -> list[str]:
+        now = self.clock()
+        arrived = [r for r in self.pending
+                   if (r.arrival_step is None or r.arrival_step <= self.step_count)
+                   and (r.arrival_time is None or r.arrival_time <= now)]
+        arrived.sort(key=lambda r: (r.arrival_time or 0.0, r.arrival_step or 0, r.seq_index))
+        for req in arrived:
+            self._arrive(req)
+        return [r.request_id for r in arrived]
+
+    def _skip_idle_time(self) -> None:
+        """Nothing to run: jump the step counter, or sleep, to the next arrival."""
+        if self.running or self.waiting or not self.pending:
+            return
+        steps = [r.arrival_step for r in self.pending if r.arrival_step is not None]
+        times = [r.arrival_time for r in self.pending if r.arrival_time is not None]
+        if steps and all(r.arrival_step is not None for r in self.pending):
+            self.step_count = max(self.step_count, min(steps) - 1)
+        if times:
+            delay = min(times) - self.clock()
+            if delay > 0:
+                self._sleep(delay)
+
+    def cancel(self, request_id: str) -> None:
+        """Cancel a waiting or running request: its pages return at once. Cancelling a
+        finished request does nothing; an unknown id raises ValueError."""
+        req = self.requests.get(str(request_id))
+        if req is None:
+            raise ValueError(f"cannot cancel unknown request_id {request_id!r}")
+        if req.is_finished:
+            return
+        self._finish(req, "cancelled")
+
+    def has_unfinished(self) -> bool:
+        return bool(self.pending or self.waiting or self.running)
+
+    # ------------------------------------------------------------------------------ the step
+    def step(self) -> StepRecord:
+        """One iteration: schedule -> forward -> sample -> reclaim. Returns its record."""
+        self._skip_idle_time()
+        self.step_count += 1
+        t_start = self.clock()
+        arrived = self._admit_arrivals()
+
+        # 1. schedule
+        ctx = SchedulerContext(self.waiting, self.running, self.pool, self.config,
+                               self.step_count, t_start, self.free_slots)
+        batch = self.scheduler.schedule(ctx)
+        self._validate(batch)
+        items = sorted(batch.items, key=lambda item: item[1] != 1)  # decode rows first
+        for req, _ in items:
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = t_start
+                req.metrics.first_scheduled_step = self.step_count
+        kinds = {r.request_id: ("decode" if not r.is_prefill else "prefill") for r, _ in items}
+
+        # 2. forward and 3. sample
+        t_forward = 0.0
+        sampled: list[str] = []
+        finished: list[str] = []
+        if items:
+            try:
+                t0 = self._now()
+                to_sample, logits = self._forward(items)
+                t_forward = self._now() - t0
+                tokens = sample(logits, [r.params for r in to_sample],
+                                [self._generators[r.request_id] for r in to_sample])
+            except Exception as exc:  # contain the fault: fail this step's requests only
+                message = f"{type(exc).__name__}: {exc}"
+                for req, _ in items:
+                    req.error = message
+                    self._finish(req, "error")
+                    finished.append(req.request_id)
+                items, to_sample, tokens = [], [], []
+            for req, num_tokens in items:
+                req.num_computed_tokens += num_tokens
+                if req.num_computed_tokens <= req.num_prompt_tokens:
+                    self.pool.register_prompt_pages(req.prompt_token_ids, req.page_table,
+                                                    req.num_computed_tokens)
+            now = self.clock()
+            for req, token in zip(to_sample, tokens):
+                self._append_token(req, token, now)
+                sampled.append(req.request_id)
+
+        # 4. reclaim
+        for req, _ in items:
+            reason = self._stop_reason(req)
+            if reason and not req.is_finished:
+                self._finish(req, reason)
+                finished.append(req.request_id)
+        record = StepRecord(
+            step=self.step_count,
+            members=[Member(r.request_id, kinds[r.request_id], n, r.slot) for r, n in items]
+            + [Member(r.request_id, "idle", 0, r.slot) for r in batch.idle],
+            waiting=[r.request_id for r in self.waiting],
+            finished=finished + [rid for rid in self._cancelled_since_last_step],
+            preempted=[r.request_id for r in batch.preempted],
+            pages_used=self.pool.num_used, pages_cached=self.pool.num_cached,
+            t_start=t_start, t_end=self.clock(), arrived=arrived, sampled=sampled,
+            page_tables={r.request_id: list(r.page_table) for r in self.running},
+            t_forward=t_forward, pages_total=self.pool.num_pages)
+        self._cancelled_since_last_step = []
+        self.trace.append(record)
+        if self.config.check_invariants:
+            self.check_invariants(record)
+        return record
+
+    def _forward(self, items: list[tuple[Request, int]]) -> tuple[list[Request], torch.Tensor]:
+        """Flatten the members into one token batch, run the model once, return the requests to
+        sample and their logits (one row each: the last position of each finishing member)."""
+        if self._failure_hook is not None:
+            self._failure_hook(items)
+        input_ids: list[int] = []
+        positions: list[int] = []
+        logit_rows: list[int] = []
+        to_sample: list[Request] = []
+        for req, n in items:
+            start = req.num_computed_tokens
+            input_ids.extend(req.all_token_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            if start + n == req.num_tokens:
+                logit_rows.append(len(input_ids) - 1)
+                to_sample.append(req)
+        device = self.config.device
+        meta = build_metadata([r.page_table for r, _ in items],
+                              [r.num_computed_tokens for r, _ in items],
+                              [n for _, n in items], self.pool.page_size, device)
+        with torch.inference_mode():
+            logits = self.model(torch.tensor(input_ids, device=device),
+                                torch.tensor(positions, device=device), meta,
+                                self.pool.kv_caches,
+                                torch.tensor(logit_rows, dtype=torch.long, device=device))
+        return to_sample, logits
+
+    def _append_token(self, req: Request, token: int, now: float) -> None:
+        req.output_token_ids.append(token)
+        req.metrics.token_times.append(now)
+        req.metrics.token_steps.append(self.step_count)
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+            req.metrics.first_token_step = self.step_count
+
+    @staticmethod
+    def _stop_reason(req: Request) -> str | None:
+        if not req.output_token_ids or req.is_prefill:
+            return None
+        last = req.output_token_ids[-1]
+        n = len(req.output_token_ids)
+        if n >= req.params.min_tokens and (
+                last in req.params.stop_token_ids
+                or (not req.params.ignore_eos and last in req.eos_token_ids)):
+            return "stop"
+        if n >= req.params.max_tokens:
+            return "length"
+        return None
+
+    def _finish(self, req: Request, reason: str) -> None:
+        """Leave the engine: pages back to the pool (prompt pages stay indexed), slot back."""
+        was_running = req.status is Status.RUNNING
+        if req.page_table:
+            self.pool.register_prompt_pages(req.prompt_token_ids, req.page_table,
+                                            req.num_computed_tokens)
+            self.pool.release(req.page_table)
+            req.page_table = []
+        if req in self.running:
+            self.running.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req in self.pending:
+            self.pending.remove(req)
+        if not (was_running and self.scheduler.holds_finished_slots) and req.slot is not None:
+            self.free_slots.append(req.slot)
+            self.free_slots.sort()
+            req.slot = None
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+        req.metrics.finish_time = self.clock()
+        req.metrics.finish_step = self.step_count
+        if reason == "cancelled":
+            self._cancelled_since_last_step = self._cancelled_since_last_step + [req.request_id]
+
+    # ------------------------------------------------------------------------------ checks
+    def _validate(self, batch: ScheduledBatch) -> None:
+        """Refuse an impossible batch (a learner's scheduler may build one) before any work."""
+        cfg = self.config
+        seen: set[str] = set()
+        for req, n in batch.items:
+            rid = getattr(req, "request_id", repr(req))
+            where = f"step {self.step_count}, request {rid!r}"
+            if self.requests.get(rid) is not req:
+                raise SchedulerError(f"{where}: unknown request (not added to this engine)")
+            if req.is_finished:
+                raise SchedulerError(f"{where}: request already finished ({req.finish_reason})")
+            if req.status is not Status.RUNNING:
+                raise SchedulerError(f"{where}: request is {req.status.value}, not running "
+                                     "(admit it with ctx.admit first)")
+            if rid in seen:
+                raise SchedulerError(f"{where}: scheduled twice in one step")
+            seen.add(rid)
+            if not isinstance(n, int) or n < 1 or n > req.num_remaining:
+                raise SchedulerError(f"{where}: asks to advance {n} tokens but has "
+                                     f"{req.num_remaining} left to compute")
+            if self.pool.pages_needed(req.num_computed_tokens + n) > len(req.page_table):
+                raise SchedulerError(f"{where}: {n} tokens need more pages than its page table "
+                                     f"holds ({len(req.page_table)}); reserve them first")
+        if len(batch.items) + len(batch.idle) > cfg.max_num_seqs:
+            raise SchedulerError(f"step {self.step_count}: {len(batch.items)} members exceed "
+                                 f"max_num_seqs={cfg.max_num_seqs}")
+        if cfg.policy in ("pd", "chunked") and batch.num_tokens > cfg.max_num_batched_tokens:
+            raise SchedulerError(f"step {self.step_count}: {batch.num_tokens} tokens exceed "
+                                 f"max_num_batched_tokens={cfg.max_num_batched_tokens}")
+
+    def check_invariants(self, record: StepRecord | None = None) -> None:
+        """Raise InvariantError naming the step, request and rule if the books do not balance."""
+        step = self.step_count
+        try:
+            self.pool.check([r.page_table for r in self.running])
+        except AssertionError as exc:
+            raise InvariantError(f"step {step}: page pool: {exc}") from None
+        places = {}
+        for name, group in (("pending", self.pending), ("waiting", self.waiting),
+                            ("running", self.running)):
+            for req in group:
+                if req.request_id in places:
+                    raise InvariantError(f"step {step}: request {req.request_id!r} is both "
+                                         f"{places[req.request_id]} and {name}")
+                places[req.request_id] = name
+                if req.is_finished:
+                    raise InvariantError(f"step {step}: request {req.request_id!r} is finished "
+                                         f"but still {name}")
+        for req in self.requests.values():
+            if req.request_id not in places and not req.is_finished:
+                raise InvariantError(f"step {step}: request {req.request_id!r} is lost "
+                                     f"(status {req.status.value}, in no queue)")
+            if req.status is not Status.RUNNING and req.page_table:
+                raise InvariantError(f"step {step}: request {req.request_id!r} holds pages "
+                                     f"while {req.status.value}")
+        slots = [r.slot for r in self.running]
+        if len(set(slots)) != len(slots) or None in slots:
+            raise InvariantError(f"step {step}: running requests share or lack slots: {slots}")
+        if record is None:
+            return
+        cfg = self.config
+        for m in record.members:
+            req = self.requests[m.request_id]
+            if m.kind == "decode" and m.num_tokens != 1:
+                raise InvariantError(f"step {step}: request {m.request_id!r}: decode advanced "
+                                     f"{m.num_tokens} tokens, not 1")
+            if cfg.policy in ("chunked", "pd") and m.kind == "prefill" \
+                    and m.num_tokens > cfg.chunk_size:
+                raise InvariantError(f"step {step}: request {m.request_id!r}: chunk of "
+                                     f"{m.num_tokens} tokens exceeds chunk_size={cfg.chunk_size}")
+            del req
+        if cfg.policy == "pd":
+            scheduled = {m.request_id for m in record.members}
+            skipped = [r.request_id for r in self.running if r.request_id not in scheduled
+                       and not r.is_prefill and r.metrics.first_token_step is not None
+                       and r.metrics.first_token_step < step and r.num_preemptions == 0]
+            if skipped:
+                raise InvariantError(f"step {step}: pd left running decodes out: {skipped}")
+
+    # ------------------------------------------------------------------------------ results
+    def stats(self) -> dict[str, int]:
+        return {"pages_total": self.pool.num_pages, "pages_free": self.pool.num_free,
+                "pages_cached": self.pool.num_cached, "pages_used": self.pool.num_used,
+                "num_waiting": len(self.waiting) + len(self.pending),
+                "num_running": len(self.running)}
+
+    def output(self, request_id: str) -> RequestOutput:
+        req = self.requests[request_id]
+        text = None
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+        return RequestOutput(req.request_id, list(req.prompt_token_ids),
+                             list(req.output_token_ids), text, req.finish_reason,
+                             req.num_cached_tokens, req.metrics, req.error, req.num_preemptions)
+
+    def run(self, max_steps: int | None = None) -> list[RequestOutput]:
+        """Step until every request has finished (or `max_steps`); outputs of the requests that
+        were unfinished when called, in the order they were added."""
+        todo = [rid for rid, r in self.requests.items() if not r.is_finished]
+        empty_steps = 0
+        steps = 0
+        while self.has_unfinished() and (max_steps is None or steps < max_steps):
+            record = self.step()
+            steps += 1
+            busy = record.members or self.running or record.finished
+            empty_steps = 0 if busy else empty_steps + 1
+            if empty_steps and self.config.batch_timeout_in_seconds:
+                self._sleep(0.001)
+            elif empty_steps > 100_000:
+                raise RuntimeError(f"policy {self.scheduler.name!r} scheduled nothing for "
+                                   f"{empty_steps} steps while requests wait: "
+                                   f"{[r.request_id for r in self.waiting][:5]}")
+        return [self.output(rid) for rid in todo]
+
+    def request_records(self) -> list[RequestRecord]:
+        """Every request as plain data, for `minicb.metrics`."""
+        out = []
+        for r in self.requests.values():
+            m = r.metrics
+            out.append(RequestRecord(
+                r.request_id, r.num_prompt_tokens, len(r.output_token_ids), r.finish_reason,
+                m.arrival_time, m.first_scheduled_time, m.first_token_time, m.finish_time,
+                list(m.token_times), m.arrival_step, m.first_scheduled_step, m.first_token_step,
+                m.finish_step, list(m.token_steps), r.num_cached_tokens, r.num_preemptions,
+                r.num_recomputed_tokens, r.priority))
+        return out

@@ -1,0 +1,214 @@
+"""Paged KV memory (chapter 01): a `PagePool` of fixed-size pages with a free list and reference
+counts, and a `PrefixIndex` that lets a new request reuse full prompt pages that an earlier
+request already computed.
+
+A page is in exactly one of three states:
+  free    on the free list, holds nothing useful
+  used    ref count > 0: in at least one running request's page table
+  cached  ref count 0 but registered in the prefix index: reusable until evicted (LRU)
+This module is a leaf: it imports nothing else from minicb."""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict, deque
+
+import torch
+
+
+def page_hash(previous: bytes | None, token_ids: list[int] | tuple[int, ...]) -> bytes:
+    """Chained hash of a full page: it names the page's tokens *and* everything before them."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(previous or b"")
+    h.update(b"|".join(str(t).encode() for t in token_ids))
+    return h.digest()
+
+
+def prompt_page_hashes(token_ids: list[int], page_size: int) -> list[bytes]:
+    """Hashes of every full page of `token_ids`, each chained to the one before."""
+    hashes: list[bytes] = []
+    previous = None
+    for start in range(0, len(token_ids) - page_size + 1, page_size):
+        previous = page_hash(previous, token_ids[start:start + page_size])
+        hashes.append(previous)
+    return hashes
+
+
+class PrefixIndex:
+    """hash -> page for full prompt pages. Unreferenced entries are kept in LRU order so the pool
+    can evict the least recently used one when it runs out of free pages."""
+
+    def __init__(self) -> None:
+        self.page_of: dict[bytes, int] = {}
+        self.hash_of: dict[int, bytes] = {}
+        self.lru: OrderedDict[int, None] = OrderedDict()  # unreferenced cached pages, oldest first
+
+    def __len__(self) -> int:
+        return len(self.page_of)
+
+    def lookup(self, hashes: list[bytes]) -> list[int]:
+        """Pages of the longest run of leading hashes that are cached."""
+        pages = []
+        for h in hashes:
+            page = self.page_of.get(h)
+            if page is None:
+                break
+            pages.append(page)
+        return pages
+
+    def register(self, h: bytes, page: int) -> bool:
+        """Remember that `page` holds the full page named `h`. False if `h` is already cached
+        under another page (then `page` stays private to its request)."""
+        if h in self.page_of or page in self.hash_of:
+            return False
+        self.page_of[h] = page
+        self.hash_of[page] = h
+        return True
+
+    def forget(self, page: int) -> None:
+        h = self.hash_of.pop(page)
+        del self.page_of[h]
+        self.lru.pop(page, None)
+
+
+class PagePool:
+    """K/V storage for all layers in `num_pages` pages of `page_size` tokens, with bookkeeping.
+
+    `k[layer]` and `v[layer]` are [num_pages, page_size, num_kv_heads, head_dim]. Slot of token
+    position p in a page table = table[p // page_size] * page_size + p % page_size."""
+
+    def __init__(self, num_pages: int, page_size: int, num_layers: int = 0, num_kv_heads: int = 0,
+                 head_dim: int = 0, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu", enable_prefix_caching: bool = True) -> None:
+        if num_pages < 1 or page_size < 1:
+            raise ValueError(f"num_pages and page_size must be >= 1, got {num_pages}, {page_size}")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.ref_count = [0] * num_pages
+        self.free: deque[int] = deque(range(num_pages))
+        self.prefix = PrefixIndex() if enable_prefix_caching else None
+        shape = (num_pages, page_size, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @property
+    def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return list(zip(self.k, self.v))
+
+    # --- counts -------------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    @property
+    def num_cached(self) -> int:
+        """Unreferenced pages kept for prefix reuse (evictable)."""
+        return len(self.prefix.lru) if self.prefix else 0
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - self.num_free - self.num_cached
+
+    @property
+    def num_available(self) -> int:
+        """Pages an allocation can get: free ones plus evictable cached ones."""
+        return self.num_free + self.num_cached
+
+    def pages_needed(self, num_tokens: int) -> int:
+        return (num_tokens + self.page_size - 1) // self.page_size
+
+    # --- allocation ---------------------------------------------------------------------------
+    def allocate(self, n: int) -> list[int]:
+        """Take `n` fresh pages (ref count 1), evicting least-recently-used cached pages if the
+        free list runs short. All or nothing: raises MemoryError and takes none if `n` don't fit."""
+        if n > self.num_available:
+            raise MemoryError(f"need {n} pages, only {self.num_available} available")
+        pages = []
+        for _ in range(n):
+            if not self.free:
+                victim, _ = self.prefix.lru.popitem(last=False)
+                self.prefix.forget(victim)
+                self.free.append(victim)
+            page = self.free.popleft()
+            self.ref_count[page] = 1
+            pages.append(page)
+        return pages
+
+    def share(self, pages: list[int]) -> None:
+        """Add a reference to each page (a prefix hit): a cached page becomes used again."""
+        for page in pages:
+            if self.ref_count[page] == 0:
+                if self.prefix is None or page not in self.prefix.hash_of:
+                    raise ValueError(f"page {page} is free, it cannot be shared")
+                self.prefix.lru.pop(page, None)
+            self.ref_count[page] += 1
+
+    def release(self, pages: list[int]) -> None:
+        """Drop one reference per page. A page at zero goes to the LRU list if the prefix index
+        knows it (newest last), else back to the free list."""
+        for page in reversed(pages):  # later pages of a sequence are evicted first
+            if self.ref_count[page] <= 0:
+                raise ValueError(f"page {page} released more often than it was taken")
+            self.ref_count[page] -= 1
+            if self.ref_count[page] == 0:
+                if self.prefix is not None and page in self.prefix.hash_of:
+                    self.prefix.lru[page] = None
+                    self.prefix.lru.move_to_end(page)
+                else:
+                    self.free.append(page)
+
+    # --- prefix reuse -------------------------------------------------------------------------
+    def match_prefix(self, token_ids: list[int]) -> list[int]:
+        """Cached pages for the longest run of full leading pages of `token_ids`, capped so that
+        at least one token is left to compute (someone must produce logits). Takes no reference."""
+        if self.prefix is None:
+            return []
+        usable = (len(token_ids) - 1) // self.page_size
+        hashes = prompt_page_hashes(token_ids[:usable * self.page_size], self.page_size)
+        return self.prefix.lookup(hashes)
+
+    def register_prompt_pages(self, token_ids: list[int], page_table: list[int],
+                              num_computed: int) -> None:
+        """Index every full prompt page whose tokens are all computed."""
+        if self.prefix is None:
+            return
+        full = min(num_computed, len(token_ids)) // self.page_size
+        hashes = prompt_page_hashes(token_ids[:full * self.page_size], self.page_size)
+        for h, page in zip(hashes, page_table):
+            if self.prefix.page_of.get(h) != page:
+                self.prefix.register(h, page)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached page; unreferenced ones return to the free list."""
+        if self.prefix is None:
+            return
+        for page in list(self.prefix.hash_of):
+            in_lru = page in self.prefix.lru
+            self.prefix.forget(page)
+            if in_lru:
+                self.free.append(page)
+
+    # --- checks -------------------------------------------------------------------------------
+    def check(self, page_tables: list[list[int]]) -> None:
+        """Raise AssertionError unless the books balance: ref counts equal the number of page
+        tables holding each page, and free + cached + used = total with no page in two states."""
+        expected = [0] * self.num_pages
+        for table in page_tables:
+            for page in table:
+                expected[page] += 1
+        for page, (have, want) in enumerate(zip(self.ref_count, expected)):
+            if have != want:
+                raise AssertionError(f"page {page}: ref count {have} but held by {want} tables")
+        free = set(self.free)
+        cached = set(self.prefix.lru) if self.prefix else set()
+        if len(free) != len(self.free):
+            raise AssertionError("a page is on the free list twice")
+        if free & cached:
+            raise AssertionError(f"pages both free and cached: {sorted(free & cached)}")
+        for page in free | cached:
+            if self.ref_count[page]:
+                raise AssertionError(f"page {page} is free or cached but has references")
+        unaccounted = [p for p in range(self.num_pages)
+                       if self.ref_count[p] == 0 and p not in free and p not in cached]
+        if unaccounted:
+            raise AssertionError(f"pages leaked (no owner, not free, not cached): {unaccounted}")

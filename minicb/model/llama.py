@@ -1,0 +1,298 @@
+"""A Llama-family decoder in plain PyTorch whose attention reads and writes the paged KV cache
+(introduced in chapter 01).
+
+One class covers Llama / SmolLM2, Mistral (without sliding window), Qwen2 (q/k/v bias) and
+Qwen3 (RMSNorm on each query and key head before RoPE). The model sees one flat token batch:
+ids and positions of every new token of the step, the `AttentionMetadata` that says which
+member owns which rows and pages, and the per-layer caches. It never sees a request.
+
+For speed on the CPU the weights stay in `nn.Linear`'s [out, in] layout (applied with
+`F.linear`), q/k/v are one product and gate/up are one product: `load_hf_state_dict` fuses
+the Hugging Face tensors when loading.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from minicb.attention import AttentionMetadata, get_backend
+
+SUPPORTED_ARCHITECTURES = {  # HF `architectures[0]` -> our short name
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+@dataclass
+class ModelConfig:
+    """The shape of a Llama-family model, read from a Hugging Face config.json (chapter 01)."""
+
+    architecture: str  # "llama", "mistral", "qwen2" or "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # only {"rope_type": "llama3", ...} is supported
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q/k/v (Qwen2 always has it)
+    o_proj_bias: bool = False  # bias on o_proj (Llama with attention_bias=True)
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    max_position_embeddings: int = 2048
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    @classmethod
+    def from_hf(cls, cfg: Mapping) -> ModelConfig:
+        """Build from a config.json dict; ValueError for anything this model cannot run."""
+        archs = cfg.get("architectures") or []
+        arch = archs[0] if archs else _ARCH_FROM_MODEL_TYPE.get(cfg.get("model_type"), None)
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {arch or cfg.get('model_type')!r}; "
+                             f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+        name = SUPPORTED_ARCHITECTURES[arch]
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r} (only 'silu')")
+        if cfg.get("mlp_bias"):
+            raise ValueError("unsupported: mlp_bias=True")
+        if cfg.get("use_sliding_window") or (name == "mistral" and cfg.get("sliding_window")):
+            raise ValueError(f"unsupported: sliding-window attention ({arch})")
+        # transformers >= 5 writes `rope_parameters`; older files have rope_theta + rope_scaling
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "llama3"):
+            raise ValueError(f"unsupported rope_type {rope_type!r} (only 'default' and 'llama3')")
+        if rope.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError("unsupported: partial_rotary_factor != 1")
+        heads = cfg["num_attention_heads"]
+        bias = bool(cfg.get("attention_bias", False))
+        return cls(
+            architecture=name, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"],
+            num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=theta,
+            rope_scaling=rope if rope_type == "llama3" else None,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bias or name == "qwen2",
+            o_proj_bias=bias and name != "qwen2",
+            qk_norm=name == "qwen3",
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            bos_token_id=cfg.get("bos_token_id"), eos_token_id=cfg.get("eos_token_id"))
+
+
+_ARCH_FROM_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                         "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """RoPE inverse frequencies [head_dim // 2], computed exactly as transformers does
+    (default, or Llama 3.1's "llama3" smoothing of the low frequencies)."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    s = cfg.rope_scaling
+    if not s:
+        return inv_freq
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_len = s["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, heads, D] by its positions' angles (cos, sin: [T, 1, D/2]); the same
+    arithmetic as transformers' `x * cos + rotate_half(x) * sin`, half the table."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight over the last dimension, computed in float32 like transformers."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Fused q/k/v projection, optional per-head q/k norm, RoPE, then the paged-cache backend."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
+                                  bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.scale = cfg.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                backend: ModuleType) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias).split(
+            [self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_cache, v_cache = kv_cache
+        backend.store_kv(k, v, k_cache, v_cache, meta)
+        out = backend.attend(q, k_cache, v_cache, meta, self.scale)
+        return F.linear(out.reshape(T, self.q_size), self.o_proj.weight, self.o_proj.bias)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up fused into one product."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up_proj.weight).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_proj.weight)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, meta, kv_cache, backend) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """The whole decoder: embeddings, layers, final norm and LM head (chapter 01).
+
+    `forward` takes one flat batch of new tokens and returns logits only for the rows listed in
+    `logits_indices` (the last row of each member that samples this step)."""
+
+    def __init__(self, cfg: ModelConfig, attention_backend: str = "torch") -> None:
+        super().__init__()
+        self.config = cfg
+        # weights come from a checkpoint: zeros skip a random init that is slow on "meta"
+        self.embed_tokens = nn.Embedding.from_pretrained(
+            torch.zeros(cfg.vocab_size, cfg.hidden_size), freeze=False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = (None if cfg.tie_word_embeddings
+                        else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
+        self.set_attention_backend(attention_backend)
+        self._cos = self._sin = None  # RoPE tables, built on first use (see `rope`)
+
+    def set_attention_backend(self, name: str) -> None:
+        """Pick the module whose `store_kv` / `attend` every layer calls ("torch", "triton")."""
+        self.attention_backend = get_backend(name)
+        self.attention_backend_name = name
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, head_dim/2] for these positions, looked up in tables built on first
+        use. On the CPU the tables grow in powers of two as positions need; elsewhere they
+        cover max_position_embeddings at once, so the forward never reads positions back."""
+        n = self.config.max_position_embeddings
+        if positions.device.type == "cpu" and positions.numel():
+            n = max(4096, 1 << int(positions.max()).bit_length())
+        if self._cos is None or self._cos.device != positions.device or len(self._cos) < n:
+            t = torch.arange(n, dtype=torch.float32)
+            freqs = torch.outer(t, rope_inv_freq(self.config)).to(positions.device)
+            self._cos, self._sin = freqs.cos(), freqs.sin()
+        dtype = self.embed_tokens.weight.dtype
+        return (self._cos[positions].to(dtype).unsqueeze(1),
+                self._sin[positions].to(dtype).unsqueeze(1))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                logits_indices: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [T]; kv_caches[layer] = (k_cache, v_cache), each
+        [num_pages, page_size, num_kv_heads, head_dim]; returns float logits [N, vocab]."""
+        cos, sin = self.rope(positions)
+        x = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, meta, kv_cache, self.attention_backend)
+        x = self.norm(x[logits_indices])
+        return F.linear(x, self.lm_head_weight).float()
+
+    def allocate_kv_cache(self, num_pages: int, page_size: int, device=None,
+                          dtype=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Zeroed per-layer (k_cache, v_cache), each [num_pages, page_size, kv_heads, head_dim]."""
+        w = self.embed_tokens.weight
+        shape = (num_pages, page_size, self.config.num_kv_heads, self.config.head_dim)
+        kw = dict(device=device or w.device, dtype=dtype or w.dtype)
+        return [(torch.zeros(shape, **kw), torch.zeros(shape, **kw))
+                for _ in range(self.config.num_layers)]
+
+    @torch.no_grad()
+    def load_hf_state_dict(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Copy Hugging Face tensors (names like `model.layers.0.self_attn.q_proj.weight`) into
+        this model, fusing q/k/v and gate/up. Raises KeyError naming a missing tensor."""
+        def get(name: str) -> torch.Tensor:
+            if name not in tensors:
+                raise KeyError(f"checkpoint has no tensor {name!r}")
+            return tensors[name]
+
+        def put(param: torch.Tensor, *names: str) -> None:
+            src = [get(n) for n in names]
+            param.copy_(src[0] if len(src) == 1 else torch.cat(src, dim=0))
+
+        put(self.embed_tokens.weight, "model.embed_tokens.weight")
+        put(self.norm.weight, "model.norm.weight")
+        if self.lm_head is not None:
+            put(self.lm_head.weight, "lm_head.weight")
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            attn, proj = layer.self_attn, [f"{p}self_attn.{x}_proj" for x in "qkv"]
+            put(attn.qkv_proj.weight, *(f"{n}.weight" for n in proj))
+            if attn.qkv_proj.bias is not None:
+                put(attn.qkv_proj.bias, *(f"{n}.bias" for n in proj))
+            put(attn.o_proj.weight, f"{p}self_attn.o_proj.weight")
+            if attn.o_proj.bias is not None:
+                put(attn.o_proj.bias, f"{p}self_attn.o_proj.bias")
+            if attn.q_norm is not None:
+                put(attn.q_norm.weight, f"{p}self_attn.q_norm.weight")
+                put(attn.k_norm.weight, f"{p}self_attn.k_norm.weight")
+            put(layer.mlp.gate_up_proj.weight, f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight")
+            put(layer.mlp.down_proj.weight, f"{p}mlp.down_proj.weight")
+            put(layer.input_layernorm.weight, f"{p}input_layernorm.weight")
+            put(layer.post_attention_layernorm.weight, f"{p}post_attention_layernorm.weight")

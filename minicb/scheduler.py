@@ -1,0 +1,366 @@
+"""Schedulers (chapters 02-05): one interface, one class per policy.
+
+Each step the engine hands the policy a `SchedulerContext` (the waiting queue, the running list,
+the limits, and three verbs: `admit`, `reserve`, `preempt`) and gets back a `ScheduledBatch`:
+which requests advance and by how many tokens. Policies decide from requests, token counts and
+pages only; they never touch tensors or the model.
+
+    single      one request at a time, whole prompt, then decode to the end (v1)
+    static      a fixed batch starts together and ends with its slowest member
+    dynamic     static, but a batch forms only when it is full or its oldest member waited
+                `batch_timeout` steps (or seconds)
+    continuous  iteration-level scheduling: members leave and join every step; whole prompts
+    chunked     continuous with prompts cut into chunks, prefill-first (decodes wait)
+    pd          decode-first under a token budget, the rest to prefill chunks (PD interleaving)
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from minicb.config import EngineConfig
+from minicb.kv_cache import PagePool
+from minicb.request import Request, Status
+
+
+@dataclass
+class ScheduledBatch:
+    """The plan for one step: (request, tokens to advance) pairs, plus static batching's idle
+    members (finished but still holding their slot), and who was preempted on the way."""
+
+    items: list[tuple[Request, int]] = field(default_factory=list)
+    idle: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.items)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
+class SchedulerContext:
+    """What a policy sees and may do during one step. Built by the engine each step."""
+
+    def __init__(self, waiting: deque[Request], running: list[Request], pool: PagePool,
+                 config: EngineConfig, step: int, now: float, free_slots: list[int]) -> None:
+        self.waiting = waiting
+        self.running = running
+        self.pool = pool
+        self.config = config
+        self.step = step
+        self.now = now
+        self.free_slots = free_slots  # kept sorted: a new member takes the lowest
+        self.batch = ScheduledBatch()
+        self.scheduled_ids: set[str] = set()
+
+    # --- reading ------------------------------------------------------------------------------
+    @property
+    def num_free_pages(self) -> int:
+        return self.pool.num_available
+
+    def pages_to_advance(self, req: Request, num_tokens: int) -> int:
+        """New pages `req` needs to hold `num_tokens` more tokens."""
+        need = self.pool.pages_needed(req.num_computed_tokens + num_tokens)
+        return max(0, need - len(req.page_table))
+
+    # --- verbs --------------------------------------------------------------------------------
+    def schedule(self, req: Request, num_tokens: int) -> None:
+        """Put `req` in this step's batch for `num_tokens` tokens (pages must be reserved)."""
+        self.batch.items.append((req, num_tokens))
+        self.scheduled_ids.add(req.request_id)
+
+    def reserve(self, req: Request, num_tokens: int) -> bool:
+        """Make sure a running request's pages can hold `num_tokens` more tokens."""
+        need = self.pages_to_advance(req, num_tokens)
+        if need > self.pool.num_available:
+            return False
+        if need:
+            req.page_table.extend(self.pool.allocate(need))
+        return True
+
+    def admit(self, req: Request, max_tokens: int) -> int:
+        """Move the request at the front of the waiting queue into the running set: reuse its
+        cached prefix pages, take a slot and pages for its first chunk of at most `max_tokens`
+        tokens. Returns that chunk's size, or 0 (and changes nothing) if it does not fit."""
+        if not self.free_slots or max_tokens < 1:
+            return 0
+        hit = self.pool.match_prefix(req.all_token_ids)
+        remaining = req.num_tokens - len(hit) * self.pool.page_size
+        num_tokens = min(max_tokens, remaining)
+        total_pages = self.pool.pages_needed(len(hit) * self.pool.page_size + num_tokens)
+        # shared pages that sit unreferenced in the LRU list stop being available once shared
+        evictable_hits = sum(1 for p in hit if self.pool.ref_count[p] == 0)
+        if total_pages - len(hit) > self.pool.num_available - evictable_hits:
+            return 0
+        self.pool.share(hit)
+        req.page_table = hit + self.pool.allocate(total_pages - len(hit))
+        req.num_computed_tokens = len(hit) * self.pool.page_size
+        if req.status is Status.WAITING and req.num_preemptions == 0:
+            req.num_cached_tokens = req.num_computed_tokens
+        req.status = Status.RUNNING
+        req.slot = self.free_slots.pop(0)
+        self.waiting.remove(req)
+        self.running.append(req)
+        return num_tokens
+
+    def preempt(self, req: Request) -> None:
+        """Free a running request's pages and put it back at the front of the queue; its tokens
+        are recomputed when it is admitted again (reusing any prefix pages still cached)."""
+        self.pool.register_prompt_pages(req.prompt_token_ids, req.page_table,
+                                        req.num_computed_tokens)
+        self.pool.release(req.page_table)
+        req.page_table = []
+        req.num_recomputed_tokens += req.num_computed_tokens
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = Status.PREEMPTED
+        self.free_slots.append(req.slot)
+        self.free_slots.sort()
+        req.slot = None
+        self.running.remove(req)
+        self.waiting.appendleft(req)
+        if req.request_id in self.scheduled_ids:
+            self.batch.items = [(r, n) for r, n in self.batch.items if r is not req]
+            self.scheduled_ids.discard(req.request_id)
+        self.batch.preempted.append(req)
+
+    def release_slot(self, req: Request) -> None:
+        """Give back a finished request's slot (static batching holds them until batch end)."""
+        if req.slot is not None:
+            self.free_slots.append(req.slot)
+            self.free_slots.sort()
+            req.slot = None
+
+    def pick_victim(self, current: Request) -> Request:
+        """Whom to preempt when `current` needs a page: the newest (or least important, the
+        largest `priority` value, as in vLLM) running request not yet scheduled this step,
+        or `current` itself."""
+        candidates = [r for r in self.running
+                      if r.request_id not in self.scheduled_ids or r is current]
+        if self.config.preemption == "priority":
+            return max(candidates, key=lambda r: (r.priority, r.seq_index))
+        return max(candidates, key=lambda r: r.seq_index)
+
+    def reserve_or_preempt(self, req: Request, num_tokens: int) -> bool:
+        """Reserve pages for `req`, preempting others (possibly `req` itself) until it fits."""
+        while not self.reserve(req, num_tokens):
+            victim = self.pick_victim(req)
+            self.preempt(victim)
+            if victim is req:
+                return False
+        return True
+
+
+class Scheduler:
+    """Base class of every policy, the learner's included: implement `schedule`.
+
+    `holds_finished_slots` tells the engine not to release a finished request's slot (static
+    batching keeps dead slots until the whole batch ends)."""
+
+    name = "base"
+    holds_finished_slots = False
+
+    def schedule(self, ctx: SchedulerContext) -> ScheduledBatch:
+        raise NotImplementedError
+
+    # shared building blocks ---------------------------------------------------------------
+    @staticmethod
+    def decoding(ctx: SchedulerContext) -> list[Request]:
+        return [r for r in ctx.running if not r.is_prefill]
+
+    @staticmethod
+    def prefilling(ctx: SchedulerContext) -> list[Request]:
+        return [r for r in ctx.running if r.is_prefill]
+
+    @staticmethod
+    def schedule_decodes(ctx: SchedulerContext) -> int:
+        """One token for every running decode, oldest first, preempting when pages run out.
+        Returns the number of decode tokens scheduled."""
+        count = 0
+        for req in Scheduler.decoding(ctx):
+            if req.status is Status.RUNNING and ctx.reserve_or_preempt(req, 1):
+                ctx.schedule(req, 1)
+                count += 1
+        return count
+
+
+class SingleScheduler(Scheduler):
+    """v1 (chapter 01): one request at a time; the next starts when it finishes."""
+
+    name = "single"
+
+    def schedule(self, ctx: SchedulerContext) -> ScheduledBatch:
+        if not ctx.running and ctx.waiting:
+            req = ctx.waiting[0]
+            num_tokens = ctx.admit(req, req.num_tokens)
+            if num_tokens:
+                ctx.schedule(req, num_tokens)
+            return ctx.batch
+        for req in list(ctx.running):
+            if req.status is Status.RUNNING and ctx.reserve_or_preempt(req, req.num_remaining):
+                ctx.schedule(req, req.num_remaining)
+        return ctx.batch
+
+
+class StaticScheduler(Scheduler):
+    """Static batching (chapter 02): up to `max_num_seqs` requests start together; the batch,
+    and every slot in it, lives until its slowest member ends. Late arrivals wait."""
+
+    name = "static"
+    holds_finished_slots = True
+
+    def __init__(self) -> None:
+        self.batch: list[Request] = []
+
+    def ready_to_form(self, ctx: SchedulerContext) -> bool:
+        return bool(ctx.waiting)
+
+    def schedule(self, ctx: SchedulerContext) -> ScheduledBatch:
+        if self.batch and all(r.is_finished for r in self.batch):
+            for req in self.batch:
+                ctx.release_slot(req)
+            self.batch = []
+        if not self.batch:
+            if not self.ready_to_form(ctx):
+                return ctx.batch
+            for req in list(ctx.waiting)[:ctx.config.max_num_seqs]:
+                num_tokens = ctx.admit(req, req.num_tokens)
+                if not num_tokens:
+                    break
+                self.batch.append(req)
+                ctx.schedule(req, num_tokens)
+            return ctx.batch
+        for req in self.batch:
+            if req.is_finished:
+                ctx.batch.idle.append(req)
+            elif req.status is not Status.RUNNING:  # preempted earlier: rejoin when it fits
+                num_tokens = ctx.admit(req, req.num_tokens) if req in ctx.waiting else 0
+                if num_tokens:
+                    ctx.schedule(req, num_tokens)
+            elif ctx.reserve_or_preempt(req, req.num_remaining):
+                ctx.schedule(req, req.num_remaining)
+        return ctx.batch
+
+
+class DynamicScheduler(StaticScheduler):
+    """Request-level dynamic batching (chapter 02): a static batch that forms once
+    `max_num_seqs` requests wait or the oldest has waited `batch_timeout`."""
+
+    name = "dynamic"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first_seen: dict[str, tuple[int, float]] = {}
+
+    def ready_to_form(self, ctx: SchedulerContext) -> bool:
+        if not ctx.waiting:
+            return False
+        if len(ctx.waiting) >= ctx.config.max_num_seqs:
+            return True
+        for req in ctx.waiting:
+            self.first_seen.setdefault(req.request_id, (ctx.step, ctx.now))
+        oldest_step, oldest_time = min(self.first_seen[r.request_id] for r in ctx.waiting)
+        if ctx.config.batch_timeout_in_seconds:
+            return ctx.now - oldest_time >= ctx.config.batch_timeout
+        return ctx.step - oldest_step >= ctx.config.batch_timeout
+
+
+class ContinuousScheduler(Scheduler):
+    """Continuous batching (chapter 03): every step, all running decodes advance one token and
+    waiting requests join (whole-prompt prefill) while slots, pages and the token budget allow;
+    a prompt longer than the budget still runs, alone, in one step."""
+
+    name = "continuous"
+
+    def schedule(self, ctx: SchedulerContext) -> ScheduledBatch:
+        self.schedule_decodes(ctx)
+        prefill_tokens = 0
+        while ctx.waiting and not ctx.batch.preempted:
+            req = ctx.waiting[0]
+            over_budget = prefill_tokens + req.num_tokens > ctx.config.max_num_batched_tokens
+            if prefill_tokens and over_budget:
+                break
+            num_tokens = ctx.admit(req, req.num_tokens)
+            if not num_tokens:
+                break
+            ctx.schedule(req, num_tokens)
+            prefill_tokens += num_tokens
+        return ctx.batch
+
+
+class ChunkedScheduler(Scheduler):
+    """Chunked prefill, prefill-first (chapter 04): prompts advance in chunks of at most
+    `chunk_size` tokens under the step's token budget; while any prefill work can run, decodes
+    wait (the chapter's "problem two")."""
+
+    name = "chunked"
+
+    def schedule(self, ctx: SchedulerContext) -> ScheduledBatch:
+        budget = ctx.config.max_num_batched_tokens
+        budget = schedule_prefill_chunks(ctx, budget)
+        if not ctx.batch.items:
+            self.schedule_decodes(ctx)
+        return ctx.batch
+
+
+class PDScheduler(Scheduler):
+    """PD interleaving (chapter 05), the chapter's pseudo-code: every running decode gets one
+    token first; what is left of `max_num_batched_tokens` goes to prefill chunks; a chunk
+    smaller than `min_chunk` is deferred to a later step."""
+
+    name = "pd"
+
+    def schedule(self, ctx: SchedulerContext) -> ScheduledBatch:
+        budget = ctx.config.max_num_batched_tokens
+        budget -= self.schedule_decodes(ctx)
+        schedule_prefill_chunks(ctx, budget, min_chunk=ctx.config.min_chunk)
+        return ctx.batch
+
+
+def schedule_prefill_chunks(ctx: SchedulerContext, budget: int, min_chunk: int = 1) -> int:
+    """Spend `budget` on prefill chunks: first the prompts already being prefilled, then new
+    ones from the front of the queue. Returns the budget left."""
+    chunk_size = ctx.config.chunk_size
+    for req in Scheduler.prefilling(ctx):
+        if req.request_id in ctx.scheduled_ids or req.status is not Status.RUNNING:
+            continue
+        num_tokens = min(req.num_remaining, chunk_size, budget)
+        if num_tokens < min(min_chunk, req.num_remaining) or not ctx.reserve(req, num_tokens):
+            continue
+        ctx.schedule(req, num_tokens)
+        budget -= num_tokens
+    while ctx.waiting and budget > 0 and not ctx.batch.preempted:
+        req = ctx.waiting[0]
+        hit_tokens = len(ctx.pool.match_prefix(req.all_token_ids)) * ctx.pool.page_size
+        remaining = req.num_tokens - hit_tokens
+        if min(remaining, chunk_size, budget) < min(min_chunk, remaining):
+            break
+        num_tokens = ctx.admit(req, min(chunk_size, budget))
+        if not num_tokens:
+            break
+        ctx.schedule(req, num_tokens)
+        budget -= num_tokens
+    return budget
+
+
+POLICY_CLASSES: dict[str, type[Scheduler]] = {
+    cls.name: cls for cls in (SingleScheduler, StaticScheduler, DynamicScheduler,
+                              ContinuousScheduler, ChunkedScheduler, PDScheduler)
+}
+
+
+def make_scheduler(policy: str | Scheduler) -> Scheduler:
+    """A fresh scheduler for a policy name, or the learner's own `Scheduler` instance."""
+    if isinstance(policy, Scheduler) or hasattr(policy, "schedule"):
+        return policy  # type: ignore[return-value]
+    if policy not in POLICY_CLASSES:
+        raise ValueError(f"policy must be one of {sorted(POLICY_CLASSES)}, got {policy!r}")
+    return POLICY_CLASSES[policy]()
+
+
+def now() -> float:
+    return time.perf_counter()

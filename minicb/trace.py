@@ -1,0 +1,76 @@
+"""The trace (chapters 02-06): one `StepRecord` per engine step. Plain data (ids, counts,
+times), so every picture in `viz` and every number in `metrics` is computed from it without an
+engine. Time is recorded twice: the step index (deterministic) and wall-clock seconds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+
+class Member(NamedTuple):
+    """What one request did in one step. kind: 'prefill', 'decode' or 'idle' (a static batch's
+    finished member still holding its slot). num_tokens: tokens it advanced (0 when idle)."""
+
+    request_id: str
+    kind: str
+    num_tokens: int
+    slot: int | None
+
+
+@dataclass
+class StepRecord:
+    step: int  # counts from 1
+    members: list[Member]
+    waiting: list[str]  # ids in the waiting queue after scheduling (arrived, not running)
+    finished: list[str]  # ids that finished at this step (stop, length, cancelled, error)
+    preempted: list[str]  # ids preempted while scheduling this step
+    pages_used: int  # pages referenced by running requests after the step
+    pages_cached: int  # unreferenced pages kept by the prefix index after the step
+    t_start: float  # wall-clock seconds since the engine started
+    t_end: float
+    arrived: list[str] = field(default_factory=list)  # ids that entered the queue this step
+    sampled: list[str] = field(default_factory=list)  # ids that got a new token this step
+    page_tables: dict[str, list[int]] = field(default_factory=dict)  # running ids -> pages
+    t_forward: float = 0.0  # seconds inside the model forward (the rest is host time)
+    pages_total: int = 0
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(m.num_tokens for m in self.members if m.kind == "prefill")
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(m.num_tokens for m in self.members if m.kind == "decode")
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+    @property
+    def duration(self) -> float:
+        return self.t_end - self.t_start
+
+
+@dataclass
+class RequestRecord:
+    """A finished (or cancelled/failed) request as metrics see it: ids, lengths, timestamps."""
+
+    request_id: str
+    num_prompt_tokens: int
+    num_output_tokens: int
+    finish_reason: str | None
+    arrival_time: float | None
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finish_time: float | None
+    token_times: list[float]
+    arrival_step: int | None
+    first_scheduled_step: int | None
+    first_token_step: int | None
+    finish_step: int | None
+    token_steps: list[int]
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    num_recomputed_tokens: int = 0
+    priority: int = 0

@@ -1,0 +1,52 @@
+"""Tiny random Hugging Face checkpoints for tests: real config.json + model.safetensors written by
+transformers' own classes, a few hundred kilobytes each, no tokenizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+ARCHS = ("llama", "qwen2", "qwen3", "llama3-rope")
+
+
+def make_tiny_checkpoint(path: str | Path, arch: str = "llama", tie: bool = False, seed: int = 0,
+                         vocab: int = 256, hidden: int = 64, layers: int = 2, heads: int = 4,
+                         kv_heads: int = 2, intermediate: int = 128,
+                         max_positions: int = 2048) -> Path:
+    """Write a random checkpoint of `arch` (one of ARCHS) into `path` and return the path.
+
+    Weights are drawn with a larger std than transformers' default so that logits are spread
+    out and greedy decoding does not sit on near-ties."""
+    from transformers import (AutoModelForCausalLM, GenerationConfig, LlamaConfig, Qwen2Config,
+                              Qwen3Config)
+
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+                  num_hidden_layers=layers, num_attention_heads=heads,
+                  num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
+                  tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-6,
+                  initializer_range=0.2)
+    if arch == "llama":
+        config = LlamaConfig(**common, rope_theta=10000.0)
+    elif arch == "llama3-rope":
+        # original context below max_positions, so low, medium and high bands all appear
+        config = LlamaConfig(**common, rope_theta=500000.0, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    elif arch == "qwen2":
+        config = Qwen2Config(**common, rope_theta=1000000.0)
+    elif arch == "qwen3":
+        config = Qwen3Config(**common, head_dim=hidden // heads, rope_theta=1000000.0)
+    else:
+        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # norms and biases start at 1 / 0: randomize them too
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                p.normal_(0.0, 0.1)
+    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2)
+    model.save_pretrained(path)
+    return Path(path)
