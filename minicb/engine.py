@@ -222,6 +222,7 @@ class Engine:
                 req.metrics.first_scheduled_time = t_start
                 req.metrics.first_scheduled_step = self.step_count
         kinds = {r.request_id: ("decode" if not r.is_prefill else "prefill") for r, _ in items}
+        slots = {r.request_id: r.slot for r, _ in items}  # before reclaim frees them
 
         # 2. forward and 3. sample
         t_forward = 0.0
@@ -259,7 +260,8 @@ class Engine:
                 finished.append(req.request_id)
         record = StepRecord(
             step=self.step_count,
-            members=[Member(r.request_id, kinds[r.request_id], n, r.slot) for r, n in items]
+            members=[Member(r.request_id, kinds[r.request_id], n, slots[r.request_id])
+                     for r, n in items]
             + [Member(r.request_id, "idle", 0, r.slot) for r in batch.idle],
             waiting=[r.request_id for r in self.waiting],
             finished=finished + [rid for rid in self._cancelled_since_last_step],

@@ -7,15 +7,20 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+# Tiny models gain nothing from threads, and on a shared 2-core machine two spinning threads
+# per process made steps 10x slower. Notebooks run in their own kernels and keep the default.
+torch.set_num_threads(int(os.environ.get("MINICB_TEST_THREADS", "1")))
 
 sys.path.insert(0, str(Path(__file__).parent))  # so tests can `import tiny_models`
 
 from tiny_models import make_tiny_checkpoint  # noqa: E402
-
 
 # --- model checkpoints -------------------------------------------------------------------------
 
@@ -54,3 +59,26 @@ def smollm2_dir() -> Path:
     """The bundled SmolLM2-135M-Instruct as a float32 HF checkpoint (converted on first use)."""
     from minicb.model.loader import ensure_bundled
     return ensure_bundled("smollm2-135m")
+
+
+# --- engines -----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_llama_dir):
+    """A loaded `(model, info)` pair of the tiny Llama, shared by every engine test."""
+    from minicb.model.loader import load_model
+    return load_model(str(tiny_llama_dir))
+
+
+@pytest.fixture
+def make_engine(tiny_model):
+    """Factory: `make_engine(policy="pd", **config)` -> Engine on the tiny Llama with invariant
+    checks on (every engine test runs them)."""
+    from minicb import Engine
+
+    def make(policy: str = "pd", **options):
+        options.setdefault("check_invariants", True)
+        options.setdefault("num_pages", 256)
+        return Engine(tiny_model, policy=policy, **options)
+
+    return make

@@ -1,0 +1,99 @@
+"""The page pool and prefix index (chapter 01): allocation, ref counts, LRU eviction, no leaks."""
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minicb.kv_cache import PagePool, prompt_page_hashes
+
+
+def test_allocate_and_release_balance():
+    pool = PagePool(8, 4)
+    a = pool.allocate(3)
+    b = pool.allocate(5)
+    assert sorted(a + b) == list(range(8)) and pool.num_free == 0
+    with pytest.raises(MemoryError):
+        pool.allocate(1)
+    pool.check([a, b])
+    pool.release(a)
+    assert pool.num_free == 3 and pool.num_used == 5
+    pool.check([b])
+    with pytest.raises(ValueError, match="released more often"):
+        pool.release(a)
+
+
+def test_allocation_is_all_or_nothing():
+    pool = PagePool(4, 4)
+    pool.allocate(3)
+    with pytest.raises(MemoryError):
+        pool.allocate(2)
+    assert pool.num_free == 1
+
+
+def test_chained_hash_depends_on_everything_before():
+    a = prompt_page_hashes([1, 2, 3, 4, 5, 6, 7, 8], 4)
+    b = prompt_page_hashes([9, 2, 3, 4, 5, 6, 7, 8], 4)
+    assert len(a) == 2 and a[0] != b[0]
+    assert a[1] != b[1], "same second page after a different first page must hash differently"
+    assert prompt_page_hashes([1, 2, 3], 4) == []
+
+
+def test_prefix_hit_shares_pages_and_is_capped():
+    pool = PagePool(16, 4)
+    prompt = list(range(12))
+    table = pool.allocate(3)
+    pool.register_prompt_pages(prompt, table, 12)
+    # the identical prompt may reuse only 2 of its 3 full pages: one token must be computed
+    assert pool.match_prefix(prompt) == table[:2]
+    assert pool.match_prefix(prompt + [99]) == table
+    assert pool.match_prefix([0, 1, 2, 3, 7, 7, 7, 7, 8]) == table[:1]
+    pool.share(table[:2])
+    assert pool.ref_count[table[0]] == 2
+    pool.check([table, table[:2]])
+
+
+def test_lru_eviction_of_unreferenced_cached_pages():
+    pool = PagePool(5, 2)
+    old = pool.allocate(2)
+    pool.register_prompt_pages([1, 2, 3, 4], old, 4)
+    pool.release(old)
+    assert pool.num_cached == 2 and pool.num_free == 3 and pool.num_available == 5
+    newer = pool.allocate(2)
+    pool.register_prompt_pages([5, 6, 7, 8], newer, 4)
+    pool.release(newer)
+    pool.share(pool.match_prefix([1, 2, 3, 4, 0]))  # touch the old prefix: it becomes used
+    pool.release(old)  # ...and unreferenced again, now the most recently used
+    taken = pool.allocate(2)
+    # the free page goes first, then the least recently used cached page: newer's last page
+    assert taken == [4, newer[1]]
+    assert pool.match_prefix([5, 6, 7, 8, 0]) == newer[:1]
+    assert pool.match_prefix([1, 2, 3, 4, 0]) == old
+    pool.check([taken])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["alloc", "release", "register"]),
+                          st.integers(0, 5)), max_size=60), st.integers(0, 2**16))
+def test_random_operations_never_leak(ops, seed):
+    rng = random.Random(seed)
+    pool = PagePool(12, 2)
+    tables: list[list[int]] = []
+    for op, n in ops:
+        if op == "alloc" and n <= pool.num_available:
+            tokens = [rng.randrange(3) for _ in range(2 * (n + 1))]
+            hit = pool.match_prefix(tokens)
+            evictable = sum(1 for p in hit if pool.ref_count[p] == 0)
+            if n <= pool.num_available - evictable:
+                pool.share(hit)
+                table = hit + pool.allocate(n)
+                pool.register_prompt_pages(tokens, table, 2 * len(table))
+                tables.append(table)
+        elif op == "release" and tables:
+            pool.release(tables.pop(rng.randrange(len(tables))))
+        pool.check(tables)
+    for table in tables:
+        pool.release(table)
+    pool.check([])
+    assert pool.num_used == 0 and pool.num_free + pool.num_cached == 12

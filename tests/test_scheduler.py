@@ -1,0 +1,213 @@
+"""The batching policies (chapters 02-05) on the real engine loop: the chapter's own examples,
+and invariants over random workloads for every policy."""
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from minicb import SamplingParams
+from minicb.config import POLICIES
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def r1_r4(make_engine, policy):
+    """R1, R2, R3 need 30, 200, 80 tokens; R4 arrives at step 31; three slots."""
+    engine = make_engine(policy, max_num_seqs=3, max_num_batched_tokens=64, chunk_size=64)
+    for rid, n in (("R1", 30), ("R2", 200), ("R3", 80)):
+        engine.add_request([5 + len(rid), 7, 9, 11], SamplingParams(max_tokens=n, **GREEDY),
+                           request_id=rid)
+    engine.add_request([4, 8, 15, 16], SamplingParams(max_tokens=20, **GREEDY),
+                       request_id="R4", arrival_step=31)
+    engine.run()
+    return engine
+
+
+def members_at(engine, step):
+    return {m.request_id: m for m in engine.trace[step - 1].members}
+
+
+@pytest.mark.parametrize("policy", ["continuous", "pd"])
+def test_r4_takes_r1_slot_at_step_31(make_engine, policy):
+    engine = r1_r4(make_engine, policy)
+    r1 = engine.requests["R1"].metrics
+    assert r1.finish_step == 30, "R1's 30 tokens come from steps 1..30"
+    at31 = members_at(engine, 31)
+    assert set(at31) == {"R2", "R3", "R4"}
+    assert at31["R4"].slot == members_at(engine, 30)["R1"].slot == 0
+    assert at31["R4"].kind == "prefill" and at31["R2"].kind == "decode"
+    assert engine.requests["R3"].metrics.finish_step == 80
+    assert engine.requests["R2"].metrics.finish_step == 200, "R2 runs on untouched"
+    assert all(m.kind != "idle" for rec in engine.trace for m in rec.members)
+
+
+def test_chunked_r4_prefill_pauses_the_decodes(make_engine):
+    engine = r1_r4(make_engine, "chunked")
+    at31 = members_at(engine, 31)
+    assert set(at31) == {"R4"} and at31["R4"].slot == 0, "prefill-first: decodes wait a step"
+    assert engine.requests["R2"].metrics.finish_step == 201
+
+
+def test_static_r4_waits_for_r2(make_engine):
+    engine = r1_r4(make_engine, "static")
+    assert engine.requests["R2"].metrics.finish_step == 200
+    assert engine.requests["R4"].metrics.first_scheduled_step == 201
+    # R1's slot sits idle from step 31 to 200: the chapter's dead slot, counted
+    idle_r1 = [rec.step for rec in engine.trace
+               for m in rec.members if m.request_id == "R1" and m.kind == "idle"]
+    assert idle_r1 == list(range(31, 201))
+    assert all({m.request_id for m in engine.trace[s].members} == {"R1", "R2", "R3"}
+               for s in range(200))
+
+
+def test_dynamic_waits_for_a_full_batch_or_the_timeout(make_engine):
+    engine = make_engine("dynamic", max_num_seqs=3, batch_timeout=5)
+    p = SamplingParams(max_tokens=3, **GREEDY)
+    engine.add_request([1, 2, 3], p, request_id="a")
+    engine.add_request([4, 5, 6], p, request_id="b", arrival_step=2)
+    engine.run()
+    assert engine.requests["a"].metrics.first_scheduled_step == 6, "timeout of 5 steps"
+    assert engine.requests["b"].metrics.first_scheduled_step == 6
+    engine = make_engine("dynamic", max_num_seqs=2, batch_timeout=50)
+    engine.add_request([1, 2, 3], p, request_id="a")
+    engine.add_request([4, 5, 6], p, request_id="b", arrival_step=3)
+    engine.run()
+    assert engine.requests["a"].metrics.first_scheduled_step == 3, "full batch at step 3"
+
+
+def long_prefill(make_engine, policy, long_len=300):
+    engine = make_engine(policy, max_num_seqs=4, max_num_batched_tokens=64, chunk_size=32,
+                         num_pages=128)
+    for i in range(3):
+        engine.add_request([10 + i] * 8, SamplingParams(max_tokens=40, **GREEDY),
+                           request_id=f"short{i}")
+    engine.add_request([i % 250 + 3 for i in range(long_len)], SamplingParams(max_tokens=4, **GREEDY),
+                       request_id="long", arrival_step=5)
+    engine.run()
+    window = [rec for rec in engine.trace if 5 <= rec.step
+              and rec.step <= engine.requests["long"].metrics.first_token_step]
+    dec_at_p = sum(m.num_tokens for rec in window for m in rec.members
+                   if m.kind == "decode" and m.request_id != "long")
+    return engine, window, dec_at_p
+
+
+def test_pd_keeps_decodes_going_during_a_long_prefill(make_engine):
+    engine, window, dec_at_p = long_prefill(make_engine, "pd")
+    assert len(window) >= 300 // 64
+    assert dec_at_p > 0
+    for rec in window:  # decode first, then one chunk with what is left of the budget
+        assert rec.num_tokens <= 64
+        assert {m.request_id for m in rec.members if m.kind == "decode"} == \
+            {r for r in ("short0", "short1", "short2")
+             if engine.requests[r].metrics.finish_step >= rec.step}
+
+
+def test_chunked_prefill_first_starves_decodes(make_engine):
+    engine, window, dec_at_p = long_prefill(make_engine, "chunked")
+    assert dec_at_p == 0, "the chapter's problem two: no decode token during the prefill window"
+    assert all(m.num_tokens <= 32 for rec in window for m in rec.members)
+
+
+def test_continuous_runs_a_long_prompt_in_one_step(make_engine):
+    engine, window, _ = long_prefill(make_engine, "continuous")
+    step = engine.requests["long"].metrics.first_scheduled_step
+    assert members_at(engine, step)["long"].num_tokens == 300, "problem one: one huge step"
+
+
+def test_min_chunk_defers_a_small_chunk(make_engine):
+    engine = make_engine("pd", max_num_seqs=4, max_num_batched_tokens=8, chunk_size=8,
+                         min_chunk=6)
+    for i in range(3):  # three decodes leave 8 - 3 = 5 tokens of budget: less than min_chunk
+        engine.add_request([3 + i, 4], SamplingParams(max_tokens=10 + i, **GREEDY))
+    engine.add_request([9] * 20, SamplingParams(max_tokens=2, **GREEDY), request_id="long",
+                       arrival_step=3)
+    engine.run()
+    assert engine.requests["long"].metrics.first_scheduled_step == 11, \
+        "deferred until a decode finished and 6 tokens of budget were free"
+    for rec in engine.trace:
+        for m in rec.members:
+            final = engine.requests[m.request_id].metrics.first_token_step == rec.step
+            if m.kind == "prefill" and not final:
+                assert m.num_tokens >= 6, f"step {rec.step}: chunk of {m.num_tokens} < min_chunk"
+
+
+def test_preemption_when_pages_run_out_recomputes_and_matches(make_engine):
+    prompts = [[(7 * i + j) % 200 + 3 for j in range(20)] for i in range(6)]
+    p = SamplingParams(max_tokens=40, **GREEDY)
+    small = make_engine("continuous", num_pages=12, page_size=8, max_num_seqs=6,
+                        enable_prefix_caching=True)
+    ids = [small.add_request(x, p) for x in prompts]
+    small.run()
+    assert sum(r.num_preemptions for r in small.requests.values()) > 0
+    assert sum(len(rec.preempted) for rec in small.trace) > 0
+    assert sum(r.num_recomputed_tokens for r in small.requests.values()) > 0
+    ref = make_engine("single")
+    ref_ids = [ref.add_request(x, p) for x in prompts]
+    ref.run()
+    assert [small.requests[i].output_token_ids for i in ids] == \
+        [ref.requests[i].output_token_ids for i in ref_ids]
+    assert small.pool.num_used == 0
+
+
+def test_priority_preemption_picks_the_least_important(make_engine):
+    engine = make_engine("continuous", num_pages=10, page_size=8, max_num_seqs=4,
+                         preemption="priority", enable_prefix_caching=False)
+    p = SamplingParams(max_tokens=30, **GREEDY)
+    engine.add_request([3] * 14, p, request_id="vip", priority=0)
+    engine.add_request([4] * 14, p, request_id="low", priority=5)
+    engine.add_request([5] * 14, p, request_id="mid", priority=1)
+    engine.run()
+    assert engine.requests["low"].num_preemptions >= 1
+    assert engine.requests["vip"].num_preemptions == 0
+
+
+# --- invariants over random workloads -------------------------------------------------------
+
+workloads = st.lists(st.tuples(st.integers(1, 40), st.integers(1, 12), st.integers(1, 12)),
+                     min_size=1, max_size=7)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
+@given(workload=workloads, seed=st.integers(0, 1000), num_pages=st.sampled_from([14, 64]))
+def test_every_policy_returns_single_tokens(make_engine, tiny_model, policy, workload, seed,
+                                           num_pages):
+    """Batching never changes results, steps respect every limit, nothing leaks."""
+    rng = random.Random(seed)
+    cfg = dict(max_num_seqs=3, max_num_batched_tokens=16, chunk_size=8, page_size=4,
+               num_pages=num_pages)
+    engine = make_engine(policy, **cfg)
+    reference = make_engine("single", page_size=4, num_pages=64)
+    jobs = []
+    for prompt_len, max_tokens, arrival in workload:
+        prompt = [rng.randrange(3, 250) for _ in range(prompt_len)]
+        if rng.random() < 0.3 and jobs:  # share a prefix with an earlier prompt
+            prompt = jobs[-1][0][:prompt_len] + prompt[len(jobs[-1][0][:prompt_len]):]
+        jobs.append((prompt, SamplingParams(max_tokens=max_tokens, **GREEDY), arrival))
+    ids = [engine.add_request(p, sp, arrival_step=a) for p, sp, a in jobs]
+    ref_ids = [reference.add_request(p, sp) for p, sp, _ in jobs]
+    engine.run()
+    reference.run()
+    for i, r in zip(ids, ref_ids):
+        assert engine.requests[i].output_token_ids == reference.requests[r].output_token_ids
+        assert engine.requests[i].finish_reason in ("stop", "length")
+    for rec in engine.trace:
+        assert len(rec.members) <= cfg["max_num_seqs"]
+        for m in rec.members:
+            assert m.kind != "decode" or m.num_tokens == 1
+        if policy in ("pd", "chunked"):
+            assert rec.num_tokens <= cfg["max_num_batched_tokens"]
+            assert all(m.num_tokens <= cfg["chunk_size"] for m in rec.members
+                       if m.kind == "prefill")
+    if policy == "static":
+        batches: dict[int, set] = {}
+        for rec in engine.trace:  # membership (active + idle) never changes inside a batch
+            if rec.members:
+                key = min(engine.requests[m.request_id].metrics.first_scheduled_step
+                          for m in rec.members)
+                batches.setdefault(key, {m.request_id for m in rec.members})
+                assert {m.request_id for m in rec.members} <= batches[key]
+    engine.pool.check([])
+    assert engine.pool.num_used == 0
