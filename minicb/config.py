@@ -37,7 +37,8 @@ class EngineConfig:
     def validate(self) -> None:
         """Raise ValueError naming the first bad field and what is allowed."""
         if not isinstance(self.policy, str) and not hasattr(self.policy, "schedule"):
-            raise ValueError(f"policy must be one of {POLICIES} or a Scheduler, got {self.policy!r}")
+            raise ValueError(f"policy must be one of {POLICIES} or a Scheduler, "
+                             f"got {self.policy!r}")
         if isinstance(self.policy, str) and self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         for name in ("page_size", "num_pages", "max_num_seqs", "max_num_batched_tokens",

@@ -23,6 +23,8 @@ from minicb.sampler import make_generator, sample
 from minicb.scheduler import ScheduledBatch, Scheduler, SchedulerContext, make_scheduler
 from minicb.trace import Member, RequestRecord, StepRecord
 
+WHOLE_PROMPT_POLICIES = ("single", "static", "dynamic", "continuous")
+
 
 class InvariantError(AssertionError):
     """An engine invariant broke: the message names the step, the request and the rule."""
@@ -46,15 +48,17 @@ class Engine:
                  clock=None, **options) -> None:
         """`model`: a bundled name, a checkpoint directory, or a `(model, info)` pair already
         loaded. `clock`: a callable returning seconds (the simulated executor passes its own)."""
-        if config is not None and options:
+        if config is not None and set(options) - {"policy"}:
             raise ValueError("pass either an EngineConfig or keyword options, not both")
-        policy = options.pop("policy", None)
+        if config is not None and "policy" in options:
+            config = EngineConfig.from_kwargs(**{**config.__dict__,
+                                                 "policy": options.pop("policy")})
+        # policy: a name, or the learner's own Scheduler instance
         self.config = config or EngineConfig.from_kwargs(**options)
-        if policy is not None:
-            self.config.policy = policy if isinstance(policy, str) else self.config.policy
-            self.config.validate()
-        self.scheduler: Scheduler = make_scheduler(policy if policy is not None
-                                                   else self.config.policy)
+        self.scheduler: Scheduler = make_scheduler(self.config.policy)
+        # whole-prompt policies may exceed the token budget with one long prompt (problem one);
+        # every other scheduler, a learner's included, must stay within it
+        self.enforce_budget = self.scheduler.name not in WHOLE_PROMPT_POLICIES
         device = self.config.device
         dtype = {"auto": torch.float32 if device == "cpu" else torch.bfloat16,
                  "float32": torch.float32, "bfloat16": torch.bfloat16,
@@ -377,7 +381,7 @@ class Engine:
         if len(batch.items) + len(batch.idle) > cfg.max_num_seqs:
             raise SchedulerError(f"step {self.step_count}: {len(batch.items)} members exceed "
                                  f"max_num_seqs={cfg.max_num_seqs}")
-        if cfg.policy in ("pd", "chunked") and batch.num_tokens > cfg.max_num_batched_tokens:
+        if self.enforce_budget and batch.num_tokens > cfg.max_num_batched_tokens:
             raise SchedulerError(f"step {self.step_count}: {batch.num_tokens} tokens exceed "
                                  f"max_num_batched_tokens={cfg.max_num_batched_tokens}")
 
@@ -413,16 +417,14 @@ class Engine:
             return
         cfg = self.config
         for m in record.members:
-            req = self.requests[m.request_id]
             if m.kind == "decode" and m.num_tokens != 1:
                 raise InvariantError(f"step {step}: request {m.request_id!r}: decode advanced "
                                      f"{m.num_tokens} tokens, not 1")
-            if cfg.policy in ("chunked", "pd") and m.kind == "prefill" \
+            if self.enforce_budget and m.kind == "prefill" \
                     and m.num_tokens > cfg.chunk_size:
                 raise InvariantError(f"step {step}: request {m.request_id!r}: chunk of "
                                      f"{m.num_tokens} tokens exceeds chunk_size={cfg.chunk_size}")
-            del req
-        if cfg.policy == "pd":
+        if self.scheduler.name == "pd":
             scheduled = {m.request_id for m in record.members}
             skipped = [r.request_id for r in self.running if r.request_id not in scheduled
                        and not r.is_prefill and r.metrics.first_token_step is not None

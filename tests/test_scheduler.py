@@ -83,8 +83,8 @@ def long_prefill(make_engine, policy, long_len=300):
     for i in range(3):
         engine.add_request([10 + i] * 8, SamplingParams(max_tokens=40, **GREEDY),
                            request_id=f"short{i}")
-    engine.add_request([i % 250 + 3 for i in range(long_len)], SamplingParams(max_tokens=4, **GREEDY),
-                       request_id="long", arrival_step=5)
+    engine.add_request([i % 250 + 3 for i in range(long_len)],
+                       SamplingParams(max_tokens=4, **GREEDY), request_id="long", arrival_step=5)
     engine.run()
     window = [rec for rec in engine.trace if 5 <= rec.step
               and rec.step <= engine.requests["long"].metrics.first_token_step]

@@ -1,0 +1,246 @@
+"""The public API (chapter 00-01): LLM/Engine, sampling, prefix reuse, cancellation, streaming,
+faults contained, and bad input refused with a clear message and nothing left allocated."""
+
+import pytest
+
+from minicb import LLM, Engine, EngineConfig, SamplingParams, Scheduler
+from minicb.engine import InvariantError, SchedulerError
+from minicb.scheduler import PDScheduler
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture
+def llm(tiny_model):
+    return LLM(tiny_model, policy="pd", num_pages=64, check_invariants=True)
+
+
+def assert_clean(engine):
+    engine.pool.check([r.page_table for r in engine.running])
+    assert engine.pool.num_used == sum(len(set(r.page_table)) for r in engine.running) or \
+        engine.running
+
+
+def test_generate_returns_outputs_in_prompt_order(llm):
+    outs = llm.generate([[5, 6, 7], [8, 9, 10, 11, 12]], GREEDY, use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == [[5, 6, 7], [8, 9, 10, 11, 12]]
+    assert all(len(o.token_ids) == 12 and o.finish_reason == "length" for o in outs)
+    assert outs[0].text is None, "no tokenizer, no text"
+    m = outs[0].metrics
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finish_time
+    assert len(m.token_times) == 12 and m.token_steps == sorted(m.token_steps)
+    assert llm.engine.stats()["pages_used"] == 0
+
+
+def test_params_per_prompt_and_eos(tiny_model):
+    llm = LLM(tiny_model, policy="continuous", num_pages=64)
+    eos = llm.engine.info.eos_token_ids[0]
+    first = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].token_ids
+    stop_at = first[3]
+    outs = llm.generate([[5, 6, 7], [5, 6, 7]],
+                        [SamplingParams(max_tokens=12, temperature=0, stop_token_ids=(stop_at,)),
+                         SamplingParams(max_tokens=2, temperature=0)], use_tqdm=False)
+    assert outs[0].token_ids == first[:first.index(stop_at) + 1]
+    assert outs[0].finish_reason == "stop"
+    assert outs[1].finish_reason in ("length", "stop") and len(outs[1].token_ids) <= 2
+    if eos in first:  # when the model emits EOS, generation ends there unless ignore_eos
+        plain = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=12, temperature=0),
+                             use_tqdm=False)[0]
+        assert plain.token_ids[-1] == eos and plain.finish_reason == "stop"
+
+
+def test_sampler_topk1_is_greedy_and_seeds_repeat(llm):
+    prompt = [[3, 1, 4, 1, 5, 9, 2, 6]]
+    greedy = llm.generate(prompt, GREEDY, use_tqdm=False)[0].token_ids
+    topk1 = llm.generate(prompt, SamplingParams(max_tokens=12, temperature=0.8, top_k=1,
+                                                ignore_eos=True), use_tqdm=False)[0].token_ids
+    assert topk1 == greedy
+
+    def sampled(seed, **kw):
+        p = SamplingParams(max_tokens=12, temperature=1.5, seed=seed, ignore_eos=True, **kw)
+        return llm.generate(prompt, p, use_tqdm=False)[0].token_ids
+
+    assert sampled(1) == sampled(1)
+    assert sampled(1) != sampled(2)
+    assert sampled(3, top_p=0.5) == sampled(3, top_p=0.5)
+    # a seeded request gives the same tokens alone or batched with others
+    alone = sampled(7)
+    p = SamplingParams(max_tokens=12, temperature=1.5, seed=7, ignore_eos=True)
+    batched = llm.generate(prompt + [[8, 8, 8], [9, 9]], [p, GREEDY, GREEDY], use_tqdm=False)
+    assert batched[0].token_ids == alone
+
+
+def test_top_p_keeps_only_the_nucleus():
+    import torch
+
+    from minicb.sampler import filter_logits
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    kept = torch.isfinite(filter_logits(logits, 0, 0.7))
+    assert kept.tolist() == [[True, True, False, False]]
+    kept = torch.isfinite(filter_logits(logits, 3, 1.0))
+    assert kept.tolist() == [[True, True, True, False]]
+
+
+def test_prefix_reuse_counts_pages_and_keeps_tokens(tiny_model):
+    system = list(range(3, 3 + 40))  # 40 shared tokens = 2 full pages of 16 (+ 8)
+    a, b = system + [100, 101, 102], system + [200, 201]
+    with_cache = LLM(tiny_model, policy="single", num_pages=64, check_invariants=True)
+    no_cache = LLM(tiny_model, policy="single", num_pages=64, enable_prefix_caching=False)
+    out_a, out_b = with_cache.generate([a, b], GREEDY, use_tqdm=False)
+    assert out_a.num_cached_tokens == 0 and out_b.num_cached_tokens == 32
+    first_b = next(rec for rec in with_cache.engine.trace if rec.members
+                   and rec.members[0].request_id == out_b.request_id)
+    assert first_b.members[0].num_tokens == len(b) - 32, "only the rest is computed"
+    ref_a, ref_b = no_cache.generate([a, b], GREEDY, use_tqdm=False)
+    assert (out_a.token_ids, out_b.token_ids) == (ref_a.token_ids, ref_b.token_ids)
+    assert ref_b.num_cached_tokens == 0
+    # a full hit never covers the whole prompt: the same prompt again still computes a token
+    again = with_cache.generate([system[:32]], GREEDY, use_tqdm=False)[0]
+    assert again.num_cached_tokens == 16
+    assert with_cache.engine.stats()["pages_cached"] > 0
+
+
+def test_cancel_waiting_and_running_frees_pages(make_engine):
+    engine = make_engine("continuous", max_num_seqs=1)
+    running = engine.add_request([5] * 20, GREEDY)
+    waiting = engine.add_request([6] * 20, GREEDY)
+    engine.step()
+    assert engine.pool.num_used > 0
+    engine.cancel(running)
+    engine.cancel(waiting)
+    assert engine.pool.num_used == 0 and not engine.has_unfinished()
+    assert engine.requests[running].finish_reason == "cancelled"
+    engine.cancel(running)  # cancelling a finished request is a no-op
+    with pytest.raises(ValueError, match="unknown request_id"):
+        engine.cancel("nope")
+    rid = engine.add_request([7, 8], GREEDY)  # still serving
+    assert engine.run()[0].request_id == rid
+
+
+def test_stream_yields_every_token_once(llm):
+    ref = llm.generate([[5, 6, 7], [1, 2]], GREEDY, use_tqdm=False)
+    got: dict[str, list[int]] = {}
+    for rid, new, delta in llm.stream([[5, 6, 7], [1, 2]], GREEDY):
+        assert delta == "" and len(new) == 1
+        got.setdefault(rid, []).extend(new)
+    assert sorted(got.values()) == sorted(o.token_ids for o in ref)
+    # a consumer that stops early cancels the rest
+    stream = llm.stream([[5, 6, 7]], GREEDY)
+    next(stream)
+    stream.close()
+    assert not llm.engine.has_unfinished() and llm.engine.pool.num_used == 0
+
+
+def test_a_failing_forward_fails_only_that_step(make_engine):
+    engine = make_engine("continuous")
+    a = engine.add_request([5, 6], GREEDY)
+    engine.step()
+    b = engine.add_request([7, 8], GREEDY, arrival_step=engine.step_count + 2)
+
+    def boom(items):
+        if any(r.request_id == a for r, _ in items):
+            raise RuntimeError("injected fault")
+
+    engine._failure_hook = boom
+    engine.step()
+    assert engine.requests[a].finish_reason == "error"
+    assert "injected fault" in engine.requests[a].error
+    assert engine.pool.num_used == 0
+    engine.run()
+    assert engine.requests[b].finish_reason == "length"
+
+
+class OverBudget(Scheduler):
+    name = "learner"
+
+    def schedule(self, ctx):
+        for req in list(ctx.waiting):
+            n = ctx.admit(req, req.num_tokens)
+            if n:
+                ctx.schedule(req, n)
+        return ctx.batch
+
+
+class Unreserved(Scheduler):
+    def schedule(self, ctx):
+        for req in list(ctx.waiting):
+            if ctx.admit(req, 1):
+                ctx.schedule(req, req.num_remaining)  # more tokens than its pages hold
+        return ctx.batch
+
+
+def test_a_learner_scheduler_runs_and_bad_batches_are_refused(tiny_model):
+    class MyPD(PDScheduler):
+        name = "my-pd"
+
+    engine = Engine(tiny_model, policy=MyPD(), num_pages=64, check_invariants=True)
+    engine.add_request([1, 2, 3], GREEDY)
+    assert engine.run()[0].finish_reason == "length"
+    engine = Engine(tiny_model, policy=OverBudget(), max_num_batched_tokens=8, num_pages=64)
+    engine.add_request([1] * 20, GREEDY)
+    with pytest.raises(SchedulerError, match="exceed max_num_batched_tokens=8"):
+        engine.step()
+    engine = Engine(tiny_model, policy=Unreserved(), num_pages=64)
+    engine.add_request([1] * 40, GREEDY)
+    with pytest.raises(SchedulerError, match="need more pages"):
+        engine.step()
+
+
+def test_invariant_checker_names_the_broken_rule(make_engine):
+    engine = make_engine("pd")
+    engine.add_request([1, 2, 3], GREEDY, request_id="x")
+    engine.step()
+    engine.pool.ref_count[engine.requests["x"].page_table[0]] += 1  # plant a bug
+    with pytest.raises(InvariantError, match="step 1: page pool: page .* ref count 2"):
+        engine.check_invariants()
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(max_tokens=0), "max_tokens"), (dict(temperature=-1), "temperature"),
+    (dict(top_p=0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_k=-1), "top_k"),
+    (dict(seed="x"), "seed"), (dict(min_tokens=99), "min_tokens"),
+])
+def test_bad_sampling_params(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(page_size=12), "power of two"), (dict(num_pages=0), "num_pages"),
+    (dict(max_num_seqs=0), "max_num_seqs"), (dict(policy="fifo"), "policy"),
+    (dict(max_num_batched_tokens=4, max_num_seqs=8), "max_num_batched_tokens"),
+    (dict(chunk_size=-1), "chunk_size"), (dict(attention_backend="cuda"), "attention_backend"),
+])
+def test_bad_engine_config(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(**kwargs)
+
+
+def test_bad_requests_are_refused_before_any_work(tiny_model):
+    llm = LLM(tiny_model, num_pages=8, page_size=16)
+    engine = llm.engine
+    cases = [
+        (lambda: llm.generate([[]], GREEDY), "empty"),
+        (lambda: llm.generate(["hello"], GREEDY), "no tokenizer"),
+        (lambda: llm.generate([[1, 2], [3]], [GREEDY]), "one per prompt"),
+        (lambda: llm.generate([[1, 2], [99999]], GREEDY), r"token ids must be in \[0, 256\)"),
+        (lambda: llm.generate([[1] * 100], SamplingParams(max_tokens=100)), "page pool"),
+        (lambda: llm.generate([[1] * 10], SamplingParams(max_tokens=4000)), "context"),
+        (lambda: engine.add_request([1], GREEDY, arrival_step=0), "arrival_step"),
+        (lambda: llm.chat([{"role": "user", "content": "hi"}]), "chat template"),
+        (lambda: Engine(tiny_model, bogus=1), "unknown engine option"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ValueError, match=message):
+            call()
+        assert not engine.has_unfinished() and engine.pool.num_used == 0
+    engine.add_request([1], GREEDY, request_id="dup")
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request([2], GREEDY, request_id="dup")
+
+
+def test_bad_model_names(tmp_path):
+    with pytest.raises(ValueError, match="bundled"):
+        LLM("no-such-model")
+    with pytest.raises(ValueError, match="config.json"):
+        LLM(str(tmp_path))
