@@ -1,0 +1,217 @@
+"""The prepared GPU check (chapter 07), run by `bench/gpu_check.sh` on a CUDA machine:
+
+1. tests/test_triton.py on the GPU (compiled kernels, MINICB_TEST_DEVICE=cuda);
+2. the decode attention kernel at batch 64 with 2k-token contexts in bfloat16, timed against the
+   copy bandwidth measured on the same GPU (target: at least half of it), plus a small sweep of
+   tile shapes so the defaults in triton_ops can be set from data;
+3. `python -m minicb bench --workload mixed-chat --policy pd --compare hf`, if that command exists.
+
+It writes bench/gpu-results-<date>.md. Without a CUDA device it says so and measures nothing.
+`--cpu-smoke` runs the same flow at toy sizes in Triton's interpreter, to check this script
+itself on a machine without a GPU (it writes its table to a temporary directory)."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SPEC = dict(batch=64, context=2048, num_heads=32, num_kv_heads=8, head_dim=128, page_size=16)
+SMOKE = dict(batch=2, context=40, num_heads=4, num_kv_heads=1, head_dim=16, page_size=16)
+SWEEP = [(16, 4, 2), (32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 3)]
+
+
+def timed(fn, device: str, iters: int) -> float:
+    """Median seconds per call of fn() after a warm-up (CUDA events on the GPU)."""
+    import torch
+    fn()
+    times = []
+    for _ in range(iters):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def copy_bandwidth(device: str, nbytes: int) -> float:
+    """Bytes per second of a device-to-device tensor copy, counting the read and the write."""
+    import torch
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / timed(lambda: dst.copy_(src), device, 20)
+
+
+def run_tests(device: str, timeout: int) -> str:
+    env = dict(os.environ, MINICB_TEST_DEVICE=device)
+    if device == "cuda":
+        env.pop("TRITON_INTERPRET", None)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_triton.py"]
+    try:
+        res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return f"timed out after {timeout} s"
+    lines = [ln for ln in res.stdout.strip().splitlines() if ln.strip()]
+    print(res.stdout[-3000:], res.stderr[-2000:], sep="\n")
+    return lines[-1].strip("= ") if lines else f"pytest exit {res.returncode}, no output"
+
+
+def decode_case(spec: dict, device: str, dtype):
+    """Caches, queries and step metadata for `batch` decode rows over `context`-token contexts,
+    the pages of every request scattered over the pool."""
+    import torch
+
+    from minicb.attention import build_metadata
+    b, ctx, ps = spec["batch"], spec["context"], spec["page_size"]
+    per_req = -(-ctx // ps)
+    pages = list(range(b * per_req))
+    random.Random(0).shuffle(pages)
+    tables = [pages[i * per_req:(i + 1) * per_req] for i in range(b)]
+    shape = (b * per_req, ps, spec["num_kv_heads"], spec["head_dim"])
+    k_cache = torch.randn(shape, device=device).to(dtype)
+    v_cache = torch.randn(shape, device=device).to(dtype)
+    q = torch.randn(b, spec["num_heads"], spec["head_dim"], device=device).to(dtype)
+    meta = build_metadata(tables, [ctx - 1] * b, [1] * b, ps, device=device)
+    return q, k_cache, v_cache, meta
+
+
+def time_decode(spec: dict, device: str, iters: int) -> dict:
+    import torch
+
+    from minicb.attention import torch_ref
+    from minicb.attention import triton_ops as tops
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    q, k_cache, v_cache, meta = decode_case(spec, device, dtype)
+    scale = spec["head_dim"] ** -0.5
+    kv_bytes = 2 * spec["batch"] * spec["context"] * spec["num_kv_heads"] * spec["head_dim"]
+    moved = kv_bytes * k_cache.element_size() + 2 * q.numel() * q.element_size()
+    ref = torch_ref.attend(q, k_cache, v_cache, meta, scale).float()
+    defaults = (tops.BLOCK_N, tops.NUM_WARPS, tops.NUM_STAGES)
+    rows = []
+    for block_n, warps, stages in [defaults] + [c for c in SWEEP if c != defaults]:
+        tops.BLOCK_N, tops.NUM_WARPS, tops.NUM_STAGES = block_n, warps, stages
+        try:
+            out = tops.attend(q, k_cache, v_cache, meta, scale)
+            err = (out.float() - ref).abs().max().item()
+            sec = timed(lambda: tops.attend(q, k_cache, v_cache, meta, scale), device, iters)
+            rows.append(dict(config=(block_n, warps, stages), sec=sec, err=err))
+        except Exception as exc:  # a tile shape that does not fit this GPU: report it, go on
+            rows.append(dict(config=(block_n, warps, stages), sec=float("nan"), err=repr(exc)))
+        if device == "cpu":
+            break  # the interpreter's timing says nothing; one config proves the path works
+    tops.BLOCK_N, tops.NUM_WARPS, tops.NUM_STAGES = defaults
+    ref_sec = timed(lambda: torch_ref.attend(q, k_cache, v_cache, meta, scale), device, iters)
+    return dict(rows=rows, moved=moved, ref_sec=ref_sec)
+
+
+def run_bench(device: str, timeout: int) -> str | None:
+    """Output of the engine benchmark, or None when `python -m minicb bench` does not exist."""
+    cmd = [sys.executable, "-m", "minicb", "bench"]
+    try:
+        helped = subprocess.run(cmd + ["--help"], cwd=ROOT, capture_output=True, text=True,
+                                timeout=60)
+    except subprocess.TimeoutExpired:
+        return None
+    if helped.returncode != 0:
+        return None
+    cmd += ["--workload", "mixed-chat", "--policy", "pd", "--compare", "hf"]
+    if "--device" in helped.stdout:
+        cmd += ["--device", device]
+    try:
+        res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        return f"$ {' '.join(cmd[1:])}\ntimed out after {timeout} s\n{(exc.stdout or '')[-2000:]}"
+    return f"$ {' '.join(cmd[1:])}  (exit {res.returncode})\n{(res.stdout + res.stderr)[-4000:]}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cpu-smoke", action="store_true",
+                        help="toy sizes in the Triton interpreter, to test this script")
+    parser.add_argument("--skip-tests", action="store_true")
+    parser.add_argument("--skip-bench", action="store_true")
+    args = parser.parse_args(argv)
+    if args.cpu_smoke:
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton_ops is imported
+    else:
+        os.environ.pop("TRITON_INTERPRET", None)
+    sys.path.insert(0, str(ROOT))
+    import torch
+    if not args.cpu_smoke and not torch.cuda.is_available():
+        print("no CUDA device: nothing measured")
+        return 0
+    try:
+        import triton
+    except ImportError as exc:
+        print(f"triton cannot be imported ({exc}): nothing measured")
+        return 0
+    device, spec = ("cpu", SMOKE) if args.cpu_smoke else ("cuda", SPEC)
+    t_start = time.perf_counter()
+    gpu = torch.cuda.get_device_name() if device == "cuda" else "CPU (interpreter smoke run)"
+    print(f"device: {gpu}; torch {torch.__version__}, triton {triton.__version__}")
+
+    tests = "skipped" if args.skip_tests else run_tests(device, timeout=150)
+    print(f"kernel tests: {tests}")
+    bw = copy_bandwidth(device, (1 << 30) if device == "cuda" else (1 << 24))
+    dec = time_decode(spec, device, iters=50 if device == "cuda" else 1)
+    bench_out = None if args.skip_bench else run_bench(device, timeout=200)
+
+    date = datetime.date.today().isoformat()
+    best = min((r for r in dec["rows"] if r["sec"] == r["sec"]), key=lambda r: r["sec"],
+               default=None)
+    default = dec["rows"][0]
+    shape = (f"batch {spec['batch']}, context {spec['context']}, {spec['num_heads']} q / "
+             f"{spec['num_kv_heads']} kv heads, head_dim {spec['head_dim']}, page "
+             f"{spec['page_size']}, {'bf16' if device == 'cuda' else 'fp32'}")
+    lines = [f"# GPU check, {date}", "", f"{gpu}; torch {torch.__version__}, "
+             f"triton {triton.__version__}. Made by `bench/gpu_check.sh`.", "",
+             "| what | figure |", "|---|---|",
+             f"| kernel tests on the GPU (tests/test_triton.py) | {tests} |",
+             f"| copy bandwidth (torch copy, read + write) | {bw / 1e9:.0f} GB/s |"]
+    for label, row in (("default tiles", default), ("best tiles", best)):
+        if row is None or row["sec"] != row["sec"]:
+            lines.append(f"| decode attention, {label} | failed: {row and row['err']} |")
+            continue
+        rate = dec["moved"] / row["sec"]
+        lines.append(f"| decode attention, {label} {row['config']} | {row['sec'] * 1e6:.0f} µs, "
+                     f"{rate / 1e9:.0f} GB/s = **{rate / bw:.0%}** of copy bandwidth "
+                     f"(target ≥ 50%) |")
+    lines.append(f"| decode attention, torch reference | {dec['ref_sec'] * 1e6:.0f} µs |")
+    lines += ["", f"Decode shape: {shape}; K/V read once = {dec['moved'] / 1e6:.0f} MB per call.",
+              "Tiles are (BLOCK_N, num_warps, num_stages); max |error| vs the torch reference:",
+              "", "| tiles | µs | GB/s | max abs err |", "|---|---|---|---|"]
+    for r in dec["rows"]:
+        if r["sec"] != r["sec"]:  # NaN: this tile shape failed
+            lines.append(f"| {r['config']} | failed | | {r['err']} |")
+        else:
+            lines.append(f"| {r['config']} | {r['sec'] * 1e6:.0f} | "
+                         f"{dec['moved'] / r['sec'] / 1e9:.0f} | {r['err']:.2e} |")
+    lines += ["", "## Engine benchmark (target: pd ≥ 2× Hugging Face generate_batch)", ""]
+    lines += (["`python -m minicb bench` does not exist yet: not run."] if bench_out is None
+              else ["```", bench_out.strip(), "```"])
+    lines += ["", f"Whole check: {time.perf_counter() - t_start:.0f} s."]
+    folder = Path(tempfile.mkdtemp()) if args.cpu_smoke else ROOT / "bench"
+    path = folder / f"gpu-results-{date}.md"
+    path.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,225 @@
+"""The Triton attention backend (chapter 07): the same `store_kv` and `attend` as the torch
+reference, as two GPU kernels over the paged KV cache.
+
+- `_store_kv_kernel` writes the step's new K and V rows into their pages through the slot
+  mapping (a slot < 0 is skipped, so padded batches, e.g. for CUDA graphs, can use -1).
+- `_paged_attention_kernel` is one online-softmax (flash-attention style) loop over a member's
+  pages. A program owns one kv head and a tile of BLOCK_M rows: BLOCK_Q queries of one member
+  times the GROUP query heads that share that kv head (GQA), so K and V are read once per
+  group. Keys come in blocks of BLOCK_N tokens and each token's page is looked up in the page
+  table (a block may span several small pages: fewer loop trips than one page per trip, and
+  the repeated page-table reads hit the cache), so any page size works, pages may sit in any
+  order and prefix pages shared by several members are just the same page ids in several
+  tables. The loop is split-free: one program walks a whole context, enough parallelism once
+  a batch has a few dozen rows times kv heads. The same kernel runs twice per step:
+  once for the decode rows (one query each, a small tile) and once for the prefill chunks
+  (BLOCK_Q queries per tile, causal over the chunk and every earlier page, a chunk may start
+  mid-page).
+
+Accumulation is in float32 whatever the input dtype (float32, bfloat16, float16); the output
+has the query's dtype. K/V caches must have the query's dtype; new K/V are cast on store.
+
+Running on the CPU: Triton's interpreter executes the kernels with numpy on CPU tensors (it
+works on them in place; CUDA tensors would be copied to the host and back). Triton reads
+`TRITON_INTERPRET` when a function is *decorated*, and its own `tl.max` / `tl.sum` are decorated
+when `triton` is first imported, so the variable must be set before anything in the process
+imports `triton` (e.g. `TRITON_INTERPRET=1 pytest ...`, or `os.environ` at the very top of a
+script); setting it later leaves kernels that fail with "Cannot call @triton.jit'd outside of
+the scope of a kernel". This module sets nothing itself; without the interpreter the kernels
+need CUDA tensors, and calling them with CPU tensors raises a RuntimeError saying so.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from minicb.attention import AttentionMetadata
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_tokens,
+                     stride_kt, stride_kh, stride_vt, stride_vh,
+                     stride_kcs, stride_kch, stride_vcs, stride_vch,
+                     HEAD_DIM: tl.constexpr, NUM_COLS: tl.constexpr,
+                     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Copy BLOCK_T tokens' K and V rows (all kv heads, flattened to NUM_COLS columns) to their
+    cache slots."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    col = tl.arange(0, BLOCK_C)
+    head, d = col // HEAD_DIM, col % HEAD_DIM
+    slot = tl.load(slot_ptr + t, mask=t < num_tokens, other=-1).to(tl.int64)
+    ok = (slot >= 0)[:, None] & (col < NUM_COLS)[None, :]
+    k = tl.load(k_ptr + t[:, None] * stride_kt + (head * stride_kh + d)[None, :], mask=ok)
+    v = tl.load(v_ptr + t[:, None] * stride_vt + (head * stride_vh + d)[None, :], mask=ok)
+    tl.store(k_cache_ptr + slot[:, None] * stride_kcs + (head * stride_kch + d)[None, :], k,
+             mask=ok)
+    tl.store(v_cache_ptr + slot[:, None] * stride_vcs + (head * stride_vch + d)[None, :], v,
+             mask=ok)
+
+
+@triton.jit
+def _paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+                            qsl_ptr, ctx_ptr, page_table_ptr, work_ptr, scale_log2,
+                            stride_qt, stride_qh, stride_ot, stride_oh,
+                            stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                            stride_pt,
+                            HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                            GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                            DECODE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    kv_head = tl.program_id(1)
+    if DECODE:  # one program per decode member: its single query is row block 0
+        member = tl.program_id(0)
+        q_off = 0
+    else:  # the host listed (member, first query of the tile) for every prefill tile
+        member = tl.load(work_ptr + 2 * tl.program_id(0))
+        q_off = tl.load(work_ptr + 2 * tl.program_id(0) + 1)
+    q_start = tl.load(qsl_ptr + member)
+    q_len = tl.load(qsl_ptr + member + 1) - q_start
+    ctx = tl.load(ctx_ptr + member)
+
+    # row r of the tile is query q_off + r // GROUP, query head kv_head * GROUP + r % GROUP
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = q_off + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = (rows < BLOCK_Q * GROUP) & (q_idx < q_len)
+    q_pos = ctx - q_len + q_idx  # absolute position: the query sees keys 0..q_pos
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    q = tl.load(q_ptr + (q_start + q_idx)[:, None] * stride_qt + (head * stride_qh)[:, None]
+                + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    # a finite start for the running max keeps rows with no visible key (tile padding) NaN-free
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    # keys after the tile's last query are invisible to every row: stop the loop there
+    kv_end = ctx - q_len + tl.minimum(q_off + BLOCK_Q, q_len)
+    for start in range(0, kv_end, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_ok = n < kv_end
+        page = tl.load(page_table_ptr + member * stride_pt + n // PAGE_SIZE, mask=n_ok, other=0)
+        page = page.to(tl.int64)  # page * stride overflows int32 in a large pool
+        k_off = page * stride_kp + (n % PAGE_SIZE) * stride_ks + kv_head * stride_kh
+        v_off = page * stride_vp + (n % PAGE_SIZE) * stride_vs + kv_head * stride_vh
+        # masked loads matter: slots past the context may hold anything, NaN included
+        k = tl.load(k_cache_ptr + k_off[None, :] + d[:, None],
+                    mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
+        s = tl.where((n[None, :] <= q_pos[:, None]) & n_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + v_off[:, None] + d[None, :],
+                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # a row that saw no key (tile padding, or a padded decode row with context 0) gives 0
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + (q_start + q_idx)[:, None] * stride_ot + (head * stride_oh)[:, None]
+             + d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+def _interpreted() -> bool:
+    """True when these kernels and Triton's own helpers (tl.max) both run in the interpreter."""
+    return all(type(f).__name__ == "InterpretedFunction" for f in (_paged_attention_kernel, tl.max))
+
+
+def _check_device(t: torch.Tensor) -> None:
+    if t.device.type == "cpu" and not _interpreted():
+        raise RuntimeError("Triton kernels need CUDA tensors; on the CPU set TRITON_INTERPRET=1 "
+                           "in the environment before triton is first imported")
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             meta: AttentionMetadata) -> None:
+    """Write k, v [T, num_kv_heads, head_dim] into the caches at `meta.slot_mapping`."""
+    num_tokens = k.shape[0]
+    if num_tokens == 0:
+        return
+    _check_device(k)
+    k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    kc = k_cache.view(-1, num_kv_heads, head_dim)  # slot-major view, as in the reference
+    vc = v_cache.view(-1, num_kv_heads, head_dim)
+    cols = num_kv_heads * head_dim
+    block_c = triton.next_power_of_2(cols)
+    block_t = max(1, min(64, 8192 // block_c))  # a tile of a few thousand elements
+    grid = (triton.cdiv(num_tokens, block_t),)
+    _store_kv_kernel[grid](k, v, kc, vc, meta.slot_mapping, num_tokens,
+                           k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                           kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1),
+                           HEAD_DIM=head_dim, NUM_COLS=cols, BLOCK_T=block_t, BLOCK_C=block_c)
+
+
+# Tile shapes. tl.dot needs every side >= 16 on GPUs, so a decode tile is padded to 16 rows
+# (GROUP query heads of one query fill part of it: wasted compute, but decode is bound by
+# reading K/V, not by arithmetic). Prefill tiles hold 64 rows. `gpu_check.py` may override these.
+DECODE_BLOCK_M, PREFILL_BLOCK_M, BLOCK_N = 16, 64, 64
+NUM_WARPS, NUM_STAGES = 4, 2
+
+
+def _prefill_work(meta: AttentionMetadata, block_q: int, device: torch.device) -> torch.Tensor:
+    """(member, first query) of every prefill tile, flattened; built on the host from the
+    query lengths once per step and shared by all layers."""
+    key = ("triton_prefill_work", block_q)
+    if key not in meta.cache:
+        work = [x for b in range(meta.num_decodes, meta.num_members)
+                for off in range(0, meta.query_lens[b], block_q) for x in (b, off)]
+        meta.cache[key] = torch.tensor(work, dtype=torch.int32).to(device, non_blocking=True)
+    return meta.cache[key]
+
+
+def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+           meta: AttentionMetadata, scale: float, out: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    """Paged attention for the whole mixed batch: q [T, num_heads, head_dim] -> same shape.
+    `out`, if given, is written in place (tests pass a NaN-filled one to see every row set)."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[-2]
+    group = num_heads // num_kv_heads
+    if out is None:
+        out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    if num_tokens == 0:
+        return out
+    _check_device(q)
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise TypeError(f"KV cache dtype {k_cache.dtype} must match the query's {q.dtype}")
+    q = _last_dim_contiguous(q)
+    # float32 stays exact (no TF32) so the kernel matches the reference; 16-bit inputs use the
+    # tensor cores natively and ignore this
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    common = dict(
+        HEAD_DIM=head_dim, PAGE_SIZE=meta.page_size, GROUP=group, BLOCK_N=BLOCK_N,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), DOT_PRECISION=precision)
+    if q.device.type == "cuda":
+        common.update(num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    args = [q, k_cache, v_cache, out, meta.query_start_loc, meta.context_lens, meta.page_tables]
+    strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+               k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+               v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+               meta.page_tables.stride(0))
+    scale_log2 = scale * LOG2E
+    if meta.num_decodes:
+        block_m = max(DECODE_BLOCK_M, triton.next_power_of_2(group))
+        _paged_attention_kernel[(meta.num_decodes, num_kv_heads)](
+            *args, meta.query_start_loc, scale_log2, *strides,  # work list unused for decode
+            BLOCK_Q=block_m // group, BLOCK_M=block_m, DECODE=True, **common)
+    if meta.num_decodes < meta.num_members:
+        block_m = max(PREFILL_BLOCK_M, triton.next_power_of_2(group))
+        block_q = block_m // group
+        work = _prefill_work(meta, block_q, q.device)
+        _paged_attention_kernel[(work.numel() // 2, num_kv_heads)](
+            *args, work, scale_log2, *strides,
+            BLOCK_Q=block_q, BLOCK_M=block_m, DECODE=False, **common)
+    return out

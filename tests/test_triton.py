@@ -1,0 +1,191 @@
+"""The Triton kernels (chapter 07) against the torch reference, on fresh random paged caches.
+
+On the CPU the kernels run in Triton's interpreter: TRITON_INTERPRET=1 must be set before
+`triton` is first imported, which this module does itself unless something imported triton
+earlier (then it skips, saying so; `make test` sets the variable for the whole run).
+`MINICB_TEST_DEVICE=cuda` runs the same tests on a GPU with compiled kernels (bench/gpu_check.sh
+does that).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+DEVICE = os.environ.get("MINICB_TEST_DEVICE", "cpu")
+if DEVICE == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+elif not torch.cuda.is_available():
+    pytest.skip(f"MINICB_TEST_DEVICE={DEVICE} but torch sees no CUDA device",
+                allow_module_level=True)
+
+try:
+    import triton  # noqa: F401
+except ImportError as exc:  # the triton extra is optional
+    pytest.skip(f"triton cannot be imported ({exc}); pip install triton to run the kernel tests",
+                allow_module_level=True)
+
+from minicb.attention import build_metadata, torch_ref  # noqa: E402
+from minicb.attention import triton_ops as tops  # noqa: E402
+
+if DEVICE == "cpu" and not tops._interpreted():
+    pytest.skip("triton was imported before TRITON_INTERPRET=1 was set, so its kernels cannot run "
+                "on the CPU: run pytest with TRITON_INTERPRET=1 in the environment",
+                allow_module_level=True)
+
+pytestmark = pytest.mark.triton
+HEAD_DIM, NUM_KV_HEADS = 16, 2
+
+
+def make_case(members, page_size, group, shared_pages=0, sharers=(0, 1), seed=0,
+              dtype=torch.float32, head_dim=HEAD_DIM):
+    """Random caches and a step for `members`, a list of (num_computed, num_new).
+
+    Pages are handed out in a shuffled order, the two members `sharers` start with the same
+    `shared_pages` pages (a prefix-cache hit), and every slot that holds no token is NaN."""
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    need = [-(-(c + n) // page_size) for c, n in members]
+    num_pages = sum(need) + 3  # a few pages nobody owns
+    order = list(range(num_pages))
+    rng.shuffle(order)
+    shared, free = order[:shared_pages], order[shared_pages:]
+    tables = []
+    for b, pages in enumerate(need):
+        own = shared_pages if b in sharers else 0
+        tables.append(shared[:own] + [free.pop() for _ in range(pages - own)])
+    shape = (num_pages, page_size, NUM_KV_HEADS, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype)
+    for table, (computed, _) in zip(tables, members):
+        for pos in range(computed):  # what earlier steps stored
+            page, off = table[pos // page_size], pos % page_size
+            k_cache[page, off] = torch.randn(NUM_KV_HEADS, head_dim, generator=gen)
+            v_cache[page, off] = torch.randn(NUM_KV_HEADS, head_dim, generator=gen)
+    meta = build_metadata(tables, [c for c, _ in members], [n for _, n in members], page_size)
+    tokens = sum(n for _, n in members)
+    heads = NUM_KV_HEADS * group
+    # q, k, v as views of one fused projection output, as the model hands them over
+    kv_cols = NUM_KV_HEADS * head_dim
+    qkv = torch.randn(tokens, heads * head_dim + 2 * kv_cols, generator=gen).to(DEVICE, dtype)
+    q, k, v = qkv.split([heads * head_dim, kv_cols, kv_cols], -1)
+    return (q.view(tokens, heads, head_dim), k.view(tokens, -1, head_dim),
+            v.view(tokens, -1, head_dim), k_cache.to(DEVICE), v_cache.to(DEVICE), meta.to(DEVICE))
+
+
+def ragged_decodes(rng, n, page_size):
+    return [(rng.randrange(0, 5 * page_size), 1) for _ in range(n)]
+
+
+def batch(kind: str, page_size: int, seed: int):
+    """(members, shared prefix pages, the two members sharing them) for a batch kind. Lengths
+    are in units of the page size so both page sizes get the same shapes of problem: chunks
+    after a two-page prefix-cache hit, a fresh prompt, a chunk that starts mid-page."""
+    rng = random.Random(seed)
+    p = page_size
+    prefill = [(2 * p, p + 5), (2 * p, 7), (0, 2 * p + 3), (p + 5, p - 2)]
+    if kind == "decode":
+        return [(2 * p + 3, 1), (2 * p + 9, 1)] + ragged_decodes(rng, 4, p), 2, (0, 1)
+    if kind == "prefill":
+        return prefill, 2, (0, 1)
+    # a decode row and a prefill chunk on the same prefix pages
+    return [(2 * p + 4, 1)] + ragged_decodes(rng, 3, p) + prefill, 2, (0, 4)
+
+
+def assert_close(actual, expected):
+    torch.testing.assert_close(actual.cpu(), expected.cpu(), rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("kind", ["decode", "prefill", "mixed"])
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("page_size", [16, 32])
+def test_store_and_attend_match_reference(kind, group, page_size):
+    members, shared, sharers = batch(kind, page_size, seed=page_size + group)
+    q, k, v, k_cache, v_cache, meta = make_case(members, page_size, group, shared, sharers,
+                                                seed=group)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    torch_ref.store_kv(k, v, ref_k, ref_v, meta)
+    tops.store_kv(k, v, k_cache, v_cache, meta)
+    # bit-identical, and slots nobody wrote are still NaN
+    torch.testing.assert_close(k_cache, ref_k, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(v_cache, ref_v, rtol=0, atol=0, equal_nan=True)
+
+    scale = HEAD_DIM ** -0.5
+    # the reference reads padding slots (times zero), so give it a NaN-free copy of the cache;
+    # the kernel gets the poisoned one and must never touch a slot past a member's context
+    expected = torch_ref.attend(q, ref_k.nan_to_num(), ref_v.nan_to_num(), meta, scale)
+    out = torch.full_like(expected, float("nan"))
+    tops.attend(q, k_cache, v_cache, meta, scale, out=out)
+    assert not out.isnan().any(), "some output rows were not written"
+    assert_close(out, expected)
+
+
+def test_non_power_of_two_group_and_head_dim():
+    """Qwen2-0.5B has 7 query heads per kv head; some models have head_dim 80 or 96."""
+    members = [(20, 1), (3, 1), (16, 21)]
+    q, k, v, k_cache, v_cache, meta = make_case(members, 16, 7, seed=3, head_dim=24)
+    tops.store_kv(k, v, k_cache, v_cache, meta)
+    expected = torch_ref.attend(q, k_cache.nan_to_num(), v_cache.nan_to_num(), meta, 0.2)
+    assert_close(tops.attend(q, k_cache, v_cache, meta, 0.2), expected)
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="16-bit tensor-core paths only mean something on GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_accumulates_in_float32(dtype):
+    members = [(40, 1), (70, 1), (16, 40)]
+    q, k, v, k_cache, v_cache, meta = make_case(members, 16, 4, seed=5, dtype=dtype)
+    tops.store_kv(k, v, k_cache, v_cache, meta)
+    expected = torch_ref.attend(q.float(), k_cache.float().nan_to_num(),
+                                v_cache.float().nan_to_num(), meta, HEAD_DIM ** -0.5)
+    out = tops.attend(q, k_cache, v_cache, meta, HEAD_DIM ** -0.5)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float().cpu(), expected.cpu(), rtol=2e-2, atol=2e-2)
+
+
+def test_cpu_tensors_without_interpreter_fail_clearly(monkeypatch):
+    monkeypatch.setattr(tops, "_interpreted", lambda: False)
+    q, k, v, k_cache, v_cache, meta = make_case([(3, 1)], 16, 1)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        tops.attend(q.cpu(), k_cache.cpu(), v_cache.cpu(), meta.to("cpu"), 1.0)
+
+
+def test_store_skips_negative_slots():
+    """A padded batch (CUDA graphs) marks its padding rows with slot -1: nothing is written."""
+    q, k, v, k_cache, v_cache, meta = make_case([(5, 1), (9, 1), (0, 1)], 16, 1)
+    slots = meta.slot_mapping.tolist()
+    meta.slot_mapping[1] = -1
+    tops.store_kv(k, v, k_cache, v_cache, meta)
+    flat = k_cache.view(-1, NUM_KV_HEADS, HEAD_DIM)
+    assert torch.equal(flat[slots[0]], k[0]) and torch.equal(flat[slots[2]], k[2])
+    assert flat[slots[1]].isnan().all()
+
+
+@pytest.mark.parametrize("policy", ["continuous", "pd"])
+def test_engine_tokens_match_torch_backend(tiny_llama_dir, policy):
+    """The whole engine through the kernels: decode rows, prefill chunks and, in the second
+    call, prefix-cache hits on the first call's pages, under greedy sampling."""
+    from minicb import LLM, SamplingParams
+    base = list(range(3, 40))  # a shared prefix longer than two pages
+    first, rest = [base + [50, 51]], [base + [60], list(range(70, 75)), list(range(80, 101))]
+    params = SamplingParams(max_tokens=5, temperature=0.0)
+    kw = dict(policy=policy, page_size=16, num_pages=64, max_num_seqs=4, chunk_size=16,
+              max_num_batched_tokens=24, device=DEVICE, dtype="float32")
+    results = {}
+    for name in ("torch", "triton"):
+        llm = LLM(str(tiny_llama_dir), attention_backend=name, **kw)
+        outs = llm.generate(first, params) + llm.generate(rest, params)
+        assert outs[1].num_cached_tokens >= 32
+        results[name] = [o.token_ids for o in outs]
+    assert results["triton"] == results["torch"]
+
+
+def test_padded_decode_row_with_empty_context_gives_zeros():
+    """A CUDA-graph batch may pad decode rows with context length 0: they must not make NaN."""
+    q, k, v, k_cache, v_cache, meta = make_case([(5, 1), (9, 1)], 16, 4)
+    tops.store_kv(k, v, k_cache, v_cache, meta)
+    meta.context_lens[1] = 0
+    out = tops.attend(q, k_cache, v_cache, meta, 1.0)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
