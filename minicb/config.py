@@ -13,7 +13,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 class EngineConfig:
     policy: str = "pd"
     page_size: int = 16
-    num_pages: int = 2048
+    num_pages: int | None = None  # None: 1024 on the CPU, sized from free memory on CUDA
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 256
     chunk_size: int = 256
@@ -41,7 +41,11 @@ class EngineConfig:
                              f"got {self.policy!r}")
         if isinstance(self.policy, str) and self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
-        for name in ("page_size", "num_pages", "max_num_seqs", "max_num_batched_tokens",
+        if self.num_pages is not None and (not isinstance(self.num_pages, int)
+                                           or isinstance(self.num_pages, bool)
+                                           or self.num_pages < 1):
+            raise ValueError(f"num_pages must be a positive integer, got {self.num_pages!r}")
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens",
                      "chunk_size", "min_chunk"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

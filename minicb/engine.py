@@ -34,6 +34,18 @@ class SchedulerError(ValueError):
     """A scheduler returned a batch the engine refuses to run; the message names the rule."""
 
 
+def default_num_pages(model_config, config: EngineConfig, dtype: torch.dtype) -> int:
+    """1024 pages on the CPU; on CUDA, what `gpu_memory_utilization` of the free memory holds
+    once the weights are loaded (as vLLM sizes its KV cache)."""
+    if not str(config.device).startswith("cuda"):
+        return 1024
+    free, _ = torch.cuda.mem_get_info(torch.device(config.device))
+    per_page = (2 * model_config.num_layers * config.page_size * model_config.num_kv_heads
+                * model_config.head_dim * torch.tensor([], dtype=dtype).element_size())
+    budget = free * config.gpu_memory_utilization - 512 * 2**20  # headroom for activations
+    return max(16, int(budget // per_page))
+
+
 def _load(model, device: str, dtype: torch.dtype):
     from minicb.model.loader import load_model
     if isinstance(model, tuple):
@@ -68,7 +80,8 @@ class Engine:
         self.model.set_attention_backend(self.attention_backend)
         self.tokenizer = self.info.tokenizer
         mc = self.info.config
-        self.pool = PagePool(self.config.num_pages, self.config.page_size, mc.num_layers,
+        num_pages = self.config.num_pages or default_num_pages(mc, self.config, dtype)
+        self.pool = PagePool(num_pages, self.config.page_size, mc.num_layers,
                              mc.num_kv_heads, mc.head_dim, dtype, device,
                              self.config.enable_prefix_caching)
         self.max_model_len = mc.max_position_embeddings
