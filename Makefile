@@ -43,6 +43,10 @@ bench: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/python -m minicb serve --model smollm2-135m --policy pd --port 8000
 
+browser-test: $(STAMP)
+	bash tests/browser/install_chromium.sh
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m browser tests/test_browser.py
+
 exercises: $(STAMP)
 	$(BIN)/python -m minicb.exercises build
 

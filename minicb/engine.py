@@ -96,6 +96,7 @@ class Engine:
         self._sleep = getattr(clock, "sleep", time.sleep)  # a simulated clock jumps instead
         self.t0 = self._now()
         self._cancelled_since_last_step: list[str] = []
+        self._arrived_since_last_step: list[str] = []  # added between steps, arriving at once
         self._ids = itertools.count()
         self._generators: dict[str, torch.Generator | None] = {}
         self._failure_hook = None  # tests inject faults here: callable(batch) raising
@@ -168,6 +169,7 @@ class Engine:
         self.pending.append(req)
         if arrival_step is None and arrival_time is None:
             self._arrive(req)
+            self._arrived_since_last_step.append(request_id)
         return request_id
 
     def _arrive(self, req: Request) -> None:
@@ -225,8 +227,9 @@ class Engine:
         """One iteration: schedule -> forward -> sample -> reclaim. Returns its record."""
         self._skip_idle_time()
         self.step_count += 1
-        t_start = self.clock()
-        arrived = self._admit_arrivals()
+        arrived = self._arrived_since_last_step + self._admit_arrivals()
+        self._arrived_since_last_step = []
+        t_start = self.clock()  # after arrivals: nobody is scheduled before they arrived
 
         # 1. schedule
         ctx = SchedulerContext(self.waiting, self.running, self.pool, self.config,
@@ -286,7 +289,9 @@ class Engine:
             pages_used=self.pool.num_used, pages_cached=self.pool.num_cached,
             t_start=t_start, t_end=self.clock(), arrived=arrived, sampled=sampled,
             page_tables={r.request_id: list(r.page_table) for r in self.running},
-            t_forward=t_forward, pages_total=self.pool.num_pages)
+            t_forward=t_forward, pages_total=self.pool.num_pages,
+            slots={r.request_id: r.slot for r in self.running},
+            cached_pages=list(self.pool.prefix.lru) if self.pool.prefix else [])
         self._cancelled_since_last_step = []
         self.trace.append(record)
         if self.config.check_invariants:
@@ -373,7 +378,7 @@ class Engine:
         cfg = self.config
         seen: set[str] = set()
         for req, n in batch.items:
-            rid = getattr(req, "request_id", repr(req))
+            rid = req.request_id if hasattr(req, "request_id") else repr(req)
             where = f"step {self.step_count}, request {rid!r}"
             if self.requests.get(rid) is not req:
                 raise SchedulerError(f"{where}: unknown request (not added to this engine)")

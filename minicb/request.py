@@ -76,7 +76,7 @@ class RequestMetrics:
     token_steps: list[int] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(eq=False)  # identity: `req in queue` must not compare every field of every request
 class Request:
     """All of one request's state. Tokens to compute = `num_tokens - num_computed_tokens`."""
 

@@ -34,6 +34,8 @@ class StepRecord:
     page_tables: dict[str, list[int]] = field(default_factory=dict)  # running ids -> pages
     t_forward: float = 0.0  # seconds inside the model forward (the rest is host time)
     pages_total: int = 0
+    slots: dict[str, int] = field(default_factory=dict)  # running ids -> slot, after the step
+    cached_pages: list[int] = field(default_factory=list)  # unreferenced, kept for reuse
 
     @property
     def num_prefill_tokens(self) -> int:

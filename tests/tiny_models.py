@@ -18,8 +18,13 @@ def make_tiny_checkpoint(path: str | Path, arch: str = "llama", tie: bool = Fals
 
     Weights are drawn with a larger std than transformers' default so that logits are spread
     out and greedy decoding does not sit on near-ties."""
-    from transformers import (AutoModelForCausalLM, GenerationConfig, LlamaConfig, Qwen2Config,
-                              Qwen3Config)
+    from transformers import (
+        AutoModelForCausalLM,
+        GenerationConfig,
+        LlamaConfig,
+        Qwen2Config,
+        Qwen3Config,
+    )
 
     common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
                   num_hidden_layers=layers, num_attention_heads=heads,

@@ -51,13 +51,15 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     nd = meta.num_decodes
     if nd:
         slots, valid = _decode_gather(meta)
-        keys, values = k_flat[slots], v_flat[slots]  # [B, L, Hkv, D]
-        qd = q[:nd].view(nd, num_kv_heads, group, head_dim)
-        scores = torch.einsum("bhgd,blhd->bhgl", qd, keys) * scale
-        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-        out[:nd] = torch.einsum("bhgl,blhd->bhgd", probs, values).reshape(nd, num_heads, head_dim)
-    qsl = meta.query_start_loc.tolist()
+        keys = k_flat[slots].transpose(1, 2)  # [B, Hkv, L, D]
+        values = v_flat[slots].transpose(1, 2)
+        qd = q[:nd].view(nd, num_kv_heads, group, head_dim)  # a query head group per kv head
+        od = F.scaled_dot_product_attention(qd, keys, values, attn_mask=valid[:, None, None, :],
+                                            scale=scale)
+        out[:nd] = od.reshape(nd, num_heads, head_dim)
+    qsl = [0]
+    for n in meta.query_lens:  # host-side offsets: no device sync per layer
+        qsl.append(qsl[-1] + n)
     for b in range(nd, meta.num_members):
         start, end, ctx = qsl[b], qsl[b + 1], meta.context_lens_list[b]
         slots = _context_slots(meta, b, ctx)

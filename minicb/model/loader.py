@@ -157,7 +157,8 @@ def load_tokenizer(path: Path) -> Any:
     if not any((path / f).is_file() for f in _TOKENIZER_FILES):
         return None
     cls = _read_json(path / "tokenizer_config.json").get("tokenizer_class")
-    if cls in ("TokenizersBackend", "PreTrainedTokenizerFast") and (path / "tokenizer.json").is_file():
+    plain = cls in ("TokenizersBackend", "PreTrainedTokenizerFast")
+    if plain and (path / "tokenizer.json").is_file():
         # a plain tokenizer.json (our converted cache): skip AutoTokenizer, whose config
         # lookup imports most of transformers (about a second)
         from transformers import PreTrainedTokenizerFast

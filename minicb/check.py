@@ -1,0 +1,1087 @@
+"""Checks for the exercise notebooks (chapters 01-06): one function per exercise.
+
+`check.<exercise>(your_function_or_class)` runs your code and minicb's reference side by side
+on edge cases and random inputs. On the first disagreement it raises `CheckFailed` (an
+`AssertionError`) whose message says, in plain words, the input, what was expected and what
+came back, and where it can, which rule was broken. On success it prints one line starting
+with a tick and returns True.
+
+Scheduler exercises run your `Scheduler` for real: `Engine(tiny_model,
+policy=YourScheduler(), check_invariants=True)` on small workloads, compared step by step
+with minicb's own scheduler for the same policy. The engine refuses impossible batches
+(`SchedulerError`) and reports broken books (`InvariantError`); both come back as a
+`CheckFailed` that names the workload and the step.
+
+The references are minicb's own code: `PagePool`, `prompt_page_hashes`, the schedulers in
+`minicb.scheduler`, and `minicb.metrics`. This module depends on the core and nothing in the
+core depends on it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import random
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from minicb import metrics
+from minicb.kv_cache import PagePool, page_hash, prompt_page_hashes
+from minicb.request import SamplingParams
+from minicb.scheduler import POLICY_CLASSES, Scheduler
+from minicb.trace import RequestRecord, StepRecord
+
+
+class CheckFailed(AssertionError):
+    """Your code disagrees with the reference; the message explains the first difference."""
+
+
+def _fail(exercise: str, message: str) -> None:
+    raise CheckFailed(f"[{exercise}] {message}")
+
+
+def _passed(exercise: str, what: str) -> bool:
+    print(f"✓ {exercise}: {what}")
+    return True
+
+
+def _short(value: Any, limit: int = 160) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _hex(h: Any) -> str:
+    return h.hex()[:8] + "…" if isinstance(h, bytes) else repr(h)
+
+
+def _hexes(hashes: Any) -> str:
+    if isinstance(hashes, list):
+        return "[" + ", ".join(_hex(h) for h in hashes) + "]"
+    return _short(hashes)
+
+
+# ============================================================================ a tiny model
+TINY_CONFIG = dict(vocab=256, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128,
+                   max_positions=2048)
+_TINY: dict[int, tuple[Any, Any]] = {}
+_TINY_DIRS: list[tempfile.TemporaryDirectory] = []
+
+
+def tiny_checkpoint(path: str | Path | None = None, seed: int = 0) -> Path:
+    """Write a tiny random Llama checkpoint (config.json + model.safetensors, no tokenizer,
+    vocabulary of 256 token ids) into `path` (a new temporary folder if None) and return it.
+    It loads like any Hugging Face checkpoint: `Engine(str(path))`. About 0.4 MB; its
+    answers are noise, but they are deterministic, which is all a scheduler needs."""
+    from safetensors.torch import save_file
+
+    if path is None:
+        folder = tempfile.TemporaryDirectory(prefix="minicb-tiny-")
+        _TINY_DIRS.append(folder)  # removed when the process exits
+        path = folder.name
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    c = TINY_CONFIG
+    head_dim = c["hidden"] // c["heads"]
+    gen = torch.Generator().manual_seed(seed)
+
+    def normal(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * 0.2
+
+    def norm() -> torch.Tensor:
+        return torch.rand(c["hidden"], generator=gen) + 0.5
+
+    tensors = {"model.embed_tokens.weight": normal(c["vocab"], c["hidden"]),
+               "model.norm.weight": norm(), "lm_head.weight": normal(c["vocab"], c["hidden"])}
+    for i in range(c["layers"]):
+        p = f"model.layers.{i}."
+        tensors.update({
+            p + "self_attn.q_proj.weight": normal(c["heads"] * head_dim, c["hidden"]),
+            p + "self_attn.k_proj.weight": normal(c["kv_heads"] * head_dim, c["hidden"]),
+            p + "self_attn.v_proj.weight": normal(c["kv_heads"] * head_dim, c["hidden"]),
+            p + "self_attn.o_proj.weight": normal(c["hidden"], c["heads"] * head_dim),
+            p + "mlp.gate_proj.weight": normal(c["intermediate"], c["hidden"]),
+            p + "mlp.up_proj.weight": normal(c["intermediate"], c["hidden"]),
+            p + "mlp.down_proj.weight": normal(c["hidden"], c["intermediate"]),
+            p + "input_layernorm.weight": norm(),
+            p + "post_attention_layernorm.weight": norm(),
+        })
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"),
+              metadata={"format": "pt"})
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+              "vocab_size": c["vocab"], "hidden_size": c["hidden"],
+              "intermediate_size": c["intermediate"], "num_hidden_layers": c["layers"],
+              "num_attention_heads": c["heads"], "num_key_value_heads": c["kv_heads"],
+              "max_position_embeddings": c["max_positions"], "hidden_act": "silu",
+              "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False,
+              "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32"}
+    (path / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+    (path / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": 1, "eos_token_id": 2}) + "\n")
+    return path
+
+
+def tiny_model(seed: int = 0) -> tuple[Any, Any]:
+    """The tiny checkpoint loaded once per process as a `(model, info)` pair, which `Engine`
+    accepts in place of a name: `Engine(check.tiny_model(), policy=...)`."""
+    if seed not in _TINY:
+        from minicb.model.loader import load_model
+        _TINY[seed] = load_model(str(tiny_checkpoint(seed=seed)))
+    return _TINY[seed]
+
+
+class _OneThread:
+    """Tiny models gain nothing from threads; on a shared CPU, spinning threads cost 10x."""
+
+    def __enter__(self) -> None:
+        self.before = torch.get_num_threads()
+        torch.set_num_threads(1)
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.set_num_threads(self.before)
+
+
+# ============================================================================ 01 paged KV
+def _num_free(pool: Any) -> int:
+    value = pool.num_free
+    return value() if callable(value) else value
+
+
+def _holders(tables: dict[str, list[int]], page: int) -> list[str]:
+    return [rid for rid, table in tables.items() for p in table if p == page]
+
+
+def page_pool(cls: type) -> bool:
+    """Exercise 1.1: a page pool with a free list and reference counts.
+
+    `cls(num_pages)` must give an object with `ref_count` (a list, one count per page),
+    `num_free`, and `allocate(n) -> list[int]`, `share(pages)`, `release(pages)` behaving like
+    `minicb.kv_cache.PagePool` without a prefix cache: allocate is all-or-nothing (MemoryError
+    and nothing taken if fewer than n pages are free) and hands out pages with ref count 1;
+    share adds one reference per page (ValueError for a free page); release drops one per page
+    and frees a page whose count reaches 0 (ValueError if it was already 0)."""
+    name = "page_pool"
+    for seed in range(40):
+        _page_pool_sequence(cls, seed, name)
+    return _passed(name, "edge cases and 40 random sequences of allocate/share/release agree "
+                         "with minicb's PagePool")
+
+
+def _page_pool_sequence(cls: type, seed: int, name: str) -> None:
+    """One random life of a pool, run on the learner's class and on minicb's PagePool in lock
+    step (the learner's page ids are mapped onto the reference's as they are handed out)."""
+    rng = random.Random(seed)
+    num_pages = [4, 6, 8, 12][seed % 4]
+    mine = cls(num_pages)
+    ref = PagePool(num_pages, 1, enable_prefix_caching=False)
+    to_ref: dict[int, int] = {}  # learner page id -> reference page id
+    tables: dict[str, list[int]] = {}  # request -> the learner's page ids, in order
+    history: list[str] = []
+    counter = iter(range(10_000))
+
+    def where() -> str:
+        recent = "\n    ".join(history[-6:])
+        return (f"pool of {num_pages} pages (random sequence {seed}); the last operations:"
+                f"\n    {recent}\n  ")
+
+    def verify() -> None:
+        counts = list(mine.ref_count)
+        if len(counts) != num_pages:
+            _fail(name, f"{where()}ref_count has {len(counts)} entries, expected one per page "
+                        f"({num_pages}).")
+        for p in range(num_pages):
+            who = _holders(tables, p)
+            want = ref.ref_count[to_ref[p]] if who else 0
+            if counts[p] != want:
+                held = f"held by {', '.join(map(repr, who))}" if who else "held by no request"
+                verdict = ("a reference was forgotten: each page table that holds a page "
+                           "counts once" if counts[p] < want else
+                           "a reference was not dropped (or was counted twice)")
+                _fail(name, f"{where()}page {p} is {held}, so its ref count should be {want} "
+                            f"(as in minicb's PagePool), but yours is {counts[p]}: {verdict}.")
+        if _num_free(mine) != ref.num_free:
+            _fail(name, f"{where()}num_free should be {ref.num_free} (the pages with ref count "
+                        f"0) but yours is {_num_free(mine)}.")
+        free_list = getattr(mine, "free", None)
+        if free_list is not None and not callable(free_list):
+            for p in list(free_list):
+                if isinstance(p, int) and _holders(tables, p):
+                    _fail(name, f"{where()}page {p} is on your free list but "
+                                f"{', '.join(map(repr, _holders(tables, p)))} still holds it "
+                                f"(its ref count should be {ref.ref_count[to_ref[p]]}).")
+
+    def allocate(n: int, purpose: str) -> list[int] | None:
+        should_fail = n > ref.num_free
+        try:
+            got = mine.allocate(n)
+        except MemoryError:
+            history.append(f"allocate({n}) {purpose} -> MemoryError")
+            if not should_fail:
+                _fail(name, f"{where()}allocate({n}) with {ref.num_free} free pages must "
+                            f"succeed, but yours raised MemoryError.")
+            verify()
+            return None
+        history.append(f"allocate({n}) {purpose} -> {_short(got)}")
+        if should_fail:
+            _fail(name, f"{where()}allocate({n}) with only {ref.num_free} free pages must raise "
+                        f"MemoryError and take nothing (all or nothing), but yours returned "
+                        f"{_short(got)}.")
+        got = list(got)
+        if len(got) != n or len(set(got)) != n:
+            _fail(name, f"{where()}allocate({n}) must return {n} different pages; yours "
+                        f"returned {_short(got)}.")
+        for p in got:
+            if not isinstance(p, int) or not 0 <= p < num_pages:
+                _fail(name, f"{where()}allocate({n}) returned {p!r}, not a page id in "
+                            f"0..{num_pages - 1}.")
+            if _holders(tables, p):
+                _fail(name, f"{where()}allocate({n}) handed out page {p}, which "
+                            f"{', '.join(map(repr, _holders(tables, p)))} still holds: only "
+                            f"pages with ref count 0 may be allocated.")
+        for p, q in zip(got, ref.allocate(n)):
+            to_ref[p] = q
+        return got
+
+    def expect_value_error(call: Callable[[], Any], text: str, rule: str) -> None:
+        try:
+            call()
+        except ValueError:
+            history.append(f"{text} -> ValueError")
+            return
+        history.append(text)
+        _fail(name, f"{where()}{text} must raise ValueError ({rule}), but yours did not.")
+
+    def release(rid: str) -> None:
+        pages = tables.pop(rid)
+        history.append(f"release({pages}) as request {rid!r} finished")
+        mine.release(pages)
+        ref.release([to_ref[p] for p in pages])
+        verify()
+
+    # edge cases first
+    got = allocate(0, "(nothing)")
+    if got != []:
+        _fail(name, f"{where()}allocate(0) must return [], yours returned {_short(got)}.")
+    verify()
+    expect_value_error(lambda: mine.release([0]), "release([0]) of a free page",
+                       "a page cannot be released more often than it was taken")
+    verify()
+    expect_value_error(lambda: mine.share([0]), "share([0]) of a free page",
+                       "only a page that some request holds can be shared")
+    verify()
+    for _ in range(60):
+        op = rng.random()
+        live = list(tables)
+        if op < 0.35 or not live:  # a new request
+            rid = f"r{next(counter)}"
+            n = rng.randint(1, 4) if rng.random() < 0.85 else num_pages + 1
+            got = allocate(n, f"for new request {rid!r}")
+            if got is not None:
+                tables[rid] = got
+        elif op < 0.55:  # a prefix hit: a new request shares an existing one's first pages
+            donor = rng.choice(live)
+            if not tables[donor]:
+                continue
+            k = rng.randint(1, len(tables[donor]))
+            pages = tables[donor][:k]
+            rid = f"r{next(counter)}"
+            history.append(f"share({pages}) for new request {rid!r} (a prefix hit on "
+                           f"the first {k} page{'s' if k > 1 else ''} of request {donor!r})")
+            mine.share(pages)
+            ref.share([to_ref[p] for p in pages])
+            tables[rid] = list(pages)
+        elif op < 0.75:  # a request grows by one page
+            rid = rng.choice(live)
+            got = allocate(1, f"to grow request {rid!r}")
+            if got is not None:
+                tables[rid].extend(got)
+        else:  # a request finishes
+            release(rng.choice(live))
+            continue
+        verify()
+    for rid in list(tables):  # finally everyone finishes: the pool must be whole again
+        release(rid)
+    if any(mine.ref_count):
+        _fail(name, f"{where()}every request finished, yet pages "
+                    f"{[p for p in range(num_pages) if mine.ref_count[p]]} still have "
+                    f"references: they leaked.")
+
+
+def _prompts(rng: random.Random, n: int, page_size: int) -> list[list[int]]:
+    """Prompts that share leading pages with one another, as chat requests behind a common
+    system prompt do."""
+    base = [rng.randrange(3, 250) for _ in range(page_size * 4)]
+    out = []
+    for _ in range(n):
+        keep = rng.randint(0, len(base))
+        tail = [rng.randrange(3, 250) for _ in range(rng.randint(0, page_size * 3))]
+        prompt = base[:keep] + tail
+        out.append(prompt or [rng.randrange(3, 250)])
+    return out
+
+
+def prefix_hashes(fn: Callable[[list[int], int], list[bytes]]) -> bool:
+    """Exercise 1.2: `fn(token_ids, page_size)` returns the chained hash of every full page,
+    `page_hash(previous, page_tokens)` with previous None for the first page, like
+    `minicb.kv_cache.prompt_page_hashes`."""
+    name = "prefix_hashes"
+    rng = random.Random(12)
+    cases: list[tuple[list[int], int]] = [
+        ([], 4), ([7, 8, 9], 4), ([7, 8, 9, 10], 4), ([7, 8, 9, 10, 11], 4),
+        (list(range(10, 22)), 4), (list(range(10, 20)), 4), ([5, 6, 7], 1),
+        ([9, 9, 9, 9, 9, 9, 9, 9], 4),
+    ]
+    for _ in range(40):
+        page_size = rng.choice([1, 2, 4, 8, 16])
+        cases.extend((p, page_size) for p in _prompts(rng, 1, page_size))
+    for tokens, page_size in cases:
+        want = prompt_page_hashes(tokens, page_size)
+        got = fn(list(tokens), page_size)
+        if got == want:
+            continue
+        shown = f"token_ids={_short(tokens, 90)}, page_size={page_size}"
+        full = len(tokens) // page_size
+        if not isinstance(got, list):
+            _fail(name, f"fn({shown}) must return a list of bytes, yours returned "
+                        f"{type(got).__name__}: {_short(got)}.")
+        if len(got) != len(want):
+            why = ""
+            if len(got) == math.ceil(len(tokens) / page_size):
+                why = (f" The last {len(tokens) % page_size} tokens are a partial page: only "
+                       "full pages get a hash, because only full pages can be shared.")
+            elif len(got) < len(want):
+                why = " A page that is exactly full counts too."
+            _fail(name, f"fn({shown}) returned {len(got)} hashes; expected {full} ("
+                        f"{len(tokens)} tokens fill {full} page{'s' if full != 1 else ''} of "
+                        f"{page_size}).{why}")
+        unchained = [page_hash(None, tokens[i * page_size:(i + 1) * page_size])
+                     for i in range(full)]
+        first_bad = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+        why = ""
+        if got == unchained:
+            why = (" Your hashes are computed page by page on their own. Each page's hash must "
+                   "also take the previous page's hash (the chain), so that equal hashes mean "
+                   "equal prefixes, not just equal pages.")
+        elif first_bad == 0:
+            why = " The first page has no previous page: page_hash(None, first_page_tokens)."
+        _fail(name, f"fn({shown}): hash of page {first_bad} differs. Expected "
+                    f"{_hexes(want)}, got {_hexes(got)}.{why}")
+    return _passed(name, f"{len(cases)} prompts hash exactly like minicb's prompt_page_hashes")
+
+
+def _reference_match(cached: dict[bytes, int], tokens: list[int], page_size: int) -> list[int]:
+    pool = PagePool(1, page_size)  # bookkeeping only; match_prefix reads the index
+    pool.prefix.page_of = dict(cached)
+    return pool.match_prefix(tokens)
+
+
+def match_prefix(fn: Callable[[dict[bytes, int], list[int], int], list[int]]) -> bool:
+    """Exercise 1.3: `fn(cached, token_ids, page_size)` returns the cached pages of the longest
+    run of leading full pages of `token_ids` whose chained hashes are keys of `cached` (hash ->
+    page id), capped so that at least one prompt token is left to compute, like
+    `PagePool.match_prefix`."""
+    name = "match_prefix"
+    rng = random.Random(13)
+    ps = 4
+    a = list(range(10, 22))  # three full pages
+    ha = prompt_page_hashes(a, ps)
+    cases: list[tuple[str, dict[bytes, int], list[int], int]] = [
+        ("nothing cached", {}, a + [1], ps),
+        ("all three pages cached, one more token", dict(zip(ha, [7, 3, 5])), a + [1], ps),
+        ("the whole prompt (exactly three pages) cached", dict(zip(ha, [7, 3, 5])), a, ps),
+        ("pages 0 and 2 cached but not page 1", {ha[0]: 7, ha[2]: 5}, a + [1], ps),
+        ("only page 1 cached", {ha[1]: 3}, a + [1], ps),
+        ("a prompt shorter than one page", dict(zip(ha, [7, 3, 5])), a[:3], ps),
+        ("a one-page prompt, cached", dict(zip(ha, [7, 3, 5])), a[:4], ps),
+        ("same tokens in page 1, different page 0", dict(zip(ha, [7, 3, 5])),
+         [0, 0, 0, 0] + a[4:] + [1], ps),
+    ]
+    for i in range(60):
+        page_size = rng.choice([1, 2, 4, 8])
+        earlier = _prompts(rng, 4, page_size)
+        cached: dict[bytes, int] = {}
+        for prompt in earlier:
+            for h in prompt_page_hashes(prompt, page_size):
+                cached.setdefault(h, len(cached) * 3 % 97)
+        query = _prompts(rng, 1, page_size)[0] if rng.random() < 0.4 else \
+            list(rng.choice(earlier))[:rng.randint(1, 64)] or [5]
+        cases.append((f"random case {i}", cached, query, page_size))
+    for label, cached, tokens, page_size in cases:
+        want = _reference_match(cached, tokens, page_size)
+        got = fn(dict(cached), list(tokens), page_size)
+        if list(got) == want if isinstance(got, (list, tuple)) else False:
+            continue
+        shown = (f"{label}: token_ids={_short(tokens, 90)} ({len(tokens)} tokens), "
+                 f"page_size={page_size}, {len(cached)} cached pages")
+        usable = (len(tokens) - 1) // page_size
+        why = ""
+        if isinstance(got, (list, tuple)) and len(got) > len(want):
+            if len(got) * page_size >= len(tokens):
+                why = (" Your hit covers the whole prompt, leaving no token to compute; but one "
+                       "token must still run through the model to give the logits of the first "
+                       f"output token. Cap the hit at (len - 1) // page_size = {usable} pages.")
+            else:
+                why = (" A hit is a run of *leading* pages: stop at the first page whose hash "
+                       "is not cached (a later page's hash names a different prefix).")
+        elif isinstance(got, (list, tuple)) and len(got) < len(want):
+            why = " Every leading full page whose chained hash is cached should be reused."
+        _fail(name, f"{shown}: expected pages {want}, got {_short(got)}.{why}")
+    return _passed(name, f"{len(cases)} lookups agree with PagePool.match_prefix")
+
+
+# ============================================================================ 02 static
+def _reference_static_batch(queue: Sequence[tuple[str, int]], max_num_seqs: int,
+                            free_pages: int, page_size: int) -> list[str]:
+    batch = []
+    for rid, prompt_len in queue[:max_num_seqs]:
+        need = -(-prompt_len // page_size)
+        if need > free_pages:
+            break
+        free_pages -= need
+        batch.append(rid)
+    return batch
+
+
+def static_batch(fn: Callable[[list[tuple[str, int]], int, int, int], list[str]]) -> bool:
+    """Exercise 2.1: `fn(queue, max_num_seqs, free_pages, page_size)` forms a static batch:
+    the ids of the requests at the front of `queue` (a list of (request_id, prompt_len)), in
+    order, at most `max_num_seqs`, each taking ceil(prompt_len / page_size) pages, stopping at
+    the first request whose pages do not fit (first come, first served: nobody jumps ahead)."""
+    name = "static_batch"
+    rng = random.Random(21)
+    q = [("r0", 20), ("r1", 40), ("r2", 5), ("r3", 16), ("r4", 33)]
+    cases = [([], 4, 10, 16), (q, 3, 100, 16), (q, 8, 100, 16), (q, 4, 3, 16),
+             (q, 4, 1, 16), (q, 4, 0, 16), (q, 4, 4, 16), ([("r0", 16)], 1, 1, 16),
+             ([("r0", 17)], 1, 1, 16)]
+    for _ in range(150):
+        queue = [(f"r{i}", rng.randint(1, 70)) for i in range(rng.randint(0, 8))]
+        cases.append((queue, rng.randint(1, 6), rng.randint(0, 16), rng.choice([4, 8, 16])))
+    for queue, max_num_seqs, free_pages, page_size in cases:
+        want = _reference_static_batch(queue, max_num_seqs, free_pages, page_size)
+        got = fn(list(queue), max_num_seqs, free_pages, page_size)
+        if isinstance(got, (list, tuple)) and list(got) == want:
+            continue
+        shown = (f"queue={queue}, max_num_seqs={max_num_seqs}, free_pages={free_pages}, "
+                 f"page_size={page_size}")
+        need = {rid: -(-n // page_size) for rid, n in queue}
+        why = ""
+        if isinstance(got, (list, tuple)):
+            got = list(got)
+            pages = sum(need.get(rid, 0) for rid in got)
+            order = [rid for rid, _ in queue]
+            stop = next((rid for rid, _ in queue[len(want):len(want) + 1]), None)
+            if len(got) > max_num_seqs:
+                why = f" Your batch has {len(got)} members; the limit is {max_num_seqs}."
+            elif pages > free_pages:
+                why = f" Your batch needs {pages} pages but only {free_pages} are free."
+            elif stop is not None and stop not in got and any(
+                    order.index(r) > order.index(stop) for r in got if r in order):
+                why = (f" {stop!r} does not fit ({need[stop]} pages needed), so the batch stops "
+                       "there: first come, first served, later requests must not jump ahead.")
+            elif got != sorted(got, key=lambda r: order.index(r) if r in order else -1):
+                why = " Keep the queue's order."
+            elif len(got) < len(want):
+                nxt = want[len(got)]
+                why = (f" {nxt!r} still fits ({need[nxt]} pages needed, "
+                       f"{free_pages - pages} left).")
+        _fail(name, f"{shown}: expected {want}, got {_short(got)}.{why}")
+    return _passed(name, f"{len(cases)} queues form the same batch as minicb's static policy")
+
+
+# ---------------------------------------------------------------- finish steps, from a real run
+GREEDY_EXACT = dict(temperature=0.0, ignore_eos=True)
+
+
+def _engine(policy: Any, **options: Any) -> Any:
+    from minicb.engine import Engine
+
+    options.setdefault("num_pages", 512)
+    options.setdefault("page_size", 16)
+    options.setdefault("check_invariants", True)
+    return Engine(tiny_model(), policy=policy, **options)
+
+
+def _finish_steps_real(policy: str, max_tokens: Sequence[int], arrival_steps: Sequence[int],
+                       max_num_seqs: int) -> list[int]:
+    """Run the real engine on the tiny model and read each request's finish step."""
+    engine = _engine(policy, max_num_seqs=max_num_seqs, max_num_batched_tokens=2048,
+                     chunk_size=2048)
+    for i, (n, a) in enumerate(zip(max_tokens, arrival_steps)):
+        engine.add_request([3 + i % 200, 10, 11, 12], SamplingParams(max_tokens=n,
+                                                                     **GREEDY_EXACT),
+                           request_id=f"R{i + 1}", arrival_step=a)
+    with _OneThread():
+        engine.run()
+    return [engine.requests[f"R{i + 1}"].metrics.finish_step for i in range(len(max_tokens))]
+
+
+def _finish_cases(seed: int) -> list[tuple[list[int], list[int], int]]:
+    rng = random.Random(seed)
+    cases = [([30, 200, 80, 50], [1, 1, 1, 31], 3),  # the chapter's R1..R4
+             ([1], [1], 1), ([5, 1, 3], [1, 1, 1], 1), ([4, 4], [1, 9], 2),
+             ([6, 2, 9, 3, 5], [1, 2, 2, 4, 20], 2)]
+    for _ in range(8):
+        n = rng.randint(2, 7)
+        arrivals = sorted(rng.randint(1, 25) for _ in range(n))
+        cases.append(([rng.randint(1, 18) for _ in range(n)], arrivals, rng.randint(1, 4)))
+    return cases
+
+
+def _check_finish_steps(fn: Callable, policy: str, name: str, rule: str) -> bool:
+    cases = _finish_cases(22 if policy == "static" else 33)
+    for max_tokens, arrivals, max_num_seqs in cases:
+        want = _finish_steps_real(policy, max_tokens, arrivals, max_num_seqs)
+        got = fn(list(max_tokens), list(arrivals), max_num_seqs)
+        if isinstance(got, (list, tuple)) and list(got) == want:
+            continue
+        shown = (f"max_tokens={max_tokens}, arrival_steps={arrivals}, "
+                 f"max_num_seqs={max_num_seqs}")
+        detail = ""
+        if isinstance(got, (list, tuple)) and len(got) == len(want):
+            i = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+            detail = (f" First difference: request {i + 1} (max_tokens={max_tokens[i]}, "
+                      f"arrives at step {arrivals[i]}) finished at step {want[i]} in the real "
+                      f"engine; you said {got[i]}.")
+        _fail(name, f"{shown}: the real engine (policy {policy!r}) finished the requests at "
+                    f"steps {want}; yours says {_short(got)}.{detail} Remember: {rule}")
+    return _passed(name, f"{len(cases)} workloads (the chapter's R1..R4 among them) finish at "
+                         f"the same steps as the real engine under policy {policy!r}")
+
+
+STEP_RULES = ("a request admitted at step s produces its first token at step s (its prefill "
+              "step) and one more token each step after, so with max_tokens=m it finishes at "
+              "step s + m - 1; its slot is free again from the next step.")
+
+
+def static_finish_steps(fn: Callable[[list[int], list[int], int], list[int]]) -> bool:
+    """Exercise 2.2: `fn(max_tokens, arrival_steps, max_num_seqs)` predicts the step at which
+    each request finishes under static batching; checked against the real engine."""
+    return _check_finish_steps(
+        fn, "static", "static_finish_steps",
+        STEP_RULES + " Under static batching a batch forms only when the previous one has "
+        "ended (all its members finished); it takes up to max_num_seqs waiting requests in "
+        "arrival order, and requests arriving later wait for the next batch.")
+
+
+def continuous_finish_steps(fn: Callable[[list[int], list[int], int], list[int]]) -> bool:
+    """Exercise 3.1: `fn(max_tokens, arrival_steps, max_num_seqs)` predicts the step at which
+    each request finishes under continuous batching; checked against the real engine."""
+    return _check_finish_steps(
+        fn, "continuous", "continuous_finish_steps",
+        STEP_RULES + " Under continuous batching every step first reclaims (a request that "
+        "finished at step k left at the end of step k) and then admits waiting requests, in "
+        "arrival order, into the free slots.")
+
+
+# ============================================================================ schedulers, for real
+@dataclass
+class CheckWorkload:
+    """A small scheduler workload: (request_id, prompt_len, max_tokens, arrival_step) rows and
+    the engine options it runs under."""
+
+    name: str
+    about: str
+    requests: list[tuple[str, int, int, int]]
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def prompt(self, index: int, length: int) -> list[int]:
+        """Deterministic token ids (3..249, inside the tiny vocabulary) for request `index`."""
+        rng = random.Random(1000 + index)
+        return [rng.randrange(3, 250) for _ in range(length)]
+
+
+def _describe(members: Sequence[Any]) -> str:
+    shown = [f"{m.request_id} {m.kind}" + (f" {m.num_tokens}" if m.kind == "prefill" else "")
+             for m in members if m.kind != "idle"]
+    tokens = sum(m.num_tokens for m in members)
+    return ("[" + ", ".join(shown) + f"] ({tokens} tokens)") if shown else "nothing"
+
+
+def _make_instance(policy: Any) -> Any:
+    if isinstance(policy, str):
+        return policy
+    if isinstance(policy, type):
+        return policy()
+    try:
+        return type(policy)()
+    except TypeError:
+        return copy.deepcopy(policy)
+
+
+class _Returns(Scheduler):
+    """Wraps a learner's scheduler: same name and slot behaviour, but a `schedule` that
+    returns something other than the context's batch is reported in plain words."""
+
+    def __init__(self, inner: Any, exercise: str) -> None:
+        self.inner = inner
+        self.exercise = exercise
+        self.name = getattr(inner, "name", "learner")
+        self.holds_finished_slots = getattr(inner, "holds_finished_slots", False)
+
+    def schedule(self, ctx: Any) -> Any:
+        out = self.inner.schedule(ctx)
+        if out is not ctx.batch:
+            _fail(self.exercise, f"at step {ctx.step}, schedule(ctx) returned "
+                                 f"{_short(out, 60)}; it must return ctx.batch (the batch that "
+                                 "ctx.schedule(...) fills).")
+        return out
+
+
+@dataclass
+class _Run:
+    trace: list[StepRecord]
+    engine: Any
+    skipped: list[tuple[int, list[str], list[Any]]] = field(default_factory=list)
+
+
+def _run(policy: Any, wl: CheckWorkload, exercise: str, max_steps: int = 2000,
+         learner: bool = True) -> _Run:
+    """Run `wl` in a real engine on the tiny model with `policy`; for a learner's scheduler,
+    turn the engine's refusals into CheckFailed naming the workload and the step, and note
+    every step in which a running decode was left out."""
+    from minicb.engine import InvariantError, SchedulerError
+
+    instance = _make_instance(policy)
+    if learner:
+        instance = _Returns(instance, exercise)
+    options = {"max_num_seqs": 4, "max_num_batched_tokens": 64, "chunk_size": 64, **wl.options}
+    engine = _engine(instance, **options)
+    for i, (rid, prompt_len, max_tokens, arrival) in enumerate(wl.requests):
+        engine.add_request(wl.prompt(i, prompt_len),
+                           SamplingParams(max_tokens=max_tokens, **GREEDY_EXACT),
+                           request_id=rid, arrival_step=arrival)
+    run = _Run(engine.trace, engine)
+    where = f"workload {wl.name!r} ({wl.about})"
+    with _OneThread():
+        while engine.has_unfinished():
+            if len(engine.trace) >= max_steps:
+                waiting = [r.request_id for r in engine.waiting]
+                _fail(exercise, f"{where}: your scheduler had not finished after {max_steps} "
+                                f"steps (minicb's needs far fewer). Still waiting: {waiting}; "
+                                f"running: {[r.request_id for r in engine.running]}. Does "
+                                "schedule() admit waiting requests and advance running ones?")
+            ready = [r.request_id for r in engine.running if not r.is_prefill]
+            try:
+                record = engine.step()
+            except SchedulerError as exc:
+                _fail(exercise, f"{where}: the engine refused the batch your scheduler "
+                                f"returned: {exc}")
+            except InvariantError as exc:
+                if "left running decodes out" not in str(exc):
+                    _fail(exercise, f"{where}: the engine's invariant check failed: {exc}")
+                record = engine.trace[-1]
+            if learner:
+                ran = {m.request_id for m in record.members}
+                left = [rid for rid in ready if rid not in ran and rid not in record.preempted]
+                if left:
+                    run.skipped.append((record.step, left, list(record.members)))
+    return run
+
+
+_REFERENCE: dict[tuple[str, str], list[StepRecord]] = {}
+
+
+def _reference(policy: str, wl: CheckWorkload) -> list[StepRecord]:
+    key = (policy, wl.name)
+    if key not in _REFERENCE:
+        _REFERENCE[key] = _run(POLICY_CLASSES[policy], wl, "reference", learner=False).trace
+    return _REFERENCE[key]
+
+
+def _signature(record: StepRecord) -> list[tuple[str, str, int]]:
+    return sorted((m.request_id, m.kind, m.num_tokens) for m in record.members)
+
+
+def _compare(ref: list[StepRecord], mine: list[StepRecord], wl: CheckWorkload, policy: str,
+             exercise: str, rules: str) -> None:
+    for a, b in zip(ref, mine):
+        if _signature(a) != _signature(b) or a.step != b.step or a.preempted != b.preempted:
+            waiting = f" Waiting after that step (yours): {b.waiting}." if b.waiting else ""
+            extra = ""
+            if a.preempted != b.preempted:
+                extra = f" minicb preempted {a.preempted}; yours preempted {b.preempted}."
+            _fail(exercise, f"workload {wl.name!r} ({wl.about}), step {a.step}: minicb's "
+                            f"{policy} scheduler ran {_describe(a.members)}; yours ran "
+                            f"{_describe(b.members)}.{extra}{waiting} {rules}")
+    if len(ref) != len(mine):
+        _fail(exercise, f"workload {wl.name!r} ({wl.about}): minicb's {policy} scheduler "
+                        f"finished in {len(ref)} steps, yours in {len(mine)}. {rules}")
+
+
+def _check_scheduler(cls: Any, policy: str, exercise: str, workloads: list[CheckWorkload],
+                     rules: str, decodes_first: bool) -> bool:
+    if isinstance(cls, type) and not issubclass(cls, Scheduler) or \
+            not isinstance(cls, type) and not hasattr(cls, "schedule"):
+        _fail(exercise, f"expected a Scheduler subclass (class MyScheduler(Scheduler): ...), "
+                        f"got {_short(cls, 60)}.")
+    steps = 0
+    for wl in workloads:
+        ref = _reference(policy, wl)
+        mine = _run(cls, wl, exercise, max_steps=3 * len(ref) + 50)
+        if decodes_first and mine.skipped:
+            step, left, members = mine.skipped[0]
+            prefills = [m for m in members if m.kind == "prefill"]
+            ran = _describe(members)
+            what = (f"only prefill chunks: {ran}" if prefills and len(prefills) == len(members)
+                    else ran)
+            _fail(exercise, f"decodes were left waiting at step {step} of workload {wl.name!r} "
+                            f"({wl.about}): {', '.join(left)} had already produced tokens and "
+                            f"were still running, but your scheduler ran {what}. Every running "
+                            "decode gets its one token first; only what is left of the budget "
+                            "goes to prefill.")
+        _compare(ref, mine.trace, wl, policy, exercise, rules)
+        steps += len(ref)
+    return _passed(exercise, f"{len(workloads)} workloads ({steps} steps) ran in the real "
+                             f"engine with invariant checks on, step for step like minicb's "
+                             f"{policy!r} scheduler")
+
+
+CONTINUOUS_WORKLOADS = [
+    CheckWorkload("r1-r4", "three requests at step 1, a fourth at step 7, three slots",
+             [("R1", 8, 6, 1), ("R2", 8, 20, 1), ("R3", 8, 12, 1), ("R4", 8, 8, 7)],
+             {"max_num_seqs": 3, "max_num_batched_tokens": 256}),
+    CheckWorkload("budget", "six 24-token prompts at once under a 64-token budget",
+             [(f"q{i}", 24, 5, 1) for i in range(6)],
+             {"max_num_seqs": 8, "max_num_batched_tokens": 64}),
+    CheckWorkload("long-alone", "a 100-token prompt, longer than the 64-token budget, arrives "
+             "while a request decodes, with a short one right behind it",
+             [("a", 10, 12, 1), ("long", 100, 4, 3), ("b", 10, 6, 3), ("c", 30, 4, 3)],
+             {"max_num_seqs": 4, "max_num_batched_tokens": 64}),
+    CheckWorkload("slots", "seven requests trickling into two slots",
+             [(f"s{i}", 6 + 3 * i, 3 + (5 * i) % 7, 1 + 2 * i) for i in range(7)],
+             {"max_num_seqs": 2, "max_num_batched_tokens": 128}),
+    CheckWorkload("pages", "too few pages: decodes must preempt the newest request",
+             [(f"p{i}", 30, 24, 1) for i in range(4)],
+             {"max_num_seqs": 4, "max_num_batched_tokens": 256, "num_pages": 8}),
+]
+CONTINUOUS_RULES = (
+    "Continuous batching, as minicb does it: first every running decode gets one token "
+    "(self.schedule_decodes(ctx) does exactly that, preempting when pages run out); then, unless "
+    "something was preempted this step, admit requests from the front of the waiting queue, "
+    "whole prompts, while they fit: stop at the first one that would push the step's prefill "
+    "tokens over max_num_batched_tokens (a prompt longer than the whole budget may still run, "
+    "alone, when no other prompt is in the step) or that ctx.admit refuses (returns 0).")
+
+
+def continuous_scheduler(cls: Any) -> bool:
+    """Exercise 3.2: a continuous-batching `Scheduler` subclass, run for real on five small
+    workloads and compared step by step with minicb's ContinuousScheduler."""
+    return _check_scheduler(cls, "continuous", "continuous_scheduler", CONTINUOUS_WORKLOADS,
+                            CONTINUOUS_RULES, decodes_first=True)
+
+
+LONG_PREFILL = [("short-0", 8, 16, 1), ("short-1", 8, 14, 1), ("short-2", 8, 12, 1),
+                ("long", 100, 4, 3)]
+CHUNKED_WORKLOADS = [
+    CheckWorkload("long-prefill", "three short requests decode; a 100-token prompt arrives at "
+             "step 3; budget 32, chunk_size 32", LONG_PREFILL,
+             {"max_num_seqs": 4, "max_num_batched_tokens": 32, "chunk_size": 32}),
+    CheckWorkload("two-long", "two long prompts and a short one; chunk_size 16, budget 40",
+             [("long-a", 70, 3, 1), ("long-b", 50, 3, 1), ("short", 6, 8, 2)],
+             {"max_num_seqs": 4, "max_num_batched_tokens": 40, "chunk_size": 16}),
+    CheckWorkload("r1-r4", "the R1..R4 example with 20-token prompts; budget 32, chunk_size 16",
+             [("R1", 20, 6, 1), ("R2", 20, 20, 1), ("R3", 20, 12, 1), ("R4", 20, 8, 7)],
+             {"max_num_seqs": 3, "max_num_batched_tokens": 32, "chunk_size": 16}),
+]
+CHUNKED_RULES = (
+    "Prefill-first chunked prefill, as minicb does it: spend the budget "
+    "(max_num_batched_tokens) on prefill chunks of at most chunk_size tokens, first for the "
+    "running requests still in prefill (oldest first), then by admitting requests from the "
+    "front of the waiting queue with ctx.admit(req, min(chunk_size, budget)); stop admitting "
+    "when the budget is spent or ctx.admit returns 0. Only if no prefill chunk was scheduled "
+    "do the running decodes get their token (self.schedule_decodes(ctx)).")
+
+
+def chunked_scheduler(cls: Any) -> bool:
+    """Exercise 4.2: a prefill-first chunked-prefill `Scheduler` subclass, run for real and
+    compared step by step with minicb's ChunkedScheduler."""
+    return _check_scheduler(cls, "chunked", "chunked_scheduler", CHUNKED_WORKLOADS,
+                            CHUNKED_RULES, decodes_first=False)
+
+
+PD_WORKLOADS = [
+    CHUNKED_WORKLOADS[0],
+    CheckWorkload("min-chunk", "six 6-token prompts and a 60-token one under a 12-token budget "
+             "with min_chunk=8: a chunk waits while the decodes leave too little budget",
+             [(f"short-{i}", 6, 6 + i, 1) for i in range(6)] + [("long", 60, 3, 2)],
+             {"max_num_seqs": 8, "max_num_batched_tokens": 12, "chunk_size": 16,
+              "min_chunk": 8}),
+    CheckWorkload("r1-r4", "the R1..R4 example with 20-token prompts; budget 32, chunk_size 16",
+             CHUNKED_WORKLOADS[2].requests,
+             {"max_num_seqs": 3, "max_num_batched_tokens": 32, "chunk_size": 16}),
+    CheckWorkload("pages", "too few pages: decodes must preempt the newest request",
+             [(f"p{i}", 30, 24, 1) for i in range(4)],
+             {"max_num_seqs": 4, "max_num_batched_tokens": 48, "chunk_size": 32,
+              "num_pages": 8}),
+]
+PD_RULES = (
+    "PD interleaving, as in the chapter's pseudo-code: budget = max_num_batched_tokens; every "
+    "running decode gets one token first (ctx.reserve_or_preempt(req, 1), then "
+    "ctx.schedule(req, 1), budget -= 1); what is left of the budget goes to prefill chunks "
+    "(schedule_prefill_chunks(ctx, budget, min_chunk=ctx.config.min_chunk)).")
+
+
+def pd_scheduler(cls: Any) -> bool:
+    """Exercise 5.1: the PD-interleaving `Scheduler` subclass from the chapter's pseudo-code,
+    run for real (invariant checks on) and compared step by step with minicb's PDScheduler.
+    A scheduler that serves prefill before decodes is caught at the first step where a
+    running decode was left waiting."""
+    return _check_scheduler(cls, "pd", "pd_scheduler", PD_WORKLOADS, PD_RULES,
+                            decodes_first=True)
+
+
+# ============================================================================ 04 chunks
+def _reference_next_chunk(remaining: int, chunk_size: int, budget: int,
+                          min_chunk: int = 1) -> int:
+    """minicb's rule (scheduler.schedule_prefill_chunks): the chunk is as large as the
+    prompt's remaining tokens, chunk_size and the budget allow; one smaller than min_chunk
+    waits for a later step, unless it finishes the prompt."""
+    n = min(remaining, chunk_size, max(budget, 0))
+    return 0 if n < min(min_chunk, remaining) else n
+
+
+def next_chunk(fn: Callable[..., int]) -> bool:
+    """Exercise 4.1: `fn(remaining, chunk_size, budget, min_chunk=1)` is the size of the next
+    prefill chunk of a prompt with `remaining` tokens left, or 0 when it must wait."""
+    name = "next_chunk"
+    cases = [(100, 32, 64, 1), (100, 32, 20, 1), (10, 32, 64, 1), (100, 32, 0, 1),
+             (1, 32, 1, 1), (100, 32, 5, 8), (3, 32, 5, 8), (8, 32, 8, 8), (7, 32, 5, 8),
+             (100, 4, 64, 8), (9, 16, 9, 16), (40, 16, 40, 1)]
+    rng = random.Random(41)
+    for _ in range(400):
+        chunk = rng.choice([1, 4, 8, 16, 32])
+        cases.append((rng.randint(1, 80), chunk, rng.randint(0, 70),
+                      rng.choice([1, 1, 2, 4, 8, 16])))
+    for remaining, chunk_size, budget, min_chunk in cases:
+        want = _reference_next_chunk(remaining, chunk_size, budget, min_chunk)
+        got = fn(remaining, chunk_size, budget, min_chunk)
+        if got == want and isinstance(got, int):
+            continue
+        shown = (f"remaining={remaining}, chunk_size={chunk_size}, budget={budget}, "
+                 f"min_chunk={min_chunk}")
+        why = ""
+        if isinstance(got, int):
+            if got > budget:
+                why = " The chunk must fit in the step's token budget."
+            elif got > chunk_size:
+                why = " A chunk is at most chunk_size tokens."
+            elif got > remaining:
+                why = " The prompt has only `remaining` tokens left."
+            elif want == 0:
+                why = (f" Only {min(remaining, chunk_size, budget)} tokens would fit, fewer than "
+                       f"min_chunk={min_chunk}, and they would not finish the prompt: the chunk "
+                       "waits for a later step (0).")
+            elif got == 0 and remaining < min_chunk:
+                why = (f" The last {remaining} tokens of a prompt may run even though that is "
+                       "less than min_chunk: nothing bigger will ever come.")
+            elif got < want:
+                why = " Take as much as the budget, chunk_size and the prompt allow."
+        _fail(name, f"next_chunk({shown}): expected {want}, got {_short(got)}.{why}")
+    return _passed(name, f"{len(cases)} cases agree with minicb's chunking rule")
+
+
+# ============================================================================ 05 dec@P, short_P
+_PD_TRACES: list[tuple[str, list[StepRecord], list[RequestRecord], str]] = []
+
+
+def pd_traces() -> list[tuple[str, list[StepRecord], list[RequestRecord], str]]:
+    """(label, trace, request records, long request id) from real runs on the tiny model:
+    the long-prefill workload under four policies, and a few edge cases. Made once."""
+    if _PD_TRACES:
+        return _PD_TRACES
+    base = CHUNKED_WORKLOADS[0]
+    variants = [
+        (base, "pd", None), (base, "chunked", None), (base, "continuous", None),
+        (replace(base, options={**base.options, "max_num_seqs": 2}), "static", None),
+        (replace(base, name="long-first", about="the long prompt arrives before the shorts",
+                 requests=[("long", 90, 3, 1), ("short-0", 8, 10, 2), ("short-1", 8, 6, 4)]),
+         "pd", None),
+        (replace(base, name="late-short", about="one short request arrives during the long "
+                 "prefill, one finished before it began",
+                 requests=[("early", 8, 2, 1), ("short-0", 8, 20, 1), ("long", 120, 3, 4),
+                           ("late", 8, 5, 5)]), "pd", None),
+        (replace(base, name="alone", about="the long prompt alone",
+                 requests=[("long", 70, 3, 2)]), "chunked", None),
+        (base, "pd", 4),  # cut short: the long prefill never finishes
+        (base, "chunked", 8),
+    ]
+    for wl, policy, cut in variants:
+        engine = _run(POLICY_CLASSES[policy], wl, "reference", learner=False).engine \
+            if cut is None else None
+        if engine is None:
+            engine = _engine(policy, **{"max_num_seqs": 4, "max_num_batched_tokens": 64,
+                                        "chunk_size": 64, **wl.options})
+            for i, (rid, n, m, a) in enumerate(wl.requests):
+                engine.add_request(wl.prompt(i, n), SamplingParams(max_tokens=m, **GREEDY_EXACT),
+                                   request_id=rid, arrival_step=a)
+            with _OneThread():
+                engine.run(max_steps=cut)
+        label = f"{wl.name} under {policy!r}" + (f", stopped after {cut} steps" if cut else "")
+        _PD_TRACES.append((label, list(engine.trace), engine.request_records(), "long"))
+    return _PD_TRACES
+
+
+def _check_long_metric(fn: Callable, key: str, name: str, rule: str) -> bool:
+    traces = pd_traces()
+    for label, trace, records, long_id in traces:
+        want = metrics.long_prefill_metrics(trace, records, long_id)[key]
+        got = fn(list(trace), list(records), long_id)
+        if got == want and (got is None) == (want is None):
+            continue
+        long = next(r for r in records if r.request_id == long_id)
+        facts = (f"the long request arrived at step {long.arrival_step}, its prefill finished "
+                 f"at step {long.first_token_step}, the trace has {len(trace)} steps")
+        _fail(name, f"trace of {label} ({facts}): expected {want!r}, got {_short(got)}. {rule}")
+    return _passed(name, f"{len(traces)} traces (pd, chunked, continuous, static and edge cases) "
+                         "agree with minicb.metrics")
+
+
+def dec_at_p(fn: Callable[[list[StepRecord], list[RequestRecord], str], int]) -> bool:
+    """Exercise 5.2: `fn(trace, records, long_id)` is dec@P: decode tokens produced by the
+    other requests while the long prompt's prefill is unfinished (from its arrival step to
+    the step its first token came out, both included; to the end of the trace if it never
+    did)."""
+    return _check_long_metric(
+        fn, "dec_at_p", "dec_at_p",
+        "dec@P counts the members of kind 'decode' of every other request in the steps from the "
+        "long request's arrival_step to its first_token_step, both included (to the last step "
+        "of the trace if its prefill never finished).")
+
+
+def short_p(fn: Callable[[list[StepRecord], list[RequestRecord], str], int | None]) -> bool:
+    """Exercise 5.3: `fn(trace, records, long_id)` is short_P in steps: from the long request's
+    arrival until every short request alive with it has finished."""
+    return _check_long_metric(
+        fn, "short_p_steps", "short_p",
+        "short_P (steps) = last finish_step among the short requests - the long request's "
+        "arrival_step + 1. The short requests are the other requests alive with the long one: "
+        "they arrived no later than the end of its prefill window (its first_token_step, or the "
+        "last step) and had not finished before it arrived. 0 if there are none; None if one of "
+        "them has not finished.")
+
+
+# ============================================================================ 06 latency, goodput
+def _records(seed: int, n: int = 12) -> list[RequestRecord]:
+    """Random request records with consistent timestamps (seconds), some cancelled, some
+    failed, some with a single output token."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        arrival = round(rng.uniform(0, 5), 3)
+        first_scheduled = arrival + round(rng.expovariate(4), 3)
+        kind = rng.random()
+        if kind < 0.1:  # cancelled while waiting
+            out.append(RequestRecord(f"r{i}", rng.randint(4, 64), 0, "cancelled", arrival, None,
+                                     None, arrival + 1.0, [], 1, None, None, 5, []))
+            continue
+        n_out = 1 if kind < 0.25 else rng.randint(2, 30)
+        t = first_scheduled + round(rng.uniform(0.01, 0.8), 3)
+        times = [t]
+        for _ in range(n_out - 1):
+            t += round(rng.uniform(0.005, 0.12), 4)
+            times.append(t)
+        reason = "error" if kind > 0.95 else ("cancelled" if kind > 0.9 else
+                                              rng.choice(["stop", "length"]))
+        out.append(RequestRecord(f"r{i}", rng.randint(4, 64), n_out, reason, arrival,
+                                 first_scheduled, times[0], times[-1], times, 1, 1, 1, 2,
+                                 list(range(1, n_out + 1))))
+    return out
+
+
+LATENCY_KEYS = ("queue", "ttft", "tpot", "e2e")
+
+
+def _close(a: Any, b: Any) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return isinstance(a, (int, float)) and math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
+
+
+def latencies(fn: Callable[[RequestRecord], dict[str, float | None]]) -> bool:
+    """Exercise 6.1: `fn(record)` returns {"queue", "ttft", "tpot", "e2e"} in seconds for one
+    request record, None where a value is undefined, like minicb.metrics."""
+    name = "latencies"
+    refs = {"queue": metrics.queue_time, "ttft": metrics.ttft, "tpot": metrics.tpot,
+            "e2e": metrics.e2e}
+    meaning = {"queue": "first_scheduled_time - arrival_time",
+               "ttft": "first_token_time - arrival_time",
+               "tpot": "(e2e - ttft) / (num_output_tokens - 1), None for fewer than 2 tokens",
+               "e2e": "finish_time - arrival_time"}
+    records = [r for seed in range(8) for r in _records(seed)]
+    for rec in records:
+        got = fn(rec)
+        if not isinstance(got, dict):
+            _fail(name, f"fn(record) must return a dict with keys {LATENCY_KEYS}; yours "
+                        f"returned {_short(got)}.")
+        for key in LATENCY_KEYS:
+            want = refs[key](rec)
+            if key not in got:
+                _fail(name, f"the dict has no key {key!r} (keys: {sorted(got)}).")
+            if not _close(got[key], want):
+                shown = (f"arrival_time={rec.arrival_time}, first_scheduled_time="
+                         f"{rec.first_scheduled_time}, first_token_time={rec.first_token_time}, "
+                         f"finish_time={rec.finish_time}, num_output_tokens="
+                         f"{rec.num_output_tokens}")
+                _fail(name, f"record {rec.request_id} ({shown}): {key} should be {want!r} "
+                            f"({meaning[key]}), yours is {got[key]!r}.")
+    return _passed(name, f"{len(records)} request records give the same queue time, TTFT, TPOT "
+                         "and E2E as minicb.metrics")
+
+
+def _reference_goodput(records: Sequence[RequestRecord], slo: dict[str, float]) -> float | None:
+    span = metrics.run_span(records)
+    met = sum(1 for r in records if metrics.meets_slo(r, slo))
+    return met / span if span > 0 else None
+
+
+def goodput(fn: Callable[[list[RequestRecord], dict[str, float]], float | None]) -> bool:
+    """Exercise 6.2: `fn(records, slo)` is goodput in requests per second: completed requests
+    (finish_reason 'stop' or 'length') meeting every SLO in `slo` ({"ttft": s, "tpot": s,
+    "e2e": s}, any subset; a value must be <= its limit; a one-token request has no TPOT and
+    passes that one), divided by the run's span (first arrival to last finish); None if the
+    span is 0."""
+    name = "goodput"
+    rng = random.Random(62)
+    cases: list[tuple[str, list[RequestRecord], dict[str, float]]] = []
+    one = _records(3)
+    cases.append(("no SLO at all", one, {}))
+    cases.append(("an SLO nobody meets", one, {"ttft": 1e-6}))
+    cases.append(("no records", [], {"ttft": 1.0}))
+    exact = [r for r in one if metrics.is_completed(r)][0]
+    cases.append(("a request exactly at its TTFT limit", [exact],
+                  {"ttft": metrics.ttft(exact)}))
+    ones = [r for seed in range(6) for r in _records(seed) if r.num_output_tokens == 1][:3]
+    cases.append(("one-token requests under a TPOT limit", ones, {"tpot": 0.001}))
+    cancelled = [r for seed in range(6) for r in _records(seed)
+                 if r.finish_reason == "cancelled" and r.num_output_tokens > 0][:1]
+    cases.append(("a cancelled request that was fast", cancelled + one, {"ttft": 100.0}))
+    for i in range(40):
+        records = _records(100 + i, rng.randint(1, 20))
+        slo = {k: rng.choice([0.05, 0.1, 0.3, 0.5, 1.0, 2.0]) for k in metrics.SLO_KEYS
+               if rng.random() < 0.6}
+        cases.append((f"random case {i}", records, slo))
+    for label, records, slo in cases:
+        want = _reference_goodput(records, slo)
+        got = fn(list(records), dict(slo))
+        if _close(got, want):
+            continue
+        met = [r.request_id for r in records if metrics.meets_slo(r, slo)]
+        span = metrics.run_span(records)
+        why = ""
+        if isinstance(got, (int, float)) and span:
+            any_reason = sum(1 for r in records
+                             if metrics.meets_slo(replace(r, finish_reason="stop"), slo))
+            if any_reason != len(met) and math.isclose(got * span, any_reason):
+                why = " Cancelled and failed requests never count, however fast they were."
+            elif len(records) != len(met) and math.isclose(got * span, len(records)):
+                why = " It looks like you counted every request, not only those meeting the SLO."
+        _fail(name, f"{label}: {len(records)} records, slo={slo}: expected {want!r} "
+                    f"({len(met)} requests meet the SLO: {met[:8]}{'...' if len(met) > 8 else ''}"
+                    f"; span {span:.3f} s from first arrival to last finish), got "
+                    f"{_short(got)}.{why}")
+    return _passed(name, f"{len(cases)} sets of records give the same goodput as minicb.metrics")

@@ -1,0 +1,205 @@
+"""The benchmark client (chapters 06 and 08): send a workload to any OpenAI-compatible server and
+measure what a user sees.
+
+    python -m minicb.client --endpoint http://127.0.0.1:8000 --workload mixed-chat --rate 2
+
+Each request leaves at its arrival time (the same arrival processes and length distributions as
+`minicb.workload`) as a streamed `/v1/completions` call with token-id prompts, `ignore_eos` and a
+fixed `max_tokens`, so output lengths are exact on minicb, vLLM and SGLang alike. Times are taken
+where the user sits: TTFT when the first token's chunk arrives, ITL between chunks, E2E at the
+end of the stream. Each request becomes a `RequestRecord` (the plain data `minicb.metrics` reads),
+with times in seconds since the run started; queue time and steps are invisible from outside,
+so they are left empty."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+
+from minicb import metrics
+from minicb.trace import RequestRecord
+
+CLIENT_COLUMNS = (
+    ("output_tokens_per_s", "out tok/s", "{:.1f}"),
+    ("requests_per_s", "req/s", "{:.2f}"),
+    ("ttft_s.p50", "TTFT p50", "{:.3f}"),
+    ("ttft_s.p99", "TTFT p99", "{:.3f}"),
+    ("itl_s.p50", "ITL p50", "{:.4f}"),
+    ("itl_s.p99", "ITL p99", "{:.4f}"),
+    ("tpot_s.p50", "TPOT p50", "{:.4f}"),
+    ("e2e_s.p99", "E2E p99", "{:.3f}"),
+    ("goodput_rps", "goodput", "{:.2f}"),
+    ("cancelled", "cancelled", "{}"),
+    ("errors", "errors", "{}"),
+)
+
+
+def completions_url(endpoint: str) -> str:
+    """`http://host:port`, `.../v1` or `.../v1/completions` -> the completions URL."""
+    url = endpoint.rstrip("/")
+    if url.endswith("/completions"):
+        return url
+    return url + ("/completions" if url.endswith("/v1") else "/v1/completions")
+
+
+def _prompt(req: Any, index: int, vocab_size: int | None) -> list[int]:
+    ids = req.token_ids(index) if hasattr(req, "token_ids") else list(req.prompt_token_ids)
+    return [t % vocab_size for t in ids] if vocab_size else ids
+
+
+async def _one(client: httpx.AsyncClient, url: str, payload: dict, request_id: str,
+               arrival: float, cancel_after: int | None, t0: float) -> RequestRecord:
+    """Send one request at `arrival` seconds after `t0` and time its stream."""
+    await asyncio.sleep(max(0.0, t0 + arrival - time.perf_counter()))
+    sent = time.perf_counter() - t0
+    token_times: list[float] = []
+    num_tokens, finish, usage = 0, None, None
+    try:
+        async with client.stream("POST", url, json=payload,
+                                 headers={"X-Request-Id": request_id}) as resp:
+            if resp.status_code != 200:
+                await resp.aread()
+                finish = "error"
+            else:
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    chunk = json.loads(data)
+                    if "error" in chunk:
+                        finish = "error"
+                    usage = chunk.get("usage") or usage
+                    for choice in chunk.get("choices") or []:
+                        text = choice.get("text") or (choice.get("delta") or {}).get("content")
+                        ids = choice.get("token_ids")
+                        n = len(ids) if ids is not None else int(bool(text))
+                        if n:
+                            token_times.append(time.perf_counter() - t0)
+                            num_tokens += n
+                        finish = choice.get("finish_reason") or finish
+                    if cancel_after is not None and num_tokens >= cancel_after:
+                        finish = "cancelled"  # leaving the block closes the connection
+                        break
+    except (httpx.HTTPError, json.JSONDecodeError):
+        finish = "error"
+    end = time.perf_counter() - t0
+    if usage and finish not in ("cancelled", "error"):
+        num_tokens = usage.get("completion_tokens", num_tokens)
+    return RequestRecord(
+        request_id, (usage or {}).get("prompt_tokens", len(payload["prompt"])), num_tokens,
+        {"abort": "cancelled"}.get(finish, finish), sent, None,
+        token_times[0] if token_times else None, end, token_times, None, None, None, None, [])
+
+
+async def run_client(endpoint: str, workload_requests: Sequence[Any], model: str | None = None,
+                     temperature: float = 0.0, vocab_size: int | None = None,
+                     timeout: float = 600.0, progress: bool = False) -> list[RequestRecord]:
+    """Send every request (a `WorkloadRequest` or anything with `prompt_token_ids`,
+    `max_tokens`, `arrival_time`, `cancel_after_tokens`, `request_id`) at its arrival time,
+    streamed, all concurrently; returns one `RequestRecord` per request, in order (chapter 06).
+    `model`: the name to send (default: the server's first model). `vocab_size`: fold prompt
+    ids into a small vocabulary (tiny test checkpoints)."""
+    url = completions_url(endpoint)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10.0),
+                                 limits=limits) as client:
+        if model is None:
+            listing = await client.get(url.rsplit("/completions", 1)[0] + "/models")
+            listing.raise_for_status()
+            model = listing.json()["data"][0]["id"]
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(workload_requests), desc="requests", unit="req")
+        t0 = time.perf_counter()
+
+        async def one(i: int, req: Any) -> RequestRecord:
+            payload = {"model": model, "prompt": _prompt(req, i, vocab_size),
+                       "max_tokens": req.max_tokens, "temperature": temperature,
+                       "ignore_eos": True, "stream": True,
+                       "stream_options": {"include_usage": True}}
+            if temperature > 0:
+                payload["seed"] = i
+            record = await _one(client, url, payload, req.request_id or f"req-{i}",
+                                req.arrival_time or 0.0, req.cancel_after_tokens, t0)
+            if bar is not None:
+                bar.update(1)
+            return record
+
+        try:
+            return list(await asyncio.gather(*(one(i, r)
+                                               for i, r in enumerate(workload_requests))))
+        finally:
+            if bar is not None:
+                bar.close()
+
+
+def bench_endpoint(endpoint: str, workload: Any, label: str | None = None,
+                   model: str | None = None, vocab_size: int | None = None,
+                   temperature: float = 0.0, progress: bool = False,
+                   slo: dict[str, float] | None = None) -> dict[str, Any]:
+    """Run `workload` against a server; returns `{"declaration", "results": {label: summary},
+    "records"}` in the results schema of `python -m minicb bench` (chapter 06). The summary is
+    `minicb.metrics.summarize` over the client's records (no trace: step metrics are None)."""
+    if model is None:
+        listing = httpx.get(completions_url(endpoint).rsplit("/completions", 1)[0] + "/models",
+                            timeout=10.0)
+        listing.raise_for_status()
+        model = listing.json()["data"][0]["id"]
+    records = asyncio.run(run_client(endpoint, workload.requests, model=model,
+                                     temperature=temperature, vocab_size=vocab_size,
+                                     progress=progress))
+    declaration = {**workload.declaration, "endpoint": endpoint, "model": model,
+                   "measured_at": "client (streamed /v1/completions)",
+                   "temperature": temperature, "httpx": httpx.__version__}
+    return {"declaration": declaration,
+            "results": {label or endpoint: metrics.summarize([], records, slo)},
+            "records": [r.__dict__ for r in records]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m minicb.client --endpoint URL`: a workload against any OpenAI-compatible
+    server, metrics measured at the client."""
+    from minicb.workload import get_workload
+
+    parser = argparse.ArgumentParser(prog="python -m minicb.client", description=main.__doc__)
+    parser.add_argument("--endpoint", required=True, help="e.g. http://127.0.0.1:8000")
+    parser.add_argument("--workload", default="mixed-chat")
+    parser.add_argument("--num-requests", type=int, default=None)
+    parser.add_argument("--rate", type=float, default=None, help="requests/s (default: all "
+                        "at once)")
+    parser.add_argument("--burstiness", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", default=None, help="default: the server's first model")
+    parser.add_argument("--vocab-size", type=int, default=None,
+                        help="fold prompt ids into this vocabulary (tiny checkpoints)")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--label", default=None, help="the results key (default: endpoint)")
+    parser.add_argument("--slo-ttft", type=float, default=None, help="seconds")
+    parser.add_argument("--slo-tpot", type=float, default=None, help="seconds")
+    parser.add_argument("--slo-e2e", type=float, default=None, help="seconds")
+    parser.add_argument("--out", default=None, help="write results JSON here")
+    args = parser.parse_args(argv)
+    slo = {"ttft": args.slo_ttft, "tpot": args.slo_tpot, "e2e": args.slo_e2e}
+    workload = get_workload(args.workload, num_requests=args.num_requests, rate=args.rate,
+                            burstiness=args.burstiness, seed=args.seed)
+    out = bench_endpoint(args.endpoint, workload, args.label, args.model, args.vocab_size,
+                         args.temperature, progress=True, slo=slo)
+    print(metrics.format_table(out["results"], CLIENT_COLUMNS))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,261 @@
+"""One source, two notebooks (exercises for chapters 01-06).
+
+Each exercise notebook has a single source, `exercises/source/NN_name.ipynb`, whose code cells
+mark the reference answer with nbgrader-style markers:
+
+    def allocate(self, n):
+        ### BEGIN SOLUTION
+        # HINT: take pages from the free list; a page you hand out has ref count 1.
+        ...the answer...
+        ### END SOLUTION
+
+`python -m minicb.exercises build` writes two notebooks from every source:
+
+    exercises/NN_name.ipynb   each marked region becomes its `# HINT:` comment (if any) and
+                              `raise NotImplementedError("...")` naming what to write
+    solutions/NN_name.ipynb   the markers are removed, the answer stays
+
+Both are written without outputs, with the source's cell ids, so the output is a pure function
+of the source (the tests regenerate it and compare). `python -m minicb.exercises check` exits 1
+if the committed notebooks differ from what the sources generate. A markdown cell may mark a
+written answer the same way; the exercise version shows `*Write your answer here.*`.
+
+Cell tags tie an exercise together: its stub cell carries `exercise:<name>` (the name goes into
+the NotImplementedError message), its check cell `check:<name>` and optionally `points:<n>`
+(default 1); `minicb.grade` scores a notebook by its check cells, and `minicb.check.<name>` is
+the function the check cell calls. Only cell tags survive generation; other cell metadata and
+all outputs are dropped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import re
+import sys
+from pathlib import Path
+
+import nbformat
+
+BEGIN = "### BEGIN SOLUTION"
+END = "### END SOLUTION"
+HINT = re.compile(r"^\s*#\s*HINT\b")
+DEF = re.compile(r"^(?P<indent>\s*)(?:async\s+)?def\s+(?P<name>\w+)")
+CLASS = re.compile(r"^(?P<indent>\s*)class\s+(?P<name>\w+)")
+ROOT = Path(__file__).resolve().parent.parent
+MARKDOWN_STUB = "*Write your answer here.*"
+
+
+class MarkerError(ValueError):
+    """A source cell's solution markers are unbalanced or nested."""
+
+
+def _indent(line: str) -> str:
+    return line[: len(line) - len(line.lstrip())]
+
+
+def _enclosing(lines: list[str], index: int) -> str:
+    """Qualified name (`Class.method` or `function`) of the def around line `index`."""
+    depth = len(_indent(lines[index]))
+    names: list[str] = []
+    for line in reversed(lines[:index]):
+        match = DEF.match(line) or CLASS.match(line)
+        if match and len(match.group("indent")) < depth:
+            names.append(match.group("name"))
+            depth = len(match.group("indent"))
+            if depth == 0:
+                break
+    return ".".join(reversed(names))
+
+
+def _regions(lines: list[str], where: str) -> list[tuple[int, int]]:
+    """(begin, end) line indices of every marked region; MarkerError if unbalanced."""
+    regions, start = [], None
+    for i, line in enumerate(lines):
+        text = line.strip()
+        if text == BEGIN:
+            if start is not None:
+                raise MarkerError(f"{where}: line {i + 1}: {BEGIN} inside another solution")
+            start = i
+        elif text == END:
+            if start is None:
+                raise MarkerError(f"{where}: line {i + 1}: {END} without {BEGIN}")
+            regions.append((start, i))
+            start = None
+    if start is not None:
+        raise MarkerError(f"{where}: line {start + 1}: {BEGIN} is never closed")
+    return regions
+
+
+def _hint_lines(body: list[str]) -> list[str]:
+    """The `# HINT:` comment of a region: its first line and the comment lines right after."""
+    out: list[str] = []
+    for line in body:
+        if out and line.strip().startswith("#") and not HINT.match(line):
+            out.append(line)
+        elif HINT.match(line):
+            out.append(line)
+        elif out:
+            break
+    return out
+
+
+def stub_code(source: str, exercise: str = "", where: str = "cell") -> str:
+    """The exercise version of a code cell: every marked region becomes its hint and a
+    `raise NotImplementedError` that names the function to write and the exercise."""
+    lines = source.split("\n")
+    regions = _regions(lines, where)
+    out: list[str] = []
+    last = 0
+    for begin, end in regions:
+        out.extend(lines[last:begin])
+        indent = _indent(lines[begin])
+        body = lines[begin + 1:end]
+        hint = _hint_lines(body)
+        what = _enclosing(lines, begin) or "this part"
+        label = f" (exercise {exercise})" if exercise else ""
+        tail = "see the HINT above" if hint else "replace this line with your code"
+        out.extend(hint)
+        out.append(f'{indent}raise NotImplementedError("write {what}{label}: {tail}")')
+        last = end + 1
+    out.extend(lines[last:])
+    return "\n".join(out)
+
+
+def solution_code(source: str, where: str = "cell") -> str:
+    """The solution version of a cell: the marker lines removed, everything else kept."""
+    lines = source.split("\n")
+    drop = {i for region in _regions(lines, where) for i in region}
+    return "\n".join(line for i, line in enumerate(lines) if i not in drop)
+
+
+def stub_markdown(source: str, where: str = "cell") -> str:
+    """The exercise version of a markdown cell: each marked region becomes a prompt line."""
+    lines = source.split("\n")
+    out, last = [], 0
+    for begin, end in _regions(lines, where):
+        out.extend(lines[last:begin])
+        out.append(MARKDOWN_STUB)
+        last = end + 1
+    out.extend(lines[last:])
+    return "\n".join(out)
+
+
+def cell_tags(cell: dict) -> list[str]:
+    """The cell's metadata tags (an empty list when it has none)."""
+    return list(cell.get("metadata", {}).get("tags", []))
+
+
+def _exercise_of(cell: dict) -> str:
+    """The name in the cell's `exercise:<name>` tag (stub cells carry one), else ''."""
+    for tag in cell_tags(cell):
+        if tag.startswith("exercise:"):
+            return tag.split(":", 1)[1]
+    return ""
+
+
+def _clean(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
+    """No outputs, no execution counts, only the metadata the course uses."""
+    nb.metadata = nbformat.from_dict({
+        "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
+        "language_info": {"name": "python"},
+    })
+    for i, cell in enumerate(nb.cells):
+        keep = {k: v for k, v in cell.get("metadata", {}).items() if k in ("tags",)}
+        cell.metadata = nbformat.from_dict(keep)
+        cell.setdefault("id", f"cell-{i:02d}")
+        if cell.cell_type == "code":
+            cell.outputs = []
+            cell.execution_count = None
+    nb.nbformat, nb.nbformat_minor = 4, 5
+    return nb
+
+
+def generate(source_nb: nbformat.NotebookNode, name: str = "notebook"
+             ) -> tuple[nbformat.NotebookNode, nbformat.NotebookNode]:
+    """(exercise notebook, solution notebook) made from one source notebook."""
+    exercise, solution = copy.deepcopy(source_nb), copy.deepcopy(source_nb)
+    for i, (ex_cell, sol_cell) in enumerate(zip(exercise.cells, solution.cells)):
+        where = f"{name} cell {i} ({ex_cell.get('id', '?')})"
+        text = ex_cell.source if isinstance(ex_cell.source, str) else "".join(ex_cell.source)
+        if BEGIN not in text and END not in text:
+            continue
+        if ex_cell.cell_type == "code":
+            ex_cell.source = stub_code(text, _exercise_of(ex_cell), where)
+            sol_cell.source = solution_code(text, where)
+        elif ex_cell.cell_type == "markdown":
+            ex_cell.source = stub_markdown(text, where)
+            sol_cell.source = solution_code(text, where)
+    return _clean(exercise), _clean(solution)
+
+
+def render(nb: nbformat.NotebookNode) -> str:
+    """The exact text written to disk (sorted keys, one-space indent, final newline)."""
+    text = nbformat.writes(nb, version=4)
+    return text if text.endswith("\n") else text + "\n"
+
+
+def outputs(root: Path = ROOT) -> dict[Path, str]:
+    """Every generated file and its text, from every source under exercises/source."""
+    sources = sorted((root / "exercises" / "source").glob("*.ipynb"))
+    files: dict[Path, str] = {}
+    for src in sources:
+        nb = nbformat.read(src, as_version=4)
+        exercise, solution = generate(nb, src.name)
+        files[root / "exercises" / src.name] = render(exercise)
+        files[root / "solutions" / src.name] = render(solution)
+    return files
+
+
+def build(root: Path = ROOT) -> list[Path]:
+    """Write exercises/ and solutions/ from the sources; returns the files that changed."""
+    changed = []
+    for path, text in outputs(root).items():
+        if not path.exists() or path.read_text() != text:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+            changed.append(path)
+    return changed
+
+
+def stale(root: Path = ROOT) -> list[str]:
+    """Generated files that are missing or differ from what the sources give, and generated
+    notebooks whose source is gone."""
+    files = outputs(root)
+    bad = [str(p.relative_to(root)) for p, text in files.items()
+           if not p.exists() or p.read_text() != text]
+    for folder in ("exercises", "solutions"):
+        for path in sorted((root / folder).glob("*.ipynb")):
+            if path not in files:
+                bad.append(f"{path.relative_to(root)} (no source)")
+    return bad
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m minicb.exercises build|check`."""
+    parser = argparse.ArgumentParser(prog="python -m minicb.exercises",
+                                     description="Generate exercise and solution notebooks.")
+    parser.add_argument("command", choices=("build", "check"))
+    parser.add_argument("--root", type=Path, default=ROOT, help="repository root")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "build":
+            changed = build(args.root)
+            count = len(outputs(args.root))
+            print(f"{count} notebooks generated, {len(changed)} changed"
+                  + "".join(f"\n  {p.relative_to(args.root)}" for p in changed))
+            return 0
+        bad = stale(args.root)
+        if bad:
+            print("out of date (run `python -m minicb.exercises build`):\n  "
+                  + "\n  ".join(bad), file=sys.stderr)
+            return 1
+        print("exercises/ and solutions/ match their sources")
+        return 0
+    except MarkerError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,273 @@
+"""The autograder: `python -m minicb grade NOTEBOOK [...] [--json]` (exercises, chapters 01-06).
+
+It executes a copy of each notebook from top to bottom in a fresh kernel, carrying on past
+errors, and scores every exercise by its check cell: the cell tagged `check:<exercise>` (and
+`points:<n>`, default 1). An exercise passes when its check cell ran without an error; a
+failed one reports the error its check cell raised (a `CheckFailed` explanation, or the
+`NotImplementedError` of an untouched stub), or the first error among the exercise's own cells
+when the check never got that far.
+
+Check cells are restored from the exercise's source (`exercises/source/<same name>`, or
+`--source PATH` for a renamed submission) before the run, so editing a check cell changes
+nothing and deleting one scores that exercise 0. `--no-restore` grades the notebook as it is.
+
+The original notebook is never modified. Exit status: 0 when every notebook was graded (whatever
+the score), 2 when a notebook could not be read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import nbformat
+
+from minicb.exercises import ROOT, cell_tags
+
+CHECK_TAG = re.compile(r"^check:(?P<name>[\w.-]+)$")
+POINTS_TAG = re.compile(r"^points:(?P<points>\d+(\.\d+)?)$")
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+MAX_MESSAGE = 1200
+
+
+@dataclass
+class ExerciseResult:
+    """One exercise's score and, when it failed, why."""
+
+    name: str
+    points: float
+    max_points: float
+    passed: bool
+    message: str = ""
+
+
+@dataclass
+class GradeReport:
+    """A graded notebook: per-exercise results, the total, and how the run went."""
+
+    notebook: str
+    exercises: list[ExerciseResult] = field(default_factory=list)
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)  # kernel died, restored cells, ...
+
+    @property
+    def score(self) -> float:
+        """Points earned."""
+        return sum(e.points for e in self.exercises)
+
+    @property
+    def max_score(self) -> float:
+        """Points available."""
+        return sum(e.max_points for e in self.exercises)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for `--json`: notebook, score, max_score, seconds, exercises, notes."""
+        return {"notebook": self.notebook, "score": _num(self.score),
+                "max_score": _num(self.max_score), "seconds": round(self.seconds, 2),
+                "exercises": [{**asdict(e), "points": _num(e.points),
+                               "max_points": _num(e.max_points)} for e in self.exercises],
+                "notes": list(self.notes)}
+
+
+def _num(x: float) -> int | float:
+    return int(x) if float(x).is_integer() else x
+
+
+def check_cells(nb: nbformat.NotebookNode) -> list[tuple[int, str, float]]:
+    """(cell index, exercise name, points) of every check cell, in notebook order."""
+    found = []
+    for i, cell in enumerate(nb.cells):
+        name, points = None, 1.0
+        for tag in cell_tags(cell):
+            if m := CHECK_TAG.match(tag):
+                name = m.group("name")
+            elif m := POINTS_TAG.match(tag):
+                points = float(m.group("points"))
+        if name and cell.cell_type == "code":
+            found.append((i, name, points))
+    return found
+
+
+def source_for(path: Path) -> Path | None:
+    """The exercise source with the same file name, if there is one."""
+    candidate = ROOT / "exercises" / "source" / path.name
+    return candidate if candidate.is_file() else None
+
+
+def restore_checks(nb: nbformat.NotebookNode, source: nbformat.NotebookNode
+                   ) -> tuple[list[tuple[str, float]], list[str]]:
+    """Put the source's check cells back into `nb` (by exercise name). Returns the exercises
+    the source defines, with their points, and notes on what was changed."""
+    notes: list[str] = []
+    expected = []
+    learner = {name: i for i, name, _ in check_cells(nb)}
+    for i, name, points in check_cells(source):
+        expected.append((name, points))
+        original = source.cells[i].source
+        if name not in learner:
+            notes.append(f"check cell of {name!r} is missing: that exercise scores 0")
+            continue
+        cell = nb.cells[learner[name]]
+        if cell.source != original:
+            notes.append(f"check cell of {name!r} was edited: restored from the source")
+            cell.source = original
+        tags = [t for t in cell_tags(cell) if not POINTS_TAG.match(t)]
+        tags += [t for t in cell_tags(source.cells[i]) if POINTS_TAG.match(t)]
+        cell.setdefault("metadata", {})["tags"] = tags
+    return expected, notes
+
+
+def _error_of(cell: nbformat.NotebookNode) -> str | None:
+    for out in cell.get("outputs", []):
+        if out.get("output_type") == "error":
+            value = ANSI.sub("", str(out.get("evalue", ""))).strip()
+            text = f"{out.get('ename', 'Error')}: {value}" if value else out.get("ename", "Error")
+            return text if len(text) <= MAX_MESSAGE else text[:MAX_MESSAGE - 3] + "..."
+    return None
+
+
+def execute(nb: nbformat.NotebookNode, workdir: Path, timeout: int) -> list[str]:
+    """Run every cell in a fresh kernel, errors and all; returns notes on what stopped it."""
+    from nbclient import NotebookClient
+
+    kernel = nb.metadata.get("kernelspec", {}).get("name", "python3")
+    client = NotebookClient(nb, timeout=timeout, kernel_name=kernel, allow_errors=True,
+                            interrupt_on_timeout=True, record_timing=False,
+                            resources={"metadata": {"path": str(workdir)}})
+    old_path = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), old_path) if p)
+    try:
+        client.execute()
+    except Exception as exc:  # the kernel died or would not start: grade what ran
+        return [f"execution stopped: {type(exc).__name__}: {str(exc).strip()[:300]}"]
+    finally:
+        if old_path is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old_path
+    return []
+
+
+def grade_notebook(path: str | Path, timeout: int = 300, restore: bool = True,
+                   source: str | Path | None = None) -> GradeReport:
+    """Execute a copy of the notebook at `path` and score each exercise by its check cell.
+    `source`: the exercise source whose check cells are restored (default: the file of the
+    same name in exercises/source, if any); `restore=False` grades the notebook as it is."""
+    path = Path(path)
+    nb = nbformat.read(path, as_version=4)
+    report = GradeReport(str(path))
+    expected = [(name, points) for _, name, points in check_cells(nb)]
+    source_path = (Path(source) if source else source_for(path)) if restore else None
+    if source_path is not None and source_path.resolve() != path.resolve():
+        expected, notes = restore_checks(nb, nbformat.read(source_path, as_version=4))
+        report.notes.extend(notes)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.outputs, cell.execution_count = [], None
+    t0 = time.perf_counter()
+    workdir = Path(tempfile.mkdtemp(prefix="minicb-grade-"))
+    try:
+        report.notes.extend(execute(nb, workdir, timeout))
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    report.seconds = time.perf_counter() - t0
+
+    checks = {name: i for i, name, _ in check_cells(nb)}
+    previous = -1
+    for name, points in expected:
+        index = checks.get(name)
+        if index is None:
+            report.exercises.append(ExerciseResult(name, 0, points, False,
+                                                   "its check cell is missing"))
+            continue
+        cell = nb.cells[index]
+        error = _error_of(cell)
+        ran = cell.get("execution_count") is not None or bool(cell.get("outputs"))
+        earlier = next((e for c in nb.cells[previous + 1:index] if c.cell_type == "code"
+                        for e in [_error_of(c)] if e), None)
+        previous = index
+        if ran and error is None:
+            report.exercises.append(ExerciseResult(name, points, points, True))
+            continue
+        if not ran:
+            message = "its check cell did not run (see the notes below)"
+        elif error.startswith("KeyboardInterrupt"):
+            message = (f"{error}: a cell ran longer than {timeout} s and was interrupted "
+                       "(an endless loop?)")
+        elif earlier and error.startswith(("NameError", "AttributeError", "ImportError")):
+            message = f"{earlier}  (then the check failed with {error.split(':')[0]})"
+        else:
+            message = error
+        report.exercises.append(ExerciseResult(name, 0, points, False, message))
+    return report
+
+
+def format_report(report: GradeReport) -> str:
+    """A plain-text table: one line per exercise, then the total."""
+    lines = [f"{report.notebook}  ({report.seconds:.1f} s)"]
+    width = max([len(e.name) for e in report.exercises] + [8])
+    for e in report.exercises:
+        mark = "✓" if e.passed else "✗"
+        score = f"{_num(e.points)}/{_num(e.max_points)}"
+        line = f"  {mark} {e.name.ljust(width)}  {score:>5}"
+        if not e.passed:
+            first, *rest = e.message.splitlines() or [""]
+            line += f"  {first}" + "".join(f"\n      {r}" for r in rest)
+        lines.append(line)
+    for note in report.notes:
+        lines.append(f"  note: {note}")
+    lines.append(f"  total: {_num(report.score)}/{_num(report.max_score)}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m minicb grade NOTEBOOK [NOTEBOOK ...] [--json] [--timeout S] [--no-restore]`."""
+    parser = argparse.ArgumentParser(
+        prog="python -m minicb grade",
+        description="Execute exercise notebooks and score each exercise by its check cell.")
+    parser.add_argument("notebooks", nargs="+", type=Path)
+    parser.add_argument("--json", action="store_true",
+                        help="print a JSON object (a list of them for several notebooks)")
+    parser.add_argument("--timeout", type=int, default=300,
+                        help="seconds a single cell may run before it is interrupted")
+    parser.add_argument("--no-restore", action="store_true",
+                        help="do not restore check cells from exercises/source")
+    parser.add_argument("--source", type=Path,
+                        help="the exercise source to restore check cells from (default: "
+                             "exercises/source/<same file name>)")
+    args = parser.parse_args(argv)
+    reports = []
+    status = 0
+    for path in args.notebooks:
+        try:
+            nbformat.read(path, as_version=4)
+        except Exception as exc:
+            print(f"error: cannot read {path}: {type(exc).__name__}: {exc}", file=sys.stderr)
+            status = 2
+            continue
+        report = grade_notebook(path, timeout=args.timeout, restore=not args.no_restore,
+                                source=args.source)
+        reports.append(report)
+        if not args.json:
+            print(format_report(report))
+    if args.json:
+        data = [r.to_dict() for r in reports]
+        print(json.dumps(data[0] if len(data) == 1 else data, indent=1, ensure_ascii=False))
+    elif len(reports) > 1:
+        total = sum(r.score for r in reports)
+        top = sum(r.max_score for r in reports)
+        print(f"all notebooks: {_num(total)}/{_num(top)}")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

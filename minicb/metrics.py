@@ -1,0 +1,366 @@
+"""Metrics (chapters 05-06): every number of the benchmark contract, computed from plain data.
+
+Inputs are `engine.trace` (one `StepRecord` per step) and `engine.request_records()` (one
+`RequestRecord` per request): ids, counts and timestamps, no engine needed.
+
+Per request (seconds, and the same in steps where it makes sense):
+    queue   first_scheduled - arrival
+    TTFT    first_token - arrival
+    ITL     gaps between consecutive token times (pooled over requests)
+    TPOT    (E2E - TTFT) / (output tokens - 1); undefined for one-token outputs (left out)
+    E2E     finish - arrival
+
+Percentiles are numpy's default definition (linear interpolation between the two nearest
+ranks, `np.percentile(..., method="linear")`), over completed requests only: cancelled and
+failed requests are counted, never averaged in. Throughput divides by the run's span, from
+the first arrival to the last finish: requests/s counts completed requests, output tokens/s
+counts every token produced (a cancelled request's too). Goodput counts completed requests
+that meet every SLO given, per second of the same span.
+
+The PD pair, around one long prompt L (chapter 05):
+    dec@P    decode tokens produced by OTHER requests while L's prefill is unfinished: the
+             window runs from L's arrival step to the step its last prefill chunk ran
+    short_P  from L's arrival until every short request alive with it (arrived before the
+             window ended, not finished before L arrived) has finished; in steps and seconds
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+PERCENTILES = (50, 95, 99)
+PERCENTILE_METHOD = "numpy linear interpolation (np.percentile, method='linear')"
+SLO_KEYS = ("ttft", "tpot", "e2e")
+COMPLETED = ("stop", "length")
+
+
+# ------------------------------------------------------------------------------ basics
+def percentiles(values: Iterable[float], ps: Sequence[int] = PERCENTILES) -> dict[str, Any]:
+    """{"p50": .., "p95": .., "p99": ..} with numpy linear interpolation; None when empty
+    (chapter 05)."""
+    arr = np.asarray(list(values), dtype=float)
+    if arr.size == 0:
+        return {f"p{p}": None for p in ps}
+    return {f"p{p}": float(np.percentile(arr, p, method="linear")) for p in ps}
+
+
+def is_completed(record: Any) -> bool:
+    """Finished normally (stop or length), not cancelled, failed or unfinished (chapter 05)."""
+    return record.finish_reason in COMPLETED
+
+
+def queue_time(r: Any) -> float | None:
+    """Seconds from arrival to first being scheduled (chapter 05)."""
+    if r.arrival_time is None or r.first_scheduled_time is None:
+        return None
+    return r.first_scheduled_time - r.arrival_time
+
+
+def ttft(r: Any) -> float | None:
+    """Time to first token, seconds from arrival (chapter 05)."""
+    if r.arrival_time is None or r.first_token_time is None:
+        return None
+    return r.first_token_time - r.arrival_time
+
+
+def e2e(r: Any) -> float | None:
+    """End-to-end latency, seconds from arrival to finish (chapter 05)."""
+    if r.arrival_time is None or r.finish_time is None:
+        return None
+    return r.finish_time - r.arrival_time
+
+
+def tpot(r: Any) -> float | None:
+    """Time per output token after the first: (E2E - TTFT) / (n - 1); None for n < 2
+    (chapter 05)."""
+    first, total = ttft(r), e2e(r)
+    if r.num_output_tokens < 2 or first is None or total is None:
+        return None
+    return (total - first) / (r.num_output_tokens - 1)
+
+
+def itls(r: Any) -> list[float]:
+    """Gaps between consecutive token times of one request (chapter 05)."""
+    t = r.token_times
+    return [b - a for a, b in zip(t, t[1:])]
+
+
+def steps_between(start: int | None, end: int | None) -> int | None:
+    """Steps from `start` to `end`, both counted: served in its arrival step = 1 (chapter 05)."""
+    if start is None or end is None:
+        return None
+    return end - start + 1
+
+
+def meets_slo(r: Any, slo: dict[str, float] | None) -> bool:
+    """True if a completed request meets every SLO given (`ttft`, `tpot`, `e2e`, seconds).
+    A one-token output has no TPOT and passes that one (chapter 06)."""
+    if not is_completed(r):
+        return False
+    for key, limit in (slo or {}).items():
+        if limit is None:
+            continue
+        value = {"ttft": ttft, "tpot": tpot, "e2e": e2e}[key](r)
+        if value is None and key == "tpot":
+            continue
+        if value is None or value > limit:
+            return False
+    return True
+
+
+def check_slo(slo: dict[str, float] | None) -> dict[str, float]:
+    """Validate an SLO dict: keys among ttft/tpot/e2e, values positive seconds or None
+    (chapter 06)."""
+    slo = dict(slo or {})
+    for key, value in slo.items():
+        if key not in SLO_KEYS:
+            raise ValueError(f"slo keys must be among {SLO_KEYS}, got {key!r}")
+        if value is not None and (not isinstance(value, (int, float)) or value <= 0):
+            raise ValueError(f"slo[{key!r}] must be a positive number of seconds, got {value!r}")
+    return {k: float(v) for k, v in slo.items() if v is not None}
+
+
+def run_span(records: Sequence[Any]) -> float:
+    """Seconds from the first arrival to the last finish (0 if nothing finished) (chapter 05)."""
+    arrivals = [r.arrival_time for r in records if r.arrival_time is not None]
+    finishes = [r.finish_time for r in records if r.finish_time is not None]
+    if not arrivals or not finishes:
+        return 0.0
+    return max(0.0, max(finishes) - min(arrivals))
+
+
+# ------------------------------------------------------------------------------ trace helpers
+def dead_slot_steps(trace: Sequence[Any]) -> int:
+    """Member-steps spent idle: a static batch's finished members still holding their slot
+    (chapter 02; R1's ~170 dead steps in the chapter's example)."""
+    return sum(1 for rec in trace for m in rec.members if m.kind == "idle")
+
+
+def batch_sizes(trace: Sequence[Any]) -> list[int]:
+    """Members that advanced at least one token, per step (chapters 02-03)."""
+    return [sum(1 for m in rec.members if m.num_tokens > 0) for rec in trace]
+
+
+def tokens_per_step(trace: Sequence[Any]) -> list[tuple[int, int]]:
+    """(prefill tokens, decode tokens) per step: the token budget picture (chapters 04-05)."""
+    return [(rec.num_prefill_tokens, rec.num_decode_tokens) for rec in trace]
+
+
+def host_time_fraction(trace: Sequence[Any]) -> float | None:
+    """1 - sum(t_forward) / sum(step durations): the share of step time spent outside the
+    model (chapter 06)."""
+    total = sum(rec.duration for rec in trace)
+    if total <= 0:
+        return None
+    return 1.0 - sum(rec.t_forward for rec in trace) / total
+
+
+def decode_tokens_per_s(trace: Sequence[Any]) -> float | None:
+    """Decode speed: decode tokens / seconds, over the steps that ran only decode rows (so a
+    prefill chunk sharing the step does not count against it). None if there are none
+    (chapter 05)."""
+    steps = [rec for rec in trace if rec.members and rec.num_prefill_tokens == 0
+             and rec.num_decode_tokens > 0]
+    seconds = sum(rec.duration for rec in steps)
+    if not steps or seconds <= 0:
+        return None
+    return sum(rec.num_decode_tokens for rec in steps) / seconds
+
+
+def max_queue_age(records: Sequence[Any], end_time: float | None = None,
+                  end_step: int | None = None) -> tuple[float | None, int | None]:
+    """The oldest wait before first being scheduled, in seconds and steps (starvation): for a
+    request never scheduled, until it finished (cancelled) or until the end of the run
+    (chapter 06)."""
+    ages: list[float] = []
+    steps: list[int] = []
+    for r in records:
+        if r.arrival_time is not None:
+            until = r.first_scheduled_time
+            until = r.finish_time if until is None else until
+            until = end_time if until is None else until
+            if until is not None:
+                ages.append(until - r.arrival_time)
+        if r.arrival_step is not None:
+            until_step = r.first_scheduled_step
+            until_step = r.finish_step if until_step is None else until_step
+            until_step = end_step if until_step is None else until_step
+            if until_step is not None:
+                steps.append(until_step - r.arrival_step)
+    return (max(ages) if ages else None), (max(steps) if steps else None)
+
+
+# ------------------------------------------------------------------------------ dec@P, short_P
+def long_prefill_metrics(trace: Sequence[Any], records: Sequence[Any],
+                         long_request_id: str | None) -> dict[str, Any]:
+    """dec@P and short_P around the long request (chapter 05; definitions in the module text).
+
+    Returns dec_at_p (tokens), prefill_window_steps/_s, dec_at_p_per_s (dec@P over the
+    window's seconds), short_p_steps, short_p_s and the short ids counted. All None when
+    `long_request_id` is None; short_p_* None while a counted short request is unfinished."""
+    keys = ("dec_at_p", "dec_at_p_per_s", "prefill_window_steps", "prefill_window_s",
+            "short_p_steps", "short_p_s")
+    out: dict[str, Any] = {k: None for k in keys}
+    out["short_request_ids"] = []
+    if long_request_id is None:
+        return out
+    by_id = {r.request_id: r for r in records}
+    if long_request_id not in by_id:
+        raise ValueError(f"long_request_id {long_request_id!r} is not among the records")
+    long = by_id[long_request_id]
+    start = long.arrival_step
+    if start is None:
+        return out
+    end = long.first_token_step if long.first_token_step is not None else long.finish_step
+    if end is None:  # the prefill never finished (run cut short)
+        end = trace[-1].step if trace else start
+    window = [rec for rec in trace if start <= rec.step <= end]
+    out["dec_at_p"] = sum(m.num_tokens for rec in window for m in rec.members
+                          if m.kind == "decode" and m.request_id != long_request_id)
+    out["prefill_window_steps"] = end - start + 1
+    if window and long.arrival_time is not None:
+        seconds = window[-1].t_end - long.arrival_time
+        out["prefill_window_s"] = seconds
+        out["dec_at_p_per_s"] = out["dec_at_p"] / seconds if seconds > 0 else None
+    shorts = [r for r in records if r.request_id != long_request_id
+              and r.arrival_step is not None and r.arrival_step <= end
+              and (r.finish_step is None or r.finish_step >= start)]
+    out["short_request_ids"] = [r.request_id for r in shorts]
+    if not shorts:
+        out["short_p_steps"] = out["short_p_s"] = 0
+        return out
+    if any(r.finish_step is None for r in shorts):
+        return out
+    out["short_p_steps"] = max(r.finish_step for r in shorts) - start + 1
+    if long.arrival_time is not None and all(r.finish_time is not None for r in shorts):
+        out["short_p_s"] = max(r.finish_time for r in shorts) - long.arrival_time
+    return out
+
+
+# ------------------------------------------------------------------------------ summary
+def summarize(trace: Sequence[Any], records: Sequence[Any], slo: dict[str, float] | None = None,
+              long_request_id: str | None = None) -> dict[str, Any]:
+    """Every metric of the results schema from a trace and its request records (chapters
+    05-06). `slo`: {"ttft": s, "tpot": s, "e2e": s}, any subset; goodput counts completed
+    requests meeting all of them, per second of the run's span."""
+    slo = check_slo(slo)
+    records = list(records)
+    done = [r for r in records if is_completed(r)]
+    span = run_span(records)
+    output_tokens = sum(r.num_output_tokens for r in records)
+    end_time = trace[-1].t_end if trace else None
+    end_step = trace[-1].step if trace else None
+    age_s, age_steps = max_queue_age(records, end_time, end_step)
+    met = [r for r in done if meets_slo(r, slo)]
+    not_cancelled = [r for r in records if r.finish_reason != "cancelled"]
+    sizes = [b for b in batch_sizes(trace) if b]
+
+    def per_s(count: float) -> float | None:
+        return count / span if span > 0 else None
+
+    summary: dict[str, Any] = {
+        "num_requests": len(records),
+        "completed": len(done),
+        "cancelled": sum(1 for r in records if r.finish_reason == "cancelled"),
+        "errors": sum(1 for r in records if r.finish_reason == "error"),
+        "unfinished": sum(1 for r in records if r.finish_reason is None),
+        "num_steps": len(trace),
+        "duration_s": span,
+        "output_tokens": output_tokens,
+        "output_tokens_per_s": per_s(output_tokens),
+        "requests_per_s": per_s(len(done)),
+        "output_tokens_per_step": output_tokens / len(trace) if trace else None,
+        "decode_tokens_per_s": decode_tokens_per_s(trace),
+        "host_time_fraction": host_time_fraction(trace),
+        "ttft_s": percentiles(v for v in map(ttft, done) if v is not None),
+        "itl_s": percentiles(g for r in done for g in itls(r)),
+        "tpot_s": percentiles(v for v in map(tpot, done) if v is not None),
+        "e2e_s": percentiles(v for v in map(e2e, done) if v is not None),
+        "queue_s": percentiles(v for v in map(queue_time, done) if v is not None),
+        "ttft_steps": percentiles(v for v in (steps_between(r.arrival_step, r.first_token_step)
+                                              for r in done) if v is not None),
+        "e2e_steps": percentiles(v for v in (steps_between(r.arrival_step, r.finish_step)
+                                             for r in done) if v is not None),
+        "queue_steps": percentiles(r.first_scheduled_step - r.arrival_step for r in done
+                                   if r.first_scheduled_step is not None
+                                   and r.arrival_step is not None),
+        "slo": slo,
+        "slo_met": len(met),
+        "slo_attainment": len(met) / len(not_cancelled) if not_cancelled else None,
+        "goodput_rps": per_s(len(met)),
+        "preemptions": sum(r.num_preemptions for r in records),
+        "recomputed_tokens": sum(r.num_recomputed_tokens for r in records),
+        "max_queue_age_s": age_s,
+        "max_queue_age_steps": age_steps,
+        "dead_slot_steps": dead_slot_steps(trace),
+        "mean_batch_size": float(np.mean(sizes)) if sizes else None,
+        "cached_prompt_tokens": sum(r.num_cached_tokens for r in records),
+        "percentile_method": PERCENTILE_METHOD,
+    }
+    summary.update(long_prefill_metrics(trace, records, long_request_id))
+    return summary
+
+
+def per_request(records: Sequence[Any]) -> list[dict[str, Any]]:
+    """One row per request (id, status, lengths, queue/TTFT/TPOT/E2E in seconds and steps):
+    the table a chapter shows before it shows percentiles (chapter 05)."""
+    rows = []
+    for r in records:
+        rows.append({
+            "request_id": r.request_id, "finish_reason": r.finish_reason,
+            "prompt_tokens": r.num_prompt_tokens, "output_tokens": r.num_output_tokens,
+            "queue_s": queue_time(r), "ttft_s": ttft(r), "tpot_s": tpot(r), "e2e_s": e2e(r),
+            "arrival_step": r.arrival_step,
+            "ttft_steps": steps_between(r.arrival_step, r.first_token_step),
+            "e2e_steps": steps_between(r.arrival_step, r.finish_step),
+            "preemptions": r.num_preemptions,
+        })
+    return rows
+
+
+# ------------------------------------------------------------------------------ tables
+TABLE_COLUMNS = (
+    ("output_tokens_per_s", "out tok/s", "{:.1f}"),
+    ("requests_per_s", "req/s", "{:.2f}"),
+    ("ttft_s.p50", "TTFT p50", "{:.3f}"),
+    ("ttft_s.p99", "TTFT p99", "{:.3f}"),
+    ("tpot_s.p50", "TPOT p50", "{:.4f}"),
+    ("itl_s.p99", "ITL p99", "{:.4f}"),
+    ("e2e_s.p50", "E2E p50", "{:.3f}"),
+    ("e2e_s.p99", "E2E p99", "{:.3f}"),
+    ("queue_s.p99", "queue p99", "{:.3f}"),
+    ("goodput_rps", "goodput", "{:.2f}"),
+    ("num_steps", "steps", "{}"),
+    ("preemptions", "preempt", "{}"),
+)
+
+
+def lookup(summary: dict[str, Any], dotted: str) -> Any:
+    """summary["ttft_s"]["p50"] as lookup(summary, "ttft_s.p50"); None if missing (chapter 05)."""
+    value: Any = summary
+    for part in dotted.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return None
+        value = value[part]
+    return value
+
+
+def format_table(results: dict[str, dict[str, Any]],
+                 columns: Sequence[tuple[str, str, str]] = TABLE_COLUMNS) -> str:
+    """A plain-text table, one row per policy (or run), for terminals and notebooks (chapter 05)."""
+    header = ["policy"] + [title for _, title, _ in columns]
+    rows = [header]
+    for name, summary in results.items():
+        row = [name]
+        for key, _, fmt in columns:
+            value = lookup(summary, key)
+            row.append("-" if value is None else fmt.format(value))
+        rows.append(row)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in
+                       enumerate(zip(r, widths))) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)

@@ -1,0 +1,713 @@
+"""An OpenAI-compatible HTTP server in front of one running engine (chapters 06 and 08).
+
+    python -m minicb serve --model smollm2-135m --policy pd --port 8000
+
+Engines are used through servers, and a benchmark is measured where the user sits: at the client.
+The engine is synchronous and single-threaded, so exactly one thread, the `EngineWorker`, owns it:
+
+    HTTP handlers (asyncio)  --commands (queue.Queue)-->  engine thread: add / cancel / step()
+    HTTP handlers (asyncio)  <--events (asyncio.Queue)--  engine thread, via call_soon_threadsafe
+
+Every request from every client joins the same running engine, so continuous batching happens
+across clients. Endpoints: POST /v1/completions and /v1/chat/completions (streamed as
+server-sent events or not), GET /v1/models, GET /health, GET /metrics (Prometheus text).
+Each choice carries the generated `token_ids` as an extra field (vLLM's `return_token_ids`), so a
+checkpoint without a tokenizer can still be checked token for token."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import bisect
+import concurrent.futures
+import json
+import queue
+import socket
+import threading
+import time
+import traceback
+import uuid
+from collections import Counter, deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from minicb.request import SamplingParams
+
+# vLLM's bucket edges, in seconds
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+               2.5, 5.0, 10.0)
+
+
+class InvalidRequest(ValueError):
+    """A request the server refuses with HTTP 400; `param` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+class QueueFull(RuntimeError):
+    """More requests wait than `max_queue` allows: HTTP 429."""
+
+
+@dataclass
+class Event:
+    """What the engine thread tells one request's handler after a step."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None  # stop, length, cancelled, error
+    error: str | None = None
+
+
+@dataclass
+class Job:
+    """One accepted request as its HTTP handler sees it."""
+
+    request_id: str
+    num_prompt_tokens: int
+    events: asyncio.Queue
+    finished: bool = False
+
+
+@dataclass
+class _Stream:
+    """The engine thread's bookkeeping for one request: what was sent, what is held back."""
+
+    job: Job
+    loop: asyncio.AbstractEventLoop
+    stop: tuple[str, ...]
+    sent_tokens: int = 0
+    text: str = ""  # decoded so far (truncated at a stop string)
+    sent_text: int = 0  # characters of `text` already sent
+
+    @property
+    def hold(self) -> int:  # characters that might still grow into a stop string
+        return max((len(s) for s in self.stop), default=1) - 1
+
+
+class Histogram:
+    """A Prometheus histogram: cumulative bucket counts, sum and count."""
+
+    def __init__(self, buckets: tuple[float, ...]) -> None:
+        self.buckets, self.counts = buckets, [0] * (len(buckets) + 1)
+        self.sum, self.count = 0.0, 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def lines(self, name: str, help_text: str) -> list[str]:
+        out = [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
+        total = 0
+        for edge, n in zip([*map(repr, self.buckets), "+Inf"], self.counts):
+            total += n
+            out.append(f'{name}_bucket{{le="{edge}"}} {total}')
+        return out + [f"{name}_sum {self.sum!r}", f"{name}_count {self.count}"]
+
+
+# ------------------------------------------------------------------------------ the engine thread
+class EngineWorker:
+    """Owns the engine and the one thread that touches it (chapter 06). Handlers call `submit`
+    and `cancel` from any thread or event loop; the thread applies them between steps, steps while
+    there is work, and sends each request its new tokens after every step.
+
+    `max_queue`: refuse (QueueFull) a request when that many already wait. `history`: finished
+    requests kept in `engine.requests` (and 10x as many steps in `engine.trace`); older ones are
+    dropped so a long-running server does not grow without bound."""
+
+    def __init__(self, engine: Any, max_queue: int | None = None, history: int = 10_000) -> None:
+        self.engine = engine
+        self.max_queue = max_queue
+        self.history = history
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.capacity = engine.pool.num_pages * engine.pool.page_size
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, _Stream] = {}
+        self._finished: deque[str] = deque()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # guards the counters below (read by /metrics)
+        self.ttft, self.itl = Histogram(TTFT_BUCKETS), Histogram(ITL_BUCKETS)
+        self.finish_reasons: Counter[str] = Counter()
+        self.counters = Counter(preemptions=0, prompt_tokens=0, generation_tokens=0, steps=0)
+        self.snapshot: dict[str, int] = dict(engine.stats())
+        self.last_error: str | None = None
+
+    # -------------------------------------------------------------- any thread
+    def start(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="minicb-engine", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            self._commands.put(("stop",))
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def call(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
+        """Run `fn(engine)` on the engine thread between steps; a Future of its result (tests
+        and notebooks read the engine's trace and records this way)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("call", fn, future))
+        return future
+
+    async def submit(self, prompt: str | list[int] | None, params: dict[str, Any],
+                     messages: list[dict] | None = None, stop: tuple[str, ...] = (),
+                     request_id: str | None = None) -> Job:
+        """Queue a request; returns its Job once the engine has accepted it. Raises
+        InvalidRequest (bad prompt or params) or QueueFull."""
+        self.start()
+        loop = asyncio.get_running_loop()
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("add", prompt, messages, params, stop, request_id, loop, future))
+        return await asyncio.wrap_future(future)
+
+    def cancel(self, request_id: str) -> None:
+        """Cancel a request (its client went away): its pages return at the engine's next
+        pause between steps."""
+        self._commands.put(("cancel", request_id))
+
+    def metrics_text(self, model_name: str) -> str:
+        """Everything `/metrics` shows, in the Prometheus text format."""
+        s = self.snapshot
+        gauges = [("num_requests_waiting", "Requests waiting to be scheduled.", s["num_waiting"]),
+                  ("num_requests_running", "Requests in the running batch.", s["num_running"]),
+                  ("kv_pages_used", "KV pages held by running requests.", s["pages_used"]),
+                  ("kv_pages_free", "KV pages on the free list.", s["pages_free"]),
+                  ("kv_pages_cached", "Unreferenced KV pages kept by the prefix index.",
+                   s["pages_cached"]),
+                  ("kv_pages_total", "KV pages in the pool.", s["pages_total"])]
+        out = [f"# minicb model={model_name}"]
+        for name, help_text, value in gauges:
+            out += [f"# HELP minicb_{name} {help_text}", f"# TYPE minicb_{name} gauge",
+                    f"minicb_{name} {value}"]
+        with self._lock:
+            counters = [("num_preemptions_total", "Preemptions (pages freed, recomputed later).",
+                         self.counters["preemptions"]),
+                        ("prompt_tokens_total", "Prompt tokens accepted.",
+                         self.counters["prompt_tokens"]),
+                        ("generation_tokens_total", "Tokens generated.",
+                         self.counters["generation_tokens"]),
+                        ("steps_total", "Engine steps run.", self.counters["steps"])]
+            for name, help_text, value in counters:
+                out += [f"# HELP minicb_{name} {help_text}", f"# TYPE minicb_{name} counter",
+                        f"minicb_{name} {value}"]
+            out += ["# HELP minicb_requests_total Finished requests by finish reason.",
+                    "# TYPE minicb_requests_total counter"]
+            for reason in sorted({"stop", "length", "cancelled", "error"}
+                                 | set(self.finish_reasons)):
+                out.append(f'minicb_requests_total{{finish_reason="{reason}"}} '
+                           f'{self.finish_reasons[reason]}')
+            out += self.ttft.lines("minicb_time_to_first_token_seconds",
+                                   "Time from arrival to the first token (engine clock).")
+            out += self.itl.lines("minicb_inter_token_latency_seconds",
+                                  "Time between consecutive tokens of one request.")
+        return "\n".join(out) + "\n"
+
+    # -------------------------------------------------------------- the engine thread only
+    def _run(self) -> None:
+        while True:
+            # block while idle; between steps, take whatever has arrived
+            commands = [] if self.engine.has_unfinished() else [self._commands.get()]
+            while True:
+                try:
+                    commands.append(self._commands.get_nowait())
+                except queue.Empty:
+                    break
+            try:
+                for cmd in commands:
+                    if cmd[0] == "stop":
+                        return
+                    self._handle(cmd)
+                if self.engine.has_unfinished():
+                    self._step()
+                    time.sleep(0)  # let the HTTP thread take the GIL and send the tokens
+            except Exception:  # noqa: BLE001 - a fault fails the requests, not the server
+                self._fail_all()
+            self.snapshot = dict(self.engine.stats())
+
+    def _fail_all(self) -> None:
+        """Something raised on the engine thread: log it, end every open request with an
+        error, and keep serving."""
+        self.last_error = traceback.format_exc()
+        print(self.last_error, flush=True)
+        for rid, stream in list(self._streams.items()):
+            self._send(stream, Event([], "", "error", "engine error: see the server log"))
+            try:
+                self._cancel(rid, "error")
+            except Exception:  # noqa: BLE001 - the engine is broken; keep the thread alive
+                time.sleep(0.1)
+
+    def _handle(self, cmd: tuple) -> None:
+        kind = cmd[0]
+        if kind == "add":
+            future = cmd[-1]
+            try:
+                future.set_result(self._add(*cmd[1:-1]))
+            except ValueError as exc:  # InvalidRequest, or the engine's own ValueError
+                future.set_exception(exc if isinstance(exc, InvalidRequest)
+                                     else InvalidRequest(str(exc)))
+            except Exception as exc:  # noqa: BLE001 - QueueFull, or a bug: the handler answers
+                future.set_exception(exc)
+        elif kind == "cancel":
+            self._cancel(cmd[1], "cancelled")
+        elif kind == "call":
+            try:
+                cmd[2].set_result(cmd[1](self.engine))
+            except Exception as exc:  # noqa: BLE001
+                cmd[2].set_exception(exc)
+
+    def _add(self, prompt, messages, params, stop, request_id, loop) -> Job:
+        engine = self.engine
+        waiting = len(engine.waiting) + len(engine.pending)
+        if self.max_queue is not None and waiting >= self.max_queue:
+            raise QueueFull(f"the server's queue is full ({waiting} requests waiting, "
+                            f"--max-queue {self.max_queue}); retry later")
+        field_name = "prompt"
+        if messages is not None:
+            field_name = "messages"
+            if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+                raise InvalidRequest("this model has no chat template: use /v1/completions",
+                                     "messages")
+            try:
+                prompt = _apply_chat_template(self.tokenizer, messages)
+            except Exception as exc:  # noqa: BLE001 - a template error is the caller's input
+                raise InvalidRequest(f"cannot apply the chat template: {exc}", "messages") \
+                    from None
+        try:
+            token_ids = engine.tokenize(prompt)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc), field_name) from None
+        if stop and self.tokenizer is None:
+            raise InvalidRequest("stop strings need a tokenizer, and this model has none: use "
+                                 "stop_token_ids", "stop")
+        params = dict(params)
+        if params.get("max_tokens") is None:  # chat's default: whatever room is left
+            params["max_tokens"] = max(1, min(self.max_model_len, self.capacity) - len(token_ids))
+        try:
+            sampling = SamplingParams(**params)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc), str(exc).split()[0]) from None
+        base = rid = request_id or uuid.uuid4().hex[:16]
+        for suffix in range(1, len(engine.requests) + 2):  # X-Request-Id reused: make it unique
+            if rid not in engine.requests:
+                break
+            rid = f"{base}-{suffix}"
+        try:
+            engine.add_request(token_ids, sampling, request_id=rid)
+        except ValueError as exc:
+            message = str(exc)
+            fits = "exceeds the model's context" in message or "never fit" in message
+            raise InvalidRequest(message, field_name,
+                                 "context_length_exceeded" if fits else None) from None
+        job = Job(rid, len(token_ids), asyncio.Queue())
+        self._streams[rid] = _Stream(job, loop, tuple(stop))
+        with self._lock:
+            self.counters["prompt_tokens"] += len(token_ids)
+        return job
+
+    def _cancel(self, rid: str, reason: str) -> None:
+        """Cancel in the engine (pages back at once) and count it under `reason`."""
+        self._streams.pop(rid, None)
+        req = self.engine.requests.get(rid)
+        if req is None or req.is_finished:
+            return
+        self.engine.cancel(rid)
+        with self._lock:
+            self.finish_reasons[reason] += 1
+        self._forget(rid)
+
+    def _step(self) -> None:
+        engine = self.engine
+        record = engine.step()
+        with self._lock:
+            self.counters["steps"] += 1
+            self.counters["preemptions"] += len(record.preempted)
+            self.counters["generation_tokens"] += len(record.sampled)
+            for rid in record.sampled:
+                m = engine.requests[rid].metrics
+                if len(m.token_times) == 1:
+                    self.ttft.observe(m.first_token_time - m.arrival_time)
+                else:
+                    self.itl.observe(m.token_times[-1] - m.token_times[-2])
+            done = [rid for rid in record.finished if rid in engine.requests
+                    and engine.requests[rid].finish_reason != "cancelled"]  # counted at cancel
+            self.finish_reasons.update(engine.requests[rid].finish_reason for rid in done)
+        for rid in dict.fromkeys(record.sampled + record.finished):
+            stream = self._streams.get(rid)
+            if stream is not None:
+                self._emit(stream)
+        for rid in done:
+            self._forget(rid)
+        if len(engine.trace) > 20 * self.history:
+            del engine.trace[:len(engine.trace) - 10 * self.history]
+
+    def _emit(self, s: _Stream) -> None:
+        """Send a request its new tokens and text; stop it at a stop string."""
+        req = self.engine.requests[s.job.request_id]
+        new_ids = req.output_token_ids[s.sent_tokens:]
+        s.sent_tokens = len(req.output_token_ids)
+        reason = req.finish_reason
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+            if not text.endswith("\ufffd") or reason:  # wait for a whole UTF-8 character
+                start = max(0, len(s.text) - s.hold)
+                hits = [i for i in (text.find(t, start) for t in s.stop) if i >= 0]
+                s.text = text[:min(hits)] if hits else text
+                if hits:
+                    reason = "stop"
+        end = len(s.text) if reason else max(s.sent_text, len(s.text) - s.hold)
+        delta, s.sent_text = s.text[s.sent_text:end], end
+        self._send(s, Event(new_ids, delta, reason, req.error))
+        if reason == "stop" and not req.is_finished:
+            self._cancel(s.job.request_id, "stop")  # a stop string: the engine stops now
+        if reason:
+            self._streams.pop(s.job.request_id, None)
+
+    def _send(self, s: _Stream, event: Event) -> None:
+        try:
+            s.loop.call_soon_threadsafe(s.job.events.put_nowait, event)
+        except RuntimeError:  # the handler's event loop is gone: nobody listens any more
+            self._cancel(s.job.request_id, "cancelled")
+
+    def _forget(self, rid: str) -> None:
+        """Keep only the last `history` finished requests in the engine's books."""
+        self._finished.append(rid)
+        while len(self._finished) > self.history:
+            old = self._finished.popleft()
+            self.engine.requests.pop(old, None)
+            getattr(self.engine, "_generators", {}).pop(old, None)
+
+
+def _apply_chat_template(tokenizer: Any, messages: list[dict]) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
+
+
+# ------------------------------------------------------------------------------ request parsing
+def _error(status: int, message: str, param: str | None = None, code: str | None = None,
+           kind: str = "invalid_request_error", headers: dict | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _number(body: dict, name: str, default: Any, kind: type = float, low: float | None = None,
+            high: float | None = None) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is int:
+        ok = ok and float(value).is_integer()
+    if not ok:
+        raise InvalidRequest(f"{name} must be {'an integer' if kind is int else 'a number'}, "
+                             f"got {value!r}", name)
+    if (low is not None and value < low) or (high is not None and value > high):
+        bounds = f"[{low if low is not None else '-inf'}, {high if high is not None else 'inf'}]"
+        raise InvalidRequest(f"{name} must be in {bounds}, got {value!r}", name)
+    return kind(value)
+
+
+def parse_request(body: Any, chat: bool) -> dict[str, Any]:
+    """Check an OpenAI request body; returns what `EngineWorker.submit` needs. Raises
+    InvalidRequest naming the field. Unknown fields are ignored, as OpenAI servers do."""
+    if not isinstance(body, dict):
+        raise InvalidRequest("the request body must be a JSON object")
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or \
+                not all(isinstance(m, dict) and "role" in m for m in messages):
+            raise InvalidRequest("messages must be a non-empty list of {role, content} objects",
+                                 "messages")
+        prompt = None
+    else:
+        messages, prompt = None, body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        if not (isinstance(prompt, str) or (isinstance(prompt, list) and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt))):
+            raise InvalidRequest("prompt must be a string or a list of token ids (one prompt "
+                                 "per request)", "prompt")
+    if _number(body, "n", 1, int) != 1:
+        raise InvalidRequest("only n=1 is supported", "n")
+    if body.get("logprobs") not in (None, False) or body.get("echo"):
+        name = "logprobs" if body.get("logprobs") not in (None, False) else "echo"
+        raise InvalidRequest(f"{name} is not supported by this server", name)
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise InvalidRequest(f"stream must be true or false, got {stream!r}", "stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise InvalidRequest("stream_options must be an object", "stream_options")
+    max_name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None \
+        else "max_tokens"
+    top_k = _number(body, "top_k", 0, int, low=-1)
+    stop, stop_ids = body.get("stop"), body.get("stop_token_ids") or []
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop and all(isinstance(t, int) and not isinstance(t, bool) for t in stop):
+        stop, stop_ids = [], list(stop_ids) + list(stop)  # token ids given as `stop`
+    if stop is not None and (not isinstance(stop, list)
+                             or not all(isinstance(s, str) and s for s in stop)):
+        raise InvalidRequest("stop must be a string or a list of non-empty strings", "stop")
+    if not isinstance(stop_ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in stop_ids):
+        raise InvalidRequest("stop_token_ids must be a list of token ids", "stop_token_ids")
+    if not isinstance(body.get("ignore_eos", False), bool):
+        raise InvalidRequest("ignore_eos must be true or false", "ignore_eos")
+    max_tokens = _number(body, max_name, None if chat else 16, int, low=1)
+    params = dict(max_tokens=max_tokens,
+                  temperature=_number(body, "temperature", 1.0, float, 0.0, 2.0),
+                  top_p=_number(body, "top_p", 1.0, float, 0.0, 1.0),
+                  top_k=max(top_k, 0),
+                  seed=_number(body, "seed", None, int),
+                  stop_token_ids=tuple(stop_ids),
+                  ignore_eos=body.get("ignore_eos", False),
+                  min_tokens=_number(body, "min_tokens", 0, int, 0,
+                                     max_tokens if max_tokens is not None else None))
+    if params["top_p"] == 0.0:
+        raise InvalidRequest("top_p must be in (0, 1], got 0", "top_p")
+    return dict(prompt=prompt, messages=messages, params=params, stop=tuple(stop or ()),
+                stream=stream, include_usage=bool(options.get("include_usage")),
+                model=body.get("model"))
+
+
+# ------------------------------------------------------------------------------ the app
+class _EventStream(StreamingResponse):
+    """A StreamingResponse that runs `on_close` however the stream ends (client gone too)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+def _sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+def create_app(engine_or_llm: Any, model_name: str = "minicb", max_queue: int | None = 256,
+               history: int = 10_000) -> FastAPI:
+    """The FastAPI app around one engine (chapters 06 and 08). `engine_or_llm`: an Engine or an
+    LLM. The worker is `app.state.worker`; it starts with the app (or at the first request)."""
+    engine = getattr(engine_or_llm, "engine", engine_or_llm)
+    worker = EngineWorker(engine, max_queue=max_queue, history=history)
+
+    async def lifespan(app: FastAPI):
+        worker.start()
+        yield
+        worker.stop()
+
+    app = FastAPI(title="minicb", lifespan=lifespan)
+    app.state.worker = worker
+    created = int(time.time())
+
+    @app.get("/health")
+    async def health():
+        if not worker.alive and worker._thread is not None:
+            return _error(503, "the engine thread has stopped", kind="server_error")
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": model_name, "object": "model", "created": created, "owned_by": "minicb",
+            "max_model_len": worker.max_model_len}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(worker.metrics_text(model_name),
+                                 media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _generate(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await _generate(request, chat=True)
+
+    async def _generate(request: Request, chat: bool):
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            return _error(400, f"the request body is not valid JSON: {exc}")
+        try:
+            req = parse_request(body, chat)
+            if req["model"] not in (None, model_name):
+                return _error(404, f"the model `{req['model']}` does not exist; this server "
+                              f"serves `{model_name}`", "model", "model_not_found")
+            job = await worker.submit(req["prompt"], req["params"], req["messages"],
+                                      req["stop"], request.headers.get("x-request-id"))
+        except InvalidRequest as exc:
+            return _error(400, str(exc), exc.param, exc.code)
+        except QueueFull as exc:
+            return _error(429, str(exc), code="queue_full", kind="rate_limit_error",
+                          headers={"Retry-After": "1"})
+        except Exception as exc:  # noqa: BLE001 - a server bug: say so, keep serving
+            return _error(500, f"{type(exc).__name__}: {exc}", kind="server_error")
+        kind = ("chat.completion.chunk" if req["stream"] else "chat.completion") if chat \
+            else "text_completion"
+        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{job.request_id}", "object": kind,
+                "created": int(time.time()), "model": model_name}
+
+        def usage(n: int) -> dict:
+            return {"prompt_tokens": job.num_prompt_tokens, "completion_tokens": n,
+                    "total_tokens": job.num_prompt_tokens + n}
+
+        def choice(ev: Event, streaming: bool) -> dict:
+            out: dict[str, Any] = {"index": 0}
+            if chat and streaming:
+                out["delta"] = {"content": ev.text} if ev.text else {}
+            elif chat:
+                out["message"] = {"role": "assistant", "content": ev.text}
+            else:
+                out["text"] = ev.text
+            reason = ev.finish_reason if ev.finish_reason != "cancelled" else "abort"
+            return {**out, "token_ids": ev.token_ids, "logprobs": None, "finish_reason": reason}
+
+        def close() -> None:
+            if not job.finished:
+                worker.cancel(job.request_id)
+
+        if req["stream"]:
+            async def events() -> AsyncIterator[str]:
+                n = 0
+                if chat:
+                    yield _sse({**head, "choices": [
+                        {"index": 0, "delta": {"role": "assistant", "content": ""},
+                         "logprobs": None, "finish_reason": None}]})
+                while not job.finished:
+                    ev = await job.events.get()
+                    job.finished = ev.finish_reason is not None
+                    n += len(ev.token_ids)
+                    if ev.error:
+                        yield _sse({"error": {"message": ev.error, "type": "server_error",
+                                              "param": None, "code": None}})
+                    chunk = {**head, "choices": [choice(ev, True)]}
+                    if req["include_usage"]:
+                        chunk["usage"] = None
+                    yield _sse(chunk)
+                if req["include_usage"]:
+                    yield _sse({**head, "choices": [], "usage": usage(n)})
+                yield _sse("[DONE]")
+
+            return _EventStream(events(), close)
+
+        token_ids, text, ev = [], "", None
+        loop = asyncio.get_running_loop()
+        check_at = loop.time() + 0.25
+        try:
+            while ev is None or ev.finish_reason is None:
+                try:  # wait for the next tokens, and look for a client gone every 0.25 s
+                    ev = await asyncio.wait_for(job.events.get(), max(0, check_at - loop.time()))
+                    token_ids += ev.token_ids
+                    text += ev.text
+                except TimeoutError:
+                    pass
+                if loop.time() >= check_at:
+                    if await request.is_disconnected():
+                        break
+                    check_at = loop.time() + 0.25
+        finally:
+            job.finished = ev is not None and ev.finish_reason is not None
+            close()
+        if ev is None or ev.finish_reason is None:
+            return _error(499, "the client closed the connection", kind="client_closed")
+        if ev.finish_reason == "error":
+            return _error(500, ev.error or "the engine failed this request", kind="server_error")
+        final = choice(Event(token_ids, text, ev.finish_reason), False)
+        return {**head, "choices": [final], "usage": usage(len(token_ids))}
+
+    return app
+
+
+# ------------------------------------------------------------------------------ running it
+class ServerThread:
+    """Run an app with uvicorn in a background thread on 127.0.0.1 (tests and notebooks):
+
+        with ServerThread(create_app(llm)) as url:
+            httpx.get(url + "/health")
+    """
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0,
+                 startup_timeout: float = 30.0) -> None:
+        import uvicorn
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.url = f"http://{host}:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
+                                                    timeout_graceful_shutdown=5))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       daemon=True)
+        self.startup_timeout = startup_timeout
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        deadline = time.monotonic() + self.startup_timeout
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the server did not start")
+            time.sleep(0.01)
+        return self.url
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.sock.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m minicb serve`: load a model, start the engine thread, serve HTTP."""
+    parser = argparse.ArgumentParser(prog="python -m minicb serve", description=main.__doc__)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the name clients send as `model` (default: --model)")
+    parser.add_argument("--policy", default="pd")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--max-queue", type=int, default=256,
+                        help="requests allowed to wait before the server answers 429 (0: no "
+                        "limit)")
+    parser.add_argument("--max-num-seqs", type=int, default=16)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=256)
+    parser.add_argument("--chunk-size", type=int, default=None)
+    parser.add_argument("--num-pages", type=int, default=None)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--log-level", default="info")
+    args = parser.parse_args(argv)
+    import uvicorn
+
+    from minicb.llm import LLM
+
+    options = {k: v for k, v in dict(chunk_size=args.chunk_size, num_pages=args.num_pages)
+               .items() if v is not None}
+    llm = LLM(args.model, policy=args.policy, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, device=args.device, **options)
+    name = args.served_model_name or args.model
+    app = create_app(llm, name, max_queue=args.max_queue or None)
+    print(f"minicb: serving {name} (policy {args.policy}) on http://{args.host}:{args.port}/v1",
+          flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0

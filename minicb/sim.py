@@ -1,0 +1,341 @@
+"""The simulated executor (chapter 06): the real scheduler, pages and trace, with time modelled.
+
+`SimModel` stands in for the model: same `forward` signature, logits whose argmax is one fixed
+ordinary token, and no tensors of any size. Instead of computing, it advances a `SimClock` by a
+cost model of the step:
+
+    step_time = a + b * prefill_tokens + c * decode_rows + d * sum(context lengths)
+                  + e * sum(prefill chunk tokens * its context length)
+
+`fit_cost_model` fits a..e by least squares to a real run's trace (`python -m minicb profile`
+does it on this machine); `PRESETS["h100-like"]` is set from published-style GPU figures and is
+an assumption, not a measurement. With `make_sim_engine`, 10,000 requests run in seconds, and
+every result made this way says "simulated" in its declaration.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+FEATURES = ("a", "b", "c", "d", "e")
+FEATURE_MEANING = {
+    "a": "seconds per step (fixed cost: weights read, launches, host work)",
+    "b": "seconds per prefill token",
+    "c": "seconds per decode row",
+    "d": "seconds per token of context summed over the step's members (KV reads)",
+    "e": "seconds per (prefill chunk token x that member's context length) (attention)",
+}
+SIM_TOKEN = 100  # "t" in the SmolLM2 vocabulary: an ordinary token, never EOS or special
+
+
+class SimClock:
+    """A clock that only moves when told (chapter 06): call it for the time in seconds;
+    `sleep(dt)` and `advance(dt)` move it forward. The engine uses `sleep` when it idles."""
+
+    def __init__(self, start: float = 0.0) -> None:
+        self.t = float(start)
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, seconds: float) -> None:
+        if seconds < 0:
+            raise ValueError(f"a clock cannot go back: advance({seconds})")
+        self.t += float(seconds)
+
+    def sleep(self, seconds: float) -> None:
+        self.t += max(0.0, float(seconds))
+
+
+@dataclass
+class CostModel:
+    """Step time as a linear function of the step's shape (chapter 06); see the module text."""
+
+    a: float = 0.0
+    b: float = 0.0
+    c: float = 0.0
+    d: float = 0.0
+    e: float = 0.0
+    name: str = "custom"
+    source: str = ""  # where the numbers come from: a fit on a machine, or an assumption
+    assumption: bool = False  # True for presets not measured here
+    fit: dict[str, Any] = field(default_factory=dict)  # r2, num_steps, target, machine
+
+    def predict(self, prefill_tokens: float, decode_rows: float, context_tokens: float,
+                prefill_context: float = 0.0) -> float:
+        return (self.a + self.b * prefill_tokens + self.c * decode_rows
+                + self.d * context_tokens + self.e * prefill_context)
+
+    def predict_features(self, x: np.ndarray) -> np.ndarray:
+        """Rows of `step_features` -> predicted seconds."""
+        return np.asarray(x, dtype=float) @ self.coefficients
+
+    @property
+    def coefficients(self) -> np.ndarray:
+        return np.array([self.a, self.b, self.c, self.d, self.e])
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["formula"] = ("step_time = a + b*prefill_tokens + c*decode_rows + "
+                          "d*sum(context) + e*sum(prefill_tokens*context)")
+        out["meaning"] = FEATURE_MEANING
+        return out
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        return path
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> CostModel:
+        known = {k: data[k] for k in ("a", "b", "c", "d", "e", "name", "source", "assumption",
+                                      "fit") if k in data}
+        model = cls(**known)
+        for key in FEATURES:
+            value = getattr(model, key)
+            if not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"cost model coefficient {key} must be a number >= 0, "
+                                 f"got {value!r}")
+        return model
+
+    @classmethod
+    def load(cls, name_or_path: str | Path) -> CostModel:
+        """A preset name ('h100-like', 'cpu' = bench/cost_model_cpu.json) or a JSON path."""
+        key = str(name_or_path)
+        if key in PRESETS:
+            return PRESETS[key]
+        path = Path(DEFAULT_CPU_COST_MODEL if key == "cpu" else key)
+        if not path.is_file():
+            raise ValueError(f"cost model {key!r} is neither a preset {sorted(PRESETS) + ['cpu']}"
+                             f" nor a JSON file (run `python -m minicb profile` to make one)")
+        return cls.from_dict(json.loads(path.read_text()))
+
+
+DEFAULT_CPU_COST_MODEL = Path(__file__).resolve().parent.parent / "bench" / "cost_model_cpu.json"
+
+# An ASSUMPTION, not a measurement: a Llama-3-8B-class model in bf16 on one H100 SXM, from
+# published peak figures (3.35 TB/s HBM, ~989 TFLOPS dense bf16) with assumed efficiencies:
+#   a: 16 GB of weights read once per step at ~3 TB/s (~5.3 ms) plus ~0.7 ms launches/host
+#   b, c: 2 * 8e9 FLOPs per token at ~600 TFLOPS effective (~27 us per token)
+#   d: 128 KiB of K/V per context token (32 layers x 8 kv heads x 128 x 2 x 2 B) at ~3 TB/s
+#   e: causal attention FLOPs 4 * 32 * 4096 per (query, key) pair at ~400 TFLOPS
+PRESETS: dict[str, CostModel] = {
+    "h100-like": CostModel(
+        a=6.0e-3, b=2.7e-5, c=2.7e-5, d=4.4e-8, e=1.3e-9, name="h100-like",
+        source="assumption: Llama-3-8B-class bf16 on one H100, from published peak bandwidth "
+               "and bf16 throughput with assumed efficiencies; not measured",
+        assumption=True),
+}
+
+
+# ------------------------------------------------------------------------------ the model
+@dataclass
+class SimModelConfig:
+    """The shape fields the engine reads from a model config, no weights (chapter 06)."""
+
+    vocab_size: int = 49152
+    num_layers: int = 0
+    num_kv_heads: int = 1
+    head_dim: int = 1
+    max_position_embeddings: int = 8192
+    architecture: str = "simulated"
+
+
+@dataclass
+class SimModelInfo:
+    """Stands in for `minicb.model.loader.ModelInfo`: no tokenizer, no reachable EOS
+    (chapter 06)."""
+
+    config: SimModelConfig
+    tokenizer: Any = None
+    eos_token_ids: tuple[int, ...] = (0,)
+    name: str = "simulated"
+    path: Path | None = None
+
+
+def sim_model_info(vocab: int = 49152, num_layers: int = 0,
+                   max_position_embeddings: int = 8192) -> SimModelInfo:
+    """Model info for the simulated executor (chapter 06). num_layers=0 means the engine's page
+    pool allocates no K/V tensors: pages are pure bookkeeping."""
+    if vocab <= SIM_TOKEN:
+        raise ValueError(f"vocab must be > {SIM_TOKEN} (the simulated output token), got {vocab}")
+    return SimModelInfo(SimModelConfig(vocab_size=vocab, num_layers=num_layers,
+                                       max_position_embeddings=max_position_embeddings))
+
+
+class SimModel:
+    """A fake model (chapter 06) with the real forward signature. Each forward advances `clock`
+    by `cost.predict(...)` of the step's shape and returns logits whose argmax is `token`.
+
+    To keep 10,000-request runs cheap the logits cover ids 0..token only ([N, token + 1]): no
+    other id could win anyway. `full_vocab=True` returns the whole [N, vocab] width."""
+
+    def __init__(self, cost: CostModel, clock: SimClock, vocab: int = 49152,
+                 token: int = SIM_TOKEN, full_vocab: bool = False) -> None:
+        if not 0 <= token < vocab:
+            raise ValueError(f"token must be in [0, vocab={vocab}), got {token}")
+        self.cost = cost
+        self.clock = clock
+        self.token = token
+        self.width = vocab if full_vocab else token + 1
+        self._block = torch.zeros(0, self.width)
+        self.attention_backend_name = "simulated"
+        self.last_features: tuple[int, int, int, int] | None = None
+        self.num_forwards = 0
+
+    def set_attention_backend(self, name: str) -> None:
+        self.attention_backend_name = name
+
+    @staticmethod
+    def features(meta: Any) -> tuple[int, int, int, int]:
+        """(prefill tokens, decode rows, sum of context lengths, sum of chunk*context) of one
+        step, from its attention metadata. A member advancing one token counts as a decode
+        row, as the attention backends treat it."""
+        prefill = decode = prefill_ctx = 0
+        for q, ctx in zip(meta.query_lens, meta.context_lens_list):
+            if q == 1:
+                decode += 1
+            else:
+                prefill += q
+                prefill_ctx += q * ctx
+        return prefill, decode, sum(meta.context_lens_list), prefill_ctx
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any,
+                kv_caches: list, logits_indices: torch.Tensor) -> torch.Tensor:
+        feats = self.features(meta)
+        self.last_features = feats
+        self.num_forwards += 1
+        self.clock.advance(self.cost.predict(*feats))
+        n = len(logits_indices)
+        if n > len(self._block):  # grow a preallocated block; return contiguous rows of it
+            self._block = torch.zeros(max(n, 2 * len(self._block), 64), self.width)
+            self._block[:, self.token] = 1.0
+        return self._block[:n]
+
+    __call__ = forward
+
+
+def make_sim_engine(cost: CostModel | str = "h100-like", vocab: int = 49152,
+                    max_position_embeddings: int = 8192, **options: Any) -> Any:
+    """An `Engine` on the simulated executor (chapter 06): real scheduler, pages and trace;
+    a `SimClock` advanced by `cost`. Options are EngineConfig fields."""
+    from minicb.engine import Engine
+
+    cost = CostModel.load(cost) if isinstance(cost, str) else cost
+    clock = SimClock()
+    model = SimModel(cost, clock, vocab)
+    info = sim_model_info(vocab, 0, max_position_embeddings)
+    options.setdefault("attention_backend", "torch")
+    options.setdefault("device", "cpu")
+    return Engine((model, info), clock=clock, **options)
+
+
+# ------------------------------------------------------------------------------ fitting
+def step_features(trace: list[Any], records: list[Any] | None = None) -> np.ndarray:
+    """One row [1, prefill tokens, decode rows, sum of context, sum of chunk*context] per step
+    (chapter 06), reconstructed from the trace: a member's context grows by the tokens it
+    advances, starts at its prefix-cache hit (from `records`) and restarts at 0 when it is
+    preempted. A member advancing one token counts as a decode row, as in `SimModel`."""
+    cached = {r.request_id: r.num_cached_tokens for r in (records or [])}
+    ctx: dict[str, int] = {}
+    rows = []
+    for rec in trace:
+        for rid in rec.preempted:
+            ctx[rid] = 0
+        prefill = decode = total = prefill_ctx = 0
+        for m in rec.members:
+            if m.num_tokens <= 0:
+                continue
+            now = ctx.get(m.request_id, cached.get(m.request_id, 0)) + m.num_tokens
+            ctx[m.request_id] = now
+            total += now
+            if m.num_tokens == 1:
+                decode += 1
+            else:
+                prefill += m.num_tokens
+                prefill_ctx += m.num_tokens * now
+        rows.append([1.0, prefill, decode, total, prefill_ctx])
+    return np.array(rows, dtype=float).reshape(-1, 5)
+
+
+def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with coefficients >= 0: refit without the most negative one until none
+    is negative (a small active-set method; enough for five features)."""
+    active = list(range(x.shape[1]))
+    coef = np.zeros(x.shape[1])
+    while active:
+        sol, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
+        if (sol >= 0).all():
+            coef[:] = 0
+            coef[active] = sol
+            return coef
+        active.pop(int(np.argmin(sol)))
+    return coef
+
+
+def fit_cost_model(trace: list[Any], records: list[Any] | None = None, target: str = "duration",
+                   skip: int = 0, name: str = "fitted",
+                   use: tuple[str, ...] = FEATURES) -> CostModel:
+    """Fit a..e by non-negative least squares to a real run's steps (chapter 06). `target`:
+    'duration' (whole step, host work included: what latency sees) or 'forward' (t_forward
+    only). `skip` drops the first steps (warm-up). `use` picks which coefficients may be
+    non-zero. The fit's R^2 and step count go in `.fit`."""
+    return fit_cost_model_runs([(trace, records)], target, skip, name, use)
+
+
+def fit_cost_model_runs(runs: list[tuple[list[Any], list[Any] | None]],
+                        target: str = "duration", skip: int = 0, name: str = "fitted",
+                        use: tuple[str, ...] = FEATURES) -> CostModel:
+    """`fit_cost_model` over several runs: `runs` is a list of (trace, records) (chapter 06)."""
+    if target not in ("duration", "forward"):
+        raise ValueError(f"target must be 'duration' or 'forward', got {target!r}")
+    unknown = set(use) - set(FEATURES)
+    if unknown or "a" not in use:
+        raise ValueError(f"use must include 'a' and only name {FEATURES}, got {use!r}")
+    xs, ys = [], []
+    for trace, records in runs:
+        steps = list(trace)[skip:]
+        feats = step_features(trace, records)[skip:]
+        for rec, row in zip(steps, feats):
+            if any(m.num_tokens for m in rec.members):
+                xs.append(row)
+                ys.append(rec.duration if target == "duration" else rec.t_forward)
+    if len(xs) < len(use):
+        raise ValueError(f"need at least {len(use)} steps with work to fit, got {len(xs)}")
+    x, y = np.array(xs), np.array(ys)
+    cols = [FEATURES.index(k) for k in use]
+    coef = np.zeros(5)
+    # scale columns so the solver sees comparable magnitudes
+    scale = np.maximum(np.abs(x[:, cols]).max(axis=0), 1e-12)
+    coef[cols] = _nonnegative_lstsq(x[:, cols] / scale, y) / scale
+    pred = x @ coef
+    ss_res = float(((y - pred) ** 2).sum())
+    ss_tot = float(((y - y.mean()) ** 2).sum())
+    model = CostModel(*coef.tolist(), name=name)
+    model.fit = {"target": target, "num_steps": len(xs),
+                 "r2": 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0,
+                 "mean_abs_error_s": float(np.abs(y - pred).mean()),
+                 "mean_step_s": float(y.mean()), "total_s": float(y.sum()),
+                 "predicted_total_s": float(pred.sum()), "machine": machine_description()}
+    return model
+
+
+def machine_description() -> dict[str, Any]:
+    """Device and CPU facts for a declaration (chapter 06)."""
+    import os
+    info: dict[str, Any] = {"platform": platform.platform(), "processor": platform.processor()
+                            or platform.machine(), "cpu_count": os.cpu_count(),
+                            "torch_threads": torch.get_num_threads()}
+    if hasattr(os, "getloadavg"):  # other work on the machine slows every step
+        info["load_average_1min"] = round(os.getloadavg()[0], 2)
+    if torch.cuda.is_available():
+        info["cuda_device"] = torch.cuda.get_device_name(0)
+    return info

@@ -1,0 +1,119 @@
+"""The CLI: `bench`, `sweep` and `profile` end to end on a tiny checkpoint and on the simulated
+executor; the results file follows the schema and starts with the declaration."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from minicb import bench
+from minicb.sim import CostModel, make_sim_engine
+from minicb.workload import get_workload, run_workload
+
+TINY = ["--num-requests", "4", "--prompt-lengths", "uniform:4:24",
+        "--output-lengths", "uniform:2:6", "--no-progress"]
+DECLARED = ("arrival_process", "burstiness", "concurrency", "prompt_lengths", "output_lengths",
+            "cache_state", "policy", "token_budget", "memory_limit", "model", "runtime",
+            "device", "executor", "simulated", "slo", "seed", "command")
+
+
+def test_bench_end_to_end_on_a_tiny_checkpoint(tiny_llama_dir, tmp_path, capsys):
+    out, png = tmp_path / "results.json", tmp_path / "results.png"
+    code = bench.main_bench(["--model", str(tiny_llama_dir), "--policy", "static,pd",
+                             "--policy", "continuous", "--max-num-seqs", "3",
+                             "--slo-ttft", "5", "--out", str(out), "--plot", str(png), *TINY])
+    assert code == 0
+    data = json.loads(out.read_text())
+    assert bench.results_schema_ok(data) == []
+    assert list(data["results"]) == ["static", "pd", "continuous"]
+    decl = data["declaration"]
+    for key in DECLARED:
+        assert key in decl, key
+    assert decl["simulated"] is False and decl["executor"] == "real"
+    assert decl["runtime"]["torch"] and decl["device"]["cpu_count"] >= 1
+    assert decl["model"]["path"] == str(tiny_llama_dir)
+    assert decl["concurrency"]["max_num_seqs"] == 3 and decl["slo"] == {"ttft": 5.0}
+    for summary in data["results"].values():
+        assert summary["completed"] == 4 and summary["errors"] == 0
+        assert 0.0 <= summary["host_time_fraction"] <= 1.0
+    assert png.stat().st_size > 1000
+    printed = capsys.readouterr().out
+    assert "policy" in printed and "continuous" in printed and "TTFT p50" in printed
+
+
+def test_bench_compare_hf_and_single_stream(tiny_llama_dir, tmp_path, capsys):
+    out = tmp_path / "hf.json"
+    code = bench.main_bench(["--model", str(tiny_llama_dir), "--policy", "single",
+                             "--compare", "hf", "--max-num-seqs", "2", "--out", str(out),
+                             *TINY])
+    assert code == 0
+    data = json.loads(out.read_text())
+    results = data["results"]
+    assert set(results) == {"single", "hf-static", "hf-generate-batch"}
+    total = results["single"]["output_tokens"]
+    for name in ("hf-static", "hf-generate-batch"):
+        assert "error" not in results[name], results[name]
+        assert results[name]["output_tokens"] == total  # same requests, same lengths
+        assert results[name]["completed"] == 4
+    single = results["single"]["single_stream"]
+    assert single["decode_tokens_per_s"] > 0 and single["prefill_tokens_per_s"] > 0
+    assert results["single"]["hf_single_stream"]["decode_tokens_per_s"] > 0
+    assert "hf generate batch-1" in capsys.readouterr().out
+
+
+def test_bench_simulated_says_so(tmp_path):
+    out = tmp_path / "sim.json"
+    code = bench.main_bench(["--executor", "sim", "--workload", "long-prefill",
+                             "--long-prompt-len", "600", "--policy", "chunked,pd",
+                             "--out", str(out), "--no-progress"])
+    assert code == 0
+    data = json.loads(out.read_text())
+    decl = data["declaration"]
+    assert decl["simulated"] is True and decl["executor"] == "simulated"
+    assert "SIMULATED" in decl["note"] and decl["cost_model"]["name"] == "h100-like"
+    assert data["results"]["pd"]["dec_at_p"] > 0 == data["results"]["chunked"]["dec_at_p"]
+    assert bench.results_schema_ok(data) == []
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--endpoint", "http://localhost:8000"], "not yet"),
+    (["--policy", "fastest"], "--policy"),
+    (["--workload", "seed-r1-r4", "--rate", "3"], "--rate"),
+    (["--workload", "mixed-chat", "--long-prompt-len", "5"], "--long-prompt-len"),
+    (["--threads", "0"], "--threads"),
+    (["--compare", "hf"], "--compare hf needs --executor real"),
+    (["--slo-ttft", "-1"], "positive"),
+])
+def test_bench_refuses_bad_flags(argv, message, capsys):
+    assert bench.main_bench(["--executor", "sim", "--no-progress", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_sweep_finds_the_best_goodput(tmp_path, capsys):
+    out = tmp_path / "sweep.json"
+    code = bench.main_sweep(["--executor", "sim", "--workload", "mixed-chat",
+                             "--num-requests", "24", "--rate", "40",
+                             "--max-num-batched-tokens", "8,64,512", "--max-num-seqs", "4,16",
+                             "--chunk-size", "64", "--slo-ttft", "0.5", "--slo-tpot", "0.05",
+                             "--out", str(out), "--no-progress"])
+    assert code == 0
+    data = json.loads(out.read_text())
+    goodputs = [r["goodput_rps"] for r in data["rows"]]
+    assert data["best"] == data["rows"][0] and data["best"]["goodput_rps"] == max(goodputs)
+    # pd refuses a budget below max_num_seqs: (8, 16) is skipped, the other 5 ran
+    assert len(data["rows"]) == 5 and len(data["skipped"]) == 1
+    assert data["declaration"]["simulated"] is True
+    assert "best:" in capsys.readouterr().out
+
+
+def test_profile_fits_and_the_fit_drives_the_simulator(tiny_llama_dir, tmp_path):
+    out = tmp_path / "cost.json"
+    code = bench.main_profile(["--model", str(tiny_llama_dir), "--num-requests", "4",
+                               "--out", str(out), "--no-progress"])
+    assert code == 0
+    cost = CostModel.load(str(out))
+    assert cost.a > 0 and cost.fit["num_steps"] > 5 and "profile" in cost.source
+    engine = make_sim_engine(cost, policy="pd")
+    run_workload(engine, get_workload("seed-r1-r4"))
+    assert engine.clock() > 0

@@ -1,0 +1,433 @@
+"""Exercises, solutions and the autograder (exercises for chapters 01-06).
+
+Fast tests: the generated notebooks match their sources; the generator's stubs; every exercise
+pairs a stub, a check cell and a `minicb.check` function; the reference solutions pass their
+checks in-process; planted bugs are caught with a message that names the problem.
+Slow tests execute notebooks: every solution grades 100% in under a minute, every untouched
+exercise notebook grades 0 with a NotImplementedError message per exercise, and the grader
+survives tampering, endless loops and bad paths.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import time
+
+import nbformat
+import pytest
+
+from minicb import check, exercises, grade
+from minicb.exercises import ROOT, MarkerError, cell_tags, generate, solution_code, stub_code
+
+SOURCES = sorted((ROOT / "exercises" / "source").glob("*.ipynb"))
+NAMES = [p.name for p in SOURCES]
+EXPECTED = ["01_paged_kv.ipynb", "02_static_batching.ipynb", "03_continuous_batching.ipynb",
+            "04_chunked_prefill.ipynb", "05_pd_interleaving.ipynb", "06_benchmarking.ipynb"]
+
+
+def tagged(nb, prefix: str) -> dict[str, int]:
+    """{name: cell index} of cells tagged `prefix:<name>`."""
+    return {t.split(":", 1)[1]: i for i, c in enumerate(nb.cells) for t in cell_tags(c)
+            if t.startswith(prefix + ":")}
+
+
+# ------------------------------------------------------------------------------ generation
+def test_every_chapter_01_to_06_has_an_exercise_notebook():
+    assert NAMES == EXPECTED
+
+
+def test_generated_notebooks_match_their_sources():
+    assert exercises.stale() == [], "run `python -m minicb.exercises build` and commit"
+    assert exercises.main(["check"]) == 0
+
+
+def test_check_mode_fails_on_a_stale_or_orphan_notebook(tmp_path, capsys):
+    for folder in ("exercises", "solutions"):
+        shutil.copytree(ROOT / folder, tmp_path / folder)
+    assert exercises.main(["check", "--root", str(tmp_path)]) == 0
+    path = tmp_path / "solutions" / EXPECTED[0]
+    path.write_text(path.read_text().replace("MyPagePool", "YourPagePool"))
+    (tmp_path / "exercises" / "99_orphan.ipynb").write_text("{}")
+    assert exercises.main(["check", "--root", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert f"solutions/{EXPECTED[0]}" in err and "99_orphan.ipynb (no source)" in err
+    assert exercises.main(["build", "--root", str(tmp_path)]) == 0
+    assert exercises.stale(tmp_path) == ["exercises/99_orphan.ipynb (no source)"]
+
+
+def test_generation_is_deterministic_and_keeps_cell_ids():
+    for src in SOURCES:
+        nb = nbformat.read(src, as_version=4)
+        ex1, sol1 = generate(nb, src.name)
+        ex2, sol2 = generate(nbformat.read(src, as_version=4), src.name)
+        assert exercises.render(ex1) == exercises.render(ex2)
+        assert exercises.render(sol1) == exercises.render(sol2)
+        ids = [c["id"] for c in nb.cells]
+        assert [c["id"] for c in ex1.cells] == ids == [c["id"] for c in sol1.cells]
+        assert len(set(ids)) == len(ids)
+
+
+def test_stub_replaces_the_solution_with_hint_and_error():
+    source = "\n".join([
+        "class Pool:",
+        "    def allocate(self, n):",
+        "        ### BEGIN SOLUTION",
+        "        # HINT: take n pages",
+        "        #       from the free list.",
+        "        pages = self.free[:n]",
+        "        return pages",
+        "        ### END SOLUTION",
+        "",
+        "def helper():",
+        "    ### BEGIN SOLUTION",
+        "    return 1",
+        "    ### END SOLUTION",
+    ])
+    stub = stub_code(source, "page_pool")
+    assert "pages = self.free" not in stub and "return 1" not in stub
+    assert "        # HINT: take n pages\n        #       from the free list.\n" in stub
+    assert ('        raise NotImplementedError("write Pool.allocate (exercise page_pool): '
+            'see the HINT above")') in stub
+    assert ('    raise NotImplementedError("write helper (exercise page_pool): replace this '
+            'line with your code")') in stub
+    compile(stub, "stub", "exec")
+    solution = solution_code(source)
+    assert "BEGIN" not in solution and "END SOLUTION" not in solution
+    assert "        return pages" in solution and "# HINT: take n pages" in solution
+
+
+@pytest.mark.parametrize("bad", [
+    "### BEGIN SOLUTION\nx = 1",
+    "x = 1\n### END SOLUTION",
+    "### BEGIN SOLUTION\n### BEGIN SOLUTION\n### END SOLUTION\n### END SOLUTION",
+])
+def test_unbalanced_markers_are_refused(bad):
+    with pytest.raises(MarkerError):
+        stub_code(bad)
+
+
+def test_notebook_structure():
+    """Every exercise has a stub cell, a check cell after it and a check function; the
+    exercise notebooks hold no solution and no output; check cells are the same in all three."""
+    for src in SOURCES:
+        source = nbformat.read(src, as_version=4)
+        ex = nbformat.read(ROOT / "exercises" / src.name, as_version=4)
+        sol = nbformat.read(ROOT / "solutions" / src.name, as_version=4)
+        stubs, checks = tagged(source, "exercise"), tagged(source, "check")
+        assert 2 <= len(checks) <= 4, src.name
+        assert list(stubs) == list(checks), f"{src.name}: each exercise needs stub + check"
+        for name, index in checks.items():
+            assert stubs[name] < index
+            assert callable(getattr(check, name, None)), f"minicb.check.{name} missing"
+            assert f"check.{name}(" in source.cells[index].source
+            assert ex.cells[index].source == sol.cells[index].source \
+                == source.cells[index].source
+            assert "### BEGIN SOLUTION" in source.cells[stubs[name]].source
+            assert f"(exercise {name})" in ex.cells[stubs[name]].source
+        assert source.cells[0].cell_type == "markdown"
+        chapter = re.search(r"\(\.\./chapters/(\d\d_\w+)\.ipynb\)", source.cells[0].source)
+        assert chapter and chapter.group(1)[:2] == src.name[:2], "intro links its chapter"
+        assert "Summary" in source.cells[-1].source
+        for nb in (ex, sol):
+            text = exercises.render(nb)
+            assert "BEGIN SOLUTION" not in text and "END SOLUTION" not in text
+            assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code")
+
+
+# ------------------------------------------------------------------------------ solutions
+_NAMESPACES: dict[str, dict] = {}
+
+
+def solution(notebook: str) -> dict:
+    """The namespace of a solution notebook's setup and exercise cells, run in this process
+    (no kernel, no demos): the reference answers, to check and to break on purpose."""
+    if notebook not in _NAMESPACES:
+        nb = nbformat.read(ROOT / "solutions" / notebook, as_version=4)
+        namespace: dict = {"__name__": f"solution_{notebook[:2]}"}
+        for cell in nb.cells:
+            if cell.get("id") == "setup" or any(t.startswith("exercise:")
+                                                for t in cell_tags(cell)):
+                code = "\n".join(line for line in cell.source.splitlines()
+                                 if not line.startswith("%"))
+                exec(compile(code, f"{notebook}:{cell['id']}", "exec"), namespace)
+        _NAMESPACES[notebook] = namespace
+    return _NAMESPACES[notebook]
+
+
+SOLUTION_OBJECTS = {
+    "page_pool": ("01_paged_kv.ipynb", "MyPagePool"),
+    "prefix_hashes": ("01_paged_kv.ipynb", "my_prompt_page_hashes"),
+    "match_prefix": ("01_paged_kv.ipynb", "my_match_prefix"),
+    "static_batch": ("02_static_batching.ipynb", "form_static_batch"),
+    "static_finish_steps": ("02_static_batching.ipynb", "static_finish_steps"),
+    "continuous_finish_steps": ("03_continuous_batching.ipynb", "continuous_finish_steps"),
+    "continuous_scheduler": ("03_continuous_batching.ipynb", "MyContinuousScheduler"),
+    "next_chunk": ("04_chunked_prefill.ipynb", "next_chunk"),
+    "chunked_scheduler": ("04_chunked_prefill.ipynb", "MyChunkedScheduler"),
+    "pd_scheduler": ("05_pd_interleaving.ipynb", "MyPDScheduler"),
+    "dec_at_p": ("05_pd_interleaving.ipynb", "dec_at_p"),
+    "short_p": ("05_pd_interleaving.ipynb", "short_p"),
+    "latencies": ("06_benchmarking.ipynb", "latencies"),
+    "goodput": ("06_benchmarking.ipynb", "goodput"),
+}
+
+
+def test_every_check_is_covered_here():
+    names = {n for src in SOURCES for n in tagged(nbformat.read(src, as_version=4), "check")}
+    assert names == set(SOLUTION_OBJECTS)
+
+
+@pytest.mark.parametrize("exercise", sorted(SOLUTION_OBJECTS))
+def test_reference_solution_passes_its_check(exercise, capsys):
+    notebook, obj = SOLUTION_OBJECTS[exercise]
+    assert getattr(check, exercise)(solution(notebook)[obj]) is True
+    assert capsys.readouterr().out.startswith(f"✓ {exercise}: ")
+
+
+# ------------------------------------------------------------------------------ planted bugs
+def caught(exercise: str, learner) -> str:
+    with pytest.raises(check.CheckFailed) as info:
+        getattr(check, exercise)(learner)
+    assert isinstance(info.value, AssertionError)
+    message = str(info.value)
+    assert message.startswith(f"[{exercise}] ")
+    return message
+
+
+def test_pd_scheduler_serving_prefill_before_decodes_is_caught():
+    from minicb.request import Status
+    from minicb.scheduler import Scheduler, schedule_prefill_chunks
+
+    class PrefillFirst(Scheduler):
+        name = "my-pd"
+
+        def schedule(self, ctx):
+            budget = schedule_prefill_chunks(ctx, ctx.config.max_num_batched_tokens)
+            for req in self.decoding(ctx):
+                if budget > 0 and req.status is Status.RUNNING and \
+                        ctx.reserve_or_preempt(req, 1):
+                    ctx.schedule(req, 1)
+                    budget -= 1
+            return ctx.batch
+
+    message = caught("pd_scheduler", PrefillFirst)
+    assert "decodes were left waiting at step 3" in message
+    assert "short-0, short-1, short-2" in message and "long prefill 32" in message
+
+    class NamedPD(PrefillFirst):  # the engine's own pd invariant fires first: same message
+        name = "pd"
+
+    assert "decodes were left waiting at step 3" in caught("pd_scheduler", NamedPD)
+
+
+def test_page_pool_that_forgets_a_ref_count_is_caught():
+    base = solution("01_paged_kv.ipynb")["MyPagePool"]
+
+    class ShareForgets(base):
+        def share(self, pages):
+            for page in pages:
+                if self.ref_count[page] == 0:
+                    raise ValueError("free")
+
+    class ReleaseFreesAll(base):
+        def release(self, pages):
+            for page in pages:
+                if self.ref_count[page] <= 0:
+                    raise ValueError("free")
+                self.ref_count[page] = 0
+                self.free.append(page)
+
+    for bug in (ShareForgets, ReleaseFreesAll):
+        message = caught("page_pool", bug)
+        assert "ref count should be 2" in message and "a reference was forgotten" in message
+        assert "share(" in message  # the operations that led there are listed
+
+    class NotAllOrNothing(base):
+        def allocate(self, n):
+            pages = self.free[:n]
+            del self.free[:n]
+            for page in pages:
+                self.ref_count[page] = 1
+            return pages
+
+    assert "must raise MemoryError and take nothing" in caught("page_pool", NotAllOrNothing)
+
+
+def test_unchained_hash_and_uncapped_prefix_hit_are_caught():
+    from minicb.kv_cache import page_hash
+
+    def unchained(tokens, page_size):
+        return [page_hash(None, tokens[i:i + page_size])
+                for i in range(0, len(tokens) - page_size + 1, page_size)]
+
+    assert "the chain" in caught("prefix_hashes", unchained)
+
+    hashes = solution("01_paged_kv.ipynb")["my_prompt_page_hashes"]
+
+    def uncapped(cached, tokens, page_size):
+        pages = []
+        for h in hashes(tokens, page_size):
+            if h not in cached:
+                break
+            pages.append(cached[h])
+        return pages
+
+    message = caught("match_prefix", uncapped)
+    assert "whole prompt" in message and "Cap the hit" in message
+
+
+def test_batching_bugs_are_caught():
+    def jumps_ahead(queue, max_num_seqs, free_pages, page_size):
+        batch = []
+        for rid, n in queue:
+            need = -(-n // page_size)
+            if len(batch) < max_num_seqs and need <= free_pages:
+                free_pages -= need
+                batch.append(rid)
+        return batch
+
+    assert "must not jump ahead" in caught("static_batch", jumps_ahead)
+
+    def ignores_min_chunk(remaining, chunk_size, budget, min_chunk=1):
+        return min(remaining, chunk_size, budget)
+
+    assert "min_chunk=8" in caught("next_chunk", ignores_min_chunk)
+
+    continuous = solution("03_continuous_batching.ipynb")["continuous_finish_steps"]
+    message = caught("static_finish_steps", continuous)
+    assert "[30, 200, 80, 250]" in message and "request 4" in message
+
+
+def test_scheduler_bugs_meet_the_engine_rules():
+    from minicb.scheduler import Scheduler
+
+    mine = solution("03_continuous_batching.ipynb")["MyContinuousScheduler"]
+
+    class Unnamed(mine):  # a budget-enforced name: the long prompt is refused by the engine
+        name = "mine"
+
+    message = caught("continuous_scheduler", Unnamed)
+    assert "the engine refused the batch" in message and "max_num_batched_tokens" in message
+
+    class Unreserved(Scheduler):
+        def schedule(self, ctx):
+            for req in list(ctx.running):
+                ctx.schedule(req, 1)
+            if ctx.waiting:
+                req = ctx.waiting[0]
+                n = ctx.admit(req, req.num_tokens)
+                if n:
+                    ctx.schedule(req, n)
+            return ctx.batch
+
+    assert "reserve them first" in caught("continuous_scheduler", Unreserved)
+
+    class ReturnsNothing(solution("05_pd_interleaving.ipynb")["MyPDScheduler"]):
+        def schedule(self, ctx):
+            super().schedule(ctx)
+
+    assert "it must return ctx.batch" in caught("pd_scheduler", ReturnsNothing)
+
+    pd = solution("05_pd_interleaving.ipynb")["MyPDScheduler"]
+    message = caught("chunked_scheduler", pd)  # decodes ride along: not prefill-first
+    assert "step 3: minicb's chunked scheduler ran [long prefill 32]" in message
+
+
+def test_metric_bugs_are_caught():
+    goodput = solution("06_benchmarking.ipynb")["goodput"]
+    latencies = solution("06_benchmarking.ipynb")["latencies"]
+
+    def counts_cancelled(records, slo):
+        done = [r for r in records if r.finish_reason != "cancelled" or True]
+        span = goodput(records, {})  # only for the None case
+        if span is None:
+            return None
+        first = min(r.arrival_time for r in records)
+        last = max(r.finish_time for r in records if r.finish_time is not None)
+        ok = [r for r in done if all((latencies(r)[k] is None and k == "tpot")
+                                     or (latencies(r)[k] is not None and latencies(r)[k] <= v)
+                                     for k, v in slo.items())]
+        return len(ok) / (last - first)
+
+    assert "Cancelled and failed requests never count" in caught("goodput", counts_cancelled)
+
+    def window_from_first_chunk(trace, records, long_id):
+        long = next(r for r in records if r.request_id == long_id)
+        end = long.first_token_step or trace[-1].step
+        return sum(1 for rec in trace if (long.first_scheduled_step or 0) <= rec.step <= end
+                   for m in rec.members if m.kind == "decode" and m.request_id != long_id)
+
+    assert "arrival_step" in caught("dec_at_p", window_from_first_chunk)
+
+
+# ------------------------------------------------------------------------------ notebooks
+@pytest.mark.slow
+@pytest.mark.parametrize("name", EXPECTED)
+def test_solution_notebook_grades_full_marks_in_under_a_minute(name):
+    t0 = time.perf_counter()
+    report = grade.grade_notebook(ROOT / "solutions" / name)
+    elapsed = time.perf_counter() - t0
+    assert report.exercises and report.score == report.max_score, grade.format_report(report)
+    assert report.notes == []
+    assert elapsed < 60, f"{name} took {elapsed:.0f} s"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", EXPECTED)
+def test_untouched_exercise_notebook_grades_zero_with_a_message_each(name, capsys):
+    assert grade.main([str(ROOT / "exercises" / name), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    source = nbformat.read(ROOT / "exercises" / "source" / name, as_version=4)
+    assert [e["name"] for e in data["exercises"]] == list(tagged(source, "check"))
+    assert data["score"] == 0 and data["max_score"] >= len(data["exercises"]) >= 2
+    for e in data["exercises"]:
+        assert not e["passed"] and e["points"] == 0
+        assert e["message"].startswith("NotImplementedError: write "), e
+        assert f"(exercise {e['name']})" in e["message"]
+
+
+@pytest.mark.slow
+def test_grader_restores_checks_and_survives_endless_loops(tmp_path, capsys):
+    nb = nbformat.read(ROOT / "solutions" / EXPECTED[0], as_version=4)
+    checks = tagged(nb, "check")
+    nb.cells[checks["page_pool"]].source = "print('trust me')"  # edited: restored, still passes
+    stubs = tagged(nb, "exercise")
+    nb.cells[stubs["match_prefix"]].source = (
+        "def my_match_prefix(cached, token_ids, page_size):\n    while True:\n        pass")
+    del nb.cells[checks["prefix_hashes"]]
+    assert grade.source_for(tmp_path / EXPECTED[0]) == ROOT / "exercises" / "source" / EXPECTED[0]
+    path = tmp_path / "alice.ipynb"  # a renamed submission: name its source
+    nbformat.write(nb, path)
+    source = ROOT / "exercises" / "source" / EXPECTED[0]
+    assert grade.main([str(path), "--timeout", "4", "--source", str(source)]) == 0
+    out = capsys.readouterr().out
+    assert "✓ page_pool" in out and "total: 1/3" in out
+    assert "check cell of 'page_pool' was edited: restored from the source" in out
+    assert "prefix_hashes" in out and "its check cell is missing" in out
+    assert "KeyboardInterrupt" in out and "longer than 4 s" in out
+    assert grade.main([str(tmp_path / "missing.ipynb")]) == 2
+
+
+def test_static_batch_reference_matches_the_engines_first_batch():
+    """The check's reference for exercise 2.1 is what minicb's static policy admits."""
+    import random
+
+    from minicb import Engine, SamplingParams
+    from minicb.check import _reference_static_batch, tiny_model
+
+    rng = random.Random(5)
+    for _ in range(12):
+        page_size, num_pages = rng.choice([4, 8, 16]), rng.randint(1, 12)
+        max_num_seqs = rng.randint(1, 5)
+        queue = [(f"r{i}", rng.randint(1, min(60, num_pages * page_size - 1)))
+                 for i in range(rng.randint(1, 7))]
+        engine = Engine(tiny_model(), policy="static", page_size=page_size, num_pages=num_pages,
+                        max_num_seqs=max_num_seqs, enable_prefix_caching=False)
+        for i, (rid, n) in enumerate(queue):
+            engine.add_request([(7 * i + j) % 200 + 3 for j in range(n)],
+                               SamplingParams(max_tokens=1, temperature=0.0), request_id=rid)
+        first = engine.step()
+        admitted = [m.request_id for m in first.members]
+        assert admitted == _reference_static_batch(queue, max_num_seqs, num_pages, page_size)

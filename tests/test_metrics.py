@@ -1,0 +1,217 @@
+"""metrics.py on hand-built traces: every number checked against a value computed by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from minicb import metrics
+from minicb.trace import Member, RequestRecord, StepRecord
+
+
+def rec(rid, n, reason="length", arrival=0.0, sched=None, first=None, finish=None,
+        times=None, a_step=1, s_step=None, f_step=None, fin_step=None, steps=None,
+        preempt=0, recomputed=0, cached=0) -> RequestRecord:
+    return RequestRecord(rid, 8, n, reason, arrival, sched, first, finish, list(times or []),
+                         a_step, s_step, f_step, fin_step, list(steps or []), cached, preempt,
+                         recomputed)
+
+
+def step(i, members, t0, t1, t_forward=0.0, preempted=()) -> StepRecord:
+    return StepRecord(step=i, members=[Member(*m) for m in members], waiting=[], finished=[],
+                      preempted=list(preempted), pages_used=0, pages_cached=0, t_start=t0,
+                      t_end=t1, t_forward=t_forward)
+
+
+def approx(x):
+    return pytest.approx(x, rel=1e-9, abs=1e-12)
+
+
+# --------------------------------------------------------------------------- basics
+def test_percentiles_linear_interpolation():
+    p = metrics.percentiles([1.0, 2.0, 3.0, 4.0])
+    # rank = p/100 * (n-1): p50 -> 1.5 -> 2.5; p95 -> 2.85 -> 3.85; p99 -> 2.97 -> 3.97
+    assert p == {"p50": approx(2.5), "p95": approx(3.85), "p99": approx(3.97)}
+    assert metrics.percentiles([]) == {"p50": None, "p95": None, "p99": None}
+    assert metrics.percentiles([7.0]) == {"p50": 7.0, "p95": 7.0, "p99": 7.0}
+
+
+def hand_records():
+    a = rec("A", 3, arrival=0.0, sched=0.5, first=1.0, finish=2.5, times=[1.0, 1.5, 2.5],
+            a_step=1, s_step=2, f_step=3, fin_step=6, steps=[3, 4, 6])
+    b = rec("B", 1, arrival=1.0, sched=1.0, first=2.5, finish=2.5, times=[2.5],
+            a_step=2, s_step=2, f_step=6, fin_step=6, steps=[6])
+    c = rec("C", 2, reason="cancelled", arrival=0.0, sched=0.1, first=0.2, finish=3.0,
+            times=[0.2, 0.3], a_step=1, s_step=1, f_step=1, fin_step=7, steps=[1, 2])
+    d = rec("D", 0, reason="error", arrival=0.5, sched=0.6, finish=0.7, a_step=1, s_step=1,
+            fin_step=1, preempt=2, recomputed=40)
+    return [a, b, c, d]
+
+
+def test_per_request_latencies_by_hand():
+    a, b, c, _ = hand_records()
+    assert metrics.queue_time(a) == 0.5
+    assert metrics.ttft(a) == 1.0
+    assert metrics.e2e(a) == 2.5
+    assert metrics.tpot(a) == approx((2.5 - 1.0) / 2)
+    assert metrics.itls(a) == [0.5, 1.0]
+    assert metrics.tpot(b) is None  # one output token: TPOT undefined
+    assert metrics.ttft(b) == 1.5
+    assert not metrics.is_completed(c)
+
+
+def test_summarize_by_hand():
+    records = hand_records()
+    s = metrics.summarize([], records)
+    assert (s["num_requests"], s["completed"], s["cancelled"], s["errors"]) == (4, 2, 1, 1)
+    # span: first arrival 0.0 to last finish 3.0 (the cancelled one)
+    assert s["duration_s"] == 3.0
+    assert s["requests_per_s"] == approx(2 / 3)
+    assert s["output_tokens"] == 3 + 1 + 2 + 0
+    assert s["output_tokens_per_s"] == approx(6 / 3)
+    # latencies over completed requests only (A and B): cancelled C and failed D left out
+    assert s["ttft_s"]["p50"] == approx(1.25)
+    assert s["e2e_s"]["p50"] == approx((2.5 + 1.5) / 2)
+    assert s["queue_s"]["p50"] == approx(0.25)
+    assert s["tpot_s"] == {"p50": approx(0.75), "p95": approx(0.75), "p99": approx(0.75)}
+    assert s["itl_s"]["p50"] == approx(0.75)  # A's gaps 0.5 and 1.0; B has none
+    assert s["preemptions"] == 2 and s["recomputed_tokens"] == 40
+    # oldest wait before first scheduled: A waited 0.5 s; in steps A waited 1
+    assert s["max_queue_age_s"] == 0.5 and s["max_queue_age_steps"] == 1
+    assert s["ttft_steps"]["p50"] == approx((3 + 5) / 2)  # A: steps 1..3, B: steps 2..6
+    assert s["goodput_rps"] == approx(2 / 3)  # no SLO: every completed request counts
+
+
+def test_goodput_at_slo():
+    records = hand_records()
+    s = metrics.summarize([], records, slo={"ttft": 1.2})
+    assert s["slo_met"] == 1 and s["goodput_rps"] == approx(1 / 3)  # A only (B: 1.5 s)
+    s = metrics.summarize([], records, slo={"tpot": 0.5})
+    assert s["slo_met"] == 1  # A fails (0.75 s); B has no TPOT and passes that SLO
+    s = metrics.summarize([], records, slo={"ttft": 2.0, "tpot": 1.0, "e2e": 2.6})
+    assert s["slo_met"] == 2
+    assert s["slo_attainment"] == approx(2 / 3)  # over the 3 requests not cancelled
+    s = metrics.summarize([], records, slo={"ttft": 0.1, "e2e": 0.2})
+    assert s["slo_met"] == 0 and s["goodput_rps"] == 0.0 and s["slo_attainment"] == 0.0
+
+
+@pytest.mark.parametrize("slo, match", [({"latency": 1.0}, "slo keys"),
+                                        ({"ttft": -1.0}, "positive"),
+                                        ({"tpot": "fast"}, "positive")])
+def test_bad_slo_is_refused(slo, match):
+    with pytest.raises(ValueError, match=match):
+        metrics.summarize([], hand_records(), slo=slo)
+
+
+def test_empty_run():
+    s = metrics.summarize([], [])
+    assert s["num_requests"] == 0 and s["requests_per_s"] is None
+    assert s["ttft_s"]["p99"] is None and s["dec_at_p"] is None
+
+
+def test_only_one_token_outputs_have_no_tpot():
+    r = rec("X", 1, arrival=0.0, sched=0.0, first=0.2, finish=0.2, times=[0.2])
+    s = metrics.summarize([], [r], slo={"tpot": 1e-6})
+    assert s["tpot_s"]["p50"] is None and s["itl_s"]["p50"] is None
+    assert s["slo_met"] == 1
+
+
+# --------------------------------------------------------------------------- dec@P, short_P
+def pd_like_trace(interleave: bool):
+    """S0 finishes at step 1; S1, S2 decode; L (2 prefill chunks) arrives at step 2; S3 arrives
+    at step 5, after L's window. interleave=True is PD (decodes ride along), False is
+    prefill-first chunked (decodes wait during L's chunks)."""
+    d = "decode"
+    steps = [step(1, [("S0", d, 1, 0), ("S1", d, 1, 1), ("S2", d, 1, 2)], 0.0, 1.0)]
+    if interleave:
+        steps += [step(2, [("S1", d, 1, 1), ("S2", d, 1, 2), ("L", "prefill", 50, 0)], 1.0, 2.0),
+                  step(3, [("S1", d, 1, 1), ("S2", d, 1, 2), ("L", "prefill", 50, 0)], 2.0, 3.0),
+                  step(4, [("S1", d, 1, 1), ("S2", d, 1, 2), ("L", d, 1, 0)], 3.0, 4.0),
+                  step(5, [("S2", d, 1, 2), ("L", d, 1, 0), ("S3", "prefill", 4, 1)], 4.0, 5.0)]
+        fin = {"S1": (4, 4.0), "S2": (5, 5.0)}
+        first_l = 3
+    else:
+        steps += [step(2, [("L", "prefill", 50, 0)], 1.0, 2.0),
+                  step(3, [("L", "prefill", 50, 0)], 2.0, 3.0),
+                  step(4, [("S1", d, 1, 1), ("S2", d, 1, 2), ("L", d, 1, 0)], 3.0, 4.0),
+                  step(5, [("S1", d, 1, 1), ("S2", d, 1, 2), ("L", d, 1, 0)], 4.0, 5.0),
+                  step(6, [("S2", d, 1, 2), ("S3", "prefill", 4, 1)], 5.0, 6.0)]
+        fin = {"S1": (5, 5.0), "S2": (6, 6.0)}
+        first_l = 3
+    records = [rec("S0", 4, a_step=1, arrival=0.0, sched=0.0, first=0.0, finish=1.0,
+                   f_step=1, fin_step=1),
+               rec("L", 3, a_step=2, arrival=1.0, sched=1.0, first=3.0, finish=6.0,
+                   f_step=first_l, fin_step=6),
+               rec("S3", 2, a_step=5, arrival=4.0, sched=4.0, first=5.0, finish=7.0,
+                   f_step=5, fin_step=7)]
+    for rid, (fs, ft) in fin.items():
+        records.append(rec(rid, 9, a_step=1, arrival=0.0, sched=0.0, first=0.5, finish=ft,
+                           f_step=1, fin_step=fs))
+    return steps, records
+
+
+def test_dec_at_p_and_short_p_pd():
+    trace, records = pd_like_trace(interleave=True)
+    m = metrics.long_prefill_metrics(trace, records, "L")
+    assert m["dec_at_p"] == 4  # steps 2 and 3: S1 and S2 decode one token each
+    assert m["prefill_window_steps"] == 2 and m["prefill_window_s"] == 2.0
+    assert m["dec_at_p_per_s"] == 2.0
+    # S0 finished before L arrived; S3 arrived after the window ended: neither counts
+    assert sorted(m["short_request_ids"]) == ["S1", "S2"]
+    assert m["short_p_steps"] == 5 - 2 + 1 and m["short_p_s"] == 5.0 - 1.0
+
+
+def test_dec_at_p_and_short_p_prefill_first():
+    trace, records = pd_like_trace(interleave=False)
+    m = metrics.long_prefill_metrics(trace, records, "L")
+    assert m["dec_at_p"] == 0
+    assert m["short_p_steps"] == 6 - 2 + 1 and m["short_p_s"] == 6.0 - 1.0
+    s = metrics.summarize(trace, records, long_request_id="L")
+    assert s["dec_at_p"] == 0 and s["short_p_steps"] == 5
+
+
+def test_dec_at_p_unknown_long_id():
+    trace, records = pd_like_trace(True)
+    with pytest.raises(ValueError, match="long_request_id"):
+        metrics.long_prefill_metrics(trace, records, "nobody")
+    assert metrics.long_prefill_metrics(trace, records, None)["dec_at_p"] is None
+
+
+def test_short_p_unfinished_short_is_none():
+    trace, records = pd_like_trace(True)
+    records = [r for r in records if r.request_id != "S2"]
+    records.append(rec("S2", 9, reason=None, a_step=1, arrival=0.0, sched=0.0, f_step=1))
+    m = metrics.long_prefill_metrics(trace, records, "L")
+    assert m["short_p_steps"] is None and m["dec_at_p"] == 4
+
+
+# --------------------------------------------------------------------------- trace helpers
+def test_dead_slots_batch_sizes_host_time_decode_speed():
+    trace = [step(1, [("A", "prefill", 10, 0), ("B", "prefill", 6, 1)], 0.0, 1.0, 0.5),
+             step(2, [("A", "decode", 1, 0), ("B", "decode", 1, 1)], 1.0, 1.5, 0.25),
+             step(3, [("A", "idle", 0, 0), ("B", "decode", 1, 1)], 1.5, 2.0, 0.25)]
+    assert metrics.dead_slot_steps(trace) == 1
+    assert metrics.batch_sizes(trace) == [2, 2, 1]
+    assert metrics.tokens_per_step(trace) == [(16, 0), (0, 2), (0, 1)]
+    assert metrics.host_time_fraction(trace) == approx(1 - 1.0 / 2.0)
+    assert metrics.decode_tokens_per_s(trace) == approx(3 / 1.0)  # steps 2 and 3 only
+    assert metrics.host_time_fraction([]) is None and metrics.decode_tokens_per_s([]) is None
+
+
+def test_queue_age_counts_requests_never_scheduled():
+    waiting = rec("W", 0, reason="cancelled", arrival=1.0, finish=4.5, a_step=2, fin_step=9)
+    still = rec("Z", 0, reason=None, arrival=2.0, a_step=3)
+    age_s, age_steps = metrics.max_queue_age([waiting, still], end_time=5.0, end_step=10)
+    assert age_s == 3.5 and age_steps == 7
+
+
+def test_format_table_and_lookup():
+    s = metrics.summarize([], hand_records())
+    table = metrics.format_table({"pd": s, "static": s})
+    lines = table.splitlines()
+    assert lines[0].startswith("policy") and len(lines) == 4
+    assert metrics.lookup(s, "ttft_s.p50") == s["ttft_s"]["p50"]
+    assert metrics.lookup(s, "nope.p50") is None
+    rows = metrics.per_request(hand_records())
+    assert rows[0]["request_id"] == "A" and math.isclose(rows[0]["tpot_s"], 0.75)

@@ -1,0 +1,196 @@
+"""The model and loader (chapter 01) against Hugging Face transformers, with no engine: a small
+local greedy loop drives the model over a paged KV cache whose pages are shuffled."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import pytest
+import torch
+
+from minicb.attention import build_metadata
+from minicb.model import ModelConfig, is_bundled, load_model
+from minicb.model.llama import rope_inv_freq
+
+PAGE_SIZE = 4
+PROMPTS = [[5], [17, 3, 99, 42, 8, 8, 200], list(range(30, 53))]  # 1 token, < 2 pages, 6 pages
+
+
+def paged_greedy(model, prompt: list[int], max_new: int, eos_ids=(), page_size: int = PAGE_SIZE,
+                 seed: int = 0) -> tuple[list[int], list[torch.Tensor]]:
+    """One request, greedy: prefill the prompt in one forward, then one token per forward. Its
+    pages are a shuffled subset of a larger pool. Returns new tokens and each step's logits."""
+    total = len(prompt) + max_new
+    num_pages = -(-total // page_size)
+    table = random.Random(seed).sample(range(num_pages + 5), num_pages)
+    caches = model.allocate_kv_cache(num_pages + 5, page_size)
+    tokens, all_logits, ids, start = [], [], list(prompt), 0
+    with torch.inference_mode():
+        while len(tokens) < max_new:
+            meta = build_metadata([table], [start], [len(ids)], page_size)
+            logits = model(torch.tensor(ids), torch.arange(start, start + len(ids)), meta, caches,
+                           torch.tensor([len(ids) - 1]))
+            all_logits.append(logits[0])
+            tokens.append(int(logits[0].argmax()))
+            start, ids = start + len(ids), tokens[-1:]
+            if tokens[-1] in eos_ids:
+                break
+    return tokens, all_logits
+
+
+def hf_greedy(hf, prompt: list[int], max_new: int) -> tuple[list[int], list[torch.Tensor]]:
+    ids = torch.tensor([prompt])
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                      max_new_tokens=max_new, return_dict_in_generate=True, output_logits=True)
+    return out.sequences[0, len(prompt):].tolist(), [x[0] for x in out.logits]
+
+
+def load_hf(path, ignore_eos: bool = False):
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    if ignore_eos:  # tiny random models: always run the full length
+        hf.generation_config.eos_token_id = None
+        hf.generation_config.pad_token_id = 0
+    return hf
+
+
+# --- parity with transformers on tiny random checkpoints ----------------------------------------
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "llama3-rope"])
+def test_greedy_matches_hf(tiny_checkpoint, arch, tie):
+    path = tiny_checkpoint(arch, tie=tie)
+    model, info = load_model(path)
+    assert info.config.tie_word_embeddings == tie and (model.lm_head is None) == tie
+    hf = load_hf(path, ignore_eos=True)
+    for i, prompt in enumerate(PROMPTS):
+        ours, our_logits = paged_greedy(model, prompt, 32, seed=i)
+        theirs, their_logits = hf_greedy(hf, prompt, 32)
+        assert ours == theirs, f"prompt {i}"
+        for step, (a, b) in enumerate(zip(our_logits, their_logits)):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=0, msg=f"prompt {i} step {step}")
+
+
+def test_mixed_batch_equals_single_requests(tiny_qwen3_dir):
+    """Two decode rows and one (second) prefill chunk share a forward and a page pool; each
+    member's logits equal what it gets alone."""
+    model, _ = load_model(tiny_qwen3_dir)
+    prompts = {"a": list(range(40, 50)), "b": [7, 8, 9, 10, 11], "c": list(range(100, 113))}
+    nxt = {"a": 77, "b": 78}  # the token each decode member feeds this step
+    pool = random.Random(1).sample(range(64), 64)
+    tables = {"a": pool[:4], "b": pool[4:8], "c": pool[8:12]}
+    caches = model.allocate_kv_cache(64, PAGE_SIZE)
+
+    def run(members, rows):  # members: (name, num_computed, new token ids)
+        ids = [t for _, _, new in members for t in new]
+        pos = [p for _, s, new in members for p in range(s, s + len(new))]
+        meta = build_metadata([tables[n] for n, _, _ in members], [s for _, s, _ in members],
+                              [len(new) for _, _, new in members], PAGE_SIZE)
+        with torch.inference_mode():
+            return model(torch.tensor(ids), torch.tensor(pos), meta, caches, torch.tensor(rows))
+
+    # alone: each request in its own forwards
+    run([("a", 0, prompts["a"])], [9])
+    alone_a = run([("a", 10, [nxt["a"]])], [0])
+    run([("b", 0, prompts["b"])], [4])
+    alone_b = run([("b", 5, [nxt["b"]])], [0])
+    alone_c = run([("c", 0, prompts["c"])], list(range(6, 13)))
+    # mixed: a and b re-run their decode step (same slots), c redoes chunk 2 after chunk 1
+    run([("c", 0, prompts["c"][:6])], [5])
+    mixed = run([("a", 10, [nxt["a"]]), ("b", 5, [nxt["b"]]), ("c", 6, prompts["c"][6:])],
+                [0, 1, *range(2, 9)])
+    torch.testing.assert_close(mixed[0], alone_a[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(mixed[1], alone_b[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(mixed[2:], alone_c, atol=1e-5, rtol=0)
+
+
+def test_rope_inv_freq_matches_transformers(tiny_checkpoint):
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    path = tiny_checkpoint("llama3-rope")
+    ours = rope_inv_freq(ModelConfig.from_hf(json.loads((path / "config.json").read_text())))
+    theirs, _ = ROPE_INIT_FUNCTIONS["llama3"](AutoConfig.from_pretrained(path))
+    assert torch.equal(ours, theirs)
+
+
+def test_sharded_checkpoint_loads_the_same(tiny_llama_dir, tmp_path):
+    hf = load_hf(tiny_llama_dir)
+    hf.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    a, _ = load_model(tiny_llama_dir)
+    b, _ = load_model(tmp_path)
+    for (name, p), q in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(p, q), name
+
+
+# --- the loader's answers to good and bad input -------------------------------------------------
+
+def test_info_of_tiny_checkpoint(tiny_qwen2_dir):
+    model, info = load_model(tiny_qwen2_dir)
+    assert info.tokenizer is None and info.eos_token_ids == (2,)
+    assert info.config.architecture == "qwen2" and info.config.attention_bias
+    assert info.path == tiny_qwen2_dir and not any(p.requires_grad for p in model.parameters())
+
+
+def test_unknown_name_is_refused():
+    with pytest.raises(ValueError, match="neither a bundled model.*smollm2-135m"):
+        load_model("no-such-model")
+
+
+def test_directory_without_config_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="config.json"):
+        load_model(tmp_path)
+
+
+def test_unsupported_architecture_is_refused(tiny_llama_dir, tmp_path):
+    shutil.copytree(tiny_llama_dir, tmp_path / "gpt2")
+    cfg = json.loads((tmp_path / "gpt2" / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (tmp_path / "gpt2" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM"):
+        load_model(tmp_path / "gpt2")
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "yarn"),
+    ({"hidden_act": "gelu"}, "gelu"),
+    ({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True}, "sliding"),
+])
+def test_unsupported_config_is_refused(tiny_llama_dir, change, match):
+    cfg = json.loads((tiny_llama_dir / "config.json").read_text()) | change
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_hf(cfg)
+
+
+def test_bundled_names_and_backend():
+    assert is_bundled("smollm2-135m") and is_bundled("SmolLM2-135M-Instruct")
+    assert not is_bundled("llama-7b")
+
+
+def test_unknown_attention_backend_is_refused(tiny_llama_dir):
+    model, _ = load_model(tiny_llama_dir)
+    with pytest.raises(ValueError, match="bogus"):
+        model.set_attention_backend("bogus")
+
+
+# --- the bundled SmolLM2-135M-Instruct ----------------------------------------------------------
+
+CHATS = ["What is the capital of France?", "Write a haiku about the sea.",
+         "List three uses of a paperclip."]
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_matches_hf(smollm2_dir):
+    model, info = load_model("smollm2-135m")
+    assert info.path == smollm2_dir and info.tokenizer is not None and 2 in info.eos_token_ids
+    hf = load_hf(smollm2_dir)
+    for i, text in enumerate(CHATS):
+        prompt = info.tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                    add_generation_prompt=True, tokenize=True)
+        prompt = list(getattr(prompt, "input_ids", prompt))
+        ours, our_logits = paged_greedy(model, prompt, 16, eos_ids=info.eos_token_ids, seed=i)
+        theirs, their_logits = hf_greedy(hf, prompt, 16)
+        assert ours == theirs, (text, info.tokenizer.decode(ours), info.tokenizer.decode(theirs))
+        torch.testing.assert_close(our_logits[0], their_logits[0], atol=1e-3, rtol=0)

@@ -1,0 +1,350 @@
+"""The OpenAI-compatible server and the benchmark client (chapters 06 and 08), on loopback only.
+
+Every server runs uvicorn in a background thread on a free 127.0.0.1 port; every wait is bounded.
+Answers are compared token for token (the `token_ids` extra field) with `LLM.generate`."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+from contextlib import contextmanager
+
+import httpx
+import pytest
+
+from minicb import LLM, Engine, SamplingParams
+from minicb.client import completions_url, run_client
+from minicb.serve import ServerThread, create_app, main, parse_request
+from minicb.workload import make_workload
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+TIMEOUT = httpx.Timeout(20.0)
+
+
+@pytest.fixture(scope="module")
+def word_model(tiny_model):
+    """The tiny Llama with a word-level tokenizer ("w3 w17 ...") and a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    model, info = tiny_model
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 256)}}
+    raw = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>", bos_token="<s>",
+                                  eos_token="</s>")
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}w9"
+    return model, dataclasses.replace(info, tokenizer=tok)
+
+
+@contextmanager
+def serving(model, max_queue=64, **options):
+    """Start a server on `model`; yields (url, worker). The worker's pages must all be free
+    at the end."""
+    options = {"policy": "pd", "num_pages": 256, "check_invariants": True, **options}
+    app = create_app(Engine(model, **options), "tiny", max_queue=max_queue)
+    with ServerThread(app) as url:
+        yield url, app.state.worker
+        wait_idle(app.state.worker)
+        stats = app.state.worker.call(lambda e: e.stats()).result(10)
+        assert stats["pages_used"] == 0 and stats["num_running"] == 0, stats
+
+
+def wait_idle(worker, timeout=10.0):
+    """Wait (bounded) until the engine has nothing left: a client that hung up is cancelled
+    when the server notices, a moment after the client returns."""
+    deadline = time.monotonic() + timeout
+    while worker.call(lambda e: e.has_unfinished()).result(timeout):
+        assert time.monotonic() < deadline, "the engine still has unfinished requests"
+        time.sleep(0.01)
+
+
+def reference(model, prompts, max_tokens, **params):
+    llm = LLM(model, policy="continuous", num_pages=256)
+    sp = SamplingParams(max_tokens=max_tokens, **{**GREEDY, **params})
+    return llm.generate(prompts, sp, use_tqdm=False)
+
+
+def sse_chunks(response) -> list[dict]:
+    lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line[len("data: "):]) for line in lines[:-1]]
+
+
+def test_answers_equal_generate_streaming_or_not(tiny_model):
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13], list(range(20, 60))]
+    refs = reference(tiny_model, prompts, 12)
+    seeded = reference(tiny_model, prompts[:1], 12, temperature=0.8, seed=7)[0].token_ids
+    with serving(tiny_model) as (url, worker), httpx.Client(timeout=TIMEOUT) as http:
+        assert http.get(url + "/health").json() == {"status": "ok"}
+        assert http.get(url + "/v1/models").json()["data"][0]["id"] == "tiny"
+        for prompt, ref in zip(prompts, refs):
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, **GREEDY}
+            out = http.post(url + "/v1/completions", json=body).json()
+            choice = out["choices"][0]
+            assert choice["token_ids"] == ref.token_ids and choice["finish_reason"] == "length"
+            assert out["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 12,
+                                    "total_tokens": len(prompt) + 12}
+            body.update(stream=True, stream_options={"include_usage": True})
+            with http.stream("POST", url + "/v1/completions", json=body) as r:
+                assert r.headers["content-type"].startswith("text/event-stream")
+                chunks = sse_chunks(r)
+            ids = [t for c in chunks for ch in c["choices"] for t in ch["token_ids"]]
+            assert ids == ref.token_ids
+            assert len(chunks) == 13, "one chunk per generated token, then the usage chunk"
+            assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+            assert chunks[-1]["usage"]["completion_tokens"] == 12
+        body = {"prompt": prompts[0], "max_tokens": 12, "temperature": 0.8, "seed": 7,
+                "ignore_eos": True}
+        assert http.post(url + "/v1/completions", json=body).json()["choices"][0][
+            "token_ids"] == seeded
+        metrics = http.get(url + "/metrics").text
+        assert 'minicb_requests_total{finish_reason="length"} 7' in metrics
+        assert "minicb_time_to_first_token_seconds_count 7" in metrics
+        assert "minicb_inter_token_latency_seconds_count 77" in metrics
+        assert "minicb_kv_pages_used 0" in metrics and "minicb_num_requests_running 0" in metrics
+
+
+def test_text_prompts_stop_strings_and_chat(word_model):
+    tok = word_model[1].tokenizer
+    ref = reference(word_model, ["w5 w6 w7"], 12)[0]
+    words = ref.text.split()
+    stop = words[4]
+    expected = ref.text[:ref.text.find(stop)]
+    chat_ref = LLM(word_model, num_pages=256).chat([{"role": "user", "content": "w40 w41"}],
+                                                   SamplingParams(max_tokens=8, **GREEDY),
+                                                   use_tqdm=False)[0]
+    with serving(word_model) as (url, worker), httpx.Client(timeout=TIMEOUT) as http:
+        body = {"prompt": "w5 w6 w7", "max_tokens": 12, **GREEDY}
+        out = http.post(url + "/v1/completions", json=body).json()["choices"][0]
+        assert out["text"] == ref.text and out["token_ids"] == ref.token_ids
+        for stream in (False, True):
+            body = {"prompt": "w5 w6 w7", "max_tokens": 12, "stop": [stop, "nowhere"],
+                    "stream": stream, **GREEDY}
+            headers = {"X-Request-Id": f"stop-{stream}"}
+            if stream:
+                with http.stream("POST", url + "/v1/completions", json=body,
+                                 headers=headers) as r:
+                    chunks = sse_chunks(r)
+                text = "".join(c["choices"][0]["text"] for c in chunks)
+                reason = chunks[-1]["choices"][0]["finish_reason"]
+            else:
+                out = http.post(url + "/v1/completions", json=body, headers=headers).json()
+                text, reason = out["choices"][0]["text"], out["choices"][0]["finish_reason"]
+            assert (text, reason) == (expected, "stop"), "text truncated before the stop string"
+        engine_reasons = worker.call(
+            lambda e: [e.requests[f"stop-{s}"].finish_reason for s in (False, True)]).result(10)
+        assert engine_reasons == ["cancelled"] * 2, "a stop string ends the request in the engine"
+        body = {"messages": [{"role": "user", "content": "w40 w41"}], "max_tokens": 8, **GREEDY}
+        out = http.post(url + "/v1/chat/completions", json=body).json()
+        assert out["object"] == "chat.completion"
+        assert out["choices"][0]["message"] == {"role": "assistant", "content": chat_ref.text}
+        assert out["usage"]["prompt_tokens"] == len(tok.encode("w40 w41 w9"))
+        with http.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True}) \
+                as r:
+            chunks = sse_chunks(r)
+        assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+        assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == \
+            chat_ref.text
+        assert [t for c in chunks[1:] for t in c["choices"][0]["token_ids"]] == \
+            chat_ref.token_ids
+
+
+def test_fifty_concurrent_streams_are_batched_and_leak_nothing(tiny_model):
+    prompts = [[(7 * i + j) % 250 + 3 for j in range(4 + i % 13)] for i in range(50)]
+    refs = reference(tiny_model, prompts, 16)
+
+    async def clients(url):
+        async with httpx.AsyncClient(timeout=TIMEOUT) as http:
+            async def one(i):
+                body = {"prompt": prompts[i], "max_tokens": 16, "stream": True, **GREEDY}
+                ids = []
+                async with http.stream("POST", url + "/v1/completions", json=body,
+                                       headers={"X-Request-Id": f"c{i}"}) as r:
+                    assert r.status_code == 200
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: {"):
+                            ids += json.loads(line[6:])["choices"][0]["token_ids"]
+                return ids
+            return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(50))), 60)
+
+    with serving(tiny_model, max_num_seqs=64, max_num_batched_tokens=1024) as (url, worker):
+        answers = asyncio.run(clients(url))
+        trace = worker.call(lambda e: list(e.trace)).result(10)
+    assert answers == [r.token_ids for r in refs], "every request answered, as generate would"
+    widest = max(len(s.members) for s in trace)
+    assert widest >= 20, f"requests from many clients share steps (widest step: {widest})"
+
+
+def test_disconnect_mid_stream_cancels_and_frees_pages(tiny_model):
+    body = {"prompt": list(range(3, 40)), "max_tokens": 1800, **GREEDY}
+    with serving(tiny_model, max_num_seqs=1) as (url, worker), \
+            httpx.Client(timeout=TIMEOUT) as http:
+        with http.stream("POST", url + "/v1/completions", json={**body, "stream": True},
+                         headers={"X-Request-Id": "leaver"}) as r:
+            lines = r.iter_lines()
+            for _ in range(6):
+                next(lines)
+            with pytest.raises(httpx.ReadTimeout):  # queued behind it, a client gives up
+                http.post(url + "/v1/completions", json=body, timeout=0.3,
+                          headers={"X-Request-Id": "waiter"})
+        # leaving the block closed the stream's connection mid-stream
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            done = worker.call(lambda e: {rid: (e.requests[rid].finish_reason,
+                                                len(e.requests[rid].output_token_ids))
+                                          for rid in ("leaver", "waiter")}).result(10)
+            if all(reason for reason, _ in done.values()):
+                break
+            time.sleep(0.02)
+        assert all(reason == "cancelled" and n < 1800 for reason, n in done.values()), done
+        stats = worker.call(lambda e: e.stats()).result(10)
+        assert stats["pages_used"] == 0 and stats["num_running"] == 0
+        assert 'minicb_requests_total{finish_reason="cancelled"} 2' in \
+            http.get(url + "/metrics").text
+
+
+@pytest.fixture(scope="module")
+def shared_server(tiny_model):
+    with serving(tiny_model, num_pages=32) as (url, _):
+        yield url
+
+
+@pytest.mark.parametrize("body, status, param", [
+    (b"{not json", 400, None),
+    ({"max_tokens": 4}, 400, "prompt"),
+    ({"prompt": [5, 6], "temperature": -1}, 400, "temperature"),
+    ({"prompt": [5, 6], "top_p": 1.5}, 400, "top_p"),
+    ({"prompt": [5, 6], "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": [5, 6], "max_tokens": "many"}, 400, "max_tokens"),
+    ({"prompt": [5, 6], "n": 2}, 400, "n"),
+    ({"prompt": [5, 6], "stop": [3]}, 200, None),  # token ids given as `stop`
+    ({"prompt": [5, 6], "stop": "w1"}, 400, "stop"),  # no tokenizer, no stop strings
+    ({"prompt": [5, 6], "stop_token_ids": ["x"]}, 400, "stop_token_ids"),
+    ({"prompt": [5, 6], "min_tokens": 9, "max_tokens": 4}, 400, "min_tokens"),
+    ({"prompt": [5, 999]}, 400, "prompt"),
+    ({"prompt": "hello"}, 400, "prompt"),
+    ({"prompt": [5] * 2040, "max_tokens": 64}, 400, "prompt"),
+    ({"prompt": [5, 6], "model": "gpt-9"}, 404, "model"),
+])
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(shared_server, body,
+                                                                     status, param):
+    url = shared_server
+    with httpx.Client(timeout=TIMEOUT) as http:
+        kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+        r = http.post(url + "/v1/completions", **kw)
+        assert r.status_code == status, r.text
+        if status != 200:
+            err = r.json()["error"]
+            assert err["param"] == param and err["message"]
+            assert err["type"] == "invalid_request_error" or status == 404
+        ok = http.post(url + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 2})
+        assert ok.status_code == 200 and len(ok.json()["choices"][0]["token_ids"]) == 2
+
+
+def test_parse_request_names_the_field():
+    assert parse_request({"prompt": [1], "top_k": -1}, chat=False)["params"]["top_k"] == 0
+    with pytest.raises(ValueError, match="messages"):
+        parse_request({"prompt": "x"}, chat=True)
+    with pytest.raises(ValueError, match="prompt must be"):
+        parse_request({"prompt": [[1], [2]]}, chat=False)
+
+
+def test_a_full_queue_answers_429(tiny_model):
+    async def burst(url):
+        async with httpx.AsyncClient(timeout=TIMEOUT) as http:
+            body = {"prompt": [5, 6, 7], "max_tokens": 150, **GREEDY}
+            return await asyncio.wait_for(asyncio.gather(*(
+                http.post(url + "/v1/completions", json=body) for _ in range(6))), 60)
+
+    with serving(tiny_model, max_queue=2, max_num_seqs=1) as (url, worker):
+        answers = asyncio.run(burst(url))
+        codes = sorted(r.status_code for r in answers)
+        assert codes.count(429) >= 3 and codes.count(200) >= 1, codes
+        refused = next(r for r in answers if r.status_code == 429)
+        assert refused.json()["error"]["code"] == "queue_full"
+        ok = httpx.post(url + "/v1/completions", json={"prompt": [5], "max_tokens": 2},
+                        timeout=TIMEOUT)
+        assert ok.status_code == 200
+
+
+def test_client_metrics_agree_with_the_engine_record(tiny_model):
+    workload = make_workload(10, prompt_lengths="uniform:8:64", output_lengths="fixed:48",
+                             arrival="poisson", rate=40.0, seed=3, cancel_fraction=0.2,
+                             cancel_after_tokens=4)
+    with serving(tiny_model, max_num_seqs=16) as (url, worker):
+        assert completions_url(url + "/v1") == url + "/v1/completions"
+        client = asyncio.run(asyncio.wait_for(run_client(url, workload.requests,
+                                                         vocab_size=256), 60))
+        wait_idle(worker)
+        engine = {r.request_id: r for r in worker.call(lambda e: e.request_records()).result(10)}
+    gaps = []
+    for c, w in zip(client, workload.requests):
+        e = engine[w.request_id]
+        if w.cancel_after_tokens:
+            # the client hangs up after 4 tokens; the engine stops when the server notices (on
+            # a busy machine the tiny model may have finished all 48 tokens by then)
+            assert c.finish_reason == "cancelled" and c.num_output_tokens == 4
+            assert e.finish_reason in ("cancelled", "length"), e
+            continue
+        assert c.finish_reason == e.finish_reason == "length", (c, e)
+        assert c.num_output_tokens == e.num_output_tokens == 48
+        assert c.num_prompt_tokens == e.num_prompt_tokens == w.prompt_len
+        ttft_client = c.first_token_time - c.arrival_time
+        ttft_engine = e.first_token_time - e.arrival_time
+        e2e_client, e2e_engine = c.finish_time - c.arrival_time, e.finish_time - e.arrival_time
+        # the client's clock starts before the engine's and stops after it: the difference is
+        # the network, HTTP and hand-over overhead (a few ms on an idle loopback; client, server
+        # and engine share one process and two cores here, so the bound is loose)
+        assert -0.005 <= ttft_client - ttft_engine <= 0.3, (ttft_client, ttft_engine)
+        assert -0.005 <= e2e_client - e2e_engine <= 0.3, (e2e_client, e2e_engine)
+        gaps.append(ttft_client - ttft_engine)
+    print("GAPS", max(gaps), sorted(gaps)[len(gaps) // 2])
+    assert sorted(gaps)[len(gaps) // 2] < 0.1, f"median overhead {gaps}"
+
+
+def test_serve_cli_help(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0 and "--max-queue" in capsys.readouterr().out
+
+
+def test_engine_faults_fail_the_request_not_the_server(tiny_model):
+    def fail_once(engine, where):  # replace engine.<where> by a function that raises once
+        real = getattr(engine, where)
+
+        def broken(*args):
+            setattr(engine, where, real)
+            raise RuntimeError("injected fault")
+        setattr(engine, where, broken)
+
+    body = {"prompt": [5, 6, 7], "max_tokens": 8, **GREEDY}
+    with serving(tiny_model) as (url, worker), httpx.Client(timeout=TIMEOUT) as http:
+        worker.call(lambda e: fail_once(e, "_failure_hook")).result(10)  # contained by the engine
+        r = http.post(url + "/v1/completions", json=body)
+        assert r.status_code == 500 and "injected fault" in r.json()["error"]["message"]
+        worker.call(lambda e: fail_once(e, "step")).result(10)  # escapes the engine's step
+        with http.stream("POST", url + "/v1/completions", json={**body, "stream": True}) as r:
+            chunks = sse_chunks(r)
+        assert "error" in chunks[0] and chunks[-1]["choices"][0]["finish_reason"] == "error"
+        assert http.post(url + "/v1/completions", json=body).status_code == 200
+        assert 'minicb_requests_total{finish_reason="error"} 2' in http.get(url + "/metrics").text
+
+
+def test_client_cli_writes_the_results_schema(tiny_model, tmp_path, capsys):
+    from minicb.client import main as client_main
+
+    out = tmp_path / "results.json"
+    with serving(tiny_model, max_num_seqs=8) as (url, _):
+        assert client_main(["--endpoint", url, "--workload", "mixed-chat", "--num-requests", "4",
+                            "--vocab-size", "256", "--slo-ttft", "5", "--out", str(out)]) == 0
+    saved = json.loads(out.read_text())
+    assert saved["declaration"]["workload"] == "mixed-chat"
+    assert saved["declaration"]["model"] == "tiny"
+    result = saved["results"][url]
+    assert result["num_requests"] == result["completed"] == 4 and result["errors"] == 0
+    for key in ("ttft_s", "itl_s", "tpot_s", "e2e_s"):
+        assert result[key]["p50"] > 0
+    assert "TTFT p50" in capsys.readouterr().out

@@ -1,0 +1,274 @@
+"""minicb.viz (chapters 02-05): the data behind every picture matches the trace, the text
+timeline has the right characters, and the step-through widget follows its slider."""
+
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import pytest  # noqa: E402
+from matplotlib.collections import PolyCollection  # noqa: E402
+from matplotlib.colors import to_hex  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+
+from minicb import viz  # noqa: E402
+from minicb.trace import Member, StepRecord  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def static():
+    return viz.seed_example("static")
+
+
+@pytest.fixture(scope="module")
+def continuous():
+    return viz.seed_example("continuous")
+
+
+def record(step, members=(), waiting=(), finished=(), preempted=(), page_tables=None, used=0,
+           cached=0, total=16, arrived=()):
+    return StepRecord(step, [Member(*m) for m in members], list(waiting), list(finished),
+                      list(preempted), used, cached, 0.0, 0.0, arrived=list(arrived),
+                      page_tables=dict(page_tables or {}), pages_total=total)
+
+
+def bars(ax):
+    """(face colour, row, x0, width) of every bar drawn with broken_barh / bar."""
+    out = []
+    for coll in ax.collections:
+        if not isinstance(coll, PolyCollection):
+            continue
+        faces = coll.get_facecolors()
+        for i, path in enumerate(coll.get_paths()):
+            (x0, y0), (x1, y1) = path.vertices.min(0), path.vertices.max(0)
+            out.append((to_hex(faces[i % len(faces)]), round((y0 + y1) / 2), x0, x1 - x0))
+    return out
+
+
+# ------------------------------------------------------------------------------ timeline
+def test_timeline_data_matches_every_record(static, continuous):
+    for trace in (static, continuous):
+        data = viz.timeline_data(trace)
+        cells = 0
+        for rec in trace:
+            for m in rec.members:
+                assert data.cells[m.request_id][rec.step] == m.kind
+            for rid in rec.waiting:
+                assert data.cells[rid][rec.step] == viz.WAITING
+            cells += len(rec.members) + len(rec.waiting)
+        assert sum(len(row) for row in data.cells.values()) == cells
+    data = viz.timeline_data(static)
+    assert data.requests == ["R1", "R2", "R3", "R4"]
+    assert data.finishes == {"R1": 30, "R2": 200, "R3": 80, "R4": 260}
+    assert data.arrivals == {"R1": 1, "R2": 1, "R3": 1, "R4": 31}
+    assert data.runs("R1") == [(1, 1, "prefill"), (2, 30, "decode"), (31, 200, "idle")]
+    assert data.runs("R4") == [(31, 200, "waiting"), (201, 201, "prefill"),
+                               (202, 260, "decode")]
+    assert viz.timeline_data(continuous).runs("R4") == [(31, 31, "prefill"), (32, 90, "decode")]
+
+
+def test_plot_timeline_bars_match_trace(static):
+    before = plt.get_fignums()
+    fig = viz.plot_timeline(static)
+    assert isinstance(fig, Figure) and plt.get_fignums() == before  # not managed by pyplot
+    data, ax = fig.minicb_data, fig.axes[0]
+    assert ax.minicb_data is data
+    drawn = bars(ax)
+    for row, rid in enumerate(data.requests):
+        for colour in {viz.STYLE[s][0].lower() for s in viz.STATES}:  # idle, stalled: white
+            width = sum(w for c, y, _, w in drawn if y == row and c == colour)
+            expected = sum(1 for s in data.cells[rid].values()
+                           if viz.STYLE[s][0].lower() == colour)
+            assert width == pytest.approx(expected), (rid, colour)
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["R1", "R2", "R3", "R4"]
+    assert ax.get_xlabel() == "step" and ax.get_ylabel() == "request"
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert {"prefill", "decode", "waiting in queue", "arrives", "finishes"} <= set(labels)
+    okabe = {c.lower() for c in viz.OKABE_ITO} | {"#ffffff", "#bbbbbb"}
+    assert {c for c, *_ in drawn} <= okabe
+
+
+def test_timeline_stalled_and_preempted():
+    trace = [record(1, [("a", "prefill", 8, 0), ("b", "prefill", 8, 1)], page_tables={
+                 "a": [0], "b": [1]}),
+             record(2, [("c", "prefill", 8, 1)], waiting=["b"], preempted=["b"],
+                    page_tables={"a": [0], "c": [1]}, arrived=["c"]),
+             record(3, [("a", "decode", 1, 0)], waiting=["b"], finished=["a"],
+                    page_tables={"c": [1]})]
+    data = viz.timeline_data(trace)
+    assert data.cells["a"] == {1: "prefill", 2: "stalled", 3: "decode"}
+    assert data.cells["b"] == {1: "prefill", 2: "waiting", 3: "waiting"}
+    assert data.cells["c"] == {2: "prefill", 3: "stalled"}
+    assert data.preemptions == {"b": [2]}
+    assert data.arrivals["c"] == 2
+    slots = viz.slot_data(trace)
+    assert slots.owners == {0: {1: "a", 2: "a", 3: "a"}, 1: {1: "b", 2: "c", 3: "c"}}
+    assert slots.kinds[1][3] == "stalled"
+    text = viz.render_text(trace, legend=False).splitlines()
+    assert text[2:] == ["a     ▓-█|", "b     ▓x·", "c      ▓-"]
+
+
+# --------------------------------------------------------------------------------- slots
+def test_slots_show_reuse(static, continuous):
+    fig = viz.plot_slots(continuous)
+    data = fig.minicb_data
+    assert data.slots == [0, 1, 2]
+    assert data.owners[0][30] == "R1" and data.owners[0][31] == "R4"
+    assert (0, "R1", 1, 30) in data.runs and (0, "R4", 31, 90) in data.runs
+    for rec in continuous:
+        for m in rec.members:
+            assert data.owners[m.slot][rec.step] == m.request_id
+    texts = {t.get_text() for t in fig.axes[0].texts}
+    assert {"R1", "R2", "R3", "R4"} <= texts
+    assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == ["slot 0", "slot 1",
+                                                                      "slot 2"]
+    data = viz.slot_data(static)
+    assert (0, "R1", 1, 200) in data.runs and (0, "R4", 201, 260) in data.runs
+    assert all(data.kinds[0][k] == "idle" for k in range(31, 201))
+
+
+# --------------------------------------------------------------------------------- pages
+def test_pages_match_trace(continuous):
+    fig = viz.plot_pages(continuous)
+    data = fig.minicb_data
+    assert data.total == 64 and data.steps == [r.step for r in continuous]
+    for rec, used, cached, free in zip(continuous, data.used, data.cached, data.free):
+        assert (used, cached, free) == (rec.pages_used, rec.pages_cached,
+                                        64 - rec.pages_used - rec.pages_cached)
+    used_patch = fig.axes[0].patches[0]  # the first stairs: used pages
+    assert used_patch.get_label() == "used by running requests"
+    assert list(used_patch.get_data().values) == data.used
+    gap = viz.page_data([record(1, used=3, cached=1), record(4, used=2, cached=2)])
+    assert gap.steps == [1, 2, 3, 4] and gap.used == [3, 0, 0, 2] and gap.cached == [1, 1, 1, 2]
+
+
+def test_page_map_marks_shared_pages():
+    rec = record(7, [("a", "decode", 1, 0), ("b", "decode", 1, 1)],
+                 page_tables={"a": [0, 1, 2], "b": [0, 1, 5]}, used=4, cached=2, total=8)
+    fig = viz.plot_page_map([record(6), rec], step=7)
+    data = fig.minicb_data
+    assert data.step == 7 and data.num_shown == 8 and data.shared == [0, 1]
+    assert data.owners == {0: ["a", "b"], 1: ["a", "b"], 2: ["a"], 5: ["b"]}
+    hatched = [p for p in fig.axes[0].patches if p.get_hatch() == "xx"]
+    assert len(hatched) == 2
+    assert "2 shared" in fig.axes[0].get_title()
+
+    class FakeEngine:
+        trace = [rec]
+
+    assert viz.page_map_data(FakeEngine()).shared == [0, 1]  # an engine: its last step
+    with pytest.raises(ValueError, match="step 3 is not in the trace"):
+        viz.page_map_data([rec], 3)
+
+
+# -------------------------------------------------------------------------------- budget
+def test_budget_stacks_tokens():
+    trace = [record(1, [("a", "prefill", 30, 0)]),
+             record(2, [("a", "decode", 1, 0), ("b", "prefill", 24, 1)]),
+             record(3, [("a", "decode", 1, 0), ("b", "decode", 1, 1)])]
+    fig = viz.plot_budget(trace, 32)
+    data = fig.minicb_data
+    assert (data.decode, data.prefill, data.total, data.budget) == (
+        [0, 1, 2], [30, 24, 0], [30, 25, 2], 32)
+    ax = fig.axes[0]
+    decode, prefill = ax.containers
+    assert [r.get_height() for r in decode] == [0, 1, 2]
+    assert [(r.get_y(), r.get_height()) for r in prefill] == [(0, 30), (1, 24), (2, 0)]
+    assert any(line.get_ydata()[0] == 32 for line in ax.lines)
+    assert ax.get_ylabel() == "tokens in the step"
+
+
+# ------------------------------------------------------------------------------- compare
+def test_compare_shares_the_step_axis(static, continuous):
+    fig = viz.compare({"static": static, "continuous": continuous})
+    top, bottom = fig.axes
+    assert top.get_shared_x_axes().joined(top, bottom)
+    assert top.get_xlim() == bottom.get_xlim() and top.get_xlim()[1] >= 260
+    assert set(fig.minicb_data) == {"static", "continuous"}
+    assert fig.minicb_data["continuous"].finishes["R4"] == 90
+    assert "static: last request finishes at step 260" in top.get_title(loc="left")
+    for kind in ("slots", "pages", "budget"):
+        fig = viz.compare({"static": static, "continuous": continuous}, kind=kind)
+        assert len(fig.axes) == 2 and set(fig.minicb_data) == {"static", "continuous"}
+    with pytest.raises(ValueError, match="kind must be one of"):
+        viz.compare({"a": static}, kind="pie")
+
+
+# ---------------------------------------------------------------------------------- text
+def test_render_text_rows(static, continuous):
+    lines = viz.render_text(static, width=300, legend=False).splitlines()
+    rows = {line[:6].strip(): line[6:] for line in lines[2:]}
+    assert rows["R1"] == "▓" + "█" * 29 + "|" + "░" * 169
+    assert rows["R2"] == "▓" + "█" * 199 + "|"
+    assert rows["R4"] == " " * 30 + "·" * 170 + "▓" + "█" * 59 + "|"
+    assert lines[0].startswith("step  0") and "200" in lines[0]
+    cont = viz.render_text(continuous, width=300)
+    rows = {line[:6].strip(): line[6:] for line in cont.splitlines()[2:6]}
+    assert rows["R1"] == "▓" + "█" * 29 + "|"
+    assert rows["R4"] == " " * 30 + "▓" + "█" * 59 + "|"
+    assert "█ decode" in cont and "░ idle slot" in cont
+
+
+def test_render_text_compresses_to_width(static):
+    text = viz.render_text(static, width=80)
+    lines = text.splitlines()
+    assert all(len(line) <= 80 for line in lines)
+    assert "(1 column = 4 steps)" in text
+    r1 = lines[2][6:]
+    assert r1.startswith("▓" + "█" * 6) and r1[7] == "|" and set(r1[8:]) == {"░"}
+    assert viz.render_text([]) == "(empty trace)"
+
+
+# -------------------------------------------------------------------------------- widget
+def test_step_through_follows_the_slider(static, continuous):
+    w = viz.step_through(continuous)
+    assert w.state.step == 1 and {m.request_id for m in w.state.scheduled} == {"R1", "R2", "R3"}
+    png = bytes(w.image.value)
+    assert png.startswith(b"\x89PNG")
+    w.slider.value = 31
+    s = w.state
+    assert s.step == 31 and s.waiting == [] and s.running == ["R2", "R3", "R4"]
+    assert [(m.request_id, m.kind, m.num_tokens, m.slot) for m in s.scheduled] == [
+        ("R2", "decode", 1, 1), ("R3", "decode", 1, 2), ("R4", "prefill", 20, 0)]
+    assert s.arrived == ["R4"] and set(s.page_tables) == {"R2", "R3", "R4"}
+    assert s.page_tables == continuous[30].page_tables
+    assert "R4" in w.info.value and "prefill" in w.info.value and bytes(w.image.value) != png
+    s = viz.step_through(static, picture=False).show(100)
+    assert s.waiting == ["R4"] and s.running == ["R2"]
+    assert {(m.request_id, m.kind) for m in s.scheduled} == {("R1", "idle"), ("R2", "decode"),
+                                                              ("R3", "idle")}
+    assert w.widget.children[0].children[0] is w.play
+    assert "application/vnd.jupyter.widget-view+json" in w._repr_mimebundle_()
+
+
+def test_missing_step_is_empty():
+    trace = [record(1, [("a", "prefill", 4, 0)], finished=["a"]),
+             record(5, [("b", "prefill", 4, 0)], arrived=["b"], finished=["b"])]
+    w = viz.step_through(trace, picture=False)
+    assert w.show(3).recorded is False and w.state.scheduled == []
+    assert w.show(5).scheduled[0].request_id == "b"
+
+
+# ---------------------------------------------------------------------- a real engine run
+def test_real_engine_trace(make_engine):
+    from minicb import SamplingParams
+
+    engine = make_engine("continuous", max_num_seqs=2, page_size=4, num_pages=32)
+    prefix = list(range(3, 11))
+    for i, (n, step) in enumerate([(8, None), (3, None), (4, 3)]):
+        engine.add_request(prefix + [20 + i] * 3, SamplingParams(max_tokens=n, ignore_eos=True),
+                           request_id=f"R{i + 1}", arrival_step=step)
+    engine.run()
+    data = viz.plot_timeline(engine).minicb_data
+    assert data.finishes == {"R1": 8, "R2": 3, "R3": 7}
+    assert data.runs("R3")[0] == (3, 3, "waiting") and data.runs("R3")[1][2] == "prefill"
+    assert viz.slot_data(engine).owners[1][4] == "R3"  # R3 takes R2's slot
+    page_map = viz.plot_page_map(engine, 5).minicb_data
+    r1_prompt_pages = engine.trace[4].page_tables["R1"][:2]
+    assert page_map.shared == sorted(r1_prompt_pages)  # R3 reuses R1's two prompt pages
+    assert {rid for p in page_map.shared for rid in page_map.owners[p]} == {"R1", "R3"}
+    assert viz.page_data(engine).total == 32
+    assert viz.budget_data(engine).budget == engine.config.max_num_batched_tokens
+    assert viz.step_through(engine, picture=False).show(4).running == ["R1", "R3"]

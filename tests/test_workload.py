@@ -1,0 +1,239 @@
+"""workload.py: reproducibility, arrival statistics, length distributions, scenarios, argument
+checks, and driving an engine (exact lengths, cancellation, online arrivals)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from minicb import metrics
+from minicb.engine import Engine
+from minicb.sim import CostModel, SimClock, SimModel, make_sim_engine, sim_model_info
+from minicb.workload import (
+    Lengths,
+    Workload,
+    WorkloadRequest,
+    arrival_times,
+    gamma_gaps,
+    get_workload,
+    make_workload,
+    run_workload,
+    submit,
+)
+
+
+# --------------------------------------------------------------------------- reproducibility
+@pytest.mark.parametrize("name", ["mixed-chat", "equal-lengths", "low-rate", "shared-prefix",
+                                  "seed-r1-r4", "long-prefill"])
+def test_same_seed_same_workload(name):
+    a, b = get_workload(name, seed=3), get_workload(name, seed=3)
+    assert a.to_dict() == b.to_dict()
+    if name in ("mixed-chat", "low-rate", "shared-prefix"):
+        assert get_workload(name, seed=4).to_dict() != a.to_dict()
+
+
+# --------------------------------------------------------------------------- arrivals
+@pytest.mark.parametrize("burstiness", [0.25, 1.0, 4.0])
+def test_gamma_gaps_mean_and_burstiness(burstiness):
+    rate = 5.0
+    gaps = gamma_gaps(40_000, rate, burstiness, np.random.default_rng(7))
+    mean = gaps.mean()
+    cv2 = gaps.var() / mean**2
+    assert mean == pytest.approx(1 / rate, rel=0.03)
+    assert cv2 == pytest.approx(1 / burstiness, rel=0.08)  # CV^2 = 1/shape
+
+
+def test_poisson_arrivals_through_make_workload():
+    w = make_workload(4000, prompt_lengths=4, output_lengths=2, arrival="poisson", rate=10.0,
+                      seed=1)
+    t = np.array([r.arrival_time for r in w.requests])
+    assert t[0] == 0.0 and (np.diff(t) >= 0).all()
+    assert np.diff(t).mean() == pytest.approx(0.1, rel=0.05)
+    assert w.declaration["arrival_process"] == "poisson" and w.declaration["rate_rps"] == 10.0
+
+
+def test_bursty_workload_declares_gamma():
+    w = get_workload("mixed-chat", num_requests=8, rate=2.0, burstiness=0.5)
+    assert w.declaration["arrival_process"].startswith("gamma")
+    assert w.declaration["burstiness"] == 0.5
+
+
+def test_explicit_arrivals():
+    assert arrival_times(3, "times", times=[0.0, 0.5, 0.5]) == [0.0, 0.5, 0.5]
+    assert arrival_times(2) == [0.0, 0.0]
+    w = make_workload(3, prompt_lengths=4, output_lengths=2, arrival="steps",
+                      arrival_steps=[1, 4, 9])
+    assert [r.arrival_step for r in w.requests] == [1, 4, 9]
+    assert all(r.arrival_time is None for r in w.requests)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(n=3, process="poisson"), "rate"),
+    (dict(n=3, process="gamma", rate=-1.0), "rate"),
+    (dict(n=3, process="gamma", rate=1.0, burstiness=0.0), "burstiness"),
+    (dict(n=3, process="fifo"), "arrival process"),
+    (dict(n=2, process="times", times=[0.0]), "times"),
+    (dict(n=2, process="times", times=[1.0, 0.5]), "non-decreasing"),
+    (dict(n=-1), "num_requests"),
+])
+def test_arrival_arguments_are_checked(kwargs, match):
+    n = kwargs.pop("n")
+    with pytest.raises(ValueError, match=match):
+        arrival_times(n, **kwargs)
+
+
+# --------------------------------------------------------------------------- lengths
+def test_length_distributions():
+    rng = np.random.default_rng(0)
+    assert Lengths.parse("128").sample(3, rng) == [128, 128, 128]
+    u = Lengths.parse("uniform:16:512").sample(2000, rng)
+    assert min(u) >= 16 and max(u) <= 512 and min(u) < 40 and max(u) > 480
+    ln = Lengths.parse("lognormal:100:1.0:8:300").sample(4000, rng)
+    assert min(ln) >= 8 and max(ln) <= 300
+    assert np.median(ln) == pytest.approx(100, rel=0.1)
+    assert set(Lengths.parse("list:8,32,200").sample(500, rng)) == {8, 32, 200}
+    assert Lengths.fixed(5).describe() == {"kind": "fixed", "value": 5}
+
+
+@pytest.mark.parametrize("text, match", [
+    ("uniform:9:3", "lengths.high"), ("fixed:0", "lengths.value"), ("list:", "lengths.values"),
+    ("gauss:3:4", "cannot read"), ("lognormal:-1:1", "lengths.median"), ("abc", "cannot read"),
+])
+def test_bad_lengths_are_refused(text, match):
+    with pytest.raises(ValueError, match=match):
+        Lengths.parse(text)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(), "prompt_token_ids or prompt_len"),
+    (dict(prompt_len=0), "prompt_len"),
+    (dict(prompt_len=4, max_tokens=0), "max_tokens"),
+    (dict(prompt_len=4, arrival_time=-1.0), "arrival_time"),
+    (dict(prompt_len=4, arrival_step=0), "arrival_step"),
+    (dict(prompt_len=4, arrival_step=2, arrival_time=1.0), "not both"),
+    (dict(prompt_token_ids=[]), "non-empty"),
+    (dict(prompt_token_ids=[1, 2], prompt_len=3), "disagrees"),
+    (dict(prompt_len=4, cancel_after_tokens=0), "cancel_after_tokens"),
+])
+def test_workload_request_checks(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        WorkloadRequest(**kwargs)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: get_workload("nope"), "workload must be one of"),
+    (lambda: make_workload(0), "num_requests"),
+    (lambda: make_workload(2, arrival="later"), "arrival must be one of"),
+    (lambda: make_workload(2, seed=-1), "seed"),
+    (lambda: make_workload(2, cancel_fraction=2.0), "cancel_fraction"),
+    (lambda: get_workload("mixed-chat", burstiness=0.5), "burstiness needs a rate"),
+    (lambda: get_workload("long-prefill", long_prompt_len=0), "long_prompt_len"),
+])
+def test_generator_arguments_are_checked(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_length_only_request_is_reproducible():
+    r = WorkloadRequest(prompt_len=12, max_tokens=3)
+    assert r.token_ids(5) == r.token_ids(5) != r.token_ids(6)
+    assert all(100 <= t < 10000 for t in r.token_ids(5))
+
+
+# --------------------------------------------------------------------------- scenarios
+def test_scenarios_shapes():
+    r = get_workload("seed-r1-r4")
+    assert [q.max_tokens for q in r.requests][:3] == [30, 200, 80]
+    assert r.requests[3].request_id == "R4" and r.requests[3].arrival_step == 31
+    assert r.recommended == {"max_num_seqs": 3}
+    lp = get_workload("long-prefill", long_prompt_len=300)
+    assert lp.long_request_id == "long" and lp.requests[-1].prompt_len == 300
+    assert lp.requests[-1].arrival_step > 1 and all(q.arrival_step == 1 for q in lp.requests[:-1])
+    assert get_workload("long-prefill").requests[-1].prompt_len == 2000
+    mc = get_workload("mixed-chat")
+    assert len(mc) == 32 and all(q.arrival_time == 0.0 for q in mc.requests)
+    assert all(16 <= q.prompt_len <= 512 and 8 <= q.max_tokens <= 256 for q in mc.requests)
+    eq = get_workload("equal-lengths")
+    assert {(q.prompt_len, q.max_tokens) for q in eq.requests} == {(128, 128)}
+    lr = get_workload("low-rate")
+    assert lr.declaration["arrival_process"] == "poisson" and lr.declaration["rate_rps"] > 0
+    sp = get_workload("shared-prefix", prefix_len=64)
+    heads = {tuple(q.prompt_token_ids[:64]) for q in sp.requests}
+    assert len(heads) == 1 and len({tuple(q.prompt_token_ids) for q in sp.requests}) == len(sp)
+    for w in (r, lp, mc, eq, lr, sp):
+        assert all(100 <= t < 10000 for q in w.requests for t in q.token_ids())
+        assert w.declaration["output_lengths_exact"] is True
+
+
+# --------------------------------------------------------------------------- driving an engine
+def test_submit_gives_exact_lengths_and_step_arrivals():
+    w = get_workload("seed-r1-r4")
+    engine = make_sim_engine("h100-like", policy="continuous", max_num_seqs=3)
+    ids = submit(engine, w)
+    assert ids == ["R1", "R2", "R3", "R4"]
+    engine.run()
+    recs = {r.request_id: r for r in engine.request_records()}
+    assert [recs[i].num_output_tokens for i in ids] == [30, 200, 80, 50]
+    assert recs["R4"].arrival_step == 31 and recs["R4"].first_scheduled_step == 31
+    assert recs["R1"].finish_step == 30
+
+
+def test_seed_example_static_has_dead_slots_and_blocks_r4():
+    w = get_workload("seed-r1-r4")
+    engine = make_sim_engine("h100-like", policy="static", max_num_seqs=3)
+    run_workload(engine, w)
+    recs = {r.request_id: r for r in engine.request_records()}
+    assert recs["R4"].first_scheduled_step == 201  # waits for the whole batch (200 steps)
+    # R1 idles steps 31..200 (170), R3 idles 81..200 (120)
+    assert metrics.dead_slot_steps(engine.trace) == 170 + 120
+
+
+def test_cancel_after_tokens_is_counted():
+    w = make_workload(6, prompt_lengths=8, output_lengths=10, cancel_fraction=0.5,
+                      cancel_after_tokens=2, seed=2)
+    engine = make_sim_engine("h100-like", policy="pd")
+    run_workload(engine, w)
+    s = metrics.summarize(engine.trace, engine.request_records())
+    assert s["cancelled"] == 3 and s["completed"] == 3
+    cancelled = [r for r in engine.request_records() if r.finish_reason == "cancelled"]
+    assert all(r.num_output_tokens == 2 for r in cancelled)
+    assert engine.pool.num_used == 0
+
+
+@pytest.mark.parametrize("upfront", [False, True])
+def test_online_arrivals_follow_the_wall_clock(upfront):
+    """Requests with arrival times enter when real time comes: the engine runs on the real
+    clock (the stand-in model computes nothing and costs nothing)."""
+    gaps = [0.0, 0.04, 0.08, 0.12]
+    w = make_workload(4, prompt_lengths=6, output_lengths=3, arrival="times",
+                      arrival_times_s=gaps)
+    info = sim_model_info()
+    engine = Engine((SimModel(CostModel(), SimClock(), info.config.vocab_size), info),
+                    policy="pd", attention_backend="torch")
+    t0 = time.perf_counter()
+    run_workload(engine, w, upfront=upfront)
+    assert time.perf_counter() - t0 >= 0.12
+    recs = sorted(engine.request_records(), key=lambda r: r.arrival_time)
+    assert [r.arrival_time for r in recs] == gaps
+    for r in recs:
+        assert r.first_scheduled_time >= r.arrival_time
+        assert r.first_scheduled_time - r.arrival_time < 0.05  # idle engine: served at once
+    assert engine.trace[-1].t_end >= 0.12
+
+
+def test_workload_object_basics():
+    w = Workload("x", [WorkloadRequest(prompt_len=3), WorkloadRequest(prompt_len=2,
+                                                                      request_id="b")])
+    assert len(w) == 2 and w.ids() == ["req-0", "b"] and list(w)[1].request_id == "b"
+
+
+def test_step_arrivals_never_have_negative_queue_time():
+    """A request arriving at step s is stamped before step s starts being scheduled."""
+    info = sim_model_info()
+    engine = Engine((SimModel(CostModel(), SimClock(), info.config.vocab_size), info),
+                    policy="continuous", max_num_seqs=3, attention_backend="torch")
+    run_workload(engine, get_workload("seed-r1-r4"))
+    for r in engine.request_records():
+        assert metrics.queue_time(r) >= 0.0 and metrics.ttft(r) >= 0.0
