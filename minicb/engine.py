@@ -100,6 +100,18 @@ class Engine:
         self._ids = itertools.count()
         self._generators: dict[str, torch.Generator | None] = {}
         self._failure_hook = None  # tests inject faults here: callable(batch) raising
+        self.graph_runner = None  # CUDA graphs for decode-only steps (chapter 07)
+        if (str(device).startswith("cuda") and self.config.use_cuda_graphs
+                and self.attention_backend == "triton"):
+            self.graph_runner = self.make_graph_runner(capture=True)
+
+    def make_graph_runner(self, capture: bool = True):
+        """Static buffers (and, on CUDA, captured graphs) for decode-only steps."""
+        from minicb.cuda_graphs import DecodeGraphRunner
+        max_tokens = min(self.max_model_len, self.pool.num_pages * self.pool.page_size)
+        return DecodeGraphRunner(self.model, self.pool.kv_caches, self.pool.page_size,
+                                 self.pool.pages_needed(max_tokens), self.config.device,
+                                 capture=capture)
 
     # ------------------------------------------------------------------------------ clock
     def clock(self) -> float:
@@ -303,6 +315,10 @@ class Engine:
         sample and their logits (one row each: the last position of each finishing member)."""
         if self._failure_hook is not None:
             self._failure_hook(items)
+        runner = self.graph_runner
+        if runner is not None and len(items) <= runner.max_batch and all(
+                n == 1 and not r.is_prefill for r, n in items):
+            return self._forward_decode_graph(runner, [r for r, _ in items])
         input_ids: list[int] = []
         positions: list[int] = []
         logit_rows: list[int] = []
@@ -324,6 +340,16 @@ class Engine:
                                 self.pool.kv_caches,
                                 torch.tensor(logit_rows, dtype=torch.long, device=device))
         return to_sample, logits
+
+    def _forward_decode_graph(self, runner, reqs: list[Request]
+                              ) -> tuple[list[Request], torch.Tensor]:
+        page_size = self.pool.page_size
+        positions = [r.num_computed_tokens for r in reqs]
+        slots = [r.page_table[p // page_size] * page_size + p % page_size
+                 for r, p in zip(reqs, positions)]
+        logits = runner.run([r.all_token_ids[p] for r, p in zip(reqs, positions)], positions,
+                            slots, [p + 1 for p in positions], [r.page_table for r in reqs])
+        return reqs, logits
 
     def _append_token(self, req: Request, token: int, now: float) -> None:
         req.output_token_ids.append(token)

@@ -1,0 +1,91 @@
+"""Decode steps replayed from CUDA graphs (chapter 07).
+
+A decode-only step of B requests launches the same kernels every time; only the numbers in its
+inputs change. Capturing the forward once per batch-size bucket (1, 2, 4, … 64) and replaying it
+removes the per-kernel launch cost that dominates small decode batches on a GPU. A step of B
+requests runs in the smallest bucket >= B: rows past B are padding (slot -1, so nothing is
+stored; context 0, so attention returns zeros) and their logits are dropped.
+
+With `capture=False` the runner runs the same padded static buffers eagerly: that is how the CPU
+tests check the padding (with the Triton kernels in the interpreter)."""
+
+from __future__ import annotations
+
+import torch
+
+from minicb.attention import AttentionMetadata
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+class DecodeGraphRunner:
+    """Static input buffers plus one captured graph per bucket."""
+
+    def __init__(self, model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], page_size: int,
+                 max_pages_per_seq: int, device: str | torch.device,
+                 buckets: tuple[int, ...] = DEFAULT_BUCKETS, capture: bool = True) -> None:
+        self.model, self.kv_caches, self.page_size = model, kv_caches, page_size
+        self.buckets = tuple(sorted(buckets))
+        self.max_batch = self.buckets[-1]
+        self.capture_graphs = capture
+        n, dev = self.max_batch, torch.device(device)
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=dev)
+        self.context_lens = torch.zeros(n, dtype=torch.int32, device=dev)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        self.page_tables = torch.zeros(n, max_pages_per_seq, dtype=torch.int32, device=dev)
+        self.logits_indices = torch.arange(n, dtype=torch.long, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        if capture:
+            self.capture()
+
+    def bucket(self, batch_size: int) -> int:
+        return next(b for b in self.buckets if b >= batch_size)
+
+    def metadata(self, bucket: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            self.slot_mapping[:bucket], self.query_start_loc[:bucket + 1],
+            self.context_lens[:bucket], self.page_tables[:bucket], query_lens=[1] * bucket,
+            context_lens_list=[1] * bucket, num_decodes=bucket, page_size=self.page_size)
+
+    def _forward(self, bucket: int) -> torch.Tensor:
+        return self.model(self.input_ids[:bucket], self.positions[:bucket],
+                          self.metadata(bucket), self.kv_caches, self.logits_indices[:bucket])
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Warm up, then capture one graph per bucket (largest first, sharing one memory pool)."""
+        pool = None
+        for bucket in reversed(self.buckets):
+            self._forward(bucket)  # compiles the kernels outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[bucket] = self._forward(bucket)
+            pool = graph.pool()
+            self.graphs[bucket] = graph
+
+    @torch.inference_mode()
+    def run(self, input_ids: list[int], positions: list[int], slot_mapping: list[int],
+            context_lens: list[int], page_tables: list[list[int]]) -> torch.Tensor:
+        """Logits [B, vocab] for a decode-only step of B <= max_batch requests."""
+        batch = len(input_ids)
+        bucket = self.bucket(batch)
+        dev = self.input_ids.device
+        self.input_ids[:batch] = torch.tensor(input_ids, device=dev)
+        self.positions[:batch] = torch.tensor(positions, device=dev)
+        self.slot_mapping[:batch] = torch.tensor(slot_mapping, device=dev)
+        self.context_lens[:batch] = torch.tensor(context_lens, dtype=torch.int32, device=dev)
+        self.input_ids[batch:bucket] = 0
+        self.positions[batch:bucket] = 0
+        self.slot_mapping[batch:bucket] = -1
+        self.context_lens[batch:bucket] = 0
+        width = max(len(t) for t in page_tables)
+        rows = torch.tensor([t + [0] * (width - len(t)) for t in page_tables], dtype=torch.int32)
+        self.page_tables[:batch, :width] = rows.to(dev)
+        if self.capture_graphs:
+            self.graphs[bucket].replay()
+            return self.outputs[bucket][:batch].clone()
+        return self._forward(bucket)[:batch]
