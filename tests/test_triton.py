@@ -208,7 +208,7 @@ def test_decode_graph_buffers_match_the_eager_engine(tiny_checkpoint):
         if use_runner:
             runner = engine.graph_runner = engine.make_graph_runner(capture=False)
             plain_run = runner.run
-            runner.run = lambda *a: calls.append(len(a[0])) or plain_run(*a)
+            runner.run = lambda *a, c=calls, f=plain_run: c.append(len(a[0])) or f(*a)
         ids = [engine.add_request(p, params) for p in prompts]
         engine.run()
         results.append([engine.requests[i].output_token_ids for i in ids])
