@@ -88,6 +88,8 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cancel-fraction", type=float, default=None,
                         help="share of requests the client cancels after their first token")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--vocab-size", type=int, default=None,
+                        help="with --endpoint: fold prompt ids below this (tiny test models)")
     parser.add_argument("--num-pages", type=int, default=None)
     parser.add_argument("--page-size", type=int, default=None)
     parser.add_argument("--no-prefix-caching", action="store_true")
@@ -664,9 +666,6 @@ def bench_parser() -> argparse.ArgumentParser:
 
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     """Everything `bench` does, returning the results dict (chapter 06)."""
-    if args.endpoint:
-        raise NotImplementedError("--endpoint (benchmarking a running server) is not yet "
-                                  "supported; run against the in-process engine instead")
     policies = _policies(args.policy)
     set_threads(args.threads)
     if args.compare == "hf" and args.executor == "sim":
@@ -719,6 +718,16 @@ def main_bench(argv: list[str] | None = None) -> int:
     """`python -m minicb bench ...`: returns an exit code (chapter 06)."""
     args = bench_parser().parse_args(argv)
     args.command_line = _command_line("bench", argv)
+    if args.endpoint:  # any OpenAI-compatible server, measured from the client side
+        from minicb.client import main as client_main
+        forwarded = ["--endpoint", args.endpoint, "--workload", args.workload,
+                     "--seed", str(args.seed)]
+        for flag in ("num_requests", "rate", "burstiness", "vocab_size", "slo_ttft", "slo_tpot", "slo_e2e",
+                     "out"):
+            value = getattr(args, flag, None)
+            if value is not None:
+                forwarded += ["--" + flag.replace("_", "-"), str(value)]
+        return client_main(forwarded)
     try:
         data = run_bench(args)
     except (ValueError, NotImplementedError) as exc:

@@ -101,12 +101,15 @@ async def _one(client: httpx.AsyncClient, url: str, payload: dict, request_id: s
 
 async def run_client(endpoint: str, workload_requests: Sequence[Any], model: str | None = None,
                      temperature: float = 0.0, vocab_size: int | None = None,
-                     timeout: float = 600.0, progress: bool = False) -> list[RequestRecord]:
+                     timeout: float = 600.0, progress: bool = False,
+                     warmup: bool = True) -> list[RequestRecord]:
     """Send every request (a `WorkloadRequest` or anything with `prompt_token_ids`,
     `max_tokens`, `arrival_time`, `cancel_after_tokens`, `request_id`) at its arrival time,
     streamed, all concurrently; returns one `RequestRecord` per request, in order (chapter 06).
     `model`: the name to send (default: the server's first model). `vocab_size`: fold prompt
-    ids into a small vocabulary (tiny test checkpoints)."""
+    ids into a small vocabulary (tiny test checkpoints). `warmup`: first send one short
+    request, untimed (as vLLM's benchmark does): it fails fast on a wrong endpoint and keeps
+    first-use costs on both sides out of the first measured request."""
     url = completions_url(endpoint)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10.0),
@@ -115,6 +118,13 @@ async def run_client(endpoint: str, workload_requests: Sequence[Any], model: str
             listing = await client.get(url.rsplit("/completions", 1)[0] + "/models")
             listing.raise_for_status()
             model = listing.json()["data"][0]["id"]
+        if warmup and workload_requests:
+            probe = {"model": model, "prompt": _prompt(workload_requests[0], 0, vocab_size)[:8],
+                     "max_tokens": 2, "temperature": 0.0, "stream": True}
+            async with client.stream("POST", url, json=probe) as resp:
+                body = (await resp.aread()).decode(errors="replace")
+            if resp.status_code != 200:
+                raise RuntimeError(f"the warm-up request failed ({resp.status_code}): {body}")
         bar = None
         if progress:
             from tqdm.auto import tqdm

@@ -17,7 +17,7 @@ import torch
 
 from minicb.attention import build_metadata, resolve_backend
 from minicb.config import EngineConfig
-from minicb.kv_cache import PagePool
+from minicb.kv_cache import PagePool, prompt_page_hashes
 from minicb.request import Request, RequestOutput, SamplingParams, Status
 from minicb.sampler import make_generator, sample
 from minicb.scheduler import ScheduledBatch, Scheduler, SchedulerContext, make_scheduler
@@ -98,6 +98,7 @@ class Engine:
         self._cancelled_since_last_step: list[str] = []
         self._arrived_since_last_step: list[str] = []  # added between steps, arriving at once
         self._ids = itertools.count()
+        self._seq = itertools.count()  # admission order, even after `forget`
         self._generators: dict[str, torch.Generator | None] = {}
         self._failure_hook = None  # tests inject faults here: callable(batch) raising
         self.graph_runner = None  # CUDA graphs for decode-only steps (chapter 07)
@@ -175,7 +176,9 @@ class Engine:
             raise ValueError(f"priority must be an integer, got {priority!r}")
         req = Request(request_id, token_ids, params, priority=priority, arrival_step=arrival_step,
                       arrival_time=arrival_time, eos_token_ids=tuple(self.info.eos_token_ids),
-                      seq_index=len(self.requests))
+                      seq_index=next(self._seq))
+        if self.pool.prefix is not None:  # hashed once; admission and reclaim reuse them
+            req.page_hashes = prompt_page_hashes(token_ids, self.pool.page_size)
         self.requests[request_id] = req
         self._generators[request_id] = make_generator(params.seed)
         self.pending.append(req)
@@ -231,6 +234,15 @@ class Engine:
             return
         self._finish(req, "cancelled")
 
+    def forget(self, request_id: str) -> None:
+        """Drop a finished request's record (a long-running server calls this to bound
+        memory); its id may then be reused."""
+        req = self.requests.get(str(request_id))
+        if req is not None and not req.is_finished:
+            raise ValueError(f"request {request_id!r} is not finished; cancel it first")
+        self.requests.pop(str(request_id), None)
+        self._generators.pop(str(request_id), None)
+
     def has_unfinished(self) -> bool:
         return bool(self.pending or self.waiting or self.running)
 
@@ -278,7 +290,7 @@ class Engine:
                 req.num_computed_tokens += num_tokens
                 if req.num_computed_tokens <= req.num_prompt_tokens:
                     self.pool.register_prompt_pages(req.prompt_token_ids, req.page_table,
-                                                    req.num_computed_tokens)
+                                                    req.num_computed_tokens, req.page_hashes)
             now = self.clock()
             for req, token in zip(to_sample, tokens):
                 self._append_token(req, token, now)
@@ -330,6 +342,8 @@ class Engine:
             if start + n == req.num_tokens:
                 logit_rows.append(len(input_ids) - 1)
                 to_sample.append(req)
+        if self.model.attention_backend_name != self.attention_backend:
+            self.model.set_attention_backend(self.attention_backend)  # engines may share a model
         device = self.config.device
         meta = build_metadata([r.page_table for r, _ in items],
                               [r.num_computed_tokens for r, _ in items],
@@ -378,7 +392,7 @@ class Engine:
         was_running = req.status is Status.RUNNING
         if req.page_table:
             self.pool.register_prompt_pages(req.prompt_token_ids, req.page_table,
-                                            req.num_computed_tokens)
+                                            req.num_computed_tokens, req.page_hashes)
             self.pool.release(req.page_table)
             req.page_table = []
         if req in self.running:

@@ -158,23 +158,27 @@ class PagePool:
                     self.free.append(page)
 
     # --- prefix reuse -------------------------------------------------------------------------
-    def match_prefix(self, token_ids: list[int]) -> list[int]:
+    def match_prefix(self, token_ids: list[int], hashes: list[bytes] | None = None) -> list[int]:
         """Cached pages for the longest run of full leading pages of `token_ids`, capped so that
-        at least one token is left to compute (someone must produce logits). Takes no reference."""
+        at least one token is left to compute (someone must produce logits). Takes no reference.
+        `hashes`: the pages' chained hashes if the caller already has them."""
         if self.prefix is None:
             return []
         usable = (len(token_ids) - 1) // self.page_size
-        hashes = prompt_page_hashes(token_ids[:usable * self.page_size], self.page_size)
-        return self.prefix.lookup(hashes)
+        if hashes is None:
+            hashes = prompt_page_hashes(token_ids[:usable * self.page_size], self.page_size)
+        return self.prefix.lookup(hashes[:usable])
 
     def register_prompt_pages(self, token_ids: list[int], page_table: list[int],
-                              num_computed: int) -> None:
-        """Index every full prompt page whose tokens are all computed."""
+                              num_computed: int, hashes: list[bytes] | None = None) -> None:
+        """Index every full prompt page whose tokens are all computed (`hashes`: the prompt's
+        page hashes if the caller already has them)."""
         if self.prefix is None:
             return
         full = min(num_computed, len(token_ids)) // self.page_size
-        hashes = prompt_page_hashes(token_ids[:full * self.page_size], self.page_size)
-        for h, page in zip(hashes, page_table):
+        if hashes is None:
+            hashes = prompt_page_hashes(token_ids[:full * self.page_size], self.page_size)
+        for h, page in zip(hashes[:full], page_table):
             if self.prefix.page_of.get(h) != page:
                 self.prefix.register(h, page)
 

@@ -99,6 +99,7 @@ class Request:
     num_recomputed_tokens: int = 0
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     seq_index: int = 0  # admission order, used for "newest" preemption and FCFS ties
+    page_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full prompt pages
 
     @property
     def all_token_ids(self) -> list[int]:

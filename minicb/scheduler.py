@@ -88,7 +88,7 @@ class SchedulerContext:
         tokens. Returns that chunk's size, or 0 (and changes nothing) if it does not fit."""
         if not self.free_slots or max_tokens < 1:
             return 0
-        hit = self.pool.match_prefix(req.all_token_ids)
+        hit = self.pool.match_prefix(req.all_token_ids, req.page_hashes or None)
         remaining = req.num_tokens - len(hit) * self.pool.page_size
         num_tokens = min(max_tokens, remaining)
         total_pages = self.pool.pages_needed(len(hit) * self.pool.page_size + num_tokens)
@@ -111,7 +111,7 @@ class SchedulerContext:
         """Free a running request's pages and put it back at the front of the queue; its tokens
         are recomputed when it is admitted again (reusing any prefix pages still cached)."""
         self.pool.register_prompt_pages(req.prompt_token_ids, req.page_table,
-                                        req.num_computed_tokens)
+                                        req.num_computed_tokens, req.page_hashes or None)
         self.pool.release(req.page_table)
         req.page_table = []
         req.num_recomputed_tokens += req.num_computed_tokens
@@ -335,7 +335,8 @@ def schedule_prefill_chunks(ctx: SchedulerContext, budget: int, min_chunk: int =
         budget -= num_tokens
     while ctx.waiting and budget > 0 and not ctx.batch.preempted:
         req = ctx.waiting[0]
-        hit_tokens = len(ctx.pool.match_prefix(req.all_token_ids)) * ctx.pool.page_size
+        hit = ctx.pool.match_prefix(req.all_token_ids, req.page_hashes or None)
+        hit_tokens = len(hit) * ctx.pool.page_size
         remaining = req.num_tokens - hit_tokens
         if min(remaining, chunk_size, budget) < min(min_chunk, remaining):
             break

@@ -27,7 +27,7 @@ import threading
 import time
 import traceback
 import uuid
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -119,20 +119,20 @@ class EngineWorker:
     and `cancel` from any thread or event loop; the thread applies them between steps, steps while
     there is work, and sends each request its new tokens after every step.
 
-    `max_queue`: refuse (QueueFull) a request when that many already wait. `history`: finished
-    requests kept in `engine.requests` (and 10x as many steps in `engine.trace`); older ones are
-    dropped so a long-running server does not grow without bound."""
+    `max_queue`: refuse (QueueFull) a request when that many already wait. `max_trace`: steps
+    kept in `engine.trace` (the oldest half is dropped when it is full), so a long-running
+    server's trace stays bounded; `engine.requests` keeps every request, as the engine expects."""
 
-    def __init__(self, engine: Any, max_queue: int | None = None, history: int = 10_000) -> None:
+    def __init__(self, engine: Any, max_queue: int | None = None,
+                 max_trace: int = 200_000) -> None:
         self.engine = engine
         self.max_queue = max_queue
-        self.history = history
+        self.max_trace = max_trace
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.capacity = engine.pool.num_pages * engine.pool.page_size
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, _Stream] = {}
-        self._finished: deque[str] = deque()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # guards the counters below (read by /metrics)
         self.ttft, self.itl = Histogram(TTFT_BUCKETS), Histogram(ITL_BUCKETS)
@@ -169,9 +169,9 @@ class EngineWorker:
         """Queue a request; returns its Job once the engine has accepted it. Raises
         InvalidRequest (bad prompt or params) or QueueFull."""
         self.start()
-        loop = asyncio.get_running_loop()
+        sink = (asyncio.get_running_loop(), asyncio.Queue())  # made on the handler's loop
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(("add", prompt, messages, params, stop, request_id, loop, future))
+        self._commands.put(("add", prompt, messages, params, stop, request_id, sink, future))
         return await asyncio.wrap_future(future)
 
     def cancel(self, request_id: str) -> None:
@@ -269,7 +269,7 @@ class EngineWorker:
             except Exception as exc:  # noqa: BLE001
                 cmd[2].set_exception(exc)
 
-    def _add(self, prompt, messages, params, stop, request_id, loop) -> Job:
+    def _add(self, prompt, messages, params, stop, request_id, sink) -> Job:
         engine = self.engine
         waiting = len(engine.waiting) + len(engine.pending)
         if self.max_queue is not None and waiting >= self.max_queue:
@@ -312,8 +312,8 @@ class EngineWorker:
             fits = "exceeds the model's context" in message or "never fit" in message
             raise InvalidRequest(message, field_name,
                                  "context_length_exceeded" if fits else None) from None
-        job = Job(rid, len(token_ids), asyncio.Queue())
-        self._streams[rid] = _Stream(job, loop, tuple(stop))
+        job = Job(rid, len(token_ids), sink[1])
+        self._streams[rid] = _Stream(job, sink[0], tuple(stop))
         with self._lock:
             self.counters["prompt_tokens"] += len(token_ids)
         return job
@@ -325,13 +325,14 @@ class EngineWorker:
         if req is None or req.is_finished:
             return
         self.engine.cancel(rid)
+        self.snapshot = dict(self.engine.stats())
         with self._lock:
             self.finish_reasons[reason] += 1
-        self._forget(rid)
 
     def _step(self) -> None:
         engine = self.engine
         record = engine.step()
+        self.snapshot = dict(engine.stats())  # before any handler hears of this step
         with self._lock:
             self.counters["steps"] += 1
             self.counters["preemptions"] += len(record.preempted)
@@ -342,17 +343,15 @@ class EngineWorker:
                     self.ttft.observe(m.first_token_time - m.arrival_time)
                 else:
                     self.itl.observe(m.token_times[-1] - m.token_times[-2])
-            done = [rid for rid in record.finished if rid in engine.requests
-                    and engine.requests[rid].finish_reason != "cancelled"]  # counted at cancel
-            self.finish_reasons.update(engine.requests[rid].finish_reason for rid in done)
+            self.finish_reasons.update(  # cancellations were counted when cancelled
+                engine.requests[rid].finish_reason for rid in record.finished
+                if engine.requests[rid].finish_reason != "cancelled")
         for rid in dict.fromkeys(record.sampled + record.finished):
             stream = self._streams.get(rid)
             if stream is not None:
                 self._emit(stream)
-        for rid in done:
-            self._forget(rid)
-        if len(engine.trace) > 20 * self.history:
-            del engine.trace[:len(engine.trace) - 10 * self.history]
+        if len(engine.trace) > self.max_trace:
+            del engine.trace[:len(engine.trace) - self.max_trace // 2]
 
     def _emit(self, s: _Stream) -> None:
         """Send a request its new tokens and text; stop it at a stop string."""
@@ -370,25 +369,17 @@ class EngineWorker:
                     reason = "stop"
         end = len(s.text) if reason else max(s.sent_text, len(s.text) - s.hold)
         delta, s.sent_text = s.text[s.sent_text:end], end
-        self._send(s, Event(new_ids, delta, reason, req.error))
-        if reason == "stop" and not req.is_finished:
-            self._cancel(s.job.request_id, "stop")  # a stop string: the engine stops now
         if reason:
             self._streams.pop(s.job.request_id, None)
+        if reason == "stop" and not req.is_finished:
+            self._cancel(s.job.request_id, "stop")  # a stop string: the engine stops now
+        self._send(s, Event(new_ids, delta, reason, req.error))
 
     def _send(self, s: _Stream, event: Event) -> None:
         try:
             s.loop.call_soon_threadsafe(s.job.events.put_nowait, event)
         except RuntimeError:  # the handler's event loop is gone: nobody listens any more
             self._cancel(s.job.request_id, "cancelled")
-
-    def _forget(self, rid: str) -> None:
-        """Keep only the last `history` finished requests in the engine's books."""
-        self._finished.append(rid)
-        while len(self._finished) > self.history:
-            old = self._finished.popleft()
-            self.engine.requests.pop(old, None)
-            getattr(self.engine, "_generators", {}).pop(old, None)
 
 
 def _apply_chat_template(tokenizer: Any, messages: list[dict]) -> list[int]:
@@ -507,11 +498,11 @@ def _sse(data: dict | str) -> str:
 
 
 def create_app(engine_or_llm: Any, model_name: str = "minicb", max_queue: int | None = 256,
-               history: int = 10_000) -> FastAPI:
+               max_trace: int = 200_000) -> FastAPI:
     """The FastAPI app around one engine (chapters 06 and 08). `engine_or_llm`: an Engine or an
     LLM. The worker is `app.state.worker`; it starts with the app (or at the first request)."""
     engine = getattr(engine_or_llm, "engine", engine_or_llm)
-    worker = EngineWorker(engine, max_queue=max_queue, history=history)
+    worker = EngineWorker(engine, max_queue=max_queue, max_trace=max_trace)
 
     async def lifespan(app: FastAPI):
         worker.start()
@@ -653,7 +644,9 @@ class ServerThread:
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0,
                  startup_timeout: float = 30.0) -> None:
         import uvicorn
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # IPPROTO_TCP, so asyncio sets TCP_NODELAY on accepted connections (else Nagle holds
+        # each small SSE chunk back until the client's delayed ACK: ~40 ms per token)
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.url = f"http://{host}:{self.sock.getsockname()[1]}"

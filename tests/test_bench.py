@@ -77,7 +77,6 @@ def test_bench_simulated_says_so(tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--endpoint", "http://localhost:8000"], "not yet"),
     (["--policy", "fastest"], "--policy"),
     (["--workload", "seed-r1-r4", "--rate", "3"], "--rate"),
     (["--workload", "mixed-chat", "--long-prompt-len", "5"], "--long-prompt-len"),

@@ -8,13 +8,16 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import socket
 import time
 from contextlib import contextmanager
 
 import httpx
+import numpy as np
 import pytest
+from fastapi import FastAPI
 
-from minicb import LLM, Engine, SamplingParams
+from minicb import LLM, Engine, SamplingParams, metrics
 from minicb.client import completions_url, run_client
 from minicb.serve import ServerThread, create_app, main, parse_request
 from minicb.workload import make_workload
@@ -280,7 +283,7 @@ def test_client_metrics_agree_with_the_engine_record(tiny_model):
                                                          vocab_size=256), 60))
         wait_idle(worker)
         engine = {r.request_id: r for r in worker.call(lambda e: e.request_records()).result(10)}
-    gaps = []
+    ttft_gaps, e2e_gaps, itl_client, itl_engine = [], [], [], []
     for c, w in zip(client, workload.requests):
         e = engine[w.request_id]
         if w.cancel_after_tokens:
@@ -295,13 +298,26 @@ def test_client_metrics_agree_with_the_engine_record(tiny_model):
         ttft_client = c.first_token_time - c.arrival_time
         ttft_engine = e.first_token_time - e.arrival_time
         e2e_client, e2e_engine = c.finish_time - c.arrival_time, e.finish_time - e.arrival_time
-        # the client's clock starts before the engine's and stops after it: the difference is
-        # the network, HTTP and hand-over overhead (a few ms on an idle loopback; client, server
-        # and engine share one process and two cores here, so the bound is loose)
-        assert -0.005 <= ttft_client - ttft_engine <= 0.3, (ttft_client, ttft_engine)
-        assert -0.005 <= e2e_client - e2e_engine <= 0.3, (e2e_client, e2e_engine)
-        gaps.append(ttft_client - ttft_engine)
-    assert sorted(gaps)[len(gaps) // 2] < 0.1, f"median overhead {gaps}"
+        # the client's clock starts before the engine's and stops after it
+        assert ttft_client - ttft_engine >= -0.005 and e2e_client - e2e_engine >= -0.005
+        ttft_gaps.append(ttft_client - ttft_engine)
+        e2e_gaps.append(e2e_client - e2e_engine)
+        itl_client += metrics.itls(c)
+        itl_engine += metrics.itls(e)
+    # the difference is the network, HTTP and hand-over overhead: about a millisecond on
+    # loopback. Client, server and engine share two busy cores here, and a stalled thread can
+    # delay one request by a few hundred ms, so the typical request is checked, not the worst.
+    for gaps in (ttft_gaps, e2e_gaps):
+        assert np.median(gaps) < 0.05 and np.mean(np.array(gaps) < 0.1) >= 0.75, gaps
+    assert abs(np.median(itl_client) - np.median(itl_engine)) < 0.02
+
+
+def test_server_thread_turns_nagle_off():
+    """asyncio sets TCP_NODELAY only on IPPROTO_TCP sockets; without it each small SSE chunk
+    can wait for the client's delayed ACK (measured: +20-40 ms on the first token)."""
+    server = ServerThread(FastAPI())
+    assert server.sock.proto == socket.IPPROTO_TCP
+    server.sock.close()
 
 
 def test_serve_cli_help(capsys):
@@ -347,3 +363,14 @@ def test_client_cli_writes_the_results_schema(tiny_model, tmp_path, capsys):
     for key in ("ttft_s", "itl_s", "tpot_s", "e2e_s"):
         assert result[key]["p50"] > 0
     assert "TTFT p50" in capsys.readouterr().out
+
+
+def test_bench_endpoint_measures_a_running_server(tiny_model, tmp_path, capsys):
+    from minicb.bench import main_bench
+
+    out = tmp_path / "endpoint.json"
+    with serving(tiny_model, max_num_seqs=8) as (url, _):
+        assert main_bench(["--endpoint", url, "--workload", "mixed-chat", "--num-requests", "3",
+                           "--vocab-size", "256", "--out", str(out)]) == 0
+    result = next(iter(json.loads(out.read_text())["results"].values()))
+    assert result["completed"] == 3 and result["ttft_s"]["p50"] > 0

@@ -102,8 +102,8 @@ print(f"median decode-only step:                {np.median(decode_only) * 1000:.
 print(f"the long step costs {secs[3] / np.median(decode_only):.0f} decode steps")
 
 # %% [markdown]
-# That one step is as long as dozens of decode steps, and the three chats wait the whole time
-# for their next token. A user streaming one of those answers sees it freeze. This is the
+# That one step lasts as long as twenty or more decode steps, and the three chats wait the
+# whole time for their next token. A user streaming one of those answers sees it freeze. This is the
 # seed's 问题一: "单步迭代的耗时因此被显著拉长。在这一整步迭代期间，所有已经在运行中的 Decode
 # 请求都无法得到推进" (the single iteration is stretched, and for its whole length no running
 # decode advances). The inter-token latency (ITL) of the short requests shows it directly:
@@ -121,7 +121,7 @@ for rid in ("short-0", "short-1", "short-2"):
 # %% [markdown]
 # Prefill costs grow with the prompt: about linearly in the matrix products and quadratically in
 # attention. On a GPU the same thing happens at a larger scale: a 32k-token prompt prefilled in
-# one step stalls every decode on that GPU for a second or more.
+# one step stalls every decode on that GPU for a second or more with an 8B model.
 #
 # The timeline (x axis in steps) hides the problem; the same steps drawn in seconds show it:
 
@@ -369,6 +369,7 @@ for chunk_size, budget in ((128, 128), (512, 128), (64, 128), (128, 256)):
 # - What is missing is putting decodes and a prefill chunk **in the same step**. That is PD
 #   interleaving, chapter 05.
 #
-# **Exercises:** `exercises/04_chunked_prefill.ipynb`: write `next_chunk` (the chunk-size rule
-# above, with the token budget) and a prefill-first `ChunkedScheduler` of your own, run it in the
-# real engine and check it against minicb's schedule; then measure dec@P for several chunk sizes.
+# **Exercises:** `exercises/04_chunked_prefill.ipynb`: write `next_chunk` (the rule above, plus
+# the seed's "defer a chunk that is too small"), then a prefill-first chunked scheduler of your
+# own as a `minicb.Scheduler` subclass; the check runs it in the real engine against minicb's
+# `chunked` schedule, and you measure problem two with it.

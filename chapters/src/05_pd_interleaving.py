@@ -325,7 +325,9 @@ for policy, engine in engines.items():
 
 # %% [markdown]
 # Under `chunked` the chats' worst gap between two tokens is the whole prefill window; under
-# `pd` it is one mixed step.
+# `pd` it is one mixed step. The window itself is a little longer in seconds under `pd`: each of
+# its seven steps also carries three decode rows, and the long prompt's first token arrives that
+# much later. That is the price of decode-first, and here it is small.
 #
 # ## 5. Why total throughput barely moves
 #
@@ -351,10 +353,10 @@ for policy, engine in engines.items():
 
 # %% [markdown]
 # Same prefill tokens, same decode tokens. PD needs 7 fewer steps, because the chats' decodes
-# ride along in the prefill steps instead of running in steps of their own. What that saves in
-# seconds depends on what a decode row costs when it shares a step. On this CPU a 128-token step
-# costs about the same with or without 3 decode rows, so the two totals above come out within a
-# few percent of each other, about as much as the noise of a shared machine. The seed also notes
+# ride along in the prefill steps instead of running in steps of their own. In seconds the two
+# effects nearly cancel: the mixed steps cost a little more than chunk-only steps, and PD saves
+# the seven decode-only steps, so the two totals above come out within a few percent of each
+# other, about as much as the noise of a shared machine. The seed also notes
 # that it can go the other way: mixing shapes in one step can cost extra kernel launches or
 # padding, so PD's total can even be slightly lower. Either way the change in throughput is small;
 # the change in the chats' experience (dec@P, short_P, the worst inter-token gap) is large.
@@ -466,6 +468,7 @@ viz.step_through(pd)
 # - Chapter 06 turns this into a benchmark: arrival processes, percentiles, goodput at an SLO,
 #   and what happens when the KV cache fills up.
 #
-# **Exercises:** `exercises/05_pd_interleaving.ipynb`: write `next_chunk` with `min_chunk`, your
-# own `PDScheduler` run in the real engine and checked against minicb's, and `dec_at_p` and
-# `short_p` from a trace; then find a workload where PD delays the long prompt's first token.
+# **Exercises:** `exercises/05_pd_interleaving.ipynb`: turn the seed's pseudo-code into a
+# `Scheduler` subclass and run it in the real engine beside prefill-first (the check compares it
+# with minicb's `pd`, step by step), then write `dec_at_p` and `short_p` from a trace and check
+# the chapter's claim with your own numbers.

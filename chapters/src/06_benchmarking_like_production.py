@@ -454,7 +454,7 @@ for mode in ("newest", "priority"):
 # waits 119 steps, until the stream ends: starvation. In production the stream need not end.
 # `max_queue_age` (the oldest wait before first being scheduled) is the metric that exposes it;
 # the usual remedies are aging (raise a request's priority the longer it waits) or a share of the
-# budget reserved per class. Try aging in the exercises.
+# budget reserved per class.
 #
 # ## 8. Tuning by sweeping
 #
@@ -523,6 +523,8 @@ import sys
 # - Tune by sweeping your own traffic: here the 512–2048 budgets were within 1% of each other,
 #   128 and 256 far behind.
 #
-# **Exercises:** `exercises/06_benchmarking_like_production.ipynb`: compute the percentiles and
-# goodput from raw timestamps, add aging to the priority queue and bound the batch job's wait,
-# and sweep `max_num_seqs` together with the budget for the highest goodput at your own SLO.
+# **Exercises:** `exercises/06_benchmarking.ipynb`: compute one request's queue time, TTFT, E2E
+# and TPOT from its timestamps, then goodput at an SLO (cancelled requests never count), and
+# compare the goodput of two policies on this machine. Beyond them: add aging to the priority
+# queue and bound the batch job's wait in section 7, and sweep `max_num_seqs` together with the
+# budget in section 8.

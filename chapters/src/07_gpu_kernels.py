@@ -16,8 +16,9 @@
 #   grouped-query heads, one launch for the decode rows and one for the prefill chunks);
 # - check both kernels against the reference on small random inputs in Triton's interpreter,
 #   and run the whole model with the Triton backend on the CPU;
-# - say what changes on a GPU (bfloat16, the page pool sized from free memory, CUDA graphs, a
-#   bandwidth target for decode attention) and how to run the course and the GPU check there.
+# - say what changes on a GPU (bfloat16, the page pool sized from free memory, CUDA graphs for
+#   decode steps, a bandwidth target for decode attention) and how to run the course and the GPU
+#   check there.
 
 # %% [markdown]
 # ## 0. Triton on a CPU
@@ -78,8 +79,8 @@ print("auto on cuda ->", resolve_backend("auto", "cuda"))
 #
 # The simplest kernel: each program copies a block of `BLOCK_T` tokens' K and V rows (all kv
 # heads, flattened into one row of `NUM_COLS` columns) to the cache slots given by the slot
-# mapping. A slot below 0 is skipped, so a batch padded to a fixed size (for CUDA graphs, below)
-# can mark its padding rows with -1.
+# mapping. A slot below 0 is skipped, so a batch padded to a fixed size (for CUDA graphs,
+# section 6) can mark its padding rows with -1.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -217,11 +218,14 @@ print("paged reference == dense causal attention (max diff < 1e-5):", worst < 1e
 # ## 5. The whole model on the Triton backend
 #
 # The same check one level up: SmolLM2 with `attention_backend="triton"`, every layer's store
-# and attention running in the interpreter, against the torch backend. Two requests: `a` (12
-# prompt tokens, 4 output tokens) from step 1, and `b` (20 prompt tokens, 2 output tokens)
-# arriving at step 2, with a 16-token budget. Steps 2 and 3 are mixed: `a` decodes while `b`'s
-# prompt goes in as a 15-token chunk and then a 5-token chunk that starts in the middle of a
-# page. Interpreting 30 layers of kernels is slow, so this is 4 steps only.
+# and attention running in the interpreter, against the torch backend. Three requests and a
+# 16-token budget: `a` (12 prompt tokens) and `c` (4) start at step 1 and want 5 tokens each;
+# `b` (20 prompt tokens, 3 output tokens) arrives at step 2. Steps 2 and 3 are mixed: two
+# decodes, and `b`'s prompt as a 14-token chunk and then a 6-token chunk that starts in the
+# middle of a page. Steps 4 and 5 are decode-only with three requests; on a GPU those would be
+# replayed from a CUDA graph (section 6). Here the engine routes them through the same padded
+# static buffers, run without capture. Interpreting 30 layers of kernels is slow, so this is
+# 5 steps only.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -230,15 +234,21 @@ from minicb.model.loader import load_model
 from minicb.request import SamplingParams
 
 model = load_model("smollm2-135m", device=DEVICE)  # float32, on the GPU when there is one
-results, seconds = {}, {}
+requests = [("a", list(range(1000, 1012)), 5, None), ("c", list(range(3000, 3004)), 5, None),
+            ("b", list(range(2000, 2020)), 3, 2)]  # (id, prompt, max_tokens, arrival step)
+results, seconds, graph_batches = {}, {}, []
 for backend in ("torch", "triton"):
     engine = Engine(model, policy="pd", attention_backend=backend, device=DEVICE,
                     max_num_batched_tokens=16, chunk_size=16)
-    engine.add_request(list(range(1000, 1012)), SamplingParams(max_tokens=4, temperature=0.0,
-                                                               ignore_eos=True), request_id="a")
-    engine.add_request(list(range(2000, 2020)), SamplingParams(max_tokens=2, temperature=0.0,
-                                                               ignore_eos=True),
-                       request_id="b", arrival_step=2)
+    if backend == "triton":
+        if engine.graph_runner is None:  # on the CPU: the graph runner's buffers, no capture
+            engine.graph_runner = engine.make_graph_runner(capture=False)
+        replay = engine.graph_runner.run
+        engine.graph_runner.run = lambda *args: graph_batches.append(len(args[0])) or replay(*args)
+    for rid, prompt, max_tokens, arrival in requests:
+        engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                  ignore_eos=True),
+                           request_id=rid, arrival_step=arrival)
     t0 = time.perf_counter()
     engine.run()
     seconds[backend] = time.perf_counter() - t0
@@ -250,9 +260,12 @@ print({b: f"{s:.1f} s" for b, s in seconds.items()})
 # NBVAL_CHECK_OUTPUT
 for rec in results["triton"].trace:
     print(rec.step, [(m.request_id, m.kind, m.num_tokens) for m in rec.members])
+runner = results["triton"].graph_runner
+print("decode-only steps through the graph runner:", graph_batches, "-> padded to buckets",
+      [runner.bucket(n) for n in graph_batches])
 print("same greedy tokens with the Triton kernels as with the torch reference:",
       all(results["triton"].requests[r].output_token_ids
-          == results["torch"].requests[r].output_token_ids for r in ("a", "b")))
+          == results["torch"].requests[r].output_token_ids for r, *_ in requests))
 
 # %% [markdown]
 # ## 6. What changes on a GPU
@@ -293,12 +306,22 @@ for free_gib in (20, 75):  # e.g. a 24 GB card, an 80 GB H100, after loading the
 # kernels, MLP), each costing microseconds of CPU time to launch. For batch sizes of a few dozen
 # the GPU finishes each kernel faster than the CPU can launch the next, so the step time is set
 # by the host. A CUDA graph records the whole decode forward once for a fixed batch size and
-# replays it with one launch; the engine pads each decode batch up to the nearest captured size
-# (padding rows get slot -1, which the store kernel skips, and context length 0, which the
-# attention kernel answers with zeros). minicb has the `use_cuda_graphs` option and kernels
-# ready for padding, but **does not capture graphs yet**: on a GPU, its decode steps are
-# launch-bound for small batches. Adding capture is a good project (see chapter 08).
-#
+# replays it with one launch. minicb does this for decode-only steps (`minicb/cuda_graphs.py`,
+# on with `use_cuda_graphs=True` and the Triton backend on CUDA): at start-up it captures one
+# graph per bucket of 1, 2, 4, … 64 requests; a step of B decodes copies its inputs into static
+# buffers and replays the smallest bucket of at least B. Padding rows get slot −1 (the store
+# kernel skips them) and context length 0 (the attention kernel answers zeros), and their
+# logits are dropped. Steps that carry a prefill chunk run eagerly: their shapes vary too much to
+# capture. Section 5 ran the same buffers without capture: 3 decodes in the bucket of 4.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from minicb.cuda_graphs import DEFAULT_BUCKETS, DecodeGraphRunner
+
+print("buckets:", DEFAULT_BUCKETS)
+print(inspect.getsource(DecodeGraphRunner.run))
+
+# %% [markdown]
 # **A bandwidth target for decode attention.** A decode row does little arithmetic per byte: it
 # reads its whole context's K and V once. Decode attention is therefore judged by bandwidth,
 # bytes of K/V read per second, against what the same GPU achieves on a plain device-to-device
@@ -366,10 +389,10 @@ print("\n".join(gpu_md.read_text().splitlines()[:6]))
 #   launched once for decode rows and once for prefill tiles.
 # - On the CPU, in Triton's interpreter, both kernels match the reference (identical caches,
 #   outputs within 1e-5), the reference matches dense attention, and the whole model gives the
-#   same greedy tokens with either backend.
-# - On a GPU: bfloat16, a page pool sized from free memory, a bandwidth target of half the copy
-#   bandwidth for decode attention, and CUDA graphs still to be added. No GPU figure has been
-#   measured yet.
+#   same greedy tokens with either backend, padded decode buckets included.
+# - On a GPU: bfloat16, a page pool sized from free memory, decode-only steps replayed from
+#   CUDA graphs in padded buckets, and a bandwidth target of half the copy bandwidth for decode
+#   attention. No GPU figure has been measured yet.
 #
 # **Try it:** run the kernel check with page size 1 and 64, with a chunk that starts at position
 # 0 and one that starts at the last slot of a page; set `GROUP = 3` as in SmolLM2 (9 query heads

@@ -1,0 +1,284 @@
+# %% [markdown]
+# # 08 · Where next: from minicb to vLLM, SGLang and beyond one machine
+#
+# minicb is small on purpose, but its knobs are the ones production engines expose, under nearly
+# the same names. This last chapter maps them, serves minicb over the OpenAI API and measures it
+# from the client side, and lists what a learner can build next.
+#
+# **After this chapter you will be able to**
+#
+# - translate a minicb configuration into vLLM and SGLang settings (`max_num_batched_tokens`,
+#   `max_num_seqs`, `enable_chunked_prefill`, `long_prefill_token_threshold`, prefix caching,
+#   preemption; SGLang's `chunked_prefill_size`, `max_running_requests`, `schedule_policy`) and
+#   say where the analogy stops;
+# - start minicb's OpenAI-compatible server, call it, and benchmark it with the same client you
+#   would point at vLLM or SGLang;
+# - pick a next project (speculative decoding, disaggregated prefill/decode, tensor parallelism,
+#   CUDA graphs for mixed steps…) and say which part of minicb it touches.
+
+# %% [markdown]
+# ## 1. The knobs, side by side
+#
+# Every minicb knob lives in one dataclass, `EngineConfig`:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from dataclasses import fields
+
+from minicb import EngineConfig
+
+defaults = EngineConfig()
+for f in fields(EngineConfig):
+    if f.name != "extra":
+        print(f"{f.name:<24} {getattr(defaults, f.name)!r}")
+
+# %% [markdown]
+# And their counterparts (vLLM names are its engine arguments, as in `LLM(...)` or `vllm serve
+# --max-num-seqs`; SGLang names are its server arguments, as in `--chunked-prefill-size`):
+#
+# | minicb | vLLM | SGLang | what it bounds |
+# |---|---|---|---|
+# | `max_num_batched_tokens` | `max_num_batched_tokens` | `max_prefill_tokens` (prefill per batch); the chunk size bounds a mixed step | tokens per step: the token budget (ch. 04–05) |
+# | `max_num_seqs` | `max_num_seqs` | `max_running_requests` | requests in the running batch (ch. 03) |
+# | `chunk_size` | `long_prefill_token_threshold` (caps one request's prefill tokens per step) | `chunked_prefill_size` | one request's chunk (ch. 04) |
+# | `policy="chunked"` / `"pd"` vs `"continuous"` | `enable_chunked_prefill` (on by default in the V1 engine, which schedules running decodes first, like `pd`) | chunked prefill on unless `chunked_prefill_size=-1`; `enable_mixed_chunk` mixes a chunk with decodes in one batch, like `pd` | whether prompts are cut, and whether decodes share the step (ch. 04–05) |
+# | `min_chunk` | (none: any leftover budget is used) | (none) | the smallest chunk worth running (ch. 05) |
+# | `enable_prefix_caching` | `enable_prefix_caching` | radix cache, on unless `disable_radix_cache` | reuse of cached prompt pages (ch. 01) |
+# | `page_size` | `block_size` | `page_size` | tokens per KV page (ch. 01) |
+# | `num_pages` / `gpu_memory_utilization` | `gpu_memory_utilization`, `num_gpu_blocks_override` | `mem_fraction_static` | the size of the KV pool (ch. 07) |
+# | `preemption="newest"` (recompute) | preemption by recompute (V1; the older engine also had `preemption_mode="swap"`) | retracting decode requests, recomputed later | what happens when pages run out (ch. 06) |
+# | `preemption="priority"`, `priority=` per request | `scheduling_policy="priority"`, `priority=` per request | `schedule_policy` (`fcfs`, `lpm` longest prefix match, …) | who waits and who is preempted (ch. 06) |
+# | `use_cuda_graphs` (decode-only steps, buckets of 1–64 requests) | on unless `enforce_eager`; capture sizes configurable, mixed steps too | on unless `disable_cuda_graph`; `cuda_graph_max_bs` | steps replayed as CUDA graphs (ch. 07) |
+#
+# Where the analogy stops:
+#
+# - vLLM's V1 scheduler has no separate prefill and decode phases: it walks the running requests
+#   (decodes and half-done prompts alike), gives each what it still needs capped by
+#   `long_prefill_token_threshold` and the remaining budget, then admits waiting requests. With
+#   one long prompt that is minicb's `pd` step. `max_num_partial_prefills` (how many prompts may
+#   be half-prefilled at once) has no minicb counterpart: minicb lets any number continue.
+# - SGLang plans prefill batches and decode batches separately by default, a prefill-first
+#   design close to minicb's `chunked`; `enable_mixed_chunk` puts decodes into the chunk's batch.
+#   Its `lpm` policy orders the queue by longest cached prefix, something minicb's FCFS queue
+#   does not do.
+# - Defaults differ a lot: vLLM's budget is in the thousands of tokens and `max_num_seqs` in the
+#   hundreds on a GPU, sized for the hardware. The contract of chapter 06 applies: sweep your own
+#   traffic, never copy a configuration.
+#
+# As code: a minicb configuration written out as the nearest vLLM and SGLang flags.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+def as_vllm(cfg: EngineConfig) -> list[str]:
+    args = [f"--max-num-batched-tokens {cfg.max_num_batched_tokens}",
+            f"--max-num-seqs {cfg.max_num_seqs}", f"--block-size {cfg.page_size}"]
+    if cfg.policy in ("chunked", "pd"):
+        args += ["--enable-chunked-prefill",
+                 f"--long-prefill-token-threshold {cfg.chunk_size}"]
+    else:
+        args += ["--no-enable-chunked-prefill"]
+    args += ["--enable-prefix-caching" if cfg.enable_prefix_caching
+             else "--no-enable-prefix-caching"]
+    if cfg.preemption == "priority":
+        args += ["--scheduling-policy priority"]
+    return args
+
+
+def as_sglang(cfg: EngineConfig) -> list[str]:
+    chunk = cfg.chunk_size if cfg.policy in ("chunked", "pd") else -1
+    args = [f"--chunked-prefill-size {chunk}", f"--max-prefill-tokens {cfg.max_num_batched_tokens}",
+            f"--max-running-requests {cfg.max_num_seqs}", f"--page-size {cfg.page_size}"]
+    if cfg.policy == "pd":
+        args += ["--enable-mixed-chunk"]
+    if not cfg.enable_prefix_caching:
+        args += ["--disable-radix-cache"]
+    return args
+
+
+mine = EngineConfig(policy="pd", max_num_seqs=64, max_num_batched_tokens=2048, chunk_size=512)
+print("minicb:", {k: getattr(mine, k) for k in ("policy", "max_num_seqs",
+                                                 "max_num_batched_tokens", "chunk_size")})
+print("vllm serve MODEL", " ".join(as_vllm(mine)))
+print("python -m sglang.launch_server --model-path MODEL", " ".join(as_sglang(mine)))
+
+# %% [markdown]
+# Check the flags against the version you run (`vllm serve --help`, `python -m
+# sglang.launch_server --help`): both projects rename and add options between releases.
+#
+# ## 2. Serving minicb over the OpenAI API
+#
+# An engine is used through a server, and a benchmark should be measured where the user sits: at
+# the client. `python -m minicb serve --model smollm2-135m --policy pd --port 8000` starts an
+# OpenAI-compatible server (`/v1/completions`, `/v1/chat/completions`, streamed or not,
+# `/v1/models`, `/health`, `/metrics`). One engine thread owns the engine; every HTTP request
+# from every client joins the same running batch, so continuous batching happens across clients.
+#
+# Here the same server runs inside the notebook, on a free local port:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+import json
+
+import httpx
+
+from minicb import LLM
+from minicb.serve import ServerThread, create_app
+
+llm = LLM("smollm2-135m", policy="pd", max_num_seqs=8, max_num_batched_tokens=128)
+server = ServerThread(create_app(llm, model_name="smollm2-135m"))
+url = server.__enter__()  # `with ServerThread(...) as url:` in a script
+print(url, httpx.get(url + "/v1/models").json())
+
+# %% [markdown]
+# A chat completion, exactly as an OpenAI client sends it (the `openai` Python package works
+# too, with `base_url=url + "/v1"`):
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+reply = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+    "model": "smollm2-135m", "max_tokens": 24, "temperature": 0,
+    "messages": [{"role": "user", "content": "What is the capital of France?"}]}).json()
+print(reply["choices"][0]["message"]["content"])
+print(reply["usage"], reply["choices"][0]["finish_reason"])
+
+# %% [markdown]
+# Streamed, each step's new token arrives as one server-sent event:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+with httpx.stream("POST", url + "/v1/completions", timeout=120, json={
+        "model": "smollm2-135m", "prompt": "Once upon a time", "max_tokens": 8,
+        "temperature": 0, "stream": True}) as stream:
+    for line in stream.iter_lines():
+        if line.startswith("data: {"):
+            print(repr(json.loads(line[6:])["choices"][0]["text"]), end=" ")
+        elif line:
+            print("\n" + line)
+
+# %% [markdown]
+# ## 3. Benchmarking a server from the client
+#
+# `minicb.client` sends a workload (the same arrival processes and length distributions as
+# chapter 06) as streamed `/v1/completions` calls with token-id prompts, `ignore_eos` and a fixed
+# `max_tokens`, so output lengths are exact on minicb, vLLM and SGLang alike. TTFT is timed when
+# the first token's chunk arrives, ITL between chunks: what a user sees, network and server
+# included. Six requests, Poisson at 3 requests/s (in a script, `bench_endpoint(url, workload)`
+# does this and adds the declaration):
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+from minicb import metrics
+from minicb.client import CLIENT_COLUMNS, run_client
+from minicb.workload import make_workload
+
+demo = make_workload(6, prompt_lengths="uniform:16:64", output_lengths="uniform:8:24",
+                     arrival="poisson", rate=3, seed=0, name="client-demo")
+records = await run_client(url, demo.requests)  # a notebook already runs an event loop
+summary = metrics.summarize([], records, slo={"ttft": 1.0})
+print(metrics.format_table({"minicb pd (client side)": summary}, CLIENT_COLUMNS))
+
+# %% [markdown]
+# From the shell, against any OpenAI-compatible server:
+#
+# ```bash
+# python -m minicb serve --model smollm2-135m --policy pd --port 8000 &
+# python -m minicb.client --endpoint http://127.0.0.1:8000 --workload mixed-chat --rate 2 --out minicb.json
+# vllm serve MODEL --port 8001 ... &
+# python -m minicb.client --endpoint http://127.0.0.1:8001 --workload mixed-chat --rate 2 --out vllm.json
+# ```
+#
+# Same workload, same client, same metrics: the comparison the benchmark contract asks for. The
+# server also exports Prometheus metrics at `/metrics` (its latency histograms use vLLM's
+# bucket edges):
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+text = httpx.get(url + "/metrics").text
+print("\n".join(line for line in text.splitlines()
+                if line.startswith("minicb_") and "bucket" not in line)[:1500])
+server.__exit__(None, None, None)
+
+# %% [markdown]
+# ## 4. What to build next
+#
+# Each idea below names the part of minicb it changes. They are ordered roughly by size.
+#
+# **CUDA graphs for mixed steps** (`cuda_graphs.py`, `engine.py`). minicb replays decode-only
+# steps from CUDA graphs (chapter 07); any step with a prefill chunk runs eagerly, so under `pd`,
+# with a chunk in most busy steps, the graphs rarely help. vLLM captures "piecewise" graphs: the
+# parts of the forward whose shapes depend only on the token count (projections, MLP, norms)
+# are captured for padded token counts, and attention, whose shape depends on the members, runs
+# eagerly between them. Measure ITL before and after with `bench/gpu_check.sh`.
+#
+# **Prefix-aware scheduling** (`scheduler.py`). SGLang's `lpm` orders the waiting queue by the
+# longest cached prefix, so requests that share a system prompt run while its pages are still
+# cached. minicb's `PagePool.match_prefix` already answers "how many tokens are cached"; a
+# scheduler that sorts by it is a few lines. Watch fairness: chapter 06's `max_queue_age`.
+#
+# **Speculative decoding** (`scheduler.py`, `engine.py`, `sampler.py`). A cheap drafter (a small
+# model, or n-grams from the prompt) proposes k tokens; the big model checks all of them in one
+# forward and keeps the longest accepted prefix, so one step can yield several tokens. The
+# verification is a member with k + 1 query rows over its cached context: to the attention
+# backends it is a small prefill chunk, exactly what chapter 05's mixed batch already carries.
+# The scheduler must budget k + 1 tokens per decode; the benchmark contract's note that a step
+# may advance a sequence by several tokens becomes true.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from minicb.attention import build_metadata
+
+# one plain decode, then two decodes verifying 3 drafted tokens each (4 query rows: the last
+# accepted token + 3 drafts)
+meta = build_metadata([[4], [0, 1], [2, 3]], [9, 20, 17], [1, 4, 4], page_size=16)
+print("query lengths", meta.query_lens, "| contexts", meta.context_lens_list,
+      "| query_start_loc", meta.query_start_loc.tolist())
+print("one-row members:", meta.num_decodes, "| the verifying members are attended like "
+      "prefill chunks: causally over their own pages")
+
+# %% [markdown]
+# **Disaggregated prefill and decode** (a new process boundary around `engine.py`, and a KV
+# transfer in `kv_cache.py`). PD interleaving shares one GPU between the two phases and trades
+# one against the other through the budget. Disaggregation (DistServe, Splitwise, Mooncake) runs
+# prefill on one set of GPUs and decode on another, and ships each request's KV pages from the
+# first to the second. Prefill never stalls a decode again, and each pool can be sized and
+# parallelised for its own phase; the price is moving the KV cache over the network and a second
+# scheduler. In vLLM this is the `kv_transfer_config` of its disaggregated prefill; in SGLang,
+# `--disaggregation-mode prefill` / `decode`. A first minicb version: two engines in one process,
+# one `policy="chunked"` that stops each request after its first token, one `policy="pd"` that
+# admits requests with their pages copied in.
+#
+# **Tensor parallelism** (`model/llama.py`). A model too big for one GPU is split across several:
+# each GPU holds a slice of every weight matrix (query/key/value heads and MLP columns), computes
+# its share, and the partial results are summed with an all-reduce after the attention output
+# and MLP down projections (Megatron-LM's layout). The KV cache splits by kv head, so each GPU's
+# page pool holds its heads only; page tables, the scheduler and the trace do not change at all.
+# vLLM: `tensor_parallel_size`; SGLang: `--tp`. With `torch.distributed` on one machine with two
+# GPUs, or two CPU processes with the gloo backend, this is a weekend project.
+#
+# **Data parallelism and routing.** Several independent engines behind a router. The router's
+# policy (round robin, least loaded, or prefix-aware so that shared prompts land where their
+# pages are cached) is chapter 06's benchmark problem again, one level up.
+#
+# **Memory**: KV cache quantisation (fp8 pages: twice the requests per GPU), swapping preempted
+# requests' pages to host memory instead of recomputing them, sliding-window attention (pages
+# that fall out of the window go back to the pool).
+#
+# For each: write down what you expect to improve (which percentile of which metric, at which
+# load), measure it with chapter 06's contract, and compare against the version without it.
+#
+# ## Recap
+#
+# - minicb's knobs map onto vLLM's and SGLang's nearly one for one: the token budget, the running
+#   batch limit, the chunk size, prefix caching, the page size, the memory fraction, preemption
+#   and priority. The behaviour behind them differs in details; check the version you run.
+# - `python -m minicb serve` puts the engine behind the OpenAI API; `python -m minicb.client`
+#   measures any such server from the user's side with the benchmark contract's metrics.
+# - Next steps grow the same engine: CUDA graphs for mixed steps and prefix-aware scheduling
+#   on one GPU;
+#   speculative decoding through the mixed-batch path you already have; disaggregated
+#   prefill/decode, tensor and data parallelism beyond one GPU.
+#
+# That is the whole course: from one request at a time (chapter 01) to a scheduler that keeps
+# every chat flowing while a long document is read in (chapter 05), measured the way production
+# measures it (chapter 06). There is no exercise notebook for this chapter: pick one of the
+# projects above.
