@@ -20,9 +20,11 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m minicb demo
 
-## the whole suite: engine, parity, property, kernels (interpreter), notebooks, browser
+## the whole suite: engine, parity, property, kernels (interpreter), notebooks, browser.
+## One torch thread per process: notebook kernels and pytest share 2 cores, and two spinning
+## threads per process made steps 5-10x slower when anything else ran.
 test: $(STAMP)
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests \
+	OMP_NUM_THREADS=1 TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests \
 		--nbval-lax --nbval-current-env --nbval-sanitize-with tests/sanitize.cfg \
 		chapters solutions
 
@@ -31,7 +33,7 @@ test-fast: $(STAMP)
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests -m "not slow and not browser"
 
 test-notebooks: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider --nbval-lax --nbval-current-env \
+	OMP_NUM_THREADS=1 TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -p no:cacheprovider --nbval-lax --nbval-current-env \
 		--nbval-sanitize-with tests/sanitize.cfg chapters solutions
 
 lab: $(STAMP)

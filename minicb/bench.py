@@ -722,8 +722,8 @@ def main_bench(argv: list[str] | None = None) -> int:
         from minicb.client import main as client_main
         forwarded = ["--endpoint", args.endpoint, "--workload", args.workload,
                      "--seed", str(args.seed)]
-        for flag in ("num_requests", "rate", "burstiness", "vocab_size", "slo_ttft", "slo_tpot", "slo_e2e",
-                     "out"):
+        for flag in ("num_requests", "rate", "burstiness", "vocab_size", "slo_ttft",
+                     "slo_tpot", "slo_e2e", "out"):
             value = getattr(args, flag, None)
             if value is not None:
                 forwarded += ["--" + flag.replace("_", "-"), str(value)]

@@ -252,21 +252,17 @@ class DynamicScheduler(StaticScheduler):
 
     name = "dynamic"
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.first_seen: dict[str, tuple[int, float]] = {}
-
     def ready_to_form(self, ctx: SchedulerContext) -> bool:
         if not ctx.waiting:
             return False
         if len(ctx.waiting) >= ctx.config.max_num_seqs:
             return True
-        for req in ctx.waiting:
-            self.first_seen.setdefault(req.request_id, (ctx.step, ctx.now))
-        oldest_step, oldest_time = min(self.first_seen[r.request_id] for r in ctx.waiting)
+        # the oldest waiting request's age, counted from its arrival
         if ctx.config.batch_timeout_in_seconds:
-            return ctx.now - oldest_time >= ctx.config.batch_timeout
-        return ctx.step - oldest_step >= ctx.config.batch_timeout
+            oldest = min(r.metrics.arrival_time for r in ctx.waiting)
+            return ctx.now - oldest >= ctx.config.batch_timeout
+        oldest = min(r.metrics.arrival_step for r in ctx.waiting)
+        return ctx.step - oldest >= ctx.config.batch_timeout
 
 
 class ContinuousScheduler(Scheduler):

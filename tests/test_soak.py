@@ -24,7 +24,7 @@ def test_soak(tiny_model, policy):
     n = SOAK[policy]
     jobs = []
     step = 1
-    for i in range(n):
+    for _ in range(n):
         step += rng.choice([0, 0, 0, 1, 2])
         prompt = [rng.randrange(3, 250) for _ in range(rng.randint(1, 60))]
         if rng.random() < 0.2 and jobs:  # a shared system prompt now and then

@@ -370,8 +370,9 @@ for workload, policy in sorted(runs, key=lambda k: ("varied", "equal", "low rate
 # A step costs a fixed part (reading all the weights once, running every layer) plus a part per
 # request in the batch. Continuous batching saves whole *steps*: for the varied workload, 16 of
 # them, and with them 16 times the fixed part. The per-request part is paid for every token under
-# either policy. On two CPU cores the per-request part is large (a batch of 4 costs well over a
-# batch of 1), so a 1.5x gain in steps becomes a smaller gain in seconds. On a GPU a decode step
+# either policy. On two CPU cores the per-request part is far from negligible, so a 1.5x gain in
+# steps becomes a smaller gain in seconds (the fit's prediction is rough, but it gets the
+# ordering and the size of the gap about right). On a GPU a decode step
 # of dozens of requests costs about as much as a step of one: the fixed part dominates, and the
 # gain in steps carries over to seconds almost whole.
 #
