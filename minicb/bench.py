@@ -719,15 +719,20 @@ def main_bench(argv: list[str] | None = None) -> int:
     args = bench_parser().parse_args(argv)
     args.command_line = _command_line("bench", argv)
     if args.endpoint:  # any OpenAI-compatible server, measured from the client side
-        from minicb.client import main as client_main
-        forwarded = ["--endpoint", args.endpoint, "--workload", args.workload,
-                     "--seed", str(args.seed)]
-        for flag in ("num_requests", "rate", "burstiness", "vocab_size", "slo_ttft",
-                     "slo_tpot", "slo_e2e", "out"):
-            value = getattr(args, flag, None)
-            if value is not None:
-                forwarded += ["--" + flag.replace("_", "-"), str(value)]
-        return client_main(forwarded)
+        from minicb.client import CLIENT_COLUMNS, bench_endpoint
+        try:
+            workload, slo = build_workload(args), slo_from_args(args)
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        data = bench_endpoint(args.endpoint, workload, label=args.endpoint,
+                              vocab_size=args.vocab_size, progress=not args.no_progress,
+                              slo=slo)
+        data["declaration"]["command"] = args.command_line
+        print(format_table(data["results"], CLIENT_COLUMNS))
+        if args.out:
+            print(f"wrote {write_json(data, args.out)}")
+        return 0
     try:
         data = run_bench(args)
     except (ValueError, NotImplementedError) as exc:
