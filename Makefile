@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo test test-fast test-notebooks lab bench exercises serve lint browser-test clean-cache
+.PHONY: grade demo test test-fast test-notebooks lab bench exercises serve lint browser-test clean-cache
 
 $(STAMP): requirements.txt pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -52,8 +52,13 @@ browser-test: $(STAMP)
 exercises: $(STAMP)
 	$(BIN)/python -m minicb.exercises build
 
+## score notebooks: make grade NB=exercises/01_paged_kv.ipynb (default: every exercise notebook)
+grade: $(STAMP)
+	$(BIN)/python -m minicb grade $(or $(NB),exercises/*.ipynb)
+
 lint: $(STAMP)
 	$(BIN)/ruff check minicb tests
+	$(BIN)/python -m minicb.exercises check
 
 clean-cache:
 	rm -rf $${MINICB_CACHE:-$$HOME/.cache/minicb}
