@@ -66,6 +66,9 @@ class EngineConfig:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
                 f"({self.max_num_seqs}) under policy 'pd', or running decodes cannot all advance")
+        if self.policy == "pd" and self.chunk_size < self.max_num_seqs:
+            raise ValueError(f"chunk_size ({self.chunk_size}) must be >= max_num_seqs "
+                             f"({self.max_num_seqs}) under policy 'pd'")
         if self.policy == "pd" and self.chunk_size < self.min_chunk:
             raise ValueError(f"chunk_size ({self.chunk_size}) must be >= min_chunk "
                              f"({self.min_chunk}) under policy 'pd'")
