@@ -210,7 +210,8 @@ def test_bad_sampling_params(kwargs, field):
     (dict(max_num_seqs=0), "max_num_seqs"), (dict(policy="fifo"), "policy"),
     (dict(max_num_batched_tokens=4, max_num_seqs=8), "max_num_batched_tokens"),
     (dict(chunk_size=-1), "chunk_size"),
-    (dict(chunk_size=8, max_num_seqs=16), "chunk_size"), (dict(attention_backend="cuda"), "attention_backend"),
+    (dict(chunk_size=8, max_num_seqs=16), "chunk_size"),
+    (dict(attention_backend="cuda"), "attention_backend"),
 ])
 def test_bad_engine_config(kwargs, field):
     with pytest.raises(ValueError, match=field):
