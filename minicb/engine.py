@@ -337,7 +337,7 @@ class Engine:
         to_sample: list[Request] = []
         for req, n in items:
             start = req.num_computed_tokens
-            input_ids.extend(req.all_token_ids[start:start + n])
+            input_ids.extend(req.token_ids_slice(start, start + n))
             positions.extend(range(start, start + n))
             if start + n == req.num_tokens:
                 logit_rows.append(len(input_ids) - 1)
@@ -361,7 +361,8 @@ class Engine:
         positions = [r.num_computed_tokens for r in reqs]
         slots = [r.page_table[p // page_size] * page_size + p % page_size
                  for r, p in zip(reqs, positions)]
-        logits = runner.run([r.all_token_ids[p] for r, p in zip(reqs, positions)], positions,
+        logits = runner.run([r.token_ids_slice(p, p + 1)[0] for r, p in zip(reqs, positions)],
+                            positions,
                             slots, [p + 1 for p in positions], [r.page_table for r in reqs])
         return reqs, logits
 

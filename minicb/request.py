@@ -105,6 +105,16 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_ids_slice(self, start: int, stop: int) -> list[int]:
+        """`all_token_ids[start:stop]` without building the whole list (a decode step reads
+        one token; concatenating prompt and output every step would cost O(length))."""
+        p = len(self.prompt_token_ids)
+        if start >= p:
+            return self.output_token_ids[start - p:stop - p]
+        if stop <= p:
+            return self.prompt_token_ids[start:stop]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:stop - p]
+
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)

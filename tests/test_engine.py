@@ -246,3 +246,11 @@ def test_bad_model_names(tmp_path):
         LLM("no-such-model")
     with pytest.raises(ValueError, match="config.json"):
         LLM(str(tmp_path))
+
+
+def test_token_slice_equals_the_full_list_slice():
+    from minicb.request import Request
+    req = Request("r", [1, 2, 3, 4], SamplingParams(), output_token_ids=[5, 6, 7])
+    for start in range(8):
+        for stop in range(start, 8):
+            assert req.token_ids_slice(start, stop) == req.all_token_ids[start:stop]
