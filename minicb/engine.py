@@ -224,15 +224,20 @@ class Engine:
             if delay > 0:
                 self._sleep(delay)
 
-    def cancel(self, request_id: str) -> None:
+    def cancel(self, request_id: str, reason: str = "cancelled") -> None:
         """Cancel a waiting or running request: its pages return at once. Cancelling a
-        finished request does nothing; an unknown id raises ValueError."""
+        finished request does nothing; an unknown id raises ValueError. `reason="stop"` is for
+        a caller that ended the request itself (a server matching a stop string)."""
+        if reason not in ("cancelled", "stop"):
+            raise ValueError(f"reason must be 'cancelled' or 'stop', got {reason!r}")
         req = self.requests.get(str(request_id))
         if req is None:
             raise ValueError(f"cannot cancel unknown request_id {request_id!r}")
         if req.is_finished:
             return
-        self._finish(req, "cancelled")
+        self._finish(req, reason)
+        if reason == "stop":  # ended between steps: the next StepRecord lists it as finished
+            self._cancelled_since_last_step = self._cancelled_since_last_step + [req.request_id]
 
     def forget(self, request_id: str) -> None:
         """Drop a finished request's record (a long-running server calls this to bound

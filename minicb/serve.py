@@ -137,6 +137,7 @@ class EngineWorker:
         self._lock = threading.Lock()  # guards the counters below (read by /metrics)
         self.ttft, self.itl = Histogram(TTFT_BUCKETS), Histogram(ITL_BUCKETS)
         self.finish_reasons: Counter[str] = Counter()
+        self._counted_at_cancel: set[str] = set()  # finished through `_cancel`, already counted
         self.counters = Counter(preemptions=0, prompt_tokens=0, generation_tokens=0, steps=0)
         self.snapshot: dict[str, int] = dict(engine.stats())
         self.last_error: str | None = None
@@ -324,10 +325,11 @@ class EngineWorker:
         req = self.engine.requests.get(rid)
         if req is None or req.is_finished:
             return
-        self.engine.cancel(rid)
+        self.engine.cancel(rid, "stop" if reason == "stop" else "cancelled")
         self.snapshot = dict(self.engine.stats())
         with self._lock:
             self.finish_reasons[reason] += 1
+            self._counted_at_cancel.add(rid)
 
     def _step(self) -> None:
         engine = self.engine
@@ -343,9 +345,11 @@ class EngineWorker:
                     self.ttft.observe(m.first_token_time - m.arrival_time)
                 else:
                     self.itl.observe(m.token_times[-1] - m.token_times[-2])
-            self.finish_reasons.update(  # cancellations were counted when cancelled
-                engine.requests[rid].finish_reason for rid in record.finished
-                if engine.requests[rid].finish_reason != "cancelled")
+            for rid in record.finished:  # cancellations were counted when cancelled
+                if rid in self._counted_at_cancel:
+                    self._counted_at_cancel.discard(rid)
+                elif engine.requests[rid].finish_reason != "cancelled":
+                    self.finish_reasons[engine.requests[rid].finish_reason] += 1
         for rid in dict.fromkeys(record.sampled + record.finished):
             stream = self._streams.get(rid)
             if stream is not None:

@@ -254,3 +254,14 @@ def test_token_slice_equals_the_full_list_slice():
     for start in range(8):
         for stop in range(start, 8):
             assert req.token_ids_slice(start, stop) == req.all_token_ids[start:stop]
+
+
+def test_a_caller_can_stop_a_request_itself(make_engine):
+    engine = make_engine("continuous")
+    rid = engine.add_request([5, 6, 7], GREEDY)
+    engine.step()
+    engine.cancel(rid, reason="stop")  # e.g. a server that matched a stop string
+    assert engine.requests[rid].finish_reason == "stop" and engine.pool.num_used == 0
+    assert rid in engine.step().finished
+    with pytest.raises(ValueError, match="reason"):
+        engine.cancel(rid, reason="done")
