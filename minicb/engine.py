@@ -95,7 +95,7 @@ class Engine:
         self._now = clock or time.perf_counter
         self._sleep = getattr(clock, "sleep", time.sleep)  # a simulated clock jumps instead
         self.t0 = self._now()
-        self._cancelled_since_last_step: list[str] = []
+        self._finished_between_steps: list[str] = []  # cancelled or stopped by a caller
         self._arrived_since_last_step: list[str] = []  # added between steps, arriving at once
         self._ids = itertools.count()
         self._seq = itertools.count()  # admission order, even after `forget`
@@ -236,8 +236,7 @@ class Engine:
         if req.is_finished:
             return
         self._finish(req, reason)
-        if reason == "stop":  # ended between steps: the next StepRecord lists it as finished
-            self._cancelled_since_last_step = self._cancelled_since_last_step + [req.request_id]
+        self._finished_between_steps.append(req.request_id)  # the next StepRecord lists it
 
     def forget(self, request_id: str) -> None:
         """Drop a finished request's record (a long-running server calls this to bound
@@ -313,7 +312,7 @@ class Engine:
                      for r, n in items]
             + [Member(r.request_id, "idle", 0, r.slot) for r in batch.idle],
             waiting=[r.request_id for r in self.waiting],
-            finished=finished + [rid for rid in self._cancelled_since_last_step],
+            finished=finished + self._finished_between_steps,
             preempted=[r.request_id for r in batch.preempted],
             pages_used=self.pool.num_used, pages_cached=self.pool.num_cached,
             t_start=t_start, t_end=self.clock(), arrived=arrived, sampled=sampled,
@@ -321,7 +320,7 @@ class Engine:
             t_forward=t_forward, pages_total=self.pool.num_pages,
             slots={r.request_id: r.slot for r in self.running},
             cached_pages=list(self.pool.prefix.lru) if self.pool.prefix else [])
-        self._cancelled_since_last_step = []
+        self._finished_between_steps = []
         self.trace.append(record)
         if self.config.check_invariants:
             self.check_invariants(record)
@@ -415,8 +414,6 @@ class Engine:
         req.finish_reason = reason
         req.metrics.finish_time = self.clock()
         req.metrics.finish_step = self.step_count
-        if reason == "cancelled":
-            self._cancelled_since_last_step = self._cancelled_since_last_step + [req.request_id]
 
     # ------------------------------------------------------------------------------ checks
     def _validate(self, batch: ScheduledBatch) -> None:

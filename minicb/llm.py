@@ -33,15 +33,17 @@ class LLM:
             raise ValueError(f"params has {len(param_list)} entries for {len(prompts)} prompts; "
                              "give one SamplingParams or one per prompt")
         # validate everything before queuing anything, so bad input leaves nothing behind
+        token_lists = []
         for i, (prompt, p) in enumerate(zip(prompts, param_list)):
             if not isinstance(p, SamplingParams):
                 raise ValueError(f"params[{i}] must be a SamplingParams, got {type(p).__name__}")
-            if not self.engine.tokenize(prompt):
+            token_lists.append(self.engine.tokenize(prompt))
+            if not token_lists[-1]:
                 raise ValueError(f"prompt {i} is empty: give at least one token")
         ids: list[str] = []
         try:
-            for prompt, p in zip(prompts, param_list):
-                ids.append(self.engine.add_request(prompt, p))
+            for token_ids, p in zip(token_lists, param_list):
+                ids.append(self.engine.add_request(token_ids, p))
         except ValueError:
             for rid in ids:
                 self.engine.cancel(rid)

@@ -18,9 +18,13 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 def _context_slots(meta: AttentionMetadata, member: int, length: int) -> torch.Tensor:
-    pos = torch.arange(length, device=meta.page_tables.device)
-    pages = meta.page_tables[member].long()[pos // meta.page_size]
-    return pages * meta.page_size + pos % meta.page_size
+    """Slots of one prefill member's context: computed once per step, shared by all layers."""
+    key = ("context_slots", member)
+    if key not in meta.cache:
+        pos = torch.arange(length, device=meta.page_tables.device)
+        pages = meta.page_tables[member].long()[pos // meta.page_size]
+        meta.cache[key] = pages * meta.page_size + pos % meta.page_size
+    return meta.cache[key]
 
 
 def _decode_gather(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
