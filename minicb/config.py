@@ -26,6 +26,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     device: str = "cpu"
     dtype: str = "auto"  # float32 on CPU, bfloat16 on CUDA
+    quantization: str | None = None  # "int8": weight-only int8 projections (CPU decode speed)
     use_cuda_graphs: bool = True
     gpu_memory_utilization: float = 0.9
     seed: int = 0
@@ -59,6 +60,11 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                              f"got {self.attention_backend!r}")
+        if self.quantization not in (None, "int8"):
+            raise ValueError(f"quantization must be None or 'int8', got {self.quantization!r}")
+        if self.quantization and str(self.device).startswith("cuda"):
+            raise ValueError("quantization='int8' is a CPU option (torch's int8-weight CPU "
+                             "kernel); on CUDA use dtype='bfloat16'")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1], "
                              f"got {self.gpu_memory_utilization}")

@@ -46,11 +46,17 @@ def default_num_pages(model_config, config: EngineConfig, dtype: torch.dtype) ->
     return max(16, int(budget // per_page))
 
 
-def _load(model, device: str, dtype: torch.dtype):
+def _load(model, device: str, dtype: torch.dtype, quantization: str | None):
     from minicb.model.loader import load_model
-    if isinstance(model, tuple):
-        return model
-    return load_model(str(model), device=device, dtype=dtype)
+    if not isinstance(model, tuple):
+        return load_model(str(model), device=device, dtype=dtype, quantization=quantization)
+    loaded = getattr(model[0], "quantization", None)
+    if hasattr(model[0], "layers") and loaded != quantization:
+        # quantizing in place would change a model other engines share
+        raise ValueError(f"quantization={quantization!r} but the model passed in was loaded "
+                         f"with quantization={loaded!r}; load it with "
+                         f"load_model(..., quantization={quantization!r})")
+    return model
 
 
 class Engine:
@@ -75,7 +81,7 @@ class Engine:
         dtype = {"auto": torch.float32 if device == "cpu" else torch.bfloat16,
                  "float32": torch.float32, "bfloat16": torch.bfloat16,
                  "float16": torch.float16}[self.config.dtype]
-        self.model, self.info = _load(model, device, dtype)
+        self.model, self.info = _load(model, device, dtype, self.config.quantization)
         self.attention_backend = resolve_backend(self.config.attention_backend, device)
         self.model.set_attention_backend(self.attention_backend)
         self.tokenizer = self.info.tokenizer

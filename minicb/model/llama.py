@@ -158,7 +158,7 @@ class Attention(nn.Module):
                 meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 backend: ModuleType) -> torch.Tensor:
         T = x.shape[0]
-        q, k, v = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias).split(
+        q, k, v = self.qkv_proj(x).split(
             [self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
@@ -169,7 +169,7 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         backend.store_kv(k, v, k_cache, v_cache, meta)
         out = backend.attend(q, k_cache, v_cache, meta, self.scale)
-        return F.linear(out.reshape(T, self.q_size), self.o_proj.weight, self.o_proj.bias)
+        return self.o_proj(out.reshape(T, self.q_size))
 
 
 class MLP(nn.Module):
@@ -181,8 +181,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_proj.weight).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj.weight)
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -216,6 +216,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = (None if cfg.tie_word_embeddings
                         else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
+        self.quantization: str | None = None  # "int8" after `quant.quantize_int8`
         self.set_attention_backend(attention_backend)
         self._cos = self._sin = None  # RoPE tables, built on first use (see `rope`)
 
@@ -223,10 +224,6 @@ class LlamaModel(nn.Module):
         """Pick the module whose `store_kv` / `attend` every layer calls ("torch", "triton")."""
         self.attention_backend = get_backend(name)
         self.attention_backend_name = name
-
-    @property
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, 1, head_dim/2] for these positions, looked up in tables built on first
@@ -253,7 +250,8 @@ class LlamaModel(nn.Module):
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, meta, kv_cache, self.attention_backend)
         x = self.norm(x[logits_indices])
-        return F.linear(x, self.lm_head_weight).float()
+        logits = F.linear(x, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(x)
+        return logits.float()
 
     def allocate_kv_cache(self, num_pages: int, page_size: int, device=None,
                           dtype=None) -> list[tuple[torch.Tensor, torch.Tensor]]:

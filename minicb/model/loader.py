@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file
 
 from minicb.model.llama import LlamaModel, ModelConfig
+from minicb.model.quant import QUANTIZATIONS, quantize_int8
 
 log = logging.getLogger(__name__)
 
@@ -169,9 +170,13 @@ def load_tokenizer(path: Path) -> Any:
 
 def load_model(name_or_path: str | os.PathLike, device: str | torch.device = "cpu",
                dtype: torch.dtype = torch.float32,
-               attention_backend: str = "torch") -> tuple[LlamaModel, ModelInfo]:
-    """Load weights, config and tokenizer. Raises ValueError for an unknown name, a directory
-    that is not a checkpoint, or an unsupported architecture."""
+               attention_backend: str = "torch",
+               quantization: str | None = None) -> tuple[LlamaModel, ModelInfo]:
+    """Load weights, config and tokenizer; `quantization="int8"` stores the projections as
+    int8 (see `quant.py`). Raises ValueError for an unknown name, a directory that is not a
+    checkpoint, or an unsupported architecture."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     name, path = resolve(name_or_path)
     hf_config = _read_json(path / "config.json")
     config = ModelConfig.from_hf(hf_config)
@@ -180,6 +185,8 @@ def load_model(name_or_path: str | os.PathLike, device: str | torch.device = "cp
     model.to_empty(device=device)
     model.load_hf_state_dict(load_state_dict(path))
     model.eval().requires_grad_(False)
+    if quantization == "int8":
+        quantize_int8(model)
 
     tokenizer = load_tokenizer(path)
     generation = _read_json(path / "generation_config.json")

@@ -1,0 +1,68 @@
+"""Weight-only int8 quantization for CPU decoding (chapter 01, "bytes per token").
+
+At batch 1 a decode step reads every weight once and does two flops per weight: its speed is
+the memory bandwidth divided by the bytes of the weights. float32 SmolLM2-135M streams
+540 MB per token; int8 weights with one float scale per output row stream a quarter of that.
+Activations stay float32 between layers; each product runs in torch's int8-weight kernel
+(`aten._weight_int8pack_mm`, bfloat16 activations in, as gpt-fast uses it), so the numbers
+differ from float32 by the int8 rounding of the weights (about 0.4% of each row's largest
+weight) plus the bfloat16 rounding of the activations.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+QUANTIZATIONS = (None, "int8")
+
+
+class Int8Linear(nn.Module):
+    """y = x @ (q * scale).T + bias with q int8 [out, in] and scale one per output row."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        w = weight.detach().float()
+        scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
+        self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-127, 127)
+                             .to(torch.int8).to(weight.device))
+        self.register_buffer("scale", scale.to(torch.bfloat16).to(weight.device))
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(),
+                                                           requires_grad=False)
+        self.in_features, self.out_features = w.shape[1], w.shape[0]
+        # the packed kernel reads the inner dimension in blocks of 16 and returns garbage
+        # for any other width, so odd shapes (tiny test models) take the dequantizing path
+        self.packed = self.in_features % 16 == 0 and weight.device.type == "cpu"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if self.packed:
+            y = torch.ops.aten._weight_int8pack_mm(flat.to(torch.bfloat16).contiguous(),
+                                                   self.qweight, self.scale).to(x.dtype)
+        else:
+            y = flat @ (self.qweight.to(x.dtype) * self.scale.to(x.dtype)[:, None]).T
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def dequantized(self) -> torch.Tensor:
+        """The float weight this layer multiplies by (for tests and error reports)."""
+        return self.qweight.float() * self.scale.float()[:, None]
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+
+
+def quantize_int8(model: nn.Module) -> nn.Module:
+    """Replace every projection of a `LlamaModel` and its LM head by an `Int8Linear`, in place.
+    Embeddings and norms stay float (a lookup reads one row; norms are tiny)."""
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for owner, name in ((attn, "qkv_proj"), (attn, "o_proj"), (mlp, "gate_up_proj"),
+                            (mlp, "down_proj")):
+            linear = getattr(owner, name)
+            setattr(owner, name, Int8Linear(linear.weight, linear.bias))
+    head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    model.lm_head = Int8Linear(head)  # a tied head gets its own int8 copy
+    model.quantization = "int8"
+    return model
