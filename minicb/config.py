@@ -26,7 +26,9 @@ class EngineConfig:
     attention_backend: str = "auto"
     device: str = "cpu"
     dtype: str = "auto"  # float32 on CPU, bfloat16 on CUDA
-    quantization: str | None = None  # "int8": weight-only int8 projections (CPU decode speed)
+    # "int8": weight-only int8 projections (CPU decode speed); with a model passed in already
+    # loaded, None accepts it as it is and "int8" requires it loaded with quantization="int8"
+    quantization: str | None = None
     use_cuda_graphs: bool = True
     gpu_memory_utilization: float = 0.9
     seed: int = 0

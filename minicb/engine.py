@@ -51,7 +51,7 @@ def _load(model, device: str, dtype: torch.dtype, quantization: str | None):
     if not isinstance(model, tuple):
         return load_model(str(model), device=device, dtype=dtype, quantization=quantization)
     loaded = getattr(model[0], "quantization", None)
-    if hasattr(model[0], "layers") and loaded != quantization:
+    if quantization and loaded != quantization:  # None takes the model as it was loaded
         # quantizing in place would change a model other engines share
         raise ValueError(f"quantization={quantization!r} but the model passed in was loaded "
                          f"with quantization={loaded!r}; load it with "

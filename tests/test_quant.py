@@ -84,6 +84,8 @@ def test_bad_quantization_is_refused(tiny_llama_dir):
     with pytest.raises(ValueError, match="load_model\\(..., quantization='int8'\\)"):
         Engine(pair, quantization="int8")
     Engine(pair, num_pages=8)  # and the same pair still serves a float32 engine
+    int8_pair = load_model(tiny_llama_dir, quantization="int8")
+    assert Engine(int8_pair, num_pages=8).model.quantization == "int8"  # None: as loaded
 
 
 @pytest.mark.slow
