@@ -258,7 +258,9 @@ def device_description(device: str) -> dict[str, Any]:
 def engine_options(args: argparse.Namespace, workload: Workload) -> dict[str, Any]:
     """EngineConfig options from the flags; the workload's recommendations fill gaps
     (chapter 06)."""
-    options: dict[str, Any] = dict(workload.recommended)
+    # results come from request records and step counts: per-step snapshots of queues and page
+    # tables (for pictures) would cost more than a simulated step and grow with the run
+    options: dict[str, Any] = {"trace_snapshots": False, **workload.recommended}
     for flag, key in (("max_num_seqs", "max_num_seqs"),
                       ("max_num_batched_tokens", "max_num_batched_tokens"),
                       ("chunk_size", "chunk_size"), ("num_pages", "num_pages"),

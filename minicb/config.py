@@ -23,6 +23,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     preemption: str = "newest"  # or "priority": who is preempted when decodes need a page
     check_invariants: bool = False
+    # per-step copies of the waiting queue, page tables, slots and cached pages in the trace
+    # (what the step-through pictures draw); False keeps each StepRecord as small as its batch,
+    # for long benchmark runs where those copies would cost more than the step
+    trace_snapshots: bool = True
     attention_backend: str = "auto"
     device: str = "cpu"
     dtype: str = "auto"  # float32 on CPU, bfloat16 on CUDA

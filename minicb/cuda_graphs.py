@@ -45,7 +45,7 @@ class DecodeGraphRunner:
         return next(b for b in self.buckets if b >= batch_size)
 
     def metadata(self, bucket: int) -> AttentionMetadata:
-        return AttentionMetadata(
+        return AttentionMetadata.from_tensors(
             self.slot_mapping[:bucket], self.query_start_loc[:bucket + 1],
             self.context_lens[:bucket], self.page_tables[:bucket], query_lens=[1] * bucket,
             context_lens_list=[1] * bucket, num_decodes=bucket, page_size=self.page_size)

@@ -317,15 +317,17 @@ class Engine:
             members=[Member(r.request_id, kinds[r.request_id], n, slots[r.request_id])
                      for r, n in items]
             + [Member(r.request_id, "idle", 0, r.slot) for r in batch.idle],
-            waiting=[r.request_id for r in self.waiting],
-            finished=finished + self._finished_between_steps,
+            waiting=[], finished=finished + self._finished_between_steps,
             preempted=[r.request_id for r in batch.preempted],
             pages_used=self.pool.num_used, pages_cached=self.pool.num_cached,
             t_start=t_start, t_end=self.clock(), arrived=arrived, sampled=sampled,
-            page_tables={r.request_id: list(r.page_table) for r in self.running},
             t_forward=t_forward, pages_total=self.pool.num_pages,
-            slots={r.request_id: r.slot for r in self.running},
-            cached_pages=list(self.pool.prefix.lru) if self.pool.prefix else [])
+            num_waiting=len(self.waiting))
+        if self.config.trace_snapshots:
+            record.waiting = [r.request_id for r in self.waiting]
+            record.page_tables = {r.request_id: list(r.page_table) for r in self.running}
+            record.slots = {r.request_id: r.slot for r in self.running}
+            record.cached_pages = list(self.pool.prefix.lru) if self.pool.prefix else []
         self._finished_between_steps = []
         self.trace.append(record)
         if self.config.check_invariants:
@@ -428,23 +430,25 @@ class Engine:
         seen: set[str] = set()
         for req, n in batch.items:
             rid = req.request_id if hasattr(req, "request_id") else repr(req)
-            where = f"step {self.step_count}, request {rid!r}"
+
+            def refuse(rule: str, rid: str = rid) -> SchedulerError:
+                return SchedulerError(f"step {self.step_count}, request {rid!r}: {rule}")
             if self.requests.get(rid) is not req:
-                raise SchedulerError(f"{where}: unknown request (not added to this engine)")
+                raise refuse("unknown request (not added to this engine)")
             if req.is_finished:
-                raise SchedulerError(f"{where}: request already finished ({req.finish_reason})")
+                raise refuse(f"request already finished ({req.finish_reason})")
             if req.status is not Status.RUNNING:
-                raise SchedulerError(f"{where}: request is {req.status.value}, not running "
-                                     "(admit it with ctx.admit first)")
+                raise refuse(f"request is {req.status.value}, not running "
+                             "(admit it with ctx.admit first)")
             if rid in seen:
-                raise SchedulerError(f"{where}: scheduled twice in one step")
+                raise refuse("scheduled twice in one step")
             seen.add(rid)
             if not isinstance(n, int) or n < 1 or n > req.num_remaining:
-                raise SchedulerError(f"{where}: asks to advance {n} tokens but has "
-                                     f"{req.num_remaining} left to compute")
+                raise refuse(f"asks to advance {n} tokens but has {req.num_remaining} left to "
+                             "compute")
             if self.pool.pages_needed(req.num_computed_tokens + n) > len(req.page_table):
-                raise SchedulerError(f"{where}: {n} tokens need more pages than its page table "
-                                     f"holds ({len(req.page_table)}); reserve them first")
+                raise refuse(f"{n} tokens need more pages than its page table holds "
+                             f"({len(req.page_table)}); reserve them first")
         if len(batch.items) + len(batch.idle) > cfg.max_num_seqs:
             raise SchedulerError(f"step {self.step_count}: {len(batch.items)} members exceed "
                                  f"max_num_seqs={cfg.max_num_seqs}")

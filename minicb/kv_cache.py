@@ -11,6 +11,7 @@ This module is a leaf: it imports nothing else from minicb."""
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections import OrderedDict, deque
 
 import torch
@@ -20,7 +21,7 @@ def page_hash(previous: bytes | None, token_ids: list[int] | tuple[int, ...]) ->
     """Chained hash of a full page: it names the page's tokens *and* everything before them."""
     h = hashlib.blake2b(digest_size=16)
     h.update(previous or b"")
-    h.update(b"|".join(str(t).encode() for t in token_ids))
+    h.update(array("q", token_ids).tobytes())  # 8 bytes per id: no two id lists collide
     return h.digest()
 
 

@@ -126,12 +126,14 @@ class Request:
     @property
     def num_remaining(self) -> int:
         """Tokens still to run through the model before the next token can be sampled."""
-        return self.num_tokens - self.num_computed_tokens
+        return len(self.prompt_token_ids) + len(self.output_token_ids) - self.num_computed_tokens
 
     @property
     def is_prefill(self) -> bool:
         """True while the prompt (or a preempted request's recompute) is not fully in the cache."""
-        return self.num_remaining > 1 or not self.output_token_ids
+        # num_remaining > 1, spelled out: every scheduler asks this of every request every step
+        return (not self.output_token_ids or len(self.prompt_token_ids)
+                + len(self.output_token_ids) - self.num_computed_tokens > 1)
 
     @property
     def is_finished(self) -> bool:

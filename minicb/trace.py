@@ -22,7 +22,7 @@ class Member(NamedTuple):
 class StepRecord:
     step: int  # counts from 1
     members: list[Member]
-    waiting: list[str]  # ids in the waiting queue after scheduling (arrived, not running)
+    waiting: list[str]  # ids in the waiting queue after scheduling (arrived, not running)*
     finished: list[str]  # ids that finished at this step (stop, length, cancelled, error)
     preempted: list[str]  # ids preempted while scheduling this step
     pages_used: int  # pages referenced by running requests after the step
@@ -31,11 +31,13 @@ class StepRecord:
     t_end: float
     arrived: list[str] = field(default_factory=list)  # ids that entered the queue this step
     sampled: list[str] = field(default_factory=list)  # ids that got a new token this step
-    page_tables: dict[str, list[int]] = field(default_factory=dict)  # running ids -> pages
+    page_tables: dict[str, list[int]] = field(default_factory=dict)  # running ids -> pages*
     t_forward: float = 0.0  # seconds inside the model forward (the rest is host time)
     pages_total: int = 0
-    slots: dict[str, int] = field(default_factory=dict)  # running ids -> slot, after the step
-    cached_pages: list[int] = field(default_factory=list)  # unreferenced, kept for reuse
+    slots: dict[str, int] = field(default_factory=dict)  # running ids -> slot, after the step*
+    cached_pages: list[int] = field(default_factory=list)  # unreferenced, kept for reuse*
+    num_waiting: int = 0  # len(waiting), kept even without snapshots
+    # * snapshots: empty when the engine runs with trace_snapshots=False
 
     @property
     def num_prefill_tokens(self) -> int:

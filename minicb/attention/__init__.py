@@ -13,23 +13,74 @@ Caches are shaped [num_pages, page_size, num_kv_heads, head_dim].
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
 
 @dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] int64: page * page_size + offset for each new token
-    query_start_loc: torch.Tensor  # [B + 1] int32: member b owns rows [qsl[b], qsl[b+1])
-    context_lens: torch.Tensor  # [B] int32: tokens in member b's cache once this step is stored
-    page_tables: torch.Tensor  # [B, max_pages] int32, padded with 0
-    query_lens: list[int]
-    context_lens_list: list[int]
+    """One step's members as the attention backends see them. The plain lists are always there;
+    the tensors are built from them on first use, on `device`, so a model that reads only the
+    lists (the simulated executor, chapter 06) never pays for them."""
+
+    query_lens: list[int]  # tokens member b advances this step
+    context_lens_list: list[int]  # tokens in member b's cache once this step is stored
     num_decodes: int  # members [0, num_decodes) have exactly one query row
     page_size: int
+    page_table_list: list[list[int]] = field(default_factory=list)  # member b's pages, in order
+    device: torch.device | str = "cpu"
     cache: dict = field(default_factory=dict)  # per-step tensors a backend derives once
+
+    @classmethod
+    def from_tensors(cls, slot_mapping: torch.Tensor, query_start_loc: torch.Tensor,
+                     context_lens: torch.Tensor, page_tables: torch.Tensor,
+                     query_lens: list[int], context_lens_list: list[int], num_decodes: int,
+                     page_size: int) -> AttentionMetadata:
+        """Metadata over tensors that already exist (CUDA-graph buffers, chapter 07)."""
+        meta = cls(query_lens, context_lens_list, num_decodes, page_size,
+                   device=slot_mapping.device)
+        # a cached_property reads the instance dict first: these are what it returns
+        meta.__dict__.update(slot_mapping=slot_mapping, query_start_loc=query_start_loc,
+                             context_lens=context_lens, page_tables=page_tables)
+        return meta
+
+    @cached_property
+    def slot_mapping(self) -> torch.Tensor:
+        """[T] int64: page * page_size + offset for each new token, member by member."""
+        ps, slots = self.page_size, []
+        for table, ctx, n in zip(self.page_table_list, self.context_lens_list, self.query_lens):
+            pos = ctx - n
+            while pos < ctx:  # one run of consecutive slots per page touched
+                page, offset = divmod(pos, ps)
+                run = min(ps - offset, ctx - pos)
+                base = table[page] * ps + offset
+                slots.extend(range(base, base + run))
+                pos += run
+        return torch.tensor(slots, dtype=torch.int64, device=self.device)
+
+    @cached_property
+    def query_start_loc(self) -> torch.Tensor:
+        """[B + 1] int32: member b owns rows [qsl[b], qsl[b+1])."""
+        return torch.tensor([0, *itertools.accumulate(self.query_lens)], dtype=torch.int32,
+                            device=self.device)
+
+    @cached_property
+    def context_lens(self) -> torch.Tensor:
+        """[B] int32, the tensor of `context_lens_list`."""
+        return torch.tensor(self.context_lens_list, dtype=torch.int32, device=self.device)
+
+    @cached_property
+    def page_tables(self) -> torch.Tensor:
+        """[B, max_pages] int32, each row padded with page 0."""
+        tables = self.page_table_list
+        width = max((len(t) for t in tables), default=1) or 1
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        return torch.tensor(padded, dtype=torch.int32, device=self.device).reshape(
+            len(tables), width)
 
     @property
     def num_members(self) -> int:
@@ -40,7 +91,7 @@ class AttentionMetadata:
         return self.num_decodes
 
     def to(self, device: torch.device | str) -> AttentionMetadata:
-        return AttentionMetadata(
+        return AttentionMetadata.from_tensors(
             self.slot_mapping.to(device), self.query_start_loc.to(device),
             self.context_lens.to(device), self.page_tables.to(device), self.query_lens,
             self.context_lens_list, self.num_decodes, self.page_size)
@@ -54,26 +105,12 @@ def build_metadata(page_tables: list[list[int]], num_computed: list[int], num_ne
     num_decodes = 0
     while num_decodes < len(num_new) and num_new[num_decodes] == 1:
         num_decodes += 1
-    slots: list[int] = []
-    for table, start, n in zip(page_tables, num_computed, num_new):
-        if (start + n + page_size - 1) // page_size > len(table):
-            raise ValueError(f"page table of {len(table)} pages cannot hold {start + n} tokens")
-        for pos in range(start, start + n):
-            slots.append(table[pos // page_size] * page_size + pos % page_size)
-    qsl = [0]
-    for n in num_new:
-        qsl.append(qsl[-1] + n)
     ctx = [s + n for s, n in zip(num_computed, num_new)]
-    width = max((len(t) for t in page_tables), default=1) or 1
-    padded = [t + [0] * (width - len(t)) for t in page_tables]
-    return AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
-        context_lens=torch.tensor(ctx, dtype=torch.int32, device=device),
-        page_tables=torch.tensor(padded, dtype=torch.int32, device=device).reshape(
-            len(page_tables), width),
-        query_lens=list(num_new), context_lens_list=ctx, num_decodes=num_decodes,
-        page_size=page_size)
+    for table, total in zip(page_tables, ctx):
+        if (total + page_size - 1) // page_size > len(table):
+            raise ValueError(f"page table of {len(table)} pages cannot hold {total} tokens")
+    return AttentionMetadata(list(num_new), ctx, num_decodes, page_size,
+                             page_table_list=[list(t) for t in page_tables], device=device)
 
 
 def resolve_backend(name: str = "auto", device: str = "cpu") -> str:
