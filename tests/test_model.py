@@ -106,6 +106,31 @@ def test_mixed_batch_equals_single_requests(tiny_qwen3_dir):
     torch.testing.assert_close(mixed[2:], alone_c, atol=1e-5, rtol=0)
 
 
+def test_metadata_slots_and_tables_match_the_formula():
+    """`build_metadata` keeps lists and builds tensors on first use: slot of position p is
+    page_table[p // page_size] * page_size + p % page_size, for chunks starting mid-page."""
+    rng = random.Random(3)
+    for page_size in (4, 16):
+        members = [(rng.randrange(0, 40), n) for n in (1, 1, 7, 2 + rng.randrange(30))]
+        members.sort(key=lambda m: m[1] != 1)
+        tables = [rng.sample(range(100), -(-(c + n) // page_size)) for c, n in members]
+        meta = build_metadata(tables, [c for c, _ in members], [n for _, n in members],
+                              page_size)
+        tables[0].append(99)  # the caller's lists may change after the step: meta kept a copy
+        expected = [t[p // page_size] * page_size + p % page_size
+                    for t, (c, n) in zip(meta.page_table_list, members)
+                    for p in range(c, c + n)]
+        assert meta.slot_mapping.tolist() == expected
+        assert meta.query_start_loc.tolist() == [0, 1, 2, 9, 9 + members[3][1]]
+        assert meta.context_lens.tolist() == [c + n for c, n in members]
+        assert meta.num_decodes == 2 and meta.page_tables.shape == (
+            4, max(len(t) for t in meta.page_table_list))
+        assert meta.page_tables[0].tolist()[:len(meta.page_table_list[0])] == \
+            meta.page_table_list[0]
+    with pytest.raises(ValueError, match="cannot hold"):
+        build_metadata([[0]], [10], [7], 16)
+
+
 def test_rope_inv_freq_matches_transformers(tiny_checkpoint):
     from transformers import AutoConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
