@@ -909,16 +909,18 @@ def profile_parser() -> argparse.ArgumentParser:
 def run_profile(model: str = "smollm2-135m", device: str = "cpu", num_requests: int = 16,
                 seed: int = 0, target: str = "duration", progress: bool = True,
                 executor: Executor | None = None) -> CostModel:
-    """Two short real runs (pd with mixed prefill/decode steps, continuous with whole
-    prompts), then a least-squares fit of the cost model to every step (chapter 06)."""
+    """Three short real runs (pd with mixed prefill/decode steps, continuous with whole
+    prompts, and continuous with 4x the batch so decode rows span 1 to 32), then a
+    least-squares fit of the cost model to every step (chapter 06)."""
     executor = executor or Executor("real", model, device)
     executor.warm_up()
     runs = []
-    for policy, budget, prompts in (("pd", 128, "uniform:16:256"),
-                                    ("continuous", 512, "uniform:8:192")):
-        workload = make_workload(num_requests, prompt_lengths=prompts,
+    for policy, budget, prompts, seqs in (("pd", 128, "uniform:16:256", 8),
+                                          ("continuous", 512, "uniform:8:192", 8),
+                                          ("continuous", 512, "uniform:8:64", 32)):
+        workload = make_workload(num_requests * seqs // 8, prompt_lengths=prompts,
                                  output_lengths="uniform:4:32", seed=seed, name="profile")
-        options = {"max_num_seqs": 8, "max_num_batched_tokens": budget, "chunk_size": budget}
+        options = {"max_num_seqs": seqs, "max_num_batched_tokens": budget, "chunk_size": budget}
         _, engine = run_policy(executor, policy, workload, options, None, progress)
         runs.append((engine.trace, engine.request_records()))
     name = f"{executor.describe()['name']} on {platform.node() or 'this machine'} ({device})"
