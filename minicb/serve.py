@@ -27,7 +27,7 @@ import threading
 import time
 import traceback
 import uuid
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -119,15 +119,18 @@ class EngineWorker:
     and `cancel` from any thread or event loop; the thread applies them between steps, steps while
     there is work, and sends each request its new tokens after every step.
 
-    `max_queue`: refuse (QueueFull) a request when that many already wait. `max_trace`: steps
-    kept in `engine.trace` (the oldest half is dropped when it is full), so a long-running
-    server's trace stays bounded; `engine.requests` keeps every request, as the engine expects."""
+    `max_queue`: refuse (QueueFull) a request when that many already wait. A long-running
+    server's memory stays bounded: `max_trace` steps are kept in `engine.trace` (the oldest half
+    is dropped when it is full), and `max_finished` finished requests in `engine.requests` (the
+    oldest are dropped with `Engine.forget`)."""
 
     def __init__(self, engine: Any, max_queue: int | None = None,
-                 max_trace: int = 200_000) -> None:
+                 max_trace: int = 200_000, max_finished: int = 10_000) -> None:
         self.engine = engine
         self.max_queue = max_queue
         self.max_trace = max_trace
+        self.max_finished = max_finished
+        self._finished_ids: deque[str] = deque()  # oldest first, still in engine.requests
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.capacity = engine.pool.num_pages * engine.pool.page_size
@@ -356,6 +359,9 @@ class EngineWorker:
                 self._emit(stream)
         if len(engine.trace) > self.max_trace:
             del engine.trace[:len(engine.trace) - self.max_trace // 2]
+        self._finished_ids.extend(record.finished)
+        while len(self._finished_ids) > self.max_finished:
+            engine.forget(self._finished_ids.popleft())
 
     def _emit(self, s: _Stream) -> None:
         """Send a request its new tokens and text; stop it at a stop string."""
@@ -502,11 +508,12 @@ def _sse(data: dict | str) -> str:
 
 
 def create_app(engine_or_llm: Any, model_name: str = "minicb", max_queue: int | None = 256,
-               max_trace: int = 200_000) -> FastAPI:
+               max_trace: int = 200_000, max_finished: int = 10_000) -> FastAPI:
     """The FastAPI app around one engine (chapters 06 and 08). `engine_or_llm`: an Engine or an
     LLM. The worker is `app.state.worker`; it starts with the app (or at the first request)."""
     engine = getattr(engine_or_llm, "engine", engine_or_llm)
-    worker = EngineWorker(engine, max_queue=max_queue, max_trace=max_trace)
+    worker = EngineWorker(engine, max_queue=max_queue, max_trace=max_trace,
+                          max_finished=max_finished)
 
     async def lifespan(app: FastAPI):
         worker.start()
@@ -701,7 +708,8 @@ def main(argv: list[str] | None = None) -> int:
     options = {k: v for k, v in dict(chunk_size=args.chunk_size, num_pages=args.num_pages)
                .items() if v is not None}
     llm = LLM(args.model, policy=args.policy, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, device=args.device, **options)
+              max_num_batched_tokens=args.max_num_batched_tokens, device=args.device,
+              trace_snapshots=False, **options)  # a server draws no pictures
     name = args.served_model_name or args.model
     app = create_app(llm, name, max_queue=args.max_queue or None)
     print(f"minicb: serving {name} (policy {args.policy}) on http://{args.host}:{args.port}/v1",

@@ -181,6 +181,24 @@ def test_fifty_concurrent_streams_are_batched_and_leak_nothing(tiny_model):
     assert widest >= 20, f"requests from many clients share steps (widest step: {widest})"
 
 
+def test_a_long_running_server_keeps_only_recent_finished_requests(tiny_model):
+    app = create_app(Engine(tiny_model, policy="pd", num_pages=64), "tiny", max_finished=3)
+    with ServerThread(app) as url, httpx.Client(timeout=TIMEOUT) as http:
+        for i in range(7):
+            body = {"prompt": [5 + i, 6, 7], "max_tokens": 2, **GREEDY}
+            r = http.post(url + "/v1/completions", json=body, headers={"X-Request-Id": f"r{i}"})
+            assert r.status_code == 200
+        worker = app.state.worker
+        wait_idle(worker)
+        kept = worker.call(lambda e: sorted(e.requests)).result(10)
+        assert kept == ["r4", "r5", "r6"], "the oldest finished requests were forgotten"
+        # a forgotten id is free again, and the counters still count every request
+        r = http.post(url + "/v1/completions", json={"prompt": [9, 9], "max_tokens": 1, **GREEDY},
+                      headers={"X-Request-Id": "r0"})
+        assert r.status_code == 200 and r.json()["id"].endswith("r0")
+        assert 'minicb_requests_total{finish_reason="length"} 8' in http.get(url + "/metrics").text
+
+
 def test_disconnect_mid_stream_cancels_and_frees_pages(tiny_model):
     body = {"prompt": list(range(3, 40)), "max_tokens": 1800, **GREEDY}
     with serving(tiny_model, max_num_seqs=1) as (url, worker), \
