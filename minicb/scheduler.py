@@ -84,15 +84,18 @@ class SchedulerContext:
             req.page_table.extend(self.pool.allocate(need))
         return True
 
-    def admit(self, req: Request, max_tokens: int) -> int:
+    def admit(self, req: Request, max_tokens: int, min_tokens: int = 1) -> int:
         """Move the request at the front of the waiting queue into the running set: reuse its
         cached prefix pages, take a slot and pages for its first chunk of at most `max_tokens`
-        tokens. Returns that chunk's size, or 0 (and changes nothing) if it does not fit."""
+        tokens. Returns that chunk's size, or 0 (and changes nothing) if it does not fit or
+        would be shorter than `min_tokens` while more than that remains after the prefix hit."""
         if not self.free_slots or max_tokens < 1:
             return 0
         hit = self.pool.match_prefix(req.all_token_ids, req.page_hashes or None)
         remaining = req.num_tokens - len(hit) * self.pool.page_size
         num_tokens = min(max_tokens, remaining)
+        if num_tokens < min(min_tokens, remaining):
+            return 0
         total_pages = self.pool.pages_needed(len(hit) * self.pool.page_size + num_tokens)
         # shared pages that sit unreferenced in the LRU list stop being available once shared
         evictable_hits = sum(1 for p in hit if self.pool.ref_count[p] == 0)
@@ -333,12 +336,7 @@ def schedule_prefill_chunks(ctx: SchedulerContext, budget: int, min_chunk: int =
         budget -= num_tokens
     while ctx.waiting and budget > 0 and not ctx.batch.preempted:
         req = ctx.waiting[0]
-        hit = ctx.pool.match_prefix(req.all_token_ids, req.page_hashes or None)
-        hit_tokens = len(hit) * ctx.pool.page_size
-        remaining = req.num_tokens - hit_tokens
-        if min(remaining, chunk_size, budget) < min(min_chunk, remaining):
-            break
-        num_tokens = ctx.admit(req, min(chunk_size, budget))
+        num_tokens = ctx.admit(req, min(chunk_size, budget), min_tokens=min_chunk)
         if not num_tokens:
             break
         ctx.schedule(req, num_tokens)
