@@ -125,7 +125,8 @@ for step, batch in enumerate(toy[:11], start=1):
 # minicb's `pd` policy is the same rules, written against the engine's scheduling context
 # (`ctx`): `schedule_decodes` gives every running decode one token (preempting if pages run
 # out, chapter 06), and `schedule_prefill_chunks` spends the rest on chunks, skipping a chunk
-# smaller than `min_chunk`.
+# smaller than `min_chunk` (for a new prompt, `ctx.admit(..., min_tokens=min_chunk)` refuses it
+# after counting its prefix-cache hit).
 
 # %%
 # NBVAL_CHECK_OUTPUT
