@@ -699,6 +699,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk-size", type=int, default=None)
     parser.add_argument("--num-pages", type=int, default=None)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--quantization", choices=("int8",), default=None,
+                        help="int8: weight-only int8 projections (faster CPU decode, numbers "
+                             "slightly off float32)")
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
     import uvicorn
@@ -709,6 +712,7 @@ def main(argv: list[str] | None = None) -> int:
                .items() if v is not None}
     llm = LLM(args.model, policy=args.policy, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, device=args.device,
+              quantization=args.quantization,
               trace_snapshots=False, **options)  # a server draws no pictures
     name = args.served_model_name or args.model
     app = create_app(llm, name, max_queue=args.max_queue or None)

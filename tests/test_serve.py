@@ -341,7 +341,8 @@ def test_server_thread_turns_nagle_off():
 def test_serve_cli_help(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--help"])
-    assert exit_info.value.code == 0 and "--max-queue" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0 and "--max-queue" in out and "--quantization" in out
 
 
 def test_engine_faults_fail_the_request_not_the_server(tiny_model):
