@@ -434,6 +434,73 @@ def match_prefix(fn: Callable[[dict[bytes, int], list[int], int], list[int]]) ->
     return _passed(name, f"{len(cases)} lookups agree with PagePool.match_prefix")
 
 
+def quantize_int8(fn: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]) -> bool:
+    """Exercise 1.4: `fn(weight)` quantizes a float [out, in] weight to int8 with one scale per
+    output row, scale = max |row| / 127 and q = round(weight / scale), like
+    `minicb.model.quant.Int8Linear`."""
+    name = "quantize_int8"
+    gen = torch.Generator().manual_seed(14)
+    sizes = torch.tensor([1e-3, 1e-1, 1, 10, 1e3, 1e5])[:, None]
+    spread = torch.randn(6, 32, generator=gen) * sizes
+    one_spike = torch.full((3, 16), 1e-3)
+    one_spike[1, 5] = 40.0
+    zero_row = torch.randn(4, 24, generator=gen)
+    zero_row[2] = 0.0
+    cases = [("rows of very different sizes", spread), ("one large weight in row 1", one_spike),
+             ("row 2 all zeros", zero_row), ("a single row", torch.randn(1, 7, generator=gen))]
+    cases += [(f"random [{o}, {i}]", torch.randn(o, i, generator=gen) * 0.05)
+              for o, i in ((64, 48), (96, 64), (5, 80))]
+    for label, weight in cases:
+        shown = f"{label} (shape {list(weight.shape)})"
+        out = fn(weight.clone())
+        if not isinstance(out, (tuple, list)) or len(out) != 2:
+            _fail(name, f"{shown}: return a pair (q, scale), got {_short(out)}.")
+        q, scale = out
+        if not isinstance(q, torch.Tensor) or q.dtype != torch.int8:
+            _fail(name, f"{shown}: q must be a torch.int8 tensor (1 byte a weight, the point of "
+                        f"the exercise), got {getattr(q, 'dtype', type(q).__name__)}. Convert "
+                        "with .to(torch.int8) after rounding.")
+        if q.shape != weight.shape:
+            _fail(name, f"{shown}: q has shape {list(q.shape)}, expected {list(weight.shape)}.")
+        scale = torch.as_tensor(scale, dtype=torch.float32).reshape(-1)
+        rows = weight.shape[0]
+        if scale.numel() != rows:
+            per = " (one per column: use the max over dim=1, along each row)" \
+                if scale.numel() == weight.shape[1] else ""
+            _fail(name, f"{shown}: expected {rows} scales (one per output row), got "
+                        f"{scale.numel()}{per}.")
+        if not torch.isfinite(scale).all() or (scale <= 0).any():
+            _fail(name, f"{shown}: scales {_short(scale.tolist())} must be finite and > 0; an "
+                        "all-zero row gives max 0: put a tiny floor under the scale "
+                        "(e.g. .clamp(min=1e-12)) so nothing divides by zero.")
+        want_scale = (weight.abs().amax(dim=1) / 127).clamp(min=1e-12)
+        nonzero = weight.abs().amax(dim=1) > 0
+        if not torch.allclose(scale[nonzero], want_scale[nonzero], rtol=1e-5, atol=0):
+            if torch.allclose(scale, scale[:1].expand_as(scale)) and rows > 1:
+                why = (" All your rows share one scale: the largest weight of the whole matrix "
+                       "sets it, and rows of small weights round to a few levels or to 0. Use "
+                       "one scale per row.")
+            else:
+                ratio = float((scale[nonzero] / want_scale[nonzero]).median())
+                why = (f" Yours are about {ratio:.3g}x that: the row's largest |weight| must map "
+                       "to exactly 127 (int8 holds -128..127; 127 keeps it symmetric).")
+            _fail(name, f"{shown}: expected scales max|row| / 127 = "
+                        f"{_short([round(x, 6) for x in want_scale.tolist()], 120)}, got "
+                        f"{_short([round(x, 6) for x in scale.tolist()], 120)}.{why}")
+        if int(q.abs().max()) > 127:
+            _fail(name, f"{shown}: q holds {int(q.abs().max())}; keep it in [-127, 127].")
+        want_q = torch.round(weight / want_scale[:, None]).clamp(-127, 127)
+        off = (q.float() - want_q).abs()
+        if off.max() > 1 or (off > 0).float().mean() > 0.01:
+            r, c = divmod(int(off.argmax()), weight.shape[1])
+            _fail(name, f"{shown}: q[{r}, {c}] = {int(q[r, c])}, expected "
+                        f"round({float(weight[r, c]):.6g} / {float(want_scale[r]):.6g}) = "
+                        f"{int(want_q[r, c])}. Round to the nearest level (torch.round), do not "
+                        "truncate.")
+    return _passed(name, f"{len(cases)} weights quantized like Int8Linear: one byte a weight, "
+                         "error at most half a step per row")
+
+
 # ============================================================================ 02 static
 def _reference_static_batch(queue: Sequence[tuple[str, int]], max_num_seqs: int,
                             free_pages: int, page_size: int) -> list[str]:

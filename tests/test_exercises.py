@@ -160,6 +160,7 @@ SOLUTION_OBJECTS = {
     "page_pool": ("01_paged_kv.ipynb", "MyPagePool"),
     "prefix_hashes": ("01_paged_kv.ipynb", "my_prompt_page_hashes"),
     "match_prefix": ("01_paged_kv.ipynb", "my_match_prefix"),
+    "quantize_int8": ("01_paged_kv.ipynb", "my_quantize_int8"),
     "static_batch": ("02_static_batching.ipynb", "form_static_batch"),
     "static_finish_steps": ("02_static_batching.ipynb", "static_finish_steps"),
     "continuous_finish_steps": ("03_continuous_batching.ipynb", "continuous_finish_steps"),
@@ -276,6 +277,31 @@ def test_unchained_hash_and_uncapped_prefix_hit_are_caught():
 
     message = caught("match_prefix", uncapped)
     assert "whole prompt" in message and "Cap the hit" in message
+
+
+def test_quantization_bugs_are_caught():
+    import torch
+
+    def one_scale(weight):  # the whole matrix shares the largest weight's scale
+        scale = (weight.abs().max() / 127).expand(weight.shape[0])
+        return torch.round(weight / scale[:, None]).to(torch.int8), scale
+
+    def divides_by_zero(weight):
+        scale = weight.abs().amax(dim=1) / 127
+        return torch.round(weight / scale[:, None]).to(torch.int8), scale
+
+    def truncates(weight):
+        scale = (weight.abs().amax(dim=1) / 127).clamp(min=1e-12)
+        return (weight / scale[:, None]).to(torch.int8), scale
+
+    def keeps_floats(weight):
+        scale = (weight.abs().amax(dim=1) / 127).clamp(min=1e-12)
+        return torch.round(weight / scale[:, None]), scale
+
+    assert "one scale per row" in caught("quantize_int8", one_scale)
+    assert "floor under the scale" in caught("quantize_int8", divides_by_zero)
+    assert "do not truncate" in caught("quantize_int8", truncates)
+    assert "torch.int8" in caught("quantize_int8", keeps_floats)
 
 
 def test_batching_bugs_are_caught():
@@ -403,7 +429,7 @@ def test_grader_restores_checks_and_survives_endless_loops(tmp_path, capsys):
     source = ROOT / "exercises" / "source" / EXPECTED[0]
     assert grade.main([str(path), "--timeout", "4", "--source", str(source)]) == 0
     out = capsys.readouterr().out
-    assert "✓ page_pool" in out and "total: 1/3" in out
+    assert "✓ page_pool" in out and "✓ quantize_int8" in out and "total: 2/4" in out
     assert "check cell of 'page_pool' was edited: restored from the source" in out
     assert "prefix_hashes" in out and "its check cell is missing" in out
     assert "KeyboardInterrupt" in out and "longer than 4 s" in out
