@@ -21,13 +21,17 @@ def demo(argv: list[str]) -> int:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--policy", default="pd")
     parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--quantization", choices=("int8",), default=None,
+                        help="int8: weight-only int8 projections (faster, slightly different)")
     args = parser.parse_args(argv)
     from minicb import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(args.model, policy=args.policy, max_num_seqs=8, max_num_batched_tokens=128)
+    llm = LLM(args.model, policy=args.policy, max_num_seqs=8, max_num_batched_tokens=128,
+              quantization=args.quantization)
     t_load = time.perf_counter() - t0
-    print(f"loaded {args.model} in {t_load:.1f} s; policy={args.policy}")
+    weights = f", {args.quantization} weights" if args.quantization else ""
+    print(f"loaded {args.model} in {t_load:.1f} s; policy={args.policy}{weights}")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     conversations = [[{"role": "user", "content": q}] for q in DEMO_QUESTIONS]
     t0 = time.perf_counter()
