@@ -67,6 +67,20 @@ def test_engine_runs_int8_and_frees_every_page(tiny_llama_dir, policy):
     assert engine.pool.num_used == 0
 
 
+def test_int8_tokens_do_not_depend_on_the_batch(tiny_llama_dir):
+    """Same greedy tokens alone (single) as in mixed batches of decodes and chunks (pd): the
+    int8 product rounds each row on its own, whatever else shares the step."""
+    pair = load_model(tiny_llama_dir, quantization="int8")
+    prompts = [list(range(3 + i, 3 + i + n)) for i, n in enumerate((5, 40, 17, 63, 9))]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    tokens = {}
+    for policy in ("single", "continuous", "pd"):
+        llm = LLM(pair, policy=policy, num_pages=64, max_num_seqs=5,
+                  max_num_batched_tokens=24, chunk_size=16)
+        tokens[policy] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert tokens["continuous"] == tokens["single"] == tokens["pd"]
+
+
 def test_llm_takes_quantization(tiny_llama_dir):
     llm = LLM(tiny_llama_dir, quantization="int8", num_pages=32)
     out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=3, temperature=0.0))
