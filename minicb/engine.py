@@ -430,31 +430,33 @@ class Engine:
         seen: set[str] = set()
         for req, n in batch.items:
             rid = req.request_id if hasattr(req, "request_id") else repr(req)
-
-            def refuse(rule: str, rid: str = rid) -> SchedulerError:
-                return SchedulerError(f"step {self.step_count}, request {rid!r}: {rule}")
-            if self.requests.get(rid) is not req:
-                raise refuse("unknown request (not added to this engine)")
-            if req.is_finished:
-                raise refuse(f"request already finished ({req.finish_reason})")
-            if req.status is not Status.RUNNING:
-                raise refuse(f"request is {req.status.value}, not running "
-                             "(admit it with ctx.admit first)")
-            if rid in seen:
-                raise refuse("scheduled twice in one step")
+            rule = self._broken_rule(req, rid, n, seen)
+            if rule:
+                raise SchedulerError(f"step {self.step_count}, request {rid!r}: {rule}")
             seen.add(rid)
-            if not isinstance(n, int) or n < 1 or n > req.num_remaining:
-                raise refuse(f"asks to advance {n} tokens but has {req.num_remaining} left to "
-                             "compute")
-            if self.pool.pages_needed(req.num_computed_tokens + n) > len(req.page_table):
-                raise refuse(f"{n} tokens need more pages than its page table holds "
-                             f"({len(req.page_table)}); reserve them first")
         if len(batch.items) + len(batch.idle) > cfg.max_num_seqs:
             raise SchedulerError(f"step {self.step_count}: {len(batch.items)} members exceed "
                                  f"max_num_seqs={cfg.max_num_seqs}")
         if self.enforce_budget and batch.num_tokens > cfg.max_num_batched_tokens:
             raise SchedulerError(f"step {self.step_count}: {batch.num_tokens} tokens exceed "
                                  f"max_num_batched_tokens={cfg.max_num_batched_tokens}")
+
+    def _broken_rule(self, req: Request, rid: str, n: int, seen: set[str]) -> str | None:
+        """The first rule that scheduling `n` tokens of `req` breaks, or None."""
+        if self.requests.get(rid) is not req:
+            return "unknown request (not added to this engine)"
+        if req.is_finished:
+            return f"request already finished ({req.finish_reason})"
+        if req.status is not Status.RUNNING:
+            return f"request is {req.status.value}, not running (admit it with ctx.admit first)"
+        if rid in seen:
+            return "scheduled twice in one step"
+        if not isinstance(n, int) or n < 1 or n > req.num_remaining:
+            return f"asks to advance {n} tokens but has {req.num_remaining} left to compute"
+        if self.pool.pages_needed(req.num_computed_tokens + n) > len(req.page_table):
+            return (f"{n} tokens need more pages than its page table holds "
+                    f"({len(req.page_table)}); reserve them first")
+        return None
 
     def check_invariants(self, record: StepRecord | None = None) -> None:
         """Raise InvariantError naming the step, request and rule if the books do not balance."""
