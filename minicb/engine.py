@@ -15,7 +15,7 @@ from collections import deque
 
 import torch
 
-from minicb.attention import build_metadata, resolve_backend
+from minicb.attention import build_metadata, int_tensor, resolve_backend
 from minicb.config import EngineConfig
 from minicb.kv_cache import PagePool, prompt_page_hashes
 from minicb.request import Request, RequestOutput, SamplingParams, Status
@@ -361,10 +361,9 @@ class Engine:
                               [r.num_computed_tokens for r, _ in items],
                               [n for _, n in items], self.pool.page_size, device)
         with torch.inference_mode():
-            logits = self.model(torch.tensor(input_ids, device=device),
-                                torch.tensor(positions, device=device), meta,
-                                self.pool.kv_caches,
-                                torch.tensor(logit_rows, dtype=torch.long, device=device))
+            logits = self.model(int_tensor(input_ids, device=device),
+                                int_tensor(positions, device=device), meta,
+                                self.pool.kv_caches, int_tensor(logit_rows, device=device))
         return to_sample, logits
 
     def _forward_decode_graph(self, runner, reqs: list[Request]

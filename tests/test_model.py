@@ -131,6 +131,14 @@ def test_metadata_slots_and_tables_match_the_formula():
         build_metadata([[0]], [10], [7], 16)
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_int_tensor_equals_torch_tensor(dtype):
+    from minicb.attention import int_tensor
+    for values in ([], [7], list(range(-5, 600)), [2**31 - 1]):
+        got = int_tensor(values, dtype)
+        assert got.dtype == dtype and torch.equal(got, torch.tensor(values, dtype=dtype))
+
+
 def test_rope_inv_freq_matches_transformers(tiny_checkpoint):
     from transformers import AutoConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
