@@ -362,8 +362,10 @@ for e in (simulate(20), long_run):
 # says it is not: a third of the requests miss it and the queue's p99 is almost 2 s. At
 # an offered load this close to capacity, every burst leaves a little backlog, and ten seconds
 # is not long enough for the backlog to grow. That is why the benchmark contract asks for the
-# run's length and arrival process to be declared with its results, and why a capacity estimate
-# should come from runs long enough for the queue to settle (or visibly not settle).
+# run's length and arrival process to be declared with its results, and why the load you can
+# sustain (the contract's "Sustainable Load", the highest rate that still meets the TTFT, ITL
+# and end-to-end SLO) should come from runs long enough for the queue to settle, or visibly not
+# settle.
 
 # %% [markdown]
 # ## 5. When the KV cache is full: preemption and recompute
