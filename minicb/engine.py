@@ -322,7 +322,7 @@ class Engine:
             pages_used=self.pool.num_used, pages_cached=self.pool.num_cached,
             t_start=t_start, t_end=self.clock(), arrived=arrived, sampled=sampled,
             t_forward=t_forward, pages_total=self.pool.num_pages,
-            num_waiting=len(self.waiting))
+            num_waiting=len(self.waiting), snapshots=self.config.trace_snapshots)
         if self.config.trace_snapshots:
             record.waiting = [r.request_id for r in self.waiting]
             record.page_tables = {r.request_id: list(r.page_table) for r in self.running}

@@ -37,7 +37,8 @@ class StepRecord:
     slots: dict[str, int] = field(default_factory=dict)  # running ids -> slot, after the step*
     cached_pages: list[int] = field(default_factory=list)  # unreferenced, kept for reuse*
     num_waiting: int = 0  # len(waiting), kept even without snapshots
-    # * snapshots: empty when the engine runs with trace_snapshots=False
+    snapshots: bool = True  # False: the engine ran with trace_snapshots=False, so the fields
+    # marked * are empty (the pictures that need them say so)
 
     @property
     def num_prefill_tokens(self) -> int:

@@ -24,6 +24,7 @@ import contextlib
 import html
 import io
 import math
+import warnings
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -69,6 +70,15 @@ def _records(trace: Any) -> list[StepRecord]:
     if isinstance(trace, StepRecord):
         return [trace]
     return list(trace)
+
+
+def _warn_without_snapshots(records: list[StepRecord], missing: str) -> None:
+    """A benchmark trace (trace_snapshots=False) has no queue or page-table copies: say what the
+    picture lacks instead of drawing it silently incomplete."""
+    if any(not getattr(r, "snapshots", True) for r in records):
+        warnings.warn(f"this trace was recorded with trace_snapshots=False: {missing} are not "
+                      "shown; run the engine with trace_snapshots=True to draw them",
+                      stacklevel=3)
 
 
 def _axes(ax: Axes | None, size: tuple[float, float]) -> Axes:
@@ -143,6 +153,7 @@ def timeline_data(trace: Any) -> TimelineData:
     """Each request's state at each step. A request arrives at the step that lists it in
     `arrived`, or else where it is first seen (a request added before step 1)."""
     records = _records(trace)
+    _warn_without_snapshots(records, "waiting and stalled requests")
     order: dict[str, int] = {}
     arrivals: dict[str, int] = {}
     cells: dict[str, dict[int, str]] = defaultdict(dict)
@@ -256,6 +267,7 @@ def slot_data(trace: Any) -> SlotsData:
     """Slot owners per step. A running request that is not scheduled at a step keeps the slot
     it last had (the trace records slots for batch members only)."""
     records = _records(trace)
+    _warn_without_snapshots(records, "slots held by stalled requests")
     owners: dict[int, dict[int, str]] = defaultdict(dict)
     kinds: dict[int, dict[int, str]] = defaultdict(dict)
     last_slot: dict[str, int] = {}
@@ -424,6 +436,9 @@ def _record_at(records: list[StepRecord], step: int | None) -> StepRecord:
 
 def page_map_data(engine_or_trace: Any, step: int | None = None) -> PageMapData:
     rec = _record_at(_records(engine_or_trace), step)
+    if not getattr(rec, "snapshots", True):
+        raise ValueError("this trace was recorded with trace_snapshots=False: it has no page "
+                         "tables to draw; run the engine with trace_snapshots=True")
     owners: dict[int, list[str]] = defaultdict(list)
     for rid, pages in rec.page_tables.items():
         for p in pages:
@@ -686,6 +701,7 @@ def step_state(trace: Any, step: int) -> StepState:
     rec = next((r for r in _records(trace) if r.step == step), None)
     if rec is None:
         return StepState(step, recorded=False)
+    _warn_without_snapshots([rec], "the waiting queue and page tables")
     running = list(rec.page_tables)
     for m in rec.members:
         if m.kind != IDLE and m.request_id not in rec.finished and m.request_id not in running:

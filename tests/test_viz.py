@@ -272,3 +272,22 @@ def test_real_engine_trace(make_engine):
     assert viz.page_data(engine).total == 32
     assert viz.budget_data(engine).budget == engine.config.max_num_batched_tokens
     assert viz.step_through(engine, picture=False).show(4).running == ["R1", "R3"]
+
+
+def test_a_trace_without_snapshots_says_what_it_cannot_draw(make_engine):
+    from minicb import SamplingParams
+
+    engine = make_engine("continuous", max_num_seqs=1, page_size=4, num_pages=32,
+                         trace_snapshots=False)
+    for i in range(2):  # one slot: the second request waits
+        engine.add_request([3, 4, 5, 6 + i], SamplingParams(max_tokens=3, ignore_eos=True))
+    engine.run()
+    assert any(r.num_waiting for r in engine.trace) and not any(r.waiting for r in engine.trace)
+    with pytest.warns(UserWarning, match="trace_snapshots=False: waiting and stalled"):
+        data = viz.timeline_data(engine)
+    assert len(data.requests) == 2  # members are still drawn
+    with pytest.raises(ValueError, match="no page tables to draw"):
+        viz.page_map_data(engine, 2)
+    with pytest.warns(UserWarning, match="the waiting queue and page tables"):
+        viz.step_state(engine, 2)
+    assert viz.budget_data(engine).budget == engine.config.max_num_batched_tokens  # no warning
