@@ -191,8 +191,6 @@ class Executor:
     def engine(self, **options: Any) -> Any:
         from minicb.engine import Engine
         options.setdefault("device", "cpu" if self.simulated else self.device)
-        if self.quantization and not self.simulated:
-            options.setdefault("quantization", self.quantization)
         if self.simulated:
             clock = SimClock()
             info = sim_model_info()
@@ -225,6 +223,14 @@ class Executor:
                 "vocab_size": cfg.vocab_size, "parameters": params,
                 "dtype": str(next(model.parameters()).dtype) if params else None,
                 "quantization": self.quantization}
+
+
+def executor_from_args(args: argparse.Namespace, device: str) -> Executor:
+    """The executor bench and sweep run on, from their common flags (chapter 06)."""
+    if args.quantization and args.executor == "sim":
+        raise ValueError("--quantization needs --executor real: the simulated executor has no "
+                         "weights (its cost model sets the step times)")
+    return Executor(args.executor, args.model, device, args.cost_model, args.quantization)
 
 
 def runtime_versions() -> dict[str, str]:
@@ -270,9 +276,7 @@ def engine_options(args: argparse.Namespace, workload: Workload) -> dict[str, An
             options[key] = value
     if getattr(args, "no_prefix_caching", False):
         options["enable_prefix_caching"] = False
-    if getattr(args, "quantization", None):
-        options["quantization"] = args.quantization
-    return options
+    return options  # quantization belongs to the weights: the Executor that loads them
 
 
 def declaration(args: argparse.Namespace, workload: Workload, executor: Executor,
@@ -690,8 +694,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     options = engine_options(args, workload)
     device = resolve_device(args.device)
     progress = not args.no_progress
-    executor = Executor(args.executor, args.model, device, args.cost_model,
-                        args.quantization if args.executor == "real" else None)
+    executor = executor_from_args(args, device)
     executor.warm_up()
     if executor.simulated:
         print(f"[{SIMULATED_NOTE}: {executor.cost.name}]", file=sys.stderr)
@@ -820,8 +823,7 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
     base = engine_options(args, workload)
     for key in ("max_num_seqs", "max_num_batched_tokens", "chunk_size"):
         base.pop(key, None)
-    executor = Executor(args.executor, args.model, resolve_device(args.device),
-                        args.cost_model, args.quantization if args.executor == "real" else None)
+    executor = executor_from_args(args, resolve_device(args.device))
     executor.warm_up()
     rows = []
     skipped = []

@@ -42,6 +42,16 @@ def test_bench_end_to_end_on_a_tiny_checkpoint(tiny_llama_dir, tmp_path, capsys)
     assert "policy" in printed and "continuous" in printed and "TTFT p50" in printed
 
 
+def test_bench_runs_int8_weights(tiny_llama_dir, tmp_path):
+    out = tmp_path / "int8.json"
+    assert bench.main_bench(["--model", str(tiny_llama_dir), "--policy", "single,pd",
+                             "--quantization", "int8", "--out", str(out), *TINY]) == 0
+    data = json.loads(out.read_text())
+    assert data["declaration"]["model"]["quantization"] == "int8"
+    assert data["results"]["single"]["single_stream"]["decode_tokens_per_s"] > 0
+    assert all(s["completed"] == 4 and s["errors"] == 0 for s in data["results"].values())
+
+
 def test_bench_compare_hf_and_single_stream(tiny_llama_dir, tmp_path, capsys):
     out = tmp_path / "hf.json"
     code = bench.main_bench(["--model", str(tiny_llama_dir), "--policy", "single",
@@ -82,6 +92,7 @@ def test_bench_simulated_says_so(tmp_path):
     (["--workload", "mixed-chat", "--long-prompt-len", "5"], "--long-prompt-len"),
     (["--threads", "0"], "--threads"),
     (["--compare", "hf"], "--compare hf needs --executor real"),
+    (["--quantization", "int8"], "--quantization needs --executor real"),
     (["--slo-ttft", "-1"], "positive"),
 ])
 def test_bench_refuses_bad_flags(argv, message, capsys):
