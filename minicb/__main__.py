@@ -6,6 +6,8 @@ import argparse
 import sys
 import time
 
+from minicb.config import QUANTIZATIONS
+
 DEMO_QUESTIONS = [
     "What is the capital of France?",
     "Give me three tips for staying focused while studying.",
@@ -21,7 +23,7 @@ def demo(argv: list[str]) -> int:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--policy", default="pd")
     parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--quantization", choices=("int8",), default=None,
+    parser.add_argument("--quantization", choices=[q for q in QUANTIZATIONS if q], default=None,
                         help="int8: weight-only int8 projections (faster, slightly different)")
     args = parser.parse_args(argv)
     from minicb import LLM, SamplingParams

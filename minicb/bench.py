@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from minicb.config import POLICIES, QUANTIZATIONS
 from minicb.metrics import (
     PERCENTILE_METHOD,
     TABLE_COLUMNS,
@@ -36,7 +37,6 @@ from minicb.metrics import (
 from minicb.sim import CostModel, SimClock, SimModel, fit_cost_model_runs, sim_model_info
 from minicb.workload import SCENARIOS, Workload, get_workload, make_workload, run_workload
 
-POLICY_NAMES = ("single", "static", "dynamic", "continuous", "chunked", "pd")
 RESULT_KEYS = ("output_tokens_per_s", "requests_per_s", "ttft_s", "itl_s", "tpot_s", "e2e_s",
                "queue_s", "goodput_rps", "dec_at_p", "short_p_steps", "short_p_s",
                "preemptions", "recomputed_tokens", "cancelled", "errors", "max_queue_age_s",
@@ -53,8 +53,8 @@ def _policies(values: list[str] | None) -> list[str]:
             name = name.strip()
             if not name:
                 continue
-            if name not in POLICY_NAMES:
-                raise ValueError(f"--policy must name policies among {POLICY_NAMES}, got {name!r}")
+            if name not in POLICIES:
+                raise ValueError(f"--policy must name policies among {POLICIES}, got {name!r}")
             if name not in out:
                 out.append(name)
     return out
@@ -102,7 +102,7 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sim executor: 'h100-like' (an assumption), 'cpu' "
                              "(bench/cost_model_cpu.json from `profile`) or a JSON path")
     parser.add_argument("--device", default="auto", help="cpu, cuda, or auto")
-    parser.add_argument("--quantization", choices=("int8",), default=None,
+    parser.add_argument("--quantization", choices=[q for q in QUANTIZATIONS if q], default=None,
                         help="int8: weight-only int8 projections on the CPU (a quarter of the "
                              "bytes per decode step; numbers differ slightly from float32)")
     parser.add_argument("--threads", type=int, default=None,
@@ -803,7 +803,7 @@ def sweep_parser() -> argparse.ArgumentParser:
         description="Vary the token budget, max_num_seqs and chunk size on a workload; report "
                     "the setting with the highest goodput at the SLO.")
     add_common_arguments(parser)
-    parser.add_argument("--policy", default="pd", choices=POLICY_NAMES)
+    parser.add_argument("--policy", default="pd", choices=POLICIES)
     parser.add_argument("--max-num-batched-tokens", default="64,128,256,512")
     parser.add_argument("--max-num-seqs", default="4,8,16")
     parser.add_argument("--chunk-size", default="64,256")

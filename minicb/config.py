@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, fields
 
 POLICIES = ("single", "static", "dynamic", "continuous", "chunked", "pd")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+QUANTIZATIONS = (None, "int8")  # int8: weight-only, see minicb/model/quant.py
 
 
 @dataclass
@@ -66,7 +67,7 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                              f"got {self.attention_backend!r}")
-        if self.quantization not in (None, "int8"):
+        if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be None or 'int8', got {self.quantization!r}")
         if self.quantization and str(self.device).startswith("cuda"):
             raise ValueError("quantization='int8' is a CPU option (torch's int8-weight CPU "

@@ -177,19 +177,16 @@ def max_queue_age(records: Sequence[Any], end_time: float | None = None,
     (chapter 06)."""
     ages: list[float] = []
     steps: list[int] = []
+    def first(*values: Any) -> Any:
+        return next((v for v in values if v is not None), None)
+
     for r in records:
-        if r.arrival_time is not None:
-            until = r.first_scheduled_time
-            until = r.finish_time if until is None else until
-            until = end_time if until is None else until
-            if until is not None:
-                ages.append(until - r.arrival_time)
-        if r.arrival_step is not None:
-            until_step = r.first_scheduled_step
-            until_step = r.finish_step if until_step is None else until_step
-            until_step = end_step if until_step is None else until_step
-            if until_step is not None:
-                steps.append(until_step - r.arrival_step)
+        until = first(r.first_scheduled_time, r.finish_time, end_time)
+        if r.arrival_time is not None and until is not None:
+            ages.append(until - r.arrival_time)
+        until_step = first(r.first_scheduled_step, r.finish_step, end_step)
+        if r.arrival_step is not None and until_step is not None:
+            steps.append(until_step - r.arrival_step)
     return (max(ages) if ages else None), (max(steps) if steps else None)
 
 

@@ -131,9 +131,7 @@ class Request:
     @property
     def is_prefill(self) -> bool:
         """True while the prompt (or a preempted request's recompute) is not fully in the cache."""
-        # num_remaining > 1, spelled out: every scheduler asks this of every request every step
-        return (not self.output_token_ids or len(self.prompt_token_ids)
-                + len(self.output_token_ids) - self.num_computed_tokens > 1)
+        return not self.output_token_ids or self.num_remaining > 1
 
     @property
     def is_finished(self) -> bool:

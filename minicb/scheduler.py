@@ -76,12 +76,11 @@ class SchedulerContext:
     def reserve(self, req: Request, num_tokens: int) -> bool:
         """Make sure a running request's pages can hold `num_tokens` more tokens."""
         need = self.pages_to_advance(req, num_tokens)
-        if need <= 0:  # the common case: the last page still has room
+        if not need:  # the common case: the last page still has room
             return True
         if need > self.pool.num_available:
             return False
-        if need:
-            req.page_table.extend(self.pool.allocate(need))
+        req.page_table.extend(self.pool.allocate(need))
         return True
 
     def admit(self, req: Request, max_tokens: int, min_tokens: int = 1) -> int:

@@ -35,6 +35,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from minicb.config import QUANTIZATIONS
 from minicb.request import SamplingParams
 
 # vLLM's bucket edges, in seconds
@@ -699,7 +700,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk-size", type=int, default=None)
     parser.add_argument("--num-pages", type=int, default=None)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--quantization", choices=("int8",), default=None,
+    parser.add_argument("--quantization", choices=[q for q in QUANTIZATIONS if q], default=None,
                         help="int8: weight-only int8 projections (faster CPU decode, numbers "
                              "slightly off float32)")
     parser.add_argument("--log-level", default="info")

@@ -74,9 +74,14 @@ class AttentionMetadata:
         return int_tensor(slots, torch.int64, self.device)
 
     @cached_property
+    def query_start_list(self) -> list[int]:
+        """[B + 1]: member b owns rows [qsl[b], qsl[b+1]) of the step's token batch."""
+        return [0, *itertools.accumulate(self.query_lens)]
+
+    @cached_property
     def query_start_loc(self) -> torch.Tensor:
-        """[B + 1] int32: member b owns rows [qsl[b], qsl[b+1])."""
-        return int_tensor([0, *itertools.accumulate(self.query_lens)], torch.int32, self.device)
+        """[B + 1] int32, the tensor of `query_start_list`."""
+        return int_tensor(self.query_start_list, torch.int32, self.device)
 
     @cached_property
     def context_lens(self) -> torch.Tensor:

@@ -61,9 +61,7 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         od = F.scaled_dot_product_attention(qd, keys, values, attn_mask=valid[:, None, None, :],
                                             scale=scale)
         out[:nd] = od.reshape(nd, num_heads, head_dim)
-    qsl = [0]
-    for n in meta.query_lens:  # host-side offsets: no device sync per layer
-        qsl.append(qsl[-1] + n)
+    qsl = meta.query_start_list  # host-side offsets: no device sync per layer
     for b in range(nd, meta.num_members):
         start, end, ctx = qsl[b], qsl[b + 1], meta.context_lens_list[b]
         slots = _context_slots(meta, b, ctx)

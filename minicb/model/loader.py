@@ -23,8 +23,9 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from minicb.config import QUANTIZATIONS
 from minicb.model.llama import LlamaModel, ModelConfig
-from minicb.model.quant import QUANTIZATIONS, quantize_int8
+from minicb.model.quant import quantize_int8
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,6 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-QUANTIZATIONS = (None, "int8")
-
 
 class Int8Linear(nn.Module):
     """y = x @ (q * scale).T + bias with q int8 [out, in] and scale one per output row."""
