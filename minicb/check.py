@@ -13,8 +13,8 @@ with minicb's own scheduler for the same policy. The engine refuses impossible b
 `CheckFailed` that names the workload and the step.
 
 The references are minicb's own code: `PagePool`, `prompt_page_hashes`, the schedulers in
-`minicb.scheduler`, and `minicb.metrics`. This module depends on the core and nothing in the
-core depends on it.
+`minicb.scheduler`, `minicb.metrics` and `minicb.model.quant.quantize_rows`. This module depends
+on the core and nothing in the core depends on it.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import torch
 
 from minicb import metrics
 from minicb.kv_cache import PagePool, page_hash, prompt_page_hashes
+from minicb.model.quant import quantize_rows
 from minicb.request import SamplingParams
 from minicb.scheduler import POLICY_CLASSES, Scheduler
 from minicb.trace import RequestRecord, StepRecord
@@ -437,7 +438,7 @@ def match_prefix(fn: Callable[[dict[bytes, int], list[int], int], list[int]]) ->
 def quantize_int8(fn: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]) -> bool:
     """Exercise 1.4: `fn(weight)` quantizes a float [out, in] weight to int8 with one scale per
     output row, scale = max |row| / 127 and q = round(weight / scale), like
-    `minicb.model.quant.Int8Linear`."""
+    `minicb.model.quant.quantize_rows` (what `Int8Linear` stores)."""
     name = "quantize_int8"
     gen = torch.Generator().manual_seed(14)
     sizes = torch.tensor([1e-3, 1e-1, 1, 10, 1e3, 1e5])[:, None]
@@ -473,7 +474,7 @@ def quantize_int8(fn: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]
             _fail(name, f"{shown}: scales {_short(scale.tolist())} must be finite and > 0; an "
                         "all-zero row gives max 0: put a tiny floor under the scale "
                         "(e.g. .clamp(min=1e-12)) so nothing divides by zero.")
-        want_scale = (weight.abs().amax(dim=1) / 127).clamp(min=1e-12)
+        want_q, want_scale = quantize_rows(weight)
         nonzero = weight.abs().amax(dim=1) > 0
         if not torch.allclose(scale[nonzero], want_scale[nonzero], rtol=1e-5, atol=0):
             if torch.allclose(scale, scale[:1].expand_as(scale)) and rows > 1:
@@ -489,8 +490,7 @@ def quantize_int8(fn: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]
                         f"{_short([round(x, 6) for x in scale.tolist()], 120)}.{why}")
         if int(q.abs().max()) > 127:
             _fail(name, f"{shown}: q holds {int(q.abs().max())}; keep it in [-127, 127].")
-        want_q = torch.round(weight / want_scale[:, None]).clamp(-127, 127)
-        off = (q.float() - want_q).abs()
+        off = (q.float() - want_q.float()).abs()
         if off.max() > 1 or (off > 0).float().mean() > 0.01:
             r, c = divmod(int(off.argmax()), weight.shape[1])
             _fail(name, f"{shown}: q[{r}, {c}] = {int(q[r, c])}, expected "

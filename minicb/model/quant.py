@@ -15,19 +15,25 @@ import torch
 import torch.nn as nn
 
 
+def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, scale): q = round(weight / scale) as int8 in [-127, 127], scale = max |row| / 127 per
+    output row (float32, floored so an all-zero row divides by something)."""
+    w = weight.detach().float()
+    scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
+    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+
 class Int8Linear(nn.Module):
     """y = x @ (q * scale).T + bias with q int8 [out, in] and scale one per output row."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
-        w = weight.detach().float()
-        scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
-        self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-127, 127)
-                             .to(torch.int8).to(weight.device))
+        q, scale = quantize_rows(weight)
+        self.register_buffer("qweight", q.to(weight.device))
         self.register_buffer("scale", scale.to(torch.bfloat16).to(weight.device))
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(),
                                                            requires_grad=False)
-        self.in_features, self.out_features = w.shape[1], w.shape[0]
+        self.out_features, self.in_features = weight.shape
         # the packed kernel reads the inner dimension in blocks of 16 and returns garbage
         # for any other width, so odd shapes (tiny test models) take the dequantizing path
         self.packed = self.in_features % 16 == 0 and weight.device.type == "cpu"
