@@ -214,10 +214,11 @@ class Executor:
         model, info = self.pair
         cfg = info.config
         params = None
-        if hasattr(model, "parameters"):  # int8 projections are buffers, not parameters
-            params = sum(t.numel() for name, t in model.state_dict().items()
-                         if not name.endswith("scale") and name != "lm_head.qweight"
-                         or not cfg.tie_word_embeddings)
+        if hasattr(model, "state_dict"):  # int8 projections are buffers, not parameters
+            tensors = model.state_dict()
+            params = sum(t.numel() for name, t in tensors.items() if not name.endswith(".scale"))
+            if "lm_head.qweight" in tensors and cfg.tie_word_embeddings:
+                params -= tensors["lm_head.qweight"].numel()  # an int8 copy of the embedding
         return {"name": info.name, "path": str(info.path), "architecture": cfg.architecture,
                 "num_layers": cfg.num_layers, "hidden_size": getattr(cfg, "hidden_size", None),
                 "vocab_size": cfg.vocab_size, "parameters": params,

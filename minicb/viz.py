@@ -75,7 +75,7 @@ def _records(trace: Any) -> list[StepRecord]:
 def _warn_without_snapshots(records: list[StepRecord], missing: str) -> None:
     """A benchmark trace (trace_snapshots=False) has no queue or page-table copies: say what the
     picture lacks instead of drawing it silently incomplete."""
-    if any(not getattr(r, "snapshots", True) for r in records):
+    if any(not r.snapshots for r in records):
         warnings.warn(f"this trace was recorded with trace_snapshots=False: {missing} are not "
                       "shown; run the engine with trace_snapshots=True to draw them",
                       stacklevel=3)
@@ -436,7 +436,7 @@ def _record_at(records: list[StepRecord], step: int | None) -> StepRecord:
 
 def page_map_data(engine_or_trace: Any, step: int | None = None) -> PageMapData:
     rec = _record_at(_records(engine_or_trace), step)
-    if not getattr(rec, "snapshots", True):
+    if not rec.snapshots:
         raise ValueError("this trace was recorded with trace_snapshots=False: it has no page "
                          "tables to draw; run the engine with trace_snapshots=True")
     owners: dict[int, list[str]] = defaultdict(list)
