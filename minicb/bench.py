@@ -14,6 +14,7 @@ numbers were measured or simulated. The model is loaded once and shared by every
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import inspect
 import itertools
@@ -348,6 +349,19 @@ def run_policy(executor: Executor, policy: str, workload: Workload, options: dic
     return summary, engine
 
 
+def free_device_memory(device: str) -> None:
+    """Give dropped engines' page pools back to the GPU (chapter 06). On CUDA a pool takes
+    `gpu_memory_utilization` of the free memory, so the next engine, or transformers' baseline,
+    would otherwise size itself from what the last one left. Drop every reference first."""
+    if not str(device).startswith("cuda"):
+        return
+    import gc
+
+    import torch
+    gc.collect()  # reference cycles would keep a pool alive until the next sweep
+    torch.cuda.empty_cache()
+
+
 def measure_single_stream(executor: Executor, num_prompts: int = 3, prompt_len: int = 128,
                           max_tokens: int = 32) -> dict[str, Any]:
     """Batch-1 speed (chapter 01): each prompt alone under `single`; prefill tokens/s from its
@@ -482,8 +496,11 @@ def hf_generate_batch(model: Any, workload: Workload, max_num_seqs: int,
                            pad_token_id=0)
     total_tokens = sum(len(p) + r.max_tokens for p, r in zip(prompts, workload.requests))
     page = 16
-    cb = ContinuousBatchingConfig(page_size=page, num_blocks=total_tokens // page
-                                  + 2 * len(prompts) + 8, max_batch_tokens=max_batch_tokens,
+    # transformers renamed block_size to page_size after 5.17 (a GPU image may hold the older)
+    names = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
+    cb = ContinuousBatchingConfig(**{"page_size" if "page_size" in names else "block_size": page},
+                                  num_blocks=total_tokens // page + 2 * len(prompts) + 8,
+                                  max_batch_tokens=max_batch_tokens,
                                   max_requests_per_batch=max_num_seqs)
     hints = WorkloadHints(max_prompt_length=max(len(p) for p in prompts),
                           max_generated_length=longest, num_requests=len(prompts))
@@ -700,14 +717,17 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     if executor.simulated:
         print(f"[{SIMULATED_NOTE}: {executor.cost.name}]", file=sys.stderr)
     results: dict[str, Any] = {}
-    engine = None
     for policy in policies:
+        engine = None  # the last policy's engine and its pool, before the next is sized
+        free_device_memory(device)
         summary, engine = run_policy(executor, policy, workload, options, slo, progress)
         if policy == "single" and not executor.simulated:
             summary["single_stream"] = measure_single_stream(executor)
         results[policy] = summary
     data = {"declaration": declaration(args, workload, executor, policies, options, slo,
                                        engine), "results": results}
+    engine = None
+    free_device_memory(device)
     if args.compare == "hf":
         from minicb.metrics import summarize as summarize_records
         hf = _hf_model(executor.pair[1].path, device)
@@ -824,7 +844,8 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
     base = engine_options(args, workload)
     for key in ("max_num_seqs", "max_num_batched_tokens", "chunk_size"):
         base.pop(key, None)
-    executor = executor_from_args(args, resolve_device(args.device))
+    device = resolve_device(args.device)
+    executor = executor_from_args(args, device)
     executor.warm_up()
     rows = []
     skipped = []
@@ -833,9 +854,10 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
     for budget, num_seqs, chunk in grid:
         options = dict(base, max_num_batched_tokens=budget, max_num_seqs=num_seqs,
                        chunk_size=chunk)
+        free_device_memory(device)  # the last setting's engine is gone: give its pool back
         try:
-            summary, _ = run_policy(executor, args.policy, workload, options, slo,
-                                    progress=False)
+            summary = run_policy(executor, args.policy, workload, options, slo,
+                                 progress=False)[0]  # its engine is dropped at once
         except ValueError as exc:  # e.g. pd with a budget below max_num_seqs
             skipped.append({"setting": options, "reason": str(exc)})
         else:
@@ -926,6 +948,8 @@ def run_profile(model: str = "smollm2-135m", device: str = "cpu", num_requests: 
         options = {"max_num_seqs": seqs, "max_num_batched_tokens": budget, "chunk_size": budget}
         _, engine = run_policy(executor, policy, workload, options, None, progress)
         runs.append((engine.trace, engine.request_records()))
+        engine = None
+        free_device_memory(device)
     name = f"{executor.describe()['name']} on {platform.node() or 'this machine'} ({device})"
     cost = fit_cost_model_runs(runs, target=target, name=name)
     cpu = platform.processor() or platform.machine()

@@ -191,22 +191,24 @@ def test_padded_decode_row_with_empty_context_gives_zeros():
     assert torch.equal(out[1], torch.zeros_like(out[1]))
 
 
-def test_decode_graph_buffers_match_the_eager_engine(tiny_checkpoint):
-    """The CUDA-graph runner's padded static buffers (run eagerly here, kernels in the
-    interpreter) give the same tokens as the plain engine, for batch sizes between buckets."""
+def test_decode_graph_runner_matches_the_eager_engine(tiny_checkpoint):
+    """The CUDA-graph runner gives the same tokens as the plain engine, for batch sizes between
+    buckets. On a GPU its graphs are captured and replayed; on the CPU its padded static
+    buffers run eagerly, with the kernels in the interpreter."""
     from minicb import Engine, SamplingParams
     from minicb.model.loader import load_model
 
-    pair = load_model(str(tiny_checkpoint("llama")))
+    pair = load_model(str(tiny_checkpoint("llama")), device=DEVICE)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     prompts = [[3 + i, 5, 7 + i] * (i + 1) for i in range(3)]
     results = []
     for use_runner in (False, True):
         engine = Engine(pair, policy="continuous", attention_backend="triton", num_pages=32,
-                        page_size=16, check_invariants=True)
+                        page_size=16, device=DEVICE, dtype="float32", use_cuda_graphs=False,
+                        check_invariants=True)
         calls = []
         if use_runner:
-            runner = engine.graph_runner = engine.make_graph_runner(capture=False)
+            runner = engine.graph_runner = engine.make_graph_runner(capture=DEVICE == "cuda")
             plain_run = runner.run
             runner.run = lambda *a, c=calls, f=plain_run: c.append(len(a[0])) or f(*a)
         ids = [engine.add_request(p, params) for p in prompts]
