@@ -124,8 +124,14 @@ def test_fit_on_a_real_tiny_run(tiny_model):
     run_workload(engine, make_workload(10, prompt_lengths="uniform:4:100",
                                        output_lengths="uniform:2:12", seed=1))
     fit = fit_cost_model(engine.trace, engine.request_records(), skip=1)
-    assert (fit.coefficients >= 0).all() and fit.a > 0
+    assert (fit.coefficients >= 0).all()
     assert fit.fit["num_steps"] > 5 and np.isfinite(fit.fit["r2"])
+    # wall-clock steps are noisy and, on a tiny model, the intercept and the decode-row cost
+    # are nearly collinear, so no single coefficient is asserted: the fit must predict a
+    # positive time for every step and about the run's whole time
+    features = step_features(engine.trace, engine.request_records())[1:]
+    assert (fit.predict_features(features) > 0).all()
+    assert abs(fit.fit["predicted_total_s"] / fit.fit["total_s"] - 1) < 0.25
 
 
 # --------------------------------------------------------------------------- the chapter's claim
