@@ -265,3 +265,30 @@ def test_a_caller_can_stop_a_request_itself(make_engine):
     assert rid in engine.step().finished
     with pytest.raises(ValueError, match="reason"):
         engine.cancel(rid, reason="done")
+
+
+def test_cuda_page_pool_is_sized_from_free_memory(monkeypatch):
+    """On CUDA the pool takes `gpu_memory_utilization` of the free memory, less 512 MiB for
+    activations, in pages of 2 (K, V) x layers x page_size x kv heads x head_dim x dtype bytes
+    (chapter 07); on the CPU it is a fixed 1024 pages. No GPU needed: the free-memory query is
+    replaced."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from minicb.config import EngineConfig
+    from minicb.engine import default_num_pages
+    smollm2 = SimpleNamespace(num_layers=30, num_kv_heads=3, head_dim=64)
+    asked = []
+    monkeypatch.setattr(torch.cuda, "mem_get_info",
+                        lambda device=None: asked.append(device) or (10 * 2**30, 80 * 2**30))
+    config = EngineConfig.from_kwargs(device="cuda:1", page_size=16, gpu_memory_utilization=0.5)
+    page_bytes = 2 * 30 * 16 * 3 * 64 * 2  # 360 KiB per 16-token page in bfloat16
+    assert default_num_pages(smollm2, config, torch.bfloat16) == (
+        (5 * 2**30 - 512 * 2**20) // page_bytes) == 13107
+    assert asked == [torch.device("cuda:1")]  # the engine's own GPU, not device 0
+    assert default_num_pages(smollm2, config, torch.float32) == 13107 // 2  # 4-byte KV
+    tiny = dict(config.__dict__, gpu_memory_utilization=0.01)  # less than the headroom
+    assert default_num_pages(smollm2, EngineConfig.from_kwargs(**tiny), torch.bfloat16) == 16
+    cpu = EngineConfig.from_kwargs(device="cpu")
+    assert default_num_pages(smollm2, cpu, torch.float32) == 1024
