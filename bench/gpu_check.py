@@ -222,7 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     folder.mkdir(parents=True, exist_ok=True)
     date = datetime.date.today().isoformat()
     t_start = time.perf_counter()
-    gpu = torch.cuda.get_device_name() if device == "cuda" else "CPU (interpreter smoke run)"
+    gpu = (f"{torch.cuda.get_device_name()} (CUDA {torch.version.cuda}, "
+           f"{torch.cuda.get_device_properties(0).multi_processor_count} SMs)"
+           if device == "cuda" else "CPU (interpreter smoke run)")
     print(f"device: {gpu}; torch {torch.__version__}, triton {triton.__version__}", flush=True)
 
     tests = ("skipped" if args.skip_tests
