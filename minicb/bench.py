@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from minicb.config import POLICIES, QUANTIZATIONS
+from minicb.config import POLICIES, QUANTIZATIONS, check_device
 from minicb.metrics import (
     PERCENTILE_METHOD,
     TABLE_COLUMNS,
@@ -153,10 +153,12 @@ def set_threads(threads: int | None) -> None:
 
 
 def resolve_device(device: str) -> str:
-    """'auto' means CUDA when available, else the CPU (chapter 06)."""
+    """'auto' means CUDA when available, else the CPU (chapter 06); any other value must name
+    a device this torch can use (ValueError otherwise)."""
     if device == "auto":
         import torch
         return "cuda" if torch.cuda.is_available() else "cpu"
+    check_device(device)
     return device
 
 

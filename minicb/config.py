@@ -10,6 +10,28 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 QUANTIZATIONS = (None, "int8")  # int8: weight-only, see minicb/model/quant.py
 
 
+def check_device(device: object) -> None:
+    """Raise ValueError unless `device` is 'cpu', or a CUDA GPU this torch can use (chapter 07)."""
+    import torch
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}") from exc
+    if dev.type == "cpu":
+        return
+    if dev.type != "cuda":
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N' (minicb runs on those), "
+                         f"got {device!r}")
+    if not torch.cuda.is_available():
+        why = ("it is a CPU-only build: install a CUDA build of torch (README, 'Running on a "
+               "GPU')" if torch.version.cuda is None else "no GPU is visible")
+        raise ValueError(f"device={device!r}, but torch {torch.__version__} cannot use CUDA "
+                         f"({why}); use device='cpu'")
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"device={device!r}, but torch sees {torch.cuda.device_count()} "
+                         f"CUDA GPU(s), numbered from 0")
+
+
 @dataclass
 class EngineConfig:
     policy: str = "pd"
@@ -85,6 +107,7 @@ class EngineConfig:
         if self.policy == "pd" and self.chunk_size < self.min_chunk:
             raise ValueError(f"chunk_size ({self.chunk_size}) must be >= min_chunk "
                              f"({self.min_chunk}) under policy 'pd'")
+        check_device(self.device)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:

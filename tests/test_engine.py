@@ -212,10 +212,28 @@ def test_bad_sampling_params(kwargs, field):
     (dict(chunk_size=-1), "chunk_size"),
     (dict(chunk_size=8, max_num_seqs=16), "chunk_size"),
     (dict(attention_backend="cuda"), "attention_backend"),
+    (dict(device="gpu"), "device must be"), (dict(device="mps"), "device must be"),
 ])
 def test_bad_engine_config(kwargs, field):
     with pytest.raises(ValueError, match=field):
         EngineConfig(**kwargs)
+
+
+def test_a_cuda_device_torch_cannot_use_is_refused_with_the_reason(monkeypatch):
+    """Not a traceback from inside torch: the config says what is missing and what to do."""
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", None)
+    with pytest.raises(ValueError, match="CPU-only build: install a CUDA build"):
+        EngineConfig(device="cuda")
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    with pytest.raises(ValueError, match="no GPU is visible"):
+        EngineConfig(device="cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="sees 1 CUDA GPU"):
+        EngineConfig(device="cuda:1")
+    assert EngineConfig(device="cuda:0").device == "cuda:0"
 
 
 def test_bad_requests_are_refused_before_any_work(tiny_model):
@@ -280,6 +298,8 @@ def test_cuda_page_pool_is_sized_from_free_memory(monkeypatch):
     from minicb.engine import default_num_pages
     smollm2 = SimpleNamespace(num_layers=30, num_kv_heads=3, head_dim=64)
     asked = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # two GPUs, as far as
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)     # the config can tell
     monkeypatch.setattr(torch.cuda, "mem_get_info",
                         lambda device=None: asked.append(device) or (10 * 2**30, 80 * 2**30))
     config = EngineConfig.from_kwargs(device="cuda:1", page_size=16, gpu_memory_utilization=0.5)

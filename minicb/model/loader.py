@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from minicb.config import QUANTIZATIONS
+from minicb.config import QUANTIZATIONS, check_device
 from minicb.model.llama import LlamaModel, ModelConfig
 from minicb.model.quant import quantize_int8
 
@@ -178,6 +178,7 @@ def load_model(name_or_path: str | os.PathLike, device: str | torch.device = "cp
     checkpoint, or an unsupported architecture."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+    check_device(device)
     name, path = resolve(name_or_path)
     hf_config = _read_json(path / "config.json")
     config = ModelConfig.from_hf(hf_config)
