@@ -732,6 +732,9 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     free_device_memory(device)
     if args.compare == "hf":
         from minicb.metrics import summarize as summarize_records
+        if getattr(args, "out", None):  # minicb's results survive a baseline that is killed
+            data["declaration"]["compare"] = "hf: running (this file is rewritten when done)"
+            write_json(data, args.out)
         hf = _hf_model(executor.pair[1].path, device)
         batch = options.get("max_num_seqs", 16)
         budget = options.get("max_num_batched_tokens", 256)

@@ -127,3 +127,21 @@ def test_profile_fits_and_the_fit_drives_the_simulator(tiny_llama_dir, tmp_path)
     engine = make_sim_engine(cost, policy="pd")
     run_workload(engine, get_workload("seed-r1-r4"))
     assert engine.clock() > 0
+
+
+def test_a_killed_hf_baseline_leaves_minicbs_results_on_disk(tiny_llama_dir, tmp_path,
+                                                              monkeypatch):
+    """The GPU check gives the benchmark a time limit: if transformers' baseline hangs and the
+    process is stopped, the results of minicb's own policies are already written."""
+    def hang_up(*args, **kwargs):
+        raise KeyboardInterrupt  # what a stopped run looks like from inside
+
+    monkeypatch.setattr(bench, "hf_static", hang_up)
+    out = tmp_path / "partial.json"
+    with pytest.raises(KeyboardInterrupt):
+        bench.main_bench(["--model", str(tiny_llama_dir), "--policy", "pd", "--compare", "hf",
+                          "--out", str(out), *TINY])
+    data = json.loads(out.read_text())
+    assert data["results"]["pd"]["completed"] == 4
+    assert "hf-static" not in data["results"]
+    assert data["declaration"]["compare"].startswith("hf: running")
