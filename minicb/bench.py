@@ -261,7 +261,7 @@ def device_description(device: str) -> dict[str, Any]:
                            "platform": platform.platform(),
                            "processor": platform.processor() or platform.machine()}
     if device.startswith("cuda") and torch.cuda.is_available():
-        out["gpu"] = torch.cuda.get_device_name(0)
+        out["gpu"] = torch.cuda.get_device_name(torch.device(device))  # cuda:N, not always 0
     return out
 
 
