@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -59,7 +60,11 @@ def test_cpu_smoke_runs_every_stage_and_writes_its_files(tmp_path):
     for name in ("pd", "hf-generate-batch", "hf-static"):
         assert results[name].get("output_tokens_per_s", 0) > 0, results[name]
     assert "| mixed-chat, pd ÷ hf-generate-batch | **" in table
-    assert "Model: a tiny random Llama (smoke run)." in table
+    assert "Model (also of the decode-step row): a tiny random Llama (smoke run)." in table
+    # the decode step ran with the fused kernels and with the torch versions, fewer launches
+    row = next(line for line in table.splitlines() if line.startswith("| decode step ("))
+    fused, unfused = (int(n) for n in re.findall(r"\((\d+) kernels\)", row))
+    assert 0 < fused < unfused
 
 
 def test_fallback_model_has_smollm2s_exact_shapes(gpu_check, smollm2_dir):

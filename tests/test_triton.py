@@ -163,6 +163,68 @@ def test_store_skips_negative_slots():
     assert flat[slots[1]].isnan().all()
 
 
+def test_rms_norm_matches_reference_on_rows_and_strided_heads():
+    """Hidden rows [T, D], and query heads as they sit in the fused q/k/v product (Qwen3 normalizes
+    each head): the kernel reads the strided rows and writes a contiguous result."""
+    gen = torch.Generator().manual_seed(7)
+    hidden = torch.randn(5, 96, generator=gen).to(DEVICE)
+    weight = torch.rand(96, generator=gen).add(0.5).to(DEVICE)
+    assert_close(tops.rms_norm(hidden, weight, 1e-6), torch_ref.rms_norm(hidden, weight, 1e-6))
+    qkv = torch.randn(5, 6 * 16 + 2 * 2 * 16, generator=gen).to(DEVICE)
+    q = qkv[:, :6 * 16].view(5, 6, 16)  # rows 16 apart inside each token's 160 values
+    head_weight = torch.rand(16, generator=gen).to(DEVICE)
+    out = tops.rms_norm(q, head_weight, 1e-6)
+    assert out.shape == q.shape and out.is_contiguous()
+    assert_close(out, torch_ref.rms_norm(q, head_weight, 1e-6))
+    assert tops.rms_norm(hidden[:0], weight, 1e-6).shape == (0, 96)
+
+
+@pytest.mark.parametrize("group", [1, 3])
+def test_rope_rotates_q_and_k_in_place_and_nothing_else(group):
+    from minicb.model.llama import ModelConfig, rope_inv_freq
+    gen = torch.Generator().manual_seed(group)
+    tokens, kv_heads, head_dim = 7, 2, 16
+    cfg = ModelConfig("llama", 32, 64, 64, 1, kv_heads * group, kv_heads, head_dim)
+    angles = torch.outer(torch.tensor([0.0, 1, 5, 17, 100, 2047, 3]), rope_inv_freq(cfg))
+    cos, sin = angles.cos()[:, None, :].to(DEVICE), angles.sin()[:, None, :].to(DEVICE)
+    q_cols, kv_cols = kv_heads * group * head_dim, kv_heads * head_dim
+    qkv = torch.randn(tokens, q_cols + 2 * kv_cols, generator=gen).to(DEVICE)
+    before = qkv.clone()
+    q, k, v = qkv.split([q_cols, kv_cols, kv_cols], -1)
+    q, k = q.view(tokens, -1, head_dim), k.view(tokens, -1, head_dim)
+    expected_q, expected_k = torch_ref.rope(q.clone(), k.clone(), cos, sin)
+    out_q, out_k = tops.rope(q, k, cos, sin)
+    assert out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr()  # in place
+    assert_close(out_q, expected_q)
+    assert_close(out_k, expected_k)
+    assert torch.equal(qkv[:, q_cols + kv_cols:], before[:, q_cols + kv_cols:])  # v untouched
+
+
+def test_triton_backend_launches_one_kernel_per_norm_and_per_rope(tiny_llama_dir):
+    """Per layer, the torch reference's RMSNorm and RoPE cost many small operators; the Triton
+    backend launches one kernel per RMSNorm and one for RoPE on q and k (chapter 07)."""
+    from minicb.attention import build_metadata
+    from minicb.model.loader import load_model
+    counts = {}
+    for name in ("torch", "triton"):
+        model, info = load_model(str(tiny_llama_dir), device=DEVICE, attention_backend=name)
+        kv = model.allocate_kv_cache(8, 16)
+        ids, pos = torch.tensor([5, 6], device=DEVICE), torch.tensor([3, 9], device=DEVICE)
+
+        def step(model=model, kv=kv, ids=ids, pos=pos):
+            meta = build_metadata([[0], [1]], [3, 9], [1, 1], 16, device=DEVICE)
+            return model(ids, pos, meta, kv, torch.arange(2, device=DEVICE))
+
+        step()  # RoPE tables, Triton compilation
+        counts[name] = tops.count_launches(step)
+    layers = info.config.num_layers
+    triton_counts = counts["triton"]
+    assert triton_counts["triton.rms_norm_kernel"] == 2 * layers + 1  # two per layer, final
+    assert triton_counts["triton.rope_kernel"] == layers
+    assert not any(op in triton_counts for op in ("torch.pow", "torch.rsqrt", "torch.cat"))
+    assert sum(triton_counts.values()) * 2 < sum(counts["torch"].values())
+
+
 @pytest.mark.parametrize("policy", ["continuous", "pd"])
 def test_engine_tokens_match_torch_backend(tiny_llama_dir, policy):
     """The whole engine through the kernels: decode rows, prefill chunks and, in the second
@@ -180,6 +242,20 @@ def test_engine_tokens_match_torch_backend(tiny_llama_dir, policy):
         assert outs[1].num_cached_tokens >= 32
         results[name] = [o.token_ids for o in outs]
     assert results["triton"] == results["torch"]
+
+
+def test_qwen3_per_head_norms_through_the_kernels(tiny_qwen3_dir):
+    """Qwen3 normalizes every query and key head before RoPE: the norm kernel on strided heads,
+    inside the whole engine, gives the torch backend's tokens."""
+    from minicb import LLM, SamplingParams
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    prompts = [list(range(3, 30)), list(range(40, 47))]
+    tokens = {}
+    for name in ("torch", "triton"):
+        llm = LLM(str(tiny_qwen3_dir), attention_backend=name, policy="pd", num_pages=32,
+                  max_num_batched_tokens=16, chunk_size=16, device=DEVICE, dtype="float32")
+        tokens[name] = [o.token_ids for o in llm.generate(prompts, params)]
+    assert tokens["triton"] == tokens["torch"]
 
 
 def test_padded_decode_row_with_empty_context_gives_zeros():

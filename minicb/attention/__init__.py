@@ -5,10 +5,14 @@ member of the step, where its query rows are, how long its context is after this
 pages hold that context. Decode members (one query row each) come first, then prefill chunks,
 so a step is `[B_dec, 1]` decode rows followed by `[1, N_chunk]` chunks in one token batch.
 
-A backend provides two functions with the same signatures:
+A backend provides four functions with the same signatures:
   store_kv(k, v, k_cache, v_cache, meta)     write this step's new K/V through the slot mapping
   attend(q, k_cache, v_cache, meta, scale)   -> [T, num_heads, head_dim]
-Caches are shaped [num_pages, page_size, num_kv_heads, head_dim].
+  rms_norm(x, weight, eps)                   -> x normalized over its last dimension
+  rope(q, k, cos, sin)                       -> (q, k) rotated by their positions' angles
+Caches are shaped [num_pages, page_size, num_kv_heads, head_dim]. The last two are the small
+per-layer operations around attention: the Triton backend fuses each into one kernel
+(chapter 07), where plain PyTorch launches several.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The reference attention backend in plain PyTorch (chapter 01): correct on any device, fast
 enough on the CPU. Decode rows are batched into one padded gather; each prefill chunk attends
-causally over its own pages."""
+causally over its own pages. RMSNorm and RoPE are here too, so that a backend owns every small
+per-layer operation a GPU would fuse (see triton_ops)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,27 @@ import torch
 import torch.nn.functional as F
 
 from minicb.attention import AttentionMetadata
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) * weight over the last dimension, computed in float32 like transformers:
+    normalize, cast back to x's dtype, then scale (chapter 01)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q [T, heads, D] and k [T, kv_heads, D] by their positions' angles (cos, sin:
+    [T, 1, D/2]); the same arithmetic as transformers' `x * cos + rotate_half(x) * sin`, with
+    half the table (chapter 01)."""
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -1,5 +1,5 @@
-"""The Triton attention backend (chapter 07): the same `store_kv` and `attend` as the torch
-reference, as two GPU kernels over the paged KV cache.
+"""The Triton attention backend (chapter 07): the same `store_kv`, `attend`, `rms_norm` and
+`rope` as the torch reference, as GPU kernels over the paged KV cache.
 
 - `_store_kv_kernel` writes the step's new K and V rows into their pages through the slot
   mapping (a slot < 0 is skipped, so padded batches, e.g. for CUDA graphs, can use -1).
@@ -16,6 +16,12 @@ reference, as two GPU kernels over the paged KV cache.
   (BLOCK_Q queries per tile, causal over the chunk and every earlier page, a chunk may start
   mid-page).
 
+- `_rms_norm_kernel` and `_rope_kernel` fuse the small operations around attention: plain
+  PyTorch launches 6-8 kernels per RMSNorm (float cast, square, mean, add, rsqrt, multiply,
+  cast, scale) and 14 for RoPE on q and k (halves times cos and sin, differences, concatenation);
+  here each is one launch. A small model's decode step on a GPU is a few hundred such tiny
+  kernels, each costing a few microseconds whatever its size, so their number is the step time.
+
 Accumulation is in float32 whatever the input dtype (float32, bfloat16, float16); the output
 has the query's dtype. K/V caches must have the query's dtype; new K/V are cast on store.
 
@@ -30,6 +36,8 @@ need CUDA tensors, and calling them with CPU tensors raises a RuntimeError sayin
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 import torch
 import triton
@@ -59,6 +67,49 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_token
              mask=ok)
     tl.store(v_cache_ptr + slot[:, None] * stride_vcs + (head * stride_vch + d)[None, :], v,
              mask=ok)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, eps, stride_xt, stride_xh, stride_ot, stride_oh,
+                     DIM: tl.constexpr, BLOCK: tl.constexpr):
+    """One row (token t, head h) of DIM values: normalize in float32, cast to the output's dtype,
+    then scale by the weight, in that order, as transformers does."""
+    t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    d = tl.arange(0, BLOCK)
+    ok = d < DIM
+    x = tl.load(x_ptr + t * stride_xt + h * stride_xh + d, mask=ok, other=0.0).to(tl.float32)
+    normed = x / tl.sqrt(tl.sum(x * x, 0) / DIM + eps)
+    normed = normed.to(out_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + d,
+             (w * normed).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _rotate_heads(ptr, stride_h, num_heads, cos, sin, d, d_ok,
+                  HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Rotate the first and second halves of every head of one token, in place."""
+    h = tl.arange(0, BLOCK_H)
+    ok = (h < num_heads)[:, None] & d_ok[None, :]
+    first = ptr + h[:, None] * stride_h + d[None, :]
+    x1 = tl.load(first, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(first + HALF, mask=ok, other=0.0).to(tl.float32)
+    tl.store(first, (x1 * cos - x2 * sin).to(ptr.dtype.element_ty), mask=ok)
+    tl.store(first + HALF, (x2 * cos + x1 * sin).to(ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, num_q_heads, num_k_heads,
+                 stride_qt, stride_qh, stride_kt, stride_kh, stride_ct,
+                 HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One token: its position's cos/sin row once, then every query and key head, in place."""
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HALF
+    cos = tl.load(cos_ptr + t * stride_ct + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(sin_ptr + t * stride_ct + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    _rotate_heads(q_ptr + t * stride_qt, stride_qh, num_q_heads, cos, sin, d, d_ok, HALF, BLOCK_H)
+    _rotate_heads(k_ptr + t * stride_kt, stride_kh, num_k_heads, cos, sin, d, d_ok, HALF, BLOCK_H)
 
 
 @triton.jit
@@ -126,9 +177,63 @@ def _paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
              + d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
+_KERNELS = {f.__name__: f for f in (_store_kv_kernel, _rms_norm_kernel, _rope_kernel,
+                                     _paged_attention_kernel)}
+
+
 def _interpreted() -> bool:
     """True when these kernels and Triton's own helpers (tl.max) both run in the interpreter."""
-    return all(type(f).__name__ == "InterpretedFunction" for f in (_paged_attention_kernel, tl.max))
+    return all(type(f).__name__ == "InterpretedFunction" for f in (*_KERNELS.values(), tl.max))
+
+
+# PyTorch operators that launch no kernel: views, allocations, host scalars, and the copies the
+# interpreter itself makes around a kernel
+_NOT_KERNELS = frozenset({
+    "view", "_unsafe_view", "reshape", "_reshape_alias", "as_strided", "alias", "detach", "t",
+    "transpose", "permute", "expand", "unsqueeze", "squeeze", "select", "slice", "split",
+    "split_with_sizes", "chunk", "unbind", "lift_fresh", "empty", "empty_like", "new_empty",
+    "empty_strided", "set_", "scalar_tensor", "_local_scalar_dense"})
+
+
+def count_launches(fn) -> Counter:
+    """Run fn() and count the kernels it launches: each Triton kernel by name ("triton.<name>")
+    and each PyTorch operator that computes ("torch.<op>"; views and allocations excluded)
+    (chapter 07). Works on the CPU too, the Triton kernels in the interpreter."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    counts: Counter = Counter()
+    in_kernel = []
+
+    class Operators(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if not in_kernel and name not in _NOT_KERNELS:
+                counts["torch." + name] += 1
+            return func(*args, **(kwargs or {}))
+
+    class Counted:
+        def __init__(self, kernel) -> None:
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            launch = self.kernel[grid]
+
+            def run(*args, **kwargs):
+                counts["triton." + self.kernel.__name__.strip("_")] += 1
+                in_kernel.append(True)
+                try:
+                    return launch(*args, **kwargs)
+                finally:
+                    in_kernel.pop()
+            return run
+
+    module = globals()
+    module.update({name: Counted(kernel) for name, kernel in _KERNELS.items()})
+    try:
+        with Operators():
+            fn()
+    finally:
+        module.update(_KERNELS)
+    return counts
 
 
 def _check_device(t: torch.Tensor) -> None:
@@ -160,6 +265,41 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                            k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                            kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1),
                            HEAD_DIM=head_dim, NUM_COLS=cols, BLOCK_T=block_t, BLOCK_C=block_c)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`torch_ref.rms_norm` as one kernel: x [T, D] or [T, heads, D] (rows may be strided, e.g.
+    the query heads inside the fused q/k/v product) -> a new contiguous tensor."""
+    _check_device(x)
+    x = _last_dim_contiguous(x)
+    rows = x if x.dim() == 3 else x.unsqueeze(1)
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    if rows.numel():
+        dim = rows.shape[-1]
+        _rms_norm_kernel[(rows.shape[0], rows.shape[1])](
+            rows, weight, out, eps, rows.stride(0), rows.stride(1), out.stride(0), out.stride(1),
+            DIM=dim, BLOCK=triton.next_power_of_2(dim))
+    return out.view(x.shape)
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`torch_ref.rope` as one kernel for q and k together, rotating them in place (they are
+    this step's fresh projections, views of one q/k/v product); returns (q, k)."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    if num_tokens == 0:
+        return q, k
+    _check_device(q)
+    if q.stride(-1) != 1 or k.stride(-1) != 1:
+        raise ValueError("rope rotates in place: q and k need a contiguous last dimension")
+    cos, sin = cos.reshape(num_tokens, -1), sin.reshape(num_tokens, -1)
+    half = head_dim // 2
+    _rope_kernel[(num_tokens,)](
+        q, k, cos, sin, num_q_heads, k.shape[1], q.stride(0), q.stride(1), k.stride(0),
+        k.stride(1), cos.stride(0), HALF=half,
+        BLOCK_H=triton.next_power_of_2(max(num_q_heads, k.shape[1])),
+        BLOCK_D=triton.next_power_of_2(half))
+    return q, k
 
 
 # Tile shapes. tl.dot needs every side >= 16 on GPUs, so a decode tile is padded to 16 rows

@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from minicb.attention import AttentionMetadata, get_backend
+from minicb.attention import AttentionMetadata, get_backend, torch_ref
 
 SUPPORTED_ARCHITECTURES = {  # HF `architectures[0]` -> our short name
     "LlamaForCausalLM": "llama",
@@ -118,25 +118,17 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, heads, D] by its positions' angles (cos, sin: [T, 1, D/2]); the same
-    arithmetic as transformers' `x * cos + rotate_half(x) * sin`, half the table."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight over the last dimension, computed in float32 like transformers."""
+    """x / rms(x) * weight over the last dimension (the arithmetic is the backend's
+    `rms_norm`: plain PyTorch in float32 like transformers, or one Triton kernel)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+    def forward(self, x: torch.Tensor, backend: ModuleType = torch_ref) -> torch.Tensor:
+        return backend.rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -164,8 +156,8 @@ class Attention(nn.Module):
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = self.q_norm(q, backend), self.k_norm(k, backend)
+        q, k = backend.rope(q, k, cos, sin)
         k_cache, v_cache = kv_cache
         backend.store_kv(k, v, k_cache, v_cache, meta)
         out = backend.attend(q, k_cache, v_cache, meta, self.scale)
@@ -196,8 +188,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, cos, sin, meta, kv_cache, backend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.self_attn(self.input_layernorm(x, backend), cos, sin, meta, kv_cache,
+                               backend)
+        return x + self.mlp(self.post_attention_layernorm(x, backend))
 
 
 class LlamaModel(nn.Module):
@@ -249,7 +242,7 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(input_ids)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, meta, kv_cache, self.attention_backend)
-        x = self.norm(x[logits_indices])
+        x = self.norm(x[logits_indices], self.attention_backend)
         logits = F.linear(x, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(x)
         return logits.float()
 
