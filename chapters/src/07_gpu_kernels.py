@@ -17,8 +17,8 @@
 # - check both kernels against the reference on small random inputs in Triton's interpreter,
 #   and run the whole model with the Triton backend on the CPU;
 # - say what changes on a GPU (bfloat16, the page pool sized from free memory, CUDA graphs for
-#   decode steps, a bandwidth target for decode attention) and how to run the course and the GPU
-#   check there.
+#   decode steps, fused RMSNorm and RoPE kernels, a bandwidth target for decode attention) and
+#   how to run the course and the GPU check there.
 
 # %% [markdown]
 # ## 0. Triton on a CPU
@@ -63,6 +63,9 @@ print("kernels run in the interpreter:", tops._interpreted())
 # store_kv(k, v, k_cache, v_cache, meta)   # write this step's new K/V rows through meta.slot_mapping
 # attend(q, k_cache, v_cache, meta, scale) # -> [tokens, num_heads, head_dim]
 # ```
+#
+# (A backend also provides `rms_norm` and `rope`, the small operations around attention; section
+# 6 shows why a GPU backend fuses them.)
 #
 # Caches are `[num_pages, page_size, num_kv_heads, head_dim]` per layer. `meta` holds, for
 # each member of the step, its query rows (`query_start_loc`), its context length after this
@@ -270,7 +273,7 @@ print("same greedy tokens with the Triton kernels as with the torch reference:",
 # %% [markdown]
 # ## 6. What changes on a GPU
 #
-# The scheduler, the pages, the trace and every chapter's code stay the same. Four things change
+# The scheduler, the pages, the trace and every chapter's code stay the same. Five things change
 # underneath.
 #
 # **bfloat16.** `dtype="auto"` is float32 on the CPU (bf16 matrix products run about 6× slower
@@ -320,6 +323,48 @@ from minicb.cuda_graphs import DEFAULT_BUCKETS, DecodeGraphRunner
 
 print("buckets:", DEFAULT_BUCKETS)
 print(inspect.getsource(DecodeGraphRunner.run))
+
+# %% [markdown]
+# **Fewer kernels: fused RMSNorm and RoPE.** A graph removes the cost of *launching* the
+# kernels, not the kernels themselves: the GPU still runs each one, and a tiny kernel takes a
+# few microseconds whatever its size. In plain PyTorch one RMSNorm is 6–8 kernels (cast to
+# float, square, mean, add ε, reciprocal square root, multiply, cast back, scale) and RoPE on q
+# and k is 14 (each half times cos and times sin, the differences, the concatenation). So a
+# backend provides two more functions, `rms_norm(x, weight, eps)` and `rope(q, k, cos, sin)`:
+# the torch reference keeps the plain PyTorch arithmetic, and the Triton backend does each in
+# one kernel (`_rms_norm_kernel`; `_rope_kernel`, which rotates q and k in place inside the
+# fused q/k/v product). `tops.count_launches` counts the kernels of one SmolLM2 decode step
+# with either backend, here on the CPU: Triton kernels by name, and every PyTorch operator that
+# computes (views and allocations launch nothing).
+
+# %%
+# NBVAL_CHECK_OUTPUT
+kv = model[0].allocate_kv_cache(4, 16)
+ids, positions = torch.tensor([5, 6], device=DEVICE), torch.tensor([10, 20], device=DEVICE)
+
+
+def decode_step():  # two decode rows, contexts of 11 and 21 tokens after this step
+    meta = build_metadata([[0], [1, 2]], [10, 20], [1, 1], 16, device=DEVICE)
+    return model[0](ids, positions, meta, kv, torch.arange(2, device=DEVICE))
+
+
+launches = {}
+for backend in ("torch", "triton"):
+    model[0].set_attention_backend(backend)
+    decode_step()  # RoPE tables, compilation on a GPU
+    launches[backend] = tops.count_launches(decode_step)
+model[0].set_attention_backend("torch")
+for backend, counts in launches.items():
+    print(f"{backend:>6} backend: {sum(counts.values()):4d} kernels per decode step, "
+          f"{sum(counts.values()) / cfg.num_layers:.1f} per layer")
+print("triton kernels:", {k: v for k, v in sorted(launches["triton"].items())
+                          if k.startswith("triton.")})
+
+# %% [markdown]
+# Counted in float32; in bfloat16 the torch RMSNorm adds its two casts. Whether three times
+# fewer kernels also means a faster step is a question for a GPU: `bench/gpu_check.py` times
+# this decode step (16 rows of 512-token contexts, replayed from a CUDA graph) with the fused
+# kernels and with the torch versions of RMSNorm and RoPE swapped in.
 
 # %% [markdown]
 # **A bandwidth target for decode attention.** A decode row does little arithmetic per byte: it
@@ -397,8 +442,9 @@ print("\n".join(gpu_md.read_text().splitlines()[:6]))
 #   outputs within 1e-5), the reference matches dense attention, and the whole model gives the
 #   same greedy tokens with either backend, padded decode buckets included.
 # - On a GPU: bfloat16, a page pool sized from free memory, decode-only steps replayed from
-#   CUDA graphs in padded buckets, and a bandwidth target of half the copy bandwidth for decode
-#   attention. No GPU figure has been measured yet.
+#   CUDA graphs in padded buckets, RMSNorm and RoPE fused into one kernel each (about three
+#   times fewer kernels per decode step), and a bandwidth target of half the copy bandwidth for
+#   decode attention. No GPU figure has been measured yet.
 #
 # **Try it:** run the kernel check with page size 1 and 64, with a chunk that starts at position
 # 0 and one that starts at the last slot of a page; set `GROUP = 3` as in SmolLM2 (9 query heads
