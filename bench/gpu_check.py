@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device: {gpu}; torch {torch.__version__}, triton {triton.__version__}", flush=True)
 
     tests = ("skipped" if args.skip_tests
-             else run_tests(device, timeout=150, log=folder / f"gpu-tests-{date}.log"))
+             else run_tests(device, timeout=180, log=folder / f"gpu-tests-{date}.log"))
     print(f"kernel tests: {tests}", flush=True)
     bw = copy_bandwidth(device, (1 << 30) if device == "cuda" else (1 << 24))
     dec = time_decode(spec, device, iters=50 if device == "cuda" else 1)
