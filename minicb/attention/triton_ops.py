@@ -19,8 +19,11 @@
 - `_rms_norm_kernel` and `_rope_kernel` fuse the small operations around attention: plain
   PyTorch launches 6-8 kernels per RMSNorm (float cast, square, mean, add, rsqrt, multiply,
   cast, scale) and 14 for RoPE on q and k (halves times cos and sin, differences, concatenation);
-  here each is one launch. A small model's decode step on a GPU is a few hundred such tiny
-  kernels, each costing a few microseconds whatever its size, so their number is the step time.
+  here each is one launch. A small model's decode step on a GPU is hundreds of such tiny
+  kernels, each costing a few microseconds whatever its size, so their number rather than their
+  work sets the step time (`bench/gpu_check.py` measures the step both ways). In 16-bit dtypes
+  RoPE here rounds once, from float32, where PyTorch rounds after every operation: the same
+  values to within a rounding step, not bit for bit; in float32 they agree to 1e-5.
 
 Accumulation is in float32 whatever the input dtype (float32, bfloat16, float16); the output
 has the query's dtype. K/V caches must have the query's dtype; new K/V are cast on store.
