@@ -349,10 +349,10 @@ class EngineWorker:
                     self.ttft.observe(m.first_token_time - m.arrival_time)
                 else:
                     self.itl.observe(m.token_times[-1] - m.token_times[-2])
-            for rid in record.finished:  # cancellations were counted when cancelled
+            for rid in record.finished:  # every `_cancel` was counted with its own reason
                 if rid in self._counted_at_cancel:
                     self._counted_at_cancel.discard(rid)
-                elif engine.requests[rid].finish_reason != "cancelled":
+                else:
                     self.finish_reasons[engine.requests[rid].finish_reason] += 1
         for rid in dict.fromkeys(record.sampled + record.finished):
             stream = self._streams.get(rid)
