@@ -38,8 +38,8 @@ from minicb.metrics import (
 from minicb.sim import CostModel, SimClock, SimModel, fit_cost_model_runs, sim_model_info
 from minicb.workload import SCENARIOS, Workload, get_workload, make_workload, run_workload
 
-RESULT_KEYS = ("output_tokens_per_s", "requests_per_s", "ttft_s", "itl_s", "tpot_s", "e2e_s",
-               "queue_s", "goodput_rps", "dec_at_p", "short_p_steps", "short_p_s",
+RESULT_KEYS = ("output_tokens_per_s", "requests_per_s", "ttft_s", "itl_s", "max_itl_s", "tpot_s",
+               "e2e_s", "queue_s", "goodput_rps", "dec_at_p", "short_p_steps", "short_p_s",
                "preemptions", "recomputed_tokens", "cancelled", "errors", "max_queue_age_s",
                "host_time_fraction", "decode_tokens_per_s")
 SIMULATED_NOTE = ("SIMULATED: no model ran; the real scheduler, pages and trace ran, and each "
@@ -94,9 +94,7 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-pages", type=int, default=None)
     parser.add_argument("--page-size", type=int, default=None)
     parser.add_argument("--no-prefix-caching", action="store_true")
-    parser.add_argument("--slo-ttft", type=float, default=None, help="seconds")
-    parser.add_argument("--slo-tpot", type=float, default=None, help="seconds")
-    parser.add_argument("--slo-e2e", type=float, default=None, help="seconds")
+    add_slo_arguments(parser)
     parser.add_argument("--executor", choices=("real", "sim"), default="real",
                         help="real: run the model; sim: the cost model decides step times")
     parser.add_argument("--cost-model", default="h100-like",
@@ -137,9 +135,20 @@ def build_workload(args: argparse.Namespace) -> Workload:
     return get_workload(args.workload, **wanted)
 
 
+def add_slo_arguments(parser: argparse.ArgumentParser) -> None:
+    """--slo-ttft, --slo-itl, --slo-tpot, --slo-e2e: the limits goodput counts against
+    (chapter 06)."""
+    parser.add_argument("--slo-ttft", type=float, default=None, help="seconds to first token")
+    parser.add_argument("--slo-itl", type=float, default=None,
+                        help="seconds: a request's worst gap between two tokens")
+    parser.add_argument("--slo-tpot", type=float, default=None, help="seconds per output token")
+    parser.add_argument("--slo-e2e", type=float, default=None, help="seconds, end to end")
+
+
 def slo_from_args(args: argparse.Namespace) -> dict[str, float]:
-    """The SLO dict from --slo-ttft/--slo-tpot/--slo-e2e (chapter 06)."""
-    return check_slo({"ttft": args.slo_ttft, "tpot": args.slo_tpot, "e2e": args.slo_e2e})
+    """The SLO dict from --slo-ttft/--slo-itl/--slo-tpot/--slo-e2e (chapter 06)."""
+    return check_slo({"ttft": args.slo_ttft, "itl": args.slo_itl, "tpot": args.slo_tpot,
+                      "e2e": args.slo_e2e})
 
 
 def set_threads(threads: int | None) -> None:
@@ -592,7 +601,7 @@ def results_schema_ok(results: dict[str, Any]) -> list[str]:
         for key in RESULT_KEYS:
             if key not in summary:
                 missing.append(f"{name}.{key}")
-        for key in ("ttft_s", "itl_s", "tpot_s", "e2e_s", "queue_s"):
+        for key in ("ttft_s", "itl_s", "max_itl_s", "tpot_s", "e2e_s", "queue_s"):
             if isinstance(summary.get(key), dict) and \
                     set(summary[key]) != {"p50", "p95", "p99"}:
                 missing.append(f"{name}.{key}.p50/p95/p99")

@@ -1129,8 +1129,8 @@ def goodput(fn: Callable[[list[RequestRecord], dict[str, float]], float | None])
     cases.append(("a cancelled request that was fast", cancelled + one, {"ttft": 100.0}))
     for i in range(40):
         records = _records(100 + i, rng.randint(1, 20))
-        slo = {k: rng.choice([0.05, 0.1, 0.3, 0.5, 1.0, 2.0]) for k in metrics.SLO_KEYS
-               if rng.random() < 0.6}
+        slo = {k: rng.choice([0.05, 0.1, 0.3, 0.5, 1.0, 2.0]) for k in ("ttft", "tpot", "e2e")
+               if rng.random() < 0.6}  # the exercise's keys; the library also has "itl"
         cases.append((f"random case {i}", records, slo))
     for label, records, slo in cases:
         want = _reference_goodput(records, slo)

@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 
 from minicb import metrics
+from minicb.bench import add_slo_arguments, slo_from_args
 from minicb.trace import RequestRecord
 
 CLIENT_COLUMNS = (
@@ -32,6 +33,7 @@ CLIENT_COLUMNS = (
     ("ttft_s.p99", "TTFT p99", "{:.3f}"),
     ("itl_s.p50", "ITL p50", "{:.4f}"),
     ("itl_s.p99", "ITL p99", "{:.4f}"),
+    ("max_itl_s.p99", "max ITL p99", "{:.3f}"),
     ("tpot_s.p50", "TPOT p50", "{:.4f}"),
     ("e2e_s.p99", "E2E p99", "{:.3f}"),
     ("goodput_rps", "goodput", "{:.2f}"),
@@ -193,12 +195,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="fold prompt ids into this vocabulary (tiny checkpoints)")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--label", default=None, help="the results key (default: endpoint)")
-    parser.add_argument("--slo-ttft", type=float, default=None, help="seconds")
-    parser.add_argument("--slo-tpot", type=float, default=None, help="seconds")
-    parser.add_argument("--slo-e2e", type=float, default=None, help="seconds")
+    add_slo_arguments(parser)
     parser.add_argument("--out", default=None, help="write results JSON here")
     args = parser.parse_args(argv)
-    slo = {"ttft": args.slo_ttft, "tpot": args.slo_tpot, "e2e": args.slo_e2e}
+    slo = slo_from_args(args)
     workload = get_workload(args.workload, num_requests=args.num_requests, rate=args.rate,
                             burstiness=args.burstiness, seed=args.seed)
     out = bench_endpoint(args.endpoint, workload, args.label, args.model, args.vocab_size,

@@ -102,6 +102,7 @@ class Engine:
         self._sleep = getattr(clock, "sleep", time.sleep)  # a simulated clock jumps instead
         self.t0 = self._now()
         self._finished_between_steps: list[str] = []  # cancelled or stopped by a caller
+        self._held: list[Request] = []  # finished in a static batch still running: not returned
         self._arrived_since_last_step: list[str] = []  # added between steps, arriving at once
         self._ids = itertools.count()
         self._seq = itertools.count()  # admission order, even after `forget`
@@ -312,6 +313,10 @@ class Engine:
             if reason and not req.is_finished:
                 self._finish(req, reason)
                 finished.append(req.request_id)
+        if self._held and self.scheduler.batch_done():
+            for req in self._held:
+                self._release(req)
+            self._held = []
         record = StepRecord(
             step=self.step_count,
             members=[Member(r.request_id, kinds[r.request_id], n, slots[r.request_id])
@@ -421,6 +426,15 @@ class Engine:
         req.finish_reason = reason
         req.metrics.finish_time = self.clock()
         req.metrics.finish_step = self.step_count
+        if was_running and self.scheduler.holds_finished_slots and reason in ("stop", "length"):
+            self._held.append(req)  # a static batch returns whole, when its last member ends
+        else:
+            self._release(req, req.metrics.finish_time)
+
+    def _release(self, req: Request, now: float | None = None) -> None:
+        """The response reaches its user: E2E latency ends here (chapter 02)."""
+        req.metrics.released_time = self.clock() if now is None else now
+        req.metrics.released_step = self.step_count
 
     # ------------------------------------------------------------------------------ checks
     def _validate(self, batch: ScheduledBatch) -> None:
@@ -549,5 +563,5 @@ class Engine:
                 m.arrival_time, m.first_scheduled_time, m.first_token_time, m.finish_time,
                 list(m.token_times), m.arrival_step, m.first_scheduled_step, m.first_token_step,
                 m.finish_step, list(m.token_steps), r.num_cached_tokens, r.num_preemptions,
-                r.num_recomputed_tokens, r.priority))
+                r.num_recomputed_tokens, r.priority, m.released_time, m.released_step))
         return out

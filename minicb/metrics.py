@@ -7,8 +7,11 @@ Per request (seconds, and the same in steps where it makes sense):
     queue   first_scheduled - arrival
     TTFT    first_token - arrival
     ITL     gaps between consecutive token times (pooled over requests)
-    TPOT    (E2E - TTFT) / (output tokens - 1); undefined for one-token outputs (left out)
-    E2E     finish - arrival
+    max ITL one request's worst gap (its longest stall); percentiles over requests
+    TPOT    (finish - first token) / (output tokens - 1); undefined for one-token outputs
+    E2E     released - arrival: until the response reaches its user, which is the finish
+            except under static batching, whose batch returns whole when its slowest member
+            ends (chapter 02); records without a release time fall back to the finish
 
 Percentiles are numpy's default definition (linear interpolation between the two nearest
 ranks, `np.percentile(..., method="linear")`), over completed requests only: cancelled and
@@ -33,7 +36,7 @@ import numpy as np
 
 PERCENTILES = (50, 95, 99)
 PERCENTILE_METHOD = "numpy linear interpolation (np.percentile, method='linear')"
-SLO_KEYS = ("ttft", "tpot", "e2e")
+SLO_KEYS = ("ttft", "itl", "tpot", "e2e")
 COMPLETED = ("stop", "length")
 
 
@@ -66,26 +69,43 @@ def ttft(r: Any) -> float | None:
     return r.first_token_time - r.arrival_time
 
 
+def released(r: Any) -> tuple[float | None, int | None]:
+    """(seconds, step) at which the response reached its user: the release when recorded,
+    else the finish (chapter 02)."""
+    time, step = r.released_time, r.released_step
+    return (r.finish_time if time is None else time, r.finish_step if step is None else step)
+
+
 def e2e(r: Any) -> float | None:
-    """End-to-end latency, seconds from arrival to finish (chapter 05)."""
-    if r.arrival_time is None or r.finish_time is None:
+    """End-to-end latency, seconds from arrival until the response reached its user
+    (chapter 05)."""
+    end = released(r)[0]
+    if r.arrival_time is None or end is None:
         return None
-    return r.finish_time - r.arrival_time
+    return end - r.arrival_time
 
 
 def tpot(r: Any) -> float | None:
-    """Time per output token after the first: (E2E - TTFT) / (n - 1); None for n < 2
-    (chapter 05)."""
-    first, total = ttft(r), e2e(r)
-    if r.num_output_tokens < 2 or first is None or total is None:
+    """Time per output token after the first: (finish - first token) / (n - 1); None for
+    n < 2 (chapter 05)."""
+    if r.num_output_tokens < 2 or r.first_token_time is None or r.finish_time is None:
         return None
-    return (total - first) / (r.num_output_tokens - 1)
+    return (r.finish_time - r.first_token_time) / (r.num_output_tokens - 1)
 
 
 def itls(r: Any) -> list[float]:
     """Gaps between consecutive token times of one request (chapter 05)."""
     t = r.token_times
     return [b - a for a, b in zip(t, t[1:])]
+
+
+def max_itl(r: Any) -> float | None:
+    """One request's worst gap between two tokens: the longest its user saw the output stall;
+    None for fewer than two tokens (chapter 05). Pooled ITL percentiles hide a stall that only a
+    few requests suffer once (a long prefill freezing every running chat for one window is a
+    handful of gaps among hundreds); the percentiles of this per-request worst gap do not."""
+    gaps = itls(r)
+    return max(gaps) if gaps else None
 
 
 def steps_between(start: int | None, end: int | None) -> int | None:
@@ -96,15 +116,16 @@ def steps_between(start: int | None, end: int | None) -> int | None:
 
 
 def meets_slo(r: Any, slo: dict[str, float] | None) -> bool:
-    """True if a completed request meets every SLO given (`ttft`, `tpot`, `e2e`, seconds).
-    A one-token output has no TPOT and passes that one (chapter 06)."""
+    """True if a completed request meets every SLO given (`ttft`, `itl`, `tpot`, `e2e`,
+    seconds; `itl` bounds the request's worst gap, `max_itl`). A one-token output has no TPOT
+    and no gap and passes those two (chapter 06)."""
     if not is_completed(r):
         return False
     for key, limit in (slo or {}).items():
         if limit is None:
             continue
-        value = {"ttft": ttft, "tpot": tpot, "e2e": e2e}[key](r)
-        if value is None and key == "tpot":
+        value = {"ttft": ttft, "itl": max_itl, "tpot": tpot, "e2e": e2e}[key](r)
+        if value is None and key in ("itl", "tpot"):
             continue
         if value is None or value > limit:
             return False
@@ -112,7 +133,7 @@ def meets_slo(r: Any, slo: dict[str, float] | None) -> bool:
 
 
 def check_slo(slo: dict[str, float] | None) -> dict[str, float]:
-    """Validate an SLO dict: keys among ttft/tpot/e2e, values positive seconds or None
+    """Validate an SLO dict: keys among ttft/itl/tpot/e2e, values positive seconds or None
     (chapter 06)."""
     slo = dict(slo or {})
     for key, value in slo.items():
@@ -241,7 +262,7 @@ def long_prefill_metrics(trace: Sequence[Any], records: Sequence[Any],
 def summarize(trace: Sequence[Any], records: Sequence[Any], slo: dict[str, float] | None = None,
               long_request_id: str | None = None) -> dict[str, Any]:
     """Every metric of the results schema from a trace and its request records (chapters
-    05-06). `slo`: {"ttft": s, "tpot": s, "e2e": s}, any subset; goodput counts completed
+    05-06). `slo`: {"ttft": s, "itl": s, "tpot": s, "e2e": s}, any subset; goodput counts completed
     requests meeting all of them, per second of the run's span."""
     slo = check_slo(slo)
     records = list(records)
@@ -274,12 +295,13 @@ def summarize(trace: Sequence[Any], records: Sequence[Any], slo: dict[str, float
         "host_time_fraction": host_time_fraction(trace),
         "ttft_s": percentiles(v for v in map(ttft, done) if v is not None),
         "itl_s": percentiles(g for r in done for g in itls(r)),
+        "max_itl_s": percentiles(v for v in map(max_itl, done) if v is not None),
         "tpot_s": percentiles(v for v in map(tpot, done) if v is not None),
         "e2e_s": percentiles(v for v in map(e2e, done) if v is not None),
         "queue_s": percentiles(v for v in map(queue_time, done) if v is not None),
         "ttft_steps": percentiles(v for v in (steps_between(r.arrival_step, r.first_token_step)
                                               for r in done) if v is not None),
-        "e2e_steps": percentiles(v for v in (steps_between(r.arrival_step, r.finish_step)
+        "e2e_steps": percentiles(v for v in (steps_between(r.arrival_step, released(r)[1])
                                              for r in done) if v is not None),
         "queue_steps": percentiles(r.first_scheduled_step - r.arrival_step for r in done
                                    if r.first_scheduled_step is not None
@@ -312,7 +334,7 @@ def per_request(records: Sequence[Any]) -> list[dict[str, Any]]:
             "queue_s": queue_time(r), "ttft_s": ttft(r), "tpot_s": tpot(r), "e2e_s": e2e(r),
             "arrival_step": r.arrival_step,
             "ttft_steps": steps_between(r.arrival_step, r.first_token_step),
-            "e2e_steps": steps_between(r.arrival_step, r.finish_step),
+            "e2e_steps": steps_between(r.arrival_step, released(r)[1]),
             "preemptions": r.num_preemptions,
         })
     return rows
@@ -326,6 +348,7 @@ TABLE_COLUMNS = (
     ("ttft_s.p99", "TTFT p99", "{:.3f}"),
     ("tpot_s.p50", "TPOT p50", "{:.4f}"),
     ("itl_s.p99", "ITL p99", "{:.4f}"),
+    ("max_itl_s.p99", "max ITL p99", "{:.3f}"),
     ("e2e_s.p50", "E2E p50", "{:.3f}"),
     ("e2e_s.p99", "E2E p99", "{:.3f}"),
     ("queue_s.p99", "queue p99", "{:.3f}"),

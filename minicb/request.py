@@ -74,6 +74,10 @@ class RequestMetrics:
     first_token_step: int | None = None
     finish_step: int | None = None
     token_steps: list[int] = field(default_factory=list)
+    # when the response reaches its user: at the finish, except that a static batch returns
+    # whole, when its slowest member ends (chapter 02); None while held or unfinished
+    released_time: float | None = None
+    released_step: int | None = None
 
 
 @dataclass(eq=False)  # identity: `req in queue` must not compare every field of every request

@@ -163,13 +163,19 @@ class Scheduler:
     """Base class of every policy, the learner's included: implement `schedule`.
 
     `holds_finished_slots` tells the engine not to release a finished request's slot (static
-    batching keeps dead slots until the whole batch ends)."""
+    batching keeps dead slots until the whole batch ends), and `batch_done` when the responses
+    it holds go back to their users."""
 
     name = "base"
     holds_finished_slots = False
 
     def schedule(self, ctx: SchedulerContext) -> ScheduledBatch:
         raise NotImplementedError
+
+    def batch_done(self) -> bool:
+        """True once every member of the current batch has finished: always, for a policy
+        that batches per iteration (a finished request's response goes back at once)."""
+        return True
 
     # shared building blocks ---------------------------------------------------------------
     @staticmethod
@@ -222,6 +228,9 @@ class StaticScheduler(Scheduler):
 
     def ready_to_form(self, ctx: SchedulerContext) -> bool:
         return bool(ctx.waiting)
+
+    def batch_done(self) -> bool:
+        return all(r.is_finished for r in self.batch)
 
     def schedule(self, ctx: SchedulerContext) -> ScheduledBatch:
         if self.batch and all(r.is_finished for r in self.batch):

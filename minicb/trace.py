@@ -79,3 +79,5 @@ class RequestRecord:
     num_preemptions: int = 0
     num_recomputed_tokens: int = 0
     priority: int = 0
+    released_time: float | None = None  # the response reached the user (E2E ends here)
+    released_step: int | None = None

@@ -76,6 +76,7 @@ def test_summarize_by_hand():
     assert s["queue_s"]["p50"] == approx(0.25)
     assert s["tpot_s"] == {"p50": approx(0.75), "p95": approx(0.75), "p99": approx(0.75)}
     assert s["itl_s"]["p50"] == approx(0.75)  # A's gaps 0.5 and 1.0; B has none
+    assert s["max_itl_s"]["p50"] == 1.0  # A's worst gap; B has no gap to count
     assert s["preemptions"] == 2 and s["recomputed_tokens"] == 40
     # oldest wait before first scheduled: A waited 0.5 s; in steps A waited 1
     assert s["max_queue_age_s"] == 0.5 and s["max_queue_age_steps"] == 1
@@ -94,6 +95,28 @@ def test_goodput_at_slo():
     assert s["slo_attainment"] == approx(2 / 3)  # over the 3 requests not cancelled
     s = metrics.summarize([], records, slo={"ttft": 0.1, "e2e": 0.2})
     assert s["slo_met"] == 0 and s["goodput_rps"] == 0.0 and s["slo_attainment"] == 0.0
+
+
+def test_itl_slo_bounds_each_requests_worst_gap():
+    records = hand_records()
+    assert metrics.max_itl(records[0]) == 1.0 and metrics.max_itl(records[1]) is None
+    assert metrics.summarize([], records, slo={"itl": 0.9})["slo_met"] == 1  # B only: no gap
+    assert metrics.summarize([], records, slo={"itl": 1.0})["slo_met"] == 2
+
+
+def test_one_stall_shows_in_max_itl_but_not_in_pooled_itl():
+    """Nine requests with 100 even gaps each; one of them stalls once for 5 s. Pooled over
+    ~1,000 gaps the stall is below p99; per request it is the worst gap of 1 in 10."""
+    records = []
+    for i in range(10):
+        times = [0.1 * k for k in range(101)]
+        if i == 0:
+            times = times[:50] + [t + 5.0 for t in times[50:]]
+        records.append(rec(f"r{i}", 101, first=times[0], finish=times[-1], times=times))
+    s = metrics.summarize([], records)
+    assert s["itl_s"]["p99"] == approx(0.1)
+    assert s["max_itl_s"]["p99"] > 4.5 and s["max_itl_s"]["p50"] == approx(0.1)
+    assert metrics.summarize([], records, slo={"itl": 1.0})["slo_met"] == 9
 
 
 @pytest.mark.parametrize("slo, match", [({"latency": 1.0}, "slo keys"),

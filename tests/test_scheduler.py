@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from minicb import SamplingParams
+from minicb import SamplingParams, metrics
 from minicb.config import POLICIES
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -60,6 +60,35 @@ def test_static_r4_waits_for_r2(make_engine):
     assert idle_r1 == list(range(31, 201))
     assert all({m.request_id for m in engine.trace[s].members} == {"R1", "R2", "R3"}
                for s in range(200))
+    # a static batch returns whole: R1 is done at step 30, its user gets it at step 200
+    r1 = engine.requests["R1"].metrics
+    assert r1.finish_step == 30 and r1.released_step == 200
+    assert r1.released_time > r1.finish_time
+    e2e_steps = {r["request_id"]: r["e2e_steps"] for r in metrics.per_request(
+        engine.request_records())}
+    assert e2e_steps == {"R1": 200, "R2": 200, "R3": 200, "R4": 190}  # R4: steps 31-220
+
+
+def test_iteration_level_policies_release_at_the_finish(make_engine):
+    engine = r1_r4(make_engine, "continuous")
+    for r in engine.requests.values():
+        assert (r.metrics.released_step, r.metrics.released_time) == (
+            r.metrics.finish_step, r.metrics.finish_time)
+    assert metrics.e2e(engine.request_records()[0]) == pytest.approx(
+        engine.requests["R1"].metrics.finish_time - engine.requests["R1"].metrics.arrival_time)
+
+
+def test_a_cancelled_static_member_is_released_at_once(make_engine):
+    engine = make_engine("static", max_num_seqs=2)
+    p = SamplingParams(max_tokens=20, **GREEDY)
+    engine.add_request([1, 2, 3], p, request_id="a")
+    engine.add_request([4, 5, 6], p, request_id="b")
+    for _ in range(3):
+        engine.step()
+    engine.cancel("a")
+    assert engine.requests["a"].metrics.released_step == 3
+    engine.run()
+    assert engine.requests["b"].metrics.released_step == engine.requests["b"].metrics.finish_step
 
 
 def test_dynamic_waits_for_a_full_batch_or_the_timeout(make_engine):

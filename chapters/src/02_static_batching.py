@@ -202,10 +202,10 @@ for rec in static.trace:
         last_held[m.request_id] = rec.step
         dead[m.request_id] += m.kind == "idle"
 print(f"{'request':<8}{'arrives':>8}{'start':>6}{'finish':>7}{'slot held until':>16}"
-      f"{'dead slot-steps':>16}")
+      f"{'dead slot-steps':>16}{'released':>9}")
 for rid, r in records.items():
     print(f"{rid:<8}{r.arrival_step:>8}{r.first_scheduled_step:>6}{r.finish_step:>7}"
-          f"{last_held[rid]:>16}{dead[rid]:>16}")
+          f"{last_held[rid]:>16}{dead[rid]:>16}{r.released_step:>9}")
 engine_view = {rid: (r.first_scheduled_step, r.finish_step, last_held[rid])
                for rid, r in records.items()}
 print("same as the toy loop:", engine_view == toy)
@@ -227,9 +227,13 @@ print(f"R4 waited from step {records['R4'].arrival_step} to step "
 # 1. **已完成请求占用资源, finished requests hold resources.** R1 is done at step 30 but its
 #    slot stays in the batch until step 200: 170 dead slot-steps. R3 adds 120 more. Over the
 #    batch's 200 steps only about half of the slot-steps produced a token.
-# 2. **短请求受长请求阻塞, short requests are held by long ones.** R1's tokens exist at step 30;
-#    in a classic static server its response, and its slot, are released only with the batch at
-#    step 200: the batch's lifetime is `max(R1, R2, R3) = 200`.
+# 2. **短请求受长请求阻塞, short requests are held by long ones.** R1's tokens exist at step 30,
+#    but a static server returns the batch whole (as `model.generate` on a padded batch does):
+#    R1's response, like its slot, is released only with the batch at step 200, the batch's
+#    lifetime `max(R1, R2, R3) = 200`. minicb records both moments, `finish_step` 30 and
+#    `released_step` 200 (the `released` column), and end-to-end latency counts to the release:
+#    R1's user waits 200 steps for a 30-step answer, and every static E2E figure in the course
+#    includes that wait.
 # 3. **新请求无法及时加入, new requests cannot join.** R4 arrives at step 31, next to an idle
 #    slot, and waits 170 steps for the batch to end.
 #
@@ -266,6 +270,13 @@ viz.step_through(static)
 # Note what the pages did: R1's and R3's pages went back to the pool when they finished (the
 # engine reclaims memory at once), but their *slots* did not. Under static batching the slot,
 # not the memory, is what keeps R4 out.
+#
+# That makes minicb's static batching the **best case** for static batching. The seed's static
+# server also keeps the finished request's memory until the batch ends, and its idle slots
+# "填充无效数据…或参与无实际意义的重复计算" (hold padding, or take part in meaningless
+# recomputation): a padded `[B, L]` tensor computes every row every step. Here an idle member
+# costs no compute and no memory, only its slot. Every gap the next chapter measures between
+# static and continuous batching would be larger on a classic static server.
 #
 # ## 3. Request-level dynamic batching
 #
