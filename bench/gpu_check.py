@@ -265,50 +265,91 @@ def main(argv: list[str] | None = None) -> int:
            if device == "cuda" else "CPU (interpreter smoke run)")
     print(f"device: {gpu}; torch {torch.__version__}, triton {triton.__version__}", flush=True)
 
-    tests = ("skipped" if args.skip_tests
-             else run_tests(device, timeout=180, log=folder / f"gpu-tests-{date}.log"))
-    print(f"kernel tests: {tests}", flush=True)
-    bw = copy_bandwidth(device, (1 << 30) if device == "cuda" else (1 << 24))
-    dec = time_decode(spec, device, iters=50 if device == "cuda" else 1)
-    small = time_decode(SMOLLM2_DECODE, device, 50, sweep=False) if device == "cuda" else None
+    path = folder / f"gpu-results-{date}.md"
     bench_json = folder / f"gpu-bench-{date}.json"
-    bench_out = None
-    with tempfile.TemporaryDirectory() as scratch:  # a random-weight checkpoint, if one
-        model, model_name = bench_model(args.cpu_smoke, Path(scratch))
-        print(f"model: {model_name}", flush=True)
-        try:
-            fusion = time_fusion(model, device, args.cpu_smoke)
-        except Exception as exc:  # report, go on to the benchmark
-            fusion = {"error": f"{type(exc).__name__}: {exc}"}
-        if not args.skip_bench:
-            bench_out = run_bench(device, model, bench_json, timeout=200, smoke=args.cpu_smoke)
+    state: dict = {"tests": None, "bw": None, "dec": None, "small": None, "fusion": None,
+                   "model_name": None, "bench_out": None, "bench_json": bench_json,
+                   "bench_skipped": args.skip_bench}
 
+    def save() -> str:
+        """Rewrite the results file with what is measured so far: a one-shot GPU run keeps its
+        numbers even if a later stage fails or the time limit ends the script."""
+        text = render_report(date, gpu, device, spec, state, time.perf_counter() - t_start)
+        path.write_text(text)
+        return text
+
+    state["tests"] = ("skipped" if args.skip_tests
+                      else run_tests(device, timeout=180, log=folder / f"gpu-tests-{date}.log"))
+    print(f"kernel tests: {state['tests']}", flush=True)
+    save()
+    state["bw"] = copy_bandwidth(device, (1 << 30) if device == "cuda" else (1 << 24))
+    state["dec"] = time_decode(spec, device, iters=50 if device == "cuda" else 1)
+    if device == "cuda":
+        state["small"] = time_decode(SMOLLM2_DECODE, device, 50, sweep=False)
+    print("\n".join(decode_rows(state, device)), flush=True)
+    save()
+    with tempfile.TemporaryDirectory() as scratch:  # a random-weight checkpoint, if one
+        try:
+            model, state["model_name"] = bench_model(args.cpu_smoke, Path(scratch))
+        except Exception as exc:  # report what was measured, with why the rest could not run
+            state["model_name"] = f"none: {type(exc).__name__}: {exc}"
+            print(f"model: {state['model_name']}", flush=True)
+            print(save())
+            return 1
+        print(f"model: {state['model_name']}", flush=True)
+        try:
+            state["fusion"] = time_fusion(model, device, args.cpu_smoke)
+        except Exception as exc:  # report, go on to the benchmark
+            state["fusion"] = {"error": f"{type(exc).__name__}: {exc}"}
+        save()
+        if not args.skip_bench:
+            state["bench_out"] = run_bench(device, model, bench_json, timeout=200,
+                                           smoke=args.cpu_smoke)
+    print(save())
+    print(f"\nwrote {path}")
+    return 0
+
+
+def decode_rows(state: dict, device: str) -> list[str]:
+    """The table rows of the copy bandwidth and the decode attention timings."""
+    bw, dec, small = state["bw"], state["dec"], state["small"]
+    if bw is None or dec is None:
+        return ["| decode attention | not reached |"]
+    rows = [f"| copy bandwidth (torch copy, read + write) | {bw / 1e9:.0f} GB/s |"]
     best = min((r for r in dec["rows"] if r["sec"] == r["sec"]), key=lambda r: r["sec"],
                default=None)
-    default = dec["rows"][0]
-    shape = (f"batch {spec['batch']}, context {spec['context']}, {spec['num_heads']} q / "
-             f"{spec['num_kv_heads']} kv heads, head_dim {spec['head_dim']}, page "
-             f"{spec['page_size']}, {'bf16' if device == 'cuda' else 'fp32'}")
+    for label, row in (("default tiles", dec["rows"][0]), ("best tiles", best)):
+        if row is None or row["sec"] != row["sec"]:
+            rows.append(f"| decode attention, {label} | failed: {row and row['err']} |")
+            continue
+        rate = dec["moved"] / row["sec"]
+        rows.append(f"| decode attention, {label} {row['config']} | {row['sec'] * 1e6:.0f} µs, "
+                    f"{rate / 1e9:.0f} GB/s = **{rate / bw:.0%}** of copy bandwidth "
+                    f"(target ≥ 50%) |")
+    rows.append(f"| decode attention, torch reference | {dec['ref_sec'] * 1e6:.0f} µs |")
+    if small is not None and small["rows"][0]["sec"] == small["rows"][0]["sec"]:
+        sec = small["rows"][0]["sec"]
+        rows.append(f"| decode attention at SmolLM2's heads (9 q / 3 kv, head_dim 64), default "
+                    f"tiles | {sec * 1e6:.0f} µs, **{small['moved'] / sec / bw:.0%}** of copy "
+                    f"bandwidth; reference {small['ref_sec'] * 1e6:.0f} µs (no target) |")
+    return rows
+
+
+def render_report(date: str, gpu: str, device: str, spec: dict, state: dict,
+                  elapsed: float) -> str:
+    """The results table (markdown) from whatever stages have finished; the rest say so."""
+    import torch
+    import triton
+
+    tests, dec, fusion = state["tests"], state["dec"], state["fusion"]
     lines = [f"# GPU check, {date}", "", f"{gpu}; torch {torch.__version__}, "
              f"triton {triton.__version__}. Made by `bench/gpu_check.sh`.", "",
              "| what | figure |", "|---|---|",
-             f"| kernel tests (tests/test_triton.py on {device}) | {tests} |",
-             f"| copy bandwidth (torch copy, read + write) | {bw / 1e9:.0f} GB/s |"]
-    for label, row in (("default tiles", default), ("best tiles", best)):
-        if row is None or row["sec"] != row["sec"]:
-            lines.append(f"| decode attention, {label} | failed: {row and row['err']} |")
-            continue
-        rate = dec["moved"] / row["sec"]
-        lines.append(f"| decode attention, {label} {row['config']} | {row['sec'] * 1e6:.0f} µs, "
-                     f"{rate / 1e9:.0f} GB/s = **{rate / bw:.0%}** of copy bandwidth "
-                     f"(target ≥ 50%) |")
-    lines.append(f"| decode attention, torch reference | {dec['ref_sec'] * 1e6:.0f} µs |")
-    if small is not None and small["rows"][0]["sec"] == small["rows"][0]["sec"]:
-        sec = small["rows"][0]["sec"]
-        lines.append(f"| decode attention at SmolLM2's heads (9 q / 3 kv, head_dim 64), default "
-                     f"tiles | {sec * 1e6:.0f} µs, **{small['moved'] / sec / bw:.0%}** of copy "
-                     f"bandwidth; reference {small['ref_sec'] * 1e6:.0f} µs (no target) |")
-    if "error" in fusion:
+             f"| kernel tests (tests/test_triton.py on {device}) | {tests or 'not reached'} |"]
+    lines += decode_rows(state, device)
+    if fusion is None:
+        lines.append("| decode step, fused vs unfused RMSNorm and RoPE | not reached |")
+    elif "error" in fusion:
         lines.append(f"| decode step, fused vs unfused RMSNorm and RoPE | failed: "
                      f"{fusion['error'][:300]} |")
     else:
@@ -319,29 +360,33 @@ def main(argv: list[str] | None = None) -> int:
             f"{fusion['fused'] * 1e6:.0f} µs ({fusion['fused_launches']} kernels) vs "
             f"{fusion['unfused'] * 1e6:.0f} µs ({fusion['unfused_launches']} kernels): "
             f"**{fusion['unfused'] / fusion['fused']:.2f}×** |")
-    if bench_out is not None:
-        lines += bench_rows(bench_json)
-    lines += ["", f"Decode shape: {shape}; K/V read once = {dec['moved'] / 1e6:.0f} MB per call.",
-              "Tiles are (BLOCK_N, num_warps, num_stages); max |error| vs the torch reference:",
-              "", "| tiles | µs | GB/s | max abs err |", "|---|---|---|---|"]
-    for r in dec["rows"]:
-        if r["sec"] != r["sec"]:  # NaN: this tile shape failed
-            lines.append(f"| {r['config']} | failed | | {r['err']} |")
-        else:
-            lines.append(f"| {r['config']} | {r['sec'] * 1e6:.0f} | "
-                         f"{dec['moved'] / r['sec'] / 1e9:.0f} | {r['err']:.2e} |")
+    if state["bench_out"] is not None:
+        lines += bench_rows(state["bench_json"])
+    if dec is not None:
+        shape = (f"batch {spec['batch']}, context {spec['context']}, {spec['num_heads']} q / "
+                 f"{spec['num_kv_heads']} kv heads, head_dim {spec['head_dim']}, page "
+                 f"{spec['page_size']}, {'bf16' if device == 'cuda' else 'fp32'}")
+        lines += ["", f"Decode shape: {shape}; K/V read once = {dec['moved'] / 1e6:.0f} MB per "
+                  "call.", "Tiles are (BLOCK_N, num_warps, num_stages); max |error| vs the "
+                  "torch reference:", "", "| tiles | µs | GB/s | max abs err |",
+                  "|---|---|---|---|"]
+        for r in dec["rows"]:
+            if r["sec"] != r["sec"]:  # NaN: this tile shape failed
+                lines.append(f"| {r['config']} | failed | | {r['err']} |")
+            else:
+                lines.append(f"| {r['config']} | {r['sec'] * 1e6:.0f} | "
+                             f"{dec['moved'] / r['sec'] / 1e9:.0f} | {r['err']:.2e} |")
     lines += ["", "## Engine benchmark (target: pd ≥ 2× Hugging Face generate_batch)", "",
-              f"Model (also of the decode-step row): {model_name}.", ""]
-    if bench_out is None:
+              f"Model (also of the decode-step row): {state['model_name'] or 'not reached'}.",
+              ""]
+    if state["bench_skipped"]:
         lines.append("Skipped (--skip-bench).")
+    elif state["bench_out"] is None:
+        lines.append("Not reached (the check stopped before the benchmark finished).")
     else:
-        lines += ["```", bench_out.strip(), "```"]
-    lines += ["", f"Whole check: {time.perf_counter() - t_start:.0f} s."]
-    path = folder / f"gpu-results-{date}.md"
-    path.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    print(f"\nwrote {path}")
-    return 0
+        lines += ["```", state["bench_out"].strip(), "```"]
+    lines += ["", f"Whole check so far: {elapsed:.0f} s."]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

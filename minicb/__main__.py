@@ -29,12 +29,15 @@ def demo(argv: list[str]) -> int:
     from minicb import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(args.model, policy=args.policy, max_num_seqs=8, max_num_batched_tokens=128,
-              quantization=args.quantization)
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+        llm = LLM(args.model, policy=args.policy, max_num_seqs=8, max_num_batched_tokens=128,
+                  quantization=args.quantization)
+    except ValueError as exc:  # a bad option or model: say which, no traceback
+        parser.error(str(exc))
     t_load = time.perf_counter() - t0
     weights = f", {args.quantization} weights" if args.quantization else ""
     print(f"loaded {args.model} in {t_load:.1f} s; policy={args.policy}{weights}")
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     conversations = [[{"role": "user", "content": q}] for q in DEMO_QUESTIONS]
     t0 = time.perf_counter()
     outputs = llm.chat(conversations, params, use_tqdm=False)
@@ -54,6 +57,16 @@ def demo(argv: list[str]) -> int:
     except ImportError:
         pass
     return 0
+
+
+COMMANDS_HELP = {
+    "demo": "answer a few chat prompts on the bundled model and draw the step timeline",
+    "bench": "run a workload under one or more policies; the benchmark contract's metrics",
+    "sweep": "vary budget, max_num_seqs and chunk size; the setting with the best goodput",
+    "profile": "fit the simulated executor's step-cost model on this machine",
+    "serve": "an OpenAI-compatible HTTP server over one running engine",
+    "grade": "score exercise notebooks",
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,8 +89,14 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         pass
     if not argv or argv[0] not in commands:
-        print(f"usage: python -m minicb {{{','.join(commands)}}} [options]", file=sys.stderr)
-        return 2
+        wants_help = bool(argv) and argv[0] in ("-h", "--help", "help")
+        lines = [f"usage: python -m minicb {{{','.join(commands)}}} [options]", "",
+                 *(f"  {name:<8} {COMMANDS_HELP[name]}" for name in commands), "",
+                 "python -m minicb COMMAND --help shows a command's options."]
+        if argv and not wants_help:
+            lines.insert(0, f"unknown command {argv[0]!r}")
+        print("\n".join(lines), file=sys.stdout if wants_help else sys.stderr)
+        return 0 if wants_help else 2
     return commands[argv[0]](argv[1:]) or 0
 
 

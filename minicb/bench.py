@@ -89,8 +89,6 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cancel-fraction", type=float, default=None,
                         help="share of requests the client cancels after their first token")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--vocab-size", type=int, default=None,
-                        help="with --endpoint: fold prompt ids below this (tiny test models)")
     parser.add_argument("--num-pages", type=int, default=None)
     parser.add_argument("--page-size", type=int, default=None)
     parser.add_argument("--no-prefix-caching", action="store_true")
@@ -107,8 +105,6 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's own choice); 1 is often "
                              "fastest on a small shared machine")
-    parser.add_argument("--endpoint", default=None,
-                        help="reserved: benchmark a running server (not yet supported)")
     parser.add_argument("--out", default=None, help="write results JSON here")
     parser.add_argument("--no-progress", action="store_true")
 
@@ -282,7 +278,8 @@ def engine_options(args: argparse.Namespace, workload: Workload) -> dict[str, An
     options: dict[str, Any] = {"trace_snapshots": False, **workload.recommended}
     for flag, key in (("max_num_seqs", "max_num_seqs"),
                       ("max_num_batched_tokens", "max_num_batched_tokens"),
-                      ("chunk_size", "chunk_size"), ("num_pages", "num_pages"),
+                      ("chunk_size", "chunk_size"), ("min_chunk", "min_chunk"),
+                      ("num_pages", "num_pages"),
                       ("page_size", "page_size")):
         value = getattr(args, flag, None)
         if value is not None:
@@ -705,6 +702,13 @@ def bench_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--chunk-size", type=int, default=None)
+    parser.add_argument("--min-chunk", type=int, default=None,
+                        help="pd: the smallest prefill chunk worth a step (chapter 05)")
+    parser.add_argument("--endpoint", default=None,
+                        help="measure a running OpenAI-compatible server (URL) from the client "
+                             "side instead of running an engine")
+    parser.add_argument("--vocab-size", type=int, default=None,
+                        help="with --endpoint: fold prompt ids below this (tiny test models)")
     parser.add_argument("--compare", choices=("hf",), default=None,
                         help="hf: also run the requests through transformers' generate "
                              "(static batches) and generate_batch")
@@ -847,8 +851,6 @@ def sweep_parser() -> argparse.ArgumentParser:
 
 def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
     """Every combination of the three lists; rows sorted by goodput, then tokens/s (chapter 06)."""
-    if args.endpoint:
-        raise NotImplementedError("--endpoint is not yet supported")
     set_threads(args.threads)
     budgets = _int_list(args.max_num_batched_tokens, "--max-num-batched-tokens")
     seqs = _int_list(args.max_num_seqs, "--max-num-seqs")

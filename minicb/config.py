@@ -3,11 +3,13 @@ grown in chapters 02-05). Names follow vLLM's where vLLM has the same knob."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+import math
+from dataclasses import dataclass, fields
 
 POLICIES = ("single", "static", "dynamic", "continuous", "chunked", "pd")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 QUANTIZATIONS = (None, "int8")  # int8: weight-only, see minicb/model/quant.py
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 def check_device(device: object) -> None:
@@ -58,14 +60,15 @@ class EngineConfig:
     quantization: str | None = None
     use_cuda_graphs: bool = True
     gpu_memory_utilization: float = 0.9
-    seed: int = 0
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field and what is allowed."""
+        if isinstance(self.policy, type):
+            raise ValueError(f"policy={self.policy.__name__} is a class: pass an instance, "
+                             f"policy={self.policy.__name__}()")
         if not isinstance(self.policy, str) and not hasattr(self.policy, "schedule"):
             raise ValueError(f"policy must be one of {POLICIES} or a Scheduler, "
                              f"got {self.policy!r}")
@@ -82,8 +85,13 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
-        if self.batch_timeout < 0:
-            raise ValueError(f"batch_timeout must be >= 0, got {self.batch_timeout}")
+        timeout = self.batch_timeout
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) \
+                or not math.isfinite(timeout) or timeout < 0:
+            raise ValueError(f"batch_timeout must be a finite number >= 0, "
+                             f"got {self.batch_timeout!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.preemption not in ("newest", "priority"):
             raise ValueError(f"preemption must be 'newest' or 'priority', got {self.preemption!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -107,6 +115,10 @@ class EngineConfig:
         if self.policy == "pd" and self.chunk_size < self.min_chunk:
             raise ValueError(f"chunk_size ({self.chunk_size}) must be >= min_chunk "
                              f"({self.min_chunk}) under policy 'pd'")
+        if self.policy == "pd" and self.max_num_batched_tokens < self.min_chunk:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
+                             f">= min_chunk ({self.min_chunk}) under policy 'pd', or a chunk "
+                             f"that size never fits a step and prefills never start")
         check_device(self.device)
 
     @classmethod

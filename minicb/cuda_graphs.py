@@ -18,6 +18,16 @@ from minicb.attention import AttentionMetadata
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
+def graph_buckets(max_num_seqs: int, buckets: tuple[int, ...] = DEFAULT_BUCKETS
+                  ) -> tuple[int, ...]:
+    """The buckets worth capturing for an engine of `max_num_seqs` slots: a decode step never
+    has more rows than slots, so larger graphs would cost warm-up and capture time (and
+    memory) and never replay. The largest bucket is the slot count itself, up to the default's
+    largest; bigger decode steps run eagerly."""
+    top = min(max_num_seqs, buckets[-1])
+    return tuple(sorted({b for b in buckets if b < top} | {top}))
+
+
 class DecodeGraphRunner:
     """Static input buffers plus one captured graph per bucket."""
 
@@ -59,7 +69,14 @@ class DecodeGraphRunner:
         """Warm up, then capture one graph per bucket (largest first, sharing one memory pool)."""
         pool = None
         for bucket in reversed(self.buckets):
-            self._forward(bucket)  # compiles the kernels outside the capture
+            # compile the kernels outside the capture, on a side stream as PyTorch's own
+            # recipe does, so that nothing lazily created during warm-up lands on the
+            # legacy stream the capture cannot see
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self._forward(bucket)
+            torch.cuda.current_stream().wait_stream(side)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):

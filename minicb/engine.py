@@ -10,6 +10,7 @@ and appends a `StepRecord` to `engine.trace`. Follow one request's whole life fr
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections import deque
 
@@ -24,6 +25,7 @@ from minicb.scheduler import ScheduledBatch, Scheduler, SchedulerContext, make_s
 from minicb.trace import Member, RequestRecord, StepRecord
 
 WHOLE_PROMPT_POLICIES = ("single", "static", "dynamic", "continuous")
+STALL_STEPS = 100_000  # steps in a row with nothing scheduled while work waits: a stalled policy
 
 
 class InvariantError(AssertionError):
@@ -78,7 +80,7 @@ class Engine:
         # every other scheduler, a learner's included, must stay within it
         self.enforce_budget = self.scheduler.name not in WHOLE_PROMPT_POLICIES
         device = self.config.device
-        dtype = {"auto": torch.float32 if device == "cpu" else torch.bfloat16,
+        dtype = {"auto": torch.float32 if device == "cpu" else torch.bfloat16,  # config.DTYPES
                  "float32": torch.float32, "bfloat16": torch.bfloat16,
                  "float16": torch.float16}[self.config.dtype]
         self.model, self.info = _load(model, device, dtype, self.config.quantization)
@@ -103,6 +105,7 @@ class Engine:
         self.t0 = self._now()
         self._finished_between_steps: list[str] = []  # cancelled or stopped by a caller
         self._held: list[Request] = []  # finished in a static batch still running: not returned
+        self._empty_steps = 0  # steps in a row that scheduled nothing while work waits
         self._arrived_since_last_step: list[str] = []  # added between steps, arriving at once
         self._ids = itertools.count()
         self._seq = itertools.count()  # admission order, even after `forget`
@@ -115,11 +118,11 @@ class Engine:
 
     def make_graph_runner(self, capture: bool = True):
         """Static buffers (and, on CUDA, captured graphs) for decode-only steps."""
-        from minicb.cuda_graphs import DecodeGraphRunner
+        from minicb.cuda_graphs import DecodeGraphRunner, graph_buckets
         max_tokens = min(self.max_model_len, self.pool.num_pages * self.pool.page_size)
         return DecodeGraphRunner(self.model, self.pool.kv_caches, self.pool.page_size,
                                  self.pool.pages_needed(max_tokens), self.config.device,
-                                 capture=capture)
+                                 graph_buckets(self.config.max_num_seqs), capture=capture)
 
     # ------------------------------------------------------------------------------ clock
     def clock(self) -> float:
@@ -158,6 +161,9 @@ class Engine:
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids must be in [0, {vocab}), got {bad[:5]}")
         total = len(token_ids) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens "
@@ -177,8 +183,10 @@ class Engine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if arrival_step is not None and (not isinstance(arrival_step, int) or arrival_step < 1):
             raise ValueError(f"arrival_step must be an integer >= 1, got {arrival_step!r}")
-        if arrival_time is not None and arrival_time < 0:
-            raise ValueError(f"arrival_time must be >= 0 seconds, got {arrival_time!r}")
+        if arrival_time is not None and (not isinstance(arrival_time, (int, float))
+                                         or not math.isfinite(arrival_time) or arrival_time < 0):
+            raise ValueError(f"arrival_time must be a finite number >= 0 seconds, got "
+                             f"{arrival_time!r}")
         if not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         req = Request(request_id, token_ids, params, priority=priority, arrival_step=arrival_step,
@@ -186,8 +194,9 @@ class Engine:
                       seq_index=next(self._seq))
         if self.pool.prefix is not None:  # hashed once; admission and reclaim reuse them
             req.page_hashes = prompt_page_hashes(token_ids, self.pool.page_size)
+        generator = make_generator(params.seed)  # before any state changes: nothing half-added
         self.requests[request_id] = req
-        self._generators[request_id] = make_generator(params.seed)
+        self._generators[request_id] = generator
         self.pending.append(req)
         if arrival_step is None and arrival_time is None:
             self._arrive(req)
@@ -337,7 +346,29 @@ class Engine:
         self.trace.append(record)
         if self.config.check_invariants:
             self.check_invariants(record)
+        self._check_progress(record)
         return record
+
+    def _check_progress(self, record: StepRecord) -> None:
+        """Count steps in a row that scheduled nothing while requests wait or run; raise after
+        STALL_STEPS of them, so that no loop over `step()` (run, generate, stream, a server)
+        spins forever on a scheduler that never schedules (e.g. a learner's, or a setting that
+        leaves no room for any chunk). Dynamic batching by seconds legitimately waits on the
+        clock: those steps sleep a millisecond instead of counting."""
+        if record.members or record.finished or not (self.waiting or self.running):
+            self._empty_steps = 0
+            return
+        if self.config.batch_timeout_in_seconds:
+            self._sleep(0.001)
+            return
+        self._empty_steps += 1
+        if self._empty_steps > STALL_STEPS:
+            stuck = [r.request_id for r in (*self.waiting, *self.running)][:5]
+            self._empty_steps = 0
+            raise RuntimeError(
+                f"policy {self.scheduler.name!r} scheduled nothing for {STALL_STEPS} steps in "
+                f"a row while requests wait or run: {stuck}. A scheduler must schedule work "
+                f"when it can; check its settings (e.g. min_chunk against the token budget)")
 
     def _forward(self, items: list[tuple[Request, int]]) -> tuple[list[Request], torch.Tensor]:
         """Flatten the members into one token batch, run the model once, return the requests to
@@ -439,6 +470,9 @@ class Engine:
     # ------------------------------------------------------------------------------ checks
     def _validate(self, batch: ScheduledBatch) -> None:
         """Refuse an impossible batch (a learner's scheduler may build one) before any work."""
+        if not isinstance(batch, ScheduledBatch):
+            raise SchedulerError(f"step {self.step_count}: schedule() must return a "
+                                 f"ScheduledBatch (ctx.batch), got {type(batch).__name__}")
         cfg = self.config
         seen: set[str] = set()
         for req, n in batch.items:
@@ -538,19 +572,10 @@ class Engine:
         """Step until every request has finished (or `max_steps`); outputs of the requests that
         were unfinished when called, in the order they were added."""
         todo = [rid for rid, r in self.requests.items() if not r.is_finished]
-        empty_steps = 0
         steps = 0
         while self.has_unfinished() and (max_steps is None or steps < max_steps):
-            record = self.step()
+            self.step()  # raises if the policy stalls (_check_progress)
             steps += 1
-            busy = record.members or self.running or record.finished
-            empty_steps = 0 if busy else empty_steps + 1
-            if empty_steps and self.config.batch_timeout_in_seconds:
-                self._sleep(0.001)
-            elif empty_steps > 100_000:
-                raise RuntimeError(f"policy {self.scheduler.name!r} scheduled nothing for "
-                                   f"{empty_steps} steps while requests wait: "
-                                   f"{[r.request_id for r in self.waiting][:5]}")
         return [self.output(rid) for rid in todo]
 
     def request_records(self) -> list[RequestRecord]:

@@ -21,12 +21,15 @@ class LLM:
 
     def _add_all(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None) -> list[str]:
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
                                         and isinstance(prompts[0], int)):
-            prompts = [prompts]
+            prompts = [prompts]  # one prompt, as text or as token ids
         prompts = list(prompts)
         if params is None:
             params = SamplingParams()
+        if isinstance(params, dict):
+            raise ValueError("params must be a SamplingParams (or one per prompt), got a dict: "
+                             "write SamplingParams(**{...})")
         param_list = [params] * len(prompts) if isinstance(params, SamplingParams) \
             else list(params)
         if len(param_list) != len(prompts):
@@ -60,14 +63,20 @@ class LLM:
             from tqdm.auto import tqdm
             bar = tqdm(total=len(ids), desc="generate", unit="req")
         done: set[str] = set()
-        while any(not self.engine.requests[rid].is_finished for rid in ids):
-            record = self.engine.step()
+        try:
+            while any(not self.engine.requests[rid].is_finished for rid in ids):
+                record = self.engine.step()
+                if bar is not None:
+                    new = [rid for rid in record.finished if rid in ids and rid not in done]
+                    done.update(new)
+                    bar.update(len(new))
+        except BaseException:  # a stalled policy, Ctrl-C: leave nothing queued or allocated
+            for rid in ids:
+                self.engine.cancel(rid)
+            raise
+        finally:
             if bar is not None:
-                new = [rid for rid in record.finished if rid in ids and rid not in done]
-                done.update(new)
-                bar.update(len(new))
-        if bar is not None:
-            bar.close()
+                bar.close()
         return [self.engine.output(rid) for rid in ids]
 
     def stream(self, prompts: Prompt | Sequence[Prompt],
@@ -105,6 +114,11 @@ class LLM:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this checkpoint has no chat template; use generate() with a prompt")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        for conversation in conversations:
+            if not conversation or not all(isinstance(m, dict) and "role" in m
+                                           and "content" in m for m in conversation):
+                raise ValueError(f"a conversation must be a non-empty list of {{'role': ..., "
+                                 f"'content': ...}} messages, got {conversation!r}")
         prompts = [self.apply_chat_template(c) for c in conversations]
         return self.generate(prompts, params, use_tqdm=use_tqdm)
 

@@ -10,6 +10,7 @@ Like nano-vllm's `Sequence`, everything the scheduler needs lives here as plain 
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 
@@ -40,18 +41,25 @@ class SamplingParams:
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) \
                 or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool) \
+                or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not -2**63 <= self.seed < 2**64):
+            raise ValueError(f"seed must be an integer in [-2**63, 2**64) or None (torch's "
+                             f"generator range), got {self.seed!r}")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}")
+        if isinstance(self.stop_token_ids, (int, str)) or not hasattr(self.stop_token_ids,
+                                                                      "__iter__"):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got "
+                             f"{self.stop_token_ids!r}")
         stop = tuple(self.stop_token_ids)
-        if any(not isinstance(t, int) or t < 0 for t in stop):
+        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in stop):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {stop!r}")
         object.__setattr__(self, "stop_token_ids", stop)
 

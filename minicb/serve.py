@@ -21,6 +21,7 @@ import asyncio
 import bisect
 import concurrent.futures
 import json
+import math
 import queue
 import socket
 import threading
@@ -315,6 +316,8 @@ class EngineWorker:
         except ValueError as exc:
             message = str(exc)
             fits = "exceeds the model's context" in message or "never fit" in message
+            if message.startswith("stop_token_ids"):
+                field_name = "stop_token_ids"
             raise InvalidRequest(message, field_name,
                                  "context_length_exceeded" if fits else None) from None
         job = Job(rid, len(token_ids), sink[1])
@@ -412,7 +415,7 @@ def _number(body: dict, name: str, default: Any, kind: type = float, low: float 
     value = body.get(name)
     if value is None:
         return default
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if kind is int:
         ok = ok and float(value).is_integer()
     if not ok:
@@ -432,7 +435,8 @@ def parse_request(body: Any, chat: bool) -> dict[str, Any]:
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or \
-                not all(isinstance(m, dict) and "role" in m for m in messages):
+                not all(isinstance(m, dict) and "role" in m and "content" in m
+                        for m in messages):
             raise InvalidRequest("messages must be a non-empty list of {role, content} objects",
                                  "messages")
         prompt = None
@@ -474,15 +478,15 @@ def parse_request(body: Any, chat: bool) -> dict[str, Any]:
     max_tokens = _number(body, max_name, None if chat else 16, int, low=1)
     params = dict(max_tokens=max_tokens,
                   temperature=_number(body, "temperature", 1.0, float, 0.0, 2.0),
-                  top_p=_number(body, "top_p", 1.0, float, 0.0, 1.0),
+                  top_p=_number(body, "top_p", 1.0, float),
                   top_k=max(top_k, 0),
                   seed=_number(body, "seed", None, int),
                   stop_token_ids=tuple(stop_ids),
                   ignore_eos=body.get("ignore_eos", False),
                   min_tokens=_number(body, "min_tokens", 0, int, 0,
                                      max_tokens if max_tokens is not None else None))
-    if params["top_p"] == 0.0:
-        raise InvalidRequest("top_p must be in (0, 1], got 0", "top_p")
+    if not 0.0 < params["top_p"] <= 1.0:
+        raise InvalidRequest(f"top_p must be in (0, 1], got {body.get('top_p')!r}", "top_p")
     return dict(prompt=prompt, messages=messages, params=params, stop=tuple(stop or ()),
                 stream=stream, include_usage=bool(options.get("include_usage")),
                 model=body.get("model"))
@@ -705,16 +709,21 @@ def main(argv: list[str] | None = None) -> int:
                              "slightly off float32)")
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
+    if not 0 <= args.port <= 65535:
+        parser.error(f"--port must be in [0, 65535], got {args.port}")
     import uvicorn
 
     from minicb.llm import LLM
 
     options = {k: v for k, v in dict(chunk_size=args.chunk_size, num_pages=args.num_pages)
                .items() if v is not None}
-    llm = LLM(args.model, policy=args.policy, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, device=args.device,
-              quantization=args.quantization,
-              trace_snapshots=False, **options)  # a server draws no pictures
+    try:
+        llm = LLM(args.model, policy=args.policy, max_num_seqs=args.max_num_seqs,
+                  max_num_batched_tokens=args.max_num_batched_tokens, device=args.device,
+                  quantization=args.quantization,
+                  trace_snapshots=False, **options)  # a server draws no pictures
+    except ValueError as exc:  # a bad option or model: say which, no traceback
+        parser.error(str(exc))
     name = args.served_model_name or args.model
     app = create_app(llm, name, max_queue=args.max_queue or None)
     print(f"minicb: serving {name} (policy {args.policy}) on http://{args.host}:{args.port}/v1",

@@ -22,4 +22,23 @@ def test_demo_answers_every_question_with_timing(smollm2_dir, capsys, extra):
 
 def test_unknown_command_prints_usage(capsys):
     assert main(["fly"]) == 2
-    assert "usage: python -m minicb {demo," in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "usage: python -m minicb {demo," in err and "unknown command 'fly'" in err
+
+
+def test_help_lists_every_command(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for command in ("demo", "bench", "sweep", "profile", "serve", "grade"):
+        assert f"\n  {command} " in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["demo", "--policy", "bogus"], "policy must be one of"),
+    (["demo", "--max-tokens", "0"], "max_tokens must be"),
+    (["serve", "--port", "99999"], "--port must be in"),
+])
+def test_bad_options_are_one_line_errors_not_tracebacks(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err

@@ -199,6 +199,9 @@ def test_invariant_checker_names_the_broken_rule(make_engine):
     (dict(max_tokens=0), "max_tokens"), (dict(temperature=-1), "temperature"),
     (dict(top_p=0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_k=-1), "top_k"),
     (dict(seed="x"), "seed"), (dict(min_tokens=99), "min_tokens"),
+    (dict(seed=2**70), "seed"), (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature=float("inf")), "temperature"), (dict(stop_token_ids=5), "stop_token_ids"),
+    (dict(stop_token_ids=[True]), "stop_token_ids"),
 ])
 def test_bad_sampling_params(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -213,6 +216,9 @@ def test_bad_sampling_params(kwargs, field):
     (dict(chunk_size=8, max_num_seqs=16), "chunk_size"),
     (dict(attention_backend="cuda"), "attention_backend"),
     (dict(device="gpu"), "device must be"), (dict(device="mps"), "device must be"),
+    (dict(dtype="bogus"), "dtype"), (dict(batch_timeout=float("nan")), "batch_timeout"),
+    (dict(policy="pd", max_num_batched_tokens=16, chunk_size=32, min_chunk=32), "min_chunk"),
+    (dict(policy=PDScheduler), "pass an instance"),
 ])
 def test_bad_engine_config(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -247,6 +253,9 @@ def test_bad_requests_are_refused_before_any_work(tiny_model):
         (lambda: llm.generate([[1] * 100], SamplingParams(max_tokens=100)), "page pool"),
         (lambda: llm.generate([[1] * 10], SamplingParams(max_tokens=4000)), "context"),
         (lambda: engine.add_request([1], GREEDY, arrival_step=0), "arrival_step"),
+        (lambda: engine.add_request([1], GREEDY, arrival_time=float("nan")), "arrival_time"),
+        (lambda: llm.generate([[1]], SamplingParams(stop_token_ids=[300])), "stop_token_ids"),
+        (lambda: llm.generate([[1]], {"max_tokens": 3}), "got a dict"),
         (lambda: llm.chat([{"role": "user", "content": "hi"}]), "chat template"),
         (lambda: Engine(tiny_model, bogus=1), "unknown engine option"),
     ]
@@ -257,6 +266,49 @@ def test_bad_requests_are_refused_before_any_work(tiny_model):
     engine.add_request([1], GREEDY, request_id="dup")
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request([2], GREEDY, request_id="dup")
+    assert llm.generate((1, 2, 3), GREEDY)[0].prompt_token_ids == [1, 2, 3]  # a tuple of ids
+
+
+class Lazy(Scheduler):
+    """Never schedules anything: a stalled policy."""
+    name = "lazy"
+
+    def schedule(self, ctx):
+        return ctx.batch
+
+
+class ReturnsNothing(Scheduler):
+    name = "returns-nothing"
+
+    def schedule(self, ctx):
+        return None
+
+
+def test_a_stalled_policy_raises_instead_of_spinning_and_leaves_nothing(tiny_model,
+                                                                         monkeypatch):
+    """LLM.generate, stream and Engine.run all stop on a scheduler that never schedules, with
+    a message saying so; generate cancels its requests, so the engine is empty afterwards."""
+    import minicb.engine
+    monkeypatch.setattr(minicb.engine, "STALL_STEPS", 50)
+    llm = LLM(tiny_model, policy=Lazy(), num_pages=16)
+    with pytest.raises(RuntimeError, match="'lazy' scheduled nothing for 50 steps"):
+        llm.generate([[1, 2, 3]], GREEDY)
+    assert not llm.engine.has_unfinished() and llm.engine.pool.num_used == 0
+    with pytest.raises(RuntimeError, match="scheduled nothing"):
+        list(llm.stream([[1, 2, 3]], GREEDY))
+    assert not llm.engine.has_unfinished()
+    engine = Engine(tiny_model, policy=ReturnsNothing(), num_pages=16)
+    engine.add_request([1, 2], GREEDY)
+    with pytest.raises(SchedulerError, match="must return a ScheduledBatch"):
+        engine.step()
+
+
+def test_a_seed_torch_cannot_take_leaves_the_engine_untouched(tiny_model):
+    llm = LLM(tiny_model, num_pages=16, check_invariants=True)
+    with pytest.raises(ValueError, match="seed"):
+        llm.generate([[5, 6]], SamplingParams(max_tokens=3, seed=2**70))
+    assert llm.engine.requests == {}
+    assert llm.generate([[5, 6, 7]], GREEDY)[0].finish_reason == "length"
 
 
 def test_bad_model_names(tmp_path):

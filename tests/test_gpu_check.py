@@ -98,3 +98,20 @@ def test_fallback_builds_a_checkpoint_the_engine_loads(gpu_check, monkeypatch, t
     assert (info.config.num_layers, info.config.num_kv_heads, info.config.vocab_size) == (
         2, 2, 512)
     assert info.tokenizer is None and info.eos_token_ids == (2,)
+
+
+def test_a_cut_short_run_still_reports_what_it_measured(gpu_check):
+    """The results file is rewritten after every stage; a stage not reached says so."""
+    state = {"tests": "12 passed", "bw": None, "dec": None, "small": None, "fusion": None,
+             "model_name": None, "bench_out": None, "bench_json": None, "bench_skipped": False}
+    text = gpu_check.render_report("2026-11-29", "a GPU", "cuda", gpu_check.SPEC, state, 12.0)
+    assert "| kernel tests (tests/test_triton.py on cuda) | 12 passed |" in text
+    assert "| decode attention | not reached |" in text
+    assert "| decode step, fused vs unfused RMSNorm and RoPE | not reached |" in text
+    assert "Not reached (the check stopped before the benchmark finished)." in text
+    state.update(bw=2e12, dec={"moved": 1e9, "ref_sec": 2e-3, "rows": [
+        {"config": (64, 4, 2), "sec": 1e-3, "err": 1e-3},
+        {"config": (32, 4, 2), "sec": float("nan"), "err": "CompilationError"}]})
+    text = gpu_check.render_report("2026-11-29", "a GPU", "cuda", gpu_check.SPEC, state, 30.0)
+    assert "| decode attention, default tiles (64, 4, 2) | 1000 µs, 1000 GB/s = **50%**" in text
+    assert "| (32, 4, 2) | failed | | CompilationError |" in text

@@ -267,6 +267,14 @@ def test_padded_decode_row_with_empty_context_gives_zeros():
     assert torch.equal(out[1], torch.zeros_like(out[1]))
 
 
+def test_graph_buckets_stop_at_the_slot_count():
+    from minicb.cuda_graphs import graph_buckets
+    assert graph_buckets(16) == (1, 2, 4, 8, 16)
+    assert graph_buckets(3) == (1, 2, 3)
+    assert graph_buckets(1) == (1,)
+    assert graph_buckets(64) == graph_buckets(256) == (1, 2, 4, 8, 16, 32, 64)
+
+
 def test_decode_graph_runner_matches_the_eager_engine(tiny_checkpoint):
     """The CUDA-graph runner gives the same tokens as the plain engine, for batch sizes between
     buckets. On a GPU its graphs are captured and replayed; on the CPU its padded static
@@ -293,3 +301,4 @@ def test_decode_graph_runner_matches_the_eager_engine(tiny_checkpoint):
     assert results[0] == results[1]
     assert calls and 3 in calls, "decode-only steps of 3 requests went through the runner"
     assert engine.graph_runner.bucket(3) == 4
+    assert engine.graph_runner.max_batch == engine.config.max_num_seqs
