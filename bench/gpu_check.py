@@ -246,7 +246,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         os.environ.pop("TRITON_INTERPRET", None)
     sys.path.insert(0, str(ROOT))
-    import torch
+    try:
+        import torch
+    except ImportError as exc:
+        print(f"torch cannot be imported ({exc}): nothing measured")
+        return 0
     if not args.cpu_smoke and not torch.cuda.is_available():
         print("no CUDA device: nothing measured")
         return 0

@@ -6,9 +6,18 @@
 # bench/gpu_check.py (--skip-tests, --skip-bench, --out-dir DIR).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# the course's .venv on a CPU machine holds a CPU-only torch: use it only if it sees a GPU
 PY=python3
-[ -x .venv/bin/python ] && PY=.venv/bin/python
+if [ -x .venv/bin/python ] && .venv/bin/python -c \
+    'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+  PY=.venv/bin/python
+fi
 unset TRITON_INTERPRET  # compiled kernels, not the interpreter
 export PYTHONUNBUFFERED=1  # progress shows as it happens, also when the run is cut short
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1  # nothing is downloaded; fail fast, not slowly
+# Triton compiles a small C launcher per kernel signature at its first launch
+if ! command -v cc >/dev/null && ! command -v gcc >/dev/null && ! command -v clang >/dev/null; then
+  echo "warning: no C compiler (cc, gcc or clang) on PATH: Triton cannot build its launchers"
+fi
 # 470 s leaves the 8-minute budget a margin for start-up; each stage has its own timeout too
 exec timeout 470 "$PY" bench/gpu_check.py "$@"

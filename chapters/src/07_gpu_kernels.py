@@ -311,7 +311,8 @@ for free_gib in (20, 75):  # e.g. a 24 GB card, an 80 GB H100, after loading the
 # by the host. A CUDA graph records the whole decode forward once for a fixed batch size and
 # replays it with one launch. minicb does this for decode-only steps (`minicb/cuda_graphs.py`,
 # on with `use_cuda_graphs=True` and the Triton backend on CUDA): at start-up it captures one
-# graph per bucket of 1, 2, 4, … 64 requests; a step of B decodes copies its inputs into static
+# graph per bucket of 1, 2, 4, … requests up to `max_num_seqs` (at most 64; a decode step never
+# has more rows than slots, so a larger graph would never replay); a step of B decodes copies its inputs into static
 # buffers and replays the smallest bucket of at least B. Padding rows get slot −1 (the store
 # kernel skips them) and context length 0 (the attention kernel answers zeros), and their
 # logits are dropped. Steps that carry a prefill chunk run eagerly: their shapes vary too much to
@@ -319,9 +320,9 @@ for free_gib in (20, 75):  # e.g. a 24 GB card, an 80 GB H100, after loading the
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minicb.cuda_graphs import DEFAULT_BUCKETS, DecodeGraphRunner
+from minicb.cuda_graphs import DEFAULT_BUCKETS, DecodeGraphRunner, graph_buckets
 
-print("buckets:", DEFAULT_BUCKETS)
+print("buckets:", DEFAULT_BUCKETS, "-> with max_num_seqs=16:", graph_buckets(16))
 print(inspect.getsource(DecodeGraphRunner.run))
 
 # %% [markdown]

@@ -278,6 +278,22 @@ print("one-row members:", meta.num_decodes, "| the verifying members are attende
 #   speculative decoding through the mixed-batch path you already have; disaggregated
 #   prefill/decode, tensor and data parallelism beyond one GPU.
 #
+# ## Further reading
+#
+# The sources the course follows cite these; each is worth reading next to the chapter named.
+#
+# - Yu et al., **Orca: A Distributed Serving System for Transformer-Based Generative Models**,
+#   OSDI 2022 ([paper](https://www.usenix.org/conference/osdi22/presentation/yu)):
+#   iteration-level scheduling and selective batching (chapter 03).
+# - Kwon et al., **Efficient Memory Management for Large Language Model Serving with
+#   PagedAttention**, SOSP 2023 (the vLLM paper): pages, page tables and continuous batching
+#   over them (chapters 01 and 03).
+# - Agrawal et al., **SARATHI: Efficient LLM Inference by Piggybacking Decodes with Chunked
+#   Prefills**, 2023 ([arXiv:2308.16369](https://arxiv.org/abs/2308.16369)): decode-maximal
+#   batches (chapters 04 and 05).
+# - DigitalOcean, *Continuous Batching Mechanics*; 持续批处理：提升 GPU 利用率; 大白话解说
+#   Continuous Batching (Tencent Cloud): the explainers the seed chapter text lists.
+#
 # That is the whole course: from one request at a time (chapter 01) to a scheduler that keeps
 # every chat flowing while a long document is read in (chapter 05), measured the way production
 # measures it (chapter 06). There is no exercise notebook for this chapter: pick one of the
