@@ -2,17 +2,27 @@
 
 It executes a copy of each notebook from top to bottom in a fresh kernel, carrying on past
 errors, and scores every exercise by its check cell: the cell tagged `check:<exercise>` (and
-`points:<n>`, default 1). An exercise passes when its check cell ran without an error; a
-failed one reports the error its check cell raised (a `CheckFailed` explanation, or the
-`NotImplementedError` of an untouched stub), or the first error among the exercise's own cells
-when the check never got that far.
+`points:<n>`, default 1). An exercise passes when its check cell ran to its end without an
+error; a failed one reports the error its check cell raised (a `CheckFailed` explanation, or
+the `NotImplementedError` of an untouched stub), or the first error among the exercise's own
+cells when the check never got that far.
 
-Check cells are restored from the exercise's source (`exercises/source/<same name>`, or
-`--source PATH` for a renamed submission) before the run, so editing a check cell changes
-nothing and deleting one scores that exercise 0. `--no-restore` grades the notebook as it is.
+Check cells are restored from the exercise's source before the run: `--source PATH`, else
+`exercises/source/<same file name>`, else the source the notebook's content names (its
+`exercise:`/`check:` tags, its `check.<name>(...)` calls, its unchanged cells). A notebook
+whose source cannot be identified is refused, never graded on its own check cells. Every
+exercise of the source is reported: editing a check cell changes nothing, a check cell that
+lost its tag is found again by its cell id, and a deleted one scores that exercise 0.
+`--no-restore` grades the notebook as it is (its own check cells, which prove nothing).
+
+Each restored check cell first loads a fresh copy of `minicb.check` from its file (so an earlier
+cell that replaced `check.<name>` or rebound `check` changes nothing) and ends by printing a
+mark that changes with every run; an exercise passes only when that mark was printed. This
+raises the bar, it is no sandbox: the learner's code runs in the same kernel before the checks
+and can still patch the engine the checks drive, or IPython itself.
 
 The original notebook is never modified. Exit status: 0 when every notebook was graded (whatever
-the score), 2 when a notebook could not be read.
+the score), 2 when a notebook could not be read or its exercise source could not be identified.
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ import argparse
 import json
 import os
 import re
+import secrets
 import shutil
 import sys
 import tempfile
@@ -35,8 +46,23 @@ from minicb.exercises import ROOT, cell_tags
 
 CHECK_TAG = re.compile(r"^check:(?P<name>[\w.-]+)$")
 POINTS_TAG = re.compile(r"^points:(?P<points>\d+(\.\d+)?)$")
+CHECK_CALL = re.compile(r"\bcheck\.(?P<name>\w+)\(")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 MAX_MESSAGE = 1200
+SOURCES = ROOT / "exercises" / "source"
+CHECK_MODULE = Path(__file__).resolve().with_name("check.py")
+# Put before every restored check cell: `check` is a fresh module loaded from minicb/check.py.
+GUARD = """\
+import importlib.util as _minicb_grade_util  # added by minicb grade: a fresh minicb.check
+_minicb_grade_spec = _minicb_grade_util.spec_from_file_location("minicb.check", {path!r})
+check = _minicb_grade_util.module_from_spec(_minicb_grade_spec)
+_minicb_grade_spec.loader.exec_module(check)
+"""
+MARK = "minicb-grade-check-done:{nonce}:{name}"  # printed after a check cell's own code
+
+
+class GradeError(ValueError):
+    """A notebook that cannot be graded as asked (its exercise source is unknown or unreadable)."""
 
 
 @dataclass
@@ -97,10 +123,53 @@ def check_cells(nb: nbformat.NotebookNode) -> list[tuple[int, str, float]]:
     return found
 
 
-def source_for(path: Path) -> Path | None:
-    """The exercise source with the same file name, if there is one."""
-    candidate = ROOT / "exercises" / "source" / path.name
-    return candidate if candidate.is_file() else None
+def exercise_names(nb: nbformat.NotebookNode) -> set[str]:
+    """The exercises a notebook names: its `exercise:`/`check:` tags and `check.<name>(`
+    calls."""
+    names = set()
+    for cell in nb.cells:
+        for tag in cell_tags(cell):
+            kind, _, name = tag.partition(":")
+            if kind in ("exercise", "check") and name:
+                names.add(name)
+        if cell.cell_type == "code":
+            text = cell.source if isinstance(cell.source, str) else "".join(cell.source)
+            names.update(m.group("name") for m in CHECK_CALL.finditer(text))
+    return names
+
+
+def identify_source(nb: nbformat.NotebookNode, sources: Path = SOURCES) -> Path | None:
+    """The exercise source a notebook was made from, judged by its content: the source
+    sharing the most exercise names with it (tags, check calls), then the most cells left
+    word for word as they were. None when it names no exercise and shares fewer than two
+    cells with any source, or when two sources tie."""
+    names = exercise_names(nb)
+    texts = {c.source.strip() for c in nb.cells if isinstance(c.source, str) and c.source.strip()}
+    scores = []
+    for src in sorted(sources.glob("*.ipynb")):
+        try:
+            source = nbformat.read(src, as_version=4)
+        except Exception:
+            continue
+        own = {n for _, n, _ in check_cells(source)}
+        same_cells = sum(1 for c in source.cells
+                         if c.source.strip() and c.source.strip() in texts)
+        scores.append(((len(names & own), same_cells), src))
+    scores.sort(key=lambda item: item[0], reverse=True)
+    if not scores or scores[0][0][0] == 0 and scores[0][0][1] < 2:
+        return None  # no exercise name, at most one common cell ("import torch"): not ours
+    if len(scores) > 1 and scores[1][0] == scores[0][0]:
+        return None
+    return scores[0][1]
+
+
+def source_for(path: Path, nb: nbformat.NotebookNode | None = None) -> Path | None:
+    """The exercise source of the notebook at `path`: the file of the same name in
+    exercises/source, else (given the notebook) the one its content identifies, else None."""
+    candidate = SOURCES / Path(path).name
+    if candidate.is_file():
+        return candidate
+    return identify_source(nb) if nb is not None else None
 
 
 def restore_checks(nb: nbformat.NotebookNode, source: nbformat.NotebookNode
@@ -110,9 +179,17 @@ def restore_checks(nb: nbformat.NotebookNode, source: nbformat.NotebookNode
     notes: list[str] = []
     expected = []
     learner = {name: i for i, name, _ in check_cells(nb)}
+    tagged = set(learner.values())
+    by_id = {c.get("id"): i for i, c in enumerate(nb.cells)
+             if c.get("id") and c.cell_type == "code" and i not in tagged}
     for i, name, points in check_cells(source):
         expected.append((name, points))
         original = source.cells[i].source
+        if name not in learner and source.cells[i].get("id") in by_id:
+            learner[name] = by_id.pop(source.cells[i].get("id"))
+            notes.append(f"check cell of {name!r} had lost its tag: found by its cell id, "
+                         "restored from the source")
+            nb.cells[learner[name]].source = original
         if name not in learner:
             notes.append(f"check cell of {name!r} is missing: that exercise scores 0")
             continue
@@ -120,10 +197,26 @@ def restore_checks(nb: nbformat.NotebookNode, source: nbformat.NotebookNode
         if cell.source != original:
             notes.append(f"check cell of {name!r} was edited: restored from the source")
             cell.source = original
-        tags = [t for t in cell_tags(cell) if not POINTS_TAG.match(t)]
-        tags += [t for t in cell_tags(source.cells[i]) if POINTS_TAG.match(t)]
+        tags = [t for t in cell_tags(cell)
+                if not POINTS_TAG.match(t) and not CHECK_TAG.match(t)]
+        tags += [t for t in cell_tags(source.cells[i])
+                 if POINTS_TAG.match(t) or CHECK_TAG.match(t)]
         cell.setdefault("metadata", {})["tags"] = tags
     return expected, notes
+
+
+def guard_checks(nb: nbformat.NotebookNode, nonce: str) -> None:
+    """Wrap every check cell: a fresh `minicb.check` first, the grader's mark last."""
+    for i, name, _ in check_cells(nb):
+        cell = nb.cells[i]
+        mark = MARK.format(nonce=nonce, name=name)
+        cell.source = (GUARD.format(path=str(CHECK_MODULE)) + cell.source
+                       + f"\nprint({mark!r})\n")
+
+
+def _printed(cell: nbformat.NotebookNode, text: str) -> bool:
+    return any(out.get("output_type") == "stream" and text in str(out.get("text", ""))
+               for out in cell.get("outputs", []))
 
 
 def _error_of(cell: nbformat.NotebookNode) -> str | None:
@@ -166,10 +259,26 @@ def grade_notebook(path: str | Path, timeout: int = 300, restore: bool = True,
     nb = nbformat.read(path, as_version=4)
     report = GradeReport(str(path))
     expected = [(name, points) for _, name, points in check_cells(nb)]
-    source_path = (Path(source) if source else source_for(path)) if restore else None
-    if source_path is not None and source_path.resolve() != path.resolve():
-        expected, notes = restore_checks(nb, nbformat.read(source_path, as_version=4))
+    nonce = None
+    if restore:
+        source_path = Path(source) if source else source_for(path, nb)
+        if source_path is None:
+            raise GradeError(
+                f"cannot tell which exercise notebook {path} was made from: its name matches "
+                "no file in exercises/source and its content (exercise tags, check calls) "
+                "names no single one, so its check cells cannot be restored. Name the source: "
+                f"python -m minicb grade {path} --source exercises/source/NN_name.ipynb")
+        try:
+            source_nb = nbformat.read(source_path, as_version=4)
+        except Exception as exc:
+            raise GradeError(f"cannot read the source {source_path}: "
+                             f"{type(exc).__name__}: {exc}") from exc
+        expected, notes = restore_checks(nb, source_nb)
+        if source_path.name != path.name:
+            notes.insert(0, f"check cells restored from {_shown(source_path)}")
         report.notes.extend(notes)
+        nonce = secrets.token_hex(8)
+        guard_checks(nb, nonce)
     for cell in nb.cells:
         if cell.cell_type == "code":
             cell.outputs, cell.execution_count = [], None
@@ -195,11 +304,15 @@ def grade_notebook(path: str | Path, timeout: int = 300, restore: bool = True,
         earlier = next((e for c in nb.cells[previous + 1:index] if c.cell_type == "code"
                         for e in [_error_of(c)] if e), None)
         previous = index
-        if ran and error is None:
+        finished = nonce is None or _printed(cell, MARK.format(nonce=nonce, name=name))
+        if ran and error is None and finished:
             report.exercises.append(ExerciseResult(name, points, points, True))
             continue
         if not ran:
             message = "its check cell did not run (see the notes below)"
+        elif error is None:
+            message = ("its check cell reported no error but did not run to its end (did an "
+                       "earlier cell change how errors or printed output are handled?)")
         elif error.startswith("KeyboardInterrupt"):
             message = (f"{error}: a cell ran longer than {timeout} s and was interrupted "
                        "(an endless loop?)")
@@ -209,6 +322,13 @@ def grade_notebook(path: str | Path, timeout: int = 300, restore: bool = True,
             message = error
         report.exercises.append(ExerciseResult(name, 0, points, False, message))
     return report
+
+
+def _shown(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
 
 
 def format_report(report: GradeReport) -> str:
@@ -240,10 +360,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=int, default=300,
                         help="seconds a single cell may run before it is interrupted")
     parser.add_argument("--no-restore", action="store_true",
-                        help="do not restore check cells from exercises/source")
+                        help="grade the notebook's own check cells as they are (proves "
+                             "nothing about a submission)")
     parser.add_argument("--source", type=Path,
                         help="the exercise source to restore check cells from (default: "
-                             "exercises/source/<same file name>)")
+                             "exercises/source/<same file name>, else the one the "
+                             "notebook's content identifies)")
     args = parser.parse_args(argv)
     reports = []
     status = 0
@@ -254,8 +376,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: cannot read {path}: {type(exc).__name__}: {exc}", file=sys.stderr)
             status = 2
             continue
-        report = grade_notebook(path, timeout=args.timeout, restore=not args.no_restore,
-                                source=args.source)
+        try:
+            report = grade_notebook(path, timeout=args.timeout, restore=not args.no_restore,
+                                    source=args.source)
+        except GradeError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            status = 2
+            continue
         reports.append(report)
         if not args.json:
             print(format_report(report))

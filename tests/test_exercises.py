@@ -436,6 +436,119 @@ def test_grader_restores_checks_and_survives_endless_loops(tmp_path, capsys):
     assert grade.main([str(tmp_path / "missing.ipynb")]) == 2
 
 
+def untagged(nb):
+    """The notebook with every cell tag removed (ids and sources kept)."""
+    for cell in nb.cells:
+        cell.get("metadata", {}).pop("tags", None)
+    return nb
+
+
+def test_a_notebook_is_identified_by_its_content():
+    """A renamed submission still names its source: by its tags and check calls, and with
+    every tag stripped and every check cell replaced, by the cells it left as they were."""
+    for folder in ("exercises", "solutions"):
+        for name in EXPECTED:
+            nb = nbformat.read(ROOT / folder / name, as_version=4)
+            source = ROOT / "exercises" / "source" / name
+            assert grade.source_for(ROOT / "submissions" / "alice.ipynb", nb) == source
+            for index in tagged(nb, "check").values():
+                nb.cells[index].source = "print('✓ passed')"
+            assert grade.identify_source(untagged(nb)) == source, (folder, name)
+    chapter = nbformat.read(ROOT / "chapters" / "04_chunked_prefill.ipynb", as_version=4)
+    assert grade.identify_source(chapter) is None
+    mixed = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
+        "check.next_chunk(next_chunk)\ncheck.latencies(latencies)")])
+    assert grade.identify_source(mixed) is None  # two sources tie: refuse to guess
+
+
+def test_a_notebook_of_unknown_source_is_refused(tmp_path, capsys):
+    """No source, no grade: the grader never scores a notebook by its own check cells."""
+    nb = nbformat.read(ROOT / "chapters" / "04_chunked_prefill.ipynb", as_version=4)
+    nb.cells.append(nbformat.v4.new_code_cell("print('✓ passed')",  # a check of its own
+                                              metadata={"tags": ["check:homework"]}))
+    path = tmp_path / "alice.ipynb"
+    nbformat.write(nb, path)
+    with pytest.raises(grade.GradeError, match="--source"):
+        grade.grade_notebook(path)
+    assert grade.main([str(path), "--json"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out.strip() in ("", "[]")
+    assert "cannot tell which exercise notebook" in captured.err and "--source" in captured.err
+    missing = tmp_path / "nowhere.ipynb"
+    with pytest.raises(grade.GradeError, match="cannot read the source"):
+        grade.grade_notebook(path, source=missing)
+
+
+@pytest.mark.slow
+def test_a_renamed_tampered_submission_scores_zero(tmp_path, capsys):
+    """Check cells replaced by a print in a notebook named alice.ipynb, no --source: the
+    source is found from the content, the checks are restored, the stubs score 0."""
+    nb = nbformat.read(ROOT / "exercises" / EXPECTED[1], as_version=4)
+    checks = tagged(nb, "check")
+    for index in checks.values():
+        nb.cells[index].source = "print('✓ passed')"
+    path = tmp_path / "alice.ipynb"
+    nbformat.write(nb, path)
+    assert grade.main([str(path), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [e["name"] for e in data["exercises"]] == list(checks)
+    assert data["score"] == 0 and data["max_score"] == len(checks)
+    assert all(e["message"].startswith("NotImplementedError: ") for e in data["exercises"])
+    assert f"check cells restored from exercises/source/{EXPECTED[1]}" in data["notes"]
+    for name in checks:
+        assert f"check cell of {name!r} was edited: restored from the source" in data["notes"]
+
+
+@pytest.mark.slow
+def test_a_removed_check_tag_does_not_drop_the_exercise(tmp_path):
+    """Untagged check cells are found by their cell id and restored; one that lost both its
+    tag and its id is reported missing (0 points), never left out of the report."""
+    nb = untagged(nbformat.read(ROOT / "solutions" / EXPECTED[1], as_version=4))
+    source = nbformat.read(ROOT / "exercises" / "source" / EXPECTED[1], as_version=4)
+    checks = tagged(source, "check")
+    first, second = checks  # static_batch, static_finish_steps
+    nb.cells[checks[first]].source = "print('✓ passed')"  # untagged and edited: restored
+    nb.cells[checks[second]]["id"] = "mine"  # untagged, new id: cannot be found
+    path = tmp_path / "carol.ipynb"
+    nbformat.write(nb, path)
+    report = grade.grade_notebook(path)
+    by_name = {e.name: e for e in report.exercises}
+    assert list(by_name) == [first, second], grade.format_report(report)
+    assert by_name[first].passed
+    assert not by_name[second].passed and by_name[second].points == 0
+    assert by_name[second].message == "its check cell is missing"
+    assert f"check cell of {first!r} had lost its tag: found by its cell id, restored from " \
+           "the source" in report.notes
+    assert f"check cell of {second!r} is missing: that exercise scores 0" in report.notes
+
+
+@pytest.mark.slow
+def test_an_earlier_cell_cannot_patch_the_checks_away(tmp_path):
+    """A cell that replaces `check.pd_scheduler` changes nothing (the check cell loads a fresh
+    minicb.check), and one that silences errors scores 0 (the check never printed its mark);
+    the same patches leave a solution notebook at full marks."""
+    for folder, full in (("exercises", False), ("solutions", True)):
+        nb = nbformat.read(ROOT / folder / EXPECTED[4], as_version=4)
+        stubs = tagged(nb, "exercise")
+        nb.cells.insert(stubs["dec_at_p"], nbformat.v4.new_code_cell(
+            "get_ipython().set_custom_exc((Exception,), lambda *a, **k: None)"))
+        nb.cells.insert(stubs["pd_scheduler"], nbformat.v4.new_code_cell(
+            'setattr(check, "pd_scheduler", lambda *a, **k: None)\n'
+            "import minicb.check\nminicb.check.pd_scheduler = check.pd_scheduler"))
+        path = tmp_path / EXPECTED[4]
+        nbformat.write(nb, path)
+        report = grade.grade_notebook(path)
+        by_name = {e.name: e for e in report.exercises}
+        assert list(by_name) == ["pd_scheduler", "dec_at_p", "short_p"]
+        if full:
+            assert report.score == report.max_score == 4, grade.format_report(report)
+            continue
+        assert report.score == 0, grade.format_report(report)
+        assert by_name["pd_scheduler"].message.startswith("NotImplementedError: write ")
+        for name in ("dec_at_p", "short_p"):
+            assert "did not run to its end" in by_name[name].message
+
+
 def test_static_batch_reference_matches_the_engines_first_batch():
     """The check's reference for exercise 2.1 is what minicb's static policy admits."""
     import random

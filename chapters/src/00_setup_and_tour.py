@@ -201,5 +201,9 @@ print("Engine.step is defined at", f"{inspect.getsourcefile(minicb.Engine).split
 # - The next chapter opens v1: one request, its prefill and its decodes, and the paged KV cache
 #   underneath.
 #
-# **Exercises:** `exercises/00_setup_and_tour.ipynb` (ask your own questions, read a trace by
-# hand, find who finished first and at which step).
+# **Exercises:** none for this chapter; the graded exercises start after chapter 01, with
+# [`exercises/01_paged_kv.ipynb`](../exercises/01_paged_kv.ipynb).
+#
+# **Try this (not graded):** ask the model questions of your own in the cells above, read the
+# text timeline by hand to find which request finished first and at which step, then check your
+# answer against `llm.engine.trace` (each `StepRecord` lists the ids that `finished` at it).

@@ -490,7 +490,11 @@ viz.plot_timeline(trace, title="v1 (policy='single'): one request at a time")
 # - Since decode pays for bytes of weights, int8 weights (one scale per output row) decode about
 #   2.5× faster here, at the price of slightly different numbers.
 #
-# **Exercises:** `exercises/01_single_request_paged_kv.ipynb`: write the slot mapping and the
-# page allocator yourself (checked against `PagePool`), predict a page table before running it,
-# measure how much prefill a longer shared system prompt saves, and quantize a weight to int8 rows
-# the way `quantization="int8"` does.
+# **Exercises:** [`exercises/01_paged_kv.ipynb`](../exercises/01_paged_kv.ipynb): write a page
+# pool with reference counts (`page_pool`, checked against `PagePool`), the chained hash of a
+# prompt's full pages (`prefix_hashes`), the lookup of a cached prefix with its
+# `prompt_len − 1` cap (`match_prefix`), and the int8 quantization of a weight, one scale per
+# row, as `quantization="int8"` does it (`quantize_int8`).
+#
+# **Try this (not graded):** predict a request's page table and slot mapping before you run it,
+# and lengthen the shared system prompt of section 4 to see how much more prefill it saves.

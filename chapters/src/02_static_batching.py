@@ -353,7 +353,12 @@ print(f"R1/R2/R3:      {metrics.dead_slot_steps(static.trace)} dead slot-steps")
 # - All of this comes from the batch being the unit of scheduling. Chapter 03 makes the unit a
 #   single step.
 #
-# **Exercises:** `exercises/02_static_batching.ipynb`: extend the toy loop to report dead
-# slot-steps and R4's wait for any lengths, write a static scheduler as a `minicb.Scheduler`
-# subclass and run it in the real engine, and find the `batch_timeout` that minimises mean latency
-# for a given arrival pattern.
+# **Exercises:** [`exercises/02_static_batching.ipynb`](../exercises/02_static_batching.ipynb):
+# form a static batch from the front of the waiting queue under the slot limit and the free pages
+# (`static_batch`), then watch your function form the batches of the R1..R4 example in the real
+# engine; then predict from output lengths and arrival steps the step at which each request
+# finishes under static batching (`static_finish_steps`, checked against the real engine on the
+# R1..R4 example and on random workloads).
+#
+# **Try this (not graded):** rerun section 3's trickle of requests with other `batch_timeout`
+# values and find the one that minimises their mean latency.
