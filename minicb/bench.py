@@ -40,8 +40,8 @@ from minicb.workload import SCENARIOS, Workload, get_workload, make_workload, ru
 
 RESULT_KEYS = ("output_tokens_per_s", "requests_per_s", "ttft_s", "itl_s", "max_itl_s", "tpot_s",
                "e2e_s", "queue_s", "goodput_rps", "dec_at_p", "short_p_steps", "short_p_s",
-               "preemptions", "recomputed_tokens", "cancelled", "errors", "max_queue_age_s",
-               "host_time_fraction", "decode_tokens_per_s")
+               "preemptions", "recomputed_tokens", "evicted_pages", "cancelled", "errors",
+               "max_queue_age_s", "host_time_fraction", "decode_tokens_per_s")
 SIMULATED_NOTE = ("SIMULATED: no model ran; the real scheduler, pages and trace ran, and each "
                   "step's time came from the cost model below")
 

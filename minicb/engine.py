@@ -276,6 +276,7 @@ class Engine:
         t_start = self.clock()  # after arrivals: nobody is scheduled before they arrived
 
         # 1. schedule
+        evicted_before = self.pool.num_evicted
         ctx = SchedulerContext(self.waiting, self.running, self.pool, self.config,
                                self.step_count, t_start, self.free_slots)
         batch = self.scheduler.schedule(ctx)
@@ -336,7 +337,8 @@ class Engine:
             pages_used=self.pool.num_used, pages_cached=self.pool.num_cached,
             t_start=t_start, t_end=self.clock(), arrived=arrived, sampled=sampled,
             t_forward=t_forward, pages_total=self.pool.num_pages,
-            num_waiting=len(self.waiting), snapshots=self.config.trace_snapshots)
+            num_waiting=len(self.waiting), snapshots=self.config.trace_snapshots,
+            pages_evicted=self.pool.num_evicted - evicted_before)
         if self.config.trace_snapshots:
             record.waiting = [r.request_id for r in self.waiting]
             record.page_tables = {r.request_id: list(r.page_table) for r in self.running}

@@ -88,6 +88,7 @@ class PagePool:
         self.ref_count = [0] * num_pages
         self.free: deque[int] = deque(range(num_pages))
         self.prefix = PrefixIndex() if enable_prefix_caching else None
+        self.num_evicted = 0  # cached prefix pages taken back for new work, since the start
         shape = (num_pages, page_size, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -130,6 +131,7 @@ class PagePool:
                 victim, _ = self.prefix.lru.popitem(last=False)
                 self.prefix.forget(victim)
                 self.free.append(victim)
+                self.num_evicted += 1
             page = self.free.popleft()
             self.ref_count[page] = 1
             pages.append(page)

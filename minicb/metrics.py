@@ -13,6 +13,9 @@ Per request (seconds, and the same in steps where it makes sense):
             except under static batching, whose batch returns whole when its slowest member
             ends (chapter 02); records without a release time fall back to the finish
 
+Memory pressure: preemptions, the tokens they threw away (recomputed_tokens), and
+evicted_pages, cached prefix pages given up to make room (reuse lost).
+
 Percentiles are numpy's default definition (linear interpolation between the two nearest
 ranks, `np.percentile(..., method="linear")`), over completed requests only: cancelled and
 failed requests are counted, never averaged in. Throughput divides by the run's span, from
@@ -311,6 +314,8 @@ def summarize(trace: Sequence[Any], records: Sequence[Any], slo: dict[str, float
         "slo_attainment": len(met) / len(not_cancelled) if not_cancelled else None,
         "goodput_rps": per_s(len(met)),
         "preemptions": sum(r.num_preemptions for r in records),
+        # cached prefix pages given up for new work: prefix reuse lost to memory pressure
+        "evicted_pages": sum(rec.pages_evicted for rec in trace),
         "recomputed_tokens": sum(r.num_recomputed_tokens for r in records),
         "max_queue_age_s": age_s,
         "max_queue_age_steps": age_steps,

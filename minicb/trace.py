@@ -37,6 +37,7 @@ class StepRecord:
     slots: dict[str, int] = field(default_factory=dict)  # running ids -> slot, after the step*
     cached_pages: list[int] = field(default_factory=list)  # unreferenced, kept for reuse*
     num_waiting: int = 0  # len(waiting), kept even without snapshots
+    pages_evicted: int = 0  # cached prefix pages evicted to make room during this step
     snapshots: bool = True  # False: the engine ran with trace_snapshots=False, so the fields
     # marked * are empty (the pictures that need them say so)
 

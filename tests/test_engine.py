@@ -364,3 +364,19 @@ def test_cuda_page_pool_is_sized_from_free_memory(monkeypatch):
     assert default_num_pages(smollm2, EngineConfig.from_kwargs(**tiny), torch.bfloat16) == 16
     cpu = EngineConfig.from_kwargs(device="cpu")
     assert default_num_pages(smollm2, cpu, torch.float32) == 1024
+
+
+def test_evicted_prefix_pages_are_counted_in_the_trace(tiny_model):
+    """One-at-a-time requests with different 32-token prompts in a 6-page pool: each leaves
+    two cached prompt pages, and the next ones must evict them to fit."""
+    engine = Engine(tiny_model, policy="single", num_pages=6, page_size=16,
+                    check_invariants=True)
+    for i in range(3):
+        engine.add_request([10 + i] * 32, SamplingParams(max_tokens=20, temperature=0.0,
+                                                         ignore_eos=True))
+    engine.run()
+    evicted = [rec.pages_evicted for rec in engine.trace]
+    assert sum(evicted) == engine.pool.num_evicted > 0
+    from minicb import metrics
+    assert metrics.summarize(engine.trace, engine.request_records())["evicted_pages"] == \
+        sum(evicted)

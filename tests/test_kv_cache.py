@@ -68,6 +68,7 @@ def test_lru_eviction_of_unreferenced_cached_pages():
     taken = pool.allocate(2)
     # the free page goes first, then the least recently used cached page: newer's last page
     assert taken == [4, newer[1]]
+    assert pool.num_evicted == 1  # the free page cost nothing; the cached one is counted
     assert pool.match_prefix([5, 6, 7, 8, 0]) == newer[:1]
     assert pool.match_prefix([1, 2, 3, 4, 0]) == old
     pool.check([taken])

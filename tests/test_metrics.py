@@ -238,3 +238,11 @@ def test_format_table_and_lookup():
     assert metrics.lookup(s, "nope.p50") is None
     rows = metrics.per_request(hand_records())
     assert rows[0]["request_id"] == "A" and math.isclose(rows[0]["tpot_s"], 0.75)
+
+
+def test_evicted_pages_are_summed_over_the_steps():
+    trace = [step(i, [(rid, "prefill", 4, i - 1)], i - 1.0, float(i))
+             for i, rid in enumerate("ABC", start=1)]
+    trace[1].pages_evicted, trace[2].pages_evicted = 2, 1
+    assert metrics.summarize(trace, [])["evicted_pages"] == 3
+    assert metrics.summarize([], [])["evicted_pages"] == 0

@@ -418,14 +418,18 @@ for name, engine in (("1024 pages", roomy), ("11 pages", tight)):
     s = metrics.summarize(engine.trace, engine.request_records())
     events = [(rec.step, rid) for rec in engine.trace for rid in rec.preempted]
     print(f"{name:<10} steps {s['num_steps']:>3}, most pages used {max(r.pages_used for r in engine.trace):>2}, "
-          f"preemptions {s['preemptions']} {events}, recomputed tokens {s['recomputed_tokens']}")
+          f"preemptions {s['preemptions']} {events}, recomputed tokens {s['recomputed_tokens']}, "
+          f"evicted prefix pages {s['evicted_pages']}")
 print("same output tokens with and without preemption:",
       all(tight.requests[r].output_token_ids == roomy.requests[r].output_token_ids
           for r in roomy.requests))
 
 # %% [markdown]
 # Two preemptions cost 80 recomputed tokens and 31 extra steps, and the results are unchanged:
-# a preempted request produces exactly the tokens it would have. The cost is time: the work
+# a preempted request produces exactly the tokens it would have. A preempted request's full
+# prompt pages stay in the prefix index, reusable when it returns, unless the pool needs the
+# room first: here 2 cached pages were evicted (`evicted_pages`), prefix reuse lost to memory
+# pressure. The cost is time: the work
 # thrown away, plus the wait in the queue. That is why the contract wants preemptions and lost
 # work reported next to utilisation.
 #
