@@ -152,6 +152,15 @@ def test_cpu_tensors_without_interpreter_fail_clearly(monkeypatch):
         tops.attend(q.cpu(), k_cache.cpu(), v_cache.cpu(), meta.to("cpu"), 1.0)
 
 
+def test_an_engine_refuses_triton_on_the_cpu_without_the_interpreter(monkeypatch,
+                                                                    tiny_checkpoint):
+    """Refused when the engine is built, not as an error in every request it later runs."""
+    from minicb import Engine
+    monkeypatch.setattr(tops, "_interpreted", lambda: False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1 before anything imports triton"):
+        Engine(str(tiny_checkpoint("llama")), attention_backend="triton", num_pages=8)
+
+
 def test_store_skips_negative_slots():
     """A padded batch (CUDA graphs) marks its padding rows with slot -1: nothing is written."""
     q, k, v, k_cache, v_cache, meta = make_case([(5, 1), (9, 1), (0, 1)], 16, 1)

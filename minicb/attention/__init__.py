@@ -140,6 +140,12 @@ def resolve_backend(name: str = "auto", device: str = "cpu") -> str:
         name = "triton" if str(device).startswith("cuda") else "torch"
     if name not in ("torch", "triton"):
         raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {name!r}")
+    if name == "triton" and not str(device).startswith("cuda"):
+        from minicb.attention import triton_ops
+        if not triton_ops._interpreted():  # refuse now, not as an error in every request
+            raise ValueError("attention_backend='triton' on the CPU runs the kernels in Triton's "
+                             "interpreter: set TRITON_INTERPRET=1 before anything imports "
+                             "triton (e.g. TRITON_INTERPRET=1 python ...), or use 'torch'")
     return name
 
 
