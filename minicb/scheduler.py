@@ -334,14 +334,25 @@ def schedule_prefill_chunks(ctx: SchedulerContext, budget: int, min_chunk: int =
     """Spend `budget` on prefill chunks: first the prompts already being prefilled, then new
     ones from the front of the queue. Returns the budget left."""
     chunk_size = ctx.config.chunk_size
+    stuck = []  # running prompts whose next chunk has no pages
     for req in Scheduler.prefilling(ctx):
         if req.request_id in ctx.scheduled_ids or req.status is not Status.RUNNING:
             continue
         num_tokens = min(req.num_remaining, chunk_size, budget)
-        if num_tokens < min(min_chunk, req.num_remaining) or not ctx.reserve(req, num_tokens):
+        if num_tokens < min(min_chunk, req.num_remaining):
+            continue
+        if not ctx.reserve(req, num_tokens):
+            stuck.append((req, num_tokens))
             continue
         ctx.schedule(req, num_tokens)
         budget -= num_tokens
+    if stuck and not ctx.batch.items and not Scheduler.decoding(ctx):
+        # half-prefilled prompts hold every page and each waits for another's: nothing would
+        # ever run again. Preempt the newest so that the oldest can go on.
+        req, num_tokens = stuck[0]
+        if ctx.reserve_or_preempt(req, num_tokens):
+            ctx.schedule(req, num_tokens)
+            budget -= num_tokens
     while ctx.waiting and budget > 0 and not ctx.batch.preempted:
         req = ctx.waiting[0]
         num_tokens = ctx.admit(req, min(chunk_size, budget), min_tokens=min_chunk)

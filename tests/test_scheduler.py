@@ -192,6 +192,31 @@ def test_priority_preemption_picks_the_least_important(make_engine):
     assert engine.requests["vip"].num_preemptions == 0
 
 
+@pytest.mark.parametrize("aging, max_wait", [(None, None), (8, 8 + 4)])
+def test_priority_aging_bounds_how_long_a_low_priority_request_waits(make_engine, aging,
+                                                                     max_wait):
+    """One slot; a priority-1 job arrives behind a chat, then a new priority-0 chat arrives
+    every 4 steps, each needing 4 steps. Without aging every chat goes first and the job waits
+    for the stream to end; with aging it outranks newcomers after `aging` steps, so it starts
+    once the slot next frees after that: within `aging` + one chat's 4 steps."""
+    engine = make_engine("continuous", max_num_seqs=1, preemption="priority",
+                         priority_aging_steps=aging)
+    p = SamplingParams(max_tokens=4, **GREEDY)
+    engine.add_request([1, 2], p, request_id="chat-0")
+    engine.add_request([3, 4], p, request_id="job", priority=1, arrival_step=2)
+    for i, step in enumerate(range(4, 60, 4)):
+        engine.add_request([5 + i, 6], p, request_id=f"chat-{i + 1}", arrival_step=step)
+    engine.run()
+    job = engine.requests["job"].metrics
+    waited = job.first_scheduled_step - job.arrival_step
+    if aging is None:
+        assert job.first_scheduled_step > max(r.metrics.first_scheduled_step
+                                              for r in engine.requests.values()
+                                              if r.request_id != "job")
+    else:
+        assert aging <= waited <= max_wait, waited
+
+
 # --- invariants over random workloads -------------------------------------------------------
 
 workloads = st.lists(st.tuples(st.integers(1, 40), st.integers(1, 12), st.integers(1, 12)),
@@ -239,4 +264,26 @@ def test_every_policy_returns_single_tokens(make_engine, tiny_model, policy, wor
                 batches.setdefault(key, {m.request_id for m in rec.members})
                 assert {m.request_id for m in rec.members} <= batches[key]
     engine.pool.check([])
+    assert engine.pool.num_used == 0
+
+
+@pytest.mark.parametrize("policy", ["chunked", "pd"])
+def test_half_prefilled_prompts_that_hold_every_page_do_not_deadlock(make_engine, policy):
+    """Found by hypothesis: three long prompts in chunks, 14 pages of 4 tokens. Two prompts
+    were admitted chunk by chunk until they held all 14 pages, each needing one more page to
+    go on: no decode ran to free one, so nothing was scheduled ever again. Now the newest is
+    preempted and recomputed later, and every request returns the single-request tokens."""
+    cfg = dict(max_num_seqs=3, max_num_batched_tokens=16, chunk_size=8, page_size=4)
+    rng = random.Random(0)
+    jobs = [([rng.randrange(3, 250) for _ in range(n)], m, a)
+            for n, m, a in [(35, 3, 12), (34, 2, 3), (33, 7, 4)]]
+    engine = make_engine(policy, num_pages=14, **cfg)
+    reference = make_engine("single", page_size=4, num_pages=64)
+    for e in (engine, reference):
+        for i, (prompt, max_tokens, arrival) in enumerate(jobs):
+            e.add_request(prompt, SamplingParams(max_tokens=max_tokens, **GREEDY),
+                          request_id=f"r{i}", arrival_step=arrival)
+        e.run()
+    assert all(engine.requests[r].output_token_ids == reference.requests[r].output_token_ids
+               for r in reference.requests)
     assert engine.pool.num_used == 0
