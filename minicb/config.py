@@ -47,6 +47,9 @@ class EngineConfig:
     batch_timeout_in_seconds: bool = False
     enable_prefix_caching: bool = True
     preemption: str = "newest"  # or "priority": who is preempted when decodes need a page
+    # with preemption="priority": a waiting request's priority improves by one for every this
+    # many steps it has waited, so a stream of important requests cannot starve it (chapter 06)
+    priority_aging_steps: int | None = None
     check_invariants: bool = False
     # per-step copies of the waiting queue, page tables, slots and cached pages in the trace
     # (what the step-through pictures draw); False keeps each StepRecord as small as its batch,
@@ -94,6 +97,14 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.preemption not in ("newest", "priority"):
             raise ValueError(f"preemption must be 'newest' or 'priority', got {self.preemption!r}")
+        aging = self.priority_aging_steps
+        if aging is not None and (not isinstance(aging, int) or isinstance(aging, bool)
+                                  or aging < 1):
+            raise ValueError(f"priority_aging_steps must be a positive integer or None, "
+                             f"got {aging!r}")
+        if aging is not None and self.preemption != "priority":
+            raise ValueError("priority_aging_steps ages priorities: it needs "
+                             "preemption='priority'")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                              f"got {self.attention_backend!r}")

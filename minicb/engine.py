@@ -217,6 +217,16 @@ class Engine:
         else:
             self.waiting.append(req)
 
+    def _age_waiting_queue(self) -> None:
+        """Order the waiting queue by effective priority: `priority` minus one for every
+        `priority_aging_steps` steps waited, oldest first among equals (chapter 06). A request
+        that waits long enough outranks any newcomer: starvation is bounded."""
+        aging = self.config.priority_aging_steps
+        ordered = sorted(self.waiting, key=lambda r: (
+            r.priority - (self.step_count - r.metrics.arrival_step) // aging, r.seq_index))
+        self.waiting.clear()
+        self.waiting.extend(ordered)
+
     def _admit_arrivals(self) -> list[str]:
         now = self.clock()
         arrived = [r for r in self.pending
@@ -274,6 +284,8 @@ class Engine:
         arrived = self._arrived_since_last_step + self._admit_arrivals()
         self._arrived_since_last_step = []
         t_start = self.clock()  # after arrivals: nobody is scheduled before they arrived
+        if self.config.priority_aging_steps:
+            self._age_waiting_queue()
 
         # 1. schedule
         evicted_before = self.pool.num_evicted

@@ -219,6 +219,8 @@ def test_bad_sampling_params(kwargs, field):
     (dict(dtype="bogus"), "dtype"), (dict(batch_timeout=float("nan")), "batch_timeout"),
     (dict(policy="pd", max_num_batched_tokens=16, chunk_size=32, min_chunk=32), "min_chunk"),
     (dict(policy=PDScheduler), "pass an instance"),
+    (dict(priority_aging_steps=10), "needs preemption='priority'"),
+    (dict(preemption="priority", priority_aging_steps=0), "priority_aging_steps"),
 ])
 def test_bad_engine_config(kwargs, field):
     with pytest.raises(ValueError, match=field):
