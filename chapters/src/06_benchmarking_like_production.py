@@ -14,9 +14,10 @@
 # - compute p50/p95/p99 of queue time, TTFT, ITL, TPOT and end-to-end latency, and goodput
 #   (有效吞吐) at an SLO, by hand and with `minicb.metrics`;
 # - explain what the engine does when the KV cache is full (抢占 preemption and recompute) and
-#   count what it costs; show cancellation returning pages at once;
-# - show priority scheduling starving (饥饿 starvation) a low-priority request, measured as
-#   its queue age;
+#   count what it costs (preemptions, recomputed tokens, evicted prefix pages) and who pays it;
+#   show cancellation returning pages at once;
+# - measure fairness per prompt-length bucket, show priority scheduling starving (饥饿
+#   starvation) a low-priority request, measured as its queue age, and bound it with aging;
 # - sweep the token budget and pick the setting with the highest goodput, on the simulated
 #   executor, and compare static, continuous and PD batching on one declared workload.
 #
@@ -666,16 +667,20 @@ import sys
 # - Report p50/p95/p99 of queue time, TTFT, ITL/TPOT and E2E, not means; goodput at an SLO, not
 #   only throughput. In the simulated sweep, throughput grows past 20 requests/s while goodput
 #   collapses; burstier arrivals at the same mean rate cost goodput too.
-# - When the KV cache is full minicb preempts and recomputes: 2 preemptions and 80 recomputed
-#   tokens in the 11-page run, identical outputs, 31 extra steps. Cancellation returns pages the
+# - Report max ITL (each request's worst gap) next to pooled ITL, and include static batching's
+#   wait for its batch in E2E; continuous batching can still raise ITL p99, as the contract warns.
+# - When the KV cache is full minicb preempts and recomputes: 2 preemptions, 80 recomputed
+#   tokens and 2 evicted prefix pages in the 11-page run, identical outputs, 31 extra steps;
+#   `preemption="priority"` makes the low-priority job the victim. Cancellation returns pages the
 #   same step.
-# - Priority without a bound starves: the batch job waited 119 steps against 19 under FCFS.
-#   Watch max queue age.
+# - FCFS is fair to arrival order, not to size: short prompts' TTFT p99 matched long prompts'.
+#   Priority without a bound starves: the batch job waited 119 steps against 19 under FCFS;
+#   `priority_aging_steps` bounds it (39 steps with 20). Watch max queue age.
 # - Tune by sweeping your own traffic: here the 512–2048 budgets were within 1% of each other,
 #   128 and 256 far behind.
 #
 # **Exercises:** `exercises/06_benchmarking.ipynb`: compute one request's queue time, TTFT, E2E
 # and TPOT from its timestamps, then goodput at an SLO (cancelled requests never count), and
-# compare the goodput of two policies on this machine. Beyond them: add aging to the priority
-# queue and bound the batch job's wait in section 7, and sweep `max_num_seqs` together with the
-# budget in section 8.
+# compare the goodput of two policies on this machine. Beyond them (not graded): find the
+# `priority_aging_steps` that keeps the chats' median wait under 10 steps while bounding the
+# batch job's in section 7, and sweep `max_num_seqs` together with the budget in section 8.
