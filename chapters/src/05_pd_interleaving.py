@@ -131,7 +131,11 @@ for step, batch in enumerate(toy[:11], start=1):
 # (`ctx`): `schedule_decodes` gives every running decode one token (preempting if pages run
 # out, chapter 06), and `schedule_prefill_chunks` spends the rest on chunks, skipping a chunk
 # smaller than `min_chunk` (for a new prompt, `ctx.admit(..., min_tokens=min_chunk)` refuses it
-# after counting its prefix-cache hit).
+# after counting its prefix-cache hit). One case the seed's pseudo-code never meets: running
+# prompts, half prefilled, can hold every page while each waits for a page for its next chunk.
+# With no decode left to finish and free one, nothing would ever run again (a property test
+# found such a workload), so `schedule_prefill_chunks` then preempts the newest to let the oldest
+# go on.
 
 # %%
 # NBVAL_CHECK_OUTPUT
