@@ -424,7 +424,8 @@ def hf_static(model: Any, workload: Workload, batch_size: int, device: str = "cp
     06): a batch forms from the requests that have arrived (up to `batch_size`), runs, with
     left padding, until its longest output is done, then the next forms. Greedy; EOS never
     stops a row (min_new_tokens = max_new_tokens). A logits processor stamps each step's time,
-    so every request gets its token times. Returns RequestRecords."""
+    so every request gets its token times, and its release time is the batch's end (E2E counts
+    to it, as for minicb's static policy). Returns RequestRecords."""
     import torch
     from transformers import LogitsProcessor, LogitsProcessorList
 
@@ -473,9 +474,10 @@ def hf_static(model: Any, workload: Workload, batch_size: int, device: str = "cp
         for i in batch:
             n = workload.requests[i].max_tokens
             rid = workload.requests[i].request_id or f"req-{i}"
-            records.append(RequestRecord(
+            records.append(RequestRecord(  # generate returns the batch whole, at its end
                 rid, len(prompts[i]), n, "length", arrivals[i], start, times[0],
-                times[n - 1], times[:n], None, None, None, None, []))
+                times[n - 1], times[:n], None, None, None, None, [],
+                released_time=times[-1]))
         if bar is not None:
             bar.update(len(batch))
     if bar is not None:

@@ -145,3 +145,20 @@ def test_a_killed_hf_baseline_leaves_minicbs_results_on_disk(tiny_llama_dir, tmp
     assert data["results"]["pd"]["completed"] == 4
     assert "hf-static" not in data["results"]
     assert data["declaration"]["compare"].startswith("hf: running")
+
+
+def test_hf_static_returns_each_batch_whole(tiny_llama_dir):
+    """transformers' generate returns a padded batch at once: E2E of every member ends at the
+    batch's last token, as for minicb's static policy; TPOT still uses its own tokens."""
+    from minicb import metrics
+    from minicb.workload import Workload, WorkloadRequest
+    model = bench._hf_model(tiny_llama_dir, "cpu")
+    workload = Workload("two", [WorkloadRequest(prompt_len=8, max_tokens=n, request_id=f"r{n}")
+                                for n in (3, 9)])
+    records = bench.hf_static(model, workload, batch_size=2, progress=False)
+    short, long = sorted(records, key=lambda r: r.num_output_tokens)
+    assert short.finish_time < long.finish_time
+    assert short.released_time == long.released_time == long.finish_time
+    assert metrics.e2e(short) == pytest.approx(metrics.e2e(long))
+    assert metrics.tpot(short) == pytest.approx(
+        (short.finish_time - short.first_token_time) / 2)
