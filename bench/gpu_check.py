@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     state["dec"] = time_decode(spec, device, iters=50 if device == "cuda" else 1)
     if device == "cuda":
         state["small"] = time_decode(SMOLLM2_DECODE, device, 50, sweep=False)
-    print("\n".join(decode_rows(state, device)), flush=True)
+    print("\n".join(decode_rows(state)), flush=True)
     save()
     with tempfile.TemporaryDirectory() as scratch:  # a random-weight checkpoint, if one
         try:
@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def decode_rows(state: dict, device: str) -> list[str]:
+def decode_rows(state: dict) -> list[str]:
     """The table rows of the copy bandwidth and the decode attention timings."""
     bw, dec, small = state["bw"], state["dec"], state["small"]
     if bw is None or dec is None:
@@ -350,7 +350,7 @@ def render_report(date: str, gpu: str, device: str, spec: dict, state: dict,
              f"triton {triton.__version__}. Made by `bench/gpu_check.sh`.", "",
              "| what | figure |", "|---|---|",
              f"| kernel tests (tests/test_triton.py on {device}) | {tests or 'not reached'} |"]
-    lines += decode_rows(state, device)
+    lines += decode_rows(state)
     if fusion is None:
         lines.append("| decode step, fused vs unfused RMSNorm and RoPE | not reached |")
     elif "error" in fusion:

@@ -276,12 +276,9 @@ def engine_options(args: argparse.Namespace, workload: Workload) -> dict[str, An
     # results come from request records and step counts: per-step snapshots of queues and page
     # tables (for pictures) would cost more than a simulated step and grow with the run
     options: dict[str, Any] = {"trace_snapshots": False, **workload.recommended}
-    for flag, key in (("max_num_seqs", "max_num_seqs"),
-                      ("max_num_batched_tokens", "max_num_batched_tokens"),
-                      ("chunk_size", "chunk_size"), ("min_chunk", "min_chunk"),
-                      ("num_pages", "num_pages"),
-                      ("page_size", "page_size")):
-        value = getattr(args, flag, None)
+    for key in ("max_num_seqs", "max_num_batched_tokens", "chunk_size", "min_chunk",
+                "num_pages", "page_size"):  # each flag is named after its option
+        value = getattr(args, key, None)
         if value is not None:
             options[key] = value
     if getattr(args, "no_prefix_caching", False):

@@ -12,6 +12,12 @@ QUANTIZATIONS = (None, "int8")  # int8: weight-only, see minicb/model/quant.py
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
+def is_finite_number(value: object) -> bool:
+    """An int or float that is not a bool, NaN or infinite: what every numeric knob needs."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) \
+        and math.isfinite(value)
+
+
 def check_device(device: object) -> None:
     """Raise ValueError unless `device` is 'cpu', or a CUDA GPU this torch can use (chapter 07)."""
     import torch
@@ -88,9 +94,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
-        timeout = self.batch_timeout
-        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) \
-                or not math.isfinite(timeout) or timeout < 0:
+        if not is_finite_number(self.batch_timeout) or self.batch_timeout < 0:
             raise ValueError(f"batch_timeout must be a finite number >= 0, "
                              f"got {self.batch_timeout!r}")
         if self.dtype not in DTYPES:

@@ -10,14 +10,13 @@ and appends a `StepRecord` to `engine.trace`. Follow one request's whole life fr
 from __future__ import annotations
 
 import itertools
-import math
 import time
 from collections import deque
 
 import torch
 
 from minicb.attention import build_metadata, int_tensor, resolve_backend
-from minicb.config import EngineConfig
+from minicb.config import EngineConfig, is_finite_number
 from minicb.kv_cache import PagePool, prompt_page_hashes
 from minicb.request import Request, RequestOutput, SamplingParams, Status
 from minicb.sampler import make_generator, sample
@@ -183,8 +182,7 @@ class Engine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if arrival_step is not None and (not isinstance(arrival_step, int) or arrival_step < 1):
             raise ValueError(f"arrival_step must be an integer >= 1, got {arrival_step!r}")
-        if arrival_time is not None and (not isinstance(arrival_time, (int, float))
-                                         or not math.isfinite(arrival_time) or arrival_time < 0):
+        if arrival_time is not None and (not is_finite_number(arrival_time) or arrival_time < 0):
             raise ValueError(f"arrival_time must be a finite number >= 0 seconds, got "
                              f"{arrival_time!r}")
         if not isinstance(priority, int):

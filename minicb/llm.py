@@ -11,6 +11,13 @@ from minicb.request import RequestOutput, SamplingParams
 Prompt = str | list[int]
 
 
+def is_conversation(messages: object) -> bool:
+    """A non-empty list of chat messages, each a dict with a `role` and a `content`: what a
+    chat template needs (LLM.chat and the server's /v1/chat/completions check the same)."""
+    return isinstance(messages, (list, tuple)) and bool(messages) and all(
+        isinstance(m, dict) and "role" in m and "content" in m for m in messages)
+
+
 class LLM:
     """`LLM(model, **engine_config)`; the engine stays reachable as `llm.engine`."""
 
@@ -115,8 +122,7 @@ class LLM:
             raise ValueError("this checkpoint has no chat template; use generate() with a prompt")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         for conversation in conversations:
-            if not conversation or not all(isinstance(m, dict) and "role" in m
-                                           and "content" in m for m in conversation):
+            if not is_conversation(conversation):
                 raise ValueError(f"a conversation must be a non-empty list of {{'role': ..., "
                                  f"'content': ...}} messages, got {conversation!r}")
         prompts = [self.apply_chat_template(c) for c in conversations]

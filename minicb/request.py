@@ -10,8 +10,9 @@ Like nano-vllm's `Sequence`, everything the scheduler needs lives here as plain 
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass, field
+
+from minicb.config import is_finite_number
 
 
 class Status(enum.Enum):
@@ -41,8 +42,7 @@ class SamplingParams:
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) \
                 or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool) \
-                or not math.isfinite(self.temperature) or self.temperature < 0:
+        if not is_finite_number(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")

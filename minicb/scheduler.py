@@ -233,7 +233,7 @@ class StaticScheduler(Scheduler):
         return all(r.is_finished for r in self.batch)
 
     def schedule(self, ctx: SchedulerContext) -> ScheduledBatch:
-        if self.batch and all(r.is_finished for r in self.batch):
+        if self.batch and self.batch_done():
             for req in self.batch:
                 ctx.release_slot(req)
             self.batch = []

@@ -21,7 +21,6 @@ import asyncio
 import bisect
 import concurrent.futures
 import json
-import math
 import queue
 import socket
 import threading
@@ -36,7 +35,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from minicb.config import QUANTIZATIONS
+from minicb.config import QUANTIZATIONS, is_finite_number
+from minicb.llm import is_conversation
 from minicb.request import SamplingParams
 
 # vLLM's bucket edges, in seconds
@@ -415,7 +415,7 @@ def _number(body: dict, name: str, default: Any, kind: type = float, low: float 
     value = body.get(name)
     if value is None:
         return default
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = is_finite_number(value)
     if kind is int:
         ok = ok and float(value).is_integer()
     if not ok:
@@ -434,9 +434,7 @@ def parse_request(body: Any, chat: bool) -> dict[str, Any]:
         raise InvalidRequest("the request body must be a JSON object")
     if chat:
         messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or \
-                not all(isinstance(m, dict) and "role" in m and "content" in m
-                        for m in messages):
+        if not is_conversation(messages):
             raise InvalidRequest("messages must be a non-empty list of {role, content} objects",
                                  "messages")
         prompt = None
@@ -478,15 +476,13 @@ def parse_request(body: Any, chat: bool) -> dict[str, Any]:
     max_tokens = _number(body, max_name, None if chat else 16, int, low=1)
     params = dict(max_tokens=max_tokens,
                   temperature=_number(body, "temperature", 1.0, float, 0.0, 2.0),
-                  top_p=_number(body, "top_p", 1.0, float),
+                  top_p=_number(body, "top_p", 1.0, float),  # (0, 1]: SamplingParams checks
                   top_k=max(top_k, 0),
                   seed=_number(body, "seed", None, int),
                   stop_token_ids=tuple(stop_ids),
                   ignore_eos=body.get("ignore_eos", False),
                   min_tokens=_number(body, "min_tokens", 0, int, 0,
                                      max_tokens if max_tokens is not None else None))
-    if not 0.0 < params["top_p"] <= 1.0:
-        raise InvalidRequest(f"top_p must be in (0, 1], got {body.get('top_p')!r}", "top_p")
     return dict(prompt=prompt, messages=messages, params=params, stop=tuple(stop or ()),
                 stream=stream, include_usage=bool(options.get("include_usage")),
                 model=body.get("model"))
