@@ -231,7 +231,8 @@ class Executor:
                 "num_layers": cfg.num_layers, "hidden_size": getattr(cfg, "hidden_size", None),
                 "vocab_size": cfg.vocab_size, "parameters": params,
                 "dtype": str(next(model.parameters()).dtype) if params else None,
-                "quantization": self.quantization}
+                "quantization": self.quantization,
+                "prepacked": bool(getattr(model, "prepacked", False))}
 
 
 def executor_from_args(args: argparse.Namespace, device: str) -> Executor:
@@ -803,6 +804,12 @@ def main_bench(argv: list[str] | None = None) -> int:
     return 0
 
 
+def weights_label(decl: dict[str, Any]) -> str:
+    """What the real executor's weights were: "int8", "torch.float32 prepacked", ..."""
+    label = lookup(decl, "model.quantization") or lookup(decl, "model.dtype")
+    return f"{label} prepacked" if lookup(decl, "model.prepacked") else str(label)
+
+
 def print_report(data: dict[str, Any]) -> None:
     """Print the declaration summary, the table and the per-policy extras (chapter 06)."""
     decl = data["declaration"]
@@ -812,7 +819,8 @@ def print_report(data: dict[str, Any]) -> None:
           f"{decl.get('output_lengths')}")
     print(f"model {lookup(decl, 'model.name')} on {lookup(decl, 'device.device')} "
           f"({lookup(decl, 'device.cpu_count')} CPUs); executor {decl['executor']}"
-          + (" -- SIMULATED, not measured" if decl.get("simulated") else ""))
+          + (" -- SIMULATED, not measured" if decl.get("simulated")
+             else f", {weights_label(decl)} weights"))
     print(f"token budget {decl['token_budget']}, memory {decl['memory_limit']}, "
           f"SLO {decl.get('slo') or 'none'}\n")
     ok = {k: v for k, v in data["results"].items() if "error" not in v}
@@ -828,9 +836,8 @@ def print_report(data: dict[str, Any]) -> None:
                   f"prefill {_fmt(hf1['prefill_tokens_per_s'])} tok/s")
         if hf1 and own and hf1["decode_tokens_per_s"] and own["decode_tokens_per_s"]:
             ratio = own["decode_tokens_per_s"] / hf1["decode_tokens_per_s"]
-            weights = lookup(decl, "model.quantization") or lookup(decl, "model.dtype")
-            print(f"  batch-1 decode: minicb ({weights} weights) / hf generate (its float "
-                  f"weights) = {ratio:.2f}x")
+            print(f"  batch-1 decode: minicb ({weights_label(decl)} weights) / hf generate "
+                  f"(its float weights) = {ratio:.2f}x")
 
 
 # ------------------------------------------------------------------------------ sweep

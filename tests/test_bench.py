@@ -48,6 +48,7 @@ def test_bench_runs_int8_weights(tiny_llama_dir, tmp_path):
                              "--quantization", "int8", "--out", str(out), *TINY]) == 0
     data = json.loads(out.read_text())
     assert data["declaration"]["model"]["quantization"] == "int8"
+    assert not data["declaration"]["model"]["prepacked"]  # int8 weights are not prepacked
     assert data["results"]["single"]["single_stream"]["decode_tokens_per_s"] > 0
     assert all(s["completed"] == 4 and s["errors"] == 0 for s in data["results"].values())
 
@@ -69,7 +70,10 @@ def test_bench_compare_hf_and_single_stream(tiny_llama_dir, tmp_path, capsys):
     single = results["single"]["single_stream"]
     assert single["decode_tokens_per_s"] > 0 and single["prefill_tokens_per_s"] > 0
     assert results["single"]["hf_single_stream"]["decode_tokens_per_s"] > 0
-    assert "hf generate batch-1" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "hf generate batch-1" in printed
+    if data["declaration"]["model"]["prepacked"]:  # the float32 CPU default, where oneDNN is
+        assert "torch.float32 prepacked weights" in printed
 
 
 def test_bench_simulated_says_so(tmp_path):

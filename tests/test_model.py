@@ -13,6 +13,9 @@ import torch
 from minicb.attention import build_metadata
 from minicb.model import ModelConfig, is_bundled, load_model
 from minicb.model.llama import rope_inv_freq
+from minicb.model.prepack import PackedLinear, prepack_available
+
+needs_prepack = pytest.mark.skipif(not prepack_available(), reason="torch built without oneDNN")
 
 PAGE_SIZE = 4
 PROMPTS = [[5], [17, 3, 99, 42, 8, 8, 200], list(range(30, 53))]  # 1 token, < 2 pages, 6 pages
@@ -58,12 +61,15 @@ def load_hf(path, ignore_eos: bool = False):
 
 # --- parity with transformers on tiny random checkpoints ----------------------------------------
 
+@pytest.mark.parametrize("prepack", [False, pytest.param(True, marks=needs_prepack)],
+                         ids=["F.linear", "prepacked"])
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "llama3-rope"])
-def test_greedy_matches_hf(tiny_checkpoint, arch, tie):
+def test_greedy_matches_hf(tiny_checkpoint, arch, tie, prepack):
     path = tiny_checkpoint(arch, tie=tie)
-    model, info = load_model(path)
-    assert info.config.tie_word_embeddings == tie and (model.lm_head is None) == tie
+    model, info = load_model(path, prepack=prepack)
+    assert model.prepacked == prepack and info.config.tie_word_embeddings == tie
+    assert (model.lm_head is None) == (tie and not prepack)  # prepacking packs a tied head too
     hf = load_hf(path, ignore_eos=True)
     for i, prompt in enumerate(PROMPTS):
         ours, our_logits = paged_greedy(model, prompt, 32, seed=i)
@@ -152,10 +158,62 @@ def test_sharded_checkpoint_loads_the_same(tiny_llama_dir, tmp_path):
     hf = load_hf(tiny_llama_dir)
     hf.save_pretrained(tmp_path, max_shard_size="100KB")
     assert (tmp_path / "model.safetensors.index.json").is_file()
-    a, _ = load_model(tiny_llama_dir)
-    b, _ = load_model(tmp_path)
+    a, _ = load_model(tiny_llama_dir, prepack=False)  # packed weights have no strides to compare
+    b, _ = load_model(tmp_path, prepack=False)
     for (name, p), q in zip(a.state_dict().items(), b.state_dict().values()):
         assert torch.equal(p, q), name
+
+
+# --- prepacked float32 projections (oneDNN's layout) --------------------------------------------
+
+@needs_prepack
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_is_the_same_product(bias):
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(40, 24, generator=gen)
+    b = torch.randn(40, generator=gen) if bias else None
+    layer = PackedLinear(weight, b)
+    assert torch.equal(layer.unpacked(), weight)
+    x = torch.randn(3, 5, 24, generator=gen)
+    torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, weight, b),
+                               rtol=1e-5, atol=1e-5)
+    strided = torch.randn(24, 7, generator=gen).T  # not contiguous
+    torch.testing.assert_close(layer(strided), strided @ weight.T + (0 if b is None else b),
+                               rtol=1e-5, atol=1e-5)
+    assert layer(torch.empty(0, 24)).shape == (0, 40)
+
+
+@needs_prepack
+def test_packed_rows_do_not_depend_on_the_batch():
+    """A row's result is bit-identical whether it is multiplied alone or among others: what
+    makes a request's greedy tokens the same alone and in any batch."""
+    gen = torch.Generator().manual_seed(1)
+    layer = PackedLinear(torch.randn(96, 64, generator=gen))
+    x = torch.randn(70, 64, generator=gen)
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(len(x))])
+    for rows in (2, 3, 16, 33, 70):
+        assert torch.equal(layer(x[:rows]), alone[:rows]), rows
+
+
+@needs_prepack
+def test_prepack_is_the_float32_cpu_default(tiny_llama_dir, monkeypatch):
+    packed, _ = load_model(tiny_llama_dir)
+    plain, _ = load_model(tiny_llama_dir, prepack=False)
+    assert packed.prepacked and not plain.prepacked
+    assert isinstance(packed.layers[0].mlp.down_proj, PackedLinear)
+    assert torch.equal(packed.layers[0].mlp.down_proj.unpacked(),
+                       plain.layers[0].mlp.down_proj.weight)
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    assert count(packed) == count(plain)
+    monkeypatch.setenv("MINICB_PREPACK", "0")
+    assert not load_model(tiny_llama_dir)[0].prepacked
+    assert not load_model(tiny_llama_dir, quantization="int8")[0].prepacked
+
+
+def test_prepack_refuses_what_it_cannot_pack(tiny_llama_dir):
+    for kwargs in (dict(quantization="int8"), dict(dtype=torch.bfloat16)):
+        with pytest.raises(ValueError, match="prepack=True needs float32 weights on the CPU"):
+            load_model(tiny_llama_dir, prepack=True, **kwargs)
 
 
 # --- the loader's answers to good and bad input -------------------------------------------------

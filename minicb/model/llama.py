@@ -193,6 +193,14 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x, backend))
 
 
+def projections(model: LlamaModel) -> list[tuple[nn.Module, str]]:
+    """(owner, attribute name) of every layer's four projections: what int8 quantization and
+    prepacking replace (each also replaces the LM head)."""
+    return [(owner, name) for layer in model.layers
+            for owner, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
+                                (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj"))]
+
+
 class LlamaModel(nn.Module):
     """The whole decoder: embeddings, layers, final norm and LM head (chapter 01).
 
@@ -210,6 +218,7 @@ class LlamaModel(nn.Module):
         self.lm_head = (None if cfg.tie_word_embeddings
                         else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
         self.quantization: str | None = None  # "int8" after `quant.quantize_int8`
+        self.prepacked = False  # True after `prepack.prepack_model` (oneDNN-packed float32)
         self.set_attention_backend(attention_backend)
         self._cos = self._sin = None  # RoPE tables, built on first use (see `rope`)
 

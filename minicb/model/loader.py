@@ -25,6 +25,7 @@ from safetensors.torch import load_file
 
 from minicb.config import QUANTIZATIONS, check_device
 from minicb.model.llama import LlamaModel, ModelConfig
+from minicb.model.prepack import prepack_available, prepack_model, prepack_wanted
 from minicb.model.quant import quantize_int8
 
 log = logging.getLogger(__name__)
@@ -172,13 +173,22 @@ def load_tokenizer(path: Path) -> Any:
 def load_model(name_or_path: str | os.PathLike, device: str | torch.device = "cpu",
                dtype: torch.dtype = torch.float32,
                attention_backend: str = "torch",
-               quantization: str | None = None) -> tuple[LlamaModel, ModelInfo]:
+               quantization: str | None = None,
+               prepack: bool | None = None) -> tuple[LlamaModel, ModelInfo]:
     """Load weights, config and tokenizer; `quantization="int8"` stores the projections as
-    int8 (see `quant.py`). Raises ValueError for an unknown name, a directory that is not a
-    checkpoint, or an unsupported architecture."""
+    int8 (see `quant.py`). `prepack`: hold float32 CPU projections in oneDNN's layout (see
+    `prepack.py`); None does so where it can, unless `MINICB_PREPACK=0`. Raises ValueError for
+    an unknown name, a directory that is not a checkpoint, an unsupported architecture, or a
+    prepack that cannot be done."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     check_device(device)
+    if prepack is None:
+        prepack = quantization is None and prepack_wanted(device, dtype)
+    elif prepack and (quantization or torch.device(device).type != "cpu"
+                      or dtype != torch.float32 or not prepack_available()):
+        raise ValueError("prepack=True needs float32 weights on the CPU, no quantization, and a "
+                         "torch built with oneDNN (torch.backends.mkldnn.is_available())")
     name, path = resolve(name_or_path)
     hf_config = _read_json(path / "config.json")
     config = ModelConfig.from_hf(hf_config)
@@ -189,6 +199,8 @@ def load_model(name_or_path: str | os.PathLike, device: str | torch.device = "cp
     model.eval().requires_grad_(False)
     if quantization == "int8":
         quantize_int8(model)
+    elif prepack:
+        prepack_model(model)
 
     tokenizer = load_tokenizer(path)
     generation = _read_json(path / "generation_config.json")

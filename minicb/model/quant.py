@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from minicb.model.llama import projections
+
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(q, scale): q = round(weight / scale) as int8 in [-127, 127], scale = max |row| / 127 per
@@ -60,12 +62,9 @@ class Int8Linear(nn.Module):
 def quantize_int8(model: nn.Module) -> nn.Module:
     """Replace every projection of a `LlamaModel` and its LM head by an `Int8Linear`, in place.
     Embeddings and norms stay float (a lookup reads one row; norms are tiny)."""
-    for layer in model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        for owner, name in ((attn, "qkv_proj"), (attn, "o_proj"), (mlp, "gate_up_proj"),
-                            (mlp, "down_proj")):
-            linear = getattr(owner, name)
-            setattr(owner, name, Int8Linear(linear.weight, linear.bias))
+    for owner, name in projections(model):
+        linear = getattr(owner, name)
+        setattr(owner, name, Int8Linear(linear.weight, linear.bias))
     head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     model.lm_head = Int8Linear(head)  # a tied head gets its own int8 copy
     model.quantization = "int8"
