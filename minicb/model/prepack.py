@@ -1,16 +1,16 @@
 """Prepacked float32 projections: the CPU's fast path for every matrix product (chapter 01,
 "where a step's time goes").
 
-`F.linear` hands a float32 product to torch's general matrix multiply, which lays the weight
-out for its inner loops again on every call. oneDNN's inner-product primitive instead takes a
-weight stored once in its own blocked layout (`AB16b64a` on AVX-512): `prepack` converts every
-projection of a loaded model, and the LM head, once at load time. On the course machine
-(AMD EPYC, 2 cores) SmolLM2-135M's projections then run 2.1-2.5x faster at every batch size
-from 1 to 2,048 rows (bench/README.md). The results are the same float32 products, summed in a
-different order: they differ from `F.linear`'s by about 1e-6 relative. One more property
-matters for a batching engine: a row's result does not depend on how many rows share the
-product (`F.linear`'s does, in the last bits), so a request's greedy tokens are the same alone
-and in any batch.
+`F.linear` hands a float32 product to torch's general matrix multiply (MKL in the x86 CPU
+wheels), which copies the weight into the layout of its inner loops on every call. oneDNN's
+inner-product primitive instead takes a weight stored once in its own blocked layout
+(`AB16b64a` with AVX-512): `prepack_model` converts every projection of a loaded model, and the
+LM head, once at load time. On the course machine (AMD EPYC, 2 cores, AVX-512) SmolLM2-135M's
+projections then run 2.1-2.5x faster at every batch size from 1 to 2,048 rows (bench/README.md).
+The results are the same float32 products, summed in a different order: they differ from
+`F.linear`'s by about 1e-6 relative. A row's result also does not depend on how many rows share
+the product (`F.linear`'s does, in the last bits), so the projections add no batch-dependent
+rounding to a request's tokens.
 
 It is on by default for float32 weights on the CPU; `load_model(..., prepack=False)` or
 `MINICB_PREPACK=0` keeps `F.linear` (to compare, or where oneDNN is missing). The op is

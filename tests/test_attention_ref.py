@@ -1,0 +1,52 @@
+"""The torch reference backend (chapter 01) against plain dense attention, member by member:
+what the Triton kernels are then compared to (test_triton.py)."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+import torch.nn.functional as F
+
+from minicb.attention import build_metadata, torch_ref
+
+NUM_KV_HEADS, GROUP, HEAD_DIM, PAGE_SIZE = 2, 3, 8, 4
+
+
+def dense(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """q [n, H, D] at the last n positions of keys/values [ctx, Hkv, D], causal."""
+    n, ctx = len(q), len(keys)
+    mask = torch.arange(ctx)[None, :] <= torch.arange(ctx - n, ctx)[:, None]
+    return F.scaled_dot_product_attention(
+        q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), attn_mask=mask,
+        scale=HEAD_DIM ** -0.5, enable_gqa=True).transpose(0, 1)
+
+
+def test_decode_groups_and_chunks_match_dense_attention():
+    """21 decode rows (three sorted groups, contexts 1-120 tokens in shuffled order) and two
+    prefill chunks, over pages handed out in random order."""
+    rng, gen = random.Random(0), torch.Generator().manual_seed(0)
+    members = [(rng.randrange(0, 120), 1) for _ in range(21)] + [(0, 9), (13, 6)]
+    assert len(members) - 2 > 2 * torch_ref.DECODE_GROUP
+    pages = [-(-(c + n) // PAGE_SIZE) for c, n in members]
+    free = rng.sample(range(sum(pages)), sum(pages))
+    tables = [[free.pop() for _ in range(p)] for p in pages]
+    meta = build_metadata(tables, [c for c, _ in members], [n for _, n in members], PAGE_SIZE)
+    shape = (sum(pages), PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    k_cache, v_cache = torch.zeros(shape), torch.zeros(shape)
+    full_k = [torch.randn(c + n, NUM_KV_HEADS, HEAD_DIM, generator=gen) for c, n in members]
+    full_v = [torch.randn(c + n, NUM_KV_HEADS, HEAD_DIM, generator=gen) for c, n in members]
+    for b, (computed, _) in enumerate(members):  # earlier steps' tokens, then this step's
+        past = build_metadata([tables[b]], [0], [computed], PAGE_SIZE)
+        torch_ref.store_kv(full_k[b][:computed], full_v[b][:computed], k_cache, v_cache, past)
+    new_k = torch.cat([k[c:] for k, (c, _) in zip(full_k, members)])
+    new_v = torch.cat([v[c:] for v, (c, _) in zip(full_v, members)])
+    torch_ref.store_kv(new_k, new_v, k_cache, v_cache, meta)
+    q = torch.randn(len(new_k), NUM_KV_HEADS * GROUP, HEAD_DIM, generator=gen)
+    out = torch_ref.attend(q, k_cache, v_cache, meta, HEAD_DIM ** -0.5)
+    start = 0
+    for b, (_, n) in enumerate(members):
+        expected = dense(q[start:start + n], full_k[b], full_v[b])
+        torch.testing.assert_close(out[start:start + n], expected, rtol=1e-5, atol=1e-6,
+                                   msg=f"member {b}")
+        start += n
