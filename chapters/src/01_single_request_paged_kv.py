@@ -103,10 +103,10 @@ print(f"\na prefill step of 256 tokens took as long as {prefill[256] / t_decode:
 #   N = 256. (The output layer runs for the last position only, which the estimate below accounts
 #   for.)
 #
-# The course's build machines (AMD EPYC, 2 cores, AVX2, measured unloaded when the course was
-# written) reach about 110 GFLOP/s on a large fp32
-# matrix product and moves about 15 GB/s: it needs about 7 FLOPs per byte to keep its arithmetic
-# busy. Below that ratio a step waits for memory (访存密集 memory-bound), above it for arithmetic
+# The course's build machines (AMD EPYC, 2 cores, measured unloaded when the course was written)
+# reach about 110 GFLOP/s on a large fp32 matrix product through PyTorch's default path and move
+# about 15 GB/s: they need about 7 FLOPs per byte to keep their arithmetic busy. (A better weight
+# layout raises the arithmetic figure; the last part of this section shows how.) Below that ratio a step waits for memory (访存密集 memory-bound), above it for arithmetic
 # (计算密集 compute-bound). Decode sits at 0.5, far below; prefill at 128, far above. The numbers
 # measured above say the same:
 
@@ -131,14 +131,18 @@ print(f"decode     : {flops_decode / t_decode / 1e9:6.1f} GFLOP/s, "
 # same weights, read once per step, feed more and more arithmetic. Decode's GFLOP/s are low
 # because the step spends its time reading 0.54 GB of weights for 0.27 GFLOP of work; its
 # "weights streamed" figure is the one that sits near what the memory system delivers. On an
-# unloaded build machine the same picture shows at full speed: a prefill of
-# 1,280 tokens at about 110 GFLOP/s (the arithmetic peak), one decode step of the linear layers
-# in about 53 ms (19 tokens/s, about 10 GB/s of weights: most of the 15 GB/s bandwidth). The
-# notebook you are reading was built on a busy shared machine, so its stored figures are lower.
+# unloaded build machine, through PyTorch's default `F.linear`, the same picture shows at full
+# speed: a prefill of 1,280 tokens at about 110 GFLOP/s (that path's arithmetic peak), one decode
+# step of the linear layers in about 53 ms (19 tokens/s, about 10 GB/s of weights: most of the
+# 15 GB/s bandwidth). This notebook's figures come from minicb's default prepacked weights
+# (last part of this section) and one thread; its decode streams the weights at about 20 GB/s,
+# above the 15 GB/s of a copy, which writes as many bytes as it reads. (Stored figures vary
+# with what else the build machine ran at the time.)
 #
 # That is the whole motivation for batching decodes (chapters 02–03): a decode step of 16
-# requests reads the same 0.54 GB of weights as a step of one request. The build machines ran batch
-# 16 at about 163 ms per step, 98 tokens/s, against 19 tokens/s for batch 1. On a GPU the gap is
+# requests reads the same 0.54 GB of weights as a step of one request. Through `F.linear` the
+# build machines ran batch 16 at about 163 ms per step, 98 tokens/s, against 19 tokens/s for
+# batch 1. On a GPU the gap is
 # far wider: an H100 streams about 3 TB/s but computes near 1,000 TFLOP/s in bf16, so it needs
 # about 300 FLOPs per byte before decode stops being memory-bound.
 
@@ -170,13 +174,66 @@ for name, out in answers.items():
     print(f"{name:<8} {out.text!r}")
 
 # %% [markdown]
-# On the quiet build machine (one thread) float32 decoded 26 tokens/s and int8 64–66, 2.5× faster,
-# while Hugging Face `generate` decoded 25 (`python -m minicb bench --policy single --compare hf
-# --quantization int8`; the numbers are in `bench/README.md`). The price is numbers, not speed:
-# int8 weights move the logits by up to about 5% of their largest value, so greedy decoding keeps
-# the same words for a while (17 of 24 tokens here) and then takes another branch where two
-# tokens were nearly tied. That is why minicb stays float32 by default, where its tokens equal
+# On the quiet build machine (one thread) int8 decoded 63 tokens/s, float32 40 (26 through
+# `F.linear`, see the next part) and Hugging Face `generate` 25 (`python -m minicb bench --policy
+# single --compare hf --quantization int8`; the numbers are in `bench/README.md`). The price is
+# numbers, not speed: int8 weights move the logits by up to about 5% of their largest value, so
+# greedy decoding keeps the same words for a while (17 of 24 tokens here) and then takes another
+# branch where two tokens were nearly tied. That is why minicb stays float32 by default, where its tokens equal
 # transformers' exactly, and int8 is a knob you turn on knowing what it changes.
+
+# %% [markdown]
+# ### A third lever: the same bytes, a better layout
+#
+# How fast a matrix product runs also depends on how its weight sits in memory. `F.linear` hands
+# a float32 product to PyTorch's general matrix multiply, which copies the weight into the layout
+# of its inner loops on every call. oneDNN, the CPU library under PyTorch, can store a weight once
+# in its own blocked layout, after which every product reads it as it is. minicb does that when
+# it loads float32 weights on the CPU (`minicb/model/prepack.py`: `PackedLinear`, which replaces
+# each projection and the output layer); `load_model(..., prepack=False)`, or `MINICB_PREPACK=0`
+# in the environment, keeps `F.linear`. Nothing else changes: the same weights, the same bytes,
+# the same float32 arithmetic. Same engine, both ways, at 1 and at 16 requests per decode step:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+model_plain = load_model("smollm2-135m", prepack=False)
+print("prepacked:", model[0].prepacked, "| plain:", model_plain[0].prepacked)
+print(model[0].layers[0].mlp.down_proj, "vs", model_plain[0].layers[0].mlp.down_proj)
+
+
+def decode_ms(pair, rows: int) -> float:
+    """Median forward time of the decode steps that ran `rows` requests together."""
+    batch_llm = LLM(pair, policy="continuous", max_num_seqs=rows, enable_prefix_caching=False)
+    prompts = [random_prompt(32, np.random.default_rng(i)) for i in range(rows)]
+    batch_llm.generate(prompts, SamplingParams(max_tokens=17, temperature=0.0, ignore_eos=True),
+                       use_tqdm=False)
+    steps = [r.t_forward for r in batch_llm.engine.trace
+             if len(r.members) == rows and all(m.kind == "decode" for m in r.members)]
+    return float(np.median(steps)) * 1e3
+
+
+print(f"\n{'rows':>5}{'F.linear ms':>13}{'prepacked ms':>14}{'speed-up':>10}")
+for rows in (1, 16):
+    plain_ms, packed_ms = decode_ms(model_plain, rows), decode_ms(model, rows)
+    print(f"{rows:>5}{plain_ms:>13.1f}{packed_ms:>14.1f}{plain_ms / packed_ms:>9.1f}x")
+
+# %% [markdown]
+# On the quiet build machine (two threads) the projections alone ran 2.1× faster at one row and
+# 2.5× at 32 (`python bench/prepack_timing.py`); whole decode steps gain a little less, because
+# attention and the small per-layer operations did not change. At batch 1 (one thread) minicb
+# then decoded 40 tokens/s against 26 through `F.linear` and 25 for Hugging Face `generate`;
+# int8 still wins at batch 1 (63), where a step is bound by bytes, and loses at 32 rows, where
+# the products are bound by arithmetic (`bench/README.md`).
+#
+# The numbers are the same products summed in another order, so they differ in the last bits:
+# about one part in a million. That does not move a greedy choice here, and both ways minicb's
+# tokens equal transformers' on every parity test (`tests/test_model.py`):
+
+# %%
+# NBVAL_CHECK_OUTPUT
+answers_plain = LLM(model_plain, policy="single").chat(question, greedy, use_tqdm=False)[0]
+print("same 24 greedy tokens, F.linear and prepacked:",
+      answers_plain.token_ids == answers["float32"].token_ids)
 
 # %% [markdown]
 # ## 2. Pages and the page pool
@@ -488,7 +545,10 @@ viz.plot_timeline(trace, title="v1 (policy='single'): one request at a time")
 #   prefix share them (ref count > 1) and skip that part of the prefill. The hit is capped at
 #   `prompt_len − 1` tokens so that one token is always left to produce logits.
 # - Since decode pays for bytes of weights, int8 weights (one scale per output row) decode about
-#   2.5× faster here, at the price of slightly different numbers.
+#   2.5× faster at batch 1 here, at the price of slightly different numbers.
+# - The same float32 weights, stored once in oneDNN's blocked layout (`prepack`, minicb's CPU
+#   default), make every product 2–2.6× faster than `F.linear` without changing the bytes, and
+#   the answers only in the last bits.
 #
 # **Exercises:** [`exercises/01_paged_kv.ipynb`](../exercises/01_paged_kv.ipynb): write a page
 # pool with reference counts (`page_pool`, checked against `PagePool`), the chained hash of a

@@ -174,7 +174,7 @@ for rid, (start, finish, end) in toy.items():
 # %% [markdown]
 # Now the real thing: minicb's `static` policy (`StaticScheduler` in `minicb/scheduler.py`) on
 # SmolLM2, three slots (`max_num_seqs=3`), and the same example from `minicb.workload`
-# (8-token prompts). This is the longest run of the chapter: 260 steps, about 20–40 s on two CPU
+# (8-token prompts). This is the longest run of the chapter: 260 steps, about 5–15 s on two CPU
 # cores.
 
 # %%

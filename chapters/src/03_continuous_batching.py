@@ -94,7 +94,7 @@ for i, line in enumerate(lines):
 # gets one token, then waiting requests are admitted with their whole prompt while a slot, the
 # pages for the prompt and the token budget allow. Now the seed's example on the real model:
 # R1, R2, R3 want 30, 200 and 80 tokens and start together; R4 arrives at step 31 wanting 60.
-# Three slots, as before. (200 steps, about 15–30 s on two CPU cores.)
+# Three slots, as before. (200 steps, about 5–15 s on two CPU cores.)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -389,11 +389,14 @@ for workload, policy in sorted(runs, key=lambda k: ("varied", "equal", "low rate
 # A step costs a fixed part (reading all the weights once, running every layer) plus a part per
 # request in the batch. Continuous batching saves whole *steps*: for the varied workload, 16 of
 # them, and with them 16 times the fixed part. The per-request part is paid for every token under
-# either policy. On two CPU cores the per-request part is far from negligible, so a 1.5x gain in
-# steps becomes a smaller gain in seconds (the fit's prediction is rough, but it gets the
-# ordering and the size of the gap about right). On a GPU a decode step
-# of dozens of requests costs about as much as a step of one: the fixed part dominates, and the
-# gain in steps carries over to seconds almost whole.
+# either policy. How much of the 1.5x gain in steps survives in seconds depends on the split
+# (the fit's prediction is rough, but it gets the ordering and the size of the gap about right).
+# At these small batches the fixed part dominates (about 22 ms against 1 ms per request in the
+# build stored here), so most of the gain carries over. The per-request part grows with the
+# batch and with each request's context (its own attention, its row of every product): with 32
+# requests of up to 768 tokens it is most of a CPU step (`bench/README.md`). On a GPU a decode
+# step of dozens of requests costs about as much as a step of one: the fixed part dominates, and
+# the gain in steps carries over to seconds almost whole.
 #
 # The equal-length and low-rate workloads run *identical* schedules under both policies, so any
 # gap between their two rows of seconds is noise: the machine that built this notebook was
