@@ -210,6 +210,70 @@ server.__exit__(None, None, None)
 # are captured for padded token counts, and attention, whose shape depends on the members, runs
 # eagerly between them. Measure ITL before and after with `bench/gpu_check.sh`.
 #
+# **A CPU paged-attention kernel** (`attention/torch_ref.py`, or a new backend next to it).
+# After the two CPU changes of this course (prepacked projections, chapter 01; decode rows in
+# sorted groups), a CPU decode step no longer spends most of its time in matrix products. The
+# profile of one step with 16 requests says where it goes:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+import os
+import tempfile
+from collections import Counter
+from contextlib import contextmanager
+
+import numpy as np
+from torch.profiler import ProfilerActivity, profile
+
+from minicb import LLM, SamplingParams
+from minicb.workload import random_prompt
+
+profiled = LLM("smollm2-135m", policy="continuous", max_num_seqs=16, enable_prefix_caching=False)
+rng = np.random.default_rng(0)
+for n in rng.integers(16, 512, size=16):
+    profiled.engine.add_request(random_prompt(int(n), rng),
+                                SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
+profiled.engine.step()
+while profiled.engine.trace[-1].num_prefill_tokens:  # 16 slots: every prompt is in once a
+    profiled.engine.step()                           # step carries no prefill tokens
+
+
+@contextmanager
+def quiet_stderr():
+    """The profiler's C++ side writes a start and a stop line straight to file descriptor 2."""
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+with quiet_stderr(), profile(activities=[ProfilerActivity.CPU]) as prof:
+    for _ in range(5):
+        profiled.engine.step()
+PARTS = {"mkldnn::_linear_pointwise": "matrix products (prepacked)",
+         "aten::linear": "matrix products (F.linear)",
+         "aten::index_select": "gathering K/V rows from their pages",
+         "aten::_scaled_dot_product_flash_attention_for_cpu": "attention itself"}
+spent = Counter()
+for event in prof.key_averages():
+    spent[PARTS.get(event.key, "everything else")] += event.self_cpu_time_total
+total = sum(spent.values())
+for part, us in spent.most_common():
+    print(f"{part:<38}{us / total:6.0%}")
+
+# %% [markdown]
+# On the course machine (one thread) about half went to the products, a fifth to copying each
+# request's K/V rows out of their pages into a padded tensor, and a fifth to attention proper.
+# The copy exists because `scaled_dot_product_attention` wants contiguous keys; a kernel that
+# reads keys where they lie, page by page (what chapter 07's Triton kernel does on a GPU), would
+# remove it. On the CPU that means C++ with vector intrinsics (a `torch.library` custom op), or
+# Triton's CPU backend once it matures; vLLM's CPU backend ships such a kernel. Test it against
+# `torch_ref` exactly as `tests/test_triton.py` tests the GPU kernels.
+#
 # **Prefix-aware scheduling** (`scheduler.py`). SGLang's `lpm` orders the waiting queue by the
 # longest cached prefix, so requests that share a system prompt run while its pages are still
 # cached. minicb's `PagePool.match_prefix` already answers "how many tokens are cached"; a
