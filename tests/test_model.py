@@ -4,6 +4,7 @@ local greedy loop drives the model over a paged KV cache whose pages are shuffle
 from __future__ import annotations
 
 import json
+import platform
 import random
 import shutil
 
@@ -196,6 +197,8 @@ def test_packed_rows_do_not_depend_on_the_batch():
 
 
 @needs_prepack
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"),
+                    reason="prepacking is the default on x86-64 only")
 def test_prepack_is_the_float32_cpu_default(tiny_llama_dir, monkeypatch):
     packed, _ = load_model(tiny_llama_dir)
     plain, _ = load_model(tiny_llama_dir, prepack=False)
@@ -208,6 +211,14 @@ def test_prepack_is_the_float32_cpu_default(tiny_llama_dir, monkeypatch):
     monkeypatch.setenv("MINICB_PREPACK", "0")
     assert not load_model(tiny_llama_dir)[0].prepacked
     assert not load_model(tiny_llama_dir, quantization="int8")[0].prepacked
+
+
+@needs_prepack
+def test_prepack_is_asked_for_on_other_cpus(tiny_llama_dir, monkeypatch):
+    """On an Arm CPU oneDNN's speed is unmeasured: F.linear stays the default there."""
+    monkeypatch.setattr("minicb.model.prepack.platform.machine", lambda: "arm64")
+    assert not load_model(tiny_llama_dir)[0].prepacked
+    assert load_model(tiny_llama_dir, prepack=True)[0].prepacked
 
 
 def test_prepack_refuses_what_it_cannot_pack(tiny_llama_dir):

@@ -12,14 +12,16 @@ The results are the same float32 products, summed in a different order: they dif
 the product (`F.linear`'s does, in the last bits), so the projections add no batch-dependent
 rounding to a request's tokens.
 
-It is on by default for float32 weights on the CPU; `load_model(..., prepack=False)` or
-`MINICB_PREPACK=0` keeps `F.linear` (to compare, or where oneDNN is missing). The op is
+It is on by default for float32 weights on an x86-64 CPU; `load_model(..., prepack=False)` or
+`MINICB_PREPACK=0` keeps `F.linear` (to compare, or where oneDNN is missing), and
+`prepack=True` asks for it elsewhere (an Arm CPU, where it is unmeasured). The op is
 torch's own (`torch.ops.mkldnn`, as `torch.compile` uses it on the CPU), not a new kernel.
 """
 
 from __future__ import annotations
 
 import os
+import platform
 
 import torch
 import torch.nn as nn
@@ -35,8 +37,10 @@ def prepack_available() -> bool:
 
 
 def prepack_wanted(device: str | torch.device, dtype: torch.dtype) -> bool:
-    """The default: float32 weights on the CPU, oneDNN available, `MINICB_PREPACK` not "0"."""
+    """The default: float32 weights on an x86-64 CPU, oneDNN available, `MINICB_PREPACK` not
+    "0". Other CPUs (Arm) keep `F.linear` unless asked: oneDNN's speed there is unmeasured."""
     return (torch.device(device).type == "cpu" and dtype == torch.float32
+            and platform.machine().lower() in ("x86_64", "amd64")
             and os.environ.get("MINICB_PREPACK", "1") != "0" and prepack_available())
 
 
