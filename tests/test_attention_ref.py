@@ -7,6 +7,8 @@ import random
 
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from minicb.attention import build_metadata, torch_ref
 
@@ -22,12 +24,10 @@ def dense(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Te
         scale=HEAD_DIM ** -0.5, enable_gqa=True).transpose(0, 1)
 
 
-def test_decode_groups_and_chunks_match_dense_attention():
-    """21 decode rows (three sorted groups, contexts 1-120 tokens in shuffled order) and two
-    prefill chunks, over pages handed out in random order."""
-    rng, gen = random.Random(0), torch.Generator().manual_seed(0)
-    members = [(rng.randrange(0, 120), 1) for _ in range(21)] + [(0, 9), (13, 6)]
-    assert len(members) - 2 > 2 * torch_ref.DECODE_GROUP
+def check_against_dense(members: list[tuple[int, int]], seed: int) -> None:
+    """Store every member's past and new K/V through shuffled pages, attend, and compare each
+    member's rows with dense attention over its own contiguous K/V."""
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     pages = [-(-(c + n) // PAGE_SIZE) for c, n in members]
     free = rng.sample(range(sum(pages)), sum(pages))
     tables = [[free.pop() for _ in range(p)] for p in pages]
@@ -50,3 +50,28 @@ def test_decode_groups_and_chunks_match_dense_attention():
         torch.testing.assert_close(out[start:start + n], expected, rtol=1e-5, atol=1e-6,
                                    msg=f"member {b}")
         start += n
+
+
+def test_decode_groups_and_chunks_match_dense_attention():
+    """21 decode rows (sorted into six groups, contexts 1-120 tokens in shuffled order) and two
+    prefill chunks, over pages handed out in random order."""
+    rng = random.Random(0)
+    members = [(rng.randrange(0, 120), 1) for _ in range(21)] + [(0, 9), (13, 6)]
+    assert len(members) - 2 > 2 * torch_ref.DECODE_GROUP
+    check_against_dense(members, seed=0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(decodes=st.lists(st.integers(0, 40), min_size=0, max_size=12),
+       chunks=st.lists(st.tuples(st.integers(0, 20), st.integers(1, 9)), max_size=2),
+       group=st.integers(1, 5), seed=st.integers(0, 2**16))
+def test_any_grouping_matches_dense_attention(decodes, chunks, group, seed):
+    """Whatever the group size, the decode contexts and the chunks, each member's rows equal
+    dense attention over its own K/V."""
+    if not decodes and not chunks:
+        return
+    saved, torch_ref.DECODE_GROUP = torch_ref.DECODE_GROUP, group
+    try:
+        check_against_dense([(c, 1) for c in decodes] + chunks, seed)
+    finally:
+        torch_ref.DECODE_GROUP = saved

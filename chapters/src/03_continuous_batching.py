@@ -434,7 +434,8 @@ viz.compare({"static": runs["varied", "static"][0],
 # - It gains most when output lengths vary, nothing when they are equal, and nothing at a low
 #   arrival rate, as the seed's table says.
 #
-# **Exercises:** `exercises/03_continuous_batching.ipynb`: write the continuous scheduler as a
-# `minicb.Scheduler` subclass (decodes first, then admit while slots and pages allow) and run the
-# R1..R4 example through it, rebuild the batch table for a workload of your own, and find the
-# smallest `num_pages` at which the varied workload still runs four at a time.
+# **Exercises:**
+# [`exercises/03_continuous_batching.ipynb`](../exercises/03_continuous_batching.ipynb): write the
+# continuous scheduler as a `minicb.Scheduler` subclass (decodes first, then admit while slots and
+# pages allow) and run the R1..R4 example through it, rebuild the batch table for a workload of your
+# own, and find the smallest `num_pages` at which the varied workload still runs four at a time.

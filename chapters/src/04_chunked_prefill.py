@@ -369,7 +369,7 @@ for chunk_size, budget in ((128, 128), (512, 128), (64, 128), (128, 256)):
 # - What is missing is putting decodes and a prefill chunk **in the same step**. That is PD
 #   interleaving, chapter 05.
 #
-# **Exercises:** `exercises/04_chunked_prefill.ipynb`: write `next_chunk` (the rule above, plus
-# the seed's "defer a chunk that is too small"), then a prefill-first chunked scheduler of your
-# own as a `minicb.Scheduler` subclass; the check runs it in the real engine against minicb's
-# `chunked` schedule, and you measure problem two with it.
+# **Exercises:** [`exercises/04_chunked_prefill.ipynb`](../exercises/04_chunked_prefill.ipynb):
+# write `next_chunk` (the rule above, plus the seed's "defer a chunk that is too small"), then a
+# prefill-first chunked scheduler of your own as a `minicb.Scheduler` subclass; the check runs it in
+# the real engine against minicb's `chunked` schedule, and you measure problem two with it.

@@ -498,7 +498,7 @@ viz.step_through(pd)
 # - Chapter 06 turns this into a benchmark: arrival processes, percentiles, goodput at an SLO,
 #   and what happens when the KV cache fills up.
 #
-# **Exercises:** `exercises/05_pd_interleaving.ipynb`: turn the seed's pseudo-code into a
-# `Scheduler` subclass and run it in the real engine beside prefill-first (the check compares it
-# with minicb's `pd`, step by step), then write `dec_at_p` and `short_p` from a trace and check
-# the chapter's claim with your own numbers.
+# **Exercises:** [`exercises/05_pd_interleaving.ipynb`](../exercises/05_pd_interleaving.ipynb): turn
+# the seed's pseudo-code into a `Scheduler` subclass and run it in the real engine beside
+# prefill-first (the check compares it with minicb's `pd`, step by step), then write `dec_at_p` and
+# `short_p` from a trace and check the chapter's claim with your own numbers.

@@ -711,8 +711,9 @@ import sys
 #   were within 1% of each other, 128 and 256 far behind, and fewer than 64 slots let the queue
 #   (and max queue age) grow without bound.
 #
-# **Exercises:** `exercises/06_benchmarking.ipynb`: compute one request's queue time, TTFT, E2E
-# and TPOT from its timestamps, then goodput at an SLO (cancelled requests never count), and
-# compare the goodput of two policies on this machine. Beyond them (not graded): find the
-# `priority_aging_steps` that keeps the chats' median wait under 10 steps while bounding the
-# batch job's in section 7, and add the priority policy as a third axis of section 8's sweep.
+# **Exercises:** [`exercises/06_benchmarking.ipynb`](../exercises/06_benchmarking.ipynb): compute
+# one request's queue time, TTFT, E2E and TPOT from its timestamps, then goodput at an SLO
+# (cancelled requests never count), and compare the goodput of two policies on this machine. Beyond
+# them (not graded): find the `priority_aging_steps` that keeps the chats' median wait under 10
+# steps while bounding the batch job's in section 7, and add the priority policy as a third axis of
+# section 8's sweep.
