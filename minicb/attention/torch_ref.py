@@ -106,14 +106,18 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     for b in range(nd, meta.num_members):
         start, end, ctx = qsl[b], qsl[b + 1], meta.context_lens_list[b]
         slots = _context_slots(meta, b, ctx)
-        keys = k_flat[slots].transpose(0, 1)  # [Hkv, ctx, D]
-        values = v_flat[slots].transpose(0, 1)
-        qb = q[start:end].transpose(0, 1)  # [H, qlen, D]
+        # [1, heads, tokens, D]: given 3-D tensors, the CPU's scaled_dot_product_attention
+        # takes its unfused path (1.4x slower for a 512-token prompt, 2x for 2,048)
+        keys = _gather(k_flat, slots[None])
+        values = _gather(v_flat, slots[None])
+        qb = q[start:end].transpose(0, 1)[None]
         qlen = end - start
-        # query i sits at absolute position ctx - qlen + i and sees keys up to there
-        qpos = torch.arange(ctx - qlen, ctx, device=q.device)
-        mask = torch.arange(ctx, device=q.device)[None, :] <= qpos[:, None]
-        ob = F.scaled_dot_product_attention(qb, keys, values, attn_mask=mask, scale=scale,
-                                            enable_gqa=group > 1)
-        out[start:end] = ob.transpose(0, 1)
+        if qlen == ctx:  # the chunk is its whole context: plain causal, which skips the
+            mask, causal = None, True  # masked-out blocks (2x at 2,048 tokens)
+        else:  # query i sits at absolute position ctx - qlen + i and sees keys up to there
+            qpos = torch.arange(ctx - qlen, ctx, device=q.device)
+            mask, causal = torch.arange(ctx, device=q.device)[None, :] <= qpos[:, None], False
+        ob = F.scaled_dot_product_attention(qb, keys, values, attn_mask=mask, is_causal=causal,
+                                            scale=scale, enable_gqa=group > 1)
+        out[start:end] = ob[0].transpose(0, 1)
     return out
