@@ -185,18 +185,6 @@ def test_packed_linear_is_the_same_product(bias):
 
 
 @needs_prepack
-def test_packed_rows_do_not_depend_on_the_batch():
-    """A row's result is bit-identical whether it is multiplied alone or among others: what
-    makes a request's greedy tokens the same alone and in any batch."""
-    gen = torch.Generator().manual_seed(1)
-    layer = PackedLinear(torch.randn(96, 64, generator=gen))
-    x = torch.randn(70, 64, generator=gen)
-    alone = torch.cat([layer(x[i:i + 1]) for i in range(len(x))])
-    for rows in (2, 3, 16, 33, 70):
-        assert torch.equal(layer(x[:rows]), alone[:rows]), rows
-
-
-@needs_prepack
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"),
                     reason="prepacking is the default on x86-64 only")
 def test_prepack_is_the_float32_cpu_default(tiny_llama_dir, monkeypatch):

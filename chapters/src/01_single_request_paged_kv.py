@@ -106,9 +106,10 @@ print(f"\na prefill step of 256 tokens took as long as {prefill[256] / t_decode:
 # The course's build machines (AMD EPYC, 2 cores, measured unloaded when the course was written)
 # reach about 110 GFLOP/s on a large fp32 matrix product through PyTorch's default path and move
 # about 15 GB/s: they need about 7 FLOPs per byte to keep their arithmetic busy. (A better weight
-# layout raises the arithmetic figure; the last part of this section shows how.) Below that ratio a step waits for memory (访存密集 memory-bound), above it for arithmetic
-# (计算密集 compute-bound). Decode sits at 0.5, far below; prefill at 128, far above. The numbers
-# measured above say the same:
+# layout raises the arithmetic figure; the last part of this section shows how.) Below that
+# ratio a step waits for memory (访存密集 memory-bound), above it for arithmetic (计算密集
+# compute-bound). Decode sits at 0.5, far below; prefill at 128, far above. The numbers measured
+# above say the same:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -179,8 +180,8 @@ for name, out in answers.items():
 # single --compare hf --quantization int8`; the numbers are in `bench/README.md`). The price is
 # numbers, not speed: int8 weights move the logits by up to about 5% of their largest value, so
 # greedy decoding keeps the same words for a while (17 of 24 tokens here) and then takes another
-# branch where two tokens were nearly tied. That is why minicb stays float32 by default, where its tokens equal
-# transformers' exactly, and int8 is a knob you turn on knowing what it changes.
+# branch where two tokens were nearly tied. That is why minicb stays float32 by default, where
+# its tokens equal transformers' exactly, and int8 is a knob you turn on knowing what it changes.
 
 # %% [markdown]
 # ### A third lever: the same bytes, a better layout
@@ -545,7 +546,8 @@ viz.plot_timeline(trace, title="v1 (policy='single'): one request at a time")
 #   prefix share them (ref count > 1) and skip that part of the prefill. The hit is capped at
 #   `prompt_len − 1` tokens so that one token is always left to produce logits.
 # - Since decode pays for bytes of weights, int8 weights (one scale per output row) decode about
-#   2.5× faster at batch 1 here, at the price of slightly different numbers.
+#   1.6× faster than float32 at batch 1 here (2.6× Hugging Face), at the price of slightly
+#   different numbers.
 # - The same float32 weights, stored once in oneDNN's blocked layout (`prepack`, minicb's CPU
 #   default), make every product 2–2.6× faster than `F.linear` without changing the bytes, and
 #   the answers only in the last bits.

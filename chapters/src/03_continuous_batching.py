@@ -391,8 +391,8 @@ for workload, policy in sorted(runs, key=lambda k: ("varied", "equal", "low rate
 # them, and with them 16 times the fixed part. The per-request part is paid for every token under
 # either policy. How much of the 1.5x gain in steps survives in seconds depends on the split
 # (the fit's prediction is rough, but it gets the ordering and the size of the gap about right).
-# At these small batches the fixed part dominates (about 22 ms against 1 ms per request in the
-# build stored here), so most of the gain carries over. The per-request part grows with the
+# At these small batches the fixed part dominates (about 22 ms against 1–2 ms per request in
+# the builds stored here), so most of the gain carries over. The per-request part grows with the
 # batch and with each request's context (its own attention, its row of every product): with 32
 # requests of up to 768 tokens it is most of a CPU step (`bench/README.md`). On a GPU a decode
 # step of dozens of requests costs about as much as a step of one: the fixed part dominates, and

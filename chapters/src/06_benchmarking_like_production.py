@@ -227,7 +227,7 @@ print("SLO attainment:", {p: f"{s['slo_attainment']:.0%}" for p, s in table.item
 # machine, so compare rows of one run, never numbers across runs.
 #
 # One column goes the other way: **ITL p99 is higher under continuous and PD than under static**
-# (on the course machine, across runs, 0.07–0.08 s against 0.03 s). A continuous batch admits
+# (on the course machine, across runs, 0.07–0.08 s against 0.03–0.04 s). A continuous batch admits
 # a new prompt into a step where others decode; that step carries a prefill and runs longer, and
 # every decode in it waits that long for its token. A static batch prefills once and then runs
 # only decode steps. The contract's FAQ says as much: "连续批处理一定会降低延迟吗？不会……过度准入或长 Prefill

@@ -159,8 +159,9 @@ print("query lengths", meta.query_lens, "| contexts after the step", meta.contex
 
 # %% [markdown]
 # Store with both backends into two copies of the caches, then attend with both. The reference
-# writes with one `index_copy_` and attends with a padded gather for the decodes and
-# `scaled_dot_product_attention` per chunk; the kernels do it their own way.
+# writes with one `index_copy_` and attends with padded gathers for the decodes (on the CPU in
+# groups of rows with similar context lengths) and `scaled_dot_product_attention` per chunk; the
+# kernels do it their own way.
 
 # %%
 # NBVAL_IGNORE_OUTPUT

@@ -211,9 +211,9 @@ server.__exit__(None, None, None)
 # eagerly between them. Measure ITL before and after with `bench/gpu_check.sh`.
 #
 # **A CPU paged-attention kernel** (`attention/torch_ref.py`, or a new backend next to it).
-# After the two CPU changes of this course (prepacked projections, chapter 01; decode rows in
-# sorted groups), a CPU decode step no longer spends most of its time in matrix products. The
-# profile of one step with 16 requests says where it goes:
+# After the CPU changes of this course (prepacked projections, chapter 01; decode rows in sorted
+# groups), a CPU decode step spends less than half its time in matrix products. The profile of
+# five decode steps with 16 requests says where it goes:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -255,7 +255,7 @@ with quiet_stderr(), profile(activities=[ProfilerActivity.CPU]) as prof:
     for _ in range(5):
         profiled.engine.step()
 PARTS = {"mkldnn::_linear_pointwise": "matrix products (prepacked)",
-         "aten::linear": "matrix products (F.linear)",
+         "aten::mm": "matrix products (F.linear)", "aten::addmm": "matrix products (F.linear)",
          "aten::index_select": "gathering K/V rows from their pages",
          "aten::_scaled_dot_product_flash_attention_for_cpu": "attention itself"}
 spent = Counter()
@@ -266,7 +266,7 @@ for part, us in spent.most_common():
     print(f"{part:<38}{us / total:6.0%}")
 
 # %% [markdown]
-# On the course machine (one thread) about half went to the products, a fifth to copying each
+# On the course machine (one thread) 40–47% went to the products, about a fifth to copying each
 # request's K/V rows out of their pages into a padded tensor, and a fifth to attention proper.
 # The copy exists because `scaled_dot_product_attention` wants contiguous keys; a kernel that
 # reads keys where they lie, page by page (what chapter 07's Triton kernel does on a GPU), would

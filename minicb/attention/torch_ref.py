@@ -55,20 +55,23 @@ DECODE_GROUP = 4  # decode rows per padded gather (see _decode_groups)
 
 def _decode_groups(meta: AttentionMetadata) -> list[tuple[torch.Tensor, torch.Tensor,
                                                           torch.Tensor]]:
-    """Decode members sorted by context length, in groups of DECODE_GROUP, each padded only to
-    its own longest context: [(rows, slots [n, width], valid [n, width])]. Padding every row to
-    the step's longest context gathers and attends over about twice the real keys when contexts
-    are spread out (32 contexts of 16-768 tokens: 1.9x); sorted groups of 4 bring that to 1.09x.
+    """Decode members sorted by context length, in groups of DECODE_GROUP (on the CPU; one group
+    on a GPU), each padded only to its own longest context: [(rows, slots [n, width],
+    valid [n, width])]. Padding every row to the step's longest context gathers and attends over
+    about twice the real keys when contexts are spread out (32 contexts of 16-768 tokens: 1.9x);
+    sorted groups of 4 bring that to 1.09x.
     SmolLM2 at 32 such rows: 166 ms per decode step in one group, 81-83 in groups of 2 or 4,
     90-97 in groups of 8, 104 row by row (per-call overhead). Computed once per step and shared
     by all layers."""
     if "decode_groups" not in meta.cache:
         lens = meta.context_lens_list[:meta.num_decodes]
         order = sorted(range(len(lens)), key=lens.__getitem__)
+        # on a GPU the reference keeps one padded group: there a launch costs more than padding
+        size = DECODE_GROUP if meta.page_tables.device.type == "cpu" else max(1, len(order))
         groups = []
-        for i in range(0, len(order), DECODE_GROUP):
-            rows = int_tensor(order[i:i + DECODE_GROUP], device=meta.page_tables.device)
-            width = lens[order[min(i + DECODE_GROUP, len(order)) - 1]]
+        for i in range(0, len(order), size):
+            rows = int_tensor(order[i:i + size], device=meta.page_tables.device)
+            width = lens[order[min(i + size, len(order)) - 1]]
             pos = torch.arange(width, device=rows.device)
             valid = pos[None, :] < meta.context_lens[rows].long()[:, None]
             pages = meta.page_tables[rows].long()[:, pos // meta.page_size]

@@ -6,9 +6,10 @@ Qwen3 (RMSNorm on each query and key head before RoPE). The model sees one flat 
 ids and positions of every new token of the step, the `AttentionMetadata` that says which
 member owns which rows and pages, and the per-layer caches. It never sees a request.
 
-For speed on the CPU the weights stay in `nn.Linear`'s [out, in] layout (applied with
-`F.linear`), q/k/v are one product and gate/up are one product: `load_hf_state_dict` fuses
-the Hugging Face tensors when loading.
+q/k/v are one product and gate/up are one product: `load_hf_state_dict` fuses the Hugging Face
+tensors when loading. The weights load in `nn.Linear`'s [out, in] layout; on an x86-64 CPU the
+loader then prepacks them into oneDNN's layout (`prepack.py`, chapter 01), and
+`quantization="int8"` swaps them for int8 ones (`quant.py`).
 """
 
 from __future__ import annotations

@@ -1,21 +1,21 @@
 """Prepacked float32 projections: the CPU's fast path for every matrix product (chapter 01,
-"where a step's time goes").
+"A third lever: the same bytes, a better layout").
 
 `F.linear` hands a float32 product to torch's general matrix multiply (MKL in the x86 CPU
 wheels), which copies the weight into the layout of its inner loops on every call. oneDNN's
 inner-product primitive instead takes a weight stored once in its own blocked layout
 (`AB16b64a` with AVX-512): `prepack_model` converts every projection of a loaded model, and the
 LM head, once at load time. On the course machine (AMD EPYC, 2 cores, AVX-512) SmolLM2-135M's
-projections then run 2.1-2.5x faster at every batch size from 1 to 2,048 rows (bench/README.md).
+projections then run 2.1-2.6x faster at every batch size from 1 to 2,048 rows (bench/README.md).
 The results are the same float32 products, summed in a different order: they differ from
-`F.linear`'s by about 1e-6 relative. A row's result also does not depend on how many rows share
-the product (`F.linear`'s does, in the last bits), so the projections add no batch-dependent
-rounding to a request's tokens.
+`F.linear`'s by about 1e-6 relative.
 
 It is on by default for float32 weights on an x86-64 CPU; `load_model(..., prepack=False)` or
 `MINICB_PREPACK=0` keeps `F.linear` (to compare, or where oneDNN is missing), and
-`prepack=True` asks for it elsewhere (an Arm CPU, where it is unmeasured). The op is
-torch's own (`torch.ops.mkldnn`, as `torch.compile` uses it on the CPU), not a new kernel.
+`prepack=True` asks for it elsewhere (an Arm CPU, where it is unmeasured). The op is torch's own
+(`torch.ops.mkldnn`, as `torch.compile` uses it on the CPU), not a new kernel. A prepacked model
+is for inference where it was loaded: its packed weights cannot be copied, saved, cast or moved
+to another device (load it again instead).
 """
 
 from __future__ import annotations
@@ -48,9 +48,10 @@ class PackedLinear(nn.Module):
     """y = x @ weight.T + bias, with the weight held in oneDNN's blocked layout.
 
     The packed weight is an opaque tensor: it has a shape and a dtype, but no strides, so only
-    `forward` and `unpacked()` can read it. A projection's weight is a parameter (parameter
-    counts stay the same); a tied LM head's is a buffer outside the state dict, because it is a
-    second copy of the embedding, which is already counted."""
+    `forward` and `unpacked()` can read it (`copy.deepcopy`, `torch.save`, `.half()` and `.to()`
+    fail on it). A projection's weight is a parameter (parameter counts stay the same); a tied
+    LM head's is a buffer outside the state dict: a second float32 copy of the embedding (113 MB
+    for SmolLM2), not counted twice."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  tied: bool = False) -> None:
