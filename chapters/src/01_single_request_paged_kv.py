@@ -175,8 +175,8 @@ for name, out in answers.items():
     print(f"{name:<8} {out.text!r}")
 
 # %% [markdown]
-# On the quiet build machine (one thread) int8 decoded 63 tokens/s, float32 40 (26 through
-# `F.linear`, see the next part) and Hugging Face `generate` 25 (`python -m minicb bench --policy
+# On the quiet build machine (one thread) int8 decoded 64 tokens/s, float32 42 (26 through
+# `F.linear`, see the next part) and Hugging Face `generate` 24 (`python -m minicb bench --policy
 # single --compare hf --quantization int8`; the numbers are in `bench/README.md`). The price is
 # numbers, not speed: int8 weights move the logits by up to about 5% of their largest value, so
 # greedy decoding keeps the same words for a while (17 of 24 tokens here) and then takes another
@@ -222,8 +222,8 @@ for rows in (1, 16):
 # On the quiet build machine (two threads) the projections alone ran 2.1× faster at one row and
 # 2.5× at 32 (`python bench/prepack_timing.py`); whole decode steps gain a little less, because
 # attention and the small per-layer operations did not change. At batch 1 (one thread) minicb
-# then decoded 40 tokens/s against 26 through `F.linear` and 25 for Hugging Face `generate`;
-# int8 still wins at batch 1 (63), where a step is bound by bytes, and loses at 32 rows, where
+# then decoded 42 tokens/s against 26 through `F.linear` and 24 for Hugging Face `generate`;
+# int8 still wins at batch 1 (64), where a step is bound by bytes, and loses at 32 rows, where
 # the products are bound by arithmetic (`bench/README.md`).
 #
 # The numbers are the same products summed in another order, so they differ in the last bits:
@@ -546,7 +546,7 @@ viz.plot_timeline(trace, title="v1 (policy='single'): one request at a time")
 #   prefix share them (ref count > 1) and skip that part of the prefill. The hit is capped at
 #   `prompt_len − 1` tokens so that one token is always left to produce logits.
 # - Since decode pays for bytes of weights, int8 weights (one scale per output row) decode about
-#   1.6× faster than float32 at batch 1 here (2.6× Hugging Face), at the price of slightly
+#   1.5× faster than float32 at batch 1 here (2.7× Hugging Face), at the price of slightly
 #   different numbers.
 # - The same float32 weights, stored once in oneDNN's blocked layout (`prepack`, minicb's CPU
 #   default), make every product 2–2.6× faster than `F.linear` without changing the bytes, and
