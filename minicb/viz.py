@@ -620,7 +620,9 @@ def render_text(trace: Any, width: int = 100, legend: bool = True) -> str:
     """The timeline as text (chapter 02's block diagram; `python -m minicb demo` prints it):
     █ decode, ▓ prefill, ░ idle slot, - running but not scheduled, · waiting, | finished,
     x preempted. Wider than `width` characters, each column covers several steps (compute
-    shows over idling, prefill over decode) and the header says how many."""
+    shows over idling, prefill over decode) and the header says how many. The header is a
+    ruler of elapsed steps, like a time axis: label v sits where step v ends and step v + 1
+    begins, so it starts at 0, and a request that finishes at step v shows its "|" under v."""
     data = timeline_data(trace)
     if not data.requests:
         return "(empty trace)"
