@@ -47,17 +47,28 @@ def default_num_pages(model_config, config: EngineConfig, dtype: torch.dtype) ->
     return max(16, int(budget // per_page))
 
 
-def _load(model, device: str, dtype: torch.dtype, quantization: str | None):
+def _load(model, device: str, dtype: torch.dtype, quantization: str | None,
+          dtype_name: str = "auto"):
+    """(model, info, dtype of its activations and KV cache). A model passed in loaded keeps
+    its own dtype under dtype="auto"; an explicit dtype must match it."""
     from minicb.model.loader import load_model
     if not isinstance(model, tuple):
-        return load_model(str(model), device=device, dtype=dtype, quantization=quantization)
+        return (*load_model(str(model), device=device, dtype=dtype, quantization=quantization),
+                dtype)
     loaded = getattr(model[0], "quantization", None)
     if quantization and loaded != quantization:  # None takes the model as it was loaded
         # quantizing in place would change a model other engines share
         raise ValueError(f"quantization={quantization!r} but the model passed in was loaded "
                          f"with quantization={loaded!r}; load it with "
                          f"load_model(..., quantization={quantization!r})")
-    return model
+    embed = getattr(model[0], "embed_tokens", None)  # the simulated model has no weights
+    if embed is not None and embed.weight.dtype != dtype:
+        if dtype_name != "auto":  # a KV cache in another dtype than the model fails every step
+            raise ValueError(f"dtype={dtype_name!r} but the model passed in was loaded in "
+                             f"{embed.weight.dtype}; load it with load_model(..., dtype=...) "
+                             f"or leave dtype='auto'")
+        dtype = embed.weight.dtype
+    return (*model, dtype)
 
 
 class Engine:
@@ -82,7 +93,8 @@ class Engine:
         dtype = {"auto": torch.float32 if device == "cpu" else torch.bfloat16,  # config.DTYPES
                  "float32": torch.float32, "bfloat16": torch.bfloat16,
                  "float16": torch.float16}[self.config.dtype]
-        self.model, self.info = _load(model, device, dtype, self.config.quantization)
+        self.model, self.info, dtype = _load(model, device, dtype, self.config.quantization,
+                                             self.config.dtype)
         self.attention_backend = resolve_backend(self.config.attention_backend, device)
         self.model.set_attention_backend(self.attention_backend)
         self.tokenizer = self.info.tokenizer

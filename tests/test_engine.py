@@ -382,3 +382,20 @@ def test_evicted_prefix_pages_are_counted_in_the_trace(tiny_model):
     from minicb import metrics
     assert metrics.summarize(engine.trace, engine.request_records())["evicted_pages"] == \
         sum(evicted)
+
+
+def test_a_loaded_model_keeps_its_dtype(tiny_llama_dir):
+    """An engine given a model loaded in bfloat16 builds a bfloat16 KV cache under
+    dtype='auto' (a float32 cache failed every request); an explicit other dtype is refused."""
+    import torch
+
+    from minicb.model.loader import load_model
+    pair = load_model(tiny_llama_dir, dtype=torch.bfloat16)
+    engine = Engine(pair, num_pages=16)
+    assert engine.pool.kv_caches[0][0].dtype == torch.bfloat16
+    rid = engine.add_request([5, 6, 7, 8], SamplingParams(max_tokens=3, temperature=0.0,
+                                                           ignore_eos=True))
+    engine.run()
+    assert len(engine.requests[rid].output_token_ids) == 3
+    with pytest.raises(ValueError, match="dtype='float32' but the model passed in was loaded in"):
+        Engine(pair, dtype="float32")
