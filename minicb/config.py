@@ -63,7 +63,7 @@ class EngineConfig:
     trace_snapshots: bool = True
     attention_backend: str = "auto"
     device: str = "cpu"
-    dtype: str = "auto"  # float32 on CPU, bfloat16 on CUDA
+    dtype: str = "auto"  # float32 on CPU, bfloat16 on CUDA; a model passed in loaded: its own
     # "int8": weight-only int8 projections (CPU decode speed); with a model passed in already
     # loaded, None accepts it as it is and "int8" requires it loaded with quantization="int8"
     quantization: str | None = None
