@@ -49,8 +49,9 @@ def default_num_pages(model_config, config: EngineConfig, dtype: torch.dtype) ->
 
 def _load(model, device: str, dtype: torch.dtype, quantization: str | None,
           dtype_name: str = "auto"):
-    """(model, info, dtype of its activations and KV cache). A model passed in loaded keeps
-    its own dtype under dtype="auto"; an explicit dtype must match it."""
+    """(model, info, dtype of its activations and KV cache). A model passed in loaded must be on
+    the engine's device, and keeps its own dtype under dtype="auto"; an explicit dtype must
+    match it."""
     from minicb.model.loader import load_model
     if not isinstance(model, tuple):
         return (*load_model(str(model), device=device, dtype=dtype, quantization=quantization),
@@ -62,6 +63,9 @@ def _load(model, device: str, dtype: torch.dtype, quantization: str | None,
                          f"with quantization={loaded!r}; load it with "
                          f"load_model(..., quantization={quantization!r})")
     embed = getattr(model[0], "embed_tokens", None)  # the simulated model has no weights
+    if embed is not None and embed.weight.device.type != torch.device(device).type:
+        raise ValueError(f"device={device!r} but the model passed in is on "
+                         f"{embed.weight.device}; load it with load_model(..., device={device!r})")
     if embed is not None and embed.weight.dtype != dtype:
         if dtype_name != "auto":  # a KV cache in another dtype than the model fails every step
             raise ValueError(f"dtype={dtype_name!r} but the model passed in was loaded in "

@@ -399,3 +399,11 @@ def test_a_loaded_model_keeps_its_dtype(tiny_llama_dir):
     assert len(engine.requests[rid].output_token_ids) == 3
     with pytest.raises(ValueError, match="dtype='float32' but the model passed in was loaded in"):
         Engine(pair, dtype="float32")
+
+
+def test_a_loaded_model_on_another_device_is_refused(tiny_llama_dir):
+    from minicb.model.loader import load_model
+    model, info = load_model(tiny_llama_dir, prepack=False)
+    model.to("meta")  # anywhere but the engine's device
+    with pytest.raises(ValueError, match="device='cpu' but the model passed in is on meta"):
+        Engine((model, info))
