@@ -213,6 +213,8 @@ def test_prepack_refuses_what_it_cannot_pack(tiny_llama_dir):
     for kwargs in (dict(quantization="int8"), dict(dtype=torch.bfloat16)):
         with pytest.raises(ValueError, match="prepack=True needs float32 weights on the CPU"):
             load_model(tiny_llama_dir, prepack=True, **kwargs)
+    with pytest.raises(ValueError, match="prepack must be None, True or False, got 'yes'"):
+        load_model(tiny_llama_dir, prepack="yes")
 
 
 # --- the loader's answers to good and bad input -------------------------------------------------

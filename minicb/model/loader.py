@@ -183,6 +183,8 @@ def load_model(name_or_path: str | os.PathLike, device: str | torch.device = "cp
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     check_device(device)
+    if prepack not in (None, True, False):
+        raise ValueError(f"prepack must be None, True or False, got {prepack!r}")
     if prepack is None:
         prepack = quantization is None and prepack_wanted(device, dtype)
     elif prepack and (quantization or torch.device(device).type != "cpu"
