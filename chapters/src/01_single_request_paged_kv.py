@@ -190,10 +190,12 @@ for name, out in answers.items():
 # a float32 product to PyTorch's general matrix multiply, which copies the weight into the layout
 # of its inner loops on every call. oneDNN, the CPU library under PyTorch, can store a weight once
 # in its own blocked layout, after which every product reads it as it is. minicb does that when
-# it loads float32 weights on the CPU (`minicb/model/prepack.py`: `PackedLinear`, which replaces
-# each projection and the output layer); `load_model(..., prepack=False)`, or `MINICB_PREPACK=0`
-# in the environment, keeps `F.linear`. Nothing else changes: the same weights, the same bytes,
-# the same float32 arithmetic. Same engine, both ways, at 1 and at 16 requests per decode step:
+# it loads float32 weights on an x86-64 CPU (`minicb/model/prepack.py`: `PackedLinear`, which
+# replaces each projection and the output layer); `load_model(..., prepack=False)`, or
+# `MINICB_PREPACK=0` in the environment, keeps `F.linear`. The weights, their bytes and their
+# float32 type stay the same (SmolLM2's output layer shares the embedding's weights, so it gets
+# a packed copy of its own, 113 MB). Same engine, both ways, at 1 and at 16 requests per decode
+# step:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
