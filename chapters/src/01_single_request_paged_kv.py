@@ -176,12 +176,13 @@ for name, out in answers.items():
 
 # %% [markdown]
 # On the quiet build machine (one thread) int8 decoded 64 tokens/s, float32 42 (26 through
-# `F.linear`, see the next part) and Hugging Face `generate` 24 (`python -m minicb bench --policy
-# single --compare hf --quantization int8`; the numbers are in `bench/README.md`). The price is
-# numbers, not speed: int8 weights move the logits by up to about 5% of their largest value, so
-# greedy decoding keeps the same words for a while (17 of 24 tokens here) and then takes another
-# branch where two tokens were nearly tied. That is why minicb stays float32 by default, where
-# its tokens equal transformers' exactly, and int8 is a knob you turn on knowing what it changes.
+# `F.linear`, see the next part) and Hugging Face `generate` 23–24 (`python -m minicb bench
+# --policy single --compare hf --quantization int8`; the numbers are in `bench/README.md`). The
+# price is numbers, not speed: int8 weights move the logits by up to about 5% of their largest
+# value, so greedy decoding keeps the same words for a while (17 of 24 tokens here) and then
+# takes another branch where two tokens were nearly tied. That is why minicb stays float32 by
+# default, where its tokens equal transformers' exactly, and int8 is a knob you turn on knowing
+# what it changes.
 
 # %% [markdown]
 # ### A third lever: the same bytes, a better layout
