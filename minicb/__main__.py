@@ -36,7 +36,9 @@ def demo(argv: list[str]) -> int:
     except ValueError as exc:  # a bad option or model: say which, no traceback
         parser.error(str(exc))
     t_load = time.perf_counter() - t0
-    weights = f", {args.quantization} weights" if args.quantization else ""
+    model = llm.engine.model
+    weights = (f", {args.quantization} weights" if args.quantization
+               else ", prepacked float32 weights" if getattr(model, "prepacked", False) else "")
     print(f"loaded {args.model} in {t_load:.1f} s; policy={args.policy}{weights}")
     conversations = [[{"role": "user", "content": q}] for q in DEMO_QUESTIONS]
     t0 = time.perf_counter()

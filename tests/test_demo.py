@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from minicb.__main__ import DEMO_QUESTIONS, main
 
@@ -14,6 +15,9 @@ def test_demo_answers_every_question_with_timing(smollm2_dir, capsys, extra):
     out = capsys.readouterr().out
     assert out.startswith("loaded smollm2-135m in ")
     assert ("int8 weights" in out.splitlines()[0]) == bool(extra)
+    from minicb.model.prepack import prepack_wanted
+    if not extra and prepack_wanted("cpu", torch.float32):
+        assert "prepacked float32 weights" in out.splitlines()[0]
     for question in DEMO_QUESTIONS:
         assert f">>> {question}\n" in out
     assert out.count("TTFT ") == len(DEMO_QUESTIONS)
