@@ -102,6 +102,9 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization", choices=[q for q in QUANTIZATIONS if q], default=None,
                         help="int8: weight-only int8 projections on the CPU (a quarter of the "
                              "bytes per decode step; numbers differ slightly from float32)")
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                        help="weights and KV cache of the real executor (auto: float32 on the "
+                             "CPU, prepacked on x86-64; bfloat16 on CUDA)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's own choice); 1 is often "
                              "fastest on a small shared machine")
@@ -173,7 +176,8 @@ class Executor:
     (chapter 06)."""
 
     def __init__(self, kind: str, model: str = "smollm2-135m", device: str = "cpu",
-                 cost: CostModel | str = "h100-like", quantization: str | None = None) -> None:
+                 cost: CostModel | str = "h100-like", quantization: str | None = None,
+                 dtype: str = "auto") -> None:
         self.kind = kind
         self.quantization = quantization
         self.device = device
@@ -186,8 +190,9 @@ class Executor:
             import torch
 
             from minicb.model.loader import load_model
-            dtype = torch.float32 if device == "cpu" else torch.bfloat16
-            self.pair = load_model(model, device=device, dtype=dtype,
+            if dtype == "auto":
+                dtype = "float32" if device == "cpu" else "bfloat16"
+            self.pair = load_model(model, device=device, dtype=getattr(torch, dtype),
                                    quantization=quantization)
         else:
             raise ValueError(f"executor must be 'real' or 'sim', got {kind!r}")
@@ -237,10 +242,15 @@ class Executor:
 
 def executor_from_args(args: argparse.Namespace, device: str) -> Executor:
     """The executor bench and sweep run on, from their common flags (chapter 06)."""
-    if args.quantization and args.executor == "sim":
-        raise ValueError("--quantization needs --executor real: the simulated executor has no "
-                         "weights (its cost model sets the step times)")
-    return Executor(args.executor, args.model, device, args.cost_model, args.quantization)
+    for flag, value in (("--quantization", args.quantization),
+                        ("--dtype", args.dtype != "auto" and args.dtype)):
+        if value and args.executor == "sim":
+            raise ValueError(f"{flag} needs --executor real: the simulated executor has no "
+                             "weights (its cost model sets the step times)")
+    if args.quantization and args.dtype != "auto":
+        raise ValueError("--quantization int8 keeps float32 activations: leave --dtype auto")
+    return Executor(args.executor, args.model, device, args.cost_model, args.quantization,
+                    args.dtype)
 
 
 def runtime_versions() -> dict[str, str]:

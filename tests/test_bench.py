@@ -53,6 +53,20 @@ def test_bench_runs_int8_weights(tiny_llama_dir, tmp_path):
     assert all(s["completed"] == 4 and s["errors"] == 0 for s in data["results"].values())
 
 
+def test_bench_runs_bfloat16_weights(tiny_llama_dir, tmp_path, capsys):
+    out = tmp_path / "bf16.json"
+    assert bench.main_bench(["--model", str(tiny_llama_dir), "--policy", "pd", "--dtype",
+                             "bfloat16", "--out", str(out), *TINY]) == 0
+    data = json.loads(out.read_text())
+    model, pd = data["declaration"]["model"], data["results"]["pd"]
+    assert model["dtype"] == "torch.bfloat16" and not model["prepacked"]
+    assert pd["completed"] == 4 and pd["errors"] == 0
+    assert "torch.bfloat16 weights" in capsys.readouterr().out
+    assert bench.main_bench(["--model", str(tiny_llama_dir), "--policy", "pd", "--dtype",
+                             "bfloat16", "--quantization", "int8", *TINY]) == 2
+    assert "leave --dtype auto" in capsys.readouterr().err
+
+
 def test_bench_compare_hf_and_single_stream(tiny_llama_dir, tmp_path, capsys):
     out = tmp_path / "hf.json"
     code = bench.main_bench(["--model", str(tiny_llama_dir), "--policy", "single",
@@ -97,6 +111,7 @@ def test_bench_simulated_says_so(tmp_path):
     (["--threads", "0"], "--threads"),
     (["--compare", "hf"], "--compare hf needs --executor real"),
     (["--quantization", "int8"], "--quantization needs --executor real"),
+    (["--dtype", "bfloat16"], "--dtype needs --executor real"),
     (["--slo-ttft", "-1"], "positive"),
 ])
 def test_bench_refuses_bad_flags(argv, message, capsys):
