@@ -91,6 +91,9 @@ def _gather(flat: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q [T, heads, D] of the step's rows over the paged caches -> [T, heads, D] (chapter 01):
+    decode rows in padded groups of similar context length, each prefill chunk causally over
+    its own pages (the positions before it, prefix-cache pages included, and itself)."""
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[-2]
     group = num_heads // num_kv_heads
