@@ -714,8 +714,51 @@ print(f"best within the fairness limit: max_num_seqs={best[0]}, max_num_batched_
 # their first step (max queue age 1.6-6.5 s), and goodput collapses even though throughput looks
 # respectable. From 64 slots the curve is flat: 128 slots change nothing, because this load
 # never runs more than 64 requests at once; the tie goes to the smaller setting, which holds
-# less memory. On real hardware each point would be measured, not simulated, and a priority
-# policy (section 7) would be one more axis.
+# less memory. On real hardware each point would be measured, not simulated.
+#
+# The last axis the contract names is the priority policy. Take section 7's three orders (FCFS,
+# prompt-length bucket as priority, the same with aging every 25 steps) at 64 slots and both
+# budgets, on the same traffic pushed past what the engine serves, 25 requests/s; the last
+# column is the worst prompt-length bucket's TTFT p99:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+orders = {"FCFS": ("newest", None), "size priority": ("priority", None),
+          "size, aging 25": ("priority", 25)}
+overload = traffic(25)
+overload_by_size = Workload("by-size", [dataclasses.replace(r, priority=size_class(r.prompt_len))
+                                        for r in overload.requests])
+policy_grid = {}
+print(f"{'order':<16}{'budget':>7}{'goodput':>9}{'SLO met':>8}{'max queue age':>14}"
+      f"{'worst bucket TTFT p99':>22}  (simulated, 25 req/s)")
+for label, (mode, aging) in orders.items():
+    for budget in (512, 1024):
+        e = make_sim_engine("h100-like", policy="pd", max_num_seqs=64, num_pages=40000,
+                            max_num_batched_tokens=budget, chunk_size=budget, preemption=mode,
+                            priority_aging_steps=aging)
+        run_workload(e, overload if label == "FCFS" else overload_by_size)
+        s = metrics.summarize(e.trace, e.request_records(), slo=SLO)
+        worst = max(np.percentile([metrics.ttft(r) for r in e.request_records()
+                                   if low <= r.num_prompt_tokens < high], 99)
+                    for low, high in BUCKETS)
+        policy_grid[(label, budget)] = s
+        print(f"{label:<16}{budget:>7}{s['goodput_rps']:>9.2f}{s['slo_attainment']:>8.0%}"
+              f"{s['max_queue_age_s']:>14.3f}{worst:>22.3f}")
+fair = [k for k, s in policy_grid.items() if s["max_queue_age_s"] <= 0.5]
+top = max(policy_grid, key=lambda k: policy_grid[k]["goodput_rps"])
+print("within the fairness limit (max queue age <= 0.5 s):", fair or "no setting")
+print(f"highest goodput without the limit: {top[0]}, budget {top[1]} "
+      f"({policy_grid[top]['goodput_rps']:.2f} req/s, simulated)")
+
+# %% [markdown]
+# Past saturation the order is the knob that matters most. Short prompts first serves 94% of
+# the requests within the SLO against 55–72% under FCFS, and goodput rises from 10–14 to about
+# 18 requests/s, because each short request that jumps the queue is one more request served in
+# time. It gets there by starving the long prompts: the oldest wait passes 2 s and the worst
+# bucket's TTFT p99 with it. Aging buys part of the fairness back (oldest wait 0.8–1.2 s) and
+# gives up most of the gain (12–15 requests/s). No setting meets the 0.5 s limit: the honest result of this
+# sweep is that 25 requests/s of this traffic needs more hardware, or a product decision to
+# accept a looser limit for the long prompts, written down next to the number.
 #
 # The CLI does the same, and writes every result with its declaration: `python -m minicb bench`
 # for one setting and several policies, `python -m minicb sweep` for a grid. With
@@ -755,7 +798,9 @@ import sys
 #   most of that back.
 # - Tune by sweeping your own traffic, under the fairness limits too: here the 512–2048 budgets
 #   were within 1% of each other, 128 and 256 far behind, and fewer than 64 slots let the queue
-#   (and max queue age) grow without bound.
+#   (and max queue age) grow without bound. Past saturation the priority order mattered most:
+#   short prompts first beat the best FCFS setting's goodput by 30% (18.1 vs 14.0 requests/s)
+#   by starving long prompts, and no setting met the fairness limit.
 #
 # **Exercises:** [`exercises/06_benchmarking.ipynb`](../exercises/06_benchmarking.ipynb): compute
 # one request's queue time, TTFT, E2E and TPOT from its timestamps, then goodput at an SLO
