@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from minicb.config import POLICIES, QUANTIZATIONS, check_device
+from minicb.config import POLICIES, QUANTIZATIONS, check_device, torch_dtype
 from minicb.metrics import (
     PERCENTILE_METHOD,
     TABLE_COLUMNS,
@@ -187,12 +187,8 @@ class Executor:
         if kind == "sim":
             self.cost = CostModel.load(cost) if isinstance(cost, str) else cost
         elif kind == "real":
-            import torch
-
             from minicb.model.loader import load_model
-            if dtype == "auto":
-                dtype = "float32" if device == "cpu" else "bfloat16"
-            self.pair = load_model(model, device=device, dtype=getattr(torch, dtype),
+            self.pair = load_model(model, device=device, dtype=torch_dtype(dtype, device),
                                    quantization=quantization)
         else:
             raise ValueError(f"executor must be 'real' or 'sim', got {kind!r}")
@@ -406,10 +402,9 @@ def measure_single_stream(executor: Executor, num_prompts: int = 3, prompt_len: 
 
 # ------------------------------------------------------------------------------ HF baselines
 def _hf_model(path: str | Path, device: str) -> Any:
-    import torch
     from transformers import AutoModelForCausalLM
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype("auto", device))
+    model = model.to(device)
     return model.eval()
 
 

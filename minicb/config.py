@@ -18,6 +18,20 @@ def is_finite_number(value: object) -> bool:
         and math.isfinite(value)
 
 
+def is_positive_int(value: object) -> bool:
+    """An int >= 1 that is not a bool: what every count knob needs."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def torch_dtype(name: str, device: str):
+    """The torch dtype a `dtype` knob names (one of DTYPES): "auto" is float32 on the CPU and
+    bfloat16 on CUDA."""
+    import torch
+    if name == "auto":
+        name = "float32" if torch.device(device).type == "cpu" else "bfloat16"
+    return getattr(torch, name)
+
+
 def check_device(device: object) -> None:
     """Raise ValueError unless `device` is 'cpu', or a CUDA GPU this torch can use (chapter 07)."""
     import torch
@@ -83,14 +97,12 @@ class EngineConfig:
                              f"got {self.policy!r}")
         if isinstance(self.policy, str) and self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
-        if self.num_pages is not None and (not isinstance(self.num_pages, int)
-                                           or isinstance(self.num_pages, bool)
-                                           or self.num_pages < 1):
+        if self.num_pages is not None and not is_positive_int(self.num_pages):
             raise ValueError(f"num_pages must be a positive integer, got {self.num_pages!r}")
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens",
                      "chunk_size", "min_chunk"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not is_positive_int(value):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
@@ -102,8 +114,7 @@ class EngineConfig:
         if self.preemption not in ("newest", "priority"):
             raise ValueError(f"preemption must be 'newest' or 'priority', got {self.preemption!r}")
         aging = self.priority_aging_steps
-        if aging is not None and (not isinstance(aging, int) or isinstance(aging, bool)
-                                  or aging < 1):
+        if aging is not None and not is_positive_int(aging):
             raise ValueError(f"priority_aging_steps must be a positive integer or None, "
                              f"got {aging!r}")
         if aging is not None and self.preemption != "priority":

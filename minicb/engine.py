@@ -16,7 +16,7 @@ from collections import deque
 import torch
 
 from minicb.attention import build_metadata, int_tensor, resolve_backend
-from minicb.config import EngineConfig, is_finite_number
+from minicb.config import EngineConfig, is_finite_number, torch_dtype
 from minicb.kv_cache import PagePool, prompt_page_hashes
 from minicb.request import Request, RequestOutput, SamplingParams, Status
 from minicb.sampler import make_generator, sample
@@ -94,9 +94,7 @@ class Engine:
         # every other scheduler, a learner's included, must stay within it
         self.enforce_budget = self.scheduler.name not in WHOLE_PROMPT_POLICIES
         device = self.config.device
-        dtype = {"auto": torch.float32 if device == "cpu" else torch.bfloat16,  # config.DTYPES
-                 "float32": torch.float32, "bfloat16": torch.bfloat16,
-                 "float16": torch.float16}[self.config.dtype]
+        dtype = torch_dtype(self.config.dtype, device)
         self.model, self.info, dtype = _load(model, device, dtype, self.config.quantization,
                                              self.config.dtype)
         self.attention_backend = resolve_backend(self.config.attention_backend, device)

@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 
 from minicb.config import QUANTIZATIONS, check_device
 from minicb.model.llama import LlamaModel, ModelConfig
-from minicb.model.prepack import prepack_available, prepack_model, prepack_wanted
+from minicb.model.prepack import prepack_model, prepack_possible, prepack_wanted
 from minicb.model.quant import quantize_int8
 
 log = logging.getLogger(__name__)
@@ -187,8 +187,7 @@ def load_model(name_or_path: str | os.PathLike, device: str | torch.device = "cp
         raise ValueError(f"prepack must be None, True or False, got {prepack!r}")
     if prepack is None:
         prepack = quantization is None and prepack_wanted(device, dtype)
-    elif prepack and (quantization or torch.device(device).type != "cpu"
-                      or dtype != torch.float32 or not prepack_available()):
+    elif prepack and (quantization or not prepack_possible(device, dtype)):
         raise ValueError("prepack=True needs float32 weights on the CPU, no quantization, and a "
                          "torch built with oneDNN (torch.backends.mkldnn.is_available())")
     name, path = resolve(name_or_path)

@@ -36,12 +36,16 @@ def prepack_available() -> bool:
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
+def prepack_possible(device: str | torch.device, dtype: torch.dtype) -> bool:
+    """Float32 weights on the CPU, with a torch that can prepack them."""
+    return torch.device(device).type == "cpu" and dtype == torch.float32 and prepack_available()
+
+
 def prepack_wanted(device: str | torch.device, dtype: torch.dtype) -> bool:
-    """The default: float32 weights on an x86-64 CPU, oneDNN available, `MINICB_PREPACK` not
-    "0". Other CPUs (Arm) keep `F.linear` unless asked: oneDNN's speed there is unmeasured."""
-    return (torch.device(device).type == "cpu" and dtype == torch.float32
-            and platform.machine().lower() in ("x86_64", "amd64")
-            and os.environ.get("MINICB_PREPACK", "1") != "0" and prepack_available())
+    """The default: possible, on an x86-64 CPU, and `MINICB_PREPACK` not "0". Other CPUs (Arm)
+    keep `F.linear` unless asked: oneDNN's speed there is unmeasured."""
+    return (prepack_possible(device, dtype) and platform.machine().lower() in ("x86_64", "amd64")
+            and os.environ.get("MINICB_PREPACK", "1") != "0")
 
 
 class PackedLinear(nn.Module):
