@@ -4,10 +4,12 @@ grown in chapters 02-05). Names follow vLLM's where vLLM has the same knob."""
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 POLICIES = ("single", "static", "dynamic", "continuous", "chunked", "pd")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
 QUANTIZATIONS = (None, "int8")  # int8: weight-only, see minicb/model/quant.py
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -53,6 +55,12 @@ def check_device(device: object) -> None:
         raise ValueError(f"device={device!r}, but torch sees {torch.cuda.device_count()} "
                          f"CUDA GPU(s), numbered from 0")
 
+
+
+def cache_root() -> Path:
+    """Where minicb keeps what it builds once (converted bundled models, the CPU attention
+    kernel): $MINICB_CACHE, else ~/.cache/minicb."""
+    return Path(os.environ.get("MINICB_CACHE") or Path.home() / ".cache" / "minicb")
 
 @dataclass
 class EngineConfig:

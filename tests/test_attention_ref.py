@@ -24,26 +24,27 @@ def dense(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Te
         scale=HEAD_DIM ** -0.5, enable_gqa=True).transpose(0, 1)
 
 
-def check_against_dense(members: list[tuple[int, int]], seed: int) -> None:
+def check_against_dense(members: list[tuple[int, int]], seed: int, attend=torch_ref.attend,
+                        group: int = GROUP, page_size: int = PAGE_SIZE) -> None:
     """Store every member's past and new K/V through shuffled pages, attend, and compare each
     member's rows with dense attention over its own contiguous K/V."""
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
-    pages = [-(-(c + n) // PAGE_SIZE) for c, n in members]
+    pages = [-(-(c + n) // page_size) for c, n in members]
     free = rng.sample(range(sum(pages)), sum(pages))
     tables = [[free.pop() for _ in range(p)] for p in pages]
-    meta = build_metadata(tables, [c for c, _ in members], [n for _, n in members], PAGE_SIZE)
-    shape = (sum(pages), PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    meta = build_metadata(tables, [c for c, _ in members], [n for _, n in members], page_size)
+    shape = (sum(pages), page_size, NUM_KV_HEADS, HEAD_DIM)
     k_cache, v_cache = torch.zeros(shape), torch.zeros(shape)
     full_k = [torch.randn(c + n, NUM_KV_HEADS, HEAD_DIM, generator=gen) for c, n in members]
     full_v = [torch.randn(c + n, NUM_KV_HEADS, HEAD_DIM, generator=gen) for c, n in members]
     for b, (computed, _) in enumerate(members):  # earlier steps' tokens, then this step's
-        past = build_metadata([tables[b]], [0], [computed], PAGE_SIZE)
+        past = build_metadata([tables[b]], [0], [computed], page_size)
         torch_ref.store_kv(full_k[b][:computed], full_v[b][:computed], k_cache, v_cache, past)
     new_k = torch.cat([k[c:] for k, (c, _) in zip(full_k, members)])
     new_v = torch.cat([v[c:] for v, (c, _) in zip(full_v, members)])
     torch_ref.store_kv(new_k, new_v, k_cache, v_cache, meta)
-    q = torch.randn(len(new_k), NUM_KV_HEADS * GROUP, HEAD_DIM, generator=gen)
-    out = torch_ref.attend(q, k_cache, v_cache, meta, HEAD_DIM ** -0.5)
+    q = torch.randn(len(new_k), NUM_KV_HEADS * group, HEAD_DIM, generator=gen)
+    out = attend(q, k_cache, v_cache, meta, HEAD_DIM ** -0.5)
     start = 0
     for b, (_, n) in enumerate(members):
         expected = dense(q[start:start + n], full_k[b], full_v[b])

@@ -18,6 +18,7 @@ per-layer operations around attention: the Triton backend fuses each into one ke
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 from array import array
 from dataclasses import dataclass, field
@@ -132,29 +133,58 @@ def build_metadata(page_tables: list[list[int]], num_computed: list[int], num_ne
 
 
 def resolve_backend(name: str = "auto", device: str = "cpu") -> str:
-    """'auto' picks Triton on CUDA and the torch reference elsewhere; MINICB_ATTENTION overrides
-    'auto'."""
+    """'auto' picks Triton on CUDA; on the CPU, the C decode kernel (chapter 08) where it builds,
+    else the torch reference. MINICB_ATTENTION overrides 'auto'."""
     if name == "auto":
         name = os.environ.get("MINICB_ATTENTION", "auto")
+    on_cuda = str(device).startswith("cuda")
     if name == "auto":
-        name = "triton" if str(device).startswith("cuda") else "torch"
-    if name not in ("torch", "triton"):
-        raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {name!r}")
-    if name == "triton" and not str(device).startswith("cuda"):
+        if on_cuda:
+            name = "triton"
+        else:
+            from minicb.attention import cpu_kernel
+            reason = cpu_kernel.unavailable_reason()
+            if reason:
+                _warn_once(f"{reason}; using the torch reference for attention")
+            name = "torch" if reason else "cpu"
+    if name not in ("torch", "triton", "cpu"):
+        raise ValueError("attention_backend must be 'auto', 'torch', 'triton' or 'cpu', "
+                         f"got {name!r}")
+    if name == "triton" and not on_cuda:
         from minicb.attention import triton_ops
         if not triton_ops._interpreted():  # refuse now, not as an error in every request
             raise ValueError("attention_backend='triton' on the CPU runs the kernels in Triton's "
                              "interpreter: set TRITON_INTERPRET=1 before anything imports "
                              "triton (e.g. TRITON_INTERPRET=1 python ...), or use 'torch'")
+    if name == "cpu":
+        if on_cuda:
+            raise ValueError("attention_backend='cpu' is the C kernel for the CPU: on CUDA use "
+                             "'triton' or 'torch'")
+        from minicb.attention import cpu_kernel
+        reason = cpu_kernel.unavailable_reason()
+        if reason:
+            raise ValueError(f"attention_backend='cpu': {reason}; use 'torch'")
     return name
 
 
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        logging.getLogger("minicb").warning(message)
+
+
 def get_backend(name: str):
-    """Return the module implementing `store_kv` and `attend` for a resolved backend name."""
+    """Return the module implementing the backend API for a resolved backend name."""
     if name == "torch":
         from minicb.attention import torch_ref
         return torch_ref
     if name == "triton":
         from minicb.attention import triton_ops
         return triton_ops
+    if name == "cpu":
+        from minicb.attention import cpu_kernel
+        return cpu_kernel
     raise ValueError(f"unknown attention backend {name!r}")

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from minicb.config import QUANTIZATIONS, check_device
+from minicb.config import QUANTIZATIONS, cache_root, check_device
 from minicb.model.llama import LlamaModel, ModelConfig
 from minicb.model.prepack import prepack_model, prepack_possible, prepack_wanted
 from minicb.model.quant import quantize_int8
@@ -57,11 +57,6 @@ class ModelInfo:
 def is_bundled(name: str) -> bool:
     """True if `name` is a bundled model name or one of its aliases (case-insensitive)."""
     return isinstance(name, str) and name.lower() in MODEL_ALIASES
-
-
-def cache_root() -> Path:
-    """Where converted bundled models live: $MINICB_CACHE, else ~/.cache/minicb."""
-    return Path(os.environ.get("MINICB_CACHE") or Path.home() / ".cache" / "minicb")
 
 
 def _find_gguf(spec: dict[str, str]) -> Path:

@@ -1,0 +1,153 @@
+"""The C decode kernel of the CPU backend (chapter 08) against dense attention and the torch
+reference: ragged contexts, GQA ratios 1-7, page sizes 4-32, shuffled and shared pages, NaN in
+every slot it must not read, and the whole engine's tokens under every policy.
+
+A machine without a C compiler skips these (the engine then keeps the torch reference); one
+with a compiler that fails to build the kernel fails them."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from paged_cases import HEAD_DIM, assert_close, make_case
+from test_attention_ref import check_against_dense
+
+from minicb.attention import build_metadata, cpu_kernel, resolve_backend, torch_ref
+
+if cpu_kernel._compiler() is None:
+    pytest.skip("no C compiler: the CPU kernel backend cannot be built here",
+                allow_module_level=True)
+
+
+@pytest.fixture
+def broken_compiler(monkeypatch, tmp_path):
+    """A compiler that always fails, with nothing built or cached yet."""
+    script = tmp_path / "cc"
+    script.write_text("#!/bin/sh\necho 'cc: error: no such thing' >&2\nexit 1\n")
+    script.chmod(0o755)
+    monkeypatch.setenv("CC", str(script))
+    monkeypatch.setenv("MINICB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(cpu_kernel, "_kernel", None)
+    monkeypatch.setattr(cpu_kernel, "_failure", None)
+    return script
+
+
+def test_the_kernel_builds_and_is_cached():
+    assert cpu_kernel.unavailable_reason() is None
+    path = cpu_kernel.library_path(cpu_kernel._compiler())
+    assert path.exists() and path.parent.name == "kernels"
+
+
+@settings(max_examples=40, deadline=None)
+@given(decodes=st.lists(st.integers(0, 80), min_size=1, max_size=10),
+       chunks=st.lists(st.tuples(st.integers(0, 20), st.integers(1, 9)), max_size=2),
+       group=st.integers(1, 5), page_size=st.sampled_from([4, 16]), seed=st.integers(0, 2**16))
+def test_any_step_matches_dense_attention(decodes, chunks, group, page_size, seed):
+    """Each member's rows equal dense attention over its own K/V: decode rows from the kernel,
+    chunks from the reference, in one call."""
+    check_against_dense([(c, 1) for c in decodes] + chunks, seed, attend=cpu_kernel.attend,
+                        group=group, page_size=page_size)
+
+
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("page_size", [16, 32])
+def test_poisoned_caches_and_strided_queries(group, page_size):
+    """The kernel reads only its members' slots (every other slot is NaN), takes q as a view of
+    the fused q/k/v product, writes every row, and agrees with the reference."""
+    rng = random.Random(page_size + group)
+    members = [(2 * page_size + 3, 1), (2 * page_size + 9, 1)]
+    members += [(rng.randrange(0, 5 * page_size), 1) for _ in range(5)] + [(page_size + 5, 7)]
+    q, k, v, k_cache, v_cache, meta = make_case(members, page_size, group, shared_pages=2)
+    assert not q.is_contiguous()
+    torch_ref.store_kv(k, v, k_cache, v_cache, meta)
+    expected = torch_ref.attend(q, k_cache.nan_to_num(), v_cache.nan_to_num(), meta,
+                                HEAD_DIM ** -0.5)
+    out = cpu_kernel.attend(q, k_cache, v_cache, meta, HEAD_DIM ** -0.5)
+    assert not out.isnan().any(), "a row read a slot outside its context, or was not written"
+    assert_close(out, expected)
+
+
+def test_non_power_of_two_group_and_head_dim():
+    """Qwen2-0.5B has 7 query heads per kv head; some models have head_dim 80 or 96."""
+    q, k, v, k_cache, v_cache, meta = make_case([(20, 1), (3, 1), (40, 1)], 16, 7, head_dim=24)
+    torch_ref.store_kv(k, v, k_cache, v_cache, meta)
+    expected = torch_ref.attend(q, k_cache.nan_to_num(), v_cache.nan_to_num(), meta, 0.2)
+    assert_close(cpu_kernel.attend(q, k_cache, v_cache, meta, 0.2), expected)
+
+
+def test_a_row_does_not_depend_on_its_batch_or_the_thread_count():
+    """Each (request, kv head) is one thread's work in a fixed order: a row's result is the
+    same, bit for bit, alone or among others, on one thread or two. (The reference's padded
+    groups can differ in the last bits with the company a row keeps.)"""
+    members = [(computed, 1) for computed in (5, 70, 33, 128, 1, 64)]
+    q, k, v, k_cache, v_cache, meta = make_case(members, 16, 3)
+    torch_ref.store_kv(k, v, k_cache, v_cache, meta)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_kernel.attend(q, k_cache, v_cache, meta, 0.25)
+        torch.set_num_threads(2)
+        two = cpu_kernel.attend(q, k_cache, v_cache, meta, 0.25)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    row = 3
+    pages = meta.page_tables[row, :-(-meta.context_lens_list[row] // 16)].tolist()
+    alone = build_metadata([pages], [members[row][0]], [1], 16)
+    assert torch.equal(cpu_kernel.attend(q[row:row + 1], k_cache, v_cache, alone, 0.25)[0],
+                       one[row])
+
+
+def test_other_dtypes_take_the_reference_path():
+    """A bfloat16 engine on the CPU: the kernel is float32 only, so the reference answers."""
+    q, k, v, k_cache, v_cache, meta = make_case([(20, 1), (7, 1), (9, 5)], 16, 2,
+                                                dtype=torch.bfloat16)
+    torch_ref.store_kv(k, v, k_cache, v_cache, meta)
+    k_cache, v_cache = k_cache.nan_to_num(), v_cache.nan_to_num()
+    assert torch.equal(cpu_kernel.attend(q, k_cache, v_cache, meta, 0.25),
+                       torch_ref.attend(q, k_cache, v_cache, meta, 0.25))
+
+
+def test_auto_picks_the_kernel_on_the_cpu(monkeypatch):
+    monkeypatch.delenv("MINICB_ATTENTION", raising=False)
+    assert resolve_backend("auto", "cpu") == "cpu"
+    monkeypatch.setenv("MINICB_ATTENTION", "torch")
+    assert resolve_backend("auto", "cpu") == "torch"
+    with pytest.raises(ValueError, match="C kernel for the CPU"):
+        resolve_backend("cpu", "cuda")
+
+
+def test_without_a_working_compiler_auto_falls_back_and_cpu_is_refused(broken_compiler, caplog,
+                                                                        monkeypatch):
+    monkeypatch.delenv("MINICB_ATTENTION", raising=False)
+    with caplog.at_level(logging.WARNING, logger="minicb"):
+        assert resolve_backend("auto", "cpu") == "torch"
+    assert "no such thing" in caplog.text and "torch reference" in caplog.text
+    with pytest.raises(ValueError, match="(?s)could not build paged_decode.c.*no such thing"):
+        resolve_backend("cpu", "cpu")
+    assert not list((broken_compiler.parent / "cache").rglob("*.so")), "half a build was kept"
+
+
+@pytest.mark.parametrize("policy", ["single", "static", "continuous", "chunked", "pd"])
+def test_engine_tokens_match_the_torch_backend(tiny_llama_dir, policy):
+    """The whole engine through the kernel, including a second call whose prompts hit the first
+    call's cached prefix pages, under greedy sampling."""
+    from minicb import LLM, SamplingParams
+    base = list(range(3, 40))
+    first, rest = [base + [50, 51]], [base + [60], list(range(70, 75)), list(range(80, 101))]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    kw = dict(policy=policy, page_size=16, num_pages=64, max_num_seqs=4, chunk_size=16,
+              max_num_batched_tokens=24, check_invariants=True)
+    results = {}
+    for name in ("torch", "cpu"):
+        llm = LLM(str(tiny_llama_dir), attention_backend=name, **kw)
+        assert llm.engine.attention_backend == name
+        outs = llm.generate(first, params) + llm.generate(rest, params)
+        assert outs[1].num_cached_tokens >= 32
+        results[name] = [o.token_ids for o in outs]
+    assert results["cpu"] == results["torch"]
