@@ -70,6 +70,25 @@ def test_sampler_topk1_is_greedy_and_seeds_repeat(llm):
     assert batched[0].token_ids == alone
 
 
+def test_draw_follows_the_distribution_and_never_picks_a_zero(monkeypatch):
+    """Inverse-transform sampling: frequencies over 20,000 draws within 4 standard errors of the
+    probabilities, a token with probability 0 never drawn, one with all the mass always, and a
+    point that rounds up to the total still lands on a token with mass."""
+    import torch
+
+    from minicb.sampler import draw
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.3, 0.15, 0.05, 0.0])
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.bincount(torch.tensor([draw(probs, gen) for _ in range(20_000)]),
+                            minlength=len(probs)).double()
+    assert counts[probs == 0].sum() == 0
+    freq, std = counts / 20_000, (probs.double() * (1 - probs.double()) / 20_000).sqrt()
+    assert ((freq - probs.double()).abs() <= 4 * std + 1e-12).all(), freq.tolist()
+    assert draw(torch.tensor([0.0, 0.0, 1.0, 0.0]), gen) == 2
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.ones(1, dtype=torch.float64))
+    assert draw(torch.tensor([0.25, 0.75, 0.0]), None) == 1
+
+
 def test_top_p_keeps_only_the_nucleus():
     import torch
 
