@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from minicb.attention import resolve_backend
 from minicb.config import POLICIES, QUANTIZATIONS, check_device, torch_dtype
 from minicb.metrics import (
     PERCENTILE_METHOD,
@@ -265,13 +266,26 @@ def runtime_versions() -> dict[str, str]:
     return out
 
 
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (the machine behind a course VM changes), or
+    what `platform` knows elsewhere."""
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def device_description(device: str) -> dict[str, Any]:
     """Device, CPU count and torch threads for a declaration (chapter 06)."""
     import torch
     out: dict[str, Any] = {"device": device, "cpu_count": os.cpu_count(),
                            "torch_threads": torch.get_num_threads(),
                            "platform": platform.platform(),
-                           "processor": platform.processor() or platform.machine()}
+                           "processor": platform.processor() or platform.machine(),
+                           "cpu_model": cpu_model()}
     if device.startswith("cuda") and torch.cuda.is_available():
         out["gpu"] = torch.cuda.get_device_name(torch.device(device))  # cuda:N, not always 0
     return out
@@ -326,6 +340,9 @@ def declaration(args: argparse.Namespace, workload: Workload, executor: Executor
                                                    "from free memory on CUDA)",
                          "page_size": cfg.page_size, "kv_tokens": kv_tokens},
         "model": executor.describe(),
+        "attention_backend": ("simulated" if executor.simulated
+                              else engine.attention_backend if engine is not None
+                              else resolve_backend(cfg.attention_backend, executor.device)),
         "runtime": runtime_versions(),
         "device": device_description(executor.device),
         "sampling": "greedy, ignore_eos=True, max_tokens fixed: output lengths are exact",
@@ -825,7 +842,8 @@ def print_report(data: dict[str, Any]) -> None:
     print(f"model {lookup(decl, 'model.name')} on {lookup(decl, 'device.device')} "
           f"({lookup(decl, 'device.cpu_count')} CPUs); executor {decl['executor']}"
           + (" -- SIMULATED, not measured" if decl.get("simulated")
-             else f", {weights_label(decl)} weights"))
+             else f", {weights_label(decl)} weights, attention "
+                  f"{decl.get('attention_backend', '?')}"))
     print(f"token budget {decl['token_budget']}, memory {decl['memory_limit']}, "
           f"SLO {decl.get('slo') or 'none'}\n")
     ok = {k: v for k, v in data["results"].items() if "error" not in v}

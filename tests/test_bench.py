@@ -33,6 +33,7 @@ def test_bench_end_to_end_on_a_tiny_checkpoint(tiny_llama_dir, tmp_path, capsys)
     assert decl["simulated"] is False and decl["executor"] == "real"
     assert decl["runtime"]["torch"] and decl["device"]["cpu_count"] >= 1
     assert decl["model"]["path"] == str(tiny_llama_dir)
+    assert decl["device"]["cpu_model"] and decl["attention_backend"] in ("cpu", "torch")
     assert decl["concurrency"]["max_num_seqs"] == 3 and decl["slo"] == {"ttft": 5.0}
     for summary in data["results"].values():
         assert summary["completed"] == 4 and summary["errors"] == 0

@@ -9,8 +9,8 @@ in `scaled_dot_product_attention`; the kernel reads each key and value once, whe
 The kernel is compiled once with the system C compiler (`cc`, or `$CC`) and cached under
 `$MINICB_CACHE/kernels`, keyed by its source, the flags, the compiler and this CPU. Where no
 compiler works, `attention_backend="auto"` keeps the torch reference and `"cpu"` is refused
-with the compiler's own message. It runs float32 caches on the CPU; anything else (a bfloat16
-engine) takes the reference's decode path.
+with the compiler's own message. It reads float32 or bfloat16 caches on the CPU and computes in
+float32; anything else (float16) takes the reference's decode path.
 """
 
 from __future__ import annotations
@@ -36,8 +36,9 @@ SOURCE = Path(__file__).with_name("paged_decode.c")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 
 PROFILE_NAME = "minicb::paged_decode_attention"
+DTYPES = (torch.float32, torch.bfloat16)  # cache dtypes the kernel reads
 
-_kernel = None  # the loaded function, once built
+_kernels = None  # cache dtype -> the loaded function, once built
 _failure: str | None = None  # why it could not be built, once tried
 
 
@@ -81,10 +82,18 @@ def _build(compiler: str, target: Path) -> None:
             os.unlink(tmp)
 
 
-def kernel():
-    """The compiled `paged_decode_attention`, built on first use; RuntimeError saying why not."""
-    global _kernel, _failure
-    if _kernel is None and _failure is None:
+def _declare(fn):
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, *[i64] * 6, ctypes.c_float]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def kernel(cache_dtype: torch.dtype = torch.float32):
+    """The compiled kernel for float32 or bfloat16 caches, built on first use; RuntimeError
+    saying why not."""
+    global _kernels, _failure
+    if _kernels is None and _failure is None:
         try:
             compiler = _compiler()
             if compiler is None:
@@ -92,17 +101,15 @@ def kernel():
             path = library_path(compiler)
             if not path.exists():
                 _build(compiler, path)
-            fn = ctypes.CDLL(str(path)).paged_decode_attention
+            library = ctypes.CDLL(str(path))
         except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
             _failure = str(exc)
         else:
-            i64, ptr = ctypes.c_int64, ctypes.c_void_p
-            fn.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, *[i64] * 6, ctypes.c_float]
-            fn.restype = ctypes.c_int
-            _kernel = fn
-    if _kernel is None:
+            _kernels = {torch.float32: _declare(library.paged_decode_attention),
+                        torch.bfloat16: _declare(library.paged_decode_attention_bf16)}
+    if _kernels is None:
         raise RuntimeError(f"the CPU attention kernel is unavailable: {_failure}")
-    return _kernel
+    return _kernels[cache_dtype]
 
 
 def unavailable_reason() -> str | None:
@@ -115,30 +122,34 @@ def unavailable_reason() -> str | None:
 
 
 def _runs_here(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    return (q.device.type == "cpu" and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+    return (q.device.type == "cpu" and k_cache.dtype == v_cache.dtype and k_cache.dtype in DTYPES
             and k_cache.is_contiguous() and v_cache.is_contiguous())
 
 
 def attend_decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
-    """Write rows [0, num_decodes) of `out` (contiguous) with the kernel."""
+    """Write rows [0, num_decodes) of `out` with the kernel."""
     nd = meta.num_decodes
     if not nd:
         return
     num_heads, head_dim = q.shape[1:]
-    qd = q[:nd]
+    qd = q[:nd].float()  # the kernel computes in float32 whatever the caches hold
     if qd.stride(2) != 1 or qd.stride(1) != head_dim:
         qd = qd.contiguous()
+    od = out[:nd] if out.dtype == torch.float32 and out.is_contiguous() else \
+        torch.empty(nd, num_heads, head_dim)
     tables, lens = meta.page_tables, meta.context_lens  # int32, built contiguous
-    fn = kernel()
+    fn = kernel(k_cache.dtype)
     # named in torch.profiler tables (a ctypes call is otherwise invisible to it; chapter 08)
     with torch.profiler.record_function(PROFILE_NAME):
         failed = fn(qd.data_ptr(), qd.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-                    out.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(),
+                    od.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(),
                     nd, num_heads, k_cache.shape[-2], head_dim, meta.page_size,
                     max(meta.context_lens_list[:nd]), scale)
     if failed:
         raise MemoryError("the CPU attention kernel could not allocate its score buffers")
+    if od.data_ptr() != out.data_ptr():
+        out[:nd] = od
 
 
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -5,9 +5,10 @@
    context_lens[b] tokens of request b's pages (page_tables[b]) and h reads kv head
    h / (num_heads / num_kv_heads) (grouped-query attention).
 
-   Caches are [num_pages, page_size, num_kv_heads, head_dim] float32, as in minicb/attention.
-   Work is split over (request, kv head) pairs with OpenMP: the process already holds PyTorch's
-   libgomp, so this shares its threads and respects torch.set_num_threads.
+   Caches are [num_pages, page_size, num_kv_heads, head_dim], as in minicb/attention, in float32
+   (paged_decode_attention) or bfloat16 (paged_decode_attention_bf16); q and out are float32,
+   and all arithmetic is float32. Work is split over requests with OpenMP: the process already
+   holds PyTorch's libgomp, so this shares its threads and respects torch.set_num_threads.
    Built once by minicb/attention/cpu_kernel.py with the system C compiler. */
 
 #include <math.h>
@@ -36,19 +37,32 @@ static inline float exp_nonpositive(float x) {
     return p * scale;
 }
 
-/* Returns 0, or 1 if a thread could not allocate its score buffer (out is then incomplete). */
-int paged_decode_attention(
-    const float *q, int64_t q_row_stride,          /* [rows, num_heads, head_dim] */
-    const float *k_cache, const float *v_cache,    /* [pages, page_size, kv_heads, head_dim] */
-    float *out,                                    /* [rows, num_heads, head_dim], contiguous */
-    const int32_t *page_tables, int64_t table_stride,  /* [rows, >= pages needed] */
-    const int32_t *context_lens,                   /* [rows] */
-    int64_t num_rows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    int64_t page_size, int64_t max_context, float scale)
+/* Element `index` of a cache as float32: bfloat16 is the top half of a float32's bits. */
+static inline __attribute__((always_inline))
+float load(const void *cache, int64_t index, const int bf16) {
+    if (!bf16) return ((const float *)cache)[index];
+    const uint32_t bits = (uint32_t)((const uint16_t *)cache)[index] << 16;
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+}
+
+/* The kernel, for either cache type; `bf16` is a constant in each caller below, so the compiler
+   builds two loops, each without a branch in it. Returns 0, or 1 if a thread could not
+   allocate its score buffer (out is then incomplete). */
+static inline __attribute__((always_inline))
+int attend_pages(const float *q, int64_t q_row_stride, const void *k_cache, const void *v_cache,
+                 float *out, const int32_t *page_tables, int64_t table_stride,
+                 const int32_t *context_lens, int64_t num_rows, int64_t num_heads,
+                 int64_t num_kv_heads, int64_t head_dim, int64_t page_size, int64_t max_context,
+                 float scale, const int bf16)
 {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t token_stride = num_kv_heads * head_dim;  /* next token in a page */
     const int64_t page_stride = page_size * token_stride;
+    const int64_t line = bf16 ? 32 : 16;  /* elements per 64-byte cache line */
+    const char *k_bytes = k_cache, *v_bytes = v_cache;
+    const int64_t element = bf16 ? 2 : 4;
     int failed = 0;
     #pragma omp parallel
     {
@@ -76,19 +90,20 @@ int paged_decode_attention(
                token) */
             for (int64_t start = 0; start < ctx; start += page_size) {
                 const int64_t n = ctx - start < page_size ? ctx - start : page_size;
-                const float *token = k_cache + table[start / page_size] * page_stride;
-                const float *next = start + page_size < ctx
-                    ? k_cache + table[start / page_size + 1] * page_stride : NULL;
+                int64_t token = table[start / page_size] * page_stride;
+                const int64_t next = start + page_size < ctx
+                    ? table[start / page_size + 1] * page_stride : -1;
                 for (int64_t i = 0; i < n; i++, token += token_stride) {
-                    if (next)  /* the next page is elsewhere: ask for it a page ahead */
-                        for (int64_t c = 0; c < token_stride; c += 16)
-                            __builtin_prefetch(next + i * token_stride + c);
+                    if (next >= 0)  /* the next page is elsewhere: ask for it a page ahead */
+                        for (int64_t c = 0; c < token_stride; c += line)
+                            __builtin_prefetch(k_bytes + (next + i * token_stride + c) * element);
                     for (int64_t h = 0; h < num_heads; h++) {
-                        const float *k = token + (h / group) * head_dim;
+                        const int64_t k = token + (h / group) * head_dim;
                         const float *qh = qb + h * head_dim;
                         float dot = 0.0f;
                         #pragma omp simd reduction(+:dot)
-                        for (int64_t d = 0; d < head_dim; d++) dot += qh[d] * k[d];
+                        for (int64_t d = 0; d < head_dim; d++)
+                            dot += qh[d] * load(k_cache, k + d, bf16);
                         scores[h * max_context + start + i] = dot * scale;
                     }
                 }
@@ -111,19 +126,20 @@ int paged_decode_attention(
             /* pass 2: the probability-weighted sum of the values, page by page */
             for (int64_t start = 0; start < ctx; start += page_size) {
                 const int64_t n = ctx - start < page_size ? ctx - start : page_size;
-                const float *token = v_cache + table[start / page_size] * page_stride;
-                const float *next = start + page_size < ctx
-                    ? v_cache + table[start / page_size + 1] * page_stride : NULL;
+                int64_t token = table[start / page_size] * page_stride;
+                const int64_t next = start + page_size < ctx
+                    ? table[start / page_size + 1] * page_stride : -1;
                 for (int64_t i = 0; i < n; i++, token += token_stride) {
-                    if (next)  /* the next page is elsewhere: ask for it a page ahead */
-                        for (int64_t c = 0; c < token_stride; c += 16)
-                            __builtin_prefetch(next + i * token_stride + c);
+                    if (next >= 0)
+                        for (int64_t c = 0; c < token_stride; c += line)
+                            __builtin_prefetch(v_bytes + (next + i * token_stride + c) * element);
                     for (int64_t h = 0; h < num_heads; h++) {
-                        const float *v = token + (h / group) * head_dim;
+                        const int64_t v = token + (h / group) * head_dim;
                         const float p = scores[h * max_context + start + i];
                         float *oh = ob + h * head_dim;
                         #pragma omp simd
-                        for (int64_t d = 0; d < head_dim; d++) oh[d] += p * v[d];
+                        for (int64_t d = 0; d < head_dim; d++)
+                            oh[d] += p * load(v_cache, v + d, bf16);
                     }
                 }
             }
@@ -132,3 +148,17 @@ int paged_decode_attention(
     }
     return failed;
 }
+
+#define ARGUMENTS                                                                                \
+    const float *q, int64_t q_row_stride,          /* [rows, num_heads, head_dim] */            \
+    const void *k_cache, const void *v_cache,      /* [pages, page_size, kv_heads, head_dim] */ \
+    float *out,                                    /* [rows, num_heads, head_dim], contiguous */ \
+    const int32_t *page_tables, int64_t table_stride,  /* [rows, >= pages needed] */            \
+    const int32_t *context_lens,                   /* [rows] */                                 \
+    int64_t num_rows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,                \
+    int64_t page_size, int64_t max_context, float scale
+#define PASS q, q_row_stride, k_cache, v_cache, out, page_tables, table_stride, context_lens, \
+    num_rows, num_heads, num_kv_heads, head_dim, page_size, max_context, scale
+
+int paged_decode_attention(ARGUMENTS) { return attend_pages(PASS, 0); }
+int paged_decode_attention_bf16(ARGUMENTS) { return attend_pages(PASS, 1); }
