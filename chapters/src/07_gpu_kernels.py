@@ -70,7 +70,9 @@ print("kernels run in the interpreter:", tops._interpreted())
 # Caches are `[num_pages, page_size, num_kv_heads, head_dim]` per layer. `meta` holds, for
 # each member of the step, its query rows (`query_start_loc`), its context length after this
 # step, and its page table; decode members (one query each) come first, then prefill chunks.
-# `attention_backend="auto"` picks Triton on CUDA and the torch reference elsewhere:
+# `attention_backend="auto"` picks Triton on CUDA; on the CPU it picks `cpu`, a C kernel that
+# reads decode rows' keys and values in place (chapter 08 builds it), where a C compiler can
+# build it, and the torch reference where none can:
 
 # %%
 # NBVAL_CHECK_OUTPUT
