@@ -49,8 +49,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
 def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:
     """One token from `probs` [vocab] by inverse transform: the first token whose cumulative
     probability passes one uniform number. `torch.multinomial` draws an exponential number per
-    vocabulary entry instead: 1.2-1.3 ms for SmolLM2's 49,152 on the course machine, against
-    about 60 us here, so 32 sampled rows cost 40 ms a step with it and 2 without."""
+    vocabulary entry instead: 1.2-1.8 ms for SmolLM2's 49,152 on the course machine, against
+    about 60 us here, so 32 sampled rows cost 40-56 ms a step with it and 2 without."""
     cdf = probs.double().cumsum(-1)  # float64: no drift over 150,000 entries
     point = torch.rand(1, generator=generator, dtype=torch.float64) * cdf[-1]
     index = int(torch.searchsorted(cdf, point, right=True))

@@ -357,8 +357,9 @@ print("same greedy tokens from both backends:", tokens["torch"] == tokens["cpu"]
 # contexts of 16–600 tokens, attention took 60–125 ms of each decode step with the reference
 # (copy plus attention; it swung with the machine's memory traffic across three runs) and
 # 35–47 ms with the kernel. On issue 3's workload of 32 mixed chat requests, `pd` went from
-# 105.8 to 120.6 output tokens/s and its median time per output token from 0.160 to 0.140 s
-# (`bench/README.md` has the command and the files). In the profile above (one thread, 16
+# 107.1 to 132.1 output tokens/s and its median time per output token from 0.162 to 0.128 s
+# (an earlier pair the same day: 105.8 to 120.6; `bench/README.md` has the command and the
+# files). In the profile above (one thread, 16
 # requests) the step went from about 160 to about 105 ms of CPU time: the products now take two
 # thirds of it, the kernel a quarter.
 #

@@ -1,4 +1,5 @@
-"""Attention over the paged KV cache (chapter 01; GPU kernels in chapter 07).
+"""Attention over the paged KV cache (chapter 01; GPU kernels in chapter 07, a CPU kernel in
+chapter 08).
 
 The model never sees a request: it sees one flat batch. `AttentionMetadata` says, for each
 member of the step, where its query rows are, how long its context is after this step and which

@@ -1,6 +1,8 @@
-"""The reference attention backend in plain PyTorch (chapter 01): correct on any device, fast
-enough on the CPU. Decode rows are batched into a few padded gathers of rows with similar
-context lengths; each prefill chunk attends causally over its own pages. RMSNorm and RoPE are
+"""The reference attention backend in plain PyTorch (chapter 01): correct on any device, and
+what the kernels are tested against. Decode rows are batched into a few padded gathers of rows
+with similar context lengths; each prefill chunk attends causally over its own pages. (On the
+CPU, the `cpu` backend, chapter 08, replaces the decode half with a C kernel that reads the
+pages in place and reuses the prefill half.) RMSNorm and RoPE are
 here too, so that a backend owns every small per-layer operation a GPU would fuse (see
 triton_ops)."""
 
