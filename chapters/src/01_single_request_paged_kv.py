@@ -103,8 +103,8 @@ print(f"\na prefill step of 256 tokens took as long as {prefill[256] / t_decode:
 #   N = 256. (The output layer runs for the last position only, which the estimate below accounts
 #   for.)
 #
-# The course's build machines (AMD EPYC, 2 cores, measured unloaded when the course was written)
-# reach about 110 GFLOP/s on a large fp32 matrix product through PyTorch's default path and move
+# The course's build machines (2 cores of an AMD EPYC or an Intel Xeon, depending on the day,
+# measured unloaded when the course was written) reach about 110 GFLOP/s on a large fp32 matrix product through PyTorch's default path and move
 # about 15 GB/s: they need about 7 FLOPs per byte to keep their arithmetic busy. (A better weight
 # layout raises the arithmetic figure; the last part of this section shows how.) Below that
 # ratio a step waits for memory (访存密集 memory-bound), above it for arithmetic (计算密集

@@ -365,10 +365,12 @@ print("same greedy tokens from both backends:", tokens["torch"] == tokens["cpu"]
 #
 # `attention_backend="auto"` now picks this kernel on the CPU wherever a C compiler builds it
 # (and warns, then keeps the reference, where none does); `"torch"` or `MINICB_ATTENTION=torch`
-# gives the reference back. What would take it further: the same kernel for prefill chunks
-# (a tiled, causal version, the CPU twin of chapter 07's), keys and values stored in bfloat16
-# (half the bytes to read; the products already run on this CPU's bfloat16 units), and the
-# products themselves on AMX, the matrix units of recent Xeons, which oneDNN uses for bfloat16.
+# gives the reference back. It reads bfloat16 caches too (`dtype="bfloat16"`, widened to float32
+# row by row). What would take it further: the same kernel for prefill chunks (a tiled, causal
+# version, the CPU twin of chapter 07's); bfloat16 keys and values under float32 weights (a
+# `kv_cache_dtype` knob, as vLLM has: half the bytes to read); and bfloat16 products prepacked
+# for AMX, the matrix units of recent Xeons, which oneDNN already uses for `dtype="bfloat16"`
+# (1.4× float32 on the whole benchmark on such a machine, `bench/README.md`).
 #
 # ## 5. What to build next
 #
