@@ -56,11 +56,11 @@ def check_device(device: object) -> None:
                          f"CUDA GPU(s), numbered from 0")
 
 
-
 def cache_root() -> Path:
     """Where minicb keeps what it builds once (converted bundled models, the CPU attention
     kernel): $MINICB_CACHE, else ~/.cache/minicb."""
     return Path(os.environ.get("MINICB_CACHE") or Path.home() / ".cache" / "minicb")
+
 
 @dataclass
 class EngineConfig:

@@ -8,6 +8,7 @@ with a compiler that fails to build the kernel fails them."""
 from __future__ import annotations
 
 import logging
+import os
 import random
 
 import pytest
@@ -37,10 +38,36 @@ def broken_compiler(monkeypatch, tmp_path):
     return script
 
 
-def test_the_kernel_builds_and_is_cached():
+def test_the_kernel_builds_and_is_cached_readable_by_all():
     assert cpu_kernel.unavailable_reason() is None
     path = cpu_kernel.library_path(cpu_kernel._compiler())
     assert path.exists() and path.parent.name == "kernels"
+    umask = os.umask(0)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o755 & ~umask  # not mkstemp's private 0600
+
+
+def test_cc_may_carry_a_wrapper_and_a_missing_one_is_named(monkeypatch):
+    monkeypatch.setenv("CC", "ccache gcc")
+    assert cpu_kernel._compiler() == ["ccache", "gcc"]
+    with pytest.raises(RuntimeError, match="'/no/such/cc' was not found"):
+        cpu_kernel.library_path(["/no/such/cc"])
+
+
+def test_bad_metadata_is_refused_before_the_c_code_reads_it():
+    """Where the reference would raise an IndexError, C would read out of bounds: the wrapper
+    checks once per step what the kernel trusts."""
+    q, k, v, k_cache, v_cache, meta = make_case([(20, 1), (40, 1)], 16, 2)
+    bad = build_metadata([[0, 1], [2, k_cache.shape[0]]], [20, 30], [1, 1], 16)  # no such page
+    with pytest.raises(ValueError, match="outside the cache's"):
+        cpu_kernel.attend(q, k_cache, v_cache, bad, 0.25)
+    wide = build_metadata([[0, 1], [2, 3]], [20, 30], [1, 1], 16)
+    wide.__dict__["page_tables"] = wide.page_tables.long()  # int64: C reads int32
+    with pytest.raises(ValueError, match="contiguous int32"):
+        cpu_kernel.attend(q, k_cache, v_cache, wide, 0.25)
+    with pytest.raises(ValueError, match="pages of 16 tokens"):
+        cpu_kernel.attend(q, k_cache, v_cache, build_metadata([[0, 1, 2], [3, 4, 5]], [20, 22],
+                                                              [1, 1], 8), 0.25)
 
 
 @settings(max_examples=40, deadline=None)
@@ -81,9 +108,9 @@ def test_non_power_of_two_group_and_head_dim():
 
 
 def test_a_row_does_not_depend_on_its_batch_or_the_thread_count():
-    """Each (request, kv head) is one thread's work in a fixed order: a row's result is the
-    same, bit for bit, alone or among others, on one thread or two. (The reference's padded
-    groups can differ in the last bits with the company a row keeps.)"""
+    """Each request is one thread's work, in a fixed order: a row's result is the same, bit for
+    bit, alone or among others, on one thread or two. (The reference's padded groups can
+    differ in the last bits with the company a row keeps.)"""
     members = [(computed, 1) for computed in (5, 70, 33, 128, 1, 64)]
     q, k, v, k_cache, v_cache, meta = make_case(members, 16, 3)
     torch_ref.store_kv(k, v, k_cache, v_cache, meta)

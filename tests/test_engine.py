@@ -87,6 +87,8 @@ def test_draw_follows_the_distribution_and_never_picks_a_zero(monkeypatch):
     assert draw(torch.tensor([0.0, 0.0, 1.0, 0.0]), gen) == 2
     monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.ones(1, dtype=torch.float64))
     assert draw(torch.tensor([0.25, 0.75, 0.0]), None) == 1
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.zeros(1, dtype=torch.float64))
+    assert draw(torch.tensor([0.0, 0.5, 0.5]), None) == 1  # the first token with mass
 
 
 def test_top_p_keeps_only_the_nucleus():

@@ -18,32 +18,40 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
 
-from minicb.attention import AttentionMetadata, torch_ref
+from minicb.attention import AttentionMetadata, int_tensor, torch_ref
 from minicb.attention.torch_ref import rms_norm, rope, store_kv  # noqa: F401 (the backend API)
 from minicb.config import cache_root
 
 SOURCE = Path(__file__).with_name("paged_decode.c")
 # -march=native: built where it runs (the cache key names the CPU); -fopenmp: the loop's threads
 # are PyTorch's own (the same libgomp.so.1); no -ffast-math, which would set flush-to-zero for
-# the whole process: `omp simd reduction` already lets the compiler vectorize the dot products
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
+# the whole process: `omp simd reduction` already lets the compiler vectorize the dot products;
+# -fno-strict-aliasing: the bfloat16 path writes a row's bits as integers and reads them as floats
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-strict-aliasing", "-fPIC", "-shared")
 
 PROFILE_NAME = "minicb::paged_decode_attention"
 DTYPES = (torch.float32, torch.bfloat16)  # cache dtypes the kernel reads
 
 _kernels = None  # cache dtype -> the loaded function, once built
 _failure: str | None = None  # why it could not be built, once tried
+_lock = threading.Lock()  # one build per process, even when engines start in several threads
 
 
-def _compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+def _compiler() -> list[str] | None:
+    """The C compiler's command line: $CC (which may be "ccache gcc"), else cc or gcc."""
+    if os.environ.get("CC"):
+        return shlex.split(os.environ["CC"])
+    found = shutil.which("cc") or shutil.which("gcc")
+    return [found] if found else None
 
 
 def _cpu_flags() -> str:
@@ -57,34 +65,52 @@ def _cpu_flags() -> str:
     return platform.processor() or platform.machine()
 
 
-def library_path(compiler: str) -> Path:
-    """Where the built kernel lives: one file per source, flags, compiler version and CPU."""
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
-                             timeout=30).stdout
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(CFLAGS), version,
-                                    _cpu_flags()]).encode()).hexdigest()[:16]
+def library_path(compiler: list[str]) -> Path:
+    """Where the built kernel lives: one file per source, flags, compiler and CPU."""
+    try:
+        version = subprocess.run([*compiler, "--version"], capture_output=True, text=True,
+                                 timeout=30).stdout
+    except FileNotFoundError as exc:
+        raise RuntimeError(f"the C compiler {shlex.join(compiler)!r} was not found") from exc
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(CFLAGS), shlex.join(compiler),
+                                    version, _cpu_flags()]).encode()).hexdigest()[:16]
     return cache_root() / "kernels" / f"paged_decode-{key}.so"
 
 
-def _build(compiler: str, target: Path) -> None:
+def _build(compiler: list[str], target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *CFLAGS, str(SOURCE), "-o", tmp, "-lm"],
+        done = subprocess.run([*compiler, *CFLAGS, str(SOURCE), "-o", tmp, "-lm"],
                               capture_output=True, text=True, timeout=300)
         if done.returncode:
-            raise RuntimeError(f"{compiler} could not build {SOURCE.name}:\n"
+            raise RuntimeError(f"{shlex.join(compiler)} could not build {SOURCE.name}:\n"
                                f"{done.stderr.strip()[-2000:]}")
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o755 & ~umask)  # mkstemp made it private; a shared cache needs it readable
         os.replace(tmp, target)  # atomic: a concurrent build never sees half a file
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
 
 
+def _load(compiler: list[str]) -> ctypes.CDLL:
+    path = library_path(compiler)
+    if not path.exists():
+        _build(compiler, path)
+    try:
+        return ctypes.CDLL(str(path))
+    except OSError:  # a damaged file in the cache: build it again, once
+        path.unlink(missing_ok=True)
+        _build(compiler, path)
+        return ctypes.CDLL(str(path))
+
+
 def _declare(fn):
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, *[i64] * 6, ctypes.c_float]
+    fn.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, *[i64] * 6, ctypes.c_float, i64]
     fn.restype = ctypes.c_int
     return fn
 
@@ -93,20 +119,18 @@ def kernel(cache_dtype: torch.dtype = torch.float32):
     """The compiled kernel for float32 or bfloat16 caches, built on first use; RuntimeError
     saying why not."""
     global _kernels, _failure
-    if _kernels is None and _failure is None:
-        try:
-            compiler = _compiler()
-            if compiler is None:
-                raise RuntimeError("no C compiler found (set CC, or install gcc)")
-            path = library_path(compiler)
-            if not path.exists():
-                _build(compiler, path)
-            library = ctypes.CDLL(str(path))
-        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-            _failure = str(exc)
-        else:
-            _kernels = {torch.float32: _declare(library.paged_decode_attention),
-                        torch.bfloat16: _declare(library.paged_decode_attention_bf16)}
+    with _lock:
+        if _kernels is None and _failure is None:
+            try:
+                compiler = _compiler()
+                if compiler is None:
+                    raise RuntimeError("no C compiler found (set CC, or install gcc)")
+                library = _load(compiler)
+            except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+                _failure = str(exc)
+            else:
+                _kernels = {torch.float32: _declare(library.paged_decode_attention),
+                            torch.bfloat16: _declare(library.paged_decode_attention_bf16)}
     if _kernels is None:
         raise RuntimeError(f"the CPU attention kernel is unavailable: {_failure}")
     return _kernels[cache_dtype]
@@ -126,6 +150,32 @@ def _runs_here(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) ->
             and k_cache.is_contiguous() and v_cache.is_contiguous())
 
 
+def _check_metadata(meta: AttentionMetadata, k_cache: torch.Tensor) -> None:
+    """What the C code trusts, checked once per step (the reference would raise an IndexError
+    where C would read out of bounds)."""
+    num_pages = k_cache.shape[0]
+    if meta.cache.get("cpu_kernel_checked") == num_pages:  # every layer's cache has this shape
+        return
+    tables, lens = meta.page_tables, meta.context_lens
+    for name, t in (("page_tables", tables), ("context_lens", lens)):
+        if t.dtype != torch.int32 or t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError(f"the CPU attention kernel needs {name} as a contiguous int32 CPU "
+                             f"tensor, got {t.dtype} on {t.device}")
+    nd = meta.num_decodes
+    if k_cache.shape[1] != meta.page_size:
+        raise ValueError(f"caches hold pages of {k_cache.shape[1]} tokens, the metadata says "
+                         f"{meta.page_size}")
+    if lens[:nd].tolist() != meta.context_lens_list[:nd]:
+        raise ValueError("context_lens and context_lens_list disagree")
+    needed = int_tensor([-(-n // meta.page_size) for n in meta.context_lens_list[:nd]])
+    width = tables.shape[1]
+    owned = tables[:nd][torch.arange(width)[None, :] < needed[:, None]]
+    if needed.max() > width or (owned.numel() and (owned.min() < 0 or owned.max() >= num_pages)):
+        raise ValueError(f"a decode row's page table is too short or names a page outside the "
+                         f"cache's {num_pages} pages")
+    meta.cache["cpu_kernel_checked"] = num_pages
+
+
 def attend_decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
     """Write rows [0, num_decodes) of `out` with the kernel."""
@@ -133,20 +183,26 @@ def attend_decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     if not nd:
         return
     num_heads, head_dim = q.shape[1:]
+    num_kv_heads = k_cache.shape[-2]
+    if num_heads % num_kv_heads or k_cache.shape[-1] != head_dim or v_cache.shape != k_cache.shape:
+        raise ValueError(f"q has {num_heads} heads of {head_dim}, the caches are "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    _check_metadata(meta, k_cache)
     qd = q[:nd].float()  # the kernel computes in float32 whatever the caches hold
     if qd.stride(2) != 1 or qd.stride(1) != head_dim:
         qd = qd.contiguous()
     od = out[:nd] if out.dtype == torch.float32 and out.is_contiguous() else \
         torch.empty(nd, num_heads, head_dim)
-    tables, lens = meta.page_tables, meta.context_lens  # int32, built contiguous
+    tables, lens = meta.page_tables, meta.context_lens
     fn = kernel(k_cache.dtype)
     # named in torch.profiler tables (a ctypes call is otherwise invisible to it; chapter 08)
     with torch.profiler.record_function(PROFILE_NAME):
         failed = fn(qd.data_ptr(), qd.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                     od.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(),
-                    nd, num_heads, k_cache.shape[-2], head_dim, meta.page_size,
-                    max(meta.context_lens_list[:nd]), scale)
-    if failed:
+                    nd, num_heads, num_kv_heads, head_dim, meta.page_size,
+                    max(meta.context_lens_list[:nd]), scale,
+                    torch.get_num_threads())  # this thread's setting: a server's engine thread
+    if failed:                                # has its own OpenMP state
         raise MemoryError("the CPU attention kernel could not allocate its score buffers")
     if od.data_ptr() != out.data_ptr():
         out[:nd] = od

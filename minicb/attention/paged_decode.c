@@ -8,7 +8,8 @@
    Caches are [num_pages, page_size, num_kv_heads, head_dim], as in minicb/attention, in float32
    (paged_decode_attention) or bfloat16 (paged_decode_attention_bf16); q and out are float32,
    and all arithmetic is float32. Work is split over requests with OpenMP: the process already
-   holds PyTorch's libgomp, so this shares its threads and respects torch.set_num_threads.
+   holds PyTorch's libgomp, so this shares its thread pool, with as many threads as the caller's
+   torch.get_num_threads().
    Built once by minicb/attention/cpu_kernel.py with the system C compiler. */
 
 #include <math.h>
@@ -56,7 +57,7 @@ int attend_pages(const float *q, int64_t q_row_stride, const void *k_cache, cons
                  float *out, const int32_t *page_tables, int64_t table_stride,
                  const int32_t *context_lens, int64_t num_rows, int64_t num_heads,
                  int64_t num_kv_heads, int64_t head_dim, int64_t page_size, int64_t max_context,
-                 float scale, const int bf16)
+                 float scale, int64_t num_threads, const int bf16)
 {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t token_stride = num_kv_heads * head_dim;  /* next token in a page */
@@ -65,11 +66,12 @@ int attend_pages(const float *q, int64_t q_row_stride, const void *k_cache, cons
     const char *k_bytes = k_cache, *v_bytes = v_cache;
     const int64_t element = bf16 ? 2 : 4;
     int failed = 0;
-    #pragma omp parallel
+    #pragma omp parallel num_threads(num_threads > 0 ? (int)num_threads : 1)
     {
         /* exact two-pass softmax: all of a row's scores first, so each key and value is read
            once and no running rescale is needed */
-        float *scores = malloc(sizeof(float) * (size_t)(num_heads * max_context));
+        const int64_t score_count = num_heads * (max_context > 0 ? max_context : 1);
+        float *scores = malloc(sizeof(float) * (size_t)score_count);
         float *scratch = malloc(sizeof(float) * (size_t)token_stride);
         if (!scores || !scratch) {
             #pragma omp atomic write
@@ -81,7 +83,8 @@ int attend_pages(const float *q, int64_t q_row_stride, const void *k_cache, cons
         #pragma omp for schedule(dynamic, 1)
         for (int64_t b = 0; b < num_rows; b++) {
             if (!scores || !scratch) continue;
-            const int64_t ctx = context_lens[b];
+            /* the caller sized the score buffers for max_context: never read past it */
+            const int64_t ctx = context_lens[b] < max_context ? context_lens[b] : max_context;
             const int32_t *table = page_tables + b * table_stride;
             const float *qb = q + b * q_row_stride;
             float *ob = out + b * num_heads * head_dim;
@@ -160,9 +163,10 @@ int attend_pages(const float *q, int64_t q_row_stride, const void *k_cache, cons
     const int32_t *page_tables, int64_t table_stride,  /* [rows, >= pages needed] */            \
     const int32_t *context_lens,                   /* [rows] */                                 \
     int64_t num_rows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,                \
-    int64_t page_size, int64_t max_context, float scale
+    int64_t page_size, int64_t max_context, float scale,                                    \
+    int64_t num_threads          /* the caller's torch.get_num_threads() */
 #define PASS q, q_row_stride, k_cache, v_cache, out, page_tables, table_stride, context_lens, \
-    num_rows, num_heads, num_kv_heads, head_dim, page_size, max_context, scale
+    num_rows, num_heads, num_kv_heads, head_dim, page_size, max_context, scale, num_threads
 
 int paged_decode_attention(ARGUMENTS) { return attend_pages(PASS, 0); }
 int paged_decode_attention_bf16(ARGUMENTS) { return attend_pages(PASS, 1); }
