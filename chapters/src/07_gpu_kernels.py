@@ -76,8 +76,12 @@ print("kernels run in the interpreter:", tops._interpreted())
 
 # %%
 # NBVAL_CHECK_OUTPUT
-print("auto on cpu  ->", resolve_backend("auto", "cpu"))
+from minicb.attention import cpu_kernel
+
 print("auto on cuda ->", resolve_backend("auto", "cuda"))
+expected = "torch" if cpu_kernel.unavailable_reason() else "cpu"  # 'torch' needs no compiler
+print("auto on cpu  -> 'cpu' where a C compiler builds the kernel, else 'torch':",
+      resolve_backend("auto", "cpu") == expected)
 
 # %% [markdown]
 # ## 2. The KV-store kernel
