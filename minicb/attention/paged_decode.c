@@ -38,15 +38,30 @@ static inline float exp_nonpositive(float x) {
 /* One token's row of a cache [kv_heads * head_dim] as float32: the cache's own memory when it
    is float32, else the row widened into `scratch` (bfloat16 is the top half of a float32's
    bits). Widening in its own plain loop lets gcc vectorize it; inside the `omp simd` loops
-   below, the type pun kept them scalar (4x slower). */
+   below, the type pun kept them scalar (4x slower). Also asks the memory system for the same
+   row of the next page (`ahead`, -1 for none): pages lie anywhere in the pool, so the hardware
+   prefetcher cannot guess where the next one is, but the page table knows. */
 static inline __attribute__((always_inline))
-const float *token_row(const void *cache, int64_t token, int64_t length, float *scratch,
-                       const int bf16) {
+const float *read_token(const void *cache, int64_t token, int64_t ahead, int64_t length,
+                        float *scratch, const int bf16) {
+    const int64_t element = bf16 ? 2 : 4, line = 64 / element;  /* elements per cache line */
+    if (ahead >= 0)
+        for (int64_t c = 0; c < length; c += line)
+            __builtin_prefetch((const char *)cache + (ahead + c) * element);
     if (!bf16) return (const float *)cache + token;
     const uint16_t *half = (const uint16_t *)cache + token;
     uint32_t *bits = (uint32_t *)scratch;
     for (int64_t c = 0; c < length; c++) bits[c] = (uint32_t)half[c] << 16;
     return scratch;
+}
+
+/* The first element of the page holding context position `start` (a page boundary), and of
+   the page after it (-1 when the context ends on this page). */
+static inline __attribute__((always_inline))
+int64_t locate_page(const int32_t *table, int64_t start, int64_t ctx, int64_t page_size,
+                    int64_t page_stride, int64_t *next) {
+    *next = start + page_size < ctx ? table[start / page_size + 1] * page_stride : -1;
+    return table[start / page_size] * page_stride;
 }
 
 /* The kernel, for either cache type; `bf16` is a constant in each caller below, so the compiler
@@ -62,9 +77,6 @@ int attend_pages(const float *q, int64_t q_row_stride, const void *k_cache, cons
     const int64_t group = num_heads / num_kv_heads;
     const int64_t token_stride = num_kv_heads * head_dim;  /* next token in a page */
     const int64_t page_stride = page_size * token_stride;
-    const int64_t line = bf16 ? 32 : 16;  /* elements per 64-byte cache line */
-    const char *k_bytes = k_cache, *v_bytes = v_cache;
-    const int64_t element = bf16 ? 2 : 4;
     int failed = 0;
     #pragma omp parallel num_threads(num_threads > 0 ? (int)num_threads : 1)
     {
@@ -93,16 +105,13 @@ int attend_pages(const float *q, int64_t q_row_stride, const void *k_cache, cons
 
             /* pass 1: every head's score against each key, page by page (no division per
                token) */
-            for (int64_t start = 0; start < ctx; start += page_size) {
+            for (int64_t start = 0, next; start < ctx; start += page_size) {
                 const int64_t n = ctx - start < page_size ? ctx - start : page_size;
-                int64_t token = table[start / page_size] * page_stride;
-                const int64_t next = start + page_size < ctx
-                    ? table[start / page_size + 1] * page_stride : -1;
-                for (int64_t i = 0; i < n; i++, token += token_stride) {
-                    if (next >= 0)  /* the next page is elsewhere: ask for it a page ahead */
-                        for (int64_t c = 0; c < token_stride; c += line)
-                            __builtin_prefetch(k_bytes + (next + i * token_stride + c) * element);
-                    const float *keys = token_row(k_cache, token, token_stride, scratch, bf16);
+                const int64_t page = locate_page(table, start, ctx, page_size, page_stride, &next);
+                for (int64_t i = 0; i < n; i++) {
+                    const float *keys = read_token(k_cache, page + i * token_stride,
+                                                   next < 0 ? -1 : next + i * token_stride,
+                                                   token_stride, scratch, bf16);
                     for (int64_t h = 0; h < num_heads; h++) {
                         const float *k = keys + (h / group) * head_dim;
                         const float *qh = qb + h * head_dim;
@@ -129,17 +138,13 @@ int attend_pages(const float *q, int64_t q_row_stride, const void *k_cache, cons
                 for (int64_t t = 0; t < ctx; t++) s[t] *= inv;
             }
             /* pass 2: the probability-weighted sum of the values, page by page */
-            for (int64_t start = 0; start < ctx; start += page_size) {
+            for (int64_t start = 0, next; start < ctx; start += page_size) {
                 const int64_t n = ctx - start < page_size ? ctx - start : page_size;
-                int64_t token = table[start / page_size] * page_stride;
-                const int64_t next = start + page_size < ctx
-                    ? table[start / page_size + 1] * page_stride : -1;
-                for (int64_t i = 0; i < n; i++, token += token_stride) {
-                    if (next >= 0)
-                        for (int64_t c = 0; c < token_stride; c += line)
-                            __builtin_prefetch(v_bytes + (next + i * token_stride + c) * element);
-                    const float *values = token_row(v_cache, token, token_stride, scratch,
-                                                    bf16);
+                const int64_t page = locate_page(table, start, ctx, page_size, page_stride, &next);
+                for (int64_t i = 0; i < n; i++) {
+                    const float *values = read_token(v_cache, page + i * token_stride,
+                                                     next < 0 ? -1 : next + i * token_stride,
+                                                     token_stride, scratch, bf16);
                     for (int64_t h = 0; h < num_heads; h++) {
                         const float *v = values + (h / group) * head_dim;
                         const float p = scores[h * max_context + start + i];
