@@ -170,7 +170,7 @@ print(viz.render_text(llm.engine.trace, width=90))
 # | `minicb/config.py` | `EngineConfig`: every knob (policy, page_size, num_pages, max_num_seqs, max_num_batched_tokens, chunk_size…) | all |
 # | `minicb/request.py` | `Request` (WAITING → RUNNING → FINISHED), `SamplingParams`, `RequestOutput` | 01 |
 # | `minicb/kv_cache.py` | `PagePool` (pages, free list, ref counts) and `PrefixIndex` | 01 |
-# | `minicb/model/`, `minicb/attention/` | the Llama-family model over the paged cache; attention backends | 01, 07 |
+# | `minicb/model/`, `minicb/attention/` | the Llama-family model over the paged cache; attention backends (the PyTorch reference, Triton kernels for GPUs, a C kernel for CPUs) | 01, 07, 08 |
 # | `minicb/scheduler.py` | one class per policy: single, static, dynamic, continuous, chunked, pd | 02–05 |
 # | `minicb/engine.py` | `Engine.step()`: schedule → forward → sample → reclaim | 03 |
 # | `minicb/trace.py` | `StepRecord`, `Member`: what every picture and metric reads | 02–06 |
