@@ -208,7 +208,7 @@ server.__exit__(None, None, None)
 # find the waste, write the kernel, test it against the reference, measure.
 #
 # **Profile.** After the CPU changes of this course (prepacked projections, chapter 01; decode
-# rows in sorted groups), a decode step with the torch reference spends well under half its time
+# rows in sorted groups), a decode step with the torch reference spends only about half its time
 # in matrix products. Profile five decode steps of 16 requests, once with the torch reference
 # and once with the `cpu` backend this section is about:
 
@@ -285,7 +285,7 @@ print(f"{'CPU ms per decode step':<40}" + "".join(f"{ms:8.0f}" for _, ms in prof
 # out of their pages into a padded tensor (`index_select`), because
 # `scaled_dot_product_attention` wants contiguous keys; attention then reads the copy again. A
 # kernel that reads the keys where they lie, page by page, is what chapter 07's Triton kernel
-# does on a GPU. On the CPU, minicb's `cpu` backend does it in about a hundred lines of C,
+# does on a GPU. On the CPU, minicb's `cpu` backend does it in about 150 lines of C,
 # `minicb/attention/paged_decode.c`, compiled once with the system compiler on first use and
 # cached (`minicb/attention/cpu_kernel.py`). Its first pass, the scores:
 
@@ -308,8 +308,8 @@ print("\n".join(source[start:start + 20]))
 #   cannot vectorize; a polynomial (Cody-Waite reduction, Cephes' coefficients, 2e-7 relative)
 #   in a `#pragma omp simd` loop is. About 20% off too.
 #
-# Threads come from OpenMP, the same `libgomp` PyTorch already loaded, so
-# `torch.set_num_threads` governs both. Prefill chunks still take the reference's path: there
+# Threads come from OpenMP, the same `libgomp` PyTorch already loaded, and the kernel asks for
+# `torch.get_num_threads()` of them, so `torch.set_num_threads` governs both. Prefill chunks still take the reference's path: there
 # the copy is a small part of a long attention.
 #
 # **Test it against the reference.** The same kind of check as chapter 07's: a random paged
