@@ -39,7 +39,8 @@ def demo(argv: list[str]) -> int:
     model = llm.engine.model
     weights = (f", {args.quantization} weights" if args.quantization
                else ", prepacked float32 weights" if getattr(model, "prepacked", False) else "")
-    print(f"loaded {args.model} in {t_load:.1f} s; policy={args.policy}{weights}")
+    print(f"loaded {args.model} in {t_load:.1f} s; policy={args.policy}{weights}; "
+          f"attention {llm.engine.attention_backend}")
     conversations = [[{"role": "user", "content": q}] for q in DEMO_QUESTIONS]
     t0 = time.perf_counter()
     outputs = llm.chat(conversations, params, use_tqdm=False)

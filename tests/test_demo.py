@@ -15,6 +15,7 @@ def test_demo_answers_every_question_with_timing(smollm2_dir, capsys, extra):
     out = capsys.readouterr().out
     assert out.startswith("loaded smollm2-135m in ")
     assert ("int8 weights" in out.splitlines()[0]) == bool(extra)
+    assert out.splitlines()[0].endswith(("attention cpu", "attention torch"))
     from minicb.model.prepack import prepack_wanted
     if not extra and prepack_wanted("cpu", torch.float32):
         assert "prepacked float32 weights" in out.splitlines()[0]
