@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from minicb.attention import resolve_backend
-from minicb.config import POLICIES, QUANTIZATIONS, check_device, torch_dtype
+from minicb.config import POLICIES, QUANTIZATIONS, check_device, cpuinfo, torch_dtype
 from minicb.metrics import (
     PERCENTILE_METHOD,
     TABLE_COLUMNS,
@@ -266,26 +266,15 @@ def runtime_versions() -> dict[str, str]:
     return out
 
 
-def cpu_model() -> str:
-    """The CPU's model name from /proc/cpuinfo (the machine behind a course VM changes), or
-    what `platform` knows elsewhere."""
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def device_description(device: str) -> dict[str, Any]:
     """Device, CPU count and torch threads for a declaration (chapter 06)."""
     import torch
     out: dict[str, Any] = {"device": device, "cpu_count": os.cpu_count(),
                            "torch_threads": torch.get_num_threads(),
                            "platform": platform.platform(),
-                           "processor": platform.processor() or platform.machine(),
-                           "cpu_model": cpu_model()}
+                           "processor": platform.processor() or platform.machine()}
+    # the machine behind a course VM changes between sessions: name it
+    out["cpu_model"] = cpuinfo("model name") or out["processor"]
     if device.startswith("cuda") and torch.cuda.is_available():
         out["gpu"] = torch.cuda.get_device_name(torch.device(device))  # cuda:N, not always 0
     return out

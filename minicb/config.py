@@ -56,6 +56,19 @@ def check_device(device: object) -> None:
                          f"CUDA GPU(s), numbered from 0")
 
 
+def cpuinfo(*names: str) -> str | None:
+    """The value of the first /proc/cpuinfo line whose name starts with one of `names` ("model
+    name", "flags"...), or None where there is no such file (not Linux) or line."""
+    try:
+        with open("/proc/cpuinfo") as lines:
+            for line in lines:
+                if line.startswith(names):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
 def cache_root() -> Path:
     """Where minicb keeps what it builds once (converted bundled models, the CPU attention
     kernel): $MINICB_CACHE, else ~/.cache/minicb."""

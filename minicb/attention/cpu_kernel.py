@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import platform
 import shlex
 import shutil
 import subprocess
@@ -29,7 +30,7 @@ import torch
 
 from minicb.attention import AttentionMetadata, int_tensor, torch_ref
 from minicb.attention.torch_ref import rms_norm, rope, store_kv  # noqa: F401 (the backend API)
-from minicb.config import cache_root
+from minicb.config import cache_root, cpuinfo
 
 SOURCE = Path(__file__).with_name("paged_decode.c")
 # -march=native: built where it runs (the cache key names the CPU); -fopenmp: the loop's threads
@@ -54,17 +55,6 @@ def _compiler() -> list[str] | None:
     return [found] if found else None
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    import platform
-    return platform.processor() or platform.machine()
-
-
 def library_path(compiler: list[str]) -> Path:
     """Where the built kernel lives: one file per source, flags, compiler and CPU."""
     try:
@@ -73,7 +63,9 @@ def library_path(compiler: list[str]) -> Path:
     except FileNotFoundError as exc:
         raise RuntimeError(f"the C compiler {shlex.join(compiler)!r} was not found") from exc
     key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(CFLAGS), shlex.join(compiler),
-                                    version, _cpu_flags()]).encode()).hexdigest()[:16]
+                                    version, cpuinfo("flags", "Features")
+                                    or platform.processor() or platform.machine()]
+                                   ).encode()).hexdigest()[:16]
     return cache_root() / "kernels" / f"paged_decode-{key}.so"
 
 
@@ -119,6 +111,8 @@ def kernel(cache_dtype: torch.dtype = torch.float32):
     """The compiled kernel for float32 or bfloat16 caches, built on first use; RuntimeError
     saying why not."""
     global _kernels, _failure
+    if _kernels is not None:  # every layer of every step: no lock once built
+        return _kernels[cache_dtype]
     with _lock:
         if _kernels is None and _failure is None:
             try:
