@@ -310,6 +310,12 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 # reading K/V, not by arithmetic). Prefill tiles hold 64 rows. `gpu_check.py` may override these.
 DECODE_BLOCK_M, PREFILL_BLOCK_M, BLOCK_N = 16, 64, 64
 NUM_WARPS, NUM_STAGES = 4, 2
+# Float32 tiles multiply on the FMA units, not the tensor cores ("ieee" precision), and hold q,
+# k, scores and the accumulator in registers: with the tiles above ptxas spills 14-29 KB per
+# thread in a prefill tile on sm_90 and a few hundred bytes in a decode tile on sm_80. Key
+# blocks of 2,048 elements (32 keys of 64, 16 of 128), and 8 warps for a prefill tile, spill
+# nothing on either (bench/compile_check.py compiles every kernel for a GPU on any machine).
+FLOAT32_KEY_BLOCK, FLOAT32_PREFILL_NUM_WARPS = 2048, 8
 
 
 def _prefill_work(meta: AttentionMetadata, block_q: int, device: torch.device) -> torch.Tensor:
@@ -342,11 +348,16 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     # float32 stays exact (no TF32) so the kernel matches the reference; 16-bit inputs use the
     # tensor cores natively and ignore this
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    common = dict(
-        HEAD_DIM=head_dim, PAGE_SIZE=meta.page_size, GROUP=group, BLOCK_N=BLOCK_N,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), DOT_PRECISION=precision)
-    if q.device.type == "cuda":
-        common.update(num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    fp32 = q.dtype == torch.float32
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    common = dict(HEAD_DIM=head_dim, PAGE_SIZE=meta.page_size, GROUP=group, BLOCK_D=block_d,
+                  BLOCK_N=max(16, FLOAT32_KEY_BLOCK // block_d) if fp32 else BLOCK_N,
+                  DOT_PRECISION=precision)
+    decode_options = prefill_options = {}
+    if not _interpreted():  # compiled for a GPU (the interpreter takes no launch options)
+        decode_options = dict(num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        prefill_options = dict(decode_options,
+                               num_warps=FLOAT32_PREFILL_NUM_WARPS if fp32 else NUM_WARPS)
     args = [q, k_cache, v_cache, out, meta.query_start_loc, meta.context_lens, meta.page_tables]
     strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -357,12 +368,12 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         block_m = max(DECODE_BLOCK_M, triton.next_power_of_2(group))
         _paged_attention_kernel[(meta.num_decodes, num_kv_heads)](
             *args, meta.query_start_loc, scale_log2, *strides,  # work list unused for decode
-            BLOCK_Q=block_m // group, BLOCK_M=block_m, DECODE=True, **common)
+            BLOCK_Q=block_m // group, BLOCK_M=block_m, DECODE=True, **common, **decode_options)
     if meta.num_decodes < meta.num_members:
         block_m = max(PREFILL_BLOCK_M, triton.next_power_of_2(group))
         block_q = block_m // group
         work = _prefill_work(meta, block_q, q.device)
         _paged_attention_kernel[(work.numel() // 2, num_kv_heads)](
             *args, work, scale_log2, *strides,
-            BLOCK_Q=block_q, BLOCK_M=block_m, DECODE=False, **common)
+            BLOCK_Q=block_q, BLOCK_M=block_m, DECODE=False, **common, **prefill_options)
     return out
