@@ -175,14 +175,17 @@ for name, out in answers.items():
     print(f"{name:<8} {out.text!r}")
 
 # %% [markdown]
-# On the quiet build machine (one thread) int8 decoded 64 tokens/s, float32 42 (26 through
-# `F.linear`, see the next part) and Hugging Face `generate` 23–24 (`python -m minicb bench
+# On the AMD EPYC build machine, unloaded (one thread), int8 decoded 64 tokens/s, float32 42 (26
+# through `F.linear`, see the next part) and Hugging Face `generate` 23–24 (`python -m minicb bench
 # --policy single --compare hf --quantization int8`; the numbers are in `bench/README.md`). The
 # price is numbers, not speed: int8 weights move the logits by up to about 5% of their largest
-# value, so greedy decoding keeps the same words for a while (17 of 24 tokens here) and then
-# takes another branch where two tokens were nearly tied. That is why minicb stays float32 by
-# default, where its tokens equal transformers' exactly, and int8 is a knob you turn on knowing
-# what it changes.
+# value. Greedy decoding keeps float32's token wherever the best token leads the next by more than
+# int8 moves them; at the first step where two tokens were nearly tied it can pick the other one, and from
+# there the text takes another branch. The `greedy tokens agree` line above counts how many of the
+# 24 agreed in this run. Whether and where the two part depends on the prompt, the length and the
+# CPU's kernels: they can agree all the way on one machine and part partway through on another, or
+# on a longer answer. That is why minicb stays float32 by default, where its tokens equal
+# transformers' exactly, and int8 is a knob you turn on knowing what it changes.
 
 # %% [markdown]
 # ### A third lever: the same bytes, a better layout
@@ -222,12 +225,25 @@ for rows in (1, 16):
     print(f"{rows:>5}{plain_ms:>13.1f}{packed_ms:>14.1f}{plain_ms / packed_ms:>9.1f}x")
 
 # %% [markdown]
-# On the quiet build machine (two threads) the projections alone ran 2.1× faster at one row and
-# 2.5× at 32 (`python bench/prepack_timing.py`); whole decode steps gain a little less, because
-# attention and the small per-layer operations did not change. At batch 1 (one thread) minicb
-# then decoded 42 tokens/s against 26 through `F.linear` and 24 for Hugging Face `generate`;
-# int8 still wins at batch 1 (64), where a step is bound by bytes, and loses at 32 rows, where
-# the products are bound by arithmetic (`bench/README.md`).
+# How much the layout gains depends on the CPU, because it races whatever PyTorch's default path
+# does there. `python bench/prepack_timing.py` times SmolLM2's projections alone (two threads,
+# `F.linear` time divided by prepacked time) on the course's two build machines:
+#
+# | rows per product | 1 | 32 | 512 | 2,048 |
+# |---|---|---|---|---|
+# | AMD EPYC (AVX-512) | 2.1× | 2.5× | 2.4× | 2.6× |
+# | Intel Xeon (AVX-512 and AMX) | 0.6–0.8× (0.9× on one thread) | 1.1–1.3× | 1.6× | 1.3× |
+#
+# On the EPYC every size gains. On the Xeon batches and prefill gain less, and a single row is
+# *slower* prepacked: there it slows batch-1 decoding by 10–40%, and `MINICB_PREPACK=0` is the
+# better setting for one request at a time. minicb keeps prepacking on by default because
+# batches and prefill gain on both; choosing per step would need both layouts in memory. Whole
+# decode steps change a little less than the projections, because attention and the small
+# per-layer operations stay the same; the table printed above comes from the machine that ran
+# this notebook, so run it to see yours. On the EPYC at batch 1 (one thread) minicb decoded 42
+# tokens/s prepacked against 26 through `F.linear` and 24 for Hugging Face `generate`; int8
+# still wins at batch 1 (64), where a step is bound by bytes, and loses at 32 rows, where the
+# products are bound by arithmetic (`bench/README.md`).
 #
 # The numbers are the same products summed in another order, so they differ in the last bits:
 # about one part in a million. That does not move a greedy choice here, and both ways minicb's
@@ -549,11 +565,13 @@ viz.plot_timeline(trace, title="v1 (policy='single'): one request at a time")
 #   prefix share them (ref count > 1) and skip that part of the prefill. The hit is capped at
 #   `prompt_len − 1` tokens so that one token is always left to produce logits.
 # - Since decode pays for bytes of weights, int8 weights (one scale per output row) decode about
-#   1.5× faster than float32 at batch 1 here (2.7× Hugging Face), at the price of slightly
-#   different numbers.
+#   1.5× faster than float32 at batch 1 on the AMD EPYC (2.7× Hugging Face), at the price of
+#   slightly different numbers.
 # - The same float32 weights, stored once in oneDNN's blocked layout (`prepack`, minicb's CPU
-#   default), make every product 2–2.6× faster than `F.linear` without changing the bytes, and
-#   the answers only in the last bits.
+#   default), change the answers only in the last bits, and the speed by the CPU: the products
+#   ran 2.1–2.6× faster than `F.linear` on the AMD EPYC, 1.1–1.6× for 32 rows or more on the
+#   Intel Xeon, and 0.6–0.9× (slower) there for a single row. Measure on yours
+#   (`MINICB_PREPACK=0` turns it off).
 #
 # **Exercises:** [`exercises/01_paged_kv.ipynb`](../exercises/01_paged_kv.ipynb): write a page
 # pool with reference counts (`page_pool`, checked against `PagePool`), the chained hash of a

@@ -361,15 +361,16 @@ tokens = {backend: [o.token_ids for o in LLM("smollm2-135m", attention_backend=b
 print("same greedy tokens from both backends:", tokens["torch"] == tokens[KERNEL])
 
 # %% [markdown]
-# **Measure.** On the course machine (2 cores, both threads), with 32 requests decoding over
-# contexts of 16–600 tokens, attention took 60–125 ms of each decode step with the reference
-# (copy plus attention; it swung with the machine's memory traffic across three runs) and
-# 35–47 ms with the kernel. On issue 3's workload of 32 mixed chat requests, run with each
-# backend in turn, `pd` made 104.8 and 113.2 output tokens/s with the reference and 127.1 and
-# 132.7 with the kernel (1.17–1.21×), and its median time per output token fell from 0.15–0.17
-# to 0.13 s (`bench/README.md` has the commands and the files). In the profile above
-# (one thread, 16 requests; one run, and these runs vary) the copy and the attention on it give
-# way to the kernel's smaller share, and the products are now most of the step.
+# **Measure.** On the course machine (2 cores of an Intel Xeon, both threads), with 32 requests
+# decoding over contexts of 16–600 tokens, attention took 60–125 ms of each decode step with the
+# reference (copy plus attention; it swung with the machine's memory traffic across three runs) and
+# 35–47 ms with the kernel. On the standard mixed-chat benchmark (32 requests arriving at once,
+# prompts of 16–512 tokens, outputs of 8–256, greedy, `ignore_eos`), run with each backend in turn,
+# `pd` made 104.8 and 113.2 output tokens/s with the reference and 127.1 and 132.7 with the kernel
+# (1.17–1.21×), and its median time per output token fell from 0.15–0.17 to 0.13 s
+# (`bench/README.md` has the commands and the files). In the profile above (one thread, 16 requests;
+# one run, and these runs vary) the copy and the attention on it give way to the kernel's smaller
+# share, and the products are now most of the step.
 #
 # `attention_backend="auto"` now picks this kernel on the CPU wherever a C compiler builds it
 # (and warns, then keeps the reference, where none does); `"torch"` or `MINICB_ATTENTION=torch`
