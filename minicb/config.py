@@ -16,8 +16,12 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 def is_finite_number(value: object) -> bool:
     """An int or float that is not a bool, NaN or infinite: what every numeric knob needs."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) \
-        and math.isfinite(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float (10**400): no knob can use it
+        return False
 
 
 def is_positive_int(value: object) -> bool:

@@ -158,13 +158,10 @@ class Engine:
             raise ValueError(f"prompt must be a string or a list of token ids, got {prompt!r:.80}")
         return list(prompt)
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, arrival_step: int | None = None,
-                    arrival_time: float | None = None, priority: int = 0) -> str:
-        """Queue a request; it joins the waiting queue at `arrival_step` or `arrival_time`
-        (engine-clock seconds), or now. Returns its id. Bad input raises ValueError and leaves
-        the engine untouched."""
-        params = params or SamplingParams()
+    def check_request(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        """The prompt's token ids if this engine can ever run it under `params`; ValueError
+        naming the problem if not. Changes nothing (`LLM.generate` checks a whole batch before
+        queuing any of it)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         token_ids = self.tokenize(prompt)
@@ -187,6 +184,16 @@ class Engine:
             raise ValueError(f"prompt + max_tokens = {total} tokens can never fit in the page "
                              f"pool ({self.pool.num_pages} pages x {self.pool.page_size} = "
                              f"{capacity} tokens); raise num_pages or lower max_tokens")
+        return token_ids
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, arrival_step: int | None = None,
+                    arrival_time: float | None = None, priority: int = 0) -> str:
+        """Queue a request; it joins the waiting queue at `arrival_step` or `arrival_time`
+        (engine-clock seconds), or now. Returns its id. Bad input raises ValueError and leaves
+        the engine untouched."""
+        params = params or SamplingParams()
+        token_ids = self.check_request(prompt, params)
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
             while request_id in self.requests:
@@ -323,7 +330,8 @@ class Engine:
                 to_sample, logits = self._forward(items)
                 t_forward = self._now() - t0
                 tokens = sample(logits, [r.params for r in to_sample],
-                                [self._generators[r.request_id] for r in to_sample])
+                                [self._generators[r.request_id] for r in to_sample],
+                                [self._banned_tokens(r) for r in to_sample])
             except Exception as exc:  # contain the fault: fail this step's requests only
                 message = f"{type(exc).__name__}: {exc}"
                 for req, _ in items:
@@ -448,16 +456,21 @@ class Engine:
             req.metrics.first_token_step = self.step_count
 
     @staticmethod
-    def _stop_reason(req: Request) -> str | None:
+    def _stop_tokens(req: Request) -> list[int]:
+        return [*req.params.stop_token_ids, *(() if req.params.ignore_eos else req.eos_token_ids)]
+
+    def _banned_tokens(self, req: Request) -> list[int]:
+        """Tokens the next sample must not be: the stop and EOS tokens while the request has
+        fewer than `min_tokens` outputs (vLLM's meaning: they are not generated, not kept)."""
+        return self._stop_tokens(req) if len(req.output_token_ids) < req.params.min_tokens else []
+
+    @classmethod
+    def _stop_reason(cls, req: Request) -> str | None:
         if not req.output_token_ids or req.is_prefill:
             return None
-        last = req.output_token_ids[-1]
-        n = len(req.output_token_ids)
-        if n >= req.params.min_tokens and (
-                last in req.params.stop_token_ids
-                or (not req.params.ignore_eos and last in req.eos_token_ids)):
+        if req.output_token_ids[-1] in cls._stop_tokens(req):
             return "stop"
-        if n >= req.params.max_tokens:
+        if len(req.output_token_ids) >= req.params.max_tokens:
             return "length"
         return None
 

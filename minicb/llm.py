@@ -42,23 +42,15 @@ class LLM:
         if len(param_list) != len(prompts):
             raise ValueError(f"params has {len(param_list)} entries for {len(prompts)} prompts; "
                              "give one SamplingParams or one per prompt")
-        # validate everything before queuing anything, so bad input leaves nothing behind
+        # check everything before queuing anything, so bad input leaves nothing behind
         token_lists = []
         for i, (prompt, p) in enumerate(zip(prompts, param_list)):
-            if not isinstance(p, SamplingParams):
-                raise ValueError(f"params[{i}] must be a SamplingParams, got {type(p).__name__}")
-            token_lists.append(self.engine.tokenize(prompt))
-            if not token_lists[-1]:
-                raise ValueError(f"prompt {i} is empty: give at least one token")
-        ids: list[str] = []
-        try:
-            for token_ids, p in zip(token_lists, param_list):
-                ids.append(self.engine.add_request(token_ids, p))
-        except ValueError:
-            for rid in ids:
-                self.engine.cancel(rid)
-            raise
-        return ids
+            try:
+                token_lists.append(self.engine.check_request(prompt, p))
+            except ValueError as exc:
+                raise ValueError(f"prompt {i}: {exc}") from None
+        return [self.engine.add_request(token_ids, p)
+                for token_ids, p in zip(token_lists, param_list)]
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,

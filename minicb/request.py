@@ -23,11 +23,12 @@ class Status(enum.Enum):
 
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
+GREEDY_BELOW = 1e-5  # a temperature under this samples greedily
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick each next token (vLLM's names). temperature 0 means greedy."""
+    """How to pick each next token (vLLM's names). temperature 0 (or below 1e-5) means greedy."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -65,7 +66,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        """Temperature 0 (or below 1e-5, as in vLLM: too small to sample from in float32),
+        or top_k 1."""
+        return self.temperature < GREEDY_BELOW or self.top_k == 1
 
 
 @dataclass

@@ -47,6 +47,26 @@ def test_the_kernel_builds_and_is_cached_readable_by_all():
     assert path.stat().st_mode & 0o777 == 0o755 & ~umask  # not mkstemp's private 0600
 
 
+def test_the_umask_is_read_without_being_changed():
+    umask = os.umask(0o077)  # unusual, so a default cannot pass for it
+    try:
+        assert cpu_kernel._umask() == 0o077
+    finally:
+        os.umask(umask)
+
+
+def test_a_damaged_cached_library_is_rebuilt(monkeypatch, tmp_path):
+    monkeypatch.setenv("MINICB_CACHE", str(tmp_path))
+    compiler = cpu_kernel._compiler()
+    path = cpu_kernel.library_path(compiler)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"not a shared library")
+    library = cpu_kernel._load(compiler)
+    assert hasattr(library, "paged_decode_attention")
+    assert path.read_bytes()[:4] == b"\x7fELF"
+    assert list(path.parent.iterdir()) == [path]  # no temporary file left behind
+
+
 def test_cc_may_carry_a_wrapper_and_a_missing_one_is_named(monkeypatch):
     monkeypatch.setenv("CC", "ccache gcc")
     assert cpu_kernel._compiler() == ["ccache", "gcc"]
@@ -68,6 +88,11 @@ def test_bad_metadata_is_refused_before_the_c_code_reads_it():
     with pytest.raises(ValueError, match="pages of 16 tokens"):
         cpu_kernel.attend(q, k_cache, v_cache, build_metadata([[0, 1, 2], [3, 4, 5]], [20, 22],
                                                               [1, 1], 8), 0.25)
+    with pytest.raises(ValueError, match="q has 1 rows"):  # C would read q and write out past
+        cpu_kernel.attend(q[:1], k_cache, v_cache, meta, 0.25)  # their ends
+    torch_ref.store_kv(k, v, k_cache, v_cache, meta)
+    out = cpu_kernel.attend(q, k_cache, v_cache, meta, 0.25)  # still usable
+    assert_close(out, torch_ref.attend(q, k_cache, v_cache, meta, 0.25))
 
 
 @settings(max_examples=40, deadline=None)

@@ -102,6 +102,48 @@ def test_top_p_keeps_only_the_nucleus():
     assert kept.tolist() == [[True, True, True, False]]
 
 
+def test_top_p_stops_where_the_mass_reaches_it():
+    import torch
+
+    from minicb.sampler import filter_logits
+    kept = torch.isfinite(filter_logits(torch.zeros(1, 4), 0, 0.5))  # four tokens of 0.25
+    assert kept.sum() == 2
+    kept = torch.isfinite(filter_logits(torch.log(torch.tensor([[.5, .25, .25]])), 0, 0.75))
+    assert kept.sum() == 2
+
+
+def test_a_tiny_temperature_samples_the_most_likely_token():
+    """logits / 1e-40 overflows float32 to inf (softmax: NaN); shifted first, it cannot."""
+    import torch
+
+    from minicb.sampler import sample
+    logits = torch.tensor([[0.5, 3.0, -1.0, 2.9], [-4.0, -3.0, -2.0, -2.5]])
+    for temperature in (1e-3, 1e-5, 1e-6, 1e-40, 5e-324):
+        params = [SamplingParams(temperature=temperature, seed=0)] * 2
+        assert sample(logits, params, [None, None]) == [1, 2]
+    nan = torch.full((1, 4), float("nan"))  # a broken forward: an error, not a silent token
+    with pytest.raises(ValueError, match="not finite"):
+        sample(nan, [SamplingParams(seed=0)], [None])
+
+
+def test_min_tokens_keeps_stop_and_eos_tokens_from_being_sampled(llm):
+    """vLLM's meaning: before min_tokens outputs, stop and EOS tokens are not generated (not
+    generated and then ignored)."""
+    prompt = [[3, 1, 4, 1, 5, 9, 2, 6]]
+    first = llm.generate(prompt, GREEDY, use_tqdm=False)[0].token_ids
+    eos = llm.engine.info.eos_token_ids[0]
+    for sampling in (dict(temperature=0.0), dict(temperature=1.0, seed=3)):
+        out = llm.generate(prompt, SamplingParams(max_tokens=12, min_tokens=5,
+                                                  stop_token_ids=(first[0],), **sampling),
+                           use_tqdm=False)[0]
+        assert first[0] not in out.token_ids[:5] and eos not in out.token_ids[:5]
+        assert len(out.token_ids) >= 5
+        assert out.finish_reason == ("stop" if out.token_ids[-1] in (first[0], eos) else "length")
+    ignored = llm.generate(prompt, SamplingParams(max_tokens=6, min_tokens=6, temperature=0.0,
+                                                  ignore_eos=True), use_tqdm=False)[0]
+    assert ignored.token_ids == first[:6]  # nothing to ban: EOS is ignored, no stop ids
+
+
 def test_prefix_reuse_counts_pages_and_keeps_tokens(tiny_model):
     system = list(range(3, 3 + 40))  # 40 shared tokens = 2 full pages of 16 (+ 8)
     a, b = system + [100, 101, 102], system + [200, 201]
@@ -220,6 +262,7 @@ def test_invariant_checker_names_the_broken_rule(make_engine):
     (dict(max_tokens=0), "max_tokens"), (dict(temperature=-1), "temperature"),
     (dict(top_p=0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_k=-1), "top_k"),
     (dict(seed="x"), "seed"), (dict(min_tokens=99), "min_tokens"),
+    (dict(temperature=10**400), "temperature"),
     (dict(seed=2**70), "seed"), (dict(temperature=float("nan")), "temperature"),
     (dict(temperature=float("inf")), "temperature"), (dict(stop_token_ids=5), "stop_token_ids"),
     (dict(stop_token_ids=[True]), "stop_token_ids"),
@@ -286,6 +329,8 @@ def test_bad_requests_are_refused_before_any_work(tiny_model):
         with pytest.raises(ValueError, match=message):
             call()
         assert not engine.has_unfinished() and engine.pool.num_used == 0
+        assert not engine.requests  # no record either, not even of a batch's good prompts
+    assert engine.step().finished == []
     engine.add_request([1], GREEDY, request_id="dup")
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request([2], GREEDY, request_id="dup")

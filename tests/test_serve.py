@@ -243,6 +243,8 @@ def shared_server(tiny_model):
     ({"prompt": [5, 6], "seed": 2**70}, 400, "seed"),
     ({"prompt": [5, 6], "stop_token_ids": [999]}, 400, "stop_token_ids"),
     ({"prompt": [5, 6], "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": [5, 6], "max_tokens": 10**400}, 400, "max_tokens"),
+    ({"prompt": [5, 6], "temperature": 10**400}, 400, "temperature"),
     ({"prompt": [5, 6], "max_tokens": "many"}, 400, "max_tokens"),
     ({"prompt": [5, 6], "n": 2}, 400, "n"),
     ({"prompt": [5, 6], "stop": [3]}, 200, None),  # token ids given as `stop`

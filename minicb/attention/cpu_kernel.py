@@ -47,6 +47,20 @@ _failure: str | None = None  # why it could not be built, once tried
 _lock = threading.Lock()  # one build per process, even when engines start in several threads
 
 
+def _umask() -> int:
+    """The process's umask. os.umask reads it only by setting it, which for a moment would
+    change it for every thread: Linux shows it in /proc instead."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return umask
+
+
 def _compiler() -> list[str] | None:
     """The C compiler's command line: $CC (which may be "ccache gcc"), else cc or gcc."""
     if os.environ.get("CC"):
@@ -69,7 +83,10 @@ def library_path(compiler: list[str]) -> Path:
     return cache_root() / "kernels" / f"paged_decode-{key}.so"
 
 
-def _build(compiler: list[str], target: Path) -> None:
+def _build(compiler: list[str], target: Path) -> ctypes.CDLL:
+    """Compile into a temporary file, load it, then move it to `target` (atomic: a concurrent
+    build never sees half a file, and the library loaded is the one just built even if another
+    process replaces or removes `target` meanwhile)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
@@ -79,10 +96,10 @@ def _build(compiler: list[str], target: Path) -> None:
         if done.returncode:
             raise RuntimeError(f"{shlex.join(compiler)} could not build {SOURCE.name}:\n"
                                f"{done.stderr.strip()[-2000:]}")
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o755 & ~umask)  # mkstemp made it private; a shared cache needs it readable
-        os.replace(tmp, target)  # atomic: a concurrent build never sees half a file
+        os.chmod(tmp, 0o755 & ~_umask())  # mkstemp made it private: a shared cache reads it
+        library = ctypes.CDLL(tmp)
+        os.replace(tmp, target)
+        return library
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -90,14 +107,10 @@ def _build(compiler: list[str], target: Path) -> None:
 
 def _load(compiler: list[str]) -> ctypes.CDLL:
     path = library_path(compiler)
-    if not path.exists():
-        _build(compiler, path)
     try:
-        return ctypes.CDLL(str(path))
-    except OSError:  # a damaged file in the cache: build it again, once
-        path.unlink(missing_ok=True)
-        _build(compiler, path)
-        return ctypes.CDLL(str(path))
+        return ctypes.CDLL(str(path))  # built before, by this or another process
+    except OSError:  # not built yet, or a damaged file in the cache: build it (again)
+        return _build(compiler, path)
 
 
 def _declare(fn):
@@ -178,6 +191,9 @@ def attend_decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         return
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[-2]
+    if q.shape[0] != meta.query_start_list[-1] or out.shape != q.shape:
+        raise ValueError(f"q has {q.shape[0]} rows and out {out.shape[0]}; the metadata's "
+                         f"members have {meta.query_start_list[-1]} query rows")
     if num_heads % num_kv_heads or k_cache.shape[-1] != head_dim or v_cache.shape != k_cache.shape:
         raise ValueError(f"q has {num_heads} heads of {head_dim}, the caches are "
                          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
