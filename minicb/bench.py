@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from minicb.attention import resolve_backend
-from minicb.config import POLICIES, QUANTIZATIONS, check_device, cpuinfo, torch_dtype
+from minicb.config import POLICIES, QUANTIZATIONS, cpuinfo, resolve_device, torch_dtype
 from minicb.metrics import (
     PERCENTILE_METHOD,
     TABLE_COLUMNS,
@@ -159,16 +159,6 @@ def set_threads(threads: int | None) -> None:
         raise ValueError(f"--threads must be >= 1, got {threads}")
     import torch
     torch.set_num_threads(threads)
-
-
-def resolve_device(device: str) -> str:
-    """'auto' means CUDA when available, else the CPU (chapter 06); any other value must name
-    a device this torch can use (ValueError otherwise)."""
-    if device == "auto":
-        import torch
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    check_device(device)
-    return device
 
 
 # ------------------------------------------------------------------------------ executors
@@ -736,7 +726,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     workload = build_workload(args)
     slo = slo_from_args(args)
     options = engine_options(args, workload)
-    device = resolve_device(args.device)
+    device = resolve_device(args.device, args.quantization)
     progress = not args.no_progress
     executor = executor_from_args(args, device)
     executor.warm_up()
@@ -878,7 +868,7 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
     base = engine_options(args, workload)
     for key in ("max_num_seqs", "max_num_batched_tokens", "chunk_size"):
         base.pop(key, None)
-    device = resolve_device(args.device)
+    device = resolve_device(args.device, args.quantization)
     executor = executor_from_args(args, device)
     executor.warm_up()
     rows = []

@@ -132,7 +132,8 @@ def tiny_model(seed: int = 0) -> tuple[Any, Any]:
     accepts in place of a name: `Engine(check.tiny_model(), policy=...)`."""
     if seed not in _TINY:
         from minicb.model.loader import load_model
-        _TINY[seed] = load_model(str(tiny_checkpoint(seed=seed)))
+        # on the CPU even where a GPU is visible: a grade must not depend on the machine
+        _TINY[seed] = load_model(str(tiny_checkpoint(seed=seed)), device="cpu")
     return _TINY[seed]
 
 

@@ -38,6 +38,17 @@ def torch_dtype(name: str, device: str):
     return getattr(torch, name)
 
 
+def resolve_device(device: str, quantization: str | None = None) -> str:
+    """'auto' is CUDA when torch can use a GPU, unless a CPU-only option (int8 weights) is
+    asked, else the CPU (chapter 07); any other value must name a device this torch can use
+    (ValueError otherwise)."""
+    if device == "auto":
+        import torch
+        return "cuda" if torch.cuda.is_available() and not quantization else "cpu"
+    check_device(device)
+    return device
+
+
 def check_device(device: object) -> None:
     """Raise ValueError unless `device` is 'cpu', or a CUDA GPU this torch can use (chapter 07)."""
     import torch
@@ -101,7 +112,7 @@ class EngineConfig:
     # for long benchmark runs where those copies would cost more than the step
     trace_snapshots: bool = True
     attention_backend: str = "auto"
-    device: str = "cpu"
+    device: str = "auto"  # CUDA when torch sees a GPU, else the CPU (`resolve_device`)
     dtype: str = "auto"  # float32 on CPU, bfloat16 on CUDA; a model passed in loaded: its own
     # "int8": weight-only int8 projections (CPU decode speed); with a model passed in already
     # loaded, None accepts it as it is and "int8" requires it loaded with quantization="int8"
@@ -170,7 +181,8 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
                              f">= min_chunk ({self.min_chunk}) under policy 'pd', or a chunk "
                              f"that size never fits a step and prefills never start")
-        check_device(self.device)
+        if self.device != "auto":
+            check_device(self.device)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:

@@ -9,6 +9,7 @@ and appends a `StepRecord` to `engine.trace`. Follow one request's whole life fr
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections import deque
@@ -16,7 +17,7 @@ from collections import deque
 import torch
 
 from minicb.attention import build_metadata, int_tensor, resolve_backend
-from minicb.config import EngineConfig, is_finite_number, torch_dtype
+from minicb.config import EngineConfig, is_finite_number, resolve_device, torch_dtype
 from minicb.kv_cache import PagePool, prompt_page_hashes
 from minicb.request import Request, RequestOutput, SamplingParams, Status
 from minicb.sampler import make_generator, sample
@@ -45,6 +46,13 @@ def default_num_pages(model_config, config: EngineConfig, dtype: torch.dtype) ->
                 * model_config.head_dim * torch.tensor([], dtype=dtype).element_size())
     budget = free * config.gpu_memory_utilization - 512 * 2**20  # headroom for activations
     return max(16, int(budget // per_page))
+
+
+def _auto_device(model, quantization: str | None) -> str:
+    """device="auto": where a model passed in loaded lies, else CUDA if torch sees a GPU."""
+    embed = getattr(model[0], "embed_tokens", None) if isinstance(model, tuple) else None
+    return str(embed.weight.device) if embed is not None else resolve_device("auto",
+                                                                             quantization)
 
 
 def _load(model, device: str, dtype: torch.dtype, quantization: str | None,
@@ -89,6 +97,9 @@ class Engine:
                                                  "policy": options.pop("policy")})
         # policy: a name, or the learner's own Scheduler instance
         self.config = config or EngineConfig.from_kwargs(**options)
+        if self.config.device == "auto":  # resolved once: every part below sees one device
+            self.config = dataclasses.replace(self.config, device=_auto_device(
+                model, self.config.quantization))
         self.scheduler: Scheduler = make_scheduler(self.config.policy)
         # whole-prompt policies may exceed the token budget with one long prompt (problem one);
         # every other scheduler, a learner's included, must stay within it

@@ -699,7 +699,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-batched-tokens", type=int, default=256)
     parser.add_argument("--chunk-size", type=int, default=None)
     parser.add_argument("--num-pages", type=int, default=None)
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (CUDA when "
+                        "torch sees a GPU)")
     parser.add_argument("--quantization", choices=[q for q in QUANTIZATIONS if q], default=None,
                         help="int8: weight-only int8 projections (faster CPU decode, numbers "
                              "slightly off float32)")

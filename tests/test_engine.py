@@ -472,4 +472,20 @@ def test_a_loaded_model_on_another_device_is_refused(tiny_llama_dir):
     model, info = load_model(tiny_llama_dir, prepack=False)
     model.to("meta")  # anywhere but the engine's device
     with pytest.raises(ValueError, match="device='cpu' but the model passed in is on meta"):
+        Engine((model, info), device="cpu")
+    with pytest.raises(ValueError, match="'meta'"):  # "auto" takes the model's device: not this
         Engine((model, info))
+
+
+def test_device_auto_is_the_cpu_here_and_follows_a_loaded_model(tiny_llama_dir, monkeypatch):
+    import torch
+
+    from minicb.config import resolve_device
+    from minicb.model.loader import load_model
+    assert EngineConfig().device == "auto"
+    model, info = load_model(tiny_llama_dir, prepack=False)
+    assert Engine((model, info)).config.device == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_device("auto") == "cuda"
+    assert resolve_device("auto", quantization="int8") == "cpu"  # a CPU-only option
+    assert Engine((model, info)).config.device == "cpu"  # where the model passed in lies

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from minicb.config import QUANTIZATIONS, cache_root, check_device
+from minicb.config import QUANTIZATIONS, cache_root, resolve_device
 from minicb.model.llama import LlamaModel, ModelConfig
 from minicb.model.prepack import prepack_model, prepack_possible, prepack_wanted
 from minicb.model.quant import quantize_int8
@@ -165,7 +165,7 @@ def load_tokenizer(path: Path) -> Any:
     return AutoTokenizer.from_pretrained(path)
 
 
-def load_model(name_or_path: str | os.PathLike, device: str | torch.device = "cpu",
+def load_model(name_or_path: str | os.PathLike, device: str | torch.device = "auto",
                dtype: torch.dtype = torch.float32,
                attention_backend: str = "torch",
                quantization: str | None = None,
@@ -173,11 +173,12 @@ def load_model(name_or_path: str | os.PathLike, device: str | torch.device = "cp
     """Load weights, config and tokenizer; `quantization="int8"` stores the projections as
     int8 (see `quant.py`). `prepack`: hold float32 CPU projections in oneDNN's layout (see
     `prepack.py`); None does so for float32 on an x86-64 CPU with oneDNN, unless
-    `MINICB_PREPACK=0`. Raises ValueError for an unknown name, a directory that is not a
+    `MINICB_PREPACK=0`. `device="auto"`: CUDA when torch sees a GPU (and no int8 is asked),
+    else the CPU. Raises ValueError for an unknown name, a directory that is not a
     checkpoint, an unsupported architecture, or a prepack that cannot be done."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
-    check_device(device)
+    device = resolve_device(device if isinstance(device, str) else str(device), quantization)
     if prepack not in (None, True, False):
         raise ValueError(f"prepack must be None, True or False, got {prepack!r}")
     if prepack is None:
