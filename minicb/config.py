@@ -12,6 +12,7 @@ POLICIES = ("single", "static", "dynamic", "continuous", "chunked", "pd")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
 QUANTIZATIONS = (None, "int8")  # int8: weight-only, see minicb/model/quant.py
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+PREEMPTIONS = ("newest", "priority", "deadline")
 
 
 def is_finite_number(value: object) -> bool:
@@ -102,7 +103,9 @@ class EngineConfig:
     batch_timeout: float = 8  # dynamic batching: steps (int) or seconds (float with seconds=True)
     batch_timeout_in_seconds: bool = False
     enable_prefix_caching: bool = True
-    preemption: str = "newest"  # or "priority": who is preempted when decodes need a page
+    # who waits first and who is preempted first when decodes need a page (chapter 06): "newest"
+    # (first come first served), "priority" (by `priority`) or "deadline" (earliest first)
+    preemption: str = "newest"
     # with preemption="priority": a waiting request's priority improves by one for every this
     # many steps it has waited, so a stream of important requests cannot starve it (chapter 06)
     priority_aging_steps: int | None = None
@@ -147,8 +150,8 @@ class EngineConfig:
                              f"got {self.batch_timeout!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.preemption not in ("newest", "priority"):
-            raise ValueError(f"preemption must be 'newest' or 'priority', got {self.preemption!r}")
+        if self.preemption not in PREEMPTIONS:
+            raise ValueError(f"preemption must be one of {PREEMPTIONS}, got {self.preemption!r}")
         aging = self.priority_aging_steps
         if aging is not None and not is_positive_int(aging):
             raise ValueError(f"priority_aging_steps must be a positive integer or None, "

@@ -21,7 +21,13 @@ from minicb.config import EngineConfig, is_finite_number, resolve_device, torch_
 from minicb.kv_cache import PagePool, prompt_page_hashes
 from minicb.request import Request, RequestOutput, SamplingParams, Status
 from minicb.sampler import make_generator, sample
-from minicb.scheduler import ScheduledBatch, Scheduler, SchedulerContext, make_scheduler
+from minicb.scheduler import (
+    ScheduledBatch,
+    Scheduler,
+    SchedulerContext,
+    make_scheduler,
+    queue_rank,
+)
 from minicb.trace import Member, RequestRecord, StepRecord
 
 WHOLE_PROMPT_POLICIES = ("single", "static", "dynamic", "continuous")
@@ -199,10 +205,12 @@ class Engine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_step: int | None = None,
-                    arrival_time: float | None = None, priority: int = 0) -> str:
+                    arrival_time: float | None = None, priority: int = 0,
+                    deadline: float | None = None) -> str:
         """Queue a request; it joins the waiting queue at `arrival_step` or `arrival_time`
-        (engine-clock seconds), or now. Returns its id. Bad input raises ValueError and leaves
-        the engine untouched."""
+        (engine-clock seconds), or now. Returns its id. `deadline`: seconds after arrival by
+        which it must finish; a request still unfinished then leaves with finish_reason
+        "deadline" (chapter 06). Bad input raises ValueError and leaves the engine untouched."""
         params = params or SamplingParams()
         token_ids = self.check_request(prompt, params)
         if request_id is None:
@@ -219,9 +227,12 @@ class Engine:
                              f"{arrival_time!r}")
         if not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
+        if deadline is not None and (not is_finite_number(deadline) or deadline <= 0):
+            raise ValueError(f"deadline must be a finite number of seconds > 0 or None, got "
+                             f"{deadline!r}")
         req = Request(request_id, token_ids, params, priority=priority, arrival_step=arrival_step,
                       arrival_time=arrival_time, eos_token_ids=tuple(self.info.eos_token_ids),
-                      seq_index=next(self._seq))
+                      seq_index=next(self._seq), deadline=deadline)
         if self.pool.prefix is not None:  # hashed once; admission and reclaim reuse them
             req.page_hashes = prompt_page_hashes(token_ids, self.pool.page_size)
         generator = make_generator(params.seed)  # before any state changes: nothing half-added
@@ -239,13 +250,23 @@ class Engine:
             else req.arrival_step
         req.metrics.arrival_time = self.clock() if req.arrival_time is None \
             else req.arrival_time
-        if self.config.preemption == "priority":
+        if self.config.preemption in ("priority", "deadline"):  # behind its equals
+            rank = queue_rank(self.config.preemption)
             index = next((i for i, r in enumerate(self.waiting)
-                          if r.status is Status.WAITING and r.priority > req.priority),
+                          if r.status is Status.WAITING and rank(r) > rank(req)),
                          len(self.waiting))
             self.waiting.insert(index, req)
         else:
             self.waiting.append(req)
+
+    def _expire_deadlines(self) -> None:
+        """Finish every waiting or running request whose deadline has passed: its pages come
+        back now, and the next StepRecord lists it (chapter 06)."""
+        now = self.clock()
+        for req in [*self.waiting, *self.running]:
+            if req.deadline_time <= now:
+                self._finish(req, "deadline")
+                self._finished_between_steps.append(req.request_id)
 
     def _age_waiting_queue(self) -> None:
         """Order the waiting queue by effective priority: `priority` minus one for every
@@ -314,6 +335,7 @@ class Engine:
         arrived = self._arrived_since_last_step + self._admit_arrivals()
         self._arrived_since_last_step = []
         t_start = self.clock()  # after arrivals: nobody is scheduled before they arrived
+        self._expire_deadlines()
         if self.config.priority_aging_steps:
             self._age_waiting_queue()
 

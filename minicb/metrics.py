@@ -287,6 +287,7 @@ def summarize(trace: Sequence[Any], records: Sequence[Any], slo: dict[str, float
         "completed": len(done),
         "cancelled": sum(1 for r in records if r.finish_reason == "cancelled"),
         "errors": sum(1 for r in records if r.finish_reason == "error"),
+        "deadline_missed": sum(1 for r in records if r.finish_reason == "deadline"),
         "unfinished": sum(1 for r in records if r.finish_reason is None),
         "num_steps": len(trace),
         "duration_s": span,

@@ -22,7 +22,7 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-FINISH_REASONS = ("stop", "length", "cancelled", "error")
+FINISH_REASONS = ("stop", "length", "cancelled", "error", "deadline")
 GREEDY_BELOW = 1e-5  # a temperature under this samples greedily
 
 
@@ -115,6 +115,14 @@ class Request:
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     seq_index: int = 0  # admission order, used for "newest" preemption and FCFS ties
     page_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full prompt pages
+    deadline: float | None = None  # seconds after arrival by which it must finish (chapter 06)
+
+    @property
+    def deadline_time(self) -> float:
+        """When (engine clock) the deadline passes; infinity without one or before arrival."""
+        if self.deadline is None or self.metrics.arrival_time is None:
+            return float("inf")
+        return self.metrics.arrival_time + self.deadline
 
     @property
     def all_token_ids(self) -> list[int]:

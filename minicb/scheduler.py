@@ -42,6 +42,17 @@ class ScheduledBatch:
         return len(self.items)
 
 
+def queue_rank(preemption: str):
+    """The order of the waiting queue and the reverse order of preemption (chapter 06): first
+    come first served ("newest": the newest is preempted first), by `priority` ("priority"),
+    or earliest deadline first ("deadline"); ties in admission order."""
+    if preemption == "priority":
+        return lambda r: (r.priority, r.seq_index)
+    if preemption == "deadline":
+        return lambda r: (r.deadline_time, r.seq_index)
+    return lambda r: r.seq_index
+
+
 class SchedulerContext:
     """What a policy sees and may do during one step. Built by the engine each step."""
 
@@ -140,14 +151,13 @@ class SchedulerContext:
             req.slot = None
 
     def pick_victim(self, current: Request) -> Request:
-        """Whom to preempt when `current` needs a page: the newest (or least important, the
-        largest `priority` value, as in vLLM) running request not yet scheduled this step,
-        or `current` itself."""
+        """Whom to preempt when `current` needs a page: the running request not yet scheduled
+        this step (or `current` itself) that ranks last: the newest; under "priority" the least
+        important (the largest `priority` value, as in vLLM); under "deadline" the one whose
+        deadline is furthest away."""
         candidates = [r for r in self.running
                       if r.request_id not in self.scheduled_ids or r is current]
-        if self.config.preemption == "priority":
-            return max(candidates, key=lambda r: (r.priority, r.seq_index))
-        return max(candidates, key=lambda r: r.seq_index)
+        return max(candidates, key=queue_rank(self.config.preemption))
 
     def reserve_or_preempt(self, req: Request, num_tokens: int) -> bool:
         """Reserve pages for `req`, preempting others (possibly `req` itself) until it fits."""
@@ -280,8 +290,10 @@ class DynamicScheduler(StaticScheduler):
 
 class ContinuousScheduler(Scheduler):
     """Continuous batching (chapter 03): every step, all running decodes advance one token and
-    waiting requests join (whole-prompt prefill) while slots, pages and the token budget allow;
-    a prompt longer than the budget still runs, alone, in one step."""
+    waiting requests join (whole-prompt prefill) while slots, pages and the token budget allow.
+    The budget counts prompt tokens only and the first waiting prompt always joins (a prompt
+    longer than the budget still runs, in one step), so a step may exceed the budget by its
+    decodes or by that one prompt: the problem chapter 04's chunks solve."""
 
     name = "continuous"
 

@@ -23,7 +23,7 @@ class StepRecord:
     step: int  # counts from 1
     members: list[Member]
     waiting: list[str]  # ids in the waiting queue after scheduling (arrived, not running)*
-    finished: list[str]  # ids that finished at this step (stop, length, cancelled, error)
+    finished: list[str]  # ids that finished at this step (stop, length, cancelled, error, deadline)
     preempted: list[str]  # ids preempted while scheduling this step
     pages_used: int  # pages referenced by running requests after the step
     pages_cached: int  # unreferenced pages kept by the prefix index after the step

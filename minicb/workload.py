@@ -50,7 +50,8 @@ class WorkloadRequest:
     """One request of a workload (chapters 05-06). Give `prompt_token_ids`, or only
     `prompt_len` (ids are then drawn deterministically from the request's index). Arrival is
     `arrival_time` (seconds after the run starts), or `arrival_step`, or neither (at once).
-    `cancel_after_tokens`: the client cancels once it has received that many tokens."""
+    `cancel_after_tokens`: the client cancels once it has received that many tokens.
+    `deadline`: seconds after arrival by which the engine must finish it (chapter 06)."""
 
     prompt_token_ids: list[int] | None = None
     prompt_len: int | None = None
@@ -60,6 +61,7 @@ class WorkloadRequest:
     priority: int = 0
     cancel_after_tokens: int | None = None
     request_id: str | None = None
+    deadline: float | None = None
 
     def __post_init__(self) -> None:
         if self.prompt_token_ids is None and self.prompt_len is None:
@@ -86,6 +88,8 @@ class WorkloadRequest:
         if self.cancel_after_tokens is not None:
             self.cancel_after_tokens = _check_int("cancel_after_tokens",
                                                   self.cancel_after_tokens)
+        if self.deadline is not None:
+            self.deadline = _check_positive("deadline", self.deadline)
 
     def token_ids(self, index: int = 0,
                   vocab_range: tuple[int, int] = DEFAULT_VOCAB_RANGE) -> list[int]:
@@ -482,7 +486,7 @@ def _add(engine: Any, req: WorkloadRequest, index: int, temperature: float) -> s
         prompt = [t % vocab for t in prompt]
     return engine.add_request(prompt, params, request_id=req.request_id or f"req-{index}",
                               arrival_step=req.arrival_step, arrival_time=arrival_time,
-                              priority=int(req.priority))
+                              priority=int(req.priority), deadline=req.deadline)
 
 
 def submit(engine: Any, workload: Workload, temperature: float = 0.0,

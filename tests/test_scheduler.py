@@ -287,3 +287,100 @@ def test_half_prefilled_prompts_that_hold_every_page_do_not_deadlock(make_engine
     assert all(engine.requests[r].output_token_ids == reference.requests[r].output_token_ids
                for r in reference.requests)
     assert engine.pool.num_used == 0
+
+
+def test_deadline_preemption_picks_the_most_slack(make_engine):
+    engine = make_engine("continuous", num_pages=10, page_size=8, max_num_seqs=4,
+                         preemption="deadline", enable_prefix_caching=False)
+    p = SamplingParams(max_tokens=30, **GREEDY)
+    engine.add_request([3] * 14, p, request_id="urgent", deadline=600.0)
+    engine.add_request([4] * 14, p, request_id="relaxed")  # no deadline: the most slack
+    engine.add_request([5] * 14, p, request_id="soon", deadline=900.0)
+    engine.run()
+    assert engine.requests["relaxed"].num_preemptions >= 1
+    assert engine.requests["urgent"].num_preemptions == 0
+    assert all(r.finish_reason == "length" for r in engine.requests.values())
+
+
+def test_deadline_order_is_earliest_first():
+    from minicb.sim import make_sim_engine
+    order = {}
+    for mode in ("newest", "deadline"):
+        engine = make_sim_engine(policy="continuous", max_num_seqs=1, preemption=mode)
+        p = SamplingParams(max_tokens=4, **GREEDY)
+        for rid, deadline in (("none", None), ("late", 50.0), ("early", 20.0)):
+            engine.add_request([1, 2, 3], p, request_id=rid, deadline=deadline)
+        engine.run()
+        order[mode] = sorted(engine.requests, key=lambda r: engine.requests[r].metrics
+                             .first_scheduled_step)
+    assert order == {"newest": ["none", "late", "early"], "deadline": ["early", "late", "none"]}
+
+
+def test_a_missed_deadline_ends_the_request_and_frees_its_pages():
+    """One slot, three 20-token requests at once (simulated clock). Measured without deadlines
+    first; then the second must finish before the first does (it expires waiting, nothing done)
+    and the third, which then runs second, halfway through that run (it expires running)."""
+    from minicb import metrics
+    from minicb.sim import make_sim_engine
+
+    def run(deadlines):
+        engine = make_sim_engine(policy="pd", max_num_seqs=1, check_invariants=True)
+        for i, deadline in enumerate(deadlines):
+            engine.add_request([1, 2, 3, 4], SamplingParams(max_tokens=20, **GREEDY),
+                               request_id=f"r{i}", deadline=deadline)
+        engine.run()
+        return engine
+
+    free = run([None, None, None])
+    finish = [free.requests[f"r{i}"].metrics.finish_time for i in range(3)]
+    engine = run([None, finish[0] / 2, (finish[0] + finish[1]) / 2])
+    r0, r1, r2 = (engine.requests[f"r{i}"] for i in range(3))
+    assert r0.finish_reason == "length" and len(r0.output_token_ids) == 20
+    assert r1.finish_reason == "deadline" and r1.output_token_ids == []
+    assert r2.finish_reason == "deadline" and 0 < len(r2.output_token_ids) < 20
+    assert r2.metrics.finish_time >= r2.deadline_time
+    assert engine.pool.num_used == 0 and not engine.has_unfinished()
+    listed = [rid for rec in engine.trace for rid in rec.finished]
+    assert sorted(listed) == ["r0", "r1", "r2"]
+    summary = metrics.summarize(engine.trace, engine.request_records())
+    assert summary["deadline_missed"] == 2 and summary["completed"] == 1
+
+
+@pytest.mark.parametrize("deadline", [0, -1.0, float("nan"), float("inf"), "soon"])
+def test_a_bad_deadline_is_refused(make_engine, deadline):
+    engine = make_engine("pd")
+    with pytest.raises(ValueError, match="deadline"):
+        engine.add_request([1, 2], SamplingParams(**GREEDY), deadline=deadline)
+    assert not engine.requests and engine.pool.num_used == 0
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(jobs=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 30), st.integers(1, 30),
+                               st.one_of(st.none(), st.floats(0.001, 0.3))),
+                     min_size=1, max_size=12),
+       policy=st.sampled_from(["continuous", "chunked", "pd"]),
+       preemption=st.sampled_from(["newest", "priority", "deadline"]),
+       num_pages=st.sampled_from([20, 200]))  # 20 x 4 tokens: the longest job fits, barely
+def test_deadlines_hold_under_any_workload(jobs, policy, preemption, num_pages):
+    """Simulated clock, random prompts, outputs, arrivals and deadlines: a request that leaves
+    for its deadline had passed it when its last step began; one that completes began its last
+    step before the deadline; every page comes back; invariants hold every step."""
+    from minicb.sim import make_sim_engine
+    engine = make_sim_engine(policy=policy, max_num_seqs=3, max_num_batched_tokens=32,
+                             chunk_size=16, page_size=4, num_pages=num_pages,
+                             preemption=preemption, check_invariants=True)
+    for i, (prompt_len, max_tokens, arrival, deadline) in enumerate(jobs):
+        engine.add_request(list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens,
+                                                                          **GREEDY),
+                           request_id=f"r{i}", arrival_step=arrival, deadline=deadline)
+    engine.run()
+    starts = {rec.step: rec.t_start for rec in engine.trace}
+    for req in engine.requests.values():
+        assert req.finish_reason in ("length", "deadline")
+        began = starts[req.metrics.finish_step]
+        if req.finish_reason == "deadline":
+            assert req.deadline is not None and began >= req.deadline_time
+        else:
+            assert len(req.output_token_ids) == req.params.max_tokens
+            assert began < req.deadline_time
+    assert engine.pool.num_used == 0 and not engine.has_unfinished()
