@@ -43,6 +43,12 @@ RESULT_KEYS = ("output_tokens_per_s", "requests_per_s", "ttft_s", "itl_s", "max_
                "e2e_s", "queue_s", "goodput_rps", "dec_at_p", "short_p_steps", "short_p_s",
                "preemptions", "recomputed_tokens", "evicted_pages", "cancelled", "errors",
                "max_queue_age_s", "host_time_fraction", "decode_tokens_per_s")
+CACHE_STATES = {
+    "cold": "cold: a fresh engine (empty page pool and prefix index) for each policy; weights "
+            "loaded once and warmed up by one short request on a throwaway engine",
+    "warm": "warm: a fresh engine for each policy that first served the same scenario with "
+            "seed + 1 (shared prompt prefixes cached, each request's own tokens not), then "
+            "forgot those requests and their trace; only the run after it is measured"}
 SIMULATED_NOTE = ("SIMULATED: no model ran; the real scheduler, pages and trace ran, and each "
                   "step's time came from the cost model below")
 
@@ -93,6 +99,10 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-pages", type=int, default=None)
     parser.add_argument("--page-size", type=int, default=None)
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--cache-state", choices=["cold", "warm"], default="cold",
+                        help="cold: each policy starts on an empty prefix cache; warm: on one "
+                             "that served the same traffic with another seed first (shared "
+                             "prompts cached, each request's own tokens not)")
     add_slo_arguments(parser)
     parser.add_argument("--executor", choices=("real", "sim"), default="real",
                         help="real: run the model; sim: the cost model decides step times")
@@ -133,6 +143,14 @@ def build_workload(args: argparse.Namespace) -> Workload:
         flags = ", ".join("--" + k.replace("_", "-") for k in refused)
         raise ValueError(f"{flags} do(es) not apply to workload {args.workload!r}")
     return get_workload(args.workload, **wanted)
+
+
+def warmup_workload(args: argparse.Namespace) -> Workload | None:
+    """With --cache-state warm, the traffic that warms each engine first: the same scenario
+    with the next seed (chapter 06); None when cold."""
+    if getattr(args, "cache_state", "cold") != "warm":
+        return None
+    return build_workload(argparse.Namespace(**{**vars(args), "seed": args.seed + 1}))
 
 
 def add_slo_arguments(parser: argparse.ArgumentParser) -> None:
@@ -309,9 +327,7 @@ def declaration(args: argparse.Namespace, workload: Workload, executor: Executor
                                   "whatever the engine is doing",
                         "max_num_seqs": cfg.max_num_seqs},
         "cache_state": {"prefix_caching": cfg.enable_prefix_caching,
-                        "start": "cold: a fresh engine (empty page pool and prefix index) for "
-                                 "each policy; weights loaded once and warmed up by one short "
-                                 "request on a throwaway engine"},
+                        "start": CACHE_STATES[getattr(args, "cache_state", "cold")]},
         "policy": policies,
         "token_budget": {"max_num_batched_tokens": cfg.max_num_batched_tokens,
                          "chunk_size": cfg.chunk_size, "min_chunk": cfg.min_chunk},
@@ -336,10 +352,26 @@ def declaration(args: argparse.Namespace, workload: Workload, executor: Executor
 
 
 # ------------------------------------------------------------------------------ runs
+def warm_prefix_cache(engine: Any, warmup: Workload) -> None:
+    """Cache state "warm" (chapter 06): serve `warmup` (the same traffic, another seed), then
+    forget its requests and trace, so a measured run starts with the shared prefixes cached."""
+    if any(r.arrival_step is not None for r in warmup.requests):
+        raise ValueError("--cache-state warm needs arrivals in seconds (or all at once), not "
+                         "in steps: the measured run would start mid-way")
+    run_workload(engine, warmup)
+    for request_id in list(engine.requests):
+        engine.forget(request_id)
+    engine.trace.clear()
+
+
 def run_policy(executor: Executor, policy: str, workload: Workload, options: dict[str, Any],
-               slo: dict[str, float] | None = None, progress: bool = True) -> tuple[dict, Any]:
-    """Run `workload` under `policy` on a fresh engine; return (summary, engine) (chapter 06)."""
+               slo: dict[str, float] | None = None, progress: bool = True,
+               warmup: Workload | None = None) -> tuple[dict, Any]:
+    """Run `workload` under `policy` on a fresh engine, after `warmup` if given (a warm cache);
+    return (summary, engine) (chapter 06)."""
     engine = executor.engine(policy=policy, **options)
+    if warmup is not None:
+        warm_prefix_cache(engine, warmup)
     bar = None
     if progress:
         from tqdm.auto import tqdm
@@ -723,7 +755,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     set_threads(args.threads)
     if args.compare == "hf" and args.executor == "sim":
         raise ValueError("--compare hf needs --executor real (transformers cannot be simulated)")
-    workload = build_workload(args)
+    workload, warmup = build_workload(args), warmup_workload(args)
     slo = slo_from_args(args)
     options = engine_options(args, workload)
     device = resolve_device(args.device, args.quantization)
@@ -736,7 +768,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     for policy in policies:
         engine = None  # the last policy's engine and its pool, before the next is sized
         free_device_memory(device)
-        summary, engine = run_policy(executor, policy, workload, options, slo, progress)
+        summary, engine = run_policy(executor, policy, workload, options, slo, progress,
+                                     warmup)
         if policy == "single" and not executor.simulated:
             summary["single_stream"] = measure_single_stream(executor)
         results[policy] = summary
@@ -863,7 +896,7 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
     budgets = _int_list(args.max_num_batched_tokens, "--max-num-batched-tokens")
     seqs = _int_list(args.max_num_seqs, "--max-num-seqs")
     chunks = _int_list(args.chunk_size, "--chunk-size")
-    workload = build_workload(args)
+    workload, warmup = build_workload(args), warmup_workload(args)
     slo = slo_from_args(args)
     base = engine_options(args, workload)
     for key in ("max_num_seqs", "max_num_batched_tokens", "chunk_size"):
@@ -881,7 +914,7 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
         free_device_memory(device)  # the last setting's engine is gone: give its pool back
         try:
             summary = run_policy(executor, args.policy, workload, options, slo,
-                                 progress=False)[0]  # its engine is dropped at once
+                                 progress=False, warmup=warmup)[0]  # its engine is dropped
         except ValueError as exc:  # e.g. pd with a budget below max_num_seqs
             skipped.append({"setting": options, "reason": str(exc)})
         else:

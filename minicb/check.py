@@ -1055,9 +1055,12 @@ def _records(seed: int, n: int = 12) -> list[RequestRecord]:
             times.append(t)
         reason = "error" if kind > 0.95 else ("cancelled" if kind > 0.9 else
                                               rng.choice(["stop", "length"]))
-        out.append(RequestRecord(f"r{i}", rng.randint(4, 64), n_out, reason, arrival,
-                                 first_scheduled, times[0], times[-1], times, 1, 1, 1, 2,
-                                 list(range(1, n_out + 1))))
+        record = RequestRecord(f"r{i}", rng.randint(4, 64), n_out, reason, arrival,
+                               first_scheduled, times[0], times[-1], times, 1, 1, 1, 2,
+                               list(range(1, n_out + 1)))
+        if reason in metrics.COMPLETED and rng.random() < 0.3:  # held in a static batch
+            record = replace(record, released_time=times[-1] + round(rng.uniform(0.1, 2), 3))
+        out.append(record)
     return out
 
 
@@ -1078,8 +1081,10 @@ def latencies(fn: Callable[[RequestRecord], dict[str, float | None]]) -> bool:
             "e2e": metrics.e2e}
     meaning = {"queue": "first_scheduled_time - arrival_time",
                "ttft": "first_token_time - arrival_time",
-               "tpot": "(e2e - ttft) / (num_output_tokens - 1), None for fewer than 2 tokens",
-               "e2e": "finish_time - arrival_time"}
+               "tpot": "(finish_time - first_token_time) / (num_output_tokens - 1), None for "
+                       "fewer than 2 tokens",
+               "e2e": "released_time - arrival_time, where a released_time of None means the "
+                      "finish_time"}
     records = [r for seed in range(8) for r in _records(seed)]
     for rec in records:
         got = fn(rec)
@@ -1093,8 +1098,8 @@ def latencies(fn: Callable[[RequestRecord], dict[str, float | None]]) -> bool:
             if not _close(got[key], want):
                 shown = (f"arrival_time={rec.arrival_time}, first_scheduled_time="
                          f"{rec.first_scheduled_time}, first_token_time={rec.first_token_time}, "
-                         f"finish_time={rec.finish_time}, num_output_tokens="
-                         f"{rec.num_output_tokens}")
+                         f"finish_time={rec.finish_time}, released_time={rec.released_time}, "
+                         f"num_output_tokens={rec.num_output_tokens}")
                 _fail(name, f"record {rec.request_id} ({shown}): {key} should be {want!r} "
                             f"({meaning[key]}), yours is {got[key]!r}.")
     return _passed(name, f"{len(records)} request records give the same queue time, TTFT, TPOT "

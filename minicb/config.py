@@ -12,7 +12,7 @@ POLICIES = ("single", "static", "dynamic", "continuous", "chunked", "pd")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
 QUANTIZATIONS = (None, "int8")  # int8: weight-only, see minicb/model/quant.py
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-PREEMPTIONS = ("newest", "priority", "deadline")
+PREEMPTIONS = ("newest", "priority", "deadline", "fair")
 
 
 def is_finite_number(value: object) -> bool:
@@ -104,7 +104,8 @@ class EngineConfig:
     batch_timeout_in_seconds: bool = False
     enable_prefix_caching: bool = True
     # who waits first and who is preempted first when decodes need a page (chapter 06): "newest"
-    # (first come first served), "priority" (by `priority`) or "deadline" (earliest first)
+    # (first come first served), "priority" (by `priority`), "deadline" (earliest first) or
+    # "fair" (the tenant served the fewest tokens so far first)
     preemption: str = "newest"
     # with preemption="priority": a waiting request's priority improves by one for every this
     # many steps it has waited, so a stream of important requests cannot starve it (chapter 06)

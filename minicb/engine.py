@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from collections import deque
+from collections import Counter, deque
 
 import torch
 
@@ -139,6 +139,7 @@ class Engine:
         self._arrived_since_last_step: list[str] = []  # added between steps, arriving at once
         self._ids = itertools.count()
         self._seq = itertools.count()  # admission order, even after `forget`
+        self.tenant_service: Counter[str | None] = Counter()  # tokens computed per tenant
         self._generators: dict[str, torch.Generator | None] = {}
         self._failure_hook = None  # tests inject faults here: callable(batch) raising
         self.graph_runner = None  # CUDA graphs for decode-only steps (chapter 07)
@@ -206,11 +207,12 @@ class Engine:
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_step: int | None = None,
                     arrival_time: float | None = None, priority: int = 0,
-                    deadline: float | None = None) -> str:
+                    deadline: float | None = None, tenant: str | None = None) -> str:
         """Queue a request; it joins the waiting queue at `arrival_step` or `arrival_time`
         (engine-clock seconds), or now. Returns its id. `deadline`: seconds after arrival by
         which it must finish; a request still unfinished then leaves with finish_reason
-        "deadline" (chapter 06). Bad input raises ValueError and leaves the engine untouched."""
+        "deadline" (chapter 06). `tenant`: who sent it, for `preemption="fair"`. Bad input
+        raises ValueError and leaves the engine untouched."""
         params = params or SamplingParams()
         token_ids = self.check_request(prompt, params)
         if request_id is None:
@@ -230,9 +232,11 @@ class Engine:
         if deadline is not None and (not is_finite_number(deadline) or deadline <= 0):
             raise ValueError(f"deadline must be a finite number of seconds > 0 or None, got "
                              f"{deadline!r}")
+        if tenant is not None and not isinstance(tenant, str):
+            raise ValueError(f"tenant must be a string or None, got {tenant!r}")
         req = Request(request_id, token_ids, params, priority=priority, arrival_step=arrival_step,
                       arrival_time=arrival_time, eos_token_ids=tuple(self.info.eos_token_ids),
-                      seq_index=next(self._seq), deadline=deadline)
+                      seq_index=next(self._seq), deadline=deadline, tenant=tenant)
         if self.pool.prefix is not None:  # hashed once; admission and reclaim reuse them
             req.page_hashes = prompt_page_hashes(token_ids, self.pool.page_size)
         generator = make_generator(params.seed)  # before any state changes: nothing half-added
@@ -251,7 +255,7 @@ class Engine:
         req.metrics.arrival_time = self.clock() if req.arrival_time is None \
             else req.arrival_time
         if self.config.preemption in ("priority", "deadline"):  # behind its equals
-            rank = queue_rank(self.config.preemption)
+            rank = queue_rank(self.config.preemption, self.tenant_service)
             index = next((i for i, r in enumerate(self.waiting)
                           if r.status is Status.WAITING and rank(r) > rank(req)),
                          len(self.waiting))
@@ -268,13 +272,19 @@ class Engine:
                 self._finish(req, "deadline")
                 self._finished_between_steps.append(req.request_id)
 
-    def _age_waiting_queue(self) -> None:
-        """Order the waiting queue by effective priority: `priority` minus one for every
-        `priority_aging_steps` steps waited, oldest first among equals (chapter 06). A request
-        that waits long enough outranks any newcomer: starvation is bounded."""
+    def _reorder_waiting_queue(self) -> None:
+        """Orders that change as steps pass (chapter 06). With `priority_aging_steps`: by
+        effective priority, `priority` minus one for every that many steps waited, oldest first
+        among equals, so a request that waits long enough outranks any newcomer (starvation is
+        bounded). With preemption="fair": the tenant served the fewest tokens so far first."""
         aging = self.config.priority_aging_steps
-        ordered = sorted(self.waiting, key=lambda r: (
-            r.priority - (self.step_count - r.metrics.arrival_step) // aging, r.seq_index))
+        if aging:
+            ordered = sorted(self.waiting, key=lambda r: (
+                r.priority - (self.step_count - r.metrics.arrival_step) // aging, r.seq_index))
+        elif self.config.preemption == "fair":
+            ordered = sorted(self.waiting, key=queue_rank("fair", self.tenant_service))
+        else:
+            return
         self.waiting.clear()
         self.waiting.extend(ordered)
 
@@ -336,13 +346,12 @@ class Engine:
         self._arrived_since_last_step = []
         t_start = self.clock()  # after arrivals: nobody is scheduled before they arrived
         self._expire_deadlines()
-        if self.config.priority_aging_steps:
-            self._age_waiting_queue()
+        self._reorder_waiting_queue()
 
         # 1. schedule
         evicted_before = self.pool.num_evicted
         ctx = SchedulerContext(self.waiting, self.running, self.pool, self.config,
-                               self.step_count, t_start, self.free_slots)
+                               self.step_count, t_start, self.free_slots, self.tenant_service)
         batch = self.scheduler.schedule(ctx)
         self._validate(batch)
         items = sorted(batch.items, key=lambda item: item[1] != 1)  # decode rows first
@@ -374,6 +383,7 @@ class Engine:
                 items, to_sample, tokens = [], [], []
             for req, num_tokens in items:
                 req.num_computed_tokens += num_tokens
+                self.tenant_service[req.tenant] += num_tokens
                 if req.num_computed_tokens <= req.num_prompt_tokens:
                     self.pool.register_prompt_pages(req.prompt_token_ids, req.page_table,
                                                     req.num_computed_tokens, req.page_hashes)
@@ -660,5 +670,6 @@ class Engine:
                 m.arrival_time, m.first_scheduled_time, m.first_token_time, m.finish_time,
                 list(m.token_times), m.arrival_step, m.first_scheduled_step, m.first_token_step,
                 m.finish_step, list(m.token_steps), r.num_cached_tokens, r.num_preemptions,
-                r.num_recomputed_tokens, r.priority, m.released_time, m.released_step))
+                r.num_recomputed_tokens, r.priority, m.released_time, m.released_step,
+                r.tenant))
         return out

@@ -116,6 +116,7 @@ class Request:
     seq_index: int = 0  # admission order, used for "newest" preemption and FCFS ties
     page_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full prompt pages
     deadline: float | None = None  # seconds after arrival by which it must finish (chapter 06)
+    tenant: str | None = None  # who sent it, for preemption="fair" (None: one shared tenant)
 
     @property
     def deadline_time(self) -> float:

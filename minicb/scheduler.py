@@ -17,7 +17,7 @@ pages only; they never touch tensors or the model.
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from minicb.config import EngineConfig
@@ -42,14 +42,18 @@ class ScheduledBatch:
         return len(self.items)
 
 
-def queue_rank(preemption: str):
+def queue_rank(preemption: str, tenant_service: Counter | None = None):
     """The order of the waiting queue and the reverse order of preemption (chapter 06): first
     come first served ("newest": the newest is preempted first), by `priority` ("priority"),
-    or earliest deadline first ("deadline"); ties in admission order."""
+    earliest deadline first ("deadline"), or the tenant served the fewest tokens so far first
+    ("fair", from `tenant_service`); ties in admission order."""
     if preemption == "priority":
         return lambda r: (r.priority, r.seq_index)
     if preemption == "deadline":
         return lambda r: (r.deadline_time, r.seq_index)
+    if preemption == "fair":
+        service = tenant_service if tenant_service is not None else Counter()
+        return lambda r: (service[r.tenant], r.seq_index)
     return lambda r: r.seq_index
 
 
@@ -57,7 +61,8 @@ class SchedulerContext:
     """What a policy sees and may do during one step. Built by the engine each step."""
 
     def __init__(self, waiting: deque[Request], running: list[Request], pool: PagePool,
-                 config: EngineConfig, step: int, now: float, free_slots: list[int]) -> None:
+                 config: EngineConfig, step: int, now: float, free_slots: list[int],
+                 tenant_service: Counter | None = None) -> None:
         self.waiting = waiting
         self.running = running
         self.pool = pool
@@ -65,6 +70,7 @@ class SchedulerContext:
         self.step = step
         self.now = now
         self.free_slots = free_slots  # kept sorted: a new member takes the lowest
+        self.tenant_service = tenant_service if tenant_service is not None else Counter()
         self.batch = ScheduledBatch()
         self.scheduled_ids: set[str] = set()
 
@@ -154,10 +160,10 @@ class SchedulerContext:
         """Whom to preempt when `current` needs a page: the running request not yet scheduled
         this step (or `current` itself) that ranks last: the newest; under "priority" the least
         important (the largest `priority` value, as in vLLM); under "deadline" the one whose
-        deadline is furthest away."""
+        deadline is furthest away; under "fair" the newest of the most-served tenant."""
         candidates = [r for r in self.running
                       if r.request_id not in self.scheduled_ids or r is current]
-        return max(candidates, key=queue_rank(self.config.preemption))
+        return max(candidates, key=queue_rank(self.config.preemption, self.tenant_service))
 
     def reserve_or_preempt(self, req: Request, num_tokens: int) -> bool:
         """Reserve pages for `req`, preempting others (possibly `req` itself) until it fits."""

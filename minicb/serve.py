@@ -171,13 +171,14 @@ class EngineWorker:
 
     async def submit(self, prompt: str | list[int] | None, params: dict[str, Any],
                      messages: list[dict] | None = None, stop: tuple[str, ...] = (),
-                     request_id: str | None = None) -> Job:
+                     request_id: str | None = None, tenant: str | None = None) -> Job:
         """Queue a request; returns its Job once the engine has accepted it. Raises
-        InvalidRequest (bad prompt or params) or QueueFull."""
+        InvalidRequest (bad prompt or params) or QueueFull. `tenant`: the OpenAI `user`."""
         self.start()
         sink = (asyncio.get_running_loop(), asyncio.Queue())  # made on the handler's loop
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(("add", prompt, messages, params, stop, request_id, sink, future))
+        self._commands.put(("add", prompt, messages, params, stop, request_id, tenant, sink,
+                            future))
         return await asyncio.wrap_future(future)
 
     def cancel(self, request_id: str) -> None:
@@ -275,7 +276,7 @@ class EngineWorker:
             except Exception as exc:  # noqa: BLE001
                 cmd[2].set_exception(exc)
 
-    def _add(self, prompt, messages, params, stop, request_id, sink) -> Job:
+    def _add(self, prompt, messages, params, stop, request_id, tenant, sink) -> Job:
         engine = self.engine
         waiting = len(engine.waiting) + len(engine.pending)
         if self.max_queue is not None and waiting >= self.max_queue:
@@ -312,7 +313,7 @@ class EngineWorker:
                 break
             rid = f"{base}-{suffix}"
         try:
-            engine.add_request(token_ids, sampling, request_id=rid)
+            engine.add_request(token_ids, sampling, request_id=rid, tenant=tenant)
         except ValueError as exc:
             message = str(exc)
             fits = "exceeds the model's context" in message or "never fit" in message
@@ -483,9 +484,12 @@ def parse_request(body: Any, chat: bool) -> dict[str, Any]:
                   ignore_eos=body.get("ignore_eos", False),
                   min_tokens=_number(body, "min_tokens", 0, int, 0,
                                      max_tokens if max_tokens is not None else None))
+    user = body.get("user")  # OpenAI's end-user id: the tenant for preemption="fair"
+    if user is not None and not isinstance(user, str):
+        raise InvalidRequest(f"user must be a string, got {user!r}", "user")
     return dict(prompt=prompt, messages=messages, params=params, stop=tuple(stop or ()),
                 stream=stream, include_usage=bool(options.get("include_usage")),
-                model=body.get("model"))
+                model=body.get("model"), tenant=user)
 
 
 # ------------------------------------------------------------------------------ the app
@@ -561,7 +565,8 @@ def create_app(engine_or_llm: Any, model_name: str = "minicb", max_queue: int | 
                 return _error(404, f"the model `{req['model']}` does not exist; this server "
                               f"serves `{model_name}`", "model", "model_not_found")
             job = await worker.submit(req["prompt"], req["params"], req["messages"],
-                                      req["stop"], request.headers.get("x-request-id"))
+                                      req["stop"], request.headers.get("x-request-id"),
+                                      req["tenant"])
         except InvalidRequest as exc:
             return _error(400, str(exc), exc.param, exc.code)
         except QueueFull as exc:
@@ -699,6 +704,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-batched-tokens", type=int, default=256)
     parser.add_argument("--chunk-size", type=int, default=None)
     parser.add_argument("--num-pages", type=int, default=None)
+    parser.add_argument("--preemption", default="newest",
+                        help="queue order and preemption: newest (first come first served), "
+                             "priority, deadline, or fair (between the requests' `user`s)")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (CUDA when "
                         "torch sees a GPU)")
     parser.add_argument("--quantization", choices=[q for q in QUANTIZATIONS if q], default=None,
@@ -717,7 +725,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         llm = LLM(args.model, policy=args.policy, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens, device=args.device,
-                  quantization=args.quantization,
+                  quantization=args.quantization, preemption=args.preemption,
                   trace_snapshots=False, **options)  # a server draws no pictures
     except ValueError as exc:  # a bad option or model: say which, no traceback
         parser.error(str(exc))

@@ -82,3 +82,4 @@ class RequestRecord:
     priority: int = 0
     released_time: float | None = None  # the response reached the user (E2E ends here)
     released_step: int | None = None
+    tenant: str | None = None

@@ -51,7 +51,8 @@ class WorkloadRequest:
     `prompt_len` (ids are then drawn deterministically from the request's index). Arrival is
     `arrival_time` (seconds after the run starts), or `arrival_step`, or neither (at once).
     `cancel_after_tokens`: the client cancels once it has received that many tokens.
-    `deadline`: seconds after arrival by which the engine must finish it (chapter 06)."""
+    `deadline`: seconds after arrival by which the engine must finish it; `tenant`: who sent
+    it (chapter 06)."""
 
     prompt_token_ids: list[int] | None = None
     prompt_len: int | None = None
@@ -62,6 +63,7 @@ class WorkloadRequest:
     cancel_after_tokens: int | None = None
     request_id: str | None = None
     deadline: float | None = None
+    tenant: str | None = None
 
     def __post_init__(self) -> None:
         if self.prompt_token_ids is None and self.prompt_len is None:
@@ -304,9 +306,11 @@ def make_workload(num_requests: int = 32, prompt_lengths: Lengths | str | int = 
 
     `arrival`: 'all-at-once', 'poisson' (needs `rate`), 'gamma' (needs `rate`, `burstiness`),
     'steps' (`arrival_steps`, engine steps) or 'times' (`arrival_times_s`, seconds).
-    `shared_prefix_len`: every prompt starts with the same that-many tokens (a system prompt);
-    the drawn prompt length is the unique part after it. `cancel_fraction` of the requests
-    (chosen at random) are cancelled by the client after `cancel_after_tokens` tokens."""
+    `shared_prefix_len`: every prompt starts with the same that-many tokens (a system prompt,
+    the same for every seed, so a run with another seed is the same traffic with other
+    questions); the drawn prompt length is the unique part after it. `cancel_fraction` of the
+    requests (chosen at random) are cancelled by the client after `cancel_after_tokens`
+    tokens."""
     n = _check_int("num_requests", num_requests)
     seed = _check_int("seed", seed, 0)
     _check_int("shared_prefix_len", shared_prefix_len, 0)
@@ -327,7 +331,8 @@ def make_workload(num_requests: int = 32, prompt_lengths: Lengths | str | int = 
         times = list(arrival_times(n, arrival, rate, burstiness, rng, arrival_times_s))
     prompt_lens = prompt_dist.sample(n, rng)
     output_lens = output_dist.sample(n, rng)
-    prefix = random_prompt(shared_prefix_len, rng, vocab_range) if shared_prefix_len else []
+    prefix = random_prompt(shared_prefix_len, np.random.default_rng(0x5157), vocab_range) \
+        if shared_prefix_len else []
     cancel = set()
     if cancel_fraction > 0:
         count = int(round(cancel_fraction * n))
@@ -486,7 +491,8 @@ def _add(engine: Any, req: WorkloadRequest, index: int, temperature: float) -> s
         prompt = [t % vocab for t in prompt]
     return engine.add_request(prompt, params, request_id=req.request_id or f"req-{index}",
                               arrival_step=req.arrival_step, arrival_time=arrival_time,
-                              priority=int(req.priority), deadline=req.deadline)
+                              priority=int(req.priority), deadline=req.deadline,
+                              tenant=req.tenant)
 
 
 def submit(engine: Any, workload: Workload, temperature: float = 0.0,

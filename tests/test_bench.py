@@ -105,8 +105,30 @@ def test_bench_simulated_says_so(tmp_path):
     assert bench.results_schema_ok(data) == []
 
 
+def test_a_warm_cache_holds_the_shared_prefix_not_the_questions(tmp_path):
+    """--cache-state warm: each engine first serves the same traffic with the next seed (same
+    system prompt, other questions), and only the run after it is measured."""
+    results = {}
+    for state in ("cold", "warm"):
+        out = tmp_path / f"{state}.json"
+        assert bench.main_bench(["--executor", "sim", "--workload", "shared-prefix",
+                                 "--num-requests", "8", "--policy", "pd", "--cache-state",
+                                 state, "--out", str(out), "--no-progress"]) == 0
+        data = json.loads(out.read_text())
+        assert data["declaration"]["cache_state"]["start"].startswith(state)
+        results[state] = data["results"]["pd"]
+    cold, warm = results["cold"], results["warm"]
+    assert warm["num_requests"] == cold["num_requests"] == 8  # the warm-up is not counted
+    assert warm["output_tokens"] == cold["output_tokens"]
+    prefix_pages = 256 // 16  # shared-prefix: a 256-token system prompt, pages of 16
+    assert warm["cached_prompt_tokens"] == 8 * prefix_pages * 16  # every request, prefix only
+    assert cold["cached_prompt_tokens"] < warm["cached_prompt_tokens"]
+    assert warm["ttft_s"]["p50"] < cold["ttft_s"]["p50"]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--policy", "fastest"], "--policy"),
+    (["--workload", "seed-r1-r4", "--cache-state", "warm"], "arrivals in seconds"),
     (["--workload", "seed-r1-r4", "--rate", "3"], "--rate"),
     (["--workload", "mixed-chat", "--long-prompt-len", "5"], "--long-prompt-len"),
     (["--threads", "0"], "--threads"),

@@ -346,33 +346,69 @@ def test_a_missed_deadline_ends_the_request_and_frees_its_pages():
     assert summary["deadline_missed"] == 2 and summary["completed"] == 1
 
 
+def test_fair_order_serves_the_least_served_tenant_first():
+    """One slot. Tenant a sends four requests, then tenant b one, all at once: first come first
+    served makes b wait for all of a's; "fair" runs b's as soon as a has been served once."""
+    from minicb.sim import make_sim_engine
+    order = {}
+    for mode in ("newest", "fair"):
+        engine = make_sim_engine(policy="continuous", max_num_seqs=1, preemption=mode)
+        p = SamplingParams(max_tokens=4, **GREEDY)
+        for rid, tenant in (("a0", "a"), ("a1", "a"), ("a2", "a"), ("a3", "a"), ("b0", "b")):
+            engine.add_request([1, 2, 3], p, request_id=rid, tenant=tenant)
+        engine.run()
+        order[mode] = sorted(engine.requests, key=lambda r: engine.requests[r].metrics
+                             .first_scheduled_step)
+        assert engine.tenant_service == {"a": 4 * (3 + 3), "b": 3 + 3}  # prompt + 3 decodes
+        assert {r.tenant for r in engine.request_records()} == {"a", "b"}
+    assert order == {"newest": ["a0", "a1", "a2", "a3", "b0"],
+                     "fair": ["a0", "b0", "a1", "a2", "a3"]}
+
+
+def test_fair_preemption_picks_the_most_served_tenant(make_engine):
+    engine = make_engine("continuous", num_pages=10, page_size=8, max_num_seqs=4,
+                         preemption="fair", enable_prefix_caching=False)
+    p = SamplingParams(max_tokens=30, **GREEDY)
+    engine.add_request([3] * 14, p, request_id="light", tenant="light")
+    engine.add_request([4] * 14, p, request_id="heavy-0", tenant="heavy")
+    engine.add_request([5] * 14, p, request_id="heavy-1", tenant="heavy")
+    engine.run()
+    assert engine.requests["light"].num_preemptions == 0
+    assert sum(engine.requests[f"heavy-{i}"].num_preemptions for i in range(2)) >= 1
+
+
 @pytest.mark.parametrize("deadline", [0, -1.0, float("nan"), float("inf"), "soon"])
 def test_a_bad_deadline_is_refused(make_engine, deadline):
     engine = make_engine("pd")
     with pytest.raises(ValueError, match="deadline"):
         engine.add_request([1, 2], SamplingParams(**GREEDY), deadline=deadline)
+    with pytest.raises(ValueError, match="tenant"):
+        engine.add_request([1, 2], SamplingParams(**GREEDY), tenant=7)
     assert not engine.requests and engine.pool.num_used == 0
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(jobs=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 30), st.integers(1, 30),
-                               st.one_of(st.none(), st.floats(0.001, 0.3))),
+                               st.one_of(st.none(), st.floats(0.001, 0.3)),
+                               st.sampled_from([None, "a", "b"])),
                      min_size=1, max_size=12),
        policy=st.sampled_from(["continuous", "chunked", "pd"]),
-       preemption=st.sampled_from(["newest", "priority", "deadline"]),
+       preemption=st.sampled_from(["newest", "priority", "deadline", "fair"]),
        num_pages=st.sampled_from([20, 200]))  # 20 x 4 tokens: the longest job fits, barely
 def test_deadlines_hold_under_any_workload(jobs, policy, preemption, num_pages):
-    """Simulated clock, random prompts, outputs, arrivals and deadlines: a request that leaves
-    for its deadline had passed it when its last step began; one that completes began its last
-    step before the deadline; every page comes back; invariants hold every step."""
+    """Simulated clock, random prompts, outputs, arrivals, deadlines and tenants, under every
+    queue order: a request that leaves for its deadline had passed it when its last step
+    began; one that completes began its last step before the deadline; each tenant's service is
+    the tokens its requests computed; every page comes back; invariants hold every step."""
     from minicb.sim import make_sim_engine
     engine = make_sim_engine(policy=policy, max_num_seqs=3, max_num_batched_tokens=32,
                              chunk_size=16, page_size=4, num_pages=num_pages,
                              preemption=preemption, check_invariants=True)
-    for i, (prompt_len, max_tokens, arrival, deadline) in enumerate(jobs):
+    for i, (prompt_len, max_tokens, arrival, deadline, tenant) in enumerate(jobs):
         engine.add_request(list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens,
                                                                           **GREEDY),
-                           request_id=f"r{i}", arrival_step=arrival, deadline=deadline)
+                           request_id=f"r{i}", arrival_step=arrival, deadline=deadline,
+                           tenant=tenant)
     engine.run()
     starts = {rec.step: rec.t_start for rec in engine.trace}
     for req in engine.requests.values():
@@ -383,4 +419,10 @@ def test_deadlines_hold_under_any_workload(jobs, policy, preemption, num_pages):
         else:
             assert len(req.output_token_ids) == req.params.max_tokens
             assert began < req.deadline_time
+    computed = {}
+    for rec in engine.trace:
+        for m in rec.members:
+            tenant = engine.requests[m.request_id].tenant
+            computed[tenant] = computed.get(tenant, 0) + m.num_tokens
+    assert computed == {k: v for k, v in engine.tenant_service.items() if v}
     assert engine.pool.num_used == 0 and not engine.has_unfinished()

@@ -244,6 +244,8 @@ def shared_server(tiny_model):
     ({"prompt": [5, 6], "stop_token_ids": [999]}, 400, "stop_token_ids"),
     ({"prompt": [5, 6], "max_tokens": 0}, 400, "max_tokens"),
     ({"prompt": [5, 6], "max_tokens": 10**400}, 400, "max_tokens"),
+    ({"prompt": [5, 6], "user": 5}, 400, "user"),
+    ({"prompt": [5, 6], "user": "alice"}, 200, None),  # the tenant, for --preemption fair
     ({"prompt": [5, 6], "temperature": 10**400}, 400, "temperature"),
     ({"prompt": [5, 6], "max_tokens": "many"}, 400, "max_tokens"),
     ({"prompt": [5, 6], "n": 2}, 400, "n"),
