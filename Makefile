@@ -40,7 +40,8 @@ lab: $(STAMP)
 	$(BIN)/jupyter lab chapters/00_setup_and_tour.ipynb
 
 bench: $(STAMP)
-	$(BIN)/python -m minicb bench --workload mixed-chat --policy static,continuous,pd --compare hf
+	$(BIN)/python -m minicb bench --workload mixed-chat --policy static,continuous,pd --compare hf \
+		--max-num-seqs 32 --max-num-batched-tokens 512 --chunk-size 512
 
 serve: $(STAMP)
 	$(BIN)/python -m minicb serve --model smollm2-135m --policy pd --port 8000

@@ -379,6 +379,14 @@ def test_metric_bugs_are_caught():
 
     assert "Cancelled and failed requests never count" in caught("goodput", counts_cancelled)
 
+    def e2e_to_the_finish(record):  # ignores a static batch's hold: E2E ends at the release
+        out = latencies(record)
+        if out["e2e"] is not None and record.finish_time is not None:
+            out["e2e"] = record.finish_time - record.arrival_time
+        return out
+
+    assert "released_time" in caught("latencies", e2e_to_the_finish)
+
     def window_from_first_chunk(trace, records, long_id):
         long = next(r for r in records if r.request_id == long_id)
         end = long.first_token_step or trace[-1].step

@@ -45,8 +45,10 @@
 # ```
 #
 # Every chapter runs top to bottom in under two minutes on two CPU cores with the default model,
-# SmolLM2-135M-Instruct (135 M parameters, float32 on the CPU). On a GPU the same notebooks run
-# unchanged and much faster per step; chapter 07 says how to install the CUDA build.
+# SmolLM2-135M-Instruct (135 M parameters, float32 on the CPU). With a CUDA build of torch and a
+# GPU, engines go to the GPU by default (`device="auto"`; `device="cpu"` keeps them here) and the
+# notebooks are meant to run unchanged, much faster per step, though so far they have been
+# checked on the CPU only; chapter 07 says how to install the CUDA build.
 #
 # `make test` runs each notebook with `nbval`: cells that print schedule tables and counts start
 # with `# NBVAL_CHECK_OUTPUT` and must reproduce their stored output exactly. That is possible

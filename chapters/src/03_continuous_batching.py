@@ -324,7 +324,7 @@ for policy in ("static", "continuous"):
 def summary(engine):
     recs = engine.request_records()
     tokens = sum(r.num_output_tokens for r in recs)
-    latency = [r.finish_step - r.arrival_step + 1 for r in recs]
+    latency = [metrics.released(r)[1] - r.arrival_step + 1 for r in recs]  # until returned
     return {"last step": engine.trace[-1].step, "busy steps": len(engine.trace),
             "tokens/step": tokens / len(engine.trace), "mean latency": np.mean(latency),
             "max latency": max(latency), "dead slot-steps": metrics.dead_slot_steps(engine.trace)}
@@ -347,8 +347,10 @@ for workload in ("varied", "equal", "low rate"):
           f"{ct['mean latency']:.1f} = {st['mean latency'] / ct['mean latency']:.2f}")
 
 # %% [markdown]
-# Latencies are in steps, from arrival to the last token. The three rows of the seed's table come
-# out as it says:
+# Latencies are in steps, from arrival until the response is returned: the request's last token,
+# except under static batching, which returns a batch's responses together when its last member
+# finishes (chapter 02), as every E2E figure in this course does. The three rows of the seed's
+# table come out as it says:
 #
 # - **Varied lengths**: continuous batching needs far fewer steps for the same tokens (more tokens
 #   per step), and the mean latency drops; static batching leaves dozens of dead slot-steps.
@@ -435,7 +437,10 @@ viz.compare({"static": runs["varied", "static"][0],
 #   arrival rate, as the seed's table says.
 #
 # **Exercises:**
-# [`exercises/03_continuous_batching.ipynb`](../exercises/03_continuous_batching.ipynb): write the
-# continuous scheduler as a `minicb.Scheduler` subclass (decodes first, then admit while slots and
-# pages allow) and run the R1..R4 example through it, rebuild the batch table for a workload of your
-# own, and find the smallest `num_pages` at which the varied workload still runs four at a time.
+# [`exercises/03_continuous_batching.ipynb`](../exercises/03_continuous_batching.ipynb): predict
+# each request's finish step under continuous batching by hand (3.1, checked against the engine),
+# then write the continuous scheduler as a `minicb.Scheduler` subclass (decodes first, then admit
+# while slots and pages allow) and run the R1..R4 example through it (3.2).
+#
+# **Try it** (no checker): rebuild the batch table above for a workload of your own, and find the
+# smallest `num_pages` at which the varied workload still runs four at a time.

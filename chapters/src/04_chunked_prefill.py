@@ -281,9 +281,10 @@ viz.compare({"continuous": cont, "chunked, prefill-first": chunked})
 # %% [markdown]
 # The **token budget picture** makes the policy visible. Each bar is one step: blue decode tokens
 # under orange prefill tokens, against the `max_num_batched_tokens` line. Continuous batching
-# shoots through the line at step 4 (a whole-prompt policy may exceed the budget with a single
-# prompt, or the prompt could never run). Chunked prefill stays under it, but every step is
-# either all prefill or all decode, never both.
+# shoots through the line at step 4: a whole-prompt policy counts only prompt tokens against the
+# budget and always lets the first waiting prompt in (else a prompt longer than the budget could
+# never run), so a step may exceed the line by that prompt and by the decodes riding along.
+# Chunked prefill stays under it, but every step is either all prefill or all decode, never both.
 
 # %%
 viz.compare({"continuous": cont, "chunked, prefill-first": chunked}, kind="budget",

@@ -97,8 +97,8 @@ fig.suptitle(f"the same mean rate ({rate:.0f} requests/s), three arrival process
 # | queue time | first scheduled − arrival |
 # | TTFT, time to first token | first token − arrival |
 # | ITL, inter-token latency | the gap between two consecutive tokens (pooled over all requests) |
-# | TPOT, time per output token | (E2E − TTFT) / (output tokens − 1) |
-# | E2E, end-to-end latency | finish − arrival |
+# | TPOT, time per output token | (finish − first token) / (output tokens − 1) |
+# | E2E, end-to-end latency | release − arrival: the release is the finish, except in a static batch, which returns its responses together when its last member finishes (chapter 02) |
 #
 # A mean hides the users who waited longest, so the contract asks for p50, p95 and p99.
 #
@@ -467,6 +467,27 @@ for mode in ("newest", "priority"):
 # happen (fewer requests run at once). Each trades latency against effective capacity, which is
 # why the contract wants the choice declared with the results.
 #
+# **OOM.** The contract also asks to watch for out-of-memory failures. minicb allocates its whole
+# page pool when the engine starts (on CUDA, sized from the free memory, chapter 07), so a full
+# cache is never an out-of-memory error: it becomes waiting or preemption, counted above. What
+# could never fit is refused at the door, before any work, with the numbers (a `ValueError`;
+# HTTP 400 from the server), and the engine stays as it was. A forward that fails anyway (on a
+# GPU, activations outgrowing their headroom) fails only that step's requests, counted as
+# `errors`, and the engine goes on (`tests/test_engine.py::test_a_failing_forward_fails_only_that_step`).
+# The 11-page engine holds 176 tokens:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from minicb.request import SamplingParams
+
+try:
+    tight.add_request([1] * 150, SamplingParams(max_tokens=64))
+except ValueError as exc:
+    print("refused:", exc)
+print(f"after the refusal: {tight.pool.num_used} pages in use, {len(tight.requests)} requests "
+      f"(the 4 of the run above), errors so far: "
+      f"{metrics.summarize(tight.trace, tight.request_records())['errors']}")
+#
 # The timeline marks each preemption of the real run with an ✗; the pages picture shows the
 # pool pinned at its limit.
 
@@ -652,6 +673,85 @@ for label, workload, mode, aging in (("FCFS", mixed_lengths, "newest", None),
 # pays instead (p99 0.73 s, above FCFS's 0.62 s), since aged long prompts now overtake it. Which
 # row is "fair" is a product decision; the contract's point is that it is measured per class and
 # declared.
+#
+# **Deadlines.** The seed lists Deadline beside Priority and Cancellation among what a production
+# scheduler tracks, and "Tenant、Priority 或 Deadline 策略" among the uses. In minicb a request may
+# carry a `deadline`, in seconds after its arrival (`add_request(..., deadline=...)`, or
+# `WorkloadRequest(deadline=...)`): once the engine clock passes it, the request leaves with
+# `finish_reason="deadline"`, waiting or running, and its pages come back at once; `summarize`
+# counts them (`deadline_missed`). `preemption="deadline"` orders the waiting queue earliest
+# deadline first (EDF) and preempts the request whose deadline is furthest away. On the priority
+# stream above, give each chat 0.18 s (about 30 steps of this simulated GPU) and the batch job
+# 2 s:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+with_deadlines = Workload("deadline-stream", [
+    dataclasses.replace(r, deadline=2.0 if r.request_id == "batch-job" else 0.18)
+    for r in fairness.requests])
+print(f"{'order':<10}{'deadlines':>10}{'done':>6}{'missed':>8}{'wasted tokens':>14}"
+      f"{'max E2E ms':>11}  missed")
+for label, mode in (("FCFS", "newest"), ("priority", "priority"), ("deadline", "deadline")):
+    for workload in (fairness, with_deadlines):
+        e = make_sim_engine(policy="pd", max_num_seqs=2, preemption=mode)
+        run_workload(e, workload)
+        records = e.request_records()
+        done = [r for r in records if metrics.is_completed(r)]
+        missed = [r for r in records if r.finish_reason == "deadline"]
+        assert metrics.summarize(e.trace, records)["deadline_missed"] == len(missed)
+        print(f"{label:<10}{'yes' if workload is with_deadlines else '-':>10}{len(done):>6}"
+              f"{len(missed):>8}{sum(r.num_output_tokens for r in missed):>14}"
+              f"{max(metrics.e2e(r) for r in done) * 1000:>11.0f}  "
+              f"{[r.request_id for r in missed]}")
+
+# %% [markdown]
+# Without deadlines every request completes, and under priority the batch job waits up to
+# 851 ms. With them, first come first served misses three chats: the batch job, which arrived
+# early, holds a slot while chats queue past their deadlines, and 38 tokens already produced are
+# thrown away. Priority and earliest-deadline-first both serve the chats first and let the batch
+# job use its slack: one chat misses (the stream is more work than two slots can serve), 14
+# tokens are wasted, and the batch job still finishes well inside its 2 s. EDF needs no priority
+# classes, only the deadlines; here both pick the same order. What minicb does not do is refuse,
+# at admission, a request that can no longer make its deadline, which would waste nothing: a
+# project in chapter 08.
+#
+# **Tenants.** The third kind of fairness the contract names is between tenants: the clients
+# that share one engine. A request may carry a `tenant` (`add_request(..., tenant=...)`; the
+# OpenAI `user` field on the server), and `preemption="fair"` orders the waiting queue by how
+# many tokens each tenant has been served so far, least first, and preempts from the
+# most-served tenant. Tenant `batch` sends 48 long requests at once; tenant `chat` sends 20
+# short ones, one every 50 ms (simulated, 8 slots):
+
+# %%
+# NBVAL_CHECK_OUTPUT
+batch_jobs = [WorkloadRequest(prompt_len=256, max_tokens=128, arrival_time=0.0, tenant="batch",
+                              request_id=f"batch-{i}") for i in range(48)]
+chats = [WorkloadRequest(prompt_len=64, max_tokens=32, arrival_time=0.01 + 0.05 * i,
+                         tenant="chat", request_id=f"chat-{i}") for i in range(20)]
+two_tenants = Workload("two-tenants", batch_jobs + chats)
+print(f"{'order':<8}{'tenant':<8}{'TTFT p50':>9}{'TTFT p99':>9}{'E2E p50':>9}{'tokens served':>15}"
+      "   (simulated seconds)")
+for mode in ("newest", "fair"):
+    e = make_sim_engine(policy="pd", max_num_seqs=8, max_num_batched_tokens=512,
+                        chunk_size=512, preemption=mode)
+    run_workload(e, two_tenants)
+    for tenant in ("batch", "chat"):
+        records = [r for r in e.request_records() if r.tenant == tenant]
+        ttfts = [metrics.ttft(r) for r in records]
+        print(f"{mode:<8}{tenant:<8}{np.percentile(ttfts, 50):>9.3f}"
+              f"{np.percentile(ttfts, 99):>9.3f}"
+              f"{np.median([metrics.e2e(r) for r in records]):>9.3f}"
+              f"{e.tenant_service[tenant]:>15}")
+
+# %% [markdown]
+# First come first served gives the engine to whoever arrived first: every chat waits behind
+# the batch tenant's burst, about 5 s to its first token. The fair order serves the chat tenant
+# first whenever it has had less, so its requests start within a fraction of a second, and the
+# batch tenant's median TTFT grows from 2.2 s to 2.9 s: the same tokens, shared differently.
+# minicb counts service over the engine's whole life, without decay, so a tenant that was heavy
+# an hour ago still yields now; production fair-share schedulers (virtual-time fair queuing)
+# forget old service and can weight tenants. As with prompt lengths and priority classes, the
+# contract asks for the measurement per tenant, and the policy declared.
 #
 # ## 8. Tuning by sweeping
 #

@@ -283,8 +283,9 @@ print("same greedy tokens with the Triton kernels as with the torch reference:",
 # The scheduler, the pages, the trace and every chapter's code stay the same. Five things change
 # underneath.
 #
-# **bfloat16.** `dtype="auto"` is float32 on the CPU (bf16 matrix products run about 6× slower
-# there, having no native bf16 units) and bfloat16 on CUDA: half the bytes for weights and KV
+# **bfloat16.** `dtype="auto"` is float32 on the CPU (exact parity with the reference; bf16 speed
+# there depends on the CPU: about float32's on the course's AMD EPYC, 1.3–1.8× faster on an
+# Intel Xeon with AMX, `bench/README.md`) and bfloat16 on CUDA: half the bytes for weights and KV
 # cache, and tensor-core matrix products. The kernels accumulate in float32 whatever the input
 # dtype; `tl.dot` on float32 inputs uses exact IEEE precision (no TF32) so that float32 results
 # match the reference.
@@ -416,8 +417,11 @@ print("\n".join(gpu_md.read_text().splitlines()[:6]))
 #
 # The CUDA build of torch brings the Triton release it was built with; keep that one.
 #
-# Then every chapter runs unchanged: `attention_backend="auto"` picks these Triton kernels,
-# `dtype="auto"` picks bfloat16, and the page pool fills the free memory. Make the examples
+# Then the chapters are meant to run unchanged (they have been checked on the CPU only):
+# `device="auto"`, the default of `LLM`, `Engine` and `load_model`, puts the engine on the GPU;
+# `attention_backend="auto"` picks these Triton kernels; `dtype="auto"` picks bfloat16 for a
+# model the engine loads itself (a model from `load_model` keeps the float32 it was loaded in
+# unless you pass `dtype=torch.bfloat16`); and the page pool fills the free memory. Make the examples
 # bigger where the chapters say so (an 8,000-token prompt in chapters 04–05, thousands of
 # requests in chapter 06), and point `LLM(...)` at a larger local checkpoint (Llama, Qwen2,
 # Qwen3).
@@ -439,6 +443,46 @@ print("\n".join(gpu_md.read_text().splitlines()[:6]))
 # holds, and the table says which model ran. Commit the results file and update `bench/GPU.md`
 # with what it measured.
 #
+# **Compiled for a GPU, on this CPU.** The interpreter runs a kernel's logic, not the GPU's
+# compiler: a kernel can pass every test here and still fail to compile for a GPU, need more
+# shared memory than one has, or *spill*: run out of registers, so that ptxas parks values in
+# slow local memory inside the loop. Triton ships its own LLVM and NVIDIA's `ptxas`, so it can
+# compile for an H100/H200 (`sm_90`) on a machine without one. `bench/compile_check.py` runs
+# one forward through the Triton backend with a stand-in driver that catches every launch and
+# compiles it instead, then reports what `ptxas -v` says. It found this chapter's float32 tiles
+# spilling 14–29 KB per thread in prefill (float32 multiplies on the FMA units, holding whole
+# tiles in registers); float32 now takes key blocks of 2,048 elements and 8 warps per prefill
+# tile, and nothing spills (`bench/compile-sm90.md` has every shape and dtype):
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+import json
+import subprocess
+import sys
+import tempfile
+
+script = gpu_md.with_name("compile_check.py")
+env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile for real
+with tempfile.TemporaryDirectory() as tmp:
+    done = subprocess.run([sys.executable, str(script), "--models",
+                           "smollm2-135m", "--dtypes", "bfloat16,float32", "--json",
+                           f"{tmp}/rows.json"], env=env, capture_output=True, text=True)
+    rows = json.load(open(f"{tmp}/rows.json")) if done.returncode in (0, 1) else []
+print(f"{'dtype':<10}{'kernel':<26}{'warps':>6}{'registers':>10}{'spilled':>8}"
+      f"{'shared KiB':>11}")
+for r in rows:
+    kernel = r["kernel"].removesuffix("_kernel")
+    if kernel == "paged_attention":
+        kernel += f" ({r['launch'].split()[0]})"  # decode or prefill
+    print(f"{r['dtype']:<10}{kernel:<26}{r['num_warps']:>6}{r['registers']:>10}"
+          f"{r['spill_bytes']:>8}{r['shared_bytes'] / 1024:>11.1f}")
+assert done.returncode == 0 and rows, done.stdout[-2000:] + done.stderr[-2000:]
+
+# %% [markdown]
+# It says nothing about speed (nothing ran on a GPU), but it is the cheapest check there is:
+# it catches, in seconds and on any laptop, what would otherwise cost the first minutes of a
+# borrowed GPU.
+#
 # ## Recap
 #
 # - An attention backend is two functions, `store_kv` and `attend`, over one flat batch and its
@@ -453,6 +497,8 @@ print("\n".join(gpu_md.read_text().splitlines()[:6]))
 #   CUDA graphs in padded buckets, RMSNorm and RoPE fused into one kernel each (about three
 #   times fewer kernels per decode step), and a bandwidth target of half the copy bandwidth for
 #   decode attention. No GPU figure has been measured yet.
+# - Triton compiles for a GPU without one: `bench/compile_check.py` reports registers, spills
+#   and shared memory for every kernel the engine launches, on sm_90 or sm_80.
 #
 # **Try it:** run the kernel check with page size 1 and 64, with a chunk that starts at position
 # 0 and one that starts at the last slot of a page; set `GROUP = 3` as in SmolLM2 (9 query heads

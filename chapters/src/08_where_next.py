@@ -250,7 +250,7 @@ PARTS = {"mkldnn::_linear_pointwise": "matrix products (prepacked)",
 def profile_decode_steps(backend: str) -> tuple[Counter, float]:
     """Share of CPU time per part over five decode steps of 16 requests, and ms per step."""
     llm = LLM("smollm2-135m", policy="continuous", max_num_seqs=16, enable_prefix_caching=False,
-              attention_backend=KERNEL if backend == "cpu" else backend)
+              attention_backend=KERNEL if backend == "cpu" else backend, device="cpu")
     rng = np.random.default_rng(0)
     for n in rng.integers(16, 512, size=16):
         llm.engine.add_request(random_prompt(int(n), rng),
@@ -356,7 +356,8 @@ print("largest difference from the reference below 1e-5:",
 # NBVAL_CHECK_OUTPUT
 prompts = ["What is a KV cache?", "Name three colours.", "Write one sentence about the sea."]
 greedy = SamplingParams(max_tokens=24, temperature=0.0)
-tokens = {backend: [o.token_ids for o in LLM("smollm2-135m", attention_backend=backend)
+tokens = {backend: [o.token_ids for o in LLM("smollm2-135m", attention_backend=backend,
+                                             device="cpu")  # a CPU kernel, even beside a GPU
                     .generate(prompts, greedy, use_tqdm=False)] for backend in ("torch", KERNEL)}
 print("same greedy tokens from both backends:", tokens["torch"] == tokens[KERNEL])
 
@@ -396,6 +397,13 @@ print("same greedy tokens from both backends:", tokens["torch"] == tokens[KERNEL
 # longest cached prefix, so requests that share a system prompt run while its pages are still
 # cached. minicb's `PagePool.match_prefix` already answers "how many tokens are cached"; a
 # scheduler that sorts by it is a few lines. Watch fairness: chapter 06's `max_queue_age`.
+#
+# **Admission by deadline** (`scheduler.py`, `sim.py`). minicb's requests may carry deadlines,
+# and `preemption="deadline"` serves the earliest first (chapter 06), but a request that can no
+# longer make it still runs until its deadline passes, and that work is wasted. A scheduler that
+# estimates each request's finish (its remaining tokens times the step cost, from the cost
+# model chapter 06 fits) can refuse or defer it at admission instead. Compare with chapter 06's
+# table: completions, wasted tokens, worst E2E.
 #
 # **Speculative decoding** (`scheduler.py`, `engine.py`, `sampler.py`). A cheap drafter (a small
 # model, or n-grams from the prompt) proposes k tokens; the big model checks all of them in one
