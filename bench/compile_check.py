@@ -19,7 +19,7 @@ and writes local memory inside its loop). Nothing runs on a GPU, so it says noth
     python bench/compile_check.py --out bench/compile-sm90.md   # the committed report
 
 Run it without TRITON_INTERPRET (the interpreter replaces the kernels with Python functions).
-tests/test_triton.py runs it for SmolLM2's shapes and checks that nothing spills.
+tests/test_compile_check.py runs it for SmolLM2's shapes and checks that nothing spills.
 """
 
 from __future__ import annotations

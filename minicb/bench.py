@@ -150,7 +150,11 @@ def warmup_workload(args: argparse.Namespace) -> Workload | None:
     with the next seed (chapter 06); None when cold."""
     if getattr(args, "cache_state", "cold") != "warm":
         return None
-    return build_workload(argparse.Namespace(**{**vars(args), "seed": args.seed + 1}))
+    warmup = build_workload(argparse.Namespace(**{**vars(args), "seed": args.seed + 1}))
+    if any(r.arrival_step is not None for r in warmup.requests):
+        raise ValueError("--cache-state warm needs arrivals in seconds (or all at once), not "
+                         "in steps: the measured run would start mid-way")
+    return warmup
 
 
 def add_slo_arguments(parser: argparse.ArgumentParser) -> None:
@@ -354,10 +358,8 @@ def declaration(args: argparse.Namespace, workload: Workload, executor: Executor
 # ------------------------------------------------------------------------------ runs
 def warm_prefix_cache(engine: Any, warmup: Workload) -> None:
     """Cache state "warm" (chapter 06): serve `warmup` (the same traffic, another seed), then
-    forget its requests and trace, so a measured run starts with the shared prefixes cached."""
-    if any(r.arrival_step is not None for r in warmup.requests):
-        raise ValueError("--cache-state warm needs arrivals in seconds (or all at once), not "
-                         "in steps: the measured run would start mid-way")
+    forget its requests (and with them their tenants' service) and its trace, so a measured
+    run starts with the shared prefixes cached and nothing else carried over."""
     run_workload(engine, warmup)
     for request_id in list(engine.requests):
         engine.forget(request_id)

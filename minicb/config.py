@@ -43,6 +43,7 @@ def resolve_device(device: str, quantization: str | None = None) -> str:
     """'auto' is CUDA when torch can use a GPU, unless a CPU-only option (int8 weights) is
     asked, else the CPU (chapter 07); any other value must name a device this torch can use
     (ValueError otherwise)."""
+    device = str(device)  # a torch.device too
     if device == "auto":
         import torch
         return "cuda" if torch.cuda.is_available() and not quantization else "cpu"
@@ -56,12 +57,13 @@ def check_device(device: object) -> None:
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}") from exc
+        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}") \
+            from exc
     if dev.type == "cpu":
         return
     if dev.type != "cuda":
-        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N' (minicb runs on those), "
-                         f"got {device!r}")
+        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N' (minicb runs on "
+                         f"those), got {device!r}")
     if not torch.cuda.is_available():
         why = ("it is a CPU-only build: install a CUDA build of torch (README, 'Running on a "
                "GPU')" if torch.version.cuda is None else "no GPU is visible")

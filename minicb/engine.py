@@ -25,6 +25,7 @@ from minicb.scheduler import (
     ScheduledBatch,
     Scheduler,
     SchedulerContext,
+    insert_by_rank,
     make_scheduler,
     queue_rank,
 )
@@ -255,11 +256,7 @@ class Engine:
         req.metrics.arrival_time = self.clock() if req.arrival_time is None \
             else req.arrival_time
         if self.config.preemption in ("priority", "deadline"):  # behind its equals
-            rank = queue_rank(self.config.preemption, self.tenant_service)
-            index = next((i for i, r in enumerate(self.waiting)
-                          if r.status is Status.WAITING and rank(r) > rank(req)),
-                         len(self.waiting))
-            self.waiting.insert(index, req)
+            insert_by_rank(self.waiting, req, queue_rank(self.config.preemption))
         else:
             self.waiting.append(req)
 
@@ -327,12 +324,23 @@ class Engine:
 
     def forget(self, request_id: str) -> None:
         """Drop a finished request's record (a long-running server calls this to bound
-        memory); its id may then be reused."""
-        req = self.requests.get(str(request_id))
-        if req is not None and not req.is_finished:
+        memory), and its share of its tenant's service; its id may then be reused."""
+        request_id = str(request_id)
+        req = self.requests.get(request_id)
+        if req is None:
+            return
+        if not req.is_finished:
             raise ValueError(f"request {request_id!r} is not finished; cancel it first")
-        self.requests.pop(str(request_id), None)
-        self._generators.pop(str(request_id), None)
+        if req in self._held:  # a static batch member whose batch still runs: gone with it
+            self._held.remove(req)
+        self.tenant_service[req.tenant] -= req.num_scheduled_tokens
+        if self.tenant_service[req.tenant] <= 0:
+            del self.tenant_service[req.tenant]  # bounded by the tenants still remembered
+        del self.requests[request_id]
+        self._generators.pop(request_id, None)
+        for pending_ids in (self._finished_between_steps, self._arrived_since_last_step):
+            while request_id in pending_ids:  # not reported in the next StepRecord either
+                pending_ids.remove(request_id)
 
     def has_unfinished(self) -> bool:
         return bool(self.pending or self.waiting or self.running)
@@ -383,6 +391,7 @@ class Engine:
                 items, to_sample, tokens = [], [], []
             for req, num_tokens in items:
                 req.num_computed_tokens += num_tokens
+                req.num_scheduled_tokens += num_tokens
                 self.tenant_service[req.tenant] += num_tokens
                 if req.num_computed_tokens <= req.num_prompt_tokens:
                     self.pool.register_prompt_pages(req.prompt_token_ids, req.page_table,
@@ -398,10 +407,6 @@ class Engine:
             if reason and not req.is_finished:
                 self._finish(req, reason)
                 finished.append(req.request_id)
-        if self._held and self.scheduler.batch_done():
-            for req in self._held:
-                self._release(req)
-            self._held = []
         record = StepRecord(
             step=self.step_count,
             members=[Member(r.request_id, kinds[r.request_id], n, slots[r.request_id])
@@ -543,6 +548,10 @@ class Engine:
             self._held.append(req)  # a static batch returns whole, when its last member ends
         else:
             self._release(req, req.metrics.finish_time)
+        if self._held and self.scheduler.batch_done():  # its last member just left, for
+            for held in self._held:                     # whatever reason, during a step or
+                self._release(held)                     # between steps
+            self._held = []
 
     def _release(self, req: Request, now: float | None = None) -> None:
         """The response reaches its user: E2E latency ends here (chapter 02)."""

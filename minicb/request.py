@@ -117,6 +117,7 @@ class Request:
     page_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full prompt pages
     deadline: float | None = None  # seconds after arrival by which it must finish (chapter 06)
     tenant: str | None = None  # who sent it, for preemption="fair" (None: one shared tenant)
+    num_scheduled_tokens: int = 0  # tokens computed for it, recomputation included: its service
 
     @property
     def deadline_time(self) -> float:

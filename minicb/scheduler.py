@@ -57,6 +57,13 @@ def queue_rank(preemption: str, tenant_service: Counter | None = None):
     return lambda r: r.seq_index
 
 
+def insert_by_rank(waiting: deque[Request], req: Request, rank) -> None:
+    """Put `req` into the waiting queue behind every request that ranks before it or level with
+    it (chapter 06)."""
+    index = next((i for i, r in enumerate(waiting) if rank(r) > rank(req)), len(waiting))
+    waiting.insert(index, req)
+
+
 class SchedulerContext:
     """What a policy sees and may do during one step. Built by the engine each step."""
 
@@ -143,7 +150,10 @@ class SchedulerContext:
         self.free_slots.sort()
         req.slot = None
         self.running.remove(req)
-        self.waiting.appendleft(req)
+        if self.config.preemption in ("priority", "deadline"):
+            insert_by_rank(self.waiting, req, queue_rank(self.config.preemption))
+        else:  # first come first served: a preempted request goes back to the front
+            self.waiting.appendleft(req)
         if req.request_id in self.scheduled_ids:
             self.batch.items = [(r, n) for r, n in self.batch.items if r is not req]
             self.scheduled_ids.discard(req.request_id)

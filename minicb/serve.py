@@ -171,14 +171,16 @@ class EngineWorker:
 
     async def submit(self, prompt: str | list[int] | None, params: dict[str, Any],
                      messages: list[dict] | None = None, stop: tuple[str, ...] = (),
-                     request_id: str | None = None, tenant: str | None = None) -> Job:
+                     request_id: str | None = None, tenant: str | None = None,
+                     priority: int = 0) -> Job:
         """Queue a request; returns its Job once the engine has accepted it. Raises
-        InvalidRequest (bad prompt or params) or QueueFull. `tenant`: the OpenAI `user`."""
+        InvalidRequest (bad prompt or params) or QueueFull. `tenant`: the OpenAI `user`;
+        `priority`: smaller is more important (vLLM's extra field), for --preemption."""
         self.start()
         sink = (asyncio.get_running_loop(), asyncio.Queue())  # made on the handler's loop
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(("add", prompt, messages, params, stop, request_id, tenant, sink,
-                            future))
+        self._commands.put(("add", prompt, messages, params, stop, request_id, tenant, priority,
+                            sink, future))
         return await asyncio.wrap_future(future)
 
     def cancel(self, request_id: str) -> None:
@@ -276,7 +278,7 @@ class EngineWorker:
             except Exception as exc:  # noqa: BLE001
                 cmd[2].set_exception(exc)
 
-    def _add(self, prompt, messages, params, stop, request_id, tenant, sink) -> Job:
+    def _add(self, prompt, messages, params, stop, request_id, tenant, priority, sink) -> Job:
         engine = self.engine
         waiting = len(engine.waiting) + len(engine.pending)
         if self.max_queue is not None and waiting >= self.max_queue:
@@ -313,7 +315,8 @@ class EngineWorker:
                 break
             rid = f"{base}-{suffix}"
         try:
-            engine.add_request(token_ids, sampling, request_id=rid, tenant=tenant)
+            engine.add_request(token_ids, sampling, request_id=rid, tenant=tenant,
+                               priority=priority)
         except ValueError as exc:
             message = str(exc)
             fits = "exceeds the model's context" in message or "never fit" in message
@@ -489,7 +492,8 @@ def parse_request(body: Any, chat: bool) -> dict[str, Any]:
         raise InvalidRequest(f"user must be a string, got {user!r}", "user")
     return dict(prompt=prompt, messages=messages, params=params, stop=tuple(stop or ()),
                 stream=stream, include_usage=bool(options.get("include_usage")),
-                model=body.get("model"), tenant=user)
+                model=body.get("model"), tenant=user,
+                priority=_number(body, "priority", 0, int))
 
 
 # ------------------------------------------------------------------------------ the app
@@ -566,7 +570,7 @@ def create_app(engine_or_llm: Any, model_name: str = "minicb", max_queue: int | 
                               f"serves `{model_name}`", "model", "model_not_found")
             job = await worker.submit(req["prompt"], req["params"], req["messages"],
                                       req["stop"], request.headers.get("x-request-id"),
-                                      req["tenant"])
+                                      req["tenant"], req["priority"])
         except InvalidRequest as exc:
             return _error(400, str(exc), exc.param, exc.code)
         except QueueFull as exc:
@@ -704,9 +708,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-batched-tokens", type=int, default=256)
     parser.add_argument("--chunk-size", type=int, default=None)
     parser.add_argument("--num-pages", type=int, default=None)
-    parser.add_argument("--preemption", default="newest",
+    parser.add_argument("--preemption", default="newest", choices=["newest", "priority", "fair"],
                         help="queue order and preemption: newest (first come first served), "
-                             "priority, deadline, or fair (between the requests' `user`s)")
+                             "priority (the requests' `priority`, smaller first, as vLLM's), "
+                             "or fair (between the requests' `user`s)")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (CUDA when "
                         "torch sees a GPU)")
     parser.add_argument("--quantization", choices=[q for q in QUANTIZATIONS if q], default=None,

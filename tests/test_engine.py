@@ -102,6 +102,38 @@ def test_top_p_keeps_only_the_nucleus():
     assert kept.tolist() == [[True, True, True, False]]
 
 
+def test_forget_drops_a_request_everywhere_even_its_tenants_service():
+    from minicb.sim import make_sim_engine
+    engine = make_sim_engine(policy="pd", preemption="fair")
+    for rid, tenant in (("a", "x"), ("b", "x"), ("c", "y")):
+        engine.add_request([1, 2, 3], SamplingParams(max_tokens=3, temperature=0.0,
+                                                     ignore_eos=True),
+                           request_id=rid, tenant=tenant)
+    engine.step()
+    engine.cancel("c")  # listed in the next StepRecord, unless forgotten first
+    engine.forget("c")
+    assert "c" not in engine.step().finished
+    engine.run()
+    assert engine.tenant_service == {"x": 2 * (3 + 2)}  # y's share went with c
+    engine.forget("a")
+    assert engine.tenant_service == {"x": 3 + 2}
+    engine.forget("b")
+    assert engine.tenant_service == {} and not engine.requests
+
+
+def test_banning_every_token_leaves_the_row_as_it_was():
+    """min_tokens bans stop and EOS tokens; if nothing else could follow, the ban is dropped
+    for that row rather than sampling from nothing."""
+    import torch
+
+    from minicb.sampler import sample
+    logits = torch.tensor([[1.0, 2.0], [0.0, 3.0], [float("-inf"), 5.0]])
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=1),
+              SamplingParams(temperature=0.0)]
+    assert sample(logits, params, [None] * 3, [[0, 1], [0, 1], [1]]) == [1, 1, 1]
+    assert sample(logits, params[:1], [None], [[1]]) == [0]  # one banned: the other
+
+
 def test_top_p_stops_where_the_mass_reaches_it():
     import torch
 

@@ -426,3 +426,50 @@ def test_deadlines_hold_under_any_workload(jobs, policy, preemption, num_pages):
             computed[tenant] = computed.get(tenant, 0) + m.num_tokens
     assert computed == {k: v for k, v in engine.tenant_service.items() if v}
     assert engine.pool.num_used == 0 and not engine.has_unfinished()
+
+
+@pytest.mark.parametrize("leave", ["deadline", "cancel"])
+def test_a_static_batch_returns_when_its_last_member_leaves_early(leave):
+    """A finishes at step 2 and is held (a static batch returns whole); B, the last running
+    member, leaves at step 3 by its deadline or a cancel: A is returned then, not when the
+    next batch (C) ends."""
+    from minicb.sim import make_sim_engine
+    engine = make_sim_engine(policy="static", max_num_seqs=2, check_invariants=True)
+    engine.add_request([1] * 8, SamplingParams(max_tokens=2, **GREEDY), request_id="A")
+    engine.add_request([2] * 8, SamplingParams(max_tokens=400, **GREEDY), request_id="B",
+                       deadline=None if leave == "cancel" else 1e9)
+    engine.step()
+    engine.step()
+    b = engine.requests["B"]
+    if leave == "cancel":
+        engine.cancel("B")
+    else:
+        b.deadline = engine.clock() - b.metrics.arrival_time  # passed now, as if set so
+    engine.add_request([3] * 8, SamplingParams(max_tokens=30, **GREEDY), request_id="C")
+    engine.run()
+    a = engine.requests["A"].metrics
+    assert a.finish_step == 2 and a.released_step <= 3 < engine.requests["C"].metrics.finish_step
+    assert b.finish_reason == ("cancelled" if leave == "cancel" else "deadline")
+
+
+@pytest.mark.parametrize("mode", ["priority", "deadline"])
+def test_a_preempted_request_waits_behind_more_urgent_ones(mode):
+    """The victim of preemption rejoins the queue by its rank, not at the front: a more urgent
+    request that arrives after the preemption is admitted before the victim comes back."""
+    from minicb.sim import make_sim_engine
+    engine = make_sim_engine(policy="continuous", max_num_seqs=3, page_size=4, num_pages=9,
+                             preemption=mode, enable_prefix_caching=False,
+                             check_invariants=True)
+    engine.add_request([1] * 8, SamplingParams(max_tokens=12, **GREEDY), request_id="relaxed",
+                       priority=5)
+    engine.add_request([2] * 8, SamplingParams(max_tokens=12, **GREEDY), request_id="soon",
+                       deadline=50.0)
+    engine.add_request([3] * 8, SamplingParams(max_tokens=4, **GREEDY), request_id="urgent",
+                       deadline=10.0, arrival_step=11)
+    engine.run()
+    relaxed = engine.requests["relaxed"]
+    assert relaxed.num_preemptions >= 1
+    prefills = [(rec.step, m.request_id) for rec in engine.trace for m in rec.members
+                if m.kind == "prefill"]
+    back = next(step for step, rid in prefills if rid == "relaxed" and step > 1)
+    assert next(step for step, rid in prefills if rid == "urgent") < back

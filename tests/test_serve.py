@@ -246,6 +246,8 @@ def shared_server(tiny_model):
     ({"prompt": [5, 6], "max_tokens": 10**400}, 400, "max_tokens"),
     ({"prompt": [5, 6], "user": 5}, 400, "user"),
     ({"prompt": [5, 6], "user": "alice"}, 200, None),  # the tenant, for --preemption fair
+    ({"prompt": [5, 6], "priority": 1.5}, 400, "priority"),
+    ({"prompt": [5, 6], "priority": -2}, 200, None),
     ({"prompt": [5, 6], "temperature": 10**400}, 400, "temperature"),
     ({"prompt": [5, 6], "max_tokens": "many"}, 400, "max_tokens"),
     ({"prompt": [5, 6], "n": 2}, 400, "n"),

@@ -756,9 +756,10 @@ for mode in ("newest", "fair"):
 # the batch tenant's burst, about 5 s to its first token. The fair order serves the chat tenant
 # first whenever it has had less, so its requests start within a fraction of a second, and the
 # batch tenant's median TTFT grows from 2.2 s to 2.9 s: the same tokens, shared differently.
-# minicb counts service over the engine's whole life, without decay, so a tenant that was heavy
-# an hour ago still yields now; production fair-share schedulers (virtual-time fair queuing)
-# forget old service and can weight tenants. As with prompt lengths and priority classes, the
+# minicb counts the service of every request the engine still remembers (a long-running
+# server forgets its oldest finished requests, and their share with them), with no decay in
+# between, so a tenant that was heavy an hour ago may still yield now; production fair-share
+# schedulers (virtual-time fair queuing) let old service fade and can weight tenants. As with prompt lengths and priority classes, the
 # contract asks for the measurement per tenant, and the policy declared.
 #
 # ## 8. Tuning by sweeping

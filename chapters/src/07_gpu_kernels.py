@@ -468,6 +468,7 @@ with tempfile.TemporaryDirectory() as tmp:
                            "smollm2-135m", "--dtypes", "bfloat16,float32", "--json",
                            f"{tmp}/rows.json"], env=env, capture_output=True, text=True)
     rows = json.load(open(f"{tmp}/rows.json")) if done.returncode in (0, 1) else []
+assert done.returncode == 0 and rows, done.stdout[-2000:] + done.stderr[-2000:]
 print(f"{'dtype':<10}{'kernel':<26}{'warps':>6}{'registers':>10}{'spilled':>8}"
       f"{'shared KiB':>11}")
 for r in rows:
@@ -476,7 +477,6 @@ for r in rows:
         kernel += f" ({r['launch'].split()[0]})"  # decode or prefill
     print(f"{r['dtype']:<10}{kernel:<26}{r['num_warps']:>6}{r['registers']:>10}"
           f"{r['spill_bytes']:>8}{r['shared_bytes'] / 1024:>11.1f}")
-assert done.returncode == 0 and rows, done.stdout[-2000:] + done.stderr[-2000:]
 
 # %% [markdown]
 # It says nothing about speed (nothing ran on a GPU), but it is the cheapest check there is:

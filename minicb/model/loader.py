@@ -178,7 +178,7 @@ def load_model(name_or_path: str | os.PathLike, device: str | torch.device = "au
     checkpoint, an unsupported architecture, or a prepack that cannot be done."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
-    device = resolve_device(device if isinstance(device, str) else str(device), quantization)
+    device = resolve_device(device, quantization)
     if prepack not in (None, True, False):
         raise ValueError(f"prepack must be None, True or False, got {prepack!r}")
     if prepack is None:
