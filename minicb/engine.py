@@ -9,6 +9,7 @@ and appends a `StepRecord` to `engine.trace`. Follow one request's whole life fr
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import time
@@ -78,7 +79,9 @@ def _load(model, device: str, dtype: torch.dtype, quantization: str | None,
                          f"with quantization={loaded!r}; load it with "
                          f"load_model(..., quantization={quantization!r})")
     embed = getattr(model[0], "embed_tokens", None)  # the simulated model has no weights
-    if embed is not None and embed.weight.device.type != torch.device(device).type:
+    want = torch.device(device)
+    if embed is not None and (embed.weight.device.type != want.type or (
+            want.index is not None and embed.weight.device.index != want.index)):
         raise ValueError(f"device={device!r} but the model passed in is on "
                          f"{embed.weight.device}; load it with load_model(..., device={device!r})")
     if embed is not None and embed.weight.dtype != dtype:
@@ -146,7 +149,14 @@ class Engine:
         self.graph_runner = None  # CUDA graphs for decode-only steps (chapter 07)
         if (str(device).startswith("cuda") and self.config.use_cuda_graphs
                 and self.attention_backend == "triton"):
-            self.graph_runner = self.make_graph_runner(capture=True)
+            with self._on_device():
+                self.graph_runner = self.make_graph_runner(capture=True)
+
+    def _on_device(self) -> contextlib.AbstractContextManager:
+        """Triton kernels and CUDA graphs use torch's current CUDA device: make it the
+        engine's for the duration (an engine on cuda:1 beside one on cuda:0)."""
+        device = torch.device(self.config.device)
+        return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
     def make_graph_runner(self, capture: bool = True):
         """Static buffers (and, on CUDA, captured graphs) for decode-only steps."""
@@ -377,7 +387,8 @@ class Engine:
         if items:
             try:
                 t0 = self._now()
-                to_sample, logits = self._forward(items)
+                with self._on_device():
+                    to_sample, logits = self._forward(items)
                 t_forward = self._now() - t0
                 tokens = sample(logits, [r.params for r in to_sample],
                                 [self._generators[r.request_id] for r in to_sample],
