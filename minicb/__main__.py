@@ -38,7 +38,8 @@ def demo(argv: list[str]) -> int:
     t_load = time.perf_counter() - t0
     model = llm.engine.model
     weights = (f", {args.quantization} weights" if args.quantization
-               else ", prepacked float32 weights" if getattr(model, "prepacked", False) else "")
+               else f", prepacked {str(next(model.parameters()).dtype).removeprefix('torch.')}"
+               " weights" if getattr(model, "prepacked", False) else "")
     print(f"loaded {args.model} in {t_load:.1f} s; policy={args.policy}{weights}; "
           f"attention {llm.engine.attention_backend}")
     conversations = [[{"role": "user", "content": q}] for q in DEMO_QUESTIONS]

@@ -115,7 +115,8 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
                              "bytes per decode step; numbers differ slightly from float32)")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                         help="weights and KV cache of the real executor (auto: float32 on the "
-                             "CPU, prepacked on x86-64; bfloat16 on CUDA)")
+                             "CPU; bfloat16 on CUDA); on x86-64 float32 is prepacked, and "
+                             "bfloat16 too where oneDNN runs bf16")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's own choice); 1 is often "
                              "fastest on a small shared machine")

@@ -14,7 +14,7 @@ import torch
 from minicb.attention import build_metadata
 from minicb.model import ModelConfig, is_bundled, load_model
 from minicb.model.llama import rope_inv_freq
-from minicb.model.prepack import PackedLinear, prepack_available
+from minicb.model.prepack import PackedLinear, prepack_available, prepack_possible
 
 needs_prepack = pytest.mark.skipif(not prepack_available(), reason="torch built without oneDNN")
 
@@ -209,8 +209,41 @@ def test_prepack_is_asked_for_on_other_cpus(tiny_llama_dir, monkeypatch):
     assert load_model(tiny_llama_dir, prepack=True)[0].prepacked
 
 
-def test_prepack_refuses_what_it_cannot_pack(tiny_llama_dir):
-    for kwargs in (dict(quantization="int8"), dict(dtype=torch.bfloat16)):
+needs_bf16_prepack = pytest.mark.skipif(
+    not prepack_possible("cpu", torch.bfloat16), reason="oneDNN runs no bf16 on this CPU")
+
+
+@needs_bf16_prepack
+def test_packed_bfloat16_is_the_same_product_and_model():
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(40, 24, generator=gen).bfloat16()
+    bias = torch.randn(40, generator=gen).bfloat16()
+    layer = PackedLinear(weight, bias)
+    assert layer.weight.dtype == torch.bfloat16 and torch.equal(layer.unpacked(), weight)
+    x = torch.randn(3, 24, generator=gen).bfloat16()
+    torch.testing.assert_close(layer(x).float(), torch.nn.functional.linear(x, weight, bias)
+                               .float(), rtol=2e-2, atol=2e-2)
+
+
+@needs_bf16_prepack
+def test_a_prepacked_bfloat16_model_gives_the_same_logits(tiny_llama_dir):
+    from minicb.attention import build_metadata
+    logits = {}
+    for prepack in (False, True):
+        model, _ = load_model(tiny_llama_dir, dtype=torch.bfloat16, prepack=prepack)
+        assert model.prepacked == prepack
+        kv = model.allocate_kv_cache(4, 16)
+        meta = build_metadata([[0]], [0], [5], 16)
+        logits[prepack] = model(torch.tensor([3, 1, 4, 1, 5]), torch.arange(5), meta, kv,
+                                torch.tensor([4]))
+    torch.testing.assert_close(logits[True], logits[False], rtol=0.05, atol=0.05)
+    assert logits[True].argmax() == logits[False].argmax()
+
+
+def test_prepack_refuses_what_it_cannot_pack(tiny_llama_dir, monkeypatch):
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    for kwargs in (dict(quantization="int8"), dict(dtype=torch.bfloat16),
+                   dict(dtype=torch.float16)):
         with pytest.raises(ValueError, match="prepack=True needs float32 weights on the CPU"):
             load_model(tiny_llama_dir, prepack=True, **kwargs)
     with pytest.raises(ValueError, match="prepack must be None, True or False, got 'yes'"):

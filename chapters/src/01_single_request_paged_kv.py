@@ -243,7 +243,9 @@ for rows in (1, 16):
 # this notebook, so run it to see yours. On the EPYC at batch 1 (one thread) minicb decoded 42
 # tokens/s prepacked against 26 through `F.linear` and 24 for Hugging Face `generate`; int8
 # still wins at batch 1 (64), where a step is bound by bytes, and loses at 32 rows, where the
-# products are bound by arithmetic (`bench/README.md`).
+# products are bound by arithmetic (`bench/README.md`). bfloat16 weights (`dtype=torch.bfloat16`)
+# are prepacked the same way where oneDNN runs bf16 products: on the Xeon, whose AMX units do,
+# a forward's products ran 1.2–1.4× faster at 1–32 rows and the chapter 06 benchmark 1.02–1.30×.
 #
 # The numbers are the same products summed in another order, so they differ in the last bits:
 # about one part in a million. That does not move a greedy choice here, and both ways minicb's

@@ -184,8 +184,9 @@ def load_model(name_or_path: str | os.PathLike, device: str | torch.device = "au
     if prepack is None:
         prepack = quantization is None and prepack_wanted(device, dtype)
     elif prepack and (quantization or not prepack_possible(device, dtype)):
-        raise ValueError("prepack=True needs float32 weights on the CPU, no quantization, and a "
-                         "torch built with oneDNN (torch.backends.mkldnn.is_available())")
+        raise ValueError("prepack=True needs float32 weights on the CPU (or bfloat16 where "
+                         "oneDNN runs bf16), no quantization, and a torch built with oneDNN "
+                         "(torch.backends.mkldnn.is_available())")
     name, path = resolve(name_or_path)
     hf_config = _read_json(path / "config.json")
     config = ModelConfig.from_hf(hf_config)
