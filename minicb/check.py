@@ -1158,3 +1158,62 @@ def goodput(fn: Callable[[list[RequestRecord], dict[str, float]], float | None])
                     f"; span {span:.3f} s from first arrival to last finish), got "
                     f"{_short(got)}.{why}")
     return _passed(name, f"{len(cases)} sets of records give the same goodput as minicb.metrics")
+
+
+def _reference_per_tenant(records: Sequence[RequestRecord]) -> dict[Any, dict[str, Any]]:
+    out: dict[Any, dict[str, Any]] = {}
+    for tenant in dict.fromkeys(r.tenant for r in records):
+        mine = [r for r in records if r.tenant == tenant]
+        ttfts = [metrics.ttft(r) for r in mine if metrics.is_completed(r)]
+        ttfts = [t for t in ttfts if t is not None]
+        spread = metrics.percentiles(ttfts, (50, 99))
+        out[tenant] = {"requests": len(mine),
+                       "completed": sum(1 for r in mine if metrics.is_completed(r)),
+                       "ttft_p50": spread["p50"], "ttft_p99": spread["p99"],
+                       "output_tokens": sum(r.num_output_tokens for r in mine)}
+    return out
+
+
+def per_tenant(fn: Callable[[list[RequestRecord]], dict[Any, dict[str, Any]]]) -> bool:
+    """Exercise 6.3: `fn(records)` is {tenant: {"requests", "completed", "ttft_p50",
+    "ttft_p99", "output_tokens"}}: every tenant that sent a request (None is a tenant too),
+    its request count, how many completed, the p50 and p99 of its completed requests' TTFTs
+    (numpy's linear interpolation; None without any) and the output tokens of all its
+    requests."""
+    name = "per_tenant"
+    rng = random.Random(63)
+    cases = [("no records", [])]
+    for i in range(30):
+        tenants = rng.choice([["a"], ["a", "b"], ["a", "b", None], ["chat", "batch", "eval"]])
+        records = [replace(r, tenant=rng.choice(tenants))
+                   for r in _records(200 + i, rng.randint(1, 16))]
+        cases.append((f"random case {i}", records))
+    for label, records in cases:
+        want = _reference_per_tenant(records)
+        got = fn(list(records))
+        if not isinstance(got, dict):
+            _fail(name, f"{label}: fn(records) must return a dict of tenants; yours returned "
+                        f"{_short(got)}.")
+        if set(got) != set(want):
+            _fail(name, f"{label}: the tenants are {sorted(want, key=str)}, yours are "
+                        f"{sorted(got, key=str)} (None is a tenant too: requests sent "
+                        f"without one).")
+        for tenant, row in want.items():
+            mine = got[tenant]
+            if not isinstance(mine, dict) or set(mine) != set(row):
+                _fail(name, f"{label}: tenant {tenant!r} needs the keys {sorted(row)}, yours "
+                            f"has {_short(mine)}.")
+            for key, value in row.items():
+                if not _close(mine[key], value):
+                    why = ""
+                    if key.startswith("ttft") and value is not None:
+                        every = [metrics.ttft(r) for r in records if r.tenant == tenant
+                                 and metrics.ttft(r) is not None]
+                        everything = metrics.percentiles(every, (50, 99))[f"p{key[6:]}"]
+                        if _close(mine[key], everything):
+                            why = (" Only completed requests count: a cancelled or failed "
+                                   "request's first token says nothing of how it was served.")
+                    _fail(name, f"{label}: tenant {tenant!r}: {key} should be {value!r}, yours "
+                                f"is {_short(mine[key])}.{why}")
+    return _passed(name, f"{len(cases)} sets of records give the same per-tenant table as "
+                         "minicb.metrics")

@@ -16,6 +16,7 @@ import shutil
 import time
 
 import nbformat
+import numpy as np
 import pytest
 
 from minicb import check, exercises, grade
@@ -172,6 +173,7 @@ SOLUTION_OBJECTS = {
     "short_p": ("05_pd_interleaving.ipynb", "short_p"),
     "latencies": ("06_benchmarking.ipynb", "latencies"),
     "goodput": ("06_benchmarking.ipynb", "goodput"),
+    "per_tenant": ("06_benchmarking.ipynb", "per_tenant"),
 }
 
 
@@ -386,6 +388,23 @@ def test_metric_bugs_are_caught():
         return out
 
     assert "released_time" in caught("latencies", e2e_to_the_finish)
+
+    per_tenant = solution("06_benchmarking.ipynb")["per_tenant"]
+
+    def every_first_token(records):  # cancelled and failed requests' TTFTs counted too
+        out = per_tenant(records)
+        for tenant, row in out.items():
+            ttfts = [latencies(r)["ttft"] for r in records if r.tenant == tenant]
+            ttfts = [t for t in ttfts if t is not None]
+            if ttfts:
+                row["ttft_p50"] = float(np.percentile(ttfts, 50))
+                row["ttft_p99"] = float(np.percentile(ttfts, 99))
+        return out
+
+    assert "Only completed requests count" in caught("per_tenant", every_first_token)
+    assert "None is a tenant too" in caught(
+        "per_tenant", lambda records: {t: row for t, row in per_tenant(records).items()
+                                       if t is not None})
 
     def window_from_first_chunk(trace, records, long_id):
         long = next(r for r in records if r.request_id == long_id)
