@@ -913,7 +913,9 @@ import sys
 #
 # **Exercises:** [`exercises/06_benchmarking.ipynb`](../exercises/06_benchmarking.ipynb): compute
 # one request's queue time, TTFT, E2E and TPOT from its timestamps, then goodput at an SLO
-# (cancelled requests never count), and compare the goodput of two policies on this machine. Beyond
+# (cancelled requests never count), and compare the goodput of two policies on this machine;
+# then the same latencies per tenant, and two tenants sharing one engine first come first served
+# and fair (section 7). Beyond
 # them (not graded): find the `priority_aging_steps` that keeps the chats' median wait under 10
 # steps while bounding the batch job's in section 7, and add the priority policy as a third axis of
 # section 8's sweep.
