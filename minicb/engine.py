@@ -26,7 +26,7 @@ from minicb.scheduler import (
     ScheduledBatch,
     Scheduler,
     SchedulerContext,
-    insert_by_rank,
+    enqueue,
     make_scheduler,
     queue_rank,
 )
@@ -265,15 +265,11 @@ class Engine:
             else req.arrival_step
         req.metrics.arrival_time = self.clock() if req.arrival_time is None \
             else req.arrival_time
-        if self.config.preemption in ("priority", "deadline"):  # behind its equals
-            insert_by_rank(self.waiting, req, queue_rank(self.config.preemption))
-        else:
-            self.waiting.append(req)
+        enqueue(self.waiting, req, self.config.preemption)
 
-    def _expire_deadlines(self) -> None:
-        """Finish every waiting or running request whose deadline has passed: its pages come
-        back now, and the next StepRecord lists it (chapter 06)."""
-        now = self.clock()
+    def _expire_deadlines(self, now: float) -> None:
+        """Finish every waiting or running request whose deadline has passed by `now`, the
+        step's start: its pages come back now, and the StepRecord lists it (chapter 06)."""
         for req in [*self.waiting, *self.running]:
             if req.deadline_time <= now:
                 self._finish(req, "deadline")
@@ -363,7 +359,7 @@ class Engine:
         arrived = self._arrived_since_last_step + self._admit_arrivals()
         self._arrived_since_last_step = []
         t_start = self.clock()  # after arrivals: nobody is scheduled before they arrived
-        self._expire_deadlines()
+        self._expire_deadlines(t_start)
         self._reorder_waiting_queue()
 
         # 1. schedule

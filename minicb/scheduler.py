@@ -57,11 +57,20 @@ def queue_rank(preemption: str, tenant_service: Counter | None = None):
     return lambda r: r.seq_index
 
 
-def insert_by_rank(waiting: deque[Request], req: Request, rank) -> None:
-    """Put `req` into the waiting queue behind every request that ranks before it or level with
-    it (chapter 06)."""
-    index = next((i for i, r in enumerate(waiting) if rank(r) > rank(req)), len(waiting))
-    waiting.insert(index, req)
+def enqueue(waiting: deque[Request], req: Request, preemption: str,
+            preempted: bool = False) -> None:
+    """Put `req` into the waiting queue (chapter 06). Under "priority" and "deadline", behind
+    every request that ranks before it or level with it; otherwise first come first served: an
+    arrival at the back, a preempted request back at the front ("fair" re-sorts the whole queue
+    every step)."""
+    if preemption in ("priority", "deadline"):
+        rank = queue_rank(preemption)
+        index = next((i for i, r in enumerate(waiting) if rank(r) > rank(req)), len(waiting))
+        waiting.insert(index, req)
+    elif preempted:
+        waiting.appendleft(req)
+    else:
+        waiting.append(req)
 
 
 class SchedulerContext:
@@ -150,10 +159,7 @@ class SchedulerContext:
         self.free_slots.sort()
         req.slot = None
         self.running.remove(req)
-        if self.config.preemption in ("priority", "deadline"):
-            insert_by_rank(self.waiting, req, queue_rank(self.config.preemption))
-        else:  # first come first served: a preempted request goes back to the front
-            self.waiting.appendleft(req)
+        enqueue(self.waiting, req, self.config.preemption, preempted=True)
         if req.request_id in self.scheduled_ids:
             self.batch.items = [(r, n) for r, n in self.batch.items if r is not req]
             self.scheduled_ids.discard(req.request_id)

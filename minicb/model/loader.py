@@ -171,11 +171,12 @@ def load_model(name_or_path: str | os.PathLike, device: str | torch.device = "au
                quantization: str | None = None,
                prepack: bool | None = None) -> tuple[LlamaModel, ModelInfo]:
     """Load weights, config and tokenizer; `quantization="int8"` stores the projections as
-    int8 (see `quant.py`). `prepack`: hold float32 CPU projections in oneDNN's layout (see
-    `prepack.py`); None does so for float32 on an x86-64 CPU with oneDNN, unless
-    `MINICB_PREPACK=0`. `device="auto"`: CUDA when torch sees a GPU (and no int8 is asked),
-    else the CPU. Raises ValueError for an unknown name, a directory that is not a
-    checkpoint, an unsupported architecture, or a prepack that cannot be done."""
+    int8 (see `quant.py`). `prepack`: hold CPU projections in oneDNN's layout (see
+    `prepack.py`); None does so on an x86-64 CPU with oneDNN for float32, and for bfloat16
+    where oneDNN runs bf16, unless `MINICB_PREPACK=0`. `device="auto"`: CUDA when torch sees
+    a GPU (and no int8 is asked), else the CPU. Raises ValueError for an unknown name, a
+    directory that is not a checkpoint, an unsupported architecture, or a prepack that cannot
+    be done."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     device = resolve_device(device, quantization)
