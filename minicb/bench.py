@@ -99,6 +99,10 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-pages", type=int, default=None)
     parser.add_argument("--page-size", type=int, default=None)
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--batch-timeout", type=float, default=None,
+                        help="dynamic: how long the oldest waiting request waits for a batch "
+                             "to fill: seconds when arrivals are in seconds (default "
+                             f"{DYNAMIC_TIMEOUT_S}), steps when they are in steps (default 8)")
     parser.add_argument("--cache-state", choices=["cold", "warm"], default="cold",
                         help="cold: each policy starts on an empty prefix cache; warm: on one "
                              "that served the same traffic with another seed first (shared "
@@ -293,9 +297,14 @@ def device_description(device: str) -> dict[str, Any]:
     return out
 
 
+DYNAMIC_TIMEOUT_S = 0.05  # dynamic batching's wait on an idle engine, arrivals in seconds
+
+
 def engine_options(args: argparse.Namespace, workload: Workload) -> dict[str, Any]:
     """EngineConfig options from the flags; the workload's recommendations fill gaps
-    (chapter 06)."""
+    (chapter 06). Dynamic batching's timeout runs on the workload's clock: seconds when
+    arrivals are in seconds (counted in steps, an idle engine's empty steps take no time, and
+    dynamic would form its batches as soon as static does), steps when they are in steps."""
     # results come from request records and step counts: per-step snapshots of queues and page
     # tables (for pictures) would cost more than a simulated step and grow with the run
     options: dict[str, Any] = {"trace_snapshots": False, **workload.recommended}
@@ -306,6 +315,13 @@ def engine_options(args: argparse.Namespace, workload: Workload) -> dict[str, An
             options[key] = value
     if getattr(args, "no_prefix_caching", False):
         options["enable_prefix_caching"] = False
+    timeout = getattr(args, "batch_timeout", None)
+    if any(r.arrival_step is not None for r in workload.requests):
+        if timeout is not None:
+            options["batch_timeout"] = timeout
+    else:
+        options.update(batch_timeout=DYNAMIC_TIMEOUT_S if timeout is None else timeout,
+                       batch_timeout_in_seconds=True)
     return options  # quantization belongs to the weights: the Executor that loads them
 
 
@@ -334,6 +350,10 @@ def declaration(args: argparse.Namespace, workload: Workload, executor: Executor
         "cache_state": {"prefix_caching": cfg.enable_prefix_caching,
                         "start": CACHE_STATES[getattr(args, "cache_state", "cold")]},
         "policy": policies,
+        "policy_options": {
+            "preemption": cfg.preemption, "priority_aging_steps": cfg.priority_aging_steps,
+            "batch_timeout": f"{cfg.batch_timeout} "
+                             f"{'s' if cfg.batch_timeout_in_seconds else 'steps'} (dynamic)"},
         "token_budget": {"max_num_batched_tokens": cfg.max_num_batched_tokens,
                          "chunk_size": cfg.chunk_size, "min_chunk": cfg.min_chunk},
         "memory_limit": {"num_pages": num_pages or "engine default (1024 on the CPU, sized "
@@ -432,9 +452,11 @@ def measure_single_stream(executor: Executor, num_prompts: int = 3, prompt_len: 
 
 
 # ------------------------------------------------------------------------------ HF baselines
-def _hf_model(path: str | Path, device: str) -> Any:
+def _hf_model(path: str | Path, device: str, dtype: Any) -> Any:
+    """transformers' model of the same checkpoint, in minicb's dtype: same precision, same
+    quality (the contract's condition for a comparison)."""
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype("auto", device))
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
     model = model.to(device)
     return model.eval()
 
@@ -752,12 +774,28 @@ def bench_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def refuse_unequal_hf_comparison(args: argparse.Namespace) -> None:
+    """--compare hf runs transformers on the same requests at the same precision: refuse what
+    would make the two sides do different work (chapter 06)."""
+    if args.executor == "sim":
+        raise ValueError("--compare hf needs --executor real (transformers cannot be simulated)")
+    if args.quantization:
+        raise ValueError("--compare hf with --quantization: transformers would run the float "
+                         "weights, not the same quality; compare without --quantization")
+    if getattr(args, "cancel_fraction", None):
+        raise ValueError("--compare hf with --cancel-fraction: transformers' baselines cannot "
+                         "cancel, so every request would run to its full length there")
+    if getattr(args, "cache_state", "cold") == "warm":
+        raise ValueError("--compare hf with --cache-state warm: transformers' baselines start "
+                         "cold; compare with --cache-state cold")
+
+
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     """Everything `bench` does, returning the results dict (chapter 06)."""
     policies = _policies(args.policy)
     set_threads(args.threads)
-    if args.compare == "hf" and args.executor == "sim":
-        raise ValueError("--compare hf needs --executor real (transformers cannot be simulated)")
+    if args.compare == "hf":
+        refuse_unequal_hf_comparison(args)
     workload, warmup = build_workload(args), warmup_workload(args)
     slo = slo_from_args(args)
     options = engine_options(args, workload)
@@ -785,7 +823,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         if getattr(args, "out", None):  # minicb's results survive a baseline that is killed
             data["declaration"]["compare"] = "hf: running (this file is rewritten when done)"
             write_json(data, args.out)
-        hf = _hf_model(executor.pair[1].path, device)
+        hf_dtype = next(executor.pair[0].parameters()).dtype  # what minicb's weights run in
+        hf = _hf_model(executor.pair[1].path, device, hf_dtype)
         batch = options.get("max_num_seqs", 16)
         budget = options.get("max_num_batched_tokens", 256)
         for name, fn in (("hf-static", lambda: hf_static(hf, workload, batch, device,
@@ -804,8 +843,10 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                          "padding, greedy, runs to the batch's longest output",
             "hf-generate-batch": "transformers continuous batching manager (generate_batch's "
                                  "engine), per-request max_new_tokens, eos disabled",
-            "step_arrivals": "requests with an arrival step arrive at time 0 for HF",
-            "cancellations": "not replayed for HF: every request runs to its full length"}
+            "dtype": str(hf_dtype).removeprefix("torch."),
+            "memory": "hf-generate-batch: KV blocks for every request at once (transformers "
+                      "sizes its own cache); hf-static: what generate allocates",
+            "step_arrivals": "requests with an arrival step arrive at time 0 for HF"}
     return data
 
 
@@ -934,8 +975,12 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
     if bar is not None:
         bar.close()
     rows.sort(key=lambda r: (-(r["goodput_rps"] or 0.0), -(r["output_tokens_per_s"] or 0.0)))
-    return {"declaration": declaration(args, workload, executor, [args.policy], base, slo),
-            "rows": rows, "skipped": skipped, "best": rows[0] if rows else None,
+    decl = declaration(args, workload, executor, [args.policy], base, slo)
+    decl["token_budget"].update(max_num_batched_tokens=budgets, chunk_size=chunks,
+                                varied="per row: every combination of the lists")
+    decl["concurrency"]["max_num_seqs"] = seqs
+    return {"declaration": decl, "rows": rows, "skipped": skipped,
+            "best": rows[0] if rows else None,
             "note": None if slo else "no SLO given: goodput equals completed requests/s"}
 
 

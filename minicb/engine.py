@@ -23,6 +23,7 @@ from minicb.kv_cache import PagePool, prompt_page_hashes
 from minicb.request import Request, RequestOutput, SamplingParams, Status
 from minicb.sampler import make_generator, sample
 from minicb.scheduler import (
+    DynamicScheduler,
     ScheduledBatch,
     Scheduler,
     SchedulerContext,
@@ -151,6 +152,14 @@ class Engine:
                 and self.attention_backend == "triton"):
             with self._on_device():
                 self.graph_runner = self.make_graph_runner(capture=True)
+
+    @property
+    def waits_on_clock(self) -> bool:
+        """Dynamic batching by seconds: steps that schedule nothing while requests wait are the
+        batch timeout running, not a stall (chapter 02). `batch_timeout` means nothing to other
+        policies."""
+        return self.config.batch_timeout_in_seconds and isinstance(self.scheduler,
+                                                                   DynamicScheduler)
 
     def _on_device(self) -> contextlib.AbstractContextManager:
         """Triton kernels and CUDA graphs use torch's current CUDA device: make it the
@@ -447,7 +456,7 @@ class Engine:
         if record.members or record.finished or not (self.waiting or self.running):
             self._empty_steps = 0
             return
-        if self.config.batch_timeout_in_seconds:
+        if self.waits_on_clock:
             self._sleep(0.001)
             return
         self._empty_steps += 1

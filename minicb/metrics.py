@@ -37,6 +37,8 @@ from typing import Any
 
 import numpy as np
 
+from minicb.config import is_finite_number
+
 PERCENTILES = (50, 95, 99)
 PERCENTILE_METHOD = "numpy linear interpolation (np.percentile, method='linear')"
 SLO_KEYS = ("ttft", "itl", "tpot", "e2e")
@@ -142,7 +144,7 @@ def check_slo(slo: dict[str, float] | None) -> dict[str, float]:
     for key, value in slo.items():
         if key not in SLO_KEYS:
             raise ValueError(f"slo keys must be among {SLO_KEYS}, got {key!r}")
-        if value is not None and (not isinstance(value, (int, float)) or value <= 0):
+        if value is not None and (not is_finite_number(value) or value <= 0):
             raise ValueError(f"slo[{key!r}] must be a positive number of seconds, got {value!r}")
     return {k: float(v) for k, v in slo.items() if v is not None}
 
@@ -277,7 +279,7 @@ def summarize(trace: Sequence[Any], records: Sequence[Any], slo: dict[str, float
     age_s, age_steps = max_queue_age(records, end_time, end_step)
     met = [r for r in done if meets_slo(r, slo)]
     not_cancelled = [r for r in records if r.finish_reason != "cancelled"]
-    sizes = [b for b in batch_sizes(trace) if b]
+    sizes = [b for b in batch_sizes(trace) if b]  # one per step that ran the model
 
     def per_s(count: float) -> float | None:
         return count / span if span > 0 else None
@@ -289,12 +291,13 @@ def summarize(trace: Sequence[Any], records: Sequence[Any], slo: dict[str, float
         "errors": sum(1 for r in records if r.finish_reason == "error"),
         "deadline_missed": sum(1 for r in records if r.finish_reason == "deadline"),
         "unfinished": sum(1 for r in records if r.finish_reason is None),
-        "num_steps": len(trace),
+        # steps that ran the model: not the empty ones of dynamic batching waiting on the clock
+        "num_steps": len(sizes),
         "duration_s": span,
         "output_tokens": output_tokens,
         "output_tokens_per_s": per_s(output_tokens),
         "requests_per_s": per_s(len(done)),
-        "output_tokens_per_step": output_tokens / len(trace) if trace else None,
+        "output_tokens_per_step": output_tokens / len(sizes) if sizes else None,
         "decode_tokens_per_s": decode_tokens_per_s(trace),
         "host_time_fraction": host_time_fraction(trace),
         "ttft_s": percentiles(v for v in map(ttft, done) if v is not None),

@@ -334,9 +334,9 @@ def make_workload(num_requests: int = 32, prompt_lengths: Lengths | str | int = 
     prefix = random_prompt(shared_prefix_len, np.random.default_rng(0x5157), vocab_range) \
         if shared_prefix_len else []
     cancel = set()
-    if cancel_fraction > 0:
+    if cancel_fraction > 0:  # its own stream: the same seed draws the same prompts either way
         count = int(round(cancel_fraction * n))
-        cancel = set(rng.choice(n, count, replace=False).tolist())
+        cancel = set(np.random.default_rng([seed, 1]).choice(n, count, replace=False).tolist())
     requests = []
     for i in range(n):
         ids = prefix + random_prompt(prompt_lens[i], rng, vocab_range)
@@ -346,16 +346,16 @@ def make_workload(num_requests: int = 32, prompt_lengths: Lengths | str | int = 
             cancel_after_tokens=cancel_after_tokens if i in cancel else None))
     declaration = {
         "workload": name, "num_requests": n, "seed": seed,
-        "arrival_process": arrival if arrival != "gamma" or burstiness != 1.0 else "poisson",
+        "arrival_process": f"gamma (shape={burstiness})" if arrival == "gamma" else arrival,
         "rate_rps": rate if arrival in ("poisson", "gamma") else None,
-        "burstiness": burstiness if arrival in ("poisson", "gamma") else None,
+        # Poisson gaps are exponential whatever `burstiness` says (arrival_times)
+        "burstiness": {"poisson": 1.0, "gamma": burstiness}.get(arrival),
         "prompt_lengths": prompt_dist.describe(), "output_lengths": output_dist.describe(),
         "shared_prefix_len": shared_prefix_len, "vocab_range": list(vocab_range),
         "cancel_fraction": cancel_fraction,
+        "cancel_after_tokens": cancel_after_tokens if cancel else None,
         "output_lengths_exact": True,  # submit() sets ignore_eos and max_tokens
     }
-    if arrival == "gamma":
-        declaration["arrival_process"] = f"gamma (shape={burstiness})"
     return Workload(name, requests, declaration)
 
 
@@ -509,6 +509,10 @@ def submit(engine: Any, workload: Workload, temperature: float = 0.0,
     return ids
 
 
+def _arrival(req: WorkloadRequest) -> tuple[int, float]:
+    return req.arrival_step or 0, req.arrival_time or 0.0
+
+
 class _Feeder:
     """Hands requests to the engine when their arrival comes, like clients would, so the
     engine's pending list stays short however long the workload is."""
@@ -516,8 +520,8 @@ class _Feeder:
     def __init__(self, engine: Any, workload: Workload, temperature: float) -> None:
         self.engine = engine
         self.temperature = temperature
-        order = sorted(range(len(workload.requests)), key=lambda i: (
-            workload.requests[i].arrival_step or 0, workload.requests[i].arrival_time or 0.0, i))
+        order = sorted(range(len(workload.requests)),
+                       key=lambda i: (*_arrival(workload.requests[i]), i))
         self.queue = [(i, workload.requests[i]) for i in order]
         self.next = 0
         self.ids: dict[int, str] = {}
@@ -528,11 +532,21 @@ class _Feeder:
         return (req.arrival_time or 0.0) <= self.engine.clock()
 
     def feed(self) -> None:
-        while self.next < len(self.queue) and (self.due(self.queue[self.next][1])
-                                               or not self.engine.has_unfinished()):
-            i, req = self.queue[self.next]
-            self.ids[i] = _add(self.engine, req, i, self.temperature)
-            self.next += 1
+        """Hand the engine every request due by now; an idle engine also gets the next arrival
+        and every request arriving with it (the engine waits for them: a tie fed one loop later
+        would queue a step behind its twins on a free engine)."""
+        if self.next < len(self.queue) and not self.engine.has_unfinished():
+            first = self.queue[self.next][1]
+            while self.next < len(self.queue) and _arrival(self.queue[self.next][1]) \
+                    == _arrival(first):
+                self._add_next()
+        while self.next < len(self.queue) and self.due(self.queue[self.next][1]):
+            self._add_next()
+
+    def _add_next(self) -> None:
+        i, req = self.queue[self.next]
+        self.ids[i] = _add(self.engine, req, i, self.temperature)
+        self.next += 1
 
     @property
     def exhausted(self) -> bool:
@@ -589,7 +603,7 @@ def run_workload(engine: Any, workload: Workload, progress: bool | Any = False,
                 raise RuntimeError(f"the policy scheduled nothing for {idle} steps while "
                                    f"requests wait: {[r.request_id for r in engine.waiting][:5]}")
             if not record.members and not engine.running \
-                    and engine.config.batch_timeout_in_seconds:
+                    and engine.waits_on_clock:
                 getattr(engine, "_sleep", time.sleep)(0.001)  # a dynamic batch's timeout
     finally:
         gc.set_threshold(*thresholds)

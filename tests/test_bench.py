@@ -89,6 +89,7 @@ def test_bench_compare_hf_and_single_stream(tiny_llama_dir, tmp_path, capsys):
     single = results["single"]["single_stream"]
     assert single["decode_tokens_per_s"] > 0 and single["prefill_tokens_per_s"] > 0
     assert results["single"]["hf_single_stream"]["decode_tokens_per_s"] > 0
+    assert data["declaration"]["compare"]["dtype"] == "float32"  # minicb's, on the CPU
     printed = capsys.readouterr().out
     assert "hf generate batch-1" in printed
     if data["declaration"]["model"]["prepacked"]:  # the float32 CPU default, where oneDNN is
@@ -140,6 +141,12 @@ def test_a_warm_cache_holds_the_shared_prefix_not_the_questions(tmp_path):
     (["--quantization", "int8"], "--quantization needs --executor real"),
     (["--dtype", "bfloat16"], "--dtype needs --executor real"),
     (["--slo-ttft", "-1"], "positive"),
+    (["--slo-ttft", "nan"], "positive"),
+    # --compare hf only at the same load and quality: refused before any model loads
+    (["--executor", "real", "--compare", "hf", "--quantization", "int8"], "same quality"),
+    (["--executor", "real", "--compare", "hf", "--cancel-fraction", "0.2"], "cannot cancel"),
+    (["--executor", "real", "--compare", "hf", "--workload", "shared-prefix",
+      "--cache-state", "warm"], "start cold"),
 ])
 def test_bench_refuses_bad_flags(argv, message, capsys):
     assert bench.main_bench(["--executor", "sim", "--no-progress", *argv]) == 2
@@ -161,6 +168,26 @@ def test_sweep_finds_the_best_goodput(tmp_path, capsys):
     assert len(data["rows"]) == 5 and len(data["skipped"]) == 1
     assert data["declaration"]["simulated"] is True
     assert "best:" in capsys.readouterr().out
+    budget = data["declaration"]["token_budget"]  # the grid, not EngineConfig's defaults
+    assert budget["max_num_batched_tokens"] == [8, 64, 512] and budget["chunk_size"] == [64]
+    assert data["declaration"]["concurrency"]["max_num_seqs"] == [4, 16]
+
+
+def test_dynamic_waits_on_the_clock_and_declares_its_timeout(tmp_path):
+    """Arrivals in seconds: dynamic batching's timeout is in seconds (counted in steps, an idle
+    engine's empty steps cost nothing and dynamic formed its batches when static did). At 0.2
+    requests/s on the simulated H100 every request arrives to an idle engine: static serves it
+    at once, dynamic waits the timeout for company that does not come."""
+    out = tmp_path / "dyn.json"
+    assert bench.main_bench(["--executor", "sim", "--workload", "low-rate", "--rate", "0.2",
+                             "--num-requests", "6", "--policy", "static,dynamic",
+                             "--batch-timeout", "0.2", "--out", str(out),
+                             "--no-progress"]) == 0
+    data = json.loads(out.read_text())
+    assert data["declaration"]["policy_options"]["batch_timeout"] == "0.2 s (dynamic)"
+    static, dynamic = data["results"]["static"], data["results"]["dynamic"]
+    assert static["queue_s"]["p50"] < 0.01
+    assert dynamic["queue_s"]["p50"] == pytest.approx(0.2, abs=0.01)
 
 
 def test_profile_fits_and_the_fit_drives_the_simulator(tiny_llama_dir, tmp_path):
@@ -198,7 +225,7 @@ def test_hf_static_returns_each_batch_whole(tiny_llama_dir):
     batch's last token, as for minicb's static policy; TPOT still uses its own tokens."""
     from minicb import metrics
     from minicb.workload import Workload, WorkloadRequest
-    model = bench._hf_model(tiny_llama_dir, "cpu")
+    model = bench._hf_model(tiny_llama_dir, "cpu", torch.float32)
     workload = Workload("two", [WorkloadRequest(prompt_len=8, max_tokens=n, request_id=f"r{n}")
                                 for n in (3, 9)])
     records = bench.hf_static(model, workload, batch_size=2, progress=False)

@@ -121,7 +121,10 @@ def test_one_stall_shows_in_max_itl_but_not_in_pooled_itl():
 
 @pytest.mark.parametrize("slo, match", [({"latency": 1.0}, "slo keys"),
                                         ({"ttft": -1.0}, "positive"),
-                                        ({"tpot": "fast"}, "positive")])
+                                        ({"tpot": "fast"}, "positive"),
+                                        ({"ttft": float("nan")}, "positive"),
+                                        ({"e2e": float("inf")}, "positive"),
+                                        ({"itl": True}, "positive")])
 def test_bad_slo_is_refused(slo, match):
     with pytest.raises(ValueError, match=match):
         metrics.summarize([], hand_records(), slo=slo)
@@ -220,6 +223,10 @@ def test_dead_slots_batch_sizes_host_time_decode_speed():
     assert metrics.host_time_fraction(trace) == approx(1 - 1.0 / 2.0)
     assert metrics.decode_tokens_per_s(trace) == approx(3 / 1.0)  # steps 2 and 3 only
     assert metrics.host_time_fraction([]) is None and metrics.decode_tokens_per_s([]) is None
+    # dynamic batching waiting on the clock: steps that scheduled nothing ran no model
+    waiting = [step(4, [], 2.0, 2.001, 0.0), step(5, [], 2.001, 2.002, 0.0)]
+    s = metrics.summarize(trace + waiting, hand_records())
+    assert s["num_steps"] == 3 and s["mean_batch_size"] == approx(5 / 3)
 
 
 def test_queue_age_counts_requests_never_scheduled():

@@ -237,3 +237,35 @@ def test_step_arrivals_never_have_negative_queue_time():
     run_workload(engine, get_workload("seed-r1-r4"))
     for r in engine.request_records():
         assert metrics.queue_time(r) >= 0.0 and metrics.ttft(r) >= 0.0
+
+
+def test_requests_arriving_together_on_an_idle_engine_start_together():
+    """Arrivals at 0, 10, 10, 10: the engine is idle at 10, and the three tied requests join
+    the same first step (fed one at a time, two of them queued a step behind the first)."""
+    w = make_workload(4, prompt_lengths=8, output_lengths=2, arrival="times",
+                      arrival_times_s=[0.0, 10.0, 10.0, 10.0])
+    engine = make_sim_engine("h100-like", policy="continuous")
+    run_workload(engine, w)
+    late = [r for r in engine.request_records() if r.arrival_time == 10.0]
+    assert len({r.first_scheduled_step for r in late}) == 1
+    assert all(metrics.queue_time(r) == 0.0 for r in late)
+
+
+def test_declaration_says_what_was_drawn():
+    """Poisson gaps are exponential whatever `burstiness` says, so it declares 1.0; gamma names
+    its shape; cancellations declare their threshold and draw from their own stream, so the
+    same seed gives the same prompts with or without them."""
+    poisson = make_workload(4, prompt_lengths=4, output_lengths=2, arrival="poisson",
+                            rate=2.0, burstiness=0.25)
+    assert (poisson.declaration["arrival_process"], poisson.declaration["burstiness"]) \
+        == ("poisson", 1.0)
+    gamma = make_workload(4, prompt_lengths=4, output_lengths=2, arrival="gamma", rate=2.0,
+                          burstiness=1.0)
+    assert gamma.declaration["arrival_process"] == "gamma (shape=1.0)"
+    plain = make_workload(8, prompt_lengths="uniform:4:20", output_lengths=3, seed=5)
+    cancelling = make_workload(8, prompt_lengths="uniform:4:20", output_lengths=3, seed=5,
+                               cancel_fraction=0.5, cancel_after_tokens=2)
+    assert [r.prompt_token_ids for r in plain] == [r.prompt_token_ids for r in cancelling]
+    assert sum(r.cancel_after_tokens is not None for r in cancelling) == 4
+    assert cancelling.declaration["cancel_after_tokens"] == 2
+    assert plain.declaration["cancel_after_tokens"] is None
