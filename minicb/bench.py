@@ -533,7 +533,7 @@ def hf_static(model: Any, workload: Workload, batch_size: int, device: str = "cp
             records.append(RequestRecord(  # generate returns the batch whole, at its end
                 rid, len(prompts[i]), n, "length", arrivals[i], start, times[0],
                 times[n - 1], times[:n], None, None, None, None, [],
-                released_time=times[-1]))
+                released_time=times[-1], returned_whole=True))
         if bar is not None:
             bar.update(len(batch))
     if bar is not None:

@@ -1058,8 +1058,10 @@ def _records(seed: int, n: int = 12) -> list[RequestRecord]:
         record = RequestRecord(f"r{i}", rng.randint(4, 64), n_out, reason, arrival,
                                first_scheduled, times[0], times[-1], times, 1, 1, 1, 2,
                                list(range(1, n_out + 1)))
-        if reason in metrics.COMPLETED and rng.random() < 0.3:  # held in a static batch
-            record = replace(record, released_time=times[-1] + round(rng.uniform(0.1, 2), 3))
+        if reason in metrics.COMPLETED and rng.random() < 0.3:  # returned whole by a static
+            held = rng.random() < 0.7  # batch: held for a slower member, or the slowest itself
+            record = replace(record, returned_whole=True, released_time=times[-1] + (
+                round(rng.uniform(0.1, 2), 3) if held else 0.0))
         out.append(record)
     return out
 
@@ -1080,7 +1082,8 @@ def latencies(fn: Callable[[RequestRecord], dict[str, float | None]]) -> bool:
     refs = {"queue": metrics.queue_time, "ttft": metrics.ttft, "tpot": metrics.tpot,
             "e2e": metrics.e2e}
     meaning = {"queue": "first_scheduled_time - arrival_time",
-               "ttft": "first_token_time - arrival_time",
+               "ttft": "first_token_time - arrival_time; for a response returned whole "
+                       "(returned_whole), released_time - arrival_time",
                "tpot": "(finish_time - first_token_time) / (num_output_tokens - 1), None for "
                        "fewer than 2 tokens",
                "e2e": "released_time - arrival_time, where a released_time of None means the "
@@ -1099,6 +1102,7 @@ def latencies(fn: Callable[[RequestRecord], dict[str, float | None]]) -> bool:
                 shown = (f"arrival_time={rec.arrival_time}, first_scheduled_time="
                          f"{rec.first_scheduled_time}, first_token_time={rec.first_token_time}, "
                          f"finish_time={rec.finish_time}, released_time={rec.released_time}, "
+                         f"returned_whole={rec.returned_whole}, "
                          f"num_output_tokens={rec.num_output_tokens}")
                 _fail(name, f"record {rec.request_id} ({shown}): {key} should be {want!r} "
                             f"({meaning[key]}), yours is {got[key]!r}.")

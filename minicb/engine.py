@@ -561,7 +561,8 @@ class Engine:
         req.metrics.finish_time = self.clock()
         req.metrics.finish_step = self.step_count
         if was_running and self.scheduler.holds_finished_slots and reason in ("stop", "length"):
-            self._held.append(req)  # a static batch returns whole, when its last member ends
+            req.returned_whole = True  # a static batch returns whole, when its last member ends
+            self._held.append(req)
         else:
             self._release(req, req.metrics.finish_time)
         if self._held and self.scheduler.batch_done():  # its last member just left, for
@@ -696,5 +697,5 @@ class Engine:
                 list(m.token_times), m.arrival_step, m.first_scheduled_step, m.first_token_step,
                 m.finish_step, list(m.token_steps), r.num_cached_tokens, r.num_preemptions,
                 r.num_recomputed_tokens, r.priority, m.released_time, m.released_step,
-                r.tenant))
+                r.tenant, r.returned_whole))
         return out

@@ -5,10 +5,13 @@ Inputs are `engine.trace` (one `StepRecord` per step) and `engine.request_record
 
 Per request (seconds, and the same in steps where it makes sense):
     queue   first_scheduled - arrival
-    TTFT    first_token - arrival
+    TTFT    first token seen - arrival: the token's computation when the response streams; the
+            release when it returns whole (a static batch, chapter 02: its user sees no token
+            before the batch ends, so its TTFT is its E2E)
     ITL     gaps between consecutive token times (pooled over requests)
     max ITL one request's worst gap (its longest stall); percentiles over requests
     TPOT    (finish - first token) / (output tokens - 1); undefined for one-token outputs
+            (ITL and TPOT time the engine producing tokens, whether or not they stream)
     E2E     released - arrival: until the response reaches its user, which is the finish
             except under static batching, whose batch returns whole when its slowest member
             ends (chapter 02); records without a release time fall back to the finish
@@ -67,11 +70,20 @@ def queue_time(r: Any) -> float | None:
     return r.first_scheduled_time - r.arrival_time
 
 
+def first_token_seen(r: Any) -> tuple[float | None, int | None]:
+    """(seconds, step) at which the user saw the first token: when it was computed, except for
+    a response returned whole (a static batch, chapter 02), seen at its release."""
+    if getattr(r, "returned_whole", False):
+        return released(r)
+    return r.first_token_time, r.first_token_step
+
+
 def ttft(r: Any) -> float | None:
-    """Time to first token, seconds from arrival (chapter 05)."""
-    if r.arrival_time is None or r.first_token_time is None:
+    """Time to first token, seconds from arrival until the user saw it (chapter 05)."""
+    seen = first_token_seen(r)[0]
+    if r.arrival_time is None or seen is None:
         return None
-    return r.first_token_time - r.arrival_time
+    return seen - r.arrival_time
 
 
 def released(r: Any) -> tuple[float | None, int | None]:
@@ -306,7 +318,8 @@ def summarize(trace: Sequence[Any], records: Sequence[Any], slo: dict[str, float
         "tpot_s": percentiles(v for v in map(tpot, done) if v is not None),
         "e2e_s": percentiles(v for v in map(e2e, done) if v is not None),
         "queue_s": percentiles(v for v in map(queue_time, done) if v is not None),
-        "ttft_steps": percentiles(v for v in (steps_between(r.arrival_step, r.first_token_step)
+        "ttft_steps": percentiles(v for v in (steps_between(r.arrival_step,
+                                                            first_token_seen(r)[1])
                                               for r in done) if v is not None),
         "e2e_steps": percentiles(v for v in (steps_between(r.arrival_step, released(r)[1])
                                              for r in done) if v is not None),
@@ -342,7 +355,7 @@ def per_request(records: Sequence[Any]) -> list[dict[str, Any]]:
             "prompt_tokens": r.num_prompt_tokens, "output_tokens": r.num_output_tokens,
             "queue_s": queue_time(r), "ttft_s": ttft(r), "tpot_s": tpot(r), "e2e_s": e2e(r),
             "arrival_step": r.arrival_step,
-            "ttft_steps": steps_between(r.arrival_step, r.first_token_step),
+            "ttft_steps": steps_between(r.arrival_step, first_token_seen(r)[1]),
             "e2e_steps": steps_between(r.arrival_step, released(r)[1]),
             "preemptions": r.num_preemptions,
         })

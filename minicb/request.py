@@ -118,6 +118,7 @@ class Request:
     deadline: float | None = None  # seconds after arrival by which it must finish (chapter 06)
     tenant: str | None = None  # who sent it, for preemption="fair" (None: one shared tenant)
     num_scheduled_tokens: int = 0  # tokens computed for it, recomputation included: its service
+    returned_whole: bool = False  # its response reached the user all at once, at the release
 
     @property
     def deadline_time(self) -> float:

@@ -83,3 +83,6 @@ class RequestRecord:
     released_time: float | None = None  # the response reached the user (E2E ends here)
     released_step: int | None = None
     tenant: str | None = None
+    # the response reached its user all at once, at the release (a static batch, chapter 02):
+    # its first token too, so TTFT ends there
+    returned_whole: bool = False

@@ -389,6 +389,14 @@ def test_metric_bugs_are_caught():
 
     assert "released_time" in caught("latencies", e2e_to_the_finish)
 
+    def ttft_at_the_computation(record):  # a static batch's user sees no token before release
+        out = latencies(record)
+        if out["ttft"] is not None:
+            out["ttft"] = record.first_token_time - record.arrival_time
+        return out
+
+    assert "returned_whole" in caught("latencies", ttft_at_the_computation)
+
     per_tenant = solution("06_benchmarking.ipynb")["per_tenant"]
 
     def every_first_token(records):  # cancelled and failed requests' TTFTs counted too

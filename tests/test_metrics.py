@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -253,3 +254,21 @@ def test_evicted_pages_are_summed_over_the_steps():
     trace[1].pages_evicted, trace[2].pages_evicted = 2, 1
     assert metrics.summarize(trace, [])["evicted_pages"] == 3
     assert metrics.summarize([], [])["evicted_pages"] == 0
+
+
+def test_a_response_returned_whole_shows_its_first_token_at_the_release():
+    """A static batch returns whole: its user sees no token before the release, so TTFT ends
+    there (in seconds and in steps); ITL and TPOT still time the engine producing the tokens,
+    and a streamed response is unchanged."""
+    times = [1.0, 1.1, 1.2]
+    streamed = rec("s", 3, first=1.0, finish=1.2, times=times, arrival=0.5)
+    held = replace(streamed, request_id="h", returned_whole=True, released_time=3.0,
+                   arrival_step=1, first_token_step=2, finish_step=4, released_step=9)
+    assert metrics.ttft(streamed) == approx(0.5) and metrics.ttft(held) == approx(2.5)
+    assert metrics.ttft(held) == metrics.e2e(held)
+    assert metrics.tpot(held) == metrics.tpot(streamed) and metrics.itls(held) == approx([0.1] * 2)
+    in_steps = metrics.steps_between(1, 9)  # arrival step to release step, not to step 2
+    assert metrics.per_request([held])[0]["ttft_steps"] == in_steps == 9
+    assert metrics.summarize([], [held])["ttft_steps"]["p50"] == in_steps
+    assert metrics.meets_slo(streamed, {"ttft": 1.0}) and not metrics.meets_slo(held, {"ttft": 1.0})
+

@@ -67,6 +67,12 @@ def test_static_r4_waits_for_r2(make_engine):
     e2e_steps = {r["request_id"]: r["e2e_steps"] for r in metrics.per_request(
         engine.request_records())}
     assert e2e_steps == {"R1": 200, "R2": 200, "R3": 200, "R4": 190}  # R4: steps 31-220
+    # and its user saw no token before then, the slowest member's (R2, released at its
+    # finish) included: TTFT is E2E for every member
+    rows = metrics.per_request(engine.request_records())
+    assert all(r.returned_whole for r in engine.requests.values())
+    assert all(row["ttft_steps"] == row["e2e_steps"] and row["ttft_s"] == row["e2e_s"]
+               for row in rows)
 
 
 def test_iteration_level_policies_release_at_the_finish(make_engine):
@@ -74,6 +80,7 @@ def test_iteration_level_policies_release_at_the_finish(make_engine):
     for r in engine.requests.values():
         assert (r.metrics.released_step, r.metrics.released_time) == (
             r.metrics.finish_step, r.metrics.finish_time)
+        assert not r.returned_whole  # streamed: TTFT ends at the first token computed
     assert metrics.e2e(engine.request_records()[0]) == pytest.approx(
         engine.requests["R1"].metrics.finish_time - engine.requests["R1"].metrics.arrival_time)
 
@@ -87,6 +94,7 @@ def test_a_cancelled_static_member_is_released_at_once(make_engine):
         engine.step()
     engine.cancel("a")
     assert engine.requests["a"].metrics.released_step == 3
+    assert not engine.requests["a"].returned_whole
     engine.run()
     assert engine.requests["b"].metrics.released_step == engine.requests["b"].metrics.finish_step
 
