@@ -99,6 +99,9 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-pages", type=int, default=None)
     parser.add_argument("--page-size", type=int, default=None)
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--num-speculative-tokens", type=int, default=None,
+                        help="speculative decoding by prompt lookup: up to this many guessed "
+                             "tokens per decode step (chapter 08; default 0, off)")
     parser.add_argument("--batch-timeout", type=float, default=None,
                         help="dynamic: how long the oldest waiting request waits for a batch "
                              "to fill: seconds when arrivals are in seconds (default "
@@ -263,6 +266,9 @@ def executor_from_args(args: argparse.Namespace, device: str) -> Executor:
                              "weights (its cost model sets the step times)")
     if args.quantization and args.dtype != "auto":
         raise ValueError("--quantization int8 keeps float32 activations: leave --dtype auto")
+    if args.executor == "sim" and args.num_speculative_tokens:
+        raise ValueError("--num-speculative-tokens needs --executor real: the simulated model "
+                         "predicts one token forever, so every guess would be kept")
     return Executor(args.executor, args.model, device, args.cost_model, args.quantization,
                     args.dtype)
 
@@ -309,7 +315,7 @@ def engine_options(args: argparse.Namespace, workload: Workload) -> dict[str, An
     # tables (for pictures) would cost more than a simulated step and grow with the run
     options: dict[str, Any] = {"trace_snapshots": False, **workload.recommended}
     for key in ("max_num_seqs", "max_num_batched_tokens", "chunk_size", "min_chunk",
-                "num_pages", "page_size"):  # each flag is named after its option
+                "num_pages", "page_size", "num_speculative_tokens"):  # flags named as options
         value = getattr(args, key, None)
         if value is not None:
             options[key] = value
@@ -352,6 +358,7 @@ def declaration(args: argparse.Namespace, workload: Workload, executor: Executor
         "policy": policies,
         "policy_options": {
             "preemption": cfg.preemption, "priority_aging_steps": cfg.priority_aging_steps,
+            "num_speculative_tokens": cfg.num_speculative_tokens,
             "batch_timeout": f"{cfg.batch_timeout} "
                              f"{'s' if cfg.batch_timeout_in_seconds else 'steps'} (dynamic)"},
         "token_budget": {"max_num_batched_tokens": cfg.max_num_batched_tokens,
@@ -723,6 +730,9 @@ def _print_extra(name: str, summary: dict[str, Any]) -> None:
                      f"{_fmt(summary['short_p_s'])} s")
     if summary.get("dead_slot_steps"):
         parts.append(f"dead slot-steps={summary['dead_slot_steps']}")
+    if summary.get("draft_tokens"):
+        parts.append(f"guessed tokens={summary['draft_tokens']}, kept "
+                     f"{summary['draft_acceptance_rate']:.0%}")
     if summary.get("cancelled") or summary.get("errors"):
         parts.append(f"cancelled={summary['cancelled']} errors={summary['errors']}")
     if summary.get("max_queue_age_s") is not None:

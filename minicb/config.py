@@ -125,6 +125,11 @@ class EngineConfig:
     quantization: str | None = None
     use_cuda_graphs: bool = True
     gpu_memory_utilization: float = 0.9
+    # speculative decoding by prompt lookup (chapter 08): up to this many guessed tokens per
+    # decode member and step, checked by the same forward; 0 turns it off
+    num_speculative_tokens: int = 0
+    prompt_lookup_max: int = 4  # the longest run of last tokens looked up in the request
+    prompt_lookup_min: int = 2  # the shortest
 
     def __post_init__(self) -> None:
         self.validate()
@@ -187,6 +192,17 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
                              f">= min_chunk ({self.min_chunk}) under policy 'pd', or a chunk "
                              f"that size never fits a step and prefills never start")
+        if not isinstance(self.num_speculative_tokens, int) or isinstance(
+                self.num_speculative_tokens, bool) or self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be an integer >= 0, "
+                             f"got {self.num_speculative_tokens!r}")
+        for name in ("prompt_lookup_max", "prompt_lookup_min"):
+            if not is_positive_int(getattr(self, name)):
+                raise ValueError(f"{name} must be a positive integer, got "
+                                 f"{getattr(self, name)!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
         if self.device != "auto":
             check_device(self.device)
 

@@ -31,6 +31,7 @@ from minicb.scheduler import (
     make_scheduler,
     queue_rank,
 )
+from minicb.speculative import propose_ngram, verify
 from minicb.trace import Member, RequestRecord, StepRecord
 
 WHOLE_PROMPT_POLICIES = ("single", "static", "dynamic", "continuous")
@@ -377,7 +378,9 @@ class Engine:
                                self.step_count, t_start, self.free_slots, self.tenant_service)
         batch = self.scheduler.schedule(ctx)
         self._validate(batch)
-        items = sorted(batch.items, key=lambda item: item[1] != 1)  # decode rows first
+        drafts = self._propose_drafts(batch) if self.config.num_speculative_tokens else {}
+        items = sorted(((r, n + len(drafts.get(r.request_id, ()))) for r, n in batch.items),
+                       key=lambda item: item[1] != 1)  # decode rows first
         for req, _ in items:
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = t_start
@@ -389,15 +392,14 @@ class Engine:
         t_forward = 0.0
         sampled: list[str] = []
         finished: list[str] = []
+        speculated: dict[str, tuple[int, int]] = {}
         if items:
             try:
                 t0 = self._now()
                 with self._on_device():
-                    to_sample, logits = self._forward(items)
+                    to_sample, logits = self._forward(items, drafts)
                 t_forward = self._now() - t0
-                tokens = sample(logits, [r.params for r in to_sample],
-                                [self._generators[r.request_id] for r in to_sample],
-                                [self._banned_tokens(r) for r in to_sample])
+                tokens = self._sample(to_sample, logits, drafts)
             except Exception as exc:  # contain the fault: fail this step's requests only
                 message = f"{type(exc).__name__}: {exc}"
                 for req, _ in items:
@@ -406,15 +408,21 @@ class Engine:
                     finished.append(req.request_id)
                 items, to_sample, tokens = [], [], []
             for req, num_tokens in items:
-                req.num_computed_tokens += num_tokens
                 req.num_scheduled_tokens += num_tokens
                 self.tenant_service[req.tenant] += num_tokens
+                if req.request_id in drafts:
+                    continue  # advances by the guesses the model keeps (below)
+                req.num_computed_tokens += num_tokens
                 if req.num_computed_tokens <= req.num_prompt_tokens:
                     self.pool.register_prompt_pages(req.prompt_token_ids, req.page_table,
                                                     req.num_computed_tokens, req.page_hashes)
             now = self.clock()
-            for req, token in zip(to_sample, tokens):
-                self._append_token(req, token, now)
+            for req, new_tokens in zip(to_sample, tokens):
+                kept = self._append_tokens(req, new_tokens, now)
+                draft = drafts.get(req.request_id)
+                if draft is not None:  # its cache now holds its last token and the kept
+                    req.num_computed_tokens += kept  # guesses before the newest token
+                    speculated[req.request_id] = (len(draft), len(new_tokens) - 1)
                 sampled.append(req.request_id)
 
         # 4. reclaim
@@ -434,7 +442,7 @@ class Engine:
             t_start=t_start, t_end=self.clock(), arrived=arrived, sampled=sampled,
             t_forward=t_forward, pages_total=self.pool.num_pages,
             num_waiting=len(self.waiting), snapshots=self.config.trace_snapshots,
-            pages_evicted=self.pool.num_evicted - evicted_before)
+            pages_evicted=self.pool.num_evicted - evicted_before, speculated=speculated)
         if self.config.trace_snapshots:
             record.waiting = [r.request_id for r in self.waiting]
             record.page_tables = {r.request_id: list(r.page_table) for r in self.running}
@@ -468,9 +476,52 @@ class Engine:
                 f"a row while requests wait or run: {stuck}. A scheduler must schedule work "
                 f"when it can; check its settings (e.g. min_chunk against the token budget)")
 
-    def _forward(self, items: list[tuple[Request, int]]) -> tuple[list[Request], torch.Tensor]:
+    def _propose_drafts(self, batch: ScheduledBatch) -> dict[str, list[int]]:
+        """Speculative decoding (chapter 08): for decode members, up to num_speculative_tokens
+        tokens guessed by prompt lookup, within the token budget the policy left and the free
+        pages; the step runs each member's last token and its guesses as one causal chunk."""
+        cfg = self.config
+        room = cfg.max_num_batched_tokens - batch.num_tokens
+        drafts: dict[str, list[int]] = {}
+        for req, num_tokens in batch.items:
+            left = req.params.max_tokens - len(req.output_token_ids) - 1  # after this token
+            k = min(cfg.num_speculative_tokens, room, left)
+            if k < 1 or num_tokens != 1 or req.is_prefill \
+                    or len(req.output_token_ids) < req.params.min_tokens:  # bans: one at a time
+                continue
+            draft = propose_ngram(req.all_token_ids, k, cfg.prompt_lookup_max,
+                                  cfg.prompt_lookup_min)
+            need = self.pool.pages_needed(req.num_tokens + len(draft)) - len(req.page_table)
+            if not draft or need > self.pool.num_available:
+                continue
+            if need > 0:
+                req.page_table.extend(self.pool.allocate(need))
+            drafts[req.request_id] = draft
+            room -= len(draft)
+        return drafts
+
+    def _sample(self, reqs: list[Request], logits: torch.Tensor,
+                drafts: dict[str, list[int]]) -> list[list[int]]:
+        """The new tokens of each request: one sampled token, or for a request with guesses,
+        the ones the model keeps and one of its own (`speculative.verify`)."""
+        generators = [self._generators[r.request_id] for r in reqs]
+        if not drafts:  # one logit row each
+            return [[t] for t in sample(logits, [r.params for r in reqs], generators,
+                                        [self._banned_tokens(r) for r in reqs])]
+        out, row = [], 0
+        for req, generator in zip(reqs, generators):
+            draft = drafts.get(req.request_id, [])
+            rows = logits[row:row + len(draft) + 1]
+            out.append(verify(rows, draft, req.params, generator) if draft else
+                       sample(rows, [req.params], [generator], [self._banned_tokens(req)]))
+            row += len(draft) + 1
+        return out
+
+    def _forward(self, items: list[tuple[Request, int]], drafts: dict[str, list[int]]
+                 ) -> tuple[list[Request], torch.Tensor]:
         """Flatten the members into one token batch, run the model once, return the requests to
-        sample and their logits (one row each: the last position of each finishing member)."""
+        sample and their logits: one row each (the last position of each finishing member), or,
+        for a member with guesses, one per position from its last token on."""
         if self._failure_hook is not None:
             self._failure_hook(items)
         runner = self.graph_runner
@@ -483,10 +534,11 @@ class Engine:
         to_sample: list[Request] = []
         for req, n in items:
             start = req.num_computed_tokens
-            input_ids.extend(req.token_ids_slice(start, start + n))
+            draft = drafts.get(req.request_id, [])
+            input_ids.extend(req.token_ids_slice(start, start + n - len(draft)) + draft)
             positions.extend(range(start, start + n))
-            if start + n == req.num_tokens:
-                logit_rows.append(len(input_ids) - 1)
+            if start + n - len(draft) == req.num_tokens:
+                logit_rows.extend(range(len(input_ids) - len(draft) - 1, len(input_ids)))
                 to_sample.append(req)
         if self.model.attention_backend_name != self.attention_backend:
             self.model.set_attention_backend(self.attention_backend)  # engines may share a model
@@ -510,6 +562,14 @@ class Engine:
                             positions,
                             slots, [p + 1 for p in positions], [r.page_table for r in reqs])
         return reqs, logits
+
+    def _append_tokens(self, req: Request, tokens: list[int], now: float) -> int:
+        """Append a step's new tokens up to the first that ends the request; how many."""
+        for count, token in enumerate(tokens, 1):
+            self._append_token(req, token, now)
+            if self._stop_reason(req):
+                return count
+        return len(tokens)
 
     def _append_token(self, req: Request, token: int, now: float) -> None:
         req.output_token_ids.append(token)
@@ -645,9 +705,10 @@ class Engine:
             return
         cfg = self.config
         for m in record.members:
-            if m.kind == "decode" and m.num_tokens != 1:
+            guessed = record.speculated.get(m.request_id, (0, 0))[0]
+            if m.kind == "decode" and m.num_tokens != 1 + guessed:
                 raise InvariantError(f"step {step}: request {m.request_id!r}: decode advanced "
-                                     f"{m.num_tokens} tokens, not 1")
+                                     f"{m.num_tokens} tokens, not 1 + {guessed} guessed")
             if self.enforce_budget and m.kind == "prefill" \
                     and m.num_tokens > cfg.chunk_size:
                 raise InvariantError(f"step {step}: request {m.request_id!r}: chunk of "

@@ -182,6 +182,17 @@ def batch_sizes(trace: Sequence[Any]) -> list[int]:
     return [sum(1 for m in rec.members if m.num_tokens > 0) for rec in trace]
 
 
+def speculation(trace: Sequence[Any]) -> dict[str, Any]:
+    """Speculative decoding (chapter 08): tokens guessed, guesses the model kept, and the share
+    kept (None when nothing was guessed)."""
+    guessed = kept = 0
+    for rec in trace:
+        for drafted, accepted in getattr(rec, "speculated", {}).values():
+            guessed, kept = guessed + drafted, kept + accepted
+    return {"draft_tokens": guessed, "accepted_draft_tokens": kept,
+            "draft_acceptance_rate": kept / guessed if guessed else None}
+
+
 def tokens_per_step(trace: Sequence[Any]) -> list[tuple[int, int]]:
     """(prefill tokens, decode tokens) per step: the token budget picture (chapters 04-05)."""
     return [(rec.num_prefill_tokens, rec.num_decode_tokens) for rec in trace]
@@ -311,6 +322,7 @@ def summarize(trace: Sequence[Any], records: Sequence[Any], slo: dict[str, float
         "requests_per_s": per_s(len(done)),
         "output_tokens_per_step": output_tokens / len(sizes) if sizes else None,
         "decode_tokens_per_s": decode_tokens_per_s(trace),
+        **speculation(trace),
         "host_time_fraction": host_time_fraction(trace),
         "ttft_s": percentiles(v for v in map(ttft, done) if v is not None),
         "itl_s": percentiles(g for r in done for g in itls(r)),

@@ -44,16 +44,17 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
             if torch.isfinite(row).any():  # else nothing else could follow: keep the row
                 logits[i] = row
     greedy = torch.argmax(logits, dim=-1).tolist()
-    tokens = []
-    for i, p in enumerate(params):
-        if p.greedy:
-            tokens.append(greedy[i])
-            continue
-        # shifted first: the largest logit is 0, so a tiny temperature cannot overflow to inf
-        row = (logits[i] - logits[i].max()) / p.temperature
-        row = filter_logits(row, p.top_k, p.top_p)
-        tokens.append(draw(torch.softmax(row, dim=-1).cpu(), generators[i]))
-    return tokens
+    return [greedy[i] if p.greedy else draw(probabilities(logits[i], p), generators[i])
+            for i, p in enumerate(params)]
+
+
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a sampled request draws from: one row of logits [vocab] under its
+    temperature, top-k and top-p, as float32 on the CPU."""
+    # shifted first: the largest logit is 0, so a tiny temperature cannot overflow to inf
+    row = (logits.float() - logits.max()) / params.temperature
+    row = filter_logits(row, params.top_k, params.top_p)
+    return torch.softmax(row, dim=-1).cpu()
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:

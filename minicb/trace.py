@@ -38,6 +38,9 @@ class StepRecord:
     cached_pages: list[int] = field(default_factory=list)  # unreferenced, kept for reuse*
     num_waiting: int = 0  # len(waiting), kept even without snapshots
     pages_evicted: int = 0  # cached prefix pages evicted to make room during this step
+    # speculative decoding (chapter 08): decode member id -> (tokens guessed, guesses the model
+    # kept); the member's num_tokens counts its last token and every guess
+    speculated: dict[str, tuple[int, int]] = field(default_factory=dict)
     snapshots: bool = True  # False: the engine ran with trace_snapshots=False, so the fields
     # marked * are empty (the pictures that need them say so)
 

@@ -142,6 +142,7 @@ def test_a_warm_cache_holds_the_shared_prefix_not_the_questions(tmp_path):
     (["--dtype", "bfloat16"], "--dtype needs --executor real"),
     (["--slo-ttft", "-1"], "positive"),
     (["--slo-ttft", "nan"], "positive"),
+    (["--num-speculative-tokens", "3"], "every guess would be kept"),
     # --compare hf only at the same load and quality: refused before any model loads
     (["--executor", "real", "--compare", "hf", "--quantization", "int8"], "same quality"),
     (["--executor", "real", "--compare", "hf", "--cancel-fraction", "0.2"], "cannot cancel"),
