@@ -87,7 +87,8 @@ async def _one(client: httpx.AsyncClient, url: str, payload: dict, request_id: s
                             token_times.append(time.perf_counter() - t0)
                             num_tokens += n
                         finish = choice.get("finish_reason") or finish
-                    if cancel_after is not None and num_tokens >= cancel_after:
+                    # cancel, unless the chunk that reached the count also finished it
+                    if cancel_after is not None and num_tokens >= cancel_after and not finish:
                         finish = "cancelled"  # leaving the block closes the connection
                         break
     except (httpx.HTTPError, json.JSONDecodeError):
@@ -160,7 +161,8 @@ def bench_endpoint(endpoint: str, workload: Any, label: str | None = None,
                    slo: dict[str, float] | None = None) -> dict[str, Any]:
     """Run `workload` against a server; returns `{"declaration", "results": {label: summary},
     "records"}` in the results schema of `python -m minicb bench` (chapter 06). The summary is
-    `minicb.metrics.summarize` over the client's records (no trace: step metrics are None)."""
+    `minicb.metrics.summarize` over the client's records (no trace: step metrics are None, and so
+    is the queue age, which the client cannot see)."""
     if model is None:
         listing = httpx.get(completions_url(endpoint).rsplit("/completions", 1)[0] + "/models",
                             timeout=10.0)
@@ -172,8 +174,12 @@ def bench_endpoint(endpoint: str, workload: Any, label: str | None = None,
     declaration = {**workload.declaration, "endpoint": endpoint, "model": model,
                    "measured_at": "client (streamed /v1/completions)",
                    "temperature": temperature, "httpx": httpx.__version__}
-    return {"declaration": declaration,
-            "results": {label or endpoint: metrics.summarize([], records, slo)},
+    summary = metrics.summarize([], records, slo)
+    if all(r.first_scheduled_time is None for r in records):
+        # queue time is invisible from outside: summarize's fallback (the finish time) would
+        # report the largest E2E as the oldest wait
+        summary["max_queue_age_s"] = summary["max_queue_age_steps"] = None
+    return {"declaration": declaration, "results": {label or endpoint: summary},
             "records": [r.__dict__ for r in records]}
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 from minicb.config import EngineConfig
 from minicb.engine import Engine
@@ -16,6 +17,45 @@ def is_conversation(messages: object) -> bool:
     chat template needs (LLM.chat and the server's /v1/chat/completions check the same)."""
     return isinstance(messages, (list, tuple)) and bool(messages) and all(
         isinstance(m, dict) and "role" in m and "content" in m for m in messages)
+
+
+class IncrementalDecoder:
+    """One request's output text, decoded as its tokens arrive (vLLM's incremental detokenizer):
+    each call decodes only a short window of recent tokens, so a request of n tokens costs O(n)
+    decoding, not the O(n^2) of decoding its whole output after every step. The text always
+    equals `tokenizer.decode(token_ids, skip_special_tokens=True)` of the tokens read so far, up
+    to a character still incomplete (a UTF-8 sequence split across tokens), held back until it
+    completes or the request ends."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.text = ""  # decoded so far
+        # token indices: the window starts at `prefix_offset`; `text` covers tokens up to
+        # `read_offset`. Both lie where the decoded text ended with a whole character, so a
+        # decode from there joins the text before it exactly.
+        self.prefix_offset = self.read_offset = 0
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def step(self, token_ids: list[int], final: bool = False) -> str:
+        """Read the output so far (`token_ids`: all of it); returns the text it adds. `final`:
+        the request has ended, so an incomplete last character is given as it stands."""
+        if self.read_offset >= len(token_ids) and not final:
+            return ""
+        # the window starts a little before the new tokens: a tokenizer that decodes a token
+        # differently at the start (a stripped leading space) does so in both decodes below
+        prefix = self._decode(token_ids[self.prefix_offset:self.read_offset])
+        window = self._decode(token_ids[self.prefix_offset:])
+        if window.endswith("\ufffd") and not final:
+            return ""  # wait for the rest of the character
+        if window.startswith(prefix):
+            delta = window[len(prefix):]
+        else:  # a window decode that rewrites its prefix (cleaned-up spaces): decode it all
+            delta = self._decode(token_ids)[len(self.text):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(token_ids)
+        self.text += delta
+        return delta
 
 
 class LLM:
@@ -84,7 +124,7 @@ class LLM:
         """Yield `(request_id, new_token_ids, text_delta)` as each step produces tokens."""
         ids = self._add_all(prompts, params)
         sent_tokens = {rid: 0 for rid in ids}
-        sent_text = {rid: "" for rid in ids}
+        decoders = {rid: IncrementalDecoder(self.tokenizer) for rid in ids}
         try:
             while any(not self.engine.requests[rid].is_finished for rid in ids):
                 record = self.engine.step()
@@ -94,13 +134,8 @@ class LLM:
                     req = self.engine.requests[rid]
                     new = req.output_token_ids[sent_tokens[rid]:]
                     sent_tokens[rid] = len(req.output_token_ids)
-                    delta = ""
-                    if self.tokenizer is not None:
-                        text = self.tokenizer.decode(req.output_token_ids,
-                                                     skip_special_tokens=True)
-                        if not text.endswith("\ufffd"):  # wait for a whole UTF-8 character
-                            delta = text[len(sent_text[rid]):]
-                            sent_text[rid] = text
+                    delta = "" if self.tokenizer is None else \
+                        decoders[rid].step(req.output_token_ids, final=req.is_finished)
                     yield rid, new, delta
         finally:  # a consumer that stops early cancels what it no longer reads
             for rid in ids:

@@ -36,7 +36,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from minicb.config import QUANTIZATIONS, is_finite_number
-from minicb.llm import is_conversation
+from minicb.llm import IncrementalDecoder, is_conversation
 from minicb.request import SamplingParams
 
 # vLLM's bucket edges, in seconds
@@ -85,6 +85,7 @@ class _Stream:
     job: Job
     loop: asyncio.AbstractEventLoop
     stop: tuple[str, ...]
+    decoder: IncrementalDecoder | None  # None: the model has no tokenizer
     sent_tokens: int = 0
     text: str = ""  # decoded so far (truncated at a stop string)
     sent_text: int = 0  # characters of `text` already sent
@@ -127,12 +128,13 @@ class EngineWorker:
     oldest are dropped with `Engine.forget`)."""
 
     def __init__(self, engine: Any, max_queue: int | None = None,
-                 max_trace: int = 200_000, max_finished: int = 10_000) -> None:
+                 max_trace: int = 10_000, max_finished: int = 10_000) -> None:
         self.engine = engine
         self.max_queue = max_queue
         self.max_trace = max_trace
         self.max_finished = max_finished
         self._finished_ids: deque[str] = deque()  # oldest first, still in engine.requests
+        self._last_step = engine.step_count  # the last step whose record was counted
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.capacity = engine.pool.num_pages * engine.pool.page_size
@@ -181,7 +183,17 @@ class EngineWorker:
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put(("add", prompt, messages, params, stop, request_id, tenant, priority,
                             sink, future))
-        return await asyncio.wrap_future(future)
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:  # the caller stopped waiting (timeout, disconnect)
+            # the engine thread may be adding it right now: cancel the request it makes
+            future.add_done_callback(self._cancel_unwanted)
+            raise
+
+    def _cancel_unwanted(self, future: concurrent.futures.Future) -> None:
+        """Done-callback of a submit nobody awaits any more: cancel the request it made."""
+        if not future.cancelled() and future.exception() is None:
+            self.cancel(future.result().request_id)
 
     def cancel(self, request_id: str) -> None:
         """Cancel a request (its client went away): its pages return at the engine's next
@@ -235,11 +247,14 @@ class EngineWorker:
                     commands.append(self._commands.get_nowait())
                 except queue.Empty:
                     break
-            try:
-                for cmd in commands:
-                    if cmd[0] == "stop":
-                        return
+            for cmd in commands:
+                if cmd[0] == "stop":
+                    return
+                try:  # each on its own: one command's fault must not drop the others
                     self._handle(cmd)
+                except Exception:  # noqa: BLE001 - a bug: log it, keep serving
+                    self._log_fault()
+            try:
                 if self.engine.has_unfinished():
                     self._step()
                     time.sleep(0)  # let the HTTP thread take the GIL and send the tokens
@@ -247,11 +262,15 @@ class EngineWorker:
                 self._fail_all()
             self.snapshot = dict(self.engine.stats())
 
-    def _fail_all(self) -> None:
-        """Something raised on the engine thread: log it, end every open request with an
-        error, and keep serving."""
+    def _log_fault(self) -> None:
+        """Keep and print the traceback of the exception being handled."""
         self.last_error = traceback.format_exc()
         print(self.last_error, flush=True)
+
+    def _fail_all(self) -> None:
+        """A step raised on the engine thread: log it, end every open request with an error,
+        and keep serving."""
+        self._log_fault()
         for rid, stream in list(self._streams.items()):
             self._send(stream, Event([], "", "error", "engine error: see the server log"))
             try:
@@ -261,22 +280,23 @@ class EngineWorker:
 
     def _handle(self, cmd: tuple) -> None:
         kind = cmd[0]
-        if kind == "add":
-            future = cmd[-1]
-            try:
-                future.set_result(self._add(*cmd[1:-1]))
-            except ValueError as exc:  # InvalidRequest, or the engine's own ValueError
-                future.set_exception(exc if isinstance(exc, InvalidRequest)
-                                     else InvalidRequest(str(exc)))
-            except Exception as exc:  # noqa: BLE001 - QueueFull, or a bug: the handler answers
-                future.set_exception(exc)
-        elif kind == "cancel":
+        if kind == "cancel":
             self._cancel(cmd[1], "cancelled")
-        elif kind == "call":
-            try:
-                cmd[2].set_result(cmd[1](self.engine))
-            except Exception as exc:  # noqa: BLE001
-                cmd[2].set_exception(exc)
+            return
+        future = cmd[-1]
+        # False: its caller stopped waiting while it was queued, so nobody wants it; True: it
+        # can no longer be cancelled, so setting its result below cannot raise
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            result = self._add(*cmd[1:-1]) if kind == "add" else cmd[1](self.engine)
+        except Exception as exc:  # noqa: BLE001 - bad input, QueueFull, a bug: the caller answers
+            if kind == "add" and isinstance(exc, ValueError) \
+                    and not isinstance(exc, InvalidRequest):
+                exc = InvalidRequest(str(exc))  # the engine refused the caller's input
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
 
     def _add(self, prompt, messages, params, stop, request_id, tenant, priority, sink) -> Job:
         engine = self.engine
@@ -325,7 +345,8 @@ class EngineWorker:
             raise InvalidRequest(message, field_name,
                                  "context_length_exceeded" if fits else None) from None
         job = Job(rid, len(token_ids), sink[1])
-        self._streams[rid] = _Stream(job, sink[0], tuple(stop))
+        decoder = IncrementalDecoder(self.tokenizer) if self.tokenizer is not None else None
+        self._streams[rid] = _Stream(job, sink[0], tuple(stop), decoder)
         with self._lock:
             self.counters["prompt_tokens"] += len(token_ids)
         return job
@@ -344,54 +365,84 @@ class EngineWorker:
 
     def _step(self) -> None:
         engine = self.engine
-        record = engine.step()
-        self.snapshot = dict(engine.stats())  # before any handler hears of this step
+        try:
+            record = engine.step()
+        except Exception:
+            last = engine.trace[-1] if engine.trace else None
+            if last is not None and last.step > self._last_step:  # a check raised after the
+                self._count(last)  # step was recorded: its finished requests still count,
+                self._retire(last)  # and must still be forgotten in time
+            raise
+        self._count(record)
+        events = []
+        try:
+            for rid in dict.fromkeys(record.sampled + record.finished):
+                stream = self._streams.get(rid)
+                if stream is not None:
+                    events.append((stream, self._emit(stream)))
+        finally:  # even if an emit raised
+            try:  # after the emits (a "length" may become a "stop"), before any handler hears
+                self._retire(record)  # of a finish (and reads /metrics)
+            finally:
+                for stream, event in events:
+                    self._send(stream, event)
+
+    def _count(self, record: Any) -> None:
+        """Count a step's tokens and latencies (before any handler hears of the step)."""
+        self._last_step = record.step
+        self.snapshot = dict(self.engine.stats())
         with self._lock:
             self.counters["steps"] += 1
             self.counters["preemptions"] += len(record.preempted)
             self.counters["generation_tokens"] += len(record.sampled)
             for rid in record.sampled:
-                m = engine.requests[rid].metrics
+                m = self.engine.requests[rid].metrics
                 if len(m.token_times) == 1:
                     self.ttft.observe(m.first_token_time - m.arrival_time)
                 else:
                     self.itl.observe(m.token_times[-1] - m.token_times[-2])
+
+    def _retire(self, record: Any) -> None:
+        """Count a step's finished requests by reason, and bound the trace and the records."""
+        engine = self.engine
+        with self._lock:
             for rid in record.finished:  # every `_cancel` was counted with its own reason
                 if rid in self._counted_at_cancel:
                     self._counted_at_cancel.discard(rid)
-                else:
+                elif rid in engine.requests:
                     self.finish_reasons[engine.requests[rid].finish_reason] += 1
-        for rid in dict.fromkeys(record.sampled + record.finished):
-            stream = self._streams.get(rid)
-            if stream is not None:
-                self._emit(stream)
         if len(engine.trace) > self.max_trace:
             del engine.trace[:len(engine.trace) - self.max_trace // 2]
         self._finished_ids.extend(record.finished)
         while len(self._finished_ids) > self.max_finished:
             engine.forget(self._finished_ids.popleft())
 
-    def _emit(self, s: _Stream) -> None:
-        """Send a request its new tokens and text; stop it at a stop string."""
+    def _emit(self, s: _Stream) -> Event:
+        """The event that brings a request its new tokens and text; stops it at a stop
+        string."""
         req = self.engine.requests[s.job.request_id]
-        new_ids = req.output_token_ids[s.sent_tokens:]
-        s.sent_tokens = len(req.output_token_ids)
+        ids = req.output_token_ids
+        new_ids, s.sent_tokens = ids[s.sent_tokens:], len(ids)
         reason = req.finish_reason
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
-            if not text.endswith("\ufffd") or reason:  # wait for a whole UTF-8 character
-                start = max(0, len(s.text) - s.hold)
-                hits = [i for i in (text.find(t, start) for t in s.stop) if i >= 0]
-                s.text = text[:min(hits)] if hits else text
+        if s.decoder is not None:
+            searched = len(s.decoder.text)  # stop strings were looked for up to here
+            s.decoder.step(ids, final=reason is not None)
+            s.text = s.decoder.text
+            if s.stop and len(ids) >= req.params.min_tokens:  # vLLM: none before min_tokens
+                # only in the new text, and the characters before it that may begin a stop
+                start = max(0, searched - s.hold)
+                hits = [i for i in (s.text.find(t, start) for t in s.stop) if i >= 0]
                 if hits:
-                    reason = "stop"
+                    s.text, reason = s.text[:min(hits)], "stop"
         end = len(s.text) if reason else max(s.sent_text, len(s.text) - s.hold)
         delta, s.sent_text = s.text[s.sent_text:end], end
         if reason:
             self._streams.pop(s.job.request_id, None)
         if reason == "stop" and not req.is_finished:
             self._cancel(s.job.request_id, "stop")  # a stop string: the engine stops now
-        self._send(s, Event(new_ids, delta, reason, req.error))
+        elif reason == "stop" and req.finish_reason == "length":
+            req.finish_reason = "stop"  # in its last token: the record says what the client got
+        return Event(new_ids, delta, reason, req.error)
 
     def _send(self, s: _Stream, event: Event) -> None:
         try:
@@ -431,6 +482,11 @@ def _number(body: dict, name: str, default: Any, kind: type = float, low: float 
     return kind(value)
 
 
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
+
+
 def parse_request(body: Any, chat: bool) -> dict[str, Any]:
     """Check an OpenAI request body; returns what `EngineWorker.submit` needs. Raises
     InvalidRequest naming the field. Unknown fields are ignored, as OpenAI servers do."""
@@ -455,7 +511,8 @@ def parse_request(body: Any, chat: bool) -> dict[str, Any]:
     if body.get("logprobs") not in (None, False) or body.get("echo"):
         name = "logprobs" if body.get("logprobs") not in (None, False) else "echo"
         raise InvalidRequest(f"{name} is not supported by this server", name)
-    stream = body.get("stream", False)
+    stream = body.get("stream")
+    stream = False if stream is None else stream  # null: not given, as OpenAI allows
     if not isinstance(stream, bool):
         raise InvalidRequest(f"stream must be true or false, got {stream!r}", "stream")
     options = body.get("stream_options") or {}
@@ -464,18 +521,18 @@ def parse_request(body: Any, chat: bool) -> dict[str, Any]:
     max_name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None \
         else "max_tokens"
     top_k = _number(body, "top_k", 0, int, low=-1)
-    stop, stop_ids = body.get("stop"), body.get("stop_token_ids") or []
-    if isinstance(stop, str):
-        stop = [stop]
-    if stop and all(isinstance(t, int) and not isinstance(t, bool) for t in stop):
-        stop, stop_ids = [], list(stop_ids) + list(stop)  # token ids given as `stop`
-    if stop is not None and (not isinstance(stop, list)
-                             or not all(isinstance(s, str) and s for s in stop)):
-        raise InvalidRequest("stop must be a string or a list of non-empty strings", "stop")
-    if not isinstance(stop_ids, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in stop_ids):
+    stop, stop_ids = body.get("stop"), body.get("stop_token_ids")
+    stop = [stop] if isinstance(stop, str) else [] if stop is None else stop
+    stop_ids = [] if stop_ids is None else stop_ids
+    if not _is_token_ids(stop_ids):
         raise InvalidRequest("stop_token_ids must be a list of token ids", "stop_token_ids")
-    if not isinstance(body.get("ignore_eos", False), bool):
+    if stop and _is_token_ids(stop):
+        stop, stop_ids = [], stop_ids + stop  # token ids given as `stop`
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise InvalidRequest("stop must be a string or a list of non-empty strings", "stop")
+    ignore_eos = body.get("ignore_eos")
+    ignore_eos = False if ignore_eos is None else ignore_eos  # null: not given
+    if not isinstance(ignore_eos, bool):
         raise InvalidRequest("ignore_eos must be true or false", "ignore_eos")
     max_tokens = _number(body, max_name, None if chat else 16, int, low=1)
     params = dict(max_tokens=max_tokens,
@@ -484,13 +541,13 @@ def parse_request(body: Any, chat: bool) -> dict[str, Any]:
                   top_k=max(top_k, 0),
                   seed=_number(body, "seed", None, int),
                   stop_token_ids=tuple(stop_ids),
-                  ignore_eos=body.get("ignore_eos", False),
+                  ignore_eos=ignore_eos,
                   min_tokens=_number(body, "min_tokens", 0, int, 0,
                                      max_tokens if max_tokens is not None else None))
     user = body.get("user")  # OpenAI's end-user id: the tenant for preemption="fair"
     if user is not None and not isinstance(user, str):
         raise InvalidRequest(f"user must be a string, got {user!r}", "user")
-    return dict(prompt=prompt, messages=messages, params=params, stop=tuple(stop or ()),
+    return dict(prompt=prompt, messages=messages, params=params, stop=tuple(stop),
                 stream=stream, include_usage=bool(options.get("include_usage")),
                 model=body.get("model"), tenant=user,
                 priority=_number(body, "priority", 0, int))
@@ -517,7 +574,7 @@ def _sse(data: dict | str) -> str:
 
 
 def create_app(engine_or_llm: Any, model_name: str = "minicb", max_queue: int | None = 256,
-               max_trace: int = 200_000, max_finished: int = 10_000) -> FastAPI:
+               max_trace: int = 10_000, max_finished: int = 10_000) -> FastAPI:
     """The FastAPI app around one engine (chapters 06 and 08). `engine_or_llm`: an Engine or an
     LLM. The worker is `app.state.worker`; it starts with the app (or at the first request)."""
     engine = getattr(engine_or_llm, "engine", engine_or_llm)
@@ -563,6 +620,8 @@ def create_app(engine_or_llm: Any, model_name: str = "minicb", max_queue: int | 
             body = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             return _error(400, f"the request body is not valid JSON: {exc}")
+        except RecursionError:
+            return _error(400, "the request body is nested too deeply")
         try:
             req = parse_request(body, chat)
             if req["model"] not in (None, model_name):

@@ -6,9 +6,12 @@ Answers are compared token for token (the `token_ids` extra field) with `LLM.gen
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
+import random
 import socket
+import threading
 import time
 from contextlib import contextmanager
 
@@ -18,8 +21,9 @@ import pytest
 from fastapi import FastAPI
 
 from minicb import LLM, Engine, SamplingParams, metrics
-from minicb.client import completions_url, run_client
-from minicb.serve import ServerThread, create_app, main, parse_request
+from minicb.client import bench_endpoint, completions_url, run_client
+from minicb.llm import IncrementalDecoder
+from minicb.serve import EngineWorker, ServerThread, create_app, main, parse_request
 from minicb.workload import make_workload
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -40,6 +44,38 @@ def word_model(tiny_model):
                                   eos_token="</s>")
     tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}w9"
     return model, dataclasses.replace(info, tokenizer=tok)
+
+
+@pytest.fixture(scope="module")
+def byte_model(tiny_model):
+    """The tiny Llama with a byte-level tokenizer: token i is byte i, so its outputs decode to
+    multi-byte characters split across tokens, and to broken UTF-8."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    model, info = tiny_model
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]  # GPT-2's byte alphabet
+    others = [b for b in range(256) if b not in printable]
+    char = {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(others)}}
+    raw = Tokenizer(models.BPE({char[b]: b for b in range(256)}, []))
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    return model, dataclasses.replace(info, tokenizer=PreTrainedTokenizerFast(
+        tokenizer_object=raw))
+
+
+class CountingTokenizer:
+    """A tokenizer that counts the tokens it is asked to decode."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.decoded = tokenizer, 0
+
+    def decode(self, ids, **kw):
+        self.decoded += len(ids)
+        return self.tokenizer.decode(ids, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
 
 
 @contextmanager
@@ -259,6 +295,11 @@ def shared_server(tiny_model):
     ({"prompt": "hello"}, 400, "prompt"),
     ({"prompt": [5] * 2040, "max_tokens": 64}, 400, "prompt"),
     ({"prompt": [5, 6], "model": "gpt-9"}, 404, "model"),
+    ({"prompt": [5, 6], "stop": 5}, 400, "stop"),
+    ({"prompt": [5, 6], "stop": True}, 400, "stop"),
+    ({"prompt": [5, 6], "stop": [3], "stop_token_ids": 7}, 400, "stop_token_ids"),
+    ({"prompt": [5, 6], "stream": None, "ignore_eos": None}, 200, None),  # null: not given
+    pytest.param(b"[" * 100_000, 400, None, id="nested-too-deeply-for-json"),
 ])
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(shared_server, body,
                                                                      status, param):
@@ -403,3 +444,189 @@ def test_bench_endpoint_measures_a_running_server(tiny_model, tmp_path, capsys):
                            "--vocab-size", "256", "--out", str(out)]) == 0
     result = next(iter(json.loads(out.read_text())["results"].values()))
     assert result["completed"] == 3 and result["ttft_s"]["p50"] > 0
+
+
+def test_a_submitter_that_stops_waiting_harms_no_one(tiny_model):
+    """A submit cancelled while its command waits (a timeout, a client gone) neither fails the
+    other requests nor drops the commands queued with it; one cancelled while the engine
+    thread adds it leaves no request running."""
+    short = dict(max_tokens=4, **GREEDY)
+    with serving(tiny_model) as (url, worker):
+        async def main():
+            other = await worker.submit([3, 4, 5], dict(max_tokens=1000, **GREEDY))
+            gate = threading.Event()
+            worker.call(lambda e: gate.wait(10))  # holds the engine thread: commands queue up
+            a = asyncio.create_task(worker.submit([5, 6], short))
+            b = asyncio.create_task(worker.submit([7, 8], short))
+            await asyncio.sleep(0.05)
+            a.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await a
+            gate.set()
+            job = await asyncio.wait_for(b, 5)  # its command was not dropped
+            events = [await asyncio.wait_for(job.events.get(), 5)]
+            while events[-1].finish_reason is None:
+                events.append(await asyncio.wait_for(job.events.get(), 5))
+            assert events[-1].finish_reason == "length"
+            assert sum(len(ev.token_ids) for ev in events) == 4
+            assert all(other.events.get_nowait().finish_reason != "error"
+                       for _ in range(other.events.qsize())), "an unrelated request failed"
+            worker.cancel(other.request_id)
+
+            real_add, adding, release = worker._add, threading.Event(), threading.Event()
+
+            def slow_add(*args):
+                adding.set()
+                release.wait(10)
+                return real_add(*args)
+            worker._add = slow_add
+            late = asyncio.create_task(worker.submit([9, 10], dict(max_tokens=1000, **GREEDY),
+                                                     request_id="late"))
+            await asyncio.get_running_loop().run_in_executor(None, adding.wait, 10)
+            late.cancel()  # while the engine thread adds it
+            with contextlib.suppress(asyncio.CancelledError):
+                await late
+            del worker._add
+            release.set()
+
+        asyncio.run(main())
+        wait_idle(worker)
+        assert worker.call(lambda e: e.requests["late"].finish_reason).result(10) == \
+            "cancelled"
+        assert worker.last_error is None, worker.last_error
+
+
+def test_streamed_text_equals_a_full_decode_at_linear_cost(byte_model):
+    """Text is decoded a few tokens at a time (not the whole output after every step), and
+    still equals a full decode, multi-byte characters split across tokens included."""
+    tok = byte_model[1].tokenizer
+    prompts, n = [[5, 6, 7], [200, 201, 3], [226, 130, 40, 9]], 64
+    refs = reference(byte_model, prompts, n)
+    fulls = [tok.decode(r.token_ids, skip_special_tokens=True) for r in refs]
+    assert any(ord(c) > 127 and c != "\ufffd" for text in fulls for c in text)
+    with serving(byte_model) as (url, worker), httpx.Client(timeout=TIMEOUT) as http:
+        worker.tokenizer = counting = CountingTokenizer(tok)
+        for prompt, ref, full in zip(prompts, refs, fulls):
+            body = {"prompt": prompt, "max_tokens": n, **GREEDY}
+            out = http.post(url + "/v1/completions", json=body).json()["choices"][0]
+            assert out["token_ids"] == ref.token_ids and out["text"] == full
+            with http.stream("POST", url + "/v1/completions", json={**body, "stream": True}) \
+                    as r:
+                chunks = sse_chunks(r)
+            assert "".join(c["choices"][0]["text"] for c in chunks) == full
+    # a few tokens per step (about 6 on these broken bytes); a full decode per step would read
+    # n * (n + 1) / 2 = 2,080 tokens per request
+    assert counting.decoded < 12 * n * 2 * len(prompts), counting.decoded
+    llm = LLM(byte_model, policy="continuous", num_pages=256)
+    llm.tokenizer = counting = CountingTokenizer(tok)
+    texts: dict[str, str] = {}
+    for rid, _, delta in llm.stream(prompts, SamplingParams(max_tokens=n, **GREEDY)):
+        texts[rid] = texts.get(rid, "") + delta
+    assert list(texts.values()) == fulls
+    assert counting.decoded < 12 * n * len(prompts), counting.decoded
+
+
+def test_incremental_decoding_equals_a_full_decode_on_smollm2():
+    from transformers import AutoTokenizer
+
+    from minicb.config import cache_root
+    folder = cache_root() / "smollm2-135m"
+    if not (folder / "tokenizer.json").is_file():
+        pytest.skip("SmolLM2's tokenizer is not converted here")
+    tok = AutoTokenizer.from_pretrained(folder)
+    rng = random.Random(0)
+    words = tok.encode("naïve café, Grüße aus 東京 🙂🚀 — «ok» ∑x² 🇫🇷\n\tend")
+    for trial in range(20):  # real text, random tokens, special tokens, in random runs
+        ids = [t for _ in range(30) for t in rng.choice(
+            [words[rng.randrange(len(words)):][:5], [rng.randrange(tok.vocab_size)],
+             [rng.choice(tok.all_special_ids)]])]
+        decoder = IncrementalDecoder(tok)
+        text = "".join(decoder.step(ids[:i + 1], final=i == len(ids) - 1)
+                       for i in range(len(ids)))
+        assert text == tok.decode(ids, skip_special_tokens=True), trial
+
+
+def test_stop_strings_wait_for_min_tokens(word_model):
+    """As vLLM: no stop string ends a request before it has `min_tokens` tokens."""
+    ref = reference(word_model, ["w5 w6 w7"], 12)[0]
+    words = ref.text.split()
+    stop = words[1]
+    min_tokens = max(i for i, w in enumerate(words) if w == stop) + 2  # after its last one
+    assert min_tokens <= 12
+    with serving(word_model) as (url, worker), httpx.Client(timeout=TIMEOUT) as http:
+        body = {"prompt": "w5 w6 w7", "max_tokens": 12, "stop": [stop], "min_tokens": min_tokens,
+                **GREEDY}
+        out = http.post(url + "/v1/completions", json=body).json()["choices"][0]
+        assert (out["text"], out["finish_reason"]) == (ref.text, "length")
+
+
+def test_a_stop_string_in_the_last_token_is_a_stop_everywhere(word_model):
+    ref = reference(word_model, ["w5 w6 w7"], 2)[0]
+    first, stop = ref.text.split()
+    assert stop not in first
+    with serving(word_model) as (url, worker), httpx.Client(timeout=TIMEOUT) as http:
+        body = {"prompt": "w5 w6 w7", "max_tokens": 2, "stop": [stop], **GREEDY}
+        out = http.post(url + "/v1/completions", json=body,
+                        headers={"X-Request-Id": "last"}).json()["choices"][0]
+        assert (out["text"], out["finish_reason"]) == (ref.text[:ref.text.find(stop)], "stop")
+        assert worker.call(lambda e: e.requests["last"].finish_reason).result(10) == "stop"
+        text = http.get(url + "/metrics").text
+        assert 'minicb_requests_total{finish_reason="stop"} 1' in text
+        assert 'minicb_requests_total{finish_reason="length"} 0' in text
+
+
+def test_a_fault_after_a_step_still_forgets_its_finished_requests(tiny_model):
+    engine = Engine(tiny_model, policy="pd", num_pages=64, check_invariants=True)
+    app = create_app(engine, "tiny", max_finished=3)
+    worker = app.state.worker
+
+    def fail_once(obj, name, when):  # obj.<name> raises the first time `when(*args)` holds
+        real = getattr(obj, name)
+
+        def broken(*args):
+            if not when(*args):
+                return real(*args)
+            delattr(obj, name)
+            raise RuntimeError("injected fault")
+        setattr(obj, name, broken)
+
+    body = {"prompt": [5, 6, 7], "max_tokens": 4, **GREEDY}
+    with ServerThread(app) as url, httpx.Client(timeout=TIMEOUT) as http:
+        worker.call(lambda e: fail_once(worker, "_emit", lambda s: e.requests[
+            s.job.request_id].is_finished)).result(10)  # in _emit, at the request's last step
+        r = http.post(url + "/v1/completions", json=body, headers={"X-Request-Id": "emit"})
+        assert r.status_code == 500
+        worker.call(lambda e: fail_once(e, "check_invariants", lambda record: bool(
+            record.finished))).result(10)  # in engine.step, after its record was made
+        r = http.post(url + "/v1/completions", json=body, headers={"X-Request-Id": "check"})
+        assert r.status_code == 500
+        for i in range(5):
+            r = http.post(url + "/v1/completions", json=body, headers={"X-Request-Id": f"r{i}"})
+            assert r.status_code == 200
+        wait_idle(worker)
+        assert worker.call(lambda e: sorted(e.requests)).result(10) == ["r2", "r3", "r4"]
+
+
+def test_a_client_that_cancels_at_its_last_token_records_the_finish(tiny_model):
+    workload = make_workload(3, prompt_lengths="fixed:8", output_lengths="fixed:4", seed=1,
+                             cancel_fraction=1.0, cancel_after_tokens=4)
+    with serving(tiny_model) as (url, worker):
+        records = asyncio.run(asyncio.wait_for(run_client(url, workload.requests,
+                                                          vocab_size=256), 60))
+    assert [(r.finish_reason, r.num_output_tokens) for r in records] == [("length", 4)] * 3
+
+
+def test_the_client_summary_reports_no_queue_age(tiny_model):
+    """The client cannot see queue time; the summary says so instead of giving an E2E."""
+    workload = make_workload(4, prompt_lengths="fixed:8", output_lengths="fixed:8", seed=2)
+    with serving(tiny_model, max_num_seqs=2) as (url, _):
+        result = bench_endpoint(url, workload, label="tiny", vocab_size=256)["results"]["tiny"]
+    assert result["completed"] == 4
+    assert result["max_queue_age_s"] is None and result["max_queue_age_steps"] is None
+
+
+def test_a_server_keeps_a_bounded_trace_by_default(tiny_model):
+    """A step record of 16 members is about 2.4 KB: 10,000 steps keep about 23 MiB (the
+    200,000 of before kept 455 MiB that the server never reads)."""
+    engine = Engine(tiny_model, policy="pd", num_pages=16)
+    assert create_app(engine).state.worker.max_trace == EngineWorker(engine).max_trace == 10_000
