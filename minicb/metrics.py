@@ -230,6 +230,8 @@ def max_queue_age(records: Sequence[Any], end_time: float | None = None,
         return next((v for v in values if v is not None), None)
 
     for r in records:
+        if r.first_scheduled_time is None and r.first_token_time is not None:
+            continue  # scheduled, but nobody saw when (a client's record): its age is unknown
         until = first(r.first_scheduled_time, r.finish_time, end_time)
         if r.arrival_time is not None and until is not None:
             ages.append(until - r.arrival_time)

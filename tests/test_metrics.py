@@ -235,6 +235,10 @@ def test_queue_age_counts_requests_never_scheduled():
     still = rec("Z", 0, reason=None, arrival=2.0, a_step=3)
     age_s, age_steps = metrics.max_queue_age([waiting, still], end_time=5.0, end_step=10)
     assert age_s == 3.5 and age_steps == 7
+    # a client's record: it got tokens, so it was scheduled, but nobody saw when
+    seen_by_a_client = rec("C", 3, arrival=0.0, first=0.2, finish=9.0, times=[0.2, 5.0, 9.0],
+                           a_step=None)
+    assert metrics.max_queue_age([seen_by_a_client]) == (None, None)
 
 
 def test_format_table_and_lookup():
