@@ -410,19 +410,18 @@ class Engine:
             for req, num_tokens in items:
                 req.num_scheduled_tokens += num_tokens
                 self.tenant_service[req.tenant] += num_tokens
-                if req.request_id in drafts:
-                    continue  # advances by the guesses the model keeps (below)
-                req.num_computed_tokens += num_tokens
+                # of a member with guesses, only its last token is surely in the cache: each
+                # guess the model keeps joins it as the next token is appended (_append_tokens)
+                req.num_computed_tokens += num_tokens - len(drafts.get(req.request_id, ()))
                 if req.num_computed_tokens <= req.num_prompt_tokens:
                     self.pool.register_prompt_pages(req.prompt_token_ids, req.page_table,
                                                     req.num_computed_tokens, req.page_hashes)
             now = self.clock()
             for req, new_tokens in zip(to_sample, tokens):
-                kept = self._append_tokens(req, new_tokens, now)
-                draft = drafts.get(req.request_id)
-                if draft is not None:  # its cache now holds its last token and the kept
-                    req.num_computed_tokens += kept  # guesses before the newest token
-                    speculated[req.request_id] = (len(draft), len(new_tokens) - 1)
+                self._append_tokens(req, new_tokens, now)
+                if req.request_id in drafts:
+                    speculated[req.request_id] = (len(drafts[req.request_id]),
+                                                  len(new_tokens) - 1)
                 sampled.append(req.request_id)
 
         # 4. reclaim
@@ -563,13 +562,15 @@ class Engine:
                             slots, [p + 1 for p in positions], [r.page_table for r in reqs])
         return reqs, logits
 
-    def _append_tokens(self, req: Request, tokens: list[int], now: float) -> int:
-        """Append a step's new tokens up to the first that ends the request; how many."""
-        for count, token in enumerate(tokens, 1):
+    def _append_tokens(self, req: Request, tokens: list[int], now: float) -> None:
+        """Append a step's new tokens up to the first that ends the request. Several come from
+        one step only with guesses (chapter 08): each after the first was a kept guess, whose
+        K/V the step computed, so the cache holds the token before it."""
+        for count, token in enumerate(tokens):
+            req.num_computed_tokens += count > 0
             self._append_token(req, token, now)
             if self._stop_reason(req):
-                return count
-        return len(tokens)
+                return
 
     def _append_token(self, req: Request, token: int, now: float) -> None:
         req.output_token_ids.append(token)

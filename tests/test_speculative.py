@@ -104,6 +104,24 @@ def test_same_greedy_text_as_without_guesses_on_smollm2(smollm2_dir):
     assert len(runs[4][0].trace) < 0.75 * len(runs[0][0].trace)
 
 
+def test_end_of_sequence_among_kept_guesses_ends_the_request_on_smollm2(smollm2_dir):
+    """A chat reply whose end-of-sequence token arrives among the guesses the model keeps: the
+    request ends there, as without guesses (it once ran on past it)."""
+    from minicb import LLM
+    prompt = [{"role": "user", "content": "Rename the variable x to total in this Python code:"
+                                          "\nx = 0\nfor price in prices:\n    x = x + price\n"
+                                          "print(x)"}]
+    outs = {}
+    for k in (0, 4):
+        llm = LLM(str(smollm2_dir), policy="pd", num_speculative_tokens=k, device="cpu",
+                  check_invariants=True)
+        outs[k] = llm.chat(prompt, SamplingParams(max_tokens=64, temperature=0.0))[0]
+        trace = llm.engine.trace
+    assert (outs[4].token_ids, outs[4].finish_reason) == (outs[0].token_ids, "stop")
+    last_kept = trace[-1].speculated[outs[4].request_id][1]
+    assert last_kept >= 1  # the last step kept a guess: the EOS came in a multi-token step
+
+
 def test_a_stop_token_among_accepted_guesses_ends_the_request_there(make_engine):
     """Greedy output of the same run without speculation, then a stop token chosen from the
     middle of it: with guesses, the request still ends at its first occurrence."""
