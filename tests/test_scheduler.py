@@ -6,6 +6,7 @@ import random
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tiny_models import run_beside_single
 
 from minicb import SamplingParams, metrics
 from minicb.config import POLICIES
@@ -248,13 +249,8 @@ def test_every_policy_returns_single_tokens(make_engine, tiny_model, policy, wor
         if rng.random() < 0.3 and jobs:  # share a prefix with an earlier prompt
             prompt = jobs[-1][0][:prompt_len] + prompt[len(jobs[-1][0][:prompt_len]):]
         jobs.append((prompt, SamplingParams(max_tokens=max_tokens, **GREEDY), arrival))
-    ids = [engine.add_request(p, sp, arrival_step=a) for p, sp, a in jobs]
-    ref_ids = [reference.add_request(p, sp) for p, sp, _ in jobs]
-    engine.run()
-    reference.run()
-    for i, r in zip(ids, ref_ids):
-        assert engine.requests[i].output_token_ids == reference.requests[r].output_token_ids
-        assert engine.requests[i].finish_reason in ("stop", "length")
+    ids = run_beside_single(engine, reference, jobs)
+    assert all(engine.requests[i].finish_reason in ("stop", "length") for i in ids)
     for rec in engine.trace:
         assert len(rec.members) <= cfg["max_num_seqs"]
         for m in rec.members:

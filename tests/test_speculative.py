@@ -10,6 +10,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tiny_models import run_beside_single
 
 from minicb import metrics
 from minicb.config import POLICIES
@@ -185,12 +186,7 @@ def test_speculation_never_changes_greedy_tokens(make_engine, policy, workload, 
     reference = make_engine("single", page_size=4, num_pages=64)
     jobs = [(repetitive_prompt(rng, n), SamplingParams(max_tokens=m, **GREEDY), a)
             for n, m, a in workload]
-    ids = [engine.add_request(p, sp, arrival_step=a) for p, sp, a in jobs]
-    ref_ids = [reference.add_request(p, sp) for p, sp, _ in jobs]
-    engine.run()
-    reference.run()
-    for i, r in zip(ids, ref_ids):
-        assert engine.requests[i].output_token_ids == reference.requests[r].output_token_ids
+    run_beside_single(engine, reference, jobs)
     for rec in engine.trace:
         for m in rec.members:
             guessed, kept = rec.speculated.get(m.request_id, (0, 0))

@@ -55,3 +55,16 @@ def make_tiny_checkpoint(path: str | Path, arch: str = "llama", tie: bool = Fals
     model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2)
     model.save_pretrained(path)
     return Path(path)
+
+
+def run_beside_single(engine, reference, jobs: list[tuple]) -> list[str]:
+    """Add `jobs` [(prompt, params, arrival_step)] to `engine` and, arriving at once, to a
+    `single` `reference`; run both and check that every request got the same tokens (batching,
+    preemption and guessing never change greedy results). Returns the engine's request ids."""
+    ids = [engine.add_request(p, sp, arrival_step=a) for p, sp, a in jobs]
+    ref_ids = [reference.add_request(p, sp) for p, sp, _ in jobs]
+    engine.run()
+    reference.run()
+    for i, r in zip(ids, ref_ids):
+        assert engine.requests[i].output_token_ids == reference.requests[r].output_token_ids
+    return ids

@@ -2,6 +2,7 @@
 
     python tools/nb.py chapters/src/03_continuous_batching.py [...]   # -> chapters/03_....ipynb
     python tools/nb.py --no-exec SRC                                   # structure only
+    python tools/nb.py --markdown-only SRC      # prose edits: keep the stored outputs
 
 A source file is plain Python: `# %% [markdown]` starts a markdown cell (each line prefixed with
 `# `), `# %%` starts a code cell. Run from the repository root; outputs are stored so a reader on
@@ -54,14 +55,36 @@ def build(src: Path, out_dir: Path | None = None, execute: bool = True,
     return out
 
 
+def sync_markdown(src: Path, out_dir: Path | None = None) -> Path:
+    """Copy the source's markdown cells into the stored notebook, keeping its code and outputs:
+    for prose edits, without a re-run that would change the measured numbers the prose quotes.
+    Refuses if any code cell differs (those need a build)."""
+    fresh = parse(src.read_text())
+    out = (out_dir or src.parent.parent) / (src.stem + ".ipynb")
+    nb = nbformat.read(out, as_version=4)
+    kinds = [c.cell_type for c in fresh.cells], [c.cell_type for c in nb.cells]
+    if kinds[0] != kinds[1] or any(a.source != b.source for a, b in zip(fresh.cells, nb.cells)
+                                   if a.cell_type == "code"):
+        raise SystemExit(f"{src}: code cells changed since {out} was built: build it")
+    for new, old in zip(fresh.cells, nb.cells):
+        old.source = new.source
+    nbformat.write(nb, out)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("sources", nargs="+", type=Path)
     parser.add_argument("--no-exec", action="store_true")
+    parser.add_argument("--markdown-only", action="store_true",
+                        help="update the stored notebook's prose only (code must be unchanged)")
     parser.add_argument("--out-dir", type=Path)
     args = parser.parse_args(argv)
     for src in args.sources:
-        build(src, args.out_dir, execute=not args.no_exec)
+        if args.markdown_only:
+            sync_markdown(src, args.out_dir)
+        else:
+            build(src, args.out_dir, execute=not args.no_exec)
     return 0
 
 

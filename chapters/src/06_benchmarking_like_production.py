@@ -95,7 +95,7 @@ fig.suptitle(f"the same mean rate ({rate:.0f} requests/s), three arrival process
 # | metric | definition |
 # |---|---|
 # | queue time | first scheduled − arrival |
-# | TTFT, time to first token | first token − arrival |
+# | TTFT, time to first token | first token seen − arrival: when it was computed, for a response that streams; the release, for one a static batch returns whole (its user sees no token before then) |
 # | ITL, inter-token latency | the gap between two consecutive tokens (pooled over all requests) |
 # | TPOT, time per output token | (finish − first token) / (output tokens − 1) |
 # | E2E, end-to-end latency | release − arrival: the release is the finish, except in a static batch, which returns its responses together when its last member finishes (chapter 02) |
@@ -219,8 +219,11 @@ print("SLO attainment:", {p: f"{s['slo_attainment']:.0%}" for p, s in table.item
 # %% [markdown]
 # Read the step table first, since it is exact. Static batching holds finished members' slots
 # (the `dead` column), so it needs the most steps and its second batch starts late: the
-# queued requests' TTFT and E2E grow. Its E2E grows again because a static batch returns whole:
-# a short member's answer waits for the batch's slowest (chapter 02). Continuous and PD refill a
+# queued requests' TTFT and E2E grow. Both grow again because a static batch returns whole: a
+# short member's answer waits for the batch's slowest (chapter 02), and its user sees no token
+# before then, so under static batching a request's TTFT *is* its E2E. (Its tokens were
+# computed early, but computing a token is not serving it; only a response that streams shows
+# its first token when it is computed.) Continuous and PD refill a
 # slot the step it frees, with fuller batches and fewer steps. Between continuous and PD the
 # difference is small here: these prompts are short, so no prefill is long enough to stall
 # anybody (chapter 05 showed where PD matters). The seconds table moves with the load on the
@@ -230,11 +233,14 @@ print("SLO attainment:", {p: f"{s['slo_attainment']:.0%}" for p, s in table.item
 # (on the course machine, across runs, 0.07–0.08 s against 0.03–0.04 s). A continuous batch admits
 # a new prompt into a step where others decode; that step carries a prefill and runs longer, and
 # every decode in it waits that long for its token. A static batch prefills once and then runs
-# only decode steps. The contract's FAQ says as much: "连续批处理一定会降低延迟吗？不会……过度准入或长 Prefill
+# only decode steps. (ITL times the engine producing tokens. A static batch's user receives them
+# all at once, at the release; its short gaps would reach a client only if it streamed, and
+# then its TTFT would be the first token's computation.) The contract's FAQ says as much: "连续批处理一定会降低延迟吗？不会……过度准入或长 Prefill
 # 可能增加 Queue Time、TTFT 和 ITL" (does continuous batching always lower latency? No:
 # over-admission or long prefills can raise queue time, TTFT and ITL). Continuous batching wins
-# on TTFT, E2E and goodput here (on the course machine 62% of the requests met the SLO, against
-# 50% under static batching), and pays in the inter-token tail; chunking the prefills (chapter
+# on TTFT, E2E and goodput here (in the run stored in this notebook 12% of the requests met the
+# SLO under continuous batching and PD, none under static batching, whose users see no token
+# before their batch returns), and pays in the inter-token tail; chunking the prefills (chapter
 # 04) and PD's budget (chapter 05) are how engines bound that price.
 #
 # **Cache state** is in the declaration because it changes the results. Every run here starts
