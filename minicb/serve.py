@@ -776,6 +776,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quantization", choices=[q for q in QUANTIZATIONS if q], default=None,
                         help="int8: weight-only int8 projections (faster CPU decode, numbers "
                              "slightly off float32)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=None,
+                        help="speculative decoding by prompt lookup: up to this many guessed "
+                             "tokens per decode step (default 0, off)")
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
     if not 0 <= args.port <= 65535:
@@ -784,7 +787,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from minicb.llm import LLM
 
-    options = {k: v for k, v in dict(chunk_size=args.chunk_size, num_pages=args.num_pages)
+    options = {k: v for k, v in dict(chunk_size=args.chunk_size, num_pages=args.num_pages,
+                                     num_speculative_tokens=args.num_speculative_tokens)
                .items() if v is not None}
     try:
         llm = LLM(args.model, policy=args.policy, max_num_seqs=args.max_num_seqs,

@@ -394,6 +394,19 @@ def test_serve_cli_help(capsys):
         main(["--help"])
     out = capsys.readouterr().out
     assert exit_info.value.code == 0 and "--max-queue" in out and "--quantization" in out
+    assert "--num-speculative-tokens" in out
+
+
+def test_a_speculating_server_streams_the_same_tokens(tiny_model):
+    """Guessed tokens kept in one step stream together; the tokens are a plain server's."""
+    body = {"prompt": [5, 6, 7, 5, 6, 7, 5, 6], "max_tokens": 24, "stream": True, **GREEDY}
+    streamed = {}
+    for k in (0, 3):
+        with serving(tiny_model, num_speculative_tokens=k, prompt_lookup_min=1) as (url, _), \
+                httpx.Client(timeout=TIMEOUT) as http, \
+                http.stream("POST", url + "/v1/completions", json=body) as r:
+            streamed[k] = [t for c in sse_chunks(r) for t in c["choices"][0].get("token_ids", [])]
+    assert streamed[3] == streamed[0] and len(streamed[0]) == 24
 
 
 def test_engine_faults_fail_the_request_not_the_server(tiny_model):
