@@ -31,7 +31,7 @@ from minicb.scheduler import (
     make_scheduler,
     queue_rank,
 )
-from minicb.speculative import propose_ngram, verify
+from minicb.speculative import NgramIndex, verify
 from minicb.trace import Member, RequestRecord, StepRecord
 
 WHOLE_PROMPT_POLICIES = ("single", "static", "dynamic", "continuous")
@@ -418,10 +418,9 @@ class Engine:
                                                     req.num_computed_tokens, req.page_hashes)
             now = self.clock()
             for req, new_tokens in zip(to_sample, tokens):
-                self._append_tokens(req, new_tokens, now)
-                if req.request_id in drafts:
-                    speculated[req.request_id] = (len(drafts[req.request_id]),
-                                                  len(new_tokens) - 1)
+                delivered = self._append_tokens(req, new_tokens, now)
+                if req.request_id in drafts:  # a stop token may cut the kept guesses short
+                    speculated[req.request_id] = (len(drafts[req.request_id]), delivered - 1)
                 sampled.append(req.request_id)
 
         # 4. reclaim
@@ -448,6 +447,11 @@ class Engine:
             record.slots = {r.request_id: r.slot for r in self.running}
             record.cached_pages = list(self.pool.prefix.lru) if self.pool.prefix else []
         self._finished_between_steps = []
+        if self.waits_on_clock and not (record.members or record.finished or arrived
+                                        or record.preempted):
+            self.step_count -= 1  # dynamic batching waiting for its timeout: no step ran, and
+            self._sleep(0.001)  # step latencies count steps that did (chapter 02)
+            return record
         self.trace.append(record)
         if self.config.check_invariants:
             self.check_invariants(record)
@@ -488,8 +492,9 @@ class Engine:
             if k < 1 or num_tokens != 1 or req.is_prefill \
                     or len(req.output_token_ids) < req.params.min_tokens:  # bans: one at a time
                 continue
-            draft = propose_ngram(req.all_token_ids, k, cfg.prompt_lookup_max,
-                                  cfg.prompt_lookup_min)
+            if req.ngram_index is None:
+                req.ngram_index = NgramIndex(cfg.prompt_lookup_max, cfg.prompt_lookup_min)
+            draft = req.ngram_index.propose(req.all_token_ids, k)
             need = self.pool.pages_needed(req.num_tokens + len(draft)) - len(req.page_table)
             if not draft or need > self.pool.num_available:
                 continue
@@ -562,15 +567,16 @@ class Engine:
                             slots, [p + 1 for p in positions], [r.page_table for r in reqs])
         return reqs, logits
 
-    def _append_tokens(self, req: Request, tokens: list[int], now: float) -> None:
-        """Append a step's new tokens up to the first that ends the request. Several come from
-        one step only with guesses (chapter 08): each after the first was a kept guess, whose
-        K/V the step computed, so the cache holds the token before it."""
+    def _append_tokens(self, req: Request, tokens: list[int], now: float) -> int:
+        """Append a step's new tokens up to the first that ends the request; how many. Several
+        come from one step only with guesses (chapter 08): each after the first was a kept
+        guess, whose K/V the step computed, so the cache holds the token before it."""
         for count, token in enumerate(tokens):
             req.num_computed_tokens += count > 0
             self._append_token(req, token, now)
             if self._stop_reason(req):
-                return
+                return count + 1
+        return len(tokens)
 
     def _append_token(self, req: Request, token: int, now: float) -> None:
         req.output_token_ids.append(token)

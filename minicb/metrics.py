@@ -8,7 +8,9 @@ Per request (seconds, and the same in steps where it makes sense):
     TTFT    first token seen - arrival: the token's computation when the response streams; the
             release when it returns whole (a static batch, chapter 02: its user sees no token
             before the batch ends, so its TTFT is its E2E)
-    ITL     gaps between consecutive token times (pooled over requests)
+    ITL     gaps between consecutive deliveries of tokens (pooled over requests): tokens that
+            arrive together (guesses kept in one step, chapter 08) make one gap, as a client
+            that times each streamed chunk sees
     max ITL one request's worst gap (its longest stall); percentiles over requests
     TPOT    (finish - first token) / (output tokens - 1); undefined for one-token outputs
             (ITL and TPOT time the engine producing tokens, whether or not they stream)
@@ -111,9 +113,10 @@ def tpot(r: Any) -> float | None:
 
 
 def itls(r: Any) -> list[float]:
-    """Gaps between consecutive token times of one request (chapter 05)."""
+    """Gaps between consecutive deliveries of one request's tokens: tokens stamped with the
+    same time (kept guesses, chapter 08) arrived together and make one gap (chapter 05)."""
     t = r.token_times
-    return [b - a for a, b in zip(t, t[1:])]
+    return [b - a for a, b in zip(t, t[1:]) if b != a]
 
 
 def max_itl(r: Any) -> float | None:
@@ -216,7 +219,7 @@ def decode_tokens_per_s(trace: Sequence[Any]) -> float | None:
     seconds = sum(rec.duration for rec in steps)
     if not steps or seconds <= 0:
         return None
-    return sum(rec.num_decode_tokens for rec in steps) / seconds
+    return sum(rec.decode_tokens_produced for rec in steps) / seconds
 
 
 def max_queue_age(records: Sequence[Any], end_time: float | None = None,
@@ -266,7 +269,8 @@ def long_prefill_metrics(trace: Sequence[Any], records: Sequence[Any],
     if end is None:  # the prefill never finished (run cut short)
         end = trace[-1].step if trace else start
     window = [rec for rec in trace if start <= rec.step <= end]
-    out["dec_at_p"] = sum(m.num_tokens for rec in window for m in rec.members
+    out["dec_at_p"] = sum(1 + rec.speculated.get(m.request_id, (0, 0))[1]
+                          for rec in window for m in rec.members
                           if m.kind == "decode" and m.request_id != long_request_id)
     out["prefill_window_steps"] = end - start + 1
     if window and long.arrival_time is not None:

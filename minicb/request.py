@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from minicb.config import is_finite_number
 
@@ -119,6 +120,7 @@ class Request:
     tenant: str | None = None  # who sent it, for preemption="fair" (None: one shared tenant)
     num_scheduled_tokens: int = 0  # tokens computed for it, recomputation included: its service
     returned_whole: bool = False  # its response reached the user all at once, at the release
+    ngram_index: Any = None  # speculative decoding's lookup over its tokens (chapter 08)
 
     @property
     def deadline_time(self) -> float:

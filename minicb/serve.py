@@ -394,13 +394,16 @@ class EngineWorker:
         with self._lock:
             self.counters["steps"] += 1
             self.counters["preemptions"] += len(record.preempted)
-            self.counters["generation_tokens"] += len(record.sampled)
             for rid in record.sampled:
                 m = self.engine.requests[rid].metrics
-                if len(m.token_times) == 1:
+                new = 1  # tokens this step gave it: more than one when guesses were kept
+                while new < len(m.token_steps) and m.token_steps[-new - 1] == record.step:
+                    new += 1
+                self.counters["generation_tokens"] += new
+                if len(m.token_times) == new:
                     self.ttft.observe(m.first_token_time - m.arrival_time)
-                else:
-                    self.itl.observe(m.token_times[-1] - m.token_times[-2])
+                else:  # one gap per delivery, since the last step that gave it tokens
+                    self.itl.observe(m.token_times[-1] - m.token_times[-new - 1])
 
     def _retire(self, record: Any) -> None:
         """Count a step's finished requests by reason, and bound the trace and the records."""

@@ -12,10 +12,13 @@ The guesser here needs no second model: *prompt lookup* (n-gram) finds the lates
 where the request's last `n` tokens occurred and proposes what followed them there. Text that
 repeats its prompt (summaries, code edits, quotes, extraction) gets long accepted runs.
 
-Verification keeps the output distribution exactly the model's: a greedy request keeps the
-longest prefix of guesses equal to the model's argmax; a sampled request accepts guess `d` with
-probability p(d) and, on a rejection, samples from p with `d` removed (the residual
-distribution of speculative sampling, with the guesser's distribution a point mass on `d`).
+Verification keeps the output exactly what the model would give without guesses: a greedy
+request keeps the longest prefix of guesses equal to the model's argmax; a sampled request draws
+its token at each position from the model's distribution with its own generator, one random
+number per token as without guesses, and keeps going while the draw equals the guess. Guess `d`
+is kept with probability p(d), as in speculative sampling with a guesser that puts all its mass
+on `d`, and a seeded request gives the same tokens with or without guesses, whatever shares its
+batch.
 """
 
 from __future__ import annotations
@@ -33,17 +36,46 @@ from minicb.sampler import draw, probabilities
 def propose_ngram(token_ids: Sequence[int], k: int, n_max: int = 4, n_min: int = 2
                   ) -> list[int]:
     """Up to `k` tokens to guess after `token_ids`: what followed the latest earlier occurrence
-    of its last `n` tokens with `k` tokens after it (else the earliest, which has the most),
-    trying `n` from `n_max` down to `n_min`; [] when none occurs."""
+    of its last `n` tokens if `k` tokens follow it, else the earliest (in a run "a a a a" the
+    latest overlaps the end), trying `n` from `n_max` down to `n_min`; [] when none occurs.
+    A scan of the whole context: `NgramIndex` gives the same answer in O(n_max) a token."""
     ids = np.asarray(token_ids)
     for n in range(min(n_max, len(ids) - 1), n_min - 1, -1):
         # windows that end before the last token: each has at least one token after it
         hits = np.flatnonzero((sliding_window_view(ids[:-1], n) == ids[-n:]).all(axis=1))
         if len(hits):
-            full = hits[hits + n + k <= len(ids)]  # in a run "a a a a", the latest occurrence
-            start = int(full[-1] if len(full) else hits[0]) + n  # overlaps the end
+            start = int(hits[-1] if hits[-1] + n + k <= len(ids) else hits[0]) + n
             return ids[start:start + k].tolist()
     return []
+
+
+class NgramIndex:
+    """`propose_ngram` for one request whose tokens only grow: the first and the latest start of
+    every run of `n_min`..`n_max` tokens that has a token after it, updated as tokens arrive, so
+    a guess costs O(n_max) instead of a scan of the whole context (3 ms at 16k tokens, for every
+    decode member of every step)."""
+
+    def __init__(self, n_max: int = 4, n_min: int = 2) -> None:
+        self.n_max, self.n_min = n_max, n_min
+        self.first: dict[tuple[int, ...], int] = {}
+        self.last: dict[tuple[int, ...], int] = {}
+        self.num_indexed = 0  # runs ending before this position are indexed
+
+    def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
+        """Up to `k` tokens to guess after `token_ids` (the request's tokens so far)."""
+        for end in range(self.num_indexed, len(token_ids) - 1):  # runs ending at `end` now
+            for n in range(self.n_min, min(self.n_max, end + 1) + 1):  # have a token after
+                run = tuple(token_ids[end - n + 1:end + 1])
+                self.first.setdefault(run, end - n + 1)
+                self.last[run] = end - n + 1
+        self.num_indexed = max(self.num_indexed, len(token_ids) - 1)
+        for n in range(min(self.n_max, len(token_ids) - 1), self.n_min - 1, -1):
+            run = tuple(token_ids[-n:])
+            if run in self.last:
+                latest = self.last[run]
+                start = (latest if latest + n + k <= len(token_ids) else self.first[run]) + n
+                return list(token_ids[start:start + k])
+        return []
 
 
 def verify(logits: torch.Tensor, draft: list[int], params: SamplingParams,
@@ -58,13 +90,8 @@ def verify(logits: torch.Tensor, draft: list[int], params: SamplingParams,
             accepted += 1
         return target[:accepted + 1]
     out = []
-    for row, guess in zip(logits, draft):
-        probs = probabilities(row, params)
-        if torch.rand(1, generator=generator, dtype=torch.float64).item() < probs[guess]:
-            out.append(guess)  # accepted with probability p(guess)
-            continue
-        probs[guess] = 0.0  # rejected: sample from what p puts everywhere else
-        out.append(draw(probs, generator))
-        return out
-    out.append(draw(probabilities(logits[len(draft)], params), generator))
+    for row, guess in zip(logits, [*draft, None]):
+        out.append(draw(probabilities(row, params), generator))  # as if nobody had guessed
+        if out[-1] != guess:  # the guess was wrong (or there is none left): the rows after
+            return out  # it assumed a token the request does not have
     return out

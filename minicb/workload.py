@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import gc
 import math
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -602,9 +601,6 @@ def run_workload(engine: Any, workload: Workload, progress: bool | Any = False,
             if idle > 100_000:
                 raise RuntimeError(f"the policy scheduled nothing for {idle} steps while "
                                    f"requests wait: {[r.request_id for r in engine.waiting][:5]}")
-            if not record.members and not engine.running \
-                    and engine.waits_on_clock:
-                getattr(engine, "_sleep", time.sleep)(0.001)  # a dynamic batch's timeout
     finally:
         gc.set_threshold(*thresholds)
         if own_bar:

@@ -397,6 +397,24 @@ def test_serve_cli_help(capsys):
     assert "--num-speculative-tokens" in out
 
 
+def test_metrics_count_every_token_of_a_step_that_kept_guesses():
+    """The simulated model always predicts T, so every guess of a prompt of T's is kept: 25
+    tokens in 7 steps. /metrics counts 25 generated tokens and one gap per step that delivered
+    (found by review: it counted 7, and the gaps inside a step as 0)."""
+    from minicb.sim import make_sim_engine
+    engine = make_sim_engine(policy="pd", num_speculative_tokens=3)
+    t = engine.model.token
+    app = create_app(engine, "sim")
+    with ServerThread(app) as url, httpx.Client(timeout=TIMEOUT) as http:
+        r = http.post(url + "/v1/completions", json={"prompt": [t] * 8, "max_tokens": 25,
+                                                     **GREEDY})
+        assert r.status_code == 200
+        text = http.get(url + "/metrics").text
+    assert "minicb_generation_tokens_total 25" in text
+    steps = len(engine.trace)
+    assert f"minicb_inter_token_latency_seconds_count {steps - 1}" in text
+
+
 def test_a_speculating_server_streams_the_same_tokens(tiny_model):
     """Guessed tokens kept in one step stream together; the tokens are a plain server's."""
     body = {"prompt": [5, 6, 7, 5, 6, 7, 5, 6], "max_tokens": 24, "stream": True, **GREEDY}

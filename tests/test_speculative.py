@@ -16,7 +16,7 @@ from minicb import metrics
 from minicb.config import POLICIES
 from minicb.request import SamplingParams
 from minicb.sim import make_sim_engine
-from minicb.speculative import propose_ngram, verify
+from minicb.speculative import NgramIndex, propose_ngram, verify
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -44,8 +44,9 @@ def test_greedy_verification_keeps_the_guesses_the_model_agrees_with():
 
 
 def test_sampled_verification_keeps_the_models_distribution():
-    """Accept guess d with probability p(d), else draw from p without d: the first token is
-    distributed as p whatever the guess (here a likely and an unlikely one)."""
+    """Draw from p at each position and keep going while the draw equals the guess: the first
+    token is distributed as p whatever the guess (here a likely and an unlikely one), and the
+    guess is kept with probability p(guess)."""
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.25, 0.25, 0.25, 0.25]]))
     params = SamplingParams(temperature=1.0, seed=0)
     p = torch.softmax(logits[0], -1)
@@ -83,8 +84,8 @@ def test_guesses_the_model_keeps_save_steps():
         guessed = 24 - (steps - 1)  # the decode tokens no step of the model's own produced
         assert summary["draft_tokens"] == summary["accepted_draft_tokens"] == guessed
         assert summary["draft_acceptance_rate"] == (1.0 if k else None)
-        gaps = metrics.itls(engine.request_records()[0])  # tokens of one step arrive together
-        assert gaps.count(0.0) == guessed
+        gaps = metrics.itls(engine.request_records()[0])  # tokens of one step arrive together:
+        assert len(gaps) == steps - 1 and 0.0 not in gaps  # one gap per step after the first
 
 
 def test_same_greedy_text_as_without_guesses_on_smollm2(smollm2_dir):
@@ -106,7 +107,7 @@ def test_same_greedy_text_as_without_guesses_on_smollm2(smollm2_dir):
 
 
 def test_end_of_sequence_among_kept_guesses_ends_the_request_on_smollm2(smollm2_dir):
-    """A chat reply whose end-of-sequence token arrives among the guesses the model keeps: the
+    """A chat reply whose end-of-sequence token arrives in a step with guesses after it: the
     request ends there, as without guesses (it once ran on past it)."""
     from minicb import LLM
     prompt = [{"role": "user", "content": "Rename the variable x to total in this Python code:"
@@ -119,8 +120,8 @@ def test_end_of_sequence_among_kept_guesses_ends_the_request_on_smollm2(smollm2_
         outs[k] = llm.chat(prompt, SamplingParams(max_tokens=64, temperature=0.0))[0]
         trace = llm.engine.trace
     assert (outs[4].token_ids, outs[4].finish_reason) == (outs[0].token_ids, "stop")
-    last_kept = trace[-1].speculated[outs[4].request_id][1]
-    assert last_kept >= 1  # the last step kept a guess: the EOS came in a multi-token step
+    guessed, kept = trace[-1].speculated[outs[4].request_id]
+    assert guessed >= 1 and kept == 0  # the EOS came first in a step that had guesses after it
 
 
 def test_a_stop_token_among_accepted_guesses_ends_the_request_there(make_engine):
@@ -140,6 +141,53 @@ def test_a_stop_token_among_accepted_guesses_ends_the_request_there(make_engine)
         out = engine.run()[0]
         assert (out.token_ids, out.finish_reason) == (want, "stop")
         assert engine.pool.num_used == 0
+
+
+def test_a_seeded_request_gets_its_tokens_whatever_is_guessed_or_shares_its_batch(
+        make_engine):
+    """Found by review: with guesses, a seeded sampled request's tokens changed with the
+    batch beside it (the guesses, and the random numbers spent on them, depend on the budget
+    others leave). One draw per token, as without guesses, makes them not matter."""
+    rng = random.Random(4)
+    prompt = repetitive_prompt(rng, 30)
+    params = SamplingParams(max_tokens=30, temperature=0.9, seed=7, ignore_eos=True)
+    runs = []
+    for k, beside in ((0, False), (4, False), (4, True)):
+        engine = make_engine("pd", num_speculative_tokens=k, prompt_lookup_min=1,
+                             max_num_batched_tokens=64, chunk_size=64)
+        rid = engine.add_request(prompt, params)
+        if beside:  # a long prompt takes most of the budget while it prefills
+            engine.add_request(repetitive_prompt(rng, 120), SamplingParams(max_tokens=4))
+        engine.run()
+        runs.append(engine.requests[rid].output_token_ids)
+    assert runs[0] == runs[1] == runs[2]
+
+
+def test_the_lookup_index_agrees_with_a_scan():
+    rng = random.Random(0)
+    for _ in range(200):
+        index = NgramIndex(n_max=3, n_min=1)
+        ids = [rng.randrange(4) for _ in range(rng.randint(1, 6))]
+        for _ in range(30):  # the request's tokens grow; the index follows
+            k = rng.randint(1, 5)
+            assert index.propose(ids, k) == propose_ngram(ids, k, n_max=3, n_min=1), (ids, k)
+            ids.extend(rng.randrange(4) for _ in range(rng.randint(1, 3)))
+
+
+def test_a_kept_guess_after_a_stop_token_is_not_counted():
+    """The simulated model always predicts T. T is the stop token, banned for 3 tokens (so the
+    first three are 0s); then the prompt's "T 0 0 0 T T T" makes the guesses T T T, all right,
+    but the first ends the request: one token delivered, no guess counted as kept (found by
+    review: all three were)."""
+    engine = make_sim_engine(policy="pd", num_speculative_tokens=3, check_invariants=True)
+    t = engine.model.token
+    rid = engine.add_request([t, 0, 0, 0, t, t, t, t], SamplingParams(
+        max_tokens=10, temperature=0.0, stop_token_ids=[t], min_tokens=3, ignore_eos=True))
+    out = engine.run()[0]
+    assert (out.token_ids, out.finish_reason) == ([0, 0, 0, t], "stop")
+    assert engine.trace[-1].speculated[rid] == (3, 0)
+    assert metrics.summarize(engine.trace, engine.request_records())[
+        "accepted_draft_tokens"] == 0
 
 
 def test_sampled_requests_speculate_and_end_at_max_tokens(make_engine):

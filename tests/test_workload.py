@@ -269,3 +269,18 @@ def test_declaration_says_what_was_drawn():
     assert sum(r.cancel_after_tokens is not None for r in cancelling) == 4
     assert cancelling.declaration["cancel_after_tokens"] == 2
     assert plain.declaration["cancel_after_tokens"] is None
+
+
+def test_dynamic_batching_waiting_on_the_clock_takes_no_steps():
+    """A lone request under dynamic batching in seconds waits 0.05 s for company: that wait is
+    time, not steps (found by review: 50 one-millisecond empty steps counted in its TTFT)."""
+    w = make_workload(2, prompt_lengths=8, output_lengths=4, arrival="times",
+                      arrival_times_s=[0.0, 5.0])
+    engine = make_sim_engine("h100-like", policy="dynamic", batch_timeout=0.05,
+                             batch_timeout_in_seconds=True)
+    run_workload(engine, w)
+    # per request: the step it arrived in, then a prefill and 3 decodes; the wait is no step
+    assert len(engine.trace) == 2 * (1 + 4)
+    for row in metrics.per_request(engine.request_records()):
+        assert row["queue_s"] == pytest.approx(0.05, abs=0.002)
+        assert row["e2e_steps"] == row["ttft_steps"] == 4  # returned whole: TTFT is E2E

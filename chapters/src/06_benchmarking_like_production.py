@@ -96,7 +96,7 @@ fig.suptitle(f"the same mean rate ({rate:.0f} requests/s), three arrival process
 # |---|---|
 # | queue time | first scheduled − arrival |
 # | TTFT, time to first token | first token seen − arrival: when it was computed, for a response that streams; the release, for one a static batch returns whole (its user sees no token before then) |
-# | ITL, inter-token latency | the gap between two consecutive tokens (pooled over all requests) |
+# | ITL, inter-token latency | the gap between two consecutive deliveries of tokens (pooled over all requests; tokens that arrive together, chapter 08's kept guesses, make one gap) |
 # | TPOT, time per output token | (finish − first token) / (output tokens − 1) |
 # | E2E, end-to-end latency | release − arrival: the release is the finish, except in a static batch, which returns its responses together when its last member finishes (chapter 02) |
 #
