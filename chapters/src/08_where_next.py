@@ -455,9 +455,11 @@ print("one-row members:", meta.num_decodes, "| the checking members are attended
 # %% [markdown]
 # The model returns logits at every one of those rows: row `i` is its prediction after the last
 # token and the first `i` guesses. `verify` keeps guesses while they equal the model's greedy
-# choice, then adds the model's own token. (A sampled request accepts guess `d` with probability
-# p(d) and, on a rejection, draws from p without `d`: the output distribution stays exactly the
-# model's, which `tests/test_speculative.py` checks over 20,000 draws.)
+# choice, then adds the model's own token. (A sampled request draws its token at each row from
+# the model's distribution with its own random generator, one number per token as without
+# guesses, and goes on while the draw equals the guess: its tokens are exactly what they would
+# be without guesses, seed for seed, whatever shares its batch, and guess `d` is kept with
+# probability p(d), which `tests/test_speculative.py` checks over 20,000 draws.)
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -563,19 +565,20 @@ print("same tokens:", batch_runs[0] == batch_runs[4])
 # %% [markdown]
 # On the course machine (one run each; the seconds move with the machine's load, the steps do
 # not), one request at a time: copying the list, every guess was kept (20 of 20), 32 tokens in
-# 12 steps instead of 32, 2.2× faster. The JSON rewrite kept 14 guesses of 52 and the poem 16 of
-# 50, about a third, 1.33–1.34 tokens a step, and both still ran 1.35–1.39× faster: at batch 1
+# 12 steps instead of 32, 2.4× faster. The JSON rewrite kept 14 guesses of 52 and the poem 16 of
+# 50, about a third, 1.33–1.34 tokens a step, and both still ran 1.27–1.36× faster: at batch 1
 # on this CPU a step of 5 query rows costs little more than a step of 1, since the weights are
 # read once either way. The greedy text is the same, token for token, in every case.
 #
 # In the batch of 8 the picture changes. The steps are the longest request's (65 either way: a
 # free-text reply gets few guesses), and a step carrying 8 requests' guesses is no longer
-# nearly free, so throughput rose only from 43.7 to 48.8 tokens/s. What the guesses buy here is
-# latency for the requests they fit: E2E p50 from 7.9 to 5.9 s, TPOT p50 from 125 to 81 ms. That
+# nearly free: throughput did not move beyond the noise (46.4 tokens/s without guesses, 43.2
+# with, in the run stored here; 43.7 and 48.8 in another). What the guesses buy is latency for
+# the requests they fit: E2E p50 from 7.5 to 6.6 s, TPOT p50 from 117 to 91 ms here. That
 # is the trade vLLM's documentation states: speculation pays most at low load, where the
 # hardware waits on memory, and least in a full batch. Tokens kept in one step reach the user
-# together, so pooled ITL gains gaps of zero; TPOT and max ITL (each request's worst gap) are
-# the numbers to read. What the contract asks ("实际处理的 Token 类型和数量必须测量": measure how
+# together: ITL counts one gap per delivery, as a client timing its stream does, and TPOT
+# averages over every token. What the contract asks ("实际处理的 Token 类型和数量必须测量": measure how
 # many tokens of which kind each iteration processed) is in `StepRecord.speculated`, and
 # `summarize` reports `draft_tokens`, `accepted_draft_tokens` and `draft_acceptance_rate`, as
 # does `python -m minicb bench --num-speculative-tokens 4`.
@@ -650,9 +653,9 @@ print("same tokens:", batch_runs[0] == batch_runs[4])
 # - A next step is a loop: profile, find the waste (here a copy of every context per layer),
 #   build the fix (a C kernel over the pages), test it against the reference, measure.
 # - A step can yield several tokens per request: speculative decoding by prompt lookup checks
-#   guessed tokens as a small causal chunk, keeps what the model agrees with (greedy text
-#   unchanged, sampled text with the model's distribution), and pays most at batch 1 (here
-#   2.2× when copying a list, 1.35–1.39× on free text; 12% more tokens/s in a batch of 8).
+#   guessed tokens as a small causal chunk, keeps what the model agrees with (the same tokens
+#   as without guesses, greedy or seeded), and pays most at batch 1 (here 2.4× when copying a
+#   list, 1.27–1.36× on free text; in a batch of 8, lower latency, no more tokens/s).
 # - Next steps grow the same engine: CUDA graphs for mixed steps, prefix-aware scheduling and
 #   better guessers on one GPU; disaggregated prefill/decode, tensor and data parallelism
 #   beyond one GPU.
