@@ -67,6 +67,21 @@ def test_a_damaged_cached_library_is_rebuilt(monkeypatch, tmp_path):
     assert list(path.parent.iterdir()) == [path]  # no temporary file left behind
 
 
+def test_a_build_keeps_only_the_newest_builds(monkeypatch, tmp_path):
+    """Each change to the source or flags makes a new build; the oldest go, the newest stay."""
+    monkeypatch.setenv("MINICB_CACHE", str(tmp_path))
+    compiler = cpu_kernel._compiler()
+    path = cpu_kernel.library_path(compiler)
+    path.parent.mkdir(parents=True)
+    old = [path.parent / f"paged_decode-old{i}.so" for i in range(6)]
+    for i, stale in enumerate(old):
+        stale.write_bytes(b"an older build")
+        os.utime(stale, (1_000_000 + i, 1_000_000 + i))  # old0 is the oldest
+    cpu_kernel._build(compiler, path)
+    kept = {p.name for p in path.parent.iterdir()}
+    assert kept == {path.name, *(p.name for p in old[-(cpu_kernel.KEEP_BUILDS - 1):])}
+
+
 def test_cc_may_carry_a_wrapper_and_a_missing_one_is_named(monkeypatch):
     monkeypatch.setenv("CC", "ccache gcc")
     assert cpu_kernel._compiler() == ["ccache", "gcc"]

@@ -99,10 +99,24 @@ def _build(compiler: list[str], target: Path) -> ctypes.CDLL:
         os.chmod(tmp, 0o755 & ~_umask())  # mkstemp made it private: a shared cache reads it
         library = ctypes.CDLL(tmp)
         os.replace(tmp, target)
+        _prune(target.parent)
         return library
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+KEEP_BUILDS = 4  # builds kept in the cache: other checkouts or compilers may share it
+
+
+def _prune(folder: Path, keep: int = KEEP_BUILDS) -> None:
+    """Remove all but the `keep` newest kernel builds: each change to the source, the flags or
+    the compiler makes a new one (about 30 KB), and nothing else ever removes the old. A
+    process that loaded a removed file keeps its mapping; the next load rebuilds."""
+    builds = sorted(folder.glob("paged_decode-*.so"), key=lambda p: p.stat().st_mtime,
+                    reverse=True)
+    for old in builds[keep:]:
+        old.unlink(missing_ok=True)
 
 
 def _load(compiler: list[str]) -> ctypes.CDLL:
