@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from minicb.attention import AttentionMetadata, int_tensor, torch_ref
+from minicb.attention import AttentionMetadata, _warn_once, int_tensor, torch_ref
 from minicb.attention.torch_ref import rms_norm, rope, store_kv  # noqa: F401 (the backend API)
 from minicb.config import cache_root, cpuinfo
 
@@ -237,6 +237,8 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     """q [T, heads, D] over the paged caches -> [T, heads, D]: decode rows through the kernel,
     prefill chunks through the torch reference."""
     if not _runs_here(q, k_cache, v_cache):
+        _warn_once(f"the cpu attention kernel reads contiguous float32 or bfloat16 caches on the "
+                   f"CPU; these ({k_cache.dtype}, {k_cache.device}) take the torch reference")
         return torch_ref.attend(q, k_cache, v_cache, meta, scale)
     out = torch.empty(q.shape, dtype=q.dtype)
     attend_decodes(q, k_cache, v_cache, meta, scale, out)
