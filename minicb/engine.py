@@ -625,6 +625,7 @@ class Engine:
             req.slot = None
         req.status = Status.FINISHED
         req.finish_reason = reason
+        req.ngram_index = None  # a few tuples per token: not kept for every finished request
         req.metrics.finish_time = self.clock()
         req.metrics.finish_step = self.step_count
         if was_running and self.scheduler.holds_finished_slots and reason in ("stop", "length"):

@@ -101,6 +101,7 @@ def test_same_greedy_text_as_without_guesses_on_smollm2(smollm2_dir):
         engine.add_request(prompt, SamplingParams(max_tokens=24, **GREEDY))
         runs[k] = engine, engine.run()[0].token_ids
     assert runs[4][1] == runs[0][1]
+    assert all(r.ngram_index is None for r in runs[4][0].requests.values())  # freed at finish
     summary = metrics.summarize(runs[4][0].trace, runs[4][0].request_records())
     assert summary["draft_acceptance_rate"] > 0.5
     assert len(runs[4][0].trace) < 0.75 * len(runs[0][0].trace)
