@@ -143,7 +143,8 @@ def stub_markdown(source: str, where: str = "cell") -> str:
 
 def cell_tags(cell: dict) -> list[str]:
     """The cell's metadata tags (an empty list when it has none)."""
-    return list(cell.get("metadata", {}).get("tags", []))
+    tags = (cell.get("metadata") or {}).get("tags") or []  # a hand-edited file may hold null
+    return [t for t in tags if isinstance(t, str)] if isinstance(tags, list) else []
 
 
 def _exercise_of(cell: dict) -> str:

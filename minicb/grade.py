@@ -35,6 +35,7 @@ import secrets
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -229,20 +230,43 @@ def _error_of(cell: nbformat.NotebookNode) -> str | None:
 
 
 def execute(nb: nbformat.NotebookNode, workdir: Path, timeout: int) -> list[str]:
-    """Run every cell in a fresh kernel, errors and all; returns notes on what stopped it."""
+    """Run every cell in a fresh kernel, errors and all; returns notes on what stopped it.
+    A cell past `timeout` is interrupted; one still running `timeout` later (it caught the
+    interrupt) has its kernel killed, and the cells before it are graded."""
     from nbclient import NotebookClient
 
-    kernel = nb.metadata.get("kernelspec", {}).get("name", "python3")
-    client = NotebookClient(nb, timeout=timeout, kernel_name=kernel, allow_errors=True,
+    # the grader's own Python, whatever kernel the learner's notebook names
+    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", allow_errors=True,
                             interrupt_on_timeout=True, record_timing=False,
                             resources={"metadata": {"path": str(workdir)}})
+    killed: list[int] = []
+    timer: list[threading.Timer] = []
+
+    def kill() -> None:
+        process = getattr(getattr(client.km, "provisioner", None), "process", None)
+        if process is not None and process.poll() is None:
+            killed.append(process.pid)
+            process.kill()
+
+    def arm(**_) -> None:  # each cell gets its timeout, an interrupt, and as long again
+        for pending in timer:
+            pending.cancel()
+        timer[:] = [threading.Timer(2 * timeout + 5, kill)]
+        timer[0].daemon = True
+        timer[0].start()
+
+    client.on_cell_execute = arm
     old_path = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), old_path) if p)
     try:
         client.execute()
-    except Exception as exc:  # the kernel died or would not start: grade what ran
-        return [f"execution stopped: {type(exc).__name__}: {str(exc).strip()[:300]}"]
+    except Exception as exc:  # the kernel died, was killed or would not start: grade what ran
+        why = (f"a cell ignored the interrupt at {timeout} s and its kernel was killed"
+               if killed else f"{type(exc).__name__}: {str(exc).strip()[:300]}")
+        return [f"execution stopped: {why}"]
     finally:
+        for pending in timer:
+            pending.cancel()
         if old_path is None:
             os.environ.pop("PYTHONPATH", None)
         else:
@@ -383,12 +407,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {exc}", file=sys.stderr)
             status = 2
             continue
+        except Exception as exc:  # a malformed notebook: say so, grade the others
+            print(f"error: cannot grade {path}: {type(exc).__name__}: {exc}", file=sys.stderr)
+            status = 2
+            continue
         reports.append(report)
         if not args.json:
             print(format_report(report))
     if args.json:
         data = [r.to_dict() for r in reports]
-        print(json.dumps(data[0] if len(data) == 1 else data, indent=1, ensure_ascii=False))
+        one = len(args.notebooks) == 1  # a list whenever several were asked for
+        print(json.dumps(data[0] if one and data else data, indent=1, ensure_ascii=False))
     elif len(reports) > 1:
         total = sum(r.score for r in reports)
         top = sum(r.max_score for r in reports)

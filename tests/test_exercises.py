@@ -19,8 +19,9 @@ import nbformat
 import numpy as np
 import pytest
 
-from minicb import check, exercises, grade
+from minicb import check, exercises, grade, kv_cache
 from minicb.exercises import ROOT, MarkerError, cell_tags, generate, solution_code, stub_code
+from minicb.model import quant
 
 SOURCES = sorted((ROOT / "exercises" / "source").glob("*.ipynb"))
 NAMES = [p.name for p in SOURCES]
@@ -469,6 +470,47 @@ def test_grader_restores_checks_and_survives_endless_loops(tmp_path, capsys):
     assert "prefix_hashes" in out and "its check cell is missing" in out
     assert "KeyboardInterrupt" in out and "longer than 4 s" in out
     assert grade.main([str(tmp_path / "missing.ipynb")]) == 2
+
+
+@pytest.mark.slow
+def test_a_cell_that_swallows_the_interrupt_is_killed_and_the_rest_still_graded(tmp_path,
+                                                                              capsys):
+    """Found by review: a cell catching KeyboardInterrupt in a loop was interrupted every
+    `timeout` seconds forever. Now its kernel is killed one timeout after the interrupt, and the
+    exercises before it keep their points. The learner's notebook also names a kernel this
+    machine lacks: the grader runs its own."""
+    nb = nbformat.read(ROOT / "solutions" / EXPECTED[0], as_version=4)
+    nb.metadata["kernelspec"] = {"name": "some-env-of-mine", "display_name": "mine",
+                                 "language": "python"}
+    stubs = tagged(nb, "exercise")
+    nb.cells[stubs["match_prefix"]].source = (
+        "import time\nwhile True:\n    try:\n        time.sleep(60)\n"
+        "    except BaseException:\n        print('not stopping')")
+    path = tmp_path / EXPECTED[0]
+    nbformat.write(nb, path)
+    t0 = time.monotonic()
+    assert grade.main([str(path), "--timeout", "3"]) == 0
+    assert time.monotonic() - t0 < 60
+    out = capsys.readouterr().out
+    assert "✓ page_pool" in out and "✓ prefix_hashes" in out and "total: 2/4" in out
+    assert "its kernel was killed" in out
+
+
+def test_malformed_tags_and_batches_do_not_stop_the_grader(tmp_path, capsys):
+    """A hand-edited notebook may hold `"tags": null`; a notebook that cannot be graded is
+    reported and the others still are; --json gives a list whenever several were asked."""
+    assert exercises.cell_tags({"metadata": {"tags": None}}) == []
+    assert exercises.cell_tags({"metadata": None}) == []
+    assert exercises.cell_tags({"metadata": {"tags": ["check", 3]}}) == ["check"]
+    bad = tmp_path / "bad.ipynb"
+    bad.write_text("{not json")
+    assert grade.main(["--json", str(bad), str(tmp_path / "missing.ipynb")]) == 2
+    assert json.loads(capsys.readouterr().out) == []
+
+
+def test_minicbs_own_function_is_not_an_answer():
+    assert "minicb's own" in caught("prefix_hashes", kv_cache.prompt_page_hashes)
+    assert "minicb's own" in caught("quantize_int8", quant.quantize_rows)
 
 
 def untagged(nb):
