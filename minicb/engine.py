@@ -450,7 +450,7 @@ class Engine:
         if self.waits_on_clock and not (record.members or record.finished or arrived
                                         or record.preempted):
             self.step_count -= 1  # dynamic batching waiting for its timeout: no step ran, and
-            self._sleep(0.001)  # step latencies count steps that did (chapter 02)
+            self._check_progress(record)  # step latencies count steps that did (chapter 02)
             return record
         self.trace.append(record)
         if self.config.check_invariants:

@@ -40,10 +40,15 @@ def parse(text: str) -> nbformat.NotebookNode:
     return nb
 
 
+def notebook_path(src: Path, out_dir: Path | None = None) -> Path:
+    """chapters/src/NN_name.py -> chapters/NN_name.ipynb (or into `out_dir`)."""
+    return (out_dir or src.parent.parent) / (src.stem + ".ipynb")
+
+
 def build(src: Path, out_dir: Path | None = None, execute: bool = True,
           timeout: int = 600) -> Path:
     nb = parse(src.read_text())
-    out = (out_dir or src.parent.parent) / (src.stem + ".ipynb")
+    out = notebook_path(src, out_dir)
     if execute:
         t0 = time.time()
         NotebookClient(nb, timeout=timeout, kernel_name="python3",
@@ -60,7 +65,7 @@ def sync_markdown(src: Path, out_dir: Path | None = None) -> Path:
     for prose edits, without a re-run that would change the measured numbers the prose quotes.
     Refuses if any code cell differs (those need a build)."""
     fresh = parse(src.read_text())
-    out = (out_dir or src.parent.parent) / (src.stem + ".ipynb")
+    out = notebook_path(src, out_dir)
     nb = nbformat.read(out, as_version=4)
     kinds = [c.cell_type for c in fresh.cells], [c.cell_type for c in nb.cells]
     if kinds[0] != kinds[1] or any(a.source != b.source for a, b in zip(fresh.cells, nb.cells)
