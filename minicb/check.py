@@ -19,6 +19,7 @@ on the core and nothing in the core depends on it.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
@@ -35,7 +36,7 @@ from minicb import metrics
 from minicb.kv_cache import PagePool, page_hash, prompt_page_hashes
 from minicb.model.quant import quantize_rows
 from minicb.request import SamplingParams
-from minicb.scheduler import POLICY_CLASSES, Scheduler
+from minicb.scheduler import POLICY_CLASSES, Scheduler, schedule_prefill_chunks
 from minicb.trace import RequestRecord, StepRecord
 
 
@@ -791,15 +792,72 @@ def _compare(ref: list[StepRecord], mine: list[StepRecord], wl: CheckWorkload, p
                         f"finished in {len(ref)} steps, yours in {len(mine)}. {rules}")
 
 
+TRIPPED = "_minicb_check_tripped"  # set in the module of a minicb function the learner ran
+
+
+def _tripwire_code(name: str) -> Any:
+    """The code of a function that notes `name` in its module and raises. It replaces the
+    code of minicb's own function in place, so every reference to it trips: an alias, a
+    subclass that does not override, a call through the class or a copied function."""
+    namespace: dict[str, Any] = {}
+    exec(f"def tripwire(*args, **kwargs):\n"
+         f"    globals().setdefault({TRIPPED!r}, set()).add({name!r})\n"
+         f"    raise RuntimeError('minicb check: your scheduler ran minicb\\'s own {name}')\n",
+         namespace)
+    return namespace["tripwire"].__code__
+
+
+@contextlib.contextmanager
+def _refusing_the_reference(exercise: str, functions: list[Callable]):
+    """While the learner's scheduler runs, minicb's own versions refuse to run: the check
+    compares yours with minicb's, so minicb's would pass against itself."""
+    saved = {fn: fn.__code__ for fn in functions if fn.__closure__ is None}
+    for fn in saved:
+        fn.__code__ = _tripwire_code(fn.__qualname__)
+
+    def tripped() -> list[str]:
+        return sorted(set().union(*(fn.__globals__.pop(TRIPPED, set()) for fn in saved)))
+
+    used: list[str] = []
+    try:
+        yield
+    except Exception:
+        used = tripped()
+        if not used:
+            raise
+    finally:
+        for fn, code in saved.items():
+            fn.__code__ = code
+    used = used or tripped()
+    if used:
+        _fail(exercise, f"your scheduler ran minicb's own {', '.join(used)}: write the policy "
+                        "yourself (the check compares it step by step with minicb's, which "
+                        "would pass against itself). The shared building blocks of "
+                        "`Scheduler` (schedule_decodes, decoding, prefilling) are yours to use.")
+
+
 def _check_scheduler(cls: Any, policy: str, exercise: str, workloads: list[CheckWorkload],
-                     rules: str, decodes_first: bool) -> bool:
+                     rules: str, decodes_first: bool, also_refused: Sequence[Callable] = ()
+                     ) -> bool:
     if isinstance(cls, type) and not issubclass(cls, Scheduler) or \
             not isinstance(cls, type) and not hasattr(cls, "schedule"):
         _fail(exercise, f"expected a Scheduler subclass (class MyScheduler(Scheduler): ...), "
                         f"got {_short(cls, 60)}.")
+    refs = [_reference(policy, wl) for wl in workloads]  # before minicb's own are refused
+    refused = [c.schedule for c in POLICY_CLASSES.values()] + list(also_refused)
+    with _refusing_the_reference(exercise, refused):
+        steps = _run_beside_the_reference(cls, policy, exercise, workloads, refs, rules,
+                                          decodes_first)
+    return _passed(exercise, f"{len(workloads)} workloads ({steps} steps) ran in the real "
+                             f"engine with invariant checks on, step for step like minicb's "
+                             f"{policy!r} scheduler")
+
+
+def _run_beside_the_reference(cls: Any, policy: str, exercise: str,
+                              workloads: list[CheckWorkload], refs: list[list[StepRecord]],
+                              rules: str, decodes_first: bool) -> int:
     steps = 0
-    for wl in workloads:
-        ref = _reference(policy, wl)
+    for wl, ref in zip(workloads, refs):
         mine = _run(cls, wl, exercise, max_steps=3 * len(ref) + 50)
         if decodes_first and mine.skipped:
             step, left, members = mine.skipped[0]
@@ -814,9 +872,7 @@ def _check_scheduler(cls: Any, policy: str, exercise: str, workloads: list[Check
                             "goes to prefill.")
         _compare(ref, mine.trace, wl, policy, exercise, rules)
         steps += len(ref)
-    return _passed(exercise, f"{len(workloads)} workloads ({steps} steps) ran in the real "
-                             f"engine with invariant checks on, step for step like minicb's "
-                             f"{policy!r} scheduler")
+    return steps
 
 
 CONTINUOUS_WORKLOADS = [
@@ -879,7 +935,8 @@ def chunked_scheduler(cls: Any) -> bool:
     """Exercise 4.2: a prefill-first chunked-prefill `Scheduler` subclass, run for real and
     compared step by step with minicb's ChunkedScheduler."""
     return _check_scheduler(cls, "chunked", "chunked_scheduler", CHUNKED_WORKLOADS,
-                            CHUNKED_RULES, decodes_first=False)
+                            CHUNKED_RULES, decodes_first=False,
+                            also_refused=[schedule_prefill_chunks])
 
 
 PD_WORKLOADS = [

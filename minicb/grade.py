@@ -60,6 +60,7 @@ check = _minicb_grade_util.module_from_spec(_minicb_grade_spec)
 _minicb_grade_spec.loader.exec_module(check)
 """
 MARK = "minicb-grade-check-done:{nonce}:{name}"  # printed after a check cell's own code
+MAX_CELL_OUTPUT = 1_000_000  # characters of output kept per cell; errors and marks always
 
 
 class GradeError(ValueError):
@@ -166,11 +167,22 @@ def identify_source(nb: nbformat.NotebookNode, sources: Path = SOURCES) -> Path 
 
 def source_for(path: Path, nb: nbformat.NotebookNode | None = None) -> Path | None:
     """The exercise source of the notebook at `path`: the file of the same name in
-    exercises/source, else (given the notebook) the one its content identifies, else None."""
+    exercises/source, unless (given the notebook) its content names only another source's
+    exercises (exercise 3's work saved as 02_static_batching.ipynb is graded as exercise 3);
+    else the one its content identifies, else None."""
     candidate = SOURCES / Path(path).name
+    identified = identify_source(nb) if nb is not None else None
     if candidate.is_file():
+        if identified is not None and identified != candidate:
+            names = exercise_names(nb)
+            if names & _own_exercises(identified) and not names & _own_exercises(candidate):
+                return identified
         return candidate
-    return identify_source(nb) if nb is not None else None
+    return identified
+
+
+def _own_exercises(source: Path) -> set[str]:
+    return {name for _, name, _ in check_cells(nbformat.read(source, as_version=4))}
 
 
 def restore_checks(nb: nbformat.NotebookNode, source: nbformat.NotebookNode
@@ -233,12 +245,10 @@ def execute(nb: nbformat.NotebookNode, workdir: Path, timeout: int) -> list[str]
     """Run every cell in a fresh kernel, errors and all; returns notes on what stopped it.
     A cell past `timeout` is interrupted; one still running `timeout` later (it caught the
     interrupt) has its kernel killed, and the cells before it are graded."""
-    from nbclient import NotebookClient
-
     # the grader's own Python, whatever kernel the learner's notebook names
-    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", allow_errors=True,
-                            interrupt_on_timeout=True, record_timing=False,
-                            resources={"metadata": {"path": str(workdir)}})
+    client = _capped_client()(nb, timeout=timeout, kernel_name="python3", allow_errors=True,
+                              interrupt_on_timeout=True, record_timing=False,
+                              resources={"metadata": {"path": str(workdir)}})
     killed: list[int] = []
     timer: list[threading.Timer] = []
 
@@ -274,6 +284,38 @@ def execute(nb: nbformat.NotebookNode, workdir: Path, timeout: int) -> list[str]
     return []
 
 
+def _capped_client() -> type:
+    """nbclient's NotebookClient keeping at most MAX_CELL_OUTPUT characters of a cell's printed
+    and displayed output: a cell that prints without end would otherwise grow the grader's
+    memory until its timeout. Errors and the check marks are always kept."""
+    from nbclient import NotebookClient
+
+    class CappedClient(NotebookClient):
+        def output(self, outs: list, msg: dict, display_id: str | None,
+                   cell_index: int) -> Any:
+            content = msg.get("content") or {}
+            text = str(content.get("text", ""))
+            size = len(text) + sum(len(str(v)) for v in (content.get("data") or {}).values())
+            sizes = self.__dict__.setdefault("_minicb_sizes", {})
+            kept = sizes.get(cell_index, 0)
+            if msg.get("msg_type") in ("stream", "display_data", "execute_result") and \
+                    kept + size > MAX_CELL_OUTPUT and MARK.split("{")[0] not in text:
+                if kept <= MAX_CELL_OUTPUT:  # keep what fits, and say it once
+                    if msg["msg_type"] == "stream" and kept < MAX_CELL_OUTPUT:
+                        head = {**content, "text": text[:MAX_CELL_OUTPUT - kept]}
+                        super().output(outs, {**msg, "content": head}, display_id, cell_index)
+                    outs.append(nbformat.v4.new_output(
+                        "stream", name="stderr",
+                        text=f"[minicb grade: output past {MAX_CELL_OUTPUT:,} characters "
+                             "dropped]\n"))
+                sizes[cell_index] = MAX_CELL_OUTPUT + 1
+                return None
+            sizes[cell_index] = kept + size
+            return super().output(outs, msg, display_id, cell_index)
+
+    return CappedClient
+
+
 def grade_notebook(path: str | Path, timeout: int = 300, restore: bool = True,
                    source: str | Path | None = None) -> GradeReport:
     """Execute a copy of the notebook at `path` and score each exercise by its check cell.
@@ -300,6 +342,9 @@ def grade_notebook(path: str | Path, timeout: int = 300, restore: bool = True,
         expected, notes = restore_checks(nb, source_nb)
         if source_path.name != path.name:
             notes.insert(0, f"check cells restored from {_shown(source_path)}")
+            if not source and (SOURCES / path.name).is_file():
+                notes.insert(0, f"named like {path.name}, but it holds the exercises of "
+                                f"{source_path.name}: graded as those")
         report.notes.extend(notes)
         nonce = secrets.token_hex(8)
         guard_checks(nb, nonce)

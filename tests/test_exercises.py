@@ -359,8 +359,24 @@ def test_scheduler_bugs_meet_the_engine_rules():
 
     assert "it must return ctx.batch" in caught("pd_scheduler", ReturnsNothing)
 
-    pd = solution("05_pd_interleaving.ipynb")["MyPDScheduler"]
-    message = caught("chunked_scheduler", pd)  # decodes ride along: not prefill-first
+    class DecodesRideAlong(Scheduler):  # PD written out by hand: not prefill-first
+        def schedule(self, ctx):
+            budget = ctx.config.max_num_batched_tokens - self.schedule_decodes(ctx)
+            for req in self.prefilling(ctx):
+                n = min(req.num_remaining, ctx.config.chunk_size, budget)
+                if n and ctx.reserve(req, n):
+                    ctx.schedule(req, n)
+                    budget -= n
+            while ctx.waiting and budget > 0:
+                req = ctx.waiting[0]
+                n = ctx.admit(req, min(ctx.config.chunk_size, budget))
+                if not n:
+                    break
+                ctx.schedule(req, n)
+                budget -= n
+            return ctx.batch
+
+    message = caught("chunked_scheduler", DecodesRideAlong)
     assert "step 3: minicb's chunked scheduler ran [long prefill 32]" in message
 
 
@@ -513,6 +529,49 @@ def test_minicbs_own_function_is_not_an_answer():
     assert "minicb's own" in caught("quantize_int8", quant.quantize_rows)
 
 
+def test_minicbs_own_scheduler_is_not_an_answer():
+    """minicb's policy, however it is reached (the class itself, a subclass that does not
+    override, a call through it, a copied function, an error swallowed), fails the check and
+    names what ran; minicb's functions are themselves again afterwards, and the building
+    blocks the exercises offer (schedule_decodes; schedule_prefill_chunks in 5.1) still pass."""
+    from minicb import scheduler as S
+
+    class Subclass(S.ContinuousScheduler):
+        pass
+
+    class Delegates(S.Scheduler):
+        def schedule(self, ctx):
+            return S.ChunkedScheduler().schedule(ctx)
+
+    class Swallows(S.Scheduler):
+        def schedule(self, ctx):
+            try:
+                return S.PDScheduler.schedule(self, ctx)
+            except Exception:
+                return ctx.batch
+
+    class UsesTheChunkLoop(S.Scheduler):  # fine in 5.1, not in 4.2 which asks for the loop
+        def schedule(self, ctx):
+            S.schedule_prefill_chunks(ctx, ctx.config.max_num_batched_tokens)
+            if not ctx.batch.items:
+                self.schedule_decodes(ctx)
+            return ctx.batch
+
+    copied = type("Copied", (S.Scheduler,), {"schedule": S.ContinuousScheduler.schedule})
+    cases = [("continuous_scheduler", S.ContinuousScheduler, "ContinuousScheduler.schedule"),
+             ("continuous_scheduler", Subclass, "ContinuousScheduler.schedule"),
+             ("continuous_scheduler", copied, "ContinuousScheduler.schedule"),
+             ("chunked_scheduler", Delegates, "ChunkedScheduler.schedule"),
+             ("chunked_scheduler", UsesTheChunkLoop, "schedule_prefill_chunks"),
+             ("pd_scheduler", Swallows, "PDScheduler.schedule")]
+    for exercise, learner, name in cases:
+        assert f"your scheduler ran minicb's own {name}:" in caught(exercise, learner), name
+    assert S.ContinuousScheduler.schedule.__code__.co_name == "schedule"
+    assert S.schedule_prefill_chunks.__code__.co_name == "schedule_prefill_chunks"
+    assert not hasattr(S, check.TRIPPED)
+    assert check.pd_scheduler(solution("05_pd_interleaving.ipynb")["MyPDScheduler"])
+
+
 def untagged(nb):
     """The notebook with every cell tag removed (ids and sources kept)."""
     for cell in nb.cells:
@@ -536,6 +595,33 @@ def test_a_notebook_is_identified_by_its_content():
     mixed = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
         "check.next_chunk(next_chunk)\ncheck.latencies(latencies)")])
     assert grade.identify_source(mixed) is None  # two sources tie: refuse to guess
+
+
+def test_a_notebook_saved_under_another_exercises_name_is_graded_as_what_it_holds():
+    """Exercise 3's work saved as 02_static_batching.ipynb names only exercise 3's checks: it
+    is graded as exercise 3. A file that names its own exercises keeps its name's source."""
+    source = ROOT / "exercises" / "source"
+    for folder in ("exercises", "solutions"):
+        nb = nbformat.read(ROOT / folder / EXPECTED[2], as_version=4)
+        assert grade.source_for(ROOT / "submissions" / EXPECTED[1], nb) == source / EXPECTED[2]
+        own = nbformat.read(ROOT / folder / EXPECTED[1], as_version=4)
+        assert grade.source_for(ROOT / "submissions" / EXPECTED[1], own) == source / EXPECTED[1]
+        own.cells += nb.cells  # both exercises' cells: its name decides
+        assert grade.source_for(ROOT / "submissions" / EXPECTED[1], own) == source / EXPECTED[1]
+
+
+@pytest.mark.slow
+def test_endless_printing_is_capped(tmp_path):
+    """A cell that prints 6 MB keeps about MAX_CELL_OUTPUT characters and a note; the cells
+    after it run and keep their output."""
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell("for i in range(60_000):\n    print('x' * 99)"),
+        nbformat.v4.new_code_cell("print('after')")])
+    assert grade.execute(nb, tmp_path, timeout=60) == []
+    first = "".join(o.get("text", "") for o in nb.cells[0].outputs)
+    assert grade.MAX_CELL_OUTPUT - 10_000 < len(first) < grade.MAX_CELL_OUTPUT + 200
+    assert "output past 1,000,000 characters dropped" in first
+    assert [o.get("text") for o in nb.cells[1].outputs] == ["after\n"]
 
 
 def test_a_notebook_of_unknown_source_is_refused(tmp_path, capsys):
