@@ -601,7 +601,7 @@ def _finish_steps_real(policy: str, max_tokens: Sequence[int], arrival_steps: Se
 
 def _finish_cases(seed: int) -> list[tuple[list[int], list[int], int]]:
     rng = random.Random(seed)
-    cases = [([30, 200, 80, 50], [1, 1, 1, 31], 3),  # the chapter's R1..R4
+    cases = [([30, 200, 80, 60], [1, 1, 1, 31], 3),  # the chapter's R1..R4
              ([1], [1], 1), ([5, 1, 3], [1, 1, 1], 1), ([4, 4], [1, 9], 2),
              ([6, 2, 9, 3, 5], [1, 2, 2, 4, 20], 2)]
     for _ in range(8):

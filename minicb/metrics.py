@@ -164,6 +164,24 @@ def check_slo(slo: dict[str, float] | None) -> dict[str, float]:
     return {k: float(v) for k, v in slo.items() if v is not None}
 
 
+def sustainable_load(attainment_by_rate: dict[float, float | None],
+                     target: float = 0.99) -> float | None:
+    """The contract's Sustainable Load (chapter 06): the highest offered rate at which at least
+    `target` of the requests met the SLO, every lower rate meeting it too (a rate that passes
+    by luck above one that fails does not count). `attainment_by_rate`: rate -> the
+    `slo_attainment` of a run at that rate, with the TTFT, ITL and E2E limits the contract
+    names. None when the lowest rate already fails."""
+    if not is_finite_number(target) or not 0 < target <= 1:
+        raise ValueError(f"target must be a fraction in (0, 1], got {target!r}")
+    best = None
+    for rate in sorted(attainment_by_rate):
+        attained = attainment_by_rate[rate]
+        if attained is None or attained < target:
+            break
+        best = rate
+    return best
+
+
 def run_span(records: Sequence[Any]) -> float:
     """Seconds from the first arrival to the last finish (0 if nothing finished) (chapter 05)."""
     arrivals = [r.arrival_time for r in records if r.arrival_time is not None]

@@ -98,6 +98,18 @@ def test_goodput_at_slo():
     assert s["slo_met"] == 0 and s["goodput_rps"] == 0.0 and s["slo_attainment"] == 0.0
 
 
+def test_sustainable_load_is_the_highest_rate_met_with_every_lower_one():
+    assert metrics.sustainable_load({10: 1.0, 12: 0.995, 14: 0.98, 16: 0.9}) == 12
+    assert metrics.sustainable_load({16: 0.9, 10: 1.0, 12: 0.99}) == 12  # order of the dict
+    assert metrics.sustainable_load({10: 1.0, 12: 0.95, 14: 0.999}) == 10  # 14 passed by luck
+    assert metrics.sustainable_load({10: 0.5}) is None
+    assert metrics.sustainable_load({10: 1.0, 12: None}) == 10  # nothing completed at 12
+    assert metrics.sustainable_load({10: 0.96, 12: 0.9}, target=0.95) == 10
+    for bad in (0, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="target"):
+            metrics.sustainable_load({10: 1.0}, target=bad)
+
+
 def test_itl_slo_bounds_each_requests_worst_gap():
     records = hand_records()
     assert metrics.max_itl(records[0]) == 1.0 and metrics.max_itl(records[1]) is None

@@ -9,8 +9,8 @@
 # Two notes from the benchmark contract before we start. The Orca paper proposed two things:
 # iteration-level scheduling, and **selective batching** (batch the token-wise operations, the
 # projections and MLP, over all of a step's tokens, and run attention per request, since each
-# request's context differs); minicb's flat mixed batch with per-member attention metadata is the
-# same split. The speedups Orca reports belong to its GPT-3 system and its baselines, not to
+# request's context differs); minicb's flat mixed batch with per-member attention metadata (chapter 05 §3 shows
+# it) is the same split. The speedups Orca reports belong to its GPT-3 system and its baselines, not to
 # every engine today: measure your own (chapter 06). And names blur: some products call
 # continuous batching "dynamic batching". What matters is the **scheduling boundary**: does the
 # batch change between iterations (continuous) or only between whole batches (static, and the
@@ -94,7 +94,8 @@ for i, line in enumerate(lines):
 # gets one token, then waiting requests are admitted with their whole prompt while a slot, the
 # pages for the prompt and the token budget allow. Now the seed's example on the real model:
 # R1, R2, R3 want 30, 200 and 80 tokens and start together; R4 arrives at step 31 wanting 60.
-# Three slots, as before. (200 steps, about 5–15 s on two CPU cores.)
+# Three slots, as before. (200 steps, 10–25 s on the course's two CPU cores, depending on the machine
+# and its load.)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -393,8 +394,9 @@ for workload, policy in sorted(runs, key=lambda k: ("varied", "equal", "low rate
 # them, and with them 16 times the fixed part. The per-request part is paid for every token under
 # either policy. How much of the 1.5x gain in steps survives in seconds depends on the split
 # (the fit's prediction is rough, but it gets the ordering and the size of the gap about right).
-# At these small batches the fixed part dominates (about 22 ms against 1–2 ms per request in
-# the builds stored here), so most of the gain carries over. The per-request part grows with the
+# At these small batches the fixed part dominates (the fit above: tens of milliseconds a step
+# against a few per request, a slope no larger than the noise between the medians), so most
+# of the gain carries over. The per-request part grows with the
 # batch and with each request's context (its own attention, its row of every product): with 32
 # requests of up to 768 tokens it is most of a CPU step (`bench/README.md`). On a GPU a decode
 # step of dozens of requests costs about as much as a step of one: the fixed part dominates, and

@@ -301,7 +301,10 @@ print("slot mapping of the decode rows:", meta.slot_mapping[:3].tolist(),
 # L is still decoding, did not share the window L could disrupt, and counting it would make
 # short_P grow with L's output length rather than with how L was prefilled. minicb counts the
 # short requests that arrived **before L's prefill window ended** and had not finished before L
-# arrived. (Here all three chats qualify.) Chapter 04 computed dec@P by hand; short_P by hand is
+# arrived. (Here all three chats qualify.) One more difference from the seed's wording: the seed
+# counts the decode tokens of the other *short* requests in dec@P; minicb counts every other
+# request's, which is the same number in every scenario of this course, where the others are
+# all short chats. Chapter 04 computed dec@P by hand; short_P by hand is
 # a few lines more:
 
 # %%
@@ -394,7 +397,9 @@ for policy, engine in engines.items():
 # minicb's **simulated executor** (`minicb.sim`, chapter 06): the real engine, scheduler and
 # pages, with a fake model whose step time comes from a cost model. The `h100-like` cost model
 # is an **assumption** (an 8B model on one H100, from published peak figures), not a
-# measurement: these are simulated seconds.
+# measurement: these are simulated seconds. The table uses three measures chapter 06 defines
+# properly: **TTFT**, the time from a request's arrival to its first token; **ITL**, each gap
+# between two of a request's tokens; **TPOT**, a request's mean gap after its first token.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -430,8 +435,9 @@ print(format_table(results, columns))
 # gaps here, so a stall that hits each chat once or twice sits far below the 99th percentile.
 # `max ITL` is each request's *worst* gap, the longest its user watched the output freeze, with
 # percentiles over requests (`metrics.max_itl`). Under prefill-first one chat in a hundred
-# froze for 350 ms or more; under PD no chat froze for longer than 24 ms, one mixed step. That is
-# dec@P's lesson at scale, and it is what an interactive SLO should bound: `slo={"itl": 0.1}`
+# froze for 350 ms or more; under PD 99 chats in 100 froze for at most 24 ms, one mixed step. That is
+# dec@P's lesson at scale, and it is what an interactive SLO (service-level objective: a limit every request should meet;
+# chapter 06 counts goodput against it) should bound: `slo={"itl": 0.1}`
 # (`--slo-itl` on the command line) counts a request as good only if its worst gap is at most
 # 100 ms.
 #
