@@ -175,13 +175,19 @@ class EngineConfig:
         if self.quantization and str(self.device).startswith("cuda"):
             raise ValueError("quantization='int8' is a CPU option (torch's int8-weight CPU "
                              "kernel); on CUDA use dtype='bfloat16'")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+        for name in ("enable_prefix_caching", "check_invariants", "trace_snapshots",
+                     "use_cuda_graphs", "batch_timeout_in_seconds"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if not is_finite_number(self.gpu_memory_utilization) or \
+                not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1], "
                              f"got {self.gpu_memory_utilization}")
-        if self.policy == "pd" and self.max_num_batched_tokens < self.max_num_seqs:
+        if self.policy in ("chunked", "pd") and self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
-                f"({self.max_num_seqs}) under policy 'pd', or running decodes cannot all advance")
+                f"({self.max_num_seqs}) under policy {self.policy!r}, or running decodes cannot "
+                "all advance in one step")
         if self.policy == "pd" and self.chunk_size < self.max_num_seqs:
             raise ValueError(f"chunk_size ({self.chunk_size}) must be >= max_num_seqs "
                              f"({self.max_num_seqs}) under policy 'pd'")

@@ -18,7 +18,13 @@ from collections import Counter, deque
 import torch
 
 from minicb.attention import build_metadata, int_tensor, resolve_backend
-from minicb.config import EngineConfig, is_finite_number, resolve_device, torch_dtype
+from minicb.config import (
+    EngineConfig,
+    is_finite_number,
+    is_positive_int,
+    resolve_device,
+    torch_dtype,
+)
 from minicb.kv_cache import PagePool, prompt_page_hashes
 from minicb.request import Request, RequestOutput, SamplingParams, Status
 from minicb.sampler import make_generator, sample
@@ -243,12 +249,12 @@ class Engine:
         request_id = str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        if arrival_step is not None and (not isinstance(arrival_step, int) or arrival_step < 1):
+        if arrival_step is not None and not is_positive_int(arrival_step):
             raise ValueError(f"arrival_step must be an integer >= 1, got {arrival_step!r}")
         if arrival_time is not None and (not is_finite_number(arrival_time) or arrival_time < 0):
             raise ValueError(f"arrival_time must be a finite number >= 0 seconds, got "
                              f"{arrival_time!r}")
-        if not isinstance(priority, int):
+        if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         if deadline is not None and (not is_finite_number(deadline) or deadline <= 0):
             raise ValueError(f"deadline must be a finite number of seconds > 0 or None, got "
@@ -271,8 +277,10 @@ class Engine:
 
     def _arrive(self, req: Request) -> None:
         self.pending.remove(req)
+        # a step already past when the request was added counts as the step it arrives at:
+        # the engine cannot have kept it waiting before it knew of it
         req.metrics.arrival_step = self.step_count + 1 if req.arrival_step is None \
-            else req.arrival_step
+            else max(req.arrival_step, self.step_count)
         req.metrics.arrival_time = self.clock() if req.arrival_time is None \
             else req.arrival_time
         enqueue(self.waiting, req, self.config.preemption)

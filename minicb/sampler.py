@@ -40,7 +40,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     if banned and any(banned):
         logits = logits.clone()
         for i, ids in enumerate(banned):
-            row = logits[i].index_fill(0, torch.tensor(ids, dtype=torch.long), float("-inf"))
+            banned_ids = torch.tensor(ids, dtype=torch.long, device=logits.device)
+            row = logits[i].index_fill(0, banned_ids, float("-inf"))
             if torch.isfinite(row).any():  # else nothing else could follow: keep the row
                 logits[i] = row
     greedy = torch.argmax(logits, dim=-1).tolist()

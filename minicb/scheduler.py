@@ -220,7 +220,8 @@ class Scheduler:
 
     @staticmethod
     def schedule_decodes(ctx: SchedulerContext) -> int:
-        """One token for every running decode, oldest first, preempting when pages run out.
+        """One token for every running decode, in running order (the order they were admitted;
+        a preempted request readmitted comes last), preempting when pages run out.
         Returns the number of decode tokens scheduled."""
         count = 0
         for req in Scheduler.decoding(ctx):

@@ -2,6 +2,7 @@
 faults contained, and bad input refused with a clear message and nothing left allocated."""
 
 import pytest
+import torch
 
 from minicb import LLM, Engine, EngineConfig, SamplingParams, Scheduler
 from minicb.engine import InvariantError, SchedulerError
@@ -298,6 +299,7 @@ def test_invariant_checker_names_the_broken_rule(make_engine):
     (dict(seed=2**70), "seed"), (dict(temperature=float("nan")), "temperature"),
     (dict(temperature=float("inf")), "temperature"), (dict(stop_token_ids=5), "stop_token_ids"),
     (dict(stop_token_ids=[True]), "stop_token_ids"),
+    (dict(top_p=True), "top_p"), (dict(min_tokens=True), "min_tokens"),
 ])
 def test_bad_sampling_params(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -317,6 +319,12 @@ def test_bad_sampling_params(kwargs, field):
     (dict(policy=PDScheduler), "pass an instance"),
     (dict(priority_aging_steps=10), "needs preemption='priority'"),
     (dict(preemption="priority", priority_aging_steps=0), "priority_aging_steps"),
+    (dict(policy="chunked", max_num_batched_tokens=2, max_num_seqs=4), "under policy 'chunked'"),
+    (dict(gpu_memory_utilization="0.5"), "gpu_memory_utilization"),
+    (dict(gpu_memory_utilization=float("nan")), "gpu_memory_utilization"),
+    (dict(enable_prefix_caching="no"), "enable_prefix_caching must be True or False"),
+    (dict(check_invariants="yes"), "check_invariants"), (dict(use_cuda_graphs=None), "use_cuda"),
+    (dict(trace_snapshots=1), "trace_snapshots"),
 ])
 def test_bad_engine_config(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -351,6 +359,8 @@ def test_bad_requests_are_refused_before_any_work(tiny_model):
         (lambda: llm.generate([[1] * 100], SamplingParams(max_tokens=100)), "page pool"),
         (lambda: llm.generate([[1] * 10], SamplingParams(max_tokens=4000)), "context"),
         (lambda: engine.add_request([1], GREEDY, arrival_step=0), "arrival_step"),
+        (lambda: engine.add_request([1], GREEDY, arrival_step=True), "arrival_step"),
+        (lambda: engine.add_request([1], GREEDY, priority=True), "priority"),
         (lambda: engine.add_request([1], GREEDY, arrival_time=float("nan")), "arrival_time"),
         (lambda: llm.generate([[1]], SamplingParams(stop_token_ids=[300])), "stop_token_ids"),
         (lambda: llm.generate([[1]], {"max_tokens": 3}), "got a dict"),
@@ -367,6 +377,41 @@ def test_bad_requests_are_refused_before_any_work(tiny_model):
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request([2], GREEDY, request_id="dup")
     assert llm.generate((1, 2, 3), GREEDY)[0].prompt_token_ids == [1, 2, 3]  # a tuple of ids
+
+
+def test_an_arrival_step_already_past_counts_from_when_the_engine_saw_it(tiny_model):
+    """Added at step 10 with arrival_step=1: it waited no steps, not ten phantom ones."""
+    engine = Engine(tiny_model, policy="pd")
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=10, ignore_eos=True))
+    for _ in range(10):
+        engine.step()
+    late = engine.add_request([4, 5, 6], GREEDY, arrival_step=1)
+    soon = engine.add_request([4, 5, 7], GREEDY, arrival_step=12)
+    engine.run()
+    metrics = {rid: engine.requests[rid].metrics for rid in (late, soon)}
+    assert metrics[late].arrival_step == 11 == metrics[late].first_scheduled_step
+    assert metrics[soon].arrival_step == 12 == metrics[soon].first_scheduled_step
+
+
+def test_min_tokens_bans_stop_tokens_on_the_logits_device(monkeypatch):
+    """The banned ids are built on the logits' device: a CPU index into CUDA logits raised,
+    failing every member of the step on a GPU. No GPU here: the test sees what `sample` asks
+    torch.tensor for."""
+    from minicb import sampler
+
+    asked = []
+    real_tensor = torch.tensor
+
+    def spy(data, *args, **kwargs):
+        asked.append(kwargs.get("device"))
+        return real_tensor(data, *args, **kwargs)
+
+    monkeypatch.setattr(sampler.torch, "tensor", spy)
+    logits = torch.zeros(2, 8)
+    logits[:, 3] = 5.0
+    out = sampler.sample(logits, [GREEDY, GREEDY], [None, None], banned=[[3], []])
+    assert out[0] != 3 and out[1] == 3
+    assert asked and all(device == logits.device for device in asked)  # never left to default
 
 
 class Lazy(Scheduler):
