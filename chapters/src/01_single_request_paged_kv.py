@@ -53,6 +53,9 @@ print(f"loaded in {time.perf_counter() - t0:.1f} s")
 
 # %%
 # NBVAL_IGNORE_OUTPUT
+import torch
+
+from minicb.bench import device_description
 from minicb.workload import random_prompt
 
 llm = LLM(model, policy="single", enable_prefix_caching=False)
@@ -86,9 +89,11 @@ for n, t in prefill.items():
 print(f"{'decode (median of 64)':<22}{1:>7}{t_decode:>10.3f}{1 / t_decode:>10.1f}")
 print(f"\na prefill step of 256 tokens took as long as {prefill[256] / t_decode:.0f} decode steps "
       f"and did the work of 256")
+print(f"(measured on: {device_description('cpu')['cpu_model']}, "
+      f"{torch.get_num_threads()} torch thread(s))")
 
 # %% [markdown]
-# A prefill step of 256 tokens costs about as much as a dozen or two decode steps, yet produces
+# A prefill step of 256 tokens costs about as much as ten to twenty decode steps, yet produces
 # the K/V of 256 positions: per token, prefill is an order of magnitude faster than decode, and
 # its tokens/s still climbs from 16 to 256 prompt tokens. (Absolute numbers depend on the machine
 # and on what else it runs at the time; compare ratios measured in one run.) Why?
@@ -136,9 +141,11 @@ print(f"decode     : {flops_decode / t_decode / 1e9:6.1f} GFLOP/s, "
 # speed: a prefill of 1,280 tokens at about 110 GFLOP/s (that path's arithmetic peak), one decode
 # step of the linear layers in about 53 ms (19 tokens/s, about 10 GB/s of weights: most of the
 # 15 GB/s bandwidth). This notebook's figures come from minicb's default prepacked weights
-# (last part of this section) and one thread; its decode streams the weights at about 20 GB/s,
-# above the 15 GB/s of a copy, which writes as many bytes as it reads. (Stored figures vary
-# with what else the build machine ran at the time.)
+# (last part of this section) and one thread. On the AMD EPYC their decode streamed the weights
+# at about 20 GB/s, above the 15 GB/s of a copy, which writes as many bytes as it reads; on the
+# Intel Xeon, where one prepacked row is slower than `F.linear` (last part of this section),
+# at 9–10 GB/s. The last line printed below the step table names the CPU that built the
+# stored outputs; stored figures also vary with what else that machine ran at the time.
 #
 # That is the whole motivation for batching decodes (chapters 02–03): a decode step of 16
 # requests reads the same 0.54 GB of weights as a step of one request. Through `F.linear` the
@@ -176,7 +183,8 @@ for name, out in answers.items():
 
 # %% [markdown]
 # On the AMD EPYC build machine, unloaded (one thread), int8 decoded 64 tokens/s, float32 42 (26
-# through `F.linear`, see the next part) and Hugging Face `generate` 23–24 (`python -m minicb bench
+# through `F.linear`, see the next part; on the Intel Xeon about 26 and 16, the stored run above)
+# and Hugging Face `generate` 23–24 (`python -m minicb bench
 # --policy single --compare hf --quantization int8`; the numbers are in `bench/README.md`). The
 # price is numbers, not speed: int8 weights move the logits by up to about 5% of their largest
 # value. Greedy decoding keeps float32's token wherever the best token leads the next by more than
