@@ -545,7 +545,7 @@ for mode in ("newest", "priority"):
 # could never fit is refused at the door, before any work, with the numbers (a `ValueError`;
 # HTTP 400 from the server), and the engine stays as it was. A forward that fails anyway (on a
 # GPU, activations outgrowing their headroom) fails only that step's requests, counted as
-# `errors`, and the engine goes on (`tests/test_engine.py::test_a_failing_forward_fails_only_that_step`).
+# `errors`, and the engine goes on (the second cell below injects one).
 # The 11-page engine holds 176 tokens:
 
 # %%
@@ -559,6 +559,40 @@ except ValueError as exc:
 print(f"after the refusal: {tight.pool.num_used} pages in use, {len(tight.requests)} requests "
       f"(the 4 of the run above), errors so far: "
       f"{metrics.summarize(tight.trace, tight.request_records())['errors']}")
+
+# %% [markdown]
+# Now a forward that fails: three requests decode on the simulated executor, and the third step's
+# forward raises, standing in for a GPU that ran out of memory in one step (`_failure_hook` is
+# the engine's fault-injection point, the one its tests use). A fourth request arrives after it:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+faulty = make_sim_engine(policy="pd", max_num_seqs=4)
+for i in range(3):
+    faulty.add_request([1] * 32, SamplingParams(max_tokens=16, ignore_eos=True),
+                       request_id=f"f{i}")
+faulty.step()
+faulty.step()
+
+
+def out_of_memory_once(items):
+    faulty._failure_hook = None
+    raise RuntimeError("CUDA out of memory (injected)")
+
+
+faulty._failure_hook = out_of_memory_once
+faulty.step()
+faulty.add_request([2] * 32, SamplingParams(max_tokens=16, ignore_eos=True), request_id="after")
+faulty.run()
+s = metrics.summarize(faulty.trace, faulty.request_records())
+print({rid: (req.finish_reason, len(req.output_token_ids)) for rid, req in faulty.requests.items()})
+print({k: s[k] for k in ("num_requests", "completed", "errors")}, "| pages in use:",
+      faulty.pool.num_used, "| the error:", faulty.requests["f0"].error)
+
+# %% [markdown]
+# The three requests of the failed step end with `finish_reason="error"` after the two tokens
+# they had, their pages come back, and the engine serves the next request as if nothing had
+# happened; `summarize` counts the errors next to the completions, as the contract asks.
 #
 # The timeline marks each preemption of the real run with an ✗; the pages picture shows the
 # pool pinned at its limit.
