@@ -104,7 +104,8 @@ def test_an_engine_refuses_triton_on_the_cpu_without_the_interpreter(monkeypatch
     from minicb import Engine
     monkeypatch.setattr(tops, "_interpreted", lambda: False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1 before anything imports triton"):
-        Engine(str(tiny_checkpoint("llama")), attention_backend="triton", num_pages=8)
+        Engine(str(tiny_checkpoint("llama")), attention_backend="triton", num_pages=8,
+               device="cpu")  # named: "auto" picks CUDA on a GPU machine, where Triton is fine
 
 
 def test_store_skips_negative_slots():
