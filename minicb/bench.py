@@ -341,7 +341,9 @@ def declaration(args: argparse.Namespace, workload: Workload, executor: Executor
     kv_tokens = num_pages * cfg.page_size if num_pages else None
     decl: dict[str, Any] = {
         "command": getattr(args, "command_line", None),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        # timezone.utc: datetime.UTC needs Python 3.11, and a GPU image may have 3.10
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(  # noqa: UP017
+            timespec="seconds"),
         "executor": "simulated" if executor.simulated else "real",
         "simulated": executor.simulated,
         "workload": workload.declaration,
@@ -550,11 +552,12 @@ def hf_static(model: Any, workload: Workload, batch_size: int, device: str = "cp
 
 def hf_generate_batch(model: Any, workload: Workload, max_num_seqs: int,
                       max_batch_tokens: int, device: str = "cpu",
-                      progress: bool = True) -> list[Any]:
+                      progress: bool = True, setup: dict | None = None) -> list[Any]:
     """The same requests through transformers' own continuous batching (chapter 06), the
     engine behind `model.generate_batch`: its manager, so each request keeps its own
     max_new_tokens and is sent at its arrival time. Greedy, no EOS (eos_token_id=-1).
-    Token times come from the manager's `record_timestamps`. Returns RequestRecords."""
+    Token times come from the manager's `record_timestamps`. Returns RequestRecords; `setup`,
+    if given, receives what transformers chose (attention, CUDA graphs, async batching)."""
     from transformers import ContinuousBatchingConfig, GenerationConfig
     from transformers.generation.continuous_batching.utils import WorkloadHints
 
@@ -583,6 +586,11 @@ def hf_generate_batch(model: Any, workload: Workload, max_num_seqs: int,
     with model.continuous_batching_context_manager(
             generation_config=gen, continuous_batching_config=cb, workload_hints=hints,
             block=True, timeout=5) as manager:
+        if setup is not None:  # without flash-attn: paged|sdpa, no CUDA graphs, no async
+            chosen = getattr(manager, "continuous_batching_config", None)
+            setup.update(attn_implementation=getattr(model.config, "_attn_implementation", None),
+                         use_cuda_graph=getattr(chosen, "use_cuda_graph", None),
+                         use_async_batching=getattr(chosen, "use_async_batching", None))
         t0 = time.perf_counter()
         pos = 0
         while len(results) < len(prompts):
@@ -837,10 +845,11 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         hf = _hf_model(executor.pair[1].path, device, hf_dtype)
         batch = options.get("max_num_seqs", 16)
         budget = options.get("max_num_batched_tokens", 256)
+        hf_setup: dict[str, Any] = {}
         for name, fn in (("hf-static", lambda: hf_static(hf, workload, batch, device,
                                                          progress)),
                          ("hf-generate-batch", lambda: hf_generate_batch(
-                             hf, workload, batch, budget, device, progress))):
+                             hf, workload, batch, budget, device, progress, hf_setup))):
             try:
                 results[name] = summarize_records([], fn(), slo)
             except Exception as exc:  # report, keep the other results
@@ -853,6 +862,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                          "padding, greedy, runs to the batch's longest output",
             "hf-generate-batch": "transformers continuous batching manager (generate_batch's "
                                  "engine), per-request max_new_tokens, eos disabled",
+            "hf-generate-batch setup": hf_setup,
             "dtype": str(hf_dtype).removeprefix("torch."),
             "memory": "hf-generate-batch: KV blocks for every request at once (transformers "
                       "sizes its own cache); hf-static: what generate allocates",
