@@ -1,5 +1,10 @@
 """The prepared GPU check (chapter 07), run by `bench/gpu_check.sh` on a CUDA machine:
 
+0. a pre-flight: one trivial Triton kernel, compiled and launched in a subprocess. Triton needs a
+   C compiler, Python.h and libcuda to build its launcher; if the kernel cannot run, the reason
+   goes into the table and every later stage runs with the torch attention backend instead
+   (MINICB_ATTENTION=torch for the benchmark), labelled "torch backend (Triton unavailable:
+   ...)", so the pd vs Hugging Face numbers still come back;
 1. tests/test_triton.py on the GPU (compiled kernels, MINICB_TEST_DEVICE=cuda);
 2. the decode attention kernel at batch 64 with 2k-token contexts in bfloat16, timed against the
    copy bandwidth measured on the same GPU (target: at least half of it), plus a small sweep of
@@ -47,24 +52,37 @@ SMOKE_BENCH = ["--num-requests", "4", "--prompt-lengths", "uniform:8:40",
                "--output-lengths", "uniform:2:6"]
 
 
-def timed(fn, device: str, iters: int) -> float:
-    """Median seconds per call of fn() after a warm-up (CUDA events on the GPU)."""
+TIMING = ("CUDA events around N back-to-back calls after 3 warm-up calls; per-call time = "
+          "elapsed ÷ N, the median of 5 such batches (one call's host launch cost overlaps the "
+          "previous call's kernel instead of being counted)")
+
+
+def timed(fn, device: str, iters: int, batches: int = 5) -> float:
+    """Seconds per call of fn(). On the GPU: after a warm-up, `batches` times `iters` calls
+    back to back between one pair of CUDA events, the median of elapsed ÷ iters (see TIMING).
+    On the CPU (the smoke run, whose timings mean nothing): the median of `iters` single calls."""
     import torch
-    fn()
-    times = []
-    for _ in range(iters):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
+    if device != "cuda":
+        fn()
+        times = []
+        for _ in range(iters):
             t0 = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
+        return sorted(times)[len(times) // 2]
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    per_call = []
+    for _ in range(batches):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        end.synchronize()
+        per_call.append(start.elapsed_time(end) / 1e3 / iters)
+    return sorted(per_call)[len(per_call) // 2]
 
 
 def copy_bandwidth(device: str, nbytes: int) -> float:
@@ -73,6 +91,60 @@ def copy_bandwidth(device: str, nbytes: int) -> float:
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
     dst = torch.empty_like(src)
     return 2 * nbytes / timed(lambda: dst.copy_(src), device, 20)
+
+
+def _text(out) -> str:
+    """A subprocess's captured output as text: after a timeout, `exc.stdout` is bytes even with
+    text=True (and None when nothing was printed)."""
+    if out is None:
+        return ""
+    return out.decode(errors="replace") if isinstance(out, bytes) else out
+
+
+# one trivial kernel: the launcher build (C compiler, Python.h, libcuda) and a launch
+PREFLIGHT = """
+import sys
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def add_one(x_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=mask) + 1, mask=mask)
+
+
+if sys.argv[2] != "-":
+    raise RuntimeError(sys.argv[2])
+x = torch.zeros(100, device=sys.argv[1])
+add_one[(1,)](x, 100, BLOCK=128)
+assert x.sum().item() == 100, "the kernel ran but wrote the wrong values"
+print("triton pre-flight: ok")
+"""
+
+
+def triton_preflight(device: str, timeout: int = 120, simulate: str | None = None
+                     ) -> tuple[str | None, str]:
+    """(None if a trivial Triton kernel compiles and runs on `device`, else a one-line reason;
+    the pre-flight's output). A subprocess, so a crash or a hang cannot take the check with it.
+    `simulate` makes it fail with that message (tests/test_gpu_check.py)."""
+    with tempfile.TemporaryDirectory() as scratch:
+        script = Path(scratch) / "triton_preflight.py"  # triton.jit reads the kernel's source
+        script.write_text(PREFLIGHT)
+        cmd = [sys.executable, str(script), device, simulate or "-"]
+        try:
+            res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as exc:
+            return (f"the pre-flight kernel timed out after {timeout} s",
+                    _text(exc.stdout) + _text(exc.stderr))
+    output = (res.stdout + res.stderr).strip()
+    if res.returncode == 0:
+        return None, output
+    lines = [ln.strip() for ln in res.stderr.splitlines() if ln.strip()]
+    reason = lines[-1] if lines else f"exit {res.returncode}, no output"
+    return reason[:300], output
 
 
 def run_tests(device: str, timeout: int, log: Path) -> str:
@@ -84,7 +156,7 @@ def run_tests(device: str, timeout: int, log: Path) -> str:
         res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
                              timeout=timeout)
     except subprocess.TimeoutExpired as exc:
-        log.write_text(f"timed out after {timeout} s\n{exc.stdout or ''}\n{exc.stderr or ''}")
+        log.write_text(f"timed out after {timeout} s\n{_text(exc.stdout)}\n{_text(exc.stderr)}")
         return f"timed out after {timeout} s"
     log.write_text(res.stdout + "\n" + res.stderr)
     lines = [ln for ln in res.stdout.strip().splitlines() if ln.strip()]
@@ -111,18 +183,25 @@ def decode_case(spec: dict, device: str, dtype):
     return q, k_cache, v_cache, meta
 
 
-def time_decode(spec: dict, device: str, iters: int, sweep: bool = True) -> dict:
-    """Median time of the decode kernel with the default tiles (and, with `sweep`, each of
-    SWEEP), its max error against the reference, the reference's time, the bytes read."""
+def time_decode(spec: dict, device: str, iters: int, sweep: bool = True,
+                triton: bool = True) -> dict:
+    """Time per call of the decode kernel with the default tiles (and, with `sweep`, each of
+    SWEEP), its max error against the reference, the reference's time, the bytes read. Without
+    `triton` (the pre-flight failed) only the torch reference is timed: `rows` is empty."""
     import torch
 
     from minicb.attention import torch_ref
-    from minicb.attention import triton_ops as tops
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     q, k_cache, v_cache, meta = decode_case(spec, device, dtype)
     scale = spec["head_dim"] ** -0.5
     kv_bytes = 2 * spec["batch"] * spec["context"] * spec["num_kv_heads"] * spec["head_dim"]
     moved = kv_bytes * k_cache.element_size() + 2 * q.numel() * q.element_size()
+    # the reference gathers every context: slower, so fewer calls
+    ref_sec = timed(lambda: torch_ref.attend(q, k_cache, v_cache, meta, scale), device,
+                    max(1, iters // 5))
+    if not triton:
+        return dict(rows=[], moved=moved, ref_sec=ref_sec)
+    from minicb.attention import triton_ops as tops
     ref = torch_ref.attend(q, k_cache, v_cache, meta, scale).float()
     defaults = (tops.BLOCK_N, tops.NUM_WARPS, tops.NUM_STAGES)
     rows = []
@@ -138,7 +217,6 @@ def time_decode(spec: dict, device: str, iters: int, sweep: bool = True) -> dict
         if device == "cpu" or not sweep:
             break  # the interpreter's timing says nothing; one config proves the path works
     tops.BLOCK_N, tops.NUM_WARPS, tops.NUM_STAGES = defaults
-    ref_sec = timed(lambda: torch_ref.attend(q, k_cache, v_cache, meta, scale), device, iters)
     return dict(rows=rows, moved=moved, ref_sec=ref_sec)
 
 
@@ -199,36 +277,68 @@ def bench_model(smoke: bool, folder: Path) -> tuple[str, str]:
                        f"not be loaded: {missing[:160]})")
 
 
-def run_bench(device: str, model: str, out: Path, timeout: int, smoke: bool) -> str:
-    """The engine benchmark's printed report (its JSON goes to `out`)."""
+def run_bench(device: str, model: str, out: Path, timeout: int, smoke: bool,
+              backend: str = "auto") -> str:
+    """The engine benchmark's printed report (its JSON goes to `out`). `backend` "torch" sets
+    MINICB_ATTENTION=torch (the engine then also runs without CUDA graphs, which it captures
+    only for the Triton backend)."""
     cmd = [sys.executable, "-m", "minicb", "bench", "--workload", "mixed-chat", "--policy", "pd",
            "--compare", "hf", "--model", model, "--device", device, "--no-progress",
            "--out", str(out)] + (SMOKE_BENCH if smoke else [])
-    shown = " ".join(["python"] + cmd[1:])
+    env = dict(os.environ)
+    if backend != "auto":
+        env["MINICB_ATTENTION"] = backend
+    shown = ("MINICB_ATTENTION=torch " if backend == "torch" else "") + " ".join(
+        ["python"] + cmd[1:])
     try:
-        res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=timeout)
     except subprocess.TimeoutExpired as exc:
-        return f"$ {shown}\ntimed out after {timeout} s\n{(exc.stdout or '')[-2000:]}"
+        output = _text(exc.stdout) + _text(exc.stderr)
+        return f"$ {shown}\ntimed out after {timeout} s\n{output[-3000:]}"
     return f"$ {shown}  (exit {res.returncode})\n{(res.stdout + res.stderr)[-4000:]}"
 
 
 def bench_rows(out: Path) -> list[str]:
-    """Table rows from the benchmark's JSON: each engine's output tokens/s, pd's ratio."""
+    """Table rows from the benchmark's JSON: each engine's output tokens/s, pd's ratio, and
+    what each side ran (minicb's attention backend; transformers' attention, CUDA graphs and
+    async batching), so the ratio is read against the right opponent."""
     if not out.is_file():
         return ["| engine benchmark | no results file (see the output below) |"]
-    results = json.loads(out.read_text())["results"]
+    data = json.loads(out.read_text())
+    results, decl = data["results"], data.get("declaration", {})
     rows = []
     for name in ("pd", "hf-generate-batch", "hf-static"):
         got = results.get(name, {})
         rate = got.get("output_tokens_per_s")
         rows.append(f"| mixed-chat, {name} | " + (f"{rate:.0f} output tok/s |" if rate
-                                                   else f"{got.get('error', 'not run')} |"))
+                                                   else f"{cell(got.get('error', 'not run'))} |"))
     pd_rate = results.get("pd", {}).get("output_tokens_per_s")
     hf_rate = results.get("hf-generate-batch", {}).get("output_tokens_per_s")
     if pd_rate and hf_rate:
         rows.append(f"| mixed-chat, pd ÷ hf-generate-batch | **{pd_rate / hf_rate:.2f}×** "
                     f"(target ≥ 2×) |")
+    rows.append(f"| mixed-chat, pd's attention backend | {decl.get('attention_backend', '?')} |")
+    compare = decl.get("compare")
+    setup = compare.get("hf-generate-batch setup") if isinstance(compare, dict) else None
+    if setup:
+        rows.append("| mixed-chat, hf-generate-batch ran with | attention "
+                    f"`{cell(setup.get('attn_implementation'))}`, CUDA graphs (varlen, decode) "
+                    f"{setup.get('use_cuda_graph')}, async batching "
+                    f"{setup.get('use_async_batching')} |")
     return rows
+
+
+def versions() -> str:
+    """Python, torch, Triton and transformers versions, for the header and the table."""
+    import torch
+    found = [f"Python {sys.version.split()[0]}", f"torch {torch.__version__}"]
+    for name in ("triton", "transformers"):
+        try:
+            found.append(f"{name} {__import__(name).__version__}")
+        except Exception as exc:  # reported, not fatal
+            found.append(f"{name} not importable ({type(exc).__name__})")
+    return ", ".join(found)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -240,6 +350,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out-dir", default=None,
                         help="where the table, the benchmark JSON and the test log go "
                              "(default bench/; a temporary directory with --cpu-smoke)")
+    parser.add_argument("--simulate-triton-failure", metavar="REASON", default=None,
+                        help="make the Triton pre-flight fail with REASON, to test the torch "
+                             "fallback (tests/test_gpu_check.py)")
     args = parser.parse_args(argv)
     if args.cpu_smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton_ops is imported
@@ -254,11 +367,6 @@ def main(argv: list[str] | None = None) -> int:
     if not args.cpu_smoke and not torch.cuda.is_available():
         print("no CUDA device: nothing measured")
         return 0
-    try:
-        import triton
-    except ImportError as exc:
-        print(f"triton cannot be imported ({exc}): nothing measured")
-        return 0
     device, spec = ("cpu", SMOKE) if args.cpu_smoke else ("cuda", SPEC)
     folder = Path(args.out_dir or (tempfile.mkdtemp() if args.cpu_smoke else ROOT / "bench"))
     folder.mkdir(parents=True, exist_ok=True)
@@ -267,13 +375,14 @@ def main(argv: list[str] | None = None) -> int:
     gpu = (f"{torch.cuda.get_device_name()} (CUDA {torch.version.cuda}, "
            f"{torch.cuda.get_device_properties(0).multi_processor_count} SMs)"
            if device == "cuda" else "CPU (interpreter smoke run)")
-    print(f"device: {gpu}; torch {torch.__version__}, triton {triton.__version__}", flush=True)
+    print(f"device: {gpu}; {versions()}", flush=True)
 
     path = folder / f"gpu-results-{date}.md"
     bench_json = folder / f"gpu-bench-{date}.json"
     state: dict = {"tests": None, "bw": None, "dec": None, "small": None, "fusion": None,
                    "model_name": None, "bench_out": None, "bench_json": bench_json,
-                   "bench_skipped": args.skip_bench}
+                   "bench_skipped": args.skip_bench, "versions": versions(),
+                   "triton_error": None, "preflight": None, "stage2_error": None}
 
     def save() -> str:
         """Rewrite the results file with what is measured so far: a one-shot GPU run keeps its
@@ -282,14 +391,36 @@ def main(argv: list[str] | None = None) -> int:
         path.write_text(text)
         return text
 
-    state["tests"] = ("skipped" if args.skip_tests
-                      else run_tests(device, timeout=180, log=folder / f"gpu-tests-{date}.log"))
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:
+        state["triton_error"] = f"triton cannot be imported: {exc}"
+    else:
+        state["triton_error"], state["preflight"] = triton_preflight(
+            device, simulate=args.simulate_triton_failure)
+    use_triton = state["triton_error"] is None
+    print(f"triton pre-flight: {'ok' if use_triton else state['triton_error']}", flush=True)
+    if not use_triton:
+        print(f"every later stage runs with the {fallback_label(state)}", flush=True)
+    save()
+
+    if args.skip_tests:
+        state["tests"] = "skipped"
+    elif not use_triton:
+        state["tests"] = f"not run: {fallback_label(state)}"
+    else:
+        state["tests"] = run_tests(device, timeout=180, log=folder / f"gpu-tests-{date}.log")
     print(f"kernel tests: {state['tests']}", flush=True)
     save()
-    state["bw"] = copy_bandwidth(device, (1 << 30) if device == "cuda" else (1 << 24))
-    state["dec"] = time_decode(spec, device, iters=50 if device == "cuda" else 1)
-    if device == "cuda":
-        state["small"] = time_decode(SMOLLM2_DECODE, device, 50, sweep=False)
+    try:  # each figure is kept as soon as it is measured
+        state["bw"] = copy_bandwidth(device, (1 << 30) if device == "cuda" else (1 << 24))
+        state["dec"] = time_decode(spec, device, iters=50 if device == "cuda" else 1,
+                                   triton=use_triton)
+        if device == "cuda":
+            state["small"] = time_decode(SMOLLM2_DECODE, device, 50, sweep=False,
+                                         triton=use_triton)
+    except Exception as exc:  # report, go on to the model, the fusion and the benchmark
+        state["stage2_error"] = f"{type(exc).__name__}: {exc}"
     print("\n".join(decode_rows(state)), flush=True)
     save()
     with tempfile.TemporaryDirectory() as scratch:  # a random-weight checkpoint, if one
@@ -301,61 +432,93 @@ def main(argv: list[str] | None = None) -> int:
             print(save())
             return 1
         print(f"model: {state['model_name']}", flush=True)
-        try:
-            state["fusion"] = time_fusion(model, device, args.cpu_smoke)
-        except Exception as exc:  # report, go on to the benchmark
-            state["fusion"] = {"error": f"{type(exc).__name__}: {exc}"}
+        if not use_triton:
+            state["fusion"] = {"skipped": f"not run (it compares Triton kernels): "
+                                          f"{fallback_label(state)}"}
+        else:
+            try:
+                state["fusion"] = time_fusion(model, device, args.cpu_smoke)
+            except Exception as exc:  # report, go on to the benchmark
+                state["fusion"] = {"error": f"{type(exc).__name__}: {exc}"}
         save()
         if not args.skip_bench:
             state["bench_out"] = run_bench(device, model, bench_json, timeout=200,
-                                           smoke=args.cpu_smoke)
+                                           smoke=args.cpu_smoke,
+                                           backend="auto" if use_triton else "torch")
     print(save())
     print(f"\nwrote {path}")
     return 0
 
 
+def cell(text) -> str:
+    """Text for a markdown table cell: one line, its pipes escaped (`paged|sdpa`, an error)."""
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
+def fallback_label(state: dict) -> str:
+    return f"torch backend (Triton unavailable: {cell(state['triton_error'])})"
+
+
 def decode_rows(state: dict) -> list[str]:
-    """The table rows of the copy bandwidth and the decode attention timings."""
-    bw, dec, small = state["bw"], state["dec"], state["small"]
-    if bw is None or dec is None:
-        return ["| decode attention | not reached |"]
-    rows = [f"| copy bandwidth (torch copy, read + write) | {bw / 1e9:.0f} GB/s |"]
-    best = min((r for r in dec["rows"] if r["sec"] == r["sec"]), key=lambda r: r["sec"],
-               default=None)
-    for label, row in (("default tiles", dec["rows"][0]), ("best tiles", best)):
-        if row is None or row["sec"] != row["sec"]:
-            rows.append(f"| decode attention, {label} | failed: {row and row['err']} |")
-            continue
-        rate = dec["moved"] / row["sec"]
-        rows.append(f"| decode attention, {label} {row['config']} | {row['sec'] * 1e6:.0f} µs, "
-                    f"{rate / 1e9:.0f} GB/s = **{rate / bw:.0%}** of copy bandwidth "
-                    f"(target ≥ 50%) |")
-    rows.append(f"| decode attention, torch reference | {dec['ref_sec'] * 1e6:.0f} µs |")
-    if small is not None and small["rows"][0]["sec"] == small["rows"][0]["sec"]:
-        sec = small["rows"][0]["sec"]
-        rows.append(f"| decode attention at SmolLM2's heads (9 q / 3 kv, head_dim 64), default "
-                    f"tiles | {sec * 1e6:.0f} µs, **{small['moved'] / sec / bw:.0%}** of copy "
-                    f"bandwidth; reference {small['ref_sec'] * 1e6:.0f} µs (no target) |")
-    return rows
+    """The table rows of the copy bandwidth and the decode attention timings (whichever were
+    measured, and the stage's error if it failed)."""
+    bw, dec, small, err = state["bw"], state["dec"], state["small"], state.get("stage2_error")
+    rows = []
+    if bw is not None:
+        rows.append(f"| copy bandwidth (torch copy, read + write) | {bw / 1e9:.0f} GB/s |")
+    if dec is not None and not dec["rows"]:
+        rows.append(f"| decode attention, Triton kernel | not run: {fallback_label(state)} |")
+    elif dec is not None:
+        best = min((r for r in dec["rows"] if r["sec"] == r["sec"]), key=lambda r: r["sec"],
+                   default=None)
+        for label, row in (("default tiles", dec["rows"][0]), ("best tiles", best)):
+            if row is None or row["sec"] != row["sec"]:
+                rows.append(f"| decode attention, {label} | failed: {cell(row and row['err'])} |")
+                continue
+            rate = dec["moved"] / row["sec"]
+            rows.append(f"| decode attention, {label} {row['config']} | "
+                        f"{row['sec'] * 1e6:.0f} µs, {rate / 1e9:.0f} GB/s = "
+                        f"**{rate / bw:.0%}** of copy bandwidth (target ≥ 50%) |")
+    if dec is not None:
+        rate = dec["moved"] / dec["ref_sec"]
+        rows.append(f"| decode attention, torch reference | {dec['ref_sec'] * 1e6:.0f} µs, "
+                    f"{rate / 1e9:.0f} GB/s = {rate / bw:.0%} of copy bandwidth |")
+    if small is not None:
+        sec = small["rows"][0]["sec"] if small["rows"] else float("nan")
+        kernel = (f"default tiles {sec * 1e6:.0f} µs, **{small['moved'] / sec / bw:.0%}** of "
+                  f"copy bandwidth" if sec == sec else
+                  f"Triton kernel {cell(small['rows'][0]['err']) if small['rows'] else 'not run'}")
+        rows.append(f"| decode attention at SmolLM2's heads (9 q / 3 kv, head_dim 64) | "
+                    f"{kernel}; reference {small['ref_sec'] * 1e6:.0f} µs (no target) |")
+    if err is not None:
+        rows.append(f"| copy bandwidth and decode attention stage | failed: {cell(err[:300])} "
+                    "(rows above it were measured before the error) |")
+    return rows or ["| decode attention | not reached |"]
 
 
 def render_report(date: str, gpu: str, device: str, spec: dict, state: dict,
                   elapsed: float) -> str:
     """The results table (markdown) from whatever stages have finished; the rest say so."""
-    import torch
-    import triton
-
     tests, dec, fusion = state["tests"], state["dec"], state["fusion"]
-    lines = [f"# GPU check, {date}", "", f"{gpu}; torch {torch.__version__}, "
-             f"triton {triton.__version__}. Made by `bench/gpu_check.sh`.", "",
-             "| what | figure |", "|---|---|",
-             f"| kernel tests (tests/test_triton.py on {device}) | {tests or 'not reached'} |"]
+    triton_error = state.get("triton_error")
+    lines = [f"# GPU check, {date}", "", f"{gpu}; {state.get('versions') or versions()}. "
+             "Made by `bench/gpu_check.sh`.", ""]
+    if triton_error:
+        lines += [f"**Every stage below ran with the {fallback_label(state)}.**", ""]
+    lines += ["| what | figure |", "|---|---|",
+              "| Triton pre-flight (one trivial kernel compiled and launched) | "
+              + ("not reached" if triton_error is None and state.get("preflight") is None
+                 else "ok" if triton_error is None else f"failed: {cell(triton_error)}") + " |",
+              f"| kernel tests (tests/test_triton.py on {device}) | "
+              f"{cell(tests or 'not reached')} |"]
     lines += decode_rows(state)
     if fusion is None:
         lines.append("| decode step, fused vs unfused RMSNorm and RoPE | not reached |")
+    elif "skipped" in fusion:
+        lines.append(f"| decode step, fused vs unfused RMSNorm and RoPE | {fusion['skipped']} |")
     elif "error" in fusion:
         lines.append(f"| decode step, fused vs unfused RMSNorm and RoPE | failed: "
-                     f"{fusion['error'][:300]} |")
+                     f"{cell(fusion['error'][:300])} |")
     else:
         lines.append(
             f"| decode step ({fusion['batch']} rows, {fusion['context']}-token contexts, "
@@ -371,24 +534,31 @@ def render_report(date: str, gpu: str, device: str, spec: dict, state: dict,
                  f"{spec['num_kv_heads']} kv heads, head_dim {spec['head_dim']}, page "
                  f"{spec['page_size']}, {'bf16' if device == 'cuda' else 'fp32'}")
         lines += ["", f"Decode shape: {shape}; K/V read once = {dec['moved'] / 1e6:.0f} MB per "
-                  "call.", "Tiles are (BLOCK_N, num_warps, num_stages); max |error| vs the "
-                  "torch reference:", "", "| tiles | µs | GB/s | max abs err |",
-                  "|---|---|---|---|"]
+                  "call.", f"Timing: {TIMING if device == 'cuda' else 'one call (smoke run)'}."]
+        if dec["rows"]:
+            lines += ["Tiles are (BLOCK_N, num_warps, num_stages); max |error| vs the torch "
+                      "reference:", "", "| tiles | µs | GB/s | max abs err |", "|---|---|---|---|"]
         for r in dec["rows"]:
             if r["sec"] != r["sec"]:  # NaN: this tile shape failed
-                lines.append(f"| {r['config']} | failed | | {r['err']} |")
+                lines.append(f"| {r['config']} | failed | | {cell(r['err'])} |")
             else:
                 lines.append(f"| {r['config']} | {r['sec'] * 1e6:.0f} | "
                              f"{dec['moved'] / r['sec'] / 1e9:.0f} | {r['err']:.2e} |")
     lines += ["", "## Engine benchmark (target: pd ≥ 2× Hugging Face generate_batch)", "",
               f"Model (also of the decode-step row): {state['model_name'] or 'not reached'}.",
               ""]
+    if triton_error:
+        lines += [f"minicb ran with the {fallback_label(state)}; no CUDA graphs (the engine "
+                  "captures them only for the Triton backend).", ""]
     if state["bench_skipped"]:
         lines.append("Skipped (--skip-bench).")
     elif state["bench_out"] is None:
         lines.append("Not reached (the check stopped before the benchmark finished).")
     else:
         lines += ["```", state["bench_out"].strip(), "```"]
+    if triton_error and state.get("preflight"):
+        lines += ["", "## Triton pre-flight output", "", "```",
+                  state["preflight"].strip()[-3000:], "```"]
     lines += ["", f"Whole check so far: {elapsed:.0f} s."]
     return "\n".join(lines) + "\n"
 

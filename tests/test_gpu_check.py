@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -115,3 +116,201 @@ def test_a_cut_short_run_still_reports_what_it_measured(gpu_check):
     text = gpu_check.render_report("2026-11-29", "a GPU", "cuda", gpu_check.SPEC, state, 30.0)
     assert "| decode attention, default tiles (64, 4, 2) | 1000 µs, 1000 GB/s = **50%**" in text
     assert "| (32, 4, 2) | failed | | CompilationError |" in text
+
+
+# --- the pre-flight, a failing stage, a timed-out subprocess, Python 3.10 ----------------------
+
+def run_main(gpu_check, monkeypatch, tmp_path, *args: str, **fakes) -> tuple[str, dict]:
+    """gpu_check.main in this process (--cpu-smoke) with some stages replaced by `fakes`
+    (name -> callable); returns the table it wrote and the calls each fake received."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # main sets it; restored afterwards
+    monkeypatch.setattr(sys, "path", list(sys.path))  # main prepends the checkout
+    calls: dict = {}
+    for name, fake in fakes.items():
+        def recorded(*a, _fake=fake, _name=name, **kw):
+            calls.setdefault(_name, []).append((a, kw))
+            return _fake(*a, **kw)
+        monkeypatch.setattr(gpu_check, name, recorded)
+    assert gpu_check.main(["--cpu-smoke", "--out-dir", str(tmp_path), *args]) == 0
+    return next(tmp_path.glob("gpu-results-*.md")).read_text(), calls
+
+
+def never(*args, **kwargs):
+    raise AssertionError("this stage must not run")
+
+
+def test_a_failing_preflight_runs_the_rest_on_the_torch_backend(gpu_check, monkeypatch,
+                                                                 tmp_path):
+    """Triton cannot build its launcher (no compiler, no Python.h, no libcuda): the kernel tests
+    and the fusion row are not run, the decode stage times the reference, and the benchmark
+    still runs, with MINICB_ATTENTION=torch, every row saying why."""
+    reason = "RuntimeError: Failed to find C compiler"
+    table, calls = run_main(
+        gpu_check, monkeypatch, tmp_path,
+        triton_preflight=lambda *a, **kw: (reason, "Traceback ...\n" + reason),
+        run_tests=never, time_fusion=never,
+        bench_model=lambda *a, **kw: ("a-model", "a model"),
+        run_bench=lambda *a, **kw: "the benchmark's report")
+    label = f"torch backend (Triton unavailable: {reason})"
+    assert f"**Every stage below ran with the {label}.**" in table
+    assert f"| Triton pre-flight (one trivial kernel compiled and launched) | failed: {reason} |" \
+        in table
+    assert f"| kernel tests (tests/test_triton.py on cpu) | not run: {label} |" in table
+    assert f"| decode attention, Triton kernel | not run: {label} |" in table
+    assert "| decode attention, torch reference | " in table
+    assert f"RMSNorm and RoPE | not run (it compares Triton kernels): {label} |" in table
+    [(_, kwargs)] = calls["run_bench"]
+    assert kwargs["backend"] == "torch"
+    assert "the benchmark's report" in table and f"minicb ran with the {label}" in table
+
+
+def test_a_working_preflight_keeps_the_triton_backend(gpu_check, monkeypatch, tmp_path):
+    table, calls = run_main(
+        gpu_check, monkeypatch, tmp_path, "--skip-tests",
+        triton_preflight=lambda *a, **kw: (None, "triton pre-flight: ok"),
+        time_decode=lambda *a, **kw: {"rows": [{"config": (64, 4, 2), "sec": 1e-3,
+                                                "err": 0.0}], "moved": 1e6, "ref_sec": 2e-3},
+        bench_model=lambda *a, **kw: ("a-model", "a model"),
+        time_fusion=lambda *a, **kw: {"error": "not measured here"},
+        run_bench=lambda *a, **kw: "the benchmark's report")
+    assert "| Triton pre-flight (one trivial kernel compiled and launched) | ok |" in table
+    assert "Triton unavailable" not in table
+    assert calls["run_bench"][0][1]["backend"] == "auto"
+    assert "Python 3." in table.splitlines()[2]  # the header names the versions
+
+
+def test_the_preflight_reports_why_a_kernel_cannot_run(gpu_check):
+    """The real pre-flight subprocess, made to fail: its last error line is the reason."""
+    reason, output = gpu_check.triton_preflight("cpu", simulate="no C compiler (simulated)")
+    assert reason == "RuntimeError: no C compiler (simulated)"
+    assert "Traceback" in output
+
+
+@pytest.mark.slow
+def test_cpu_smoke_with_a_failing_preflight_benchmarks_the_torch_backend(tmp_path):
+    res = run_script("--cpu-smoke", "--skip-tests", "--simulate-triton-failure", "no cc",
+                     "--out-dir", str(tmp_path))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    table = next(tmp_path.glob("gpu-results-*.md")).read_text()
+    data = json.loads(next(tmp_path.glob("gpu-bench-*.json")).read_text())
+    assert "ran with the torch backend (Triton unavailable: RuntimeError: no cc)" in table
+    assert "$ MINICB_ATTENTION=torch python -m minicb bench" in table
+    assert data["declaration"]["attention_backend"] == "torch"
+    for name in ("pd", "hf-generate-batch"):
+        assert data["results"][name].get("output_tokens_per_s", 0) > 0, data["results"][name]
+    assert "| mixed-chat, pd ÷ hf-generate-batch | **" in table
+    assert "| mixed-chat, hf-generate-batch ran with | attention `" in table
+
+
+def test_an_error_in_the_decode_stage_is_reported_and_later_stages_run(gpu_check, monkeypatch,
+                                                                      tmp_path):
+    def broken(*args, **kwargs):
+        raise RuntimeError("out of resources: shared memory")
+
+    table, calls = run_main(
+        gpu_check, monkeypatch, tmp_path,
+        triton_preflight=lambda *a, **kw: (None, "triton pre-flight: ok"),
+        run_tests=lambda *a, **kw: "12 passed in 3.0s", time_decode=broken,
+        bench_model=lambda *a, **kw: ("a-model", "a model"),
+        time_fusion=lambda *a, **kw: {"error": "not measured here"},
+        run_bench=lambda *a, **kw: "the benchmark's report")
+    # measured before the error: kept; the error: recorded; the later stages: run
+    assert "| kernel tests (tests/test_triton.py on cpu) | 12 passed in 3.0s |" in table
+    assert "| copy bandwidth (torch copy, read + write) | " in table
+    assert ("| copy bandwidth and decode attention stage | failed: RuntimeError: out of "
+            "resources: shared memory") in table
+    assert set(calls) >= {"time_fusion", "run_bench"}
+    assert "the benchmark's report" in table
+
+
+def test_a_timed_out_subprocess_logs_text_not_bytes(gpu_check, monkeypatch, tmp_path):
+    """After a timeout, TimeoutExpired.stdout is bytes even with text=True."""
+    def timeout(cmd, **kwargs):
+        raise subprocess.TimeoutExpired(cmd, 5, output=b"collected 40 items\n....",
+                                        stderr=b"a warning")
+
+    monkeypatch.setattr(gpu_check.subprocess, "run", timeout)
+    log = tmp_path / "tests.log"
+    assert gpu_check.run_tests("cpu", timeout=5, log=log) == "timed out after 5 s"
+    assert "collected 40 items\n...." in log.read_text() and "b'" not in log.read_text()
+    out = gpu_check.run_bench("cpu", "m", tmp_path / "b.json", timeout=5, smoke=True)
+    assert "collected 40 items\n....a warning" in out and "b'" not in out
+    reason, output = gpu_check.triton_preflight("cuda", timeout=5)
+    assert reason == "the pre-flight kernel timed out after 5 s"
+    assert output.startswith("collected 40 items") and "b'" not in output
+
+
+# what the device machine runs: minicb from the checkout, this script, the kernel tests
+RUNS_ON_THE_DEVICE = sorted([*ROOT.glob("minicb/**/*.py"), SCRIPT, ROOT / "tests" / "conftest.py",
+                             ROOT / "tests" / "paged_cases.py", ROOT / "tests" / "tiny_models.py",
+                             ROOT / "tests" / "test_triton.py"])
+NEWER_THAN_310 = {("datetime", "UTC"), ("typing", "Self"), ("enum", "StrEnum"),
+                  ("typing", "LiteralString"), ("typing", "Never"), ("typing", "assert_never"),
+                  ("asyncio", "TaskGroup"), ("asyncio", "timeout"), ("contextlib", "chdir")}
+
+
+def test_what_runs_on_the_device_works_on_python_310():
+    """The GPU image may have Python 3.10 (minicb is imported from the checkout, not installed,
+    so requires-python does not stop it): no 3.11-only syntax, module or name in what the check
+    runs (`datetime.UTC` once crashed the benchmark after its pd run, before any JSON)."""
+    import ast
+    found = []
+    for path in RUNS_ON_THE_DEVICE:
+        source = path.read_text()
+        try:
+            tree = ast.parse(source, str(path), feature_version=(3, 10))
+        except SyntaxError as exc:
+            found.append(f"{path.name}:{exc.lineno}: Python 3.10 syntax error: {exc.msg}")
+            continue
+        for node in ast.walk(tree):
+            used = set()
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                used = {(node.value.id, node.attr)}
+            elif isinstance(node, ast.ImportFrom):
+                used = {(node.module, alias.name) for alias in node.names}
+            elif isinstance(node, ast.Import):
+                used = {(alias.name, None) for alias in node.names}
+            elif isinstance(node, ast.Name) and node.id in ("ExceptionGroup",
+                                                            "BaseExceptionGroup"):
+                used = {(None, node.id)}
+            for hit in used & (NEWER_THAN_310 | {("tomllib", None), (None, "ExceptionGroup"),
+                                                 (None, "BaseExceptionGroup")}):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {hit}")
+    assert not found, found
+
+
+def test_what_runs_on_the_device_compiles_under_a_real_python_310():
+    candidates = [shutil.which("python3.10"),
+                  *sorted(str(p) for p in Path.home().glob(".pyenv/versions/3.10*/bin/python"))]
+    for exe in filter(None, candidates):
+        ok = subprocess.run([exe, "-c", "import sys; assert sys.version_info[:2] == (3, 10)"],
+                            capture_output=True)
+        if ok.returncode == 0:
+            break
+    else:
+        pytest.skip("no Python 3.10 interpreter here")
+    code = ("import sys\nfor f in sys.argv[1:]:\n"
+            "    compile(open(f, encoding='utf-8').read(), f, 'exec')")
+    res = subprocess.run([exe, "-c", code, *map(str, RUNS_ON_THE_DEVICE)], capture_output=True,
+                         text=True)
+    assert res.returncode == 0, res.stderr[-2000:]
+
+
+def test_the_table_says_what_each_side_of_the_benchmark_ran(gpu_check, tmp_path):
+    """pd's attention backend and transformers' choices for generate_batch, read from the
+    benchmark's JSON; `paged|sdpa`'s pipe must not split the markdown cell."""
+    out = tmp_path / "bench.json"
+    out.write_text(json.dumps({"declaration": {"attention_backend": "torch", "compare": {
+        "hf-generate-batch setup": {"attn_implementation": "paged|sdpa",
+                                    "use_cuda_graph": [False, False],
+                                    "use_async_batching": False}}},
+        "results": {"pd": {"output_tokens_per_s": 300.0},
+                    "hf-generate-batch": {"output_tokens_per_s": 100.0},
+                    "hf-static": {"error": "RuntimeError: a|b"}}}))
+    rows = gpu_check.bench_rows(out)
+    assert "| mixed-chat, pd ÷ hf-generate-batch | **3.00×** (target ≥ 2×) |" in rows
+    assert "| mixed-chat, pd's attention backend | torch |" in rows
+    setup = next(r for r in rows if "hf-generate-batch ran with" in r)
+    assert "`paged\\|sdpa`" in setup and "async batching False" in setup
+    for row in rows:  # two cells each: three unescaped pipes
+        assert len(re.findall(r"(?<!\\)\|", row)) == 3, row
