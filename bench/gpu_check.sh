@@ -12,10 +12,22 @@ if [ -x .venv/bin/python ] && .venv/bin/python -c \
     'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
   PY=.venv/bin/python
 fi
+# pytest for the kernel tests: the machine's own, else the copy bench/gpu_vendor.sh made (the
+# run must carry build/gpu-vendor). Only then on PYTHONPATH: it would shadow the machine's own
+if ! "$PY" -c 'import pytest' 2>/dev/null; then
+  if [ -d build/gpu-vendor ]; then
+    export PYTHONPATH="$PWD/build/gpu-vendor${PYTHONPATH:+:$PYTHONPATH}"
+    echo "pytest: not installed here; using build/gpu-vendor"
+  else
+    echo "warning: no pytest and no build/gpu-vendor (bench/gpu_vendor.sh, then carry it):" \
+         "the kernel tests cannot run"
+  fi
+fi
 unset TRITON_INTERPRET  # compiled kernels, not the interpreter
 export PYTHONUNBUFFERED=1  # progress shows as it happens, also when the run is cut short
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1  # nothing is downloaded; fail fast, not slowly
-# Triton compiles a small C launcher per kernel signature at its first launch
+# Triton compiles a small C launcher per kernel signature at its first launch; gpu_check.py's
+# pre-flight tries one kernel and falls back to the torch backend if that fails
 if ! command -v cc >/dev/null && ! command -v gcc >/dev/null && ! command -v clang >/dev/null; then
   echo "warning: no C compiler (cc, gcc or clang) on PATH: Triton cannot build its launchers"
 fi
