@@ -199,6 +199,21 @@ def test_engine_tokens_match_torch_backend(tiny_llama_dir, policy):
     assert results["triton"] == results["torch"]
 
 
+def test_min_tokens_bans_stop_tokens_on_the_device(tiny_llama_dir):
+    """A request short of its min_tokens has its stop tokens banned in the logits, on the
+    logits' device (on a GPU a CPU index there failed every member of the step)."""
+    from minicb import LLM, SamplingParams
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    llm = LLM(str(tiny_llama_dir), attention_backend="triton", policy="pd", num_pages=32,
+              device=DEVICE, dtype="float32")
+    free = llm.generate([list(range(3, 20))], greedy)[0].token_ids
+    banned = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, min_tokens=4,
+                            stop_token_ids=[free[0]])
+    out = llm.generate([list(range(3, 20))], banned)[0]
+    assert out.finish_reason in ("length", "stop") and out.token_ids[0] != free[0]
+    assert len(out.token_ids) >= 4
+
+
 def test_qwen3_per_head_norms_through_the_kernels(tiny_qwen3_dir):
     """Qwen3 normalizes every query and key head before RoPE: the norm kernel on strided heads,
     inside the whole engine, gives the torch backend's tokens."""
