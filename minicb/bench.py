@@ -27,7 +27,14 @@ from pathlib import Path
 from typing import Any
 
 from minicb.attention import resolve_backend
-from minicb.config import POLICIES, QUANTIZATIONS, cpuinfo, resolve_device, torch_dtype
+from minicb.config import (
+    POLICIES,
+    QUANTIZATIONS,
+    cpuinfo,
+    is_finite_number,
+    resolve_device,
+    torch_dtype,
+)
 from minicb.metrics import (
     PERCENTILE_METHOD,
     TABLE_COLUMNS,
@@ -35,6 +42,7 @@ from minicb.metrics import (
     format_table,
     lookup,
     summarize,
+    sustainable_load,
 )
 from minicb.sim import CostModel, SimClock, SimModel, fit_cost_model_runs, sim_model_info
 from minicb.workload import SCENARIOS, Workload, get_workload, make_workload, run_workload
@@ -76,6 +84,17 @@ def _int_list(text: str, flag: str) -> list[int]:
     if not values or any(v < 1 for v in values):
         raise ValueError(f"{flag} takes comma-separated positive integers, got {text!r}")
     return values
+
+
+def _rate_list(text: str, flag: str) -> list[float]:
+    try:
+        values = [float(v) for v in str(text).split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} takes comma-separated rates in requests/s, got {text!r}") \
+            from None
+    if not values or not all(is_finite_number(v) and v > 0 for v in values):
+        raise ValueError(f"{flag} takes comma-separated positive rates, got {text!r}")
+    return sorted(set(values))
 
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
@@ -951,17 +970,38 @@ def sweep_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-num-batched-tokens", default="64,128,256,512")
     parser.add_argument("--max-num-seqs", default="4,8,16")
     parser.add_argument("--chunk-size", default="64,256")
+    parser.add_argument("--rates", default=None,
+                        help="comma-separated arrival rates (requests/s): sweep the offered load "
+                             "too and report each setting's sustainable load, the highest rate "
+                             "meeting the SLO for --slo-target of the requests (needs an SLO)")
+    parser.add_argument("--slo-target", type=float, default=0.99,
+                        help="with --rates: the fraction of requests that must meet the SLO")
     return parser
 
 
 def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
-    """Every combination of the three lists; rows sorted by goodput, then tokens/s (chapter 06)."""
+    """Every combination of the three lists (and of --rates); rows sorted by goodput, then
+    tokens/s. With --rates, each setting's sustainable load too (chapter 06)."""
     set_threads(args.threads)
     budgets = _int_list(args.max_num_batched_tokens, "--max-num-batched-tokens")
     seqs = _int_list(args.max_num_seqs, "--max-num-seqs")
     chunks = _int_list(args.chunk_size, "--chunk-size")
-    workload, warmup = build_workload(args), warmup_workload(args)
+    rates = _rate_list(args.rates, "--rates") if getattr(args, "rates", None) else [None]
     slo = slo_from_args(args)
+    target = getattr(args, "slo_target", 0.99)
+    if rates != [None]:
+        if args.rate is not None:
+            raise ValueError("give --rate or --rates, not both")
+        if not slo:
+            raise ValueError("--rates reports the sustainable load, the highest rate that meets "
+                             "an SLO: give one (--slo-ttft, --slo-itl, --slo-tpot, --slo-e2e)")
+        if not is_finite_number(target) or not 0 < target <= 1:
+            raise ValueError(f"--slo-target must be a fraction in (0, 1], got {target!r}")
+    traffic = {}
+    for rate in rates:
+        at_rate = args if rate is None else argparse.Namespace(**{**vars(args), "rate": rate})
+        traffic[rate] = (build_workload(at_rate), warmup_workload(at_rate))
+    workload = traffic[rates[-1]][0]
     base = engine_options(args, workload)
     for key in ("max_num_seqs", "max_num_batched_tokens", "chunk_size"):
         base.pop(key, None)
@@ -970,19 +1010,20 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
     executor.warm_up()
     rows = []
     skipped = []
-    grid = list(itertools.product(budgets, seqs, chunks))
+    grid = list(itertools.product(budgets, seqs, chunks, rates))
     bar = _bar(not args.no_progress, len(grid), "sweep")
-    for budget, num_seqs, chunk in grid:
+    for budget, num_seqs, chunk, rate in grid:
         options = dict(base, max_num_batched_tokens=budget, max_num_seqs=num_seqs,
                        chunk_size=chunk)
         free_device_memory(device)  # the last setting's engine is gone: give its pool back
         try:
-            summary = run_policy(executor, args.policy, workload, options, slo,
-                                 progress=False, warmup=warmup)[0]  # its engine is dropped
+            summary = run_policy(executor, args.policy, traffic[rate][0], options, slo,
+                                 progress=False, warmup=traffic[rate][1])[0]  # engine dropped
         except ValueError as exc:  # e.g. pd with a budget below max_num_seqs
             skipped.append({"setting": options, "reason": str(exc)})
         else:
-            rows.append({"max_num_batched_tokens": budget, "max_num_seqs": num_seqs,
+            rows.append({**({} if rate is None else {"rate_rps": rate}),
+                         "max_num_batched_tokens": budget, "max_num_seqs": num_seqs,
                          "chunk_size": chunk, "goodput_rps": summary["goodput_rps"],
                          "output_tokens_per_s": summary["output_tokens_per_s"],
                          "ttft_p99_s": summary["ttft_s"]["p99"],
@@ -994,14 +1035,31 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
             bar.update(1)
     if bar is not None:
         bar.close()
+    sustainable = sustainable_rows(rows, target) if rates != [None] else []
     rows.sort(key=lambda r: (-(r["goodput_rps"] or 0.0), -(r["output_tokens_per_s"] or 0.0)))
     decl = declaration(args, workload, executor, [args.policy], base, slo)
     decl["token_budget"].update(max_num_batched_tokens=budgets, chunk_size=chunks,
                                 varied="per row: every combination of the lists")
     decl["concurrency"]["max_num_seqs"] = seqs
+    if rates != [None]:
+        decl["rate_rps"] = rates
+        decl["slo_target"] = target
     return {"declaration": decl, "rows": rows, "skipped": skipped,
-            "best": rows[0] if rows else None,
+            "best": rows[0] if rows else None, "sustainable": sustainable,
             "note": None if slo else "no SLO given: goodput equals completed requests/s"}
+
+
+def sustainable_rows(rows: list[dict[str, Any]], target: float) -> list[dict[str, Any]]:
+    """Each setting's sustainable load over the swept rates (`metrics.sustainable_load`),
+    highest first (chapter 06)."""
+    by_setting: dict[tuple, dict[float, float | None]] = {}
+    for row in rows:
+        key = (row["max_num_batched_tokens"], row["max_num_seqs"], row["chunk_size"])
+        by_setting.setdefault(key, {})[row["rate_rps"]] = row["slo_attainment"]
+    found = [{"max_num_batched_tokens": budget, "max_num_seqs": num_seqs, "chunk_size": chunk,
+              "sustainable_load_rps": sustainable_load(attained, target)}
+             for (budget, num_seqs, chunk), attained in by_setting.items()]
+    return sorted(found, key=lambda r: -(r["sustainable_load_rps"] or 0.0))
 
 
 def main_sweep(argv: list[str] | None = None) -> int:
@@ -1016,8 +1074,11 @@ def main_sweep(argv: list[str] | None = None) -> int:
     columns = ("max_num_batched_tokens", "max_num_seqs", "chunk_size", "goodput_rps",
                "output_tokens_per_s", "ttft_p99_s", "tpot_p99_s", "slo_attainment")
     header = ["budget", "seqs", "chunk", "goodput", "tok/s", "TTFT p99", "TPOT p99", "SLO %"]
-    lines = [header] + [[_fmt(r[c]) if c != "slo_attainment" or r[c] is None
-                         else f"{100 * r[c]:.0f}" for c in columns] for r in data["rows"]]
+    if data["sustainable"]:
+        columns, header = ("rate_rps", *columns), ["rate", *header]
+    shown = {"slo_attainment": lambda v: f"{100 * v:.0f}", "rate_rps": lambda v: f"{v:g}"}
+    lines = [header] + [[_fmt(r[c]) if c not in shown or r[c] is None else shown[c](r[c])
+                         for c in columns] for r in data["rows"]]
     widths = [max(len(str(x[i])) for x in lines) for i in range(len(header))]
     sim = " (SIMULATED)" if data["declaration"]["simulated"] else ""
     print(f"\nsweep of {args.policy} on {args.workload}{sim}, SLO "
@@ -1029,10 +1090,19 @@ def main_sweep(argv: list[str] | None = None) -> int:
     if data["note"]:
         print(f"note: {data['note']}")
     best = data["best"]
-    if best:
+    if best and not data["sustainable"]:
         print(f"\nbest: max_num_batched_tokens={best['max_num_batched_tokens']} "
               f"max_num_seqs={best['max_num_seqs']} chunk_size={best['chunk_size']} "
               f"goodput={_fmt(best['goodput_rps'])} req/s")
+    if data["sustainable"]:
+        target = data["declaration"]["slo_target"]
+        print(f"\nsustainable load (the highest rate at which at least {target:.0%} of the "
+              "requests met the SLO, every lower rate too):")
+        for r in data["sustainable"]:
+            load = r["sustainable_load_rps"]
+            print(f"  max_num_batched_tokens={r['max_num_batched_tokens']} "
+                  f"max_num_seqs={r['max_num_seqs']} chunk_size={r['chunk_size']}: "
+                  + (f"{load:g} req/s" if load is not None else "not even the lowest rate"))
     if args.out:
         print(f"wrote {write_json(data, args.out)}")
     return 0

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from minicb import bench
+from minicb import bench, metrics
 from minicb.sim import CostModel, make_sim_engine
 from minicb.workload import get_workload, run_workload
 
@@ -172,6 +172,44 @@ def test_sweep_finds_the_best_goodput(tmp_path, capsys):
     budget = data["declaration"]["token_budget"]  # the grid, not EngineConfig's defaults
     assert budget["max_num_batched_tokens"] == [8, 64, 512] and budget["chunk_size"] == [64]
     assert data["declaration"]["concurrency"]["max_num_seqs"] == [4, 16]
+
+
+def test_sweep_over_rates_reports_each_settings_sustainable_load(tmp_path, capsys):
+    """--rates adds the offered load to the grid; each setting's sustainable load is the
+    highest rate whose SLO attainment reaches --slo-target, with every lower rate's too. A tiny
+    budget starves prefill and sustains less than a large one."""
+    out = tmp_path / "rates.json"
+    argv = ["--executor", "sim", "--workload", "mixed-chat", "--num-requests", "60",
+            "--rates", "5,20,10", "--max-num-batched-tokens", "64,1024", "--max-num-seqs", "32",
+            "--chunk-size", "1024", "--slo-ttft", "0.3", "--slo-target", "0.99",
+            "--out", str(out), "--no-progress"]
+    assert bench.main_sweep(argv) == 0
+    data = json.loads(out.read_text())
+    assert len(data["rows"]) == 6 and data["declaration"]["rate_rps"] == [5.0, 10.0, 20.0]
+    found = {r["max_num_batched_tokens"]: r["sustainable_load_rps"] for r in data["sustainable"]}
+    for budget, load in found.items():
+        attained = {r["rate_rps"]: r["slo_attainment"] for r in data["rows"]
+                    if r["max_num_batched_tokens"] == budget}
+        assert load == metrics.sustainable_load(attained, 0.99)
+        assert load is None or all(attained[r] >= 0.99 for r in attained if r <= load)
+    assert found == {64: 10.0, 1024: 20.0}
+    assert data["sustainable"][0]["max_num_batched_tokens"] == 1024
+    printed = capsys.readouterr().out
+    assert "sustainable load" in printed and "best:" not in printed
+    assert "max_num_batched_tokens=64 max_num_seqs=32 chunk_size=1024: 10 req/s" in printed
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--rates", "5,10"], "give one (--slo-ttft"),
+    (["--rates", "5,x", "--slo-ttft", "1"], "--rates takes comma-separated rates"),
+    (["--rates", "0,5", "--slo-ttft", "1"], "positive rates"),
+    (["--rates", "5,10", "--rate", "5", "--slo-ttft", "1"], "not both"),
+    (["--rates", "5,10", "--slo-ttft", "1", "--slo-target", "1.5"], "--slo-target"),
+])
+def test_sweep_over_rates_refuses_bad_flags(extra, message, capsys):
+    argv = ["--executor", "sim", "--num-requests", "4", "--no-progress", *extra]
+    assert bench.main_sweep(argv) == 2
+    assert message in capsys.readouterr().err
 
 
 def test_dynamic_waits_on_the_clock_and_declares_its_timeout(tmp_path):

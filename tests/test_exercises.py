@@ -326,7 +326,7 @@ def test_batching_bugs_are_caught():
 
     continuous = solution("03_continuous_batching.ipynb")["continuous_finish_steps"]
     message = caught("static_finish_steps", continuous)
-    assert "[30, 200, 80, 250]" in message and "request 4" in message
+    assert "[30, 200, 80, 260]" in message and "request 4" in message
 
 
 def test_scheduler_bugs_meet_the_engine_rules():

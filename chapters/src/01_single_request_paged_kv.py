@@ -93,7 +93,8 @@ print(f"(measured on: {device_description('cpu')['cpu_model']}, "
       f"{torch.get_num_threads()} torch thread(s))")
 
 # %% [markdown]
-# A prefill step of 256 tokens costs about as much as ten to twenty decode steps, yet produces
+# A prefill step of 256 tokens costs about as much as eight to twenty decode steps (the
+# line above says how many here), yet produces
 # the K/V of 256 positions: per token, prefill is an order of magnitude faster than decode, and
 # its tokens/s still climbs from 16 to 256 prompt tokens. (Absolute numbers depend on the machine
 # and on what else it runs at the time; compare ratios measured in one run.) Why?
@@ -143,8 +144,8 @@ print(f"decode     : {flops_decode / t_decode / 1e9:6.1f} GFLOP/s, "
 # 15 GB/s bandwidth). This notebook's figures come from minicb's default prepacked weights
 # (last part of this section) and one thread. On the AMD EPYC their decode streamed the weights
 # at about 20 GB/s, above the 15 GB/s of a copy, which writes as many bytes as it reads; on the
-# Intel Xeon, where one prepacked row is slower than `F.linear` (last part of this section),
-# at 9–10 GB/s. The last line printed below the step table names the CPU that built the
+# Intel Xeon, where one prepacked row gains little or is slower than `F.linear` (last part of
+# this section), at 6–10 GB/s. The last line printed below the step table names the CPU that built the
 # stored outputs; stored figures also vary with what else that machine ran at the time.
 #
 # That is the whole motivation for batching decodes (chapters 02–03): a decode step of 16
@@ -183,7 +184,8 @@ for name, out in answers.items():
 
 # %% [markdown]
 # On the AMD EPYC build machine, unloaded (one thread), int8 decoded 64 tokens/s, float32 42 (26
-# through `F.linear`, see the next part; on the Intel Xeon about 26 and 16, the stored run above)
+# through `F.linear`, see the next part; on the Intel Xeon int8 16–26 and float32 11–16 across
+# builds of this notebook, the stored run above among them)
 # and Hugging Face `generate` 23–24 (`python -m minicb bench
 # --policy single --compare hf --quantization int8`; the numbers are in `bench/README.md`). The
 # price is numbers, not speed: int8 weights move the logits by up to about 5% of their largest

@@ -282,6 +282,11 @@ for part in dict.fromkeys([*PARTS.values(), "everything else"]):
     if any(shares):
         print(f"{part:<40}" + "".join(f"{share:8.0%}" for share in shares))
 print(f"{'CPU ms per decode step':<40}" + "".join(f"{ms:8.0f}" for _, ms in profiles.values()))
+ATTENTION = ("copying K/V rows out of their pages", "attention (on the copy)",
+             "attention (C kernel, pages in place)")
+print(f"{'of which attention, ms':<40}" + "".join(
+    f"{ms * sum(spent[p] for p in ATTENTION) / sum(spent.values()):8.0f}"
+    for spent, ms in profiles.values()))
 
 # %% [markdown]
 # **The waste.** With the reference, about a fifth of the step copies each request's K/V rows
@@ -373,7 +378,8 @@ print("same greedy tokens from both backends:", tokens["torch"] == tokens[KERNEL
 # `pd` made 104.8 and 113.2 output tokens/s with the reference and 127.1 and 132.7 with the kernel
 # (1.17–1.21×), and its median time per output token fell from 0.15–0.17 to 0.13 s
 # (`bench/README.md` has the commands and the files). In the profile above (one thread, 16 requests;
-# one run, and these runs vary) the copy and the attention on it give way to the kernel's smaller
+# one run, and these runs vary: compare the attention line, which the machine's load moves
+# less than the totals) the copy and the attention on it give way to the kernel's smaller
 # share, and the products are now most of the step.
 #
 # `attention_backend="auto"` now picks this kernel on the CPU wherever a C compiler builds it
