@@ -24,13 +24,16 @@ Cell tags tie an exercise together: its stub cell carries `exercise:<name>` (the
 the NotImplementedError message), its check cell `check:<name>` and optionally `points:<n>`
 (default 1); `minicb.grade` scores a notebook by its check cells, and `minicb.check.<name>` is
 the function the check cell calls. Only cell tags survive generation; other cell metadata and
-all outputs are dropped.
+all outputs are dropped. Markdown links out of the folder (`../../chapters/...`) are written
+relative to the source's folder, so they work where a teacher edits them, and rewritten for
+the generated notebooks one folder up.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import os
 import re
 import sys
 from pathlib import Path
@@ -172,6 +175,19 @@ def _clean(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
     return nb
 
 
+MARKDOWN_LINK = re.compile(r"(\]\()(\.\./[^)\s#]+)")  # ](../target: out of the folder
+
+
+def relink(text: str, source_dir: str = "exercises/source", target_dir: str = "exercises") -> str:
+    """Markdown with each link out of `source_dir` (`../...`) rewritten for `target_dir`
+    (folders relative to the repository root). Links to siblings (the next exercise notebook)
+    stay: they name the sibling in either folder."""
+    def moved(match: re.Match) -> str:
+        absolute = os.path.normpath(os.path.join(source_dir, match.group(2)))
+        return match.group(1) + Path(os.path.relpath(absolute, target_dir)).as_posix()
+    return MARKDOWN_LINK.sub(moved, text)
+
+
 def generate(source_nb: nbformat.NotebookNode, name: str = "notebook"
              ) -> tuple[nbformat.NotebookNode, nbformat.NotebookNode]:
     """(exercise notebook, solution notebook) made from one source notebook."""
@@ -179,6 +195,8 @@ def generate(source_nb: nbformat.NotebookNode, name: str = "notebook"
     for i, (ex_cell, sol_cell) in enumerate(zip(exercise.cells, solution.cells)):
         where = f"{name} cell {i} ({ex_cell.get('id', '?')})"
         text = ex_cell.source if isinstance(ex_cell.source, str) else "".join(ex_cell.source)
+        if ex_cell.cell_type == "markdown":  # exercises/ and solutions/ sit one folder up
+            text = ex_cell.source = sol_cell.source = relink(text)
         if BEGIN not in text and END not in text:
             continue
         if ex_cell.cell_type == "code":

@@ -45,6 +45,12 @@ def test_generated_notebooks_match_their_sources():
     assert exercises.main(["check"]) == 0
 
 
+def test_links_out_of_the_source_folder_are_rewritten_for_the_generated_notebooks():
+    text = "See [ch 01](../../chapters/01_x.ipynb#top), [next](02_y.ipynb), [web](https://a.b/c)."
+    assert exercises.relink(text) == ("See [ch 01](../chapters/01_x.ipynb#top), "
+                                      "[next](02_y.ipynb), [web](https://a.b/c).")
+
+
 def test_check_mode_fails_on_a_stale_or_orphan_notebook(tmp_path, capsys):
     for folder in ("exercises", "solutions"):
         shutil.copytree(ROOT / folder, tmp_path / folder)
@@ -129,7 +135,7 @@ def test_notebook_structure():
             assert "### BEGIN SOLUTION" in source.cells[stubs[name]].source
             assert f"(exercise {name})" in ex.cells[stubs[name]].source
         assert source.cells[0].cell_type == "markdown"
-        chapter = re.search(r"\(\.\./chapters/(\d\d_\w+)\.ipynb\)", source.cells[0].source)
+        chapter = re.search(r"\(\.\./\.\./chapters/(\d\d_\w+)\.ipynb\)", source.cells[0].source)
         assert chapter and chapter.group(1)[:2] == src.name[:2], "intro links its chapter"
         assert "Summary" in source.cells[-1].source
         for nb in (ex, sol):
