@@ -13,9 +13,12 @@ drawn on that figure; `compare` puts a dict {name: data} there). The same datacl
 `timeline_data`, `slot_data`, `page_data`, `page_map_data` and `budget_data` without drawing.
 
     step k is drawn as the cell [k-1, k] on the x axis, so a request that finishes at step 30
-    shows its bar "|" at x = 30, as in the chapter's block diagram.
+    shows its bar "|" at x = 30, as in the chapter's block diagram (the axis label says so).
 
-Colours are Okabe-Ito (safe for colour-blind viewers); fonts are sized for a projector.
+Colours are Okabe-Ito (safe for colour-blind viewers; states also differ by hatch or height, so
+they survive greyscale), request colours avoid the state colours, fonts are sized for a
+projector (`use_course_style()` applies the same sizes to a chapter's own plots), and a picture
+of a run on the simulated executor says "(simulated)" in its title.
 """
 
 from __future__ import annotations
@@ -52,7 +55,12 @@ STYLE = {  # state -> (face colour, hatch, edge colour, bar height, legend label
     STALLED: ("#FFFFFF", "..", "#0072B2", 0.8, "running, not scheduled this step"),
     WAITING: ("#BBBBBB", None, "#BBBBBB", 0.25, "waiting in queue"),
 }
-REQUEST_COLOURS = ["#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#F0E442"]
+# not the state colours above (decode blue, prefill orange, preemption vermillion): Okabe-Ito's
+# others, then Paul Tol's muted scheme, also safe for colour-blind viewers
+REQUEST_COLOURS = ["#CC79A7", "#009E73", "#56B4E9", "#F0E442", "#882255", "#44AA99", "#999933",
+                   "#AA4499"]
+CACHED = "#56B4E9"  # sky blue: lighter than decode's blue in greyscale too
+STEP_AXIS = "step  (step k is the cell from k−1 to k)"
 GLYPHS = {PREFILL: "▓", DECODE: "█", IDLE: "░", STALLED: "-", WAITING: "·"}
 RC = {"font.size": 14, "axes.titlesize": 16, "axes.labelsize": 15, "xtick.labelsize": 13,
       "ytick.labelsize": 13, "legend.fontsize": 12, "hatch.linewidth": 1.0}
@@ -62,6 +70,22 @@ RC = {"font.size": 14, "axes.titlesize": 16, "axes.labelsize": 15, "xtick.labels
 def _style() -> Iterator[None]:
     with matplotlib.rc_context(RC):
         yield
+
+
+def use_course_style() -> None:
+    """Give a chapter's own matplotlib plots the projector-sized fonts of these pictures."""
+    matplotlib.rcParams.update(RC)
+
+
+def _simulated(trace: Any) -> bool:
+    """True for a run of the simulated executor (an Engine whose model is `minicb.sim`'s)."""
+    info = getattr(getattr(trace, "engine", trace), "info", None)
+    return getattr(info, "name", None) == "simulated"
+
+
+def _titled(title: str, trace: Any) -> str:
+    return f"{title} (simulated)" if _simulated(trace) and "simulat" not in title.lower() \
+        else title
 
 
 def _records(trace: Any) -> list[StepRecord]:
@@ -192,8 +216,12 @@ def timeline_data(trace: Any) -> TimelineData:
                         {r: preemptions[r] for r in requests if preemptions[r]})
 
 
-def _draw_timeline(ax: Axes, data: TimelineData, requests: list[str], legend: bool) -> None:
+def _draw_timeline(ax: Axes, data: TimelineData, requests: list[str], legend: bool
+                   ) -> list[Any]:
+    """Draw the rows; return the legend handles of what was drawn (and draw the legend if
+    asked). Markers shrink with the rows, so 200 requests stay legible."""
     row = {rid: i for i, rid in enumerate(requests)}
+    fit = min(1.0, 25 / max(1, len(requests)))  # 1 up to 25 rows, then shrinking
     present = set()
     for rid in data.requests:
         y = row[rid]
@@ -207,32 +235,39 @@ def _draw_timeline(ax: Axes, data: TimelineData, requests: list[str], legend: bo
             present.add(state)
     marks = []
     arrivals = [(data.arrivals[r] - 1, row[r]) for r in data.requests]
-    if arrivals:
-        ax.scatter(*zip(*arrivals), marker=">", s=70, color="black", zorder=3, clip_on=False)
+    if arrivals and len(requests) <= 80:  # beyond, the marks would hide the rows
+        ax.scatter(*zip(*arrivals), marker=">", s=70 * fit ** 2, color="black", zorder=3,
+                   clip_on=False)
         marks.append(Line2D([], [], marker=">", ls="", color="black", ms=9, label="arrives"))
     for rid, step in data.finishes.items():
-        ax.plot([step, step], [row[rid] - 0.45, row[rid] + 0.45], color="black", lw=3,
-                solid_capstyle="butt", zorder=3)
+        ax.plot([step, step], [row[rid] - 0.45, row[rid] + 0.45], color="black",
+                lw=max(1.0, 3 * fit), solid_capstyle="butt", zorder=3)
     if data.finishes:
         marks.append(Line2D([], [], marker="|", ls="", color="black", ms=16, mew=3,
                             label="finishes"))
     pre = [(s - 0.5, row[r]) for r, steps in data.preemptions.items() for s in steps]
     if pre:
-        ax.scatter(*zip(*pre), marker="X", s=110, color="#D55E00", edgecolor="black", zorder=4)
+        ax.scatter(*zip(*pre), marker="X", s=110 * max(fit, 0.3) ** 2, color="#D55E00",
+                   edgecolor="black", zorder=4)
         marks.append(Line2D([], [], marker="X", ls="", color="#D55E00", mec="black", ms=10,
                             label="preempted"))
     _request_ticks(ax, requests)
     ax.set_xlim(0, max(data.last_step, 1) + 0.5)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel("step")
+    ax.set_xlabel(STEP_AXIS)
     ax.set_ylabel("request")
     ax.grid(axis="x", color="#DDDDDD", lw=0.8)
     ax.set_axisbelow(True)
+    handles = [Patch(facecolor=STYLE[s][0], hatch=STYLE[s][1], edgecolor=STYLE[s][2],
+                     label=STYLE[s][4]) for s in STATES if s in present] + marks
     if legend:
-        handles = [Patch(facecolor=STYLE[s][0], hatch=STYLE[s][1], edgecolor=STYLE[s][2],
-                         label=STYLE[s][4]) for s in STATES if s in present]
-        ax.legend(handles=handles + marks, loc="upper left", bbox_to_anchor=(1.01, 1.0),
-                  frameon=False, borderaxespad=0)
+        _legend(ax, handles)
+    return handles
+
+
+def _legend(ax: Axes, handles: list[Any]) -> None:
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False,
+              borderaxespad=0)
 
 
 def plot_timeline(trace: Any, ax: Axes | None = None, *, title: str | None = None,
@@ -244,7 +279,7 @@ def plot_timeline(trace: Any, ax: Axes | None = None, *, title: str | None = Non
     with _style():
         ax = _axes(ax, (13, min(10.0, 1.8 + 0.5 * len(data.requests))))
         _draw_timeline(ax, data, data.requests, legend)
-        ax.set_title(title or "batch membership per step")
+        ax.set_title(_titled(title or "batch membership per step", trace))
     return _attach(ax, data)
 
 
@@ -313,21 +348,34 @@ def plot_slots(trace: Any, ax: Axes | None = None, *, title: str | None = None,
                                    linewidth=0.6)
                 ax.add_patch(Rectangle((a - 1, y - 0.4), b - a + 1, 0.8, fill=False, lw=1.2,
                                        edgecolor="black"))
-                if (b - a + 1) >= 0.03 * last:
+                if (b - a + 1) >= max(0.03, 0.012 * len(rid)) * last:  # wide enough for it
                     ax.text((a - 1 + b) / 2, y, rid, ha="center", va="center", fontsize=13,
                             color="black", fontweight="bold", clip_on=True,
                             path_effects=[withStroke(linewidth=3, foreground="white")])
+        row = {slot: y for y, slot in enumerate(data.slots)}
+        preempted = [(step - 0.5, row[slot]) for rid, steps in
+                     timeline_data(trace).preemptions.items() for step in steps
+                     for slot, owner, _, end in data.runs if owner == rid and end in
+                     (step - 1, step)]
+        if preempted:
+            ax.scatter(*zip(*preempted), marker="X", s=110, color="#D55E00",
+                       edgecolor="black", zorder=4)
         ax.set_yticks(range(len(data.slots)), [f"slot {s}" for s in data.slots])
         ax.set_ylim(len(data.slots) - 0.5, -0.5)
         ax.set_xlim(0, last + 0.5)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_xlabel("step")
+        ax.set_xlabel(STEP_AXIS)
         ax.set_ylabel("batch slot")
-        ax.set_title(title or "who holds each batch slot")
+        ax.set_title(_titled(title or "who holds each batch slot", trace))
         if legend:
             shown = [rid for rid in data.requests if any(r[1] == rid for r in data.runs)]
             handles = [Patch(facecolor=colour[r], edgecolor="black", label=r)
-                       for r in shown[:12]]
+                       for r in shown] if len(shown) <= len(REQUEST_COLOURS) else [
+                Patch(facecolor="white", edgecolor="none",
+                      label=f"{len(shown)} requests: colours\nrepeat, labels name them")]
+            if preempted:
+                handles.append(Line2D([], [], marker="X", ls="", color="#D55E00", mec="black",
+                                      ms=10, label="preempted"))
             kinds = {k for row in data.kinds.values() for k in row.values()}
             if IDLE in kinds:
                 handles.append(Patch(facecolor="white", hatch="///", edgecolor="black",
@@ -335,8 +383,7 @@ def plot_slots(trace: Any, ax: Axes | None = None, *, title: str | None = None,
             if STALLED in kinds:
                 handles.append(Patch(facecolor="white", hatch="..", edgecolor="black",
                                      label="running, not scheduled"))
-            ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0),
-                      frameon=False, borderaxespad=0)
+            _legend(ax, handles)
     return _attach(ax, data)
 
 
@@ -382,7 +429,8 @@ def plot_pages(trace: Any, ax: Axes | None = None, *, title: str | None = None,
             top_cached = [u + c for u, c in zip(data.used, data.cached)]
             ax.stairs(top_used, edges, baseline=0, fill=True, color="#0072B2",
                       label="used by running requests")
-            ax.stairs(top_cached, edges, baseline=top_used, fill=True, color="#009E73",
+            ax.stairs(top_cached, edges, baseline=top_used, fill=True, facecolor=CACHED,
+                      edgecolor="white", hatch="//", lw=0,
                       label="cached (prefix index, reusable)")
             if data.total:
                 ax.stairs([data.total] * len(data.steps), edges, baseline=top_cached, fill=True,
@@ -398,9 +446,9 @@ def plot_pages(trace: Any, ax: Axes | None = None, *, title: str | None = None,
         ax.set_ylim(0, max([data.total] + [u + c for u, c in zip(data.used, data.cached)]
                            + [1]) * 1.08)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_xlabel("step")
+        ax.set_xlabel(STEP_AXIS)
         ax.set_ylabel("KV pages")
-        ax.set_title(title or "KV page pool")
+        ax.set_title(_titled(title or "KV page pool", trace))
         if legend:
             ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False,
                       borderaxespad=0)
@@ -461,10 +509,13 @@ def plot_page_map(engine_or_trace: Any, step: int | None = None, ax: Axes | None
     data = page_map_data(records, step)
     order = list(data.page_tables)
     colour = {rid: request_colour(i) for i, rid in enumerate(timeline_data(records).requests)}
-    ncols = columns or (16 if data.num_shown > 16 else data.num_shown)
+    # 16 columns up to 128 pages, then about twice as many columns as rows (landscape)
+    ncols = columns or (min(64, max(16, math.ceil(math.sqrt(2 * data.num_shown))))
+                        if data.num_shown > 16 else data.num_shown)
     nrows = math.ceil(data.num_shown / ncols)
+    cell = min(0.75, 10.0 / ncols, 8.0 / nrows)  # inches a page
     with _style():
-        ax = _axes(ax, (max(8.0, 0.75 * ncols + 3.5), max(2.5, 0.7 * nrows + 1.6)))
+        ax = _axes(ax, (max(8.0, cell * ncols + 3.5), max(2.5, cell * nrows + 1.6)))
         label = data.num_shown <= 128
         for p in range(data.num_shown):
             x, y = p % ncols, p // ncols
@@ -485,20 +536,27 @@ def plot_page_map(engine_or_trace: Any, step: int | None = None, ax: Axes | None
         ax.set_xlim(0, ncols)
         ax.set_ylim(nrows, 0)
         ax.set_aspect("equal")
-        ax.set_xticks([i + 0.5 for i in range(ncols)], [str(i) for i in range(ncols)])
-        ax.set_yticks([i + 0.5 for i in range(nrows)], [str(i * ncols) for i in range(nrows)])
+        every_col = max(1, math.ceil(ncols / 16))
+        every_row = max(1, math.ceil(nrows / 16))
+        ax.set_xticks([i + 0.5 for i in range(0, ncols, every_col)],
+                      [str(i) for i in range(0, ncols, every_col)])
+        ax.set_yticks([i + 0.5 for i in range(0, nrows, every_row)],
+                      [str(i * ncols) for i in range(0, nrows, every_row)])
         ax.tick_params(length=0)
         ax.set_xlabel("page id = row start + column")
         ax.set_ylabel("row start")
         for side in ax.spines.values():
             side.set_visible(False)
         used = len(data.owners)
-        ax.set_title(title or f"KV pages after step {data.step}: {used} in page tables "
-                     f"({len(data.shared)} shared), {data.pages_cached} cached", fontsize=15)
+        ax.set_title(_titled(title or f"KV pages after step {data.step}: {used} in page "
+                             f"tables ({len(data.shared)} shared), {data.pages_cached} cached",
+                             engine_or_trace), fontsize=15)
         if legend:
             handles = [Patch(facecolor=colour[r], edgecolor="black",
                              label=f"{r} ({len(data.page_tables[r])} pages)")
-                       for r in order[:12]]
+                       for r in order] if len(order) <= len(REQUEST_COLOURS) else [
+                Patch(facecolor="white", edgecolor="none",
+                      label=f"{len(order)} requests: colours repeat")]
             if data.shared:
                 handles.append(Patch(facecolor="white", hatch="xx", edgecolor="black", lw=2.5,
                                      label="shared prefix page"))
@@ -540,20 +598,22 @@ def plot_budget(trace: Any, max_num_batched_tokens: int | None = None, ax: Axes 
     shows. Taken from the engine's config when an Engine is passed. Data: `BudgetData`."""
     data = budget_data(trace, max_num_batched_tokens)
     x = [k - 0.5 for k in data.steps]
+    edges = {"edgecolor": "white", "linewidth": 0.6} if len(data.steps) <= 150 else \
+        {"linewidth": 0}  # separate bars can be counted; hundreds would turn white
     with _style():
         ax = _axes(ax, (13, 4.5))
-        ax.bar(x, data.decode, width=1.0, color="#0072B2", linewidth=0, label="decode tokens")
-        ax.bar(x, data.prefill, width=1.0, bottom=data.decode, color="#E69F00", linewidth=0,
-               label="prefill tokens")
+        ax.bar(x, data.decode, width=1.0, color="#0072B2", label="decode tokens", **edges)
+        ax.bar(x, data.prefill, width=1.0, bottom=data.decode, color="#E69F00",
+               label="prefill tokens", **edges)
         if data.budget:
             ax.axhline(data.budget, color="black", ls="--", lw=2, zorder=0,
                        label=f"max_num_batched_tokens = {data.budget}")
         ax.set_xlim(0, max(data.steps, default=1) + 0.5)
         ax.set_ylim(0, max(data.total + [data.budget or 0, 1]) * 1.1)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_xlabel("step")
+        ax.set_xlabel(STEP_AXIS)
         ax.set_ylabel("tokens in the step")
-        ax.set_title(title or "token budget per step")
+        ax.set_title(_titled(title or "token budget per step", trace))
         if legend:
             handles, labels = ax.get_legend_handles_labels()
             order = sorted(range(len(labels)), key=lambda i: labels[i].startswith("max_"))
@@ -584,19 +644,25 @@ def compare(traces: dict[str, Any], kind: str = "timeline", **options: Any) -> F
     else:
         heights = [3.0] * len(traces)
     out: dict[str, Any] = {}
+    handles: dict[str, Any] = {}  # one legend for every panel: a state only a lower panel has
     with _style():
         fig = Figure(figsize=(13, min(16.0, sum(heights) + 0.6)), layout="constrained")
         axes = fig.subplots(len(traces), 1, sharex=True, height_ratios=heights, squeeze=False)
         for i, (ax, (name, trace)) in enumerate(zip(axes[:, 0], traces.items())):
             data = datas[name]
             ends = max(data.finishes.values(), default=data.last_step)
-            label = f"{name}: last request finishes at step {ends}"
+            label = _titled(f"{name}: last request finishes at step {ends}", trace)
             if kind == "timeline":
-                _draw_timeline(ax, data, rows, legend=i == 0)
+                for handle in _draw_timeline(ax, data, rows, legend=False):
+                    handles.setdefault(handle.get_label(), handle)
                 ax.set_title(label, loc="left")
                 out[name] = ax.minicb_data = data
             else:
-                plots[kind](trace, ax=ax, legend=i == 0, **options)
+                plots[kind](trace, ax=ax, legend=True, **options)
+                drawn = ax.get_legend()
+                for handle, text in zip(drawn.legend_handles, drawn.get_texts()):
+                    handles.setdefault(text.get_text(), handle)
+                drawn.remove()
                 ax.set_title("")
                 ax.set_title(label, loc="left")
                 out[name] = ax.minicb_data
@@ -604,6 +670,12 @@ def compare(traces: dict[str, Any], kind: str = "timeline", **options: Any) -> F
                 ax.set_xlabel("")
         last = max(d.last_step for d in datas.values())
         axes[0, 0].set_xlim(0, max(last, 1) + 0.5)
+        if kind in ("pages", "budget"):  # one y scale, so a spike is as tall in every panel
+            top = max(ax.get_ylim()[1] for ax in axes[:, 0])
+            for ax in axes[:, 0]:
+                ax.set_ylim(0, top)
+        axes[0, 0].legend(handles=list(handles.values()), labels=list(handles), loc="upper left",
+                          bbox_to_anchor=(1.01, 1.0), frameon=False, borderaxespad=0)
     fig.minicb_data = out
     return fig
 
@@ -769,24 +841,26 @@ def _widgets():
 class StepThrough:
     """Built by `step_through`; see there. `widget` is the ipywidgets VBox displayed."""
 
-    def __init__(self, trace: Any, *, picture: bool = True, interval: int = 400) -> None:
+    def __init__(self, trace: Any, *, picture: bool = True, interval: int = 600) -> None:
         w = _widgets()
         self.records = _records(trace)
         if not self.records:
             raise ValueError("the trace is empty: run some steps first")
         first, last = self.records[0].step, self.records[-1].step
+        # a picture takes 0.2-0.6 s to draw: redraw when the slider is let go, not while dragged
         self.slider = w.IntSlider(value=first, min=first, max=last, description="step",
-                                  continuous_update=True, layout=w.Layout(width="60%"))
+                                  continuous_update=False, layout=w.Layout(width="60%"))
         self.play = w.Play(value=first, min=first, max=last, step=1, interval=interval,
                            description="play")
         self.link = w.jslink((self.play, "value"), (self.slider, "value"))
-        self.image = w.Image(format="png", layout=w.Layout(width="100%")) if picture else None
+        self.image = w.Image(format="png", layout=w.Layout(width="100%", max_width="1200px")) \
+            if picture else None
         self.info = w.HTML()
         self._figure, self._cursor = None, []
         if picture:
             with _style():
                 fig = Figure(figsize=(12, min(7.0, 1.6 + 0.4 * len(
-                    timeline_data(self.records).requests))), layout="constrained", dpi=72)
+                    timeline_data(self.records).requests))), layout="constrained", dpi=100)
                 plot_timeline(self.records, ax=fig.add_subplot())
             self._figure = fig
         parts = [w.HBox([self.play, self.slider])] + ([self.image] if picture else [])
@@ -802,9 +876,11 @@ class StepThrough:
             ax = self._figure.axes[0]
             for artist in self._cursor:
                 artist.remove()
+            # black and dashed: apart from every state colour and from the preemption mark
             self._cursor = [
-                ax.axvspan(step - 1, step, color="#D55E00", alpha=0.3, lw=0, zorder=0),
-                ax.axvline(step - 0.5, color="#D55E00", lw=2.5, zorder=5)]
+                ax.axvspan(step - 1, step, color="#666666", alpha=0.2, lw=0, zorder=2.5),
+                ax.axvline(step - 0.5, color="black", ls="--", lw=2.5, zorder=5,
+                           path_effects=[withStroke(linewidth=5, foreground="white")])]
             ax.set_title(f"step {step} (cursor) of {self.records[-1].step}", fontsize=16)
             buf = io.BytesIO()
             self._figure.savefig(buf, format="png")
@@ -823,7 +899,7 @@ class StepThrough:
         display(self.widget)
 
 
-def step_through(trace: Any, *, picture: bool = True, interval: int = 400) -> StepThrough:
+def step_through(trace: Any, *, picture: bool = True, interval: int = 600) -> StepThrough:
     """Replay a run one step at a time (chapters 03-05): a play button and a step slider
     (linked in the browser with `jslink`), the timeline with a cursor at the step, the waiting
     and running queues, each running request's page table, and what the step scheduled.

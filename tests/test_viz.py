@@ -9,7 +9,7 @@ matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
-from matplotlib.collections import PolyCollection  # noqa: E402
+from matplotlib.collections import PathCollection, PolyCollection  # noqa: E402
 from matplotlib.colors import to_hex  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
@@ -83,7 +83,7 @@ def test_plot_timeline_bars_match_trace(static):
                            if viz.STYLE[s][0].lower() == colour)
             assert width == pytest.approx(expected), (rid, colour)
     assert [t.get_text() for t in ax.get_yticklabels()] == ["R1", "R2", "R3", "R4"]
-    assert ax.get_xlabel() == "step" and ax.get_ylabel() == "request"
+    assert ax.get_xlabel() == viz.STEP_AXIS and ax.get_ylabel() == "request"
     labels = [t.get_text() for t in ax.get_legend().get_texts()]
     assert {"prefill", "decode", "waiting in queue", "arrives", "finishes"} <= set(labels)
     okabe = {c.lower() for c in viz.OKABE_ITO} | {"#ffffff", "#bbbbbb"}
@@ -194,6 +194,51 @@ def test_compare_shares_the_step_axis(static, continuous):
         assert len(fig.axes) == 2 and set(fig.minicb_data) == {"static", "continuous"}
     with pytest.raises(ValueError, match="kind must be one of"):
         viz.compare({"a": static}, kind="pie")
+
+
+def test_compare_draws_one_legend_for_every_panel(static, continuous):
+    """A state only a lower panel has (static's idle slots under continuous on top) is in the
+    one legend; budget and pages panels share one y scale."""
+    fig = viz.compare({"continuous": continuous, "static": static})
+    top, bottom = fig.axes
+    assert bottom.get_legend() is None
+    labels = [t.get_text() for t in top.get_legend().get_texts()]
+    assert viz.STYLE["idle"][4] in labels and labels.count("decode") == 1
+    big = [record(1, [("a", "prefill", 800, 0)]), record(2, [("a", "decode", 1, 0)])]
+    small = [record(1, [("a", "prefill", 100, 0)]), record(2, [("a", "decode", 1, 0)])]
+    fig = viz.compare({"big": big, "small": small}, kind="budget", max_num_batched_tokens=128)
+    assert fig.axes[0].get_ylim() == fig.axes[1].get_ylim()
+    assert fig.axes[0].get_ylim()[1] >= 800
+
+
+def test_request_colours_are_not_state_colours_and_legible_at_scale():
+    states = {viz.STYLE[s][0].lower() for s in viz.STATES} | {"#d55e00"}
+    assert not states & {c.lower() for c in viz.REQUEST_COLOURS}
+    many = [record(1, [(f"r{i}", "prefill", 8, i) for i in range(100)],
+                   page_tables={f"r{i}": [i] for i in range(100)}, total=1024)]
+    fig = viz.plot_timeline(many)
+    assert not [c for c in fig.axes[0].collections  # no arrival marks over 80 rows
+                if isinstance(c, PathCollection)]
+    fig = viz.plot_slots(many)
+    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert len(labels) == 1 and "colours" in labels[0]  # not 100 swatches that repeat
+    width, height = viz.plot_page_map(many).get_size_inches()
+    assert width <= 16 and height <= 10  # 1,024 pages: landscape, not 46 inches tall
+
+
+def test_pictures_of_a_simulated_run_say_so():
+    from minicb.sim import make_sim_engine
+    engine = make_sim_engine(policy="pd", max_num_seqs=2)
+    engine.add_request([1] * 20, max_tokens_params())
+    engine.run()
+    for plot in (viz.plot_timeline, viz.plot_slots, viz.plot_pages, viz.plot_budget):
+        assert plot(engine).axes[0].get_title().endswith("(simulated)"), plot.__name__
+    assert not viz.plot_timeline(engine.trace).axes[0].get_title().endswith("(simulated)")
+
+
+def max_tokens_params():
+    from minicb.request import SamplingParams
+    return SamplingParams(max_tokens=4, ignore_eos=True)
 
 
 # ---------------------------------------------------------------------------------- text

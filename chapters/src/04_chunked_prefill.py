@@ -30,6 +30,8 @@ from minicb.metrics import long_prefill_metrics
 from minicb.model.loader import load_model
 from minicb.workload import get_workload, run_workload
 
+viz.use_course_style()  # projector-sized fonts for this chapter's own plots too
+
 model = load_model("smollm2-135m")  # (weights, info), loaded once and shared by every engine
 
 # %% [markdown]
@@ -136,7 +138,7 @@ def plot_step_seconds(engines, title):
     for i, (name, engine) in enumerate(engines.items()):
         steps = np.array([rec.step for rec in engine.trace])
         ax.bar(steps - 0.4 + width * (i + 0.5), step_seconds(engine), width=width, label=name,
-               color=viz.OKABE_ITO[i * 4 % 8])
+               color=("black", "#999999")[i % 2])  # not the prefill/decode colours
     ax.set_xlabel("step")
     ax.set_ylabel("seconds")
     ax.set_title(title)

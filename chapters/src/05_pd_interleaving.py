@@ -206,7 +206,7 @@ viz.compare({"chunked (prefill-first)": chunked, "pd (decode-first)": pd}, kind=
 fig = viz.compare({"chunked (prefill-first)": chunked, "pd (decode-first)": pd}, kind="budget")
 for ax in fig.axes:
     ax.set_ylim(0, 8)
-fig.suptitle("the same, y axis cut at 8 tokens: the decode tokens of every step")
+fig.suptitle("the same, y axis cut at 8 tokens: the decode tokens of every step", fontsize=16)
 fig
 
 # %% [markdown]

@@ -42,6 +42,7 @@ from minicb.sim import make_sim_engine
 from minicb.workload import Workload, WorkloadRequest, arrival_times, make_workload, run_workload
 
 model = load_model("smollm2-135m")  # (weights, info), loaded once and shared by every engine
+viz.use_course_style()  # projector-sized fonts for this chapter's own plots too
 
 # %% [markdown]
 # ## 1. Arrival processes and burstiness
