@@ -10,6 +10,7 @@ import shutil
 
 import pytest
 import torch
+from tiny_models import make_tiny_checkpoint
 
 from minicb.attention import build_metadata
 from minicb.model import ModelConfig, is_bundled, load_model
@@ -251,6 +252,21 @@ def test_prepack_refuses_what_it_cannot_pack(tiny_llama_dir, monkeypatch):
 
 
 # --- the loader's answers to good and bad input -------------------------------------------------
+
+def test_eos_ids_outside_the_vocabulary_are_left_out(tmp_path):
+    """A checkpoint naming an EOS id it cannot produce: the id is dropped, and a min_tokens
+    request (which bans the EOS ids) still runs."""
+    from minicb import LLM, SamplingParams
+    path = make_tiny_checkpoint(tmp_path / "odd-eos")
+    for name in ("config.json", "generation_config.json"):
+        data = json.loads((path / name).read_text())
+        data["eos_token_id"] = [2, 300, -1]  # vocab is 256
+        (path / name).write_text(json.dumps(data))
+    model, info = load_model(path)
+    assert info.eos_token_ids == (2,)
+    out = LLM((model, info)).generate([[5, 6, 7]], SamplingParams(max_tokens=4, min_tokens=3))
+    assert out[0].finish_reason in ("length", "stop") and len(out[0].token_ids) >= 3
+
 
 def test_info_of_tiny_checkpoint(tiny_qwen2_dir):
     model, info = load_model(tiny_qwen2_dir)

@@ -141,11 +141,14 @@ def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
     return load_file(path / "model.safetensors")
 
 
-def _eos_ids(*sources: Any) -> tuple[int, ...]:
+def _eos_ids(*sources: Any, vocab_size: int) -> tuple[int, ...]:
+    """The end-of-sequence ids the checkpoint names, once each. An id outside the vocabulary
+    can never be sampled, so it is left out (banning it under min_tokens would fail)."""
     ids: list[int] = []
     for value in sources:
         for i in value if isinstance(value, list | tuple) else [value]:
-            if isinstance(i, int) and i not in ids:
+            if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size \
+                    and i not in ids:
                 ids.append(i)
     return tuple(ids)
 
@@ -203,7 +206,8 @@ def load_model(name_or_path: str | os.PathLike, device: str | torch.device = "au
 
     tokenizer = load_tokenizer(path)
     generation = _read_json(path / "generation_config.json")
-    eos = _eos_ids(generation.get("eos_token_id"), hf_config.get("eos_token_id"))
-    if not eos and tokenizer is not None and tokenizer.eos_token_id is not None:
-        eos = (tokenizer.eos_token_id,)
+    eos = _eos_ids(generation.get("eos_token_id"), hf_config.get("eos_token_id"),
+                   vocab_size=config.vocab_size)
+    if not eos and tokenizer is not None:
+        eos = _eos_ids(tokenizer.eos_token_id, vocab_size=config.vocab_size)
     return model, ModelInfo(config, tokenizer, eos, name, path)
