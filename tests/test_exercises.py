@@ -603,6 +603,26 @@ def test_a_notebook_is_identified_by_its_content():
     assert grade.identify_source(mixed) is None  # two sources tie: refuse to guess
 
 
+def test_restore_checks_puts_the_sources_check_cells_back():
+    """In memory, no kernel: an edited check cell gets the source's text back, an untagged
+    one is found by its id, a deleted one is reported missing."""
+    source = nbformat.read(ROOT / "exercises" / "source" / EXPECTED[0], as_version=4)
+    nb = nbformat.read(ROOT / "solutions" / EXPECTED[0], as_version=4)
+    checks = tagged(source, "check")
+    first, second, third, *_ = checks
+    nb.cells[checks[first]].source = "print('✓ passed')"
+    nb.cells[checks[second]].metadata["tags"] = []
+    nb.cells[checks[second]].source = "pass"
+    del nb.cells[checks[third]]
+    expected, notes = grade.restore_checks(nb, source)
+    assert [name for name, _ in expected] == list(checks)
+    restored = {name: nb.cells[i].source for i, name, _ in grade.check_cells(nb)}
+    assert restored[first] == source.cells[checks[first]].source
+    assert restored[second] == source.cells[checks[second]].source
+    assert third not in restored
+    assert f"check cell of {third!r} is missing: that exercise scores 0" in notes
+
+
 def test_a_notebook_saved_under_another_exercises_name_is_graded_as_what_it_holds():
     """Exercise 3's work saved as 02_static_batching.ipynb names only exercise 3's checks: it
     is graded as exercise 3. A file that names its own exercises keeps its name's source."""

@@ -74,6 +74,21 @@ def test_lru_eviction_of_unreferenced_cached_pages():
     pool.check([taken])
 
 
+def test_reset_prefix_cache_frees_cached_pages_and_keeps_used_ones():
+    pool = PagePool(6, 2)
+    kept, dropped = pool.allocate(2), pool.allocate(2)
+    pool.register_prompt_pages([1, 2, 3, 4], kept, 4)
+    pool.register_prompt_pages([5, 6, 7, 8], dropped, 4)
+    pool.release(dropped)  # cached, unreferenced
+    assert pool.num_cached == 2 and pool.num_free == 2
+    pool.reset_prefix_cache()
+    assert pool.num_cached == 0 and pool.num_free == 4  # the cached pages are free again
+    assert pool.match_prefix([1, 2, 3, 4, 0]) == [] and pool.match_prefix([5, 6, 7, 8, 0]) == []
+    pool.check([kept])  # the pages still in a table are untouched
+    pool.release(kept)
+    assert pool.num_free == 6
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["alloc", "release", "register"]),
                           st.integers(0, 5)), max_size=60), st.integers(0, 2**16))

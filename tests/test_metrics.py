@@ -201,6 +201,13 @@ def test_dec_at_p_and_short_p_pd():
     assert m["short_p_steps"] == 5 - 2 + 1 and m["short_p_s"] == 5.0 - 1.0
 
 
+def test_dec_at_p_counts_kept_guesses():
+    """A decode that kept 2 guessed tokens in a step delivered 3 tokens there (chapter 08)."""
+    trace, records = pd_like_trace(interleave=True)
+    trace[1].speculated = {"S1": (3, 2)}  # step 2, inside L's prefill window
+    assert metrics.long_prefill_metrics(trace, records, "L")["dec_at_p"] == 4 + 2
+
+
 def test_dec_at_p_and_short_p_prefill_first():
     trace, records = pd_like_trace(interleave=False)
     m = metrics.long_prefill_metrics(trace, records, "L")

@@ -245,3 +245,22 @@ def test_speculation_never_changes_greedy_tokens(make_engine, policy, workload, 
             assert rec.num_tokens <= cfg["max_num_batched_tokens"]
     engine.pool.check([])
     assert engine.pool.num_used == 0
+
+
+def test_guesses_stay_within_the_token_budget_beside_a_prefill():
+    """Three decodes guessing 4 tokens each while a 40-token prompt is chunked in: every step,
+    guesses included, stays within max_num_batched_tokens."""
+    from minicb.sim import make_sim_engine
+    e = make_sim_engine(policy="pd", max_num_seqs=4, max_num_batched_tokens=16, chunk_size=8,
+                        num_speculative_tokens=4, check_invariants=True)
+    token = e.model.token
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    for i in range(3):
+        e.add_request([token] * 8, SamplingParams(max_tokens=30, **greedy), request_id=f"d{i}")
+    e.add_request(list(range(1, 41)), SamplingParams(max_tokens=2, **greedy), request_id="long",
+                  arrival_step=3)
+    e.run()
+    assert any(rec.speculated for rec in e.trace)
+    mixed = [rec for rec in e.trace if rec.speculated and rec.num_prefill_tokens]
+    assert mixed, "the scenario must guess beside a prefill chunk"
+    assert max(rec.num_tokens for rec in e.trace) <= 16

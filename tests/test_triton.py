@@ -69,6 +69,23 @@ def test_store_and_attend_match_reference(kind, group, page_size):
     assert_close(out, expected)
 
 
+def test_contexts_longer_than_several_key_blocks():
+    """The running softmax rescales its sum across key blocks: contexts of two and three
+    blocks (decode and prefill rows), so a kernel that skipped the rescale would be wrong."""
+    members = [(300, 1), (200, 40), (0, 290), (5, 1)]
+    key_block = max(16, tops.FLOAT32_KEY_BLOCK // max(16, HEAD_DIM))  # float32, as here
+    if DEVICE == "cuda":
+        key_block = tops.BLOCK_N
+    assert max(c + n for c, n in members) > 2 * key_block
+    q, k, v, k_cache, v_cache, meta = make_case(members, 16, 4, seed=3)
+    tops.store_kv(k, v, k_cache, v_cache, meta)
+    expected = torch_ref.attend(q, k_cache.nan_to_num(), v_cache.nan_to_num(), meta,
+                                HEAD_DIM ** -0.5)
+    out = torch.full_like(expected, float("nan"))
+    tops.attend(q, k_cache, v_cache, meta, HEAD_DIM ** -0.5, out=out)
+    assert_close(out, expected)
+
+
 def test_non_power_of_two_group_and_head_dim():
     """Qwen2-0.5B has 7 query heads per kv head; some models have head_dim 80 or 96."""
     members = [(20, 1), (3, 1), (16, 21)]
