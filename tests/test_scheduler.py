@@ -530,3 +530,32 @@ def test_equal_rank_waits_first_come_first_served(preemption):
     e.run()
     start = {rid: e.requests[rid].metrics.first_scheduled_step for rid in ("first", "second")}
     assert start["first"] < start["second"]
+
+
+def test_preemption_counts_the_work_it_throws_away():
+    """Each preemption adds the victim's computed tokens to num_recomputed_tokens (twice for a
+    request preempted twice), worked out here from the trace; prompt pages found in the cache
+    on readmission are recomputation saved, not cached prompt tokens: num_cached_tokens keeps
+    what the first admission found (nothing, for these distinct prompts)."""
+    from minicb.sim import make_sim_engine
+    e = make_sim_engine(policy="continuous", max_num_seqs=4, page_size=4, num_pages=9,
+                        check_invariants=True)
+    for i in range(4):
+        e.add_request([10 + i] * 8, SamplingParams(max_tokens=12 + 2 * i, **GREEDY),
+                      request_id=f"r{i}")
+    e.run()
+    computed, thrown, last_thrown, readmitted_with_hits = {}, {}, {}, False
+    for rec in e.trace:
+        for rid in rec.preempted:
+            thrown[rid] = thrown.get(rid, 0) + computed.get(rid, 0)
+            last_thrown[rid], computed[rid] = computed.get(rid, 0), 0
+        for m in rec.members:
+            if computed.get(m.request_id) == 0 and m.request_id in thrown:
+                # without a hit, a readmission recomputes everything it had, and one more
+                readmitted_with_hits |= m.num_tokens < last_thrown[m.request_id]
+            computed[m.request_id] = computed.get(m.request_id, 0) + m.num_tokens
+    assert max(r.num_preemptions for r in e.requests.values()) >= 2
+    assert readmitted_with_hits, "the scenario must readmit a request onto cached pages"
+    assert {rid: r.num_recomputed_tokens for rid, r in e.requests.items()
+            if r.num_recomputed_tokens} == thrown
+    assert all(r.num_cached_tokens == 0 for r in e.requests.values())
