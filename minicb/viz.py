@@ -265,9 +265,18 @@ def _draw_timeline(ax: Axes, data: TimelineData, requests: list[str], legend: bo
     return handles
 
 
-def _legend(ax: Axes, handles: list[Any]) -> None:
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False,
-              borderaxespad=0)
+def _legend(ax: Axes, handles: list[Any] | None = None, labels: list[str] | None = None
+            ) -> None:
+    """The legend beside the axes, top right, where every picture puts it (the axes' own
+    handles when none are given)."""
+    placement = dict(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False,
+                     borderaxespad=0)
+    if handles is None:
+        ax.legend(**placement)
+    elif labels is None:
+        ax.legend(handles=handles, **placement)
+    else:
+        ax.legend(handles, labels, **placement)
 
 
 def plot_timeline(trace: Any, ax: Axes | None = None, *, title: str | None = None,
@@ -450,8 +459,7 @@ def plot_pages(trace: Any, ax: Axes | None = None, *, title: str | None = None,
         ax.set_ylabel("KV pages")
         ax.set_title(_titled(title or "KV page pool", trace))
         if legend:
-            ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False,
-                      borderaxespad=0)
+            _legend(ax)
     return _attach(ax, data)
 
 
@@ -562,8 +570,7 @@ def plot_page_map(engine_or_trace: Any, step: int | None = None, ax: Axes | None
                                      label="shared prefix page"))
             handles.append(Patch(facecolor="#F2F2F2", edgecolor="#BBBBBB",
                                  label="free or cached"))
-            ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0),
-                      frameon=False, borderaxespad=0)
+            _legend(ax, handles)
     return _attach(ax, data)
 
 
@@ -617,9 +624,7 @@ def plot_budget(trace: Any, max_num_batched_tokens: int | None = None, ax: Axes 
         if legend:
             handles, labels = ax.get_legend_handles_labels()
             order = sorted(range(len(labels)), key=lambda i: labels[i].startswith("max_"))
-            ax.legend([handles[i] for i in order], [labels[i] for i in order],
-                      loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False,
-                      borderaxespad=0)
+            _legend(ax, [handles[i] for i in order], [labels[i] for i in order])
     return _attach(ax, data)
 
 
@@ -674,8 +679,7 @@ def compare(traces: dict[str, Any], kind: str = "timeline", **options: Any) -> F
             top = max(ax.get_ylim()[1] for ax in axes[:, 0])
             for ax in axes[:, 0]:
                 ax.set_ylim(0, top)
-        axes[0, 0].legend(handles=list(handles.values()), labels=list(handles), loc="upper left",
-                          bbox_to_anchor=(1.01, 1.0), frameon=False, borderaxespad=0)
+        _legend(axes[0, 0], list(handles.values()), list(handles))
     fig.minicb_data = out
     return fig
 
