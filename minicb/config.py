@@ -25,9 +25,14 @@ def is_finite_number(value: object) -> bool:
         return False
 
 
+def is_int(value: object) -> bool:
+    """An int that is not a bool (True is an int to Python, never a count or an id here)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def is_positive_int(value: object) -> bool:
     """An int >= 1 that is not a bool: what every count knob needs."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    return is_int(value) and value >= 1
 
 
 def torch_dtype(name: str, device: str):

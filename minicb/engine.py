@@ -21,6 +21,7 @@ from minicb.attention import build_metadata, int_tensor, resolve_backend
 from minicb.config import (
     EngineConfig,
     is_finite_number,
+    is_int,
     is_positive_int,
     resolve_device,
     torch_dtype,
@@ -199,7 +200,7 @@ class Engine:
             return list(self.tokenizer.encode(prompt, add_special_tokens=False)) \
                 if prompt else []
         if not isinstance(prompt, (list, tuple)) or \
-                any(not isinstance(t, int) or isinstance(t, bool) for t in prompt):
+                any(not is_int(t) for t in prompt):
             raise ValueError(f"prompt must be a string or a list of token ids, got {prompt!r:.80}")
         return list(prompt)
 
@@ -254,7 +255,7 @@ class Engine:
         if arrival_time is not None and (not is_finite_number(arrival_time) or arrival_time < 0):
             raise ValueError(f"arrival_time must be a finite number >= 0 seconds, got "
                              f"{arrival_time!r}")
-        if not isinstance(priority, int) or isinstance(priority, bool):
+        if not is_int(priority):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         if deadline is not None and (not is_finite_number(deadline) or deadline <= 0):
             raise ValueError(f"deadline must be a finite number of seconds > 0 or None, got "

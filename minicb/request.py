@@ -13,7 +13,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from minicb.config import is_finite_number
+from minicb.config import is_finite_number, is_int, is_positive_int
 
 
 class Status(enum.Enum):
@@ -41,28 +41,26 @@ class SamplingParams:
     min_tokens: int = 0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) \
-                or self.max_tokens < 1:
+        if not is_positive_int(self.max_tokens):
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not is_finite_number(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+        if not is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if not is_finite_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+        if self.seed is not None and (not is_int(self.seed)
                                       or not -2**63 <= self.seed < 2**64):
             raise ValueError(f"seed must be an integer in [-2**63, 2**64) or None (torch's "
                              f"generator range), got {self.seed!r}")
-        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) \
-                or not 0 <= self.min_tokens <= self.max_tokens:
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}")
         if isinstance(self.stop_token_ids, (int, str)) or not hasattr(self.stop_token_ids,
                                                                       "__iter__"):
             raise ValueError(f"stop_token_ids must be a list of token ids, got "
                              f"{self.stop_token_ids!r}")
         stop = tuple(self.stop_token_ids)
-        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in stop):
+        if any(not is_int(t) or t < 0 for t in stop):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {stop!r}")
         object.__setattr__(self, "stop_token_ids", stop)
 
