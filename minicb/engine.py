@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import itertools
 import time
+import weakref
 from collections import Counter, deque
 
 import torch
@@ -102,6 +103,20 @@ def _load(model, device: str, dtype: torch.dtype, quantization: str | None,
     return (*model, dtype)
 
 
+# scheduler instances engines were built with, by id (a learner's class need not be hashable)
+_BOUND_SCHEDULERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def _check_unbound(scheduler: Scheduler) -> None:
+    """Refuse a scheduler instance that another engine was built with: a policy may keep state
+    between steps (static batching keeps its batch, with the other engine's requests and
+    slots), so each engine needs its own instance, even once the other's run is over."""
+    if _BOUND_SCHEDULERS.get(id(scheduler)) is scheduler:
+        cls = type(scheduler).__name__
+        raise ValueError(f"this {cls} instance already belongs to another Engine and may hold "
+                         f"its state; give each engine a fresh one: policy={cls}()")
+
+
 class Engine:
     """Holds the model, the page pool, the queues and the trace; `step()` advances everything."""
 
@@ -120,6 +135,7 @@ class Engine:
             self.config = dataclasses.replace(self.config, device=_auto_device(
                 model, self.config.quantization))
         self.scheduler: Scheduler = make_scheduler(self.config.policy)
+        _check_unbound(self.scheduler)
         # whole-prompt policies may exceed the token budget with one long prompt (problem one);
         # every other scheduler, a learner's included, must stay within it
         self.enforce_budget = self.scheduler.name not in WHOLE_PROMPT_POLICIES
@@ -160,6 +176,8 @@ class Engine:
                 and self.attention_backend == "triton"):
             with self._on_device():
                 self.graph_runner = self.make_graph_runner(capture=True)
+        with contextlib.suppress(TypeError):  # an object without weak references goes unguarded
+            _BOUND_SCHEDULERS[id(self.scheduler)] = self.scheduler  # see _check_unbound
 
     @property
     def waits_on_clock(self) -> bool:

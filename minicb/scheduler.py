@@ -196,7 +196,10 @@ class Scheduler:
 
     `holds_finished_slots` tells the engine not to release a finished request's slot (static
     batching keeps dead slots until the whole batch ends), and `batch_done` when the responses
-    it holds go back to their users."""
+    it holds go back to their users.
+
+    Give each engine its own instance: a policy may keep state between steps (static batching
+    keeps its current batch), so an engine refuses an instance another engine was built with."""
 
     name = "base"
     holds_finished_slots = False

@@ -333,6 +333,24 @@ def test_bad_engine_config(kwargs, field):
         EngineConfig(**kwargs)
 
 
+def test_a_scheduler_instance_serves_one_engine():
+    """A static batch kept by the instance would hand the first engine's requests (and their
+    slots) to the second: two running requests shared slot 0 before this was refused."""
+    from minicb.scheduler import StaticScheduler
+    from minicb.sim import make_sim_engine
+    shared = StaticScheduler()
+    first = make_sim_engine(policy=shared, max_num_seqs=3)
+    for i in range(5):
+        first.add_request([1 + i] * 5, SamplingParams(max_tokens=3 + i, temperature=0.0,
+                                                      ignore_eos=True))
+    first.run()
+    with pytest.raises(ValueError, match=r"another Engine.*policy=StaticScheduler\(\)"):
+        make_sim_engine(policy=shared, max_num_seqs=3)
+    fresh = make_sim_engine(policy=StaticScheduler(), max_num_seqs=3, check_invariants=True)
+    fresh.add_request([9] * 5, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    assert fresh.run()[0].finish_reason == "length"
+
+
 def test_a_cuda_device_torch_cannot_use_is_refused_with_the_reason(monkeypatch):
     """Not a traceback from inside torch: the config says what is missing and what to do."""
     import torch

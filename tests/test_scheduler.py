@@ -480,15 +480,20 @@ def test_a_preempted_request_waits_behind_more_urgent_ones(mode):
 
 
 # --- boundaries a mutation review found untested (simulated executor: schedules are exact) ---
-def test_a_preempted_request_goes_back_to_the_front_of_the_queue():
-    """The victim is scheduled again no later than D, which was waiting before it."""
+@pytest.mark.parametrize("preemption", ["newest", "priority"])
+def test_a_preempted_request_goes_back_to_the_front_of_the_queue(preemption):
+    """The victim is scheduled again no later than D, which was waiting before it; under
+    "priority" all four share one priority, and the victim, the earlier arrival, still goes
+    first (first come first served among equal ranks)."""
     from minicb.sim import make_sim_engine
     e = make_sim_engine(policy="continuous", max_num_seqs=3, page_size=4, num_pages=6,
-                        enable_prefix_caching=False, check_invariants=True)
+                        enable_prefix_caching=False, check_invariants=True,
+                        preemption=preemption)
     for rid, tok in (("A", 1), ("B", 2), ("C", 3)):
-        e.add_request([tok] * 8, SamplingParams(max_tokens=12, **GREEDY), request_id=rid)
+        e.add_request([tok] * 8, SamplingParams(max_tokens=12, **GREEDY), request_id=rid,
+                      priority=1)
     e.add_request([4] * 8, SamplingParams(max_tokens=4, **GREEDY), request_id="D",
-                  arrival_step=2)
+                  arrival_step=2, priority=1)
     e.run()
     preempted = [(rec.step, rid) for rec in e.trace for rid in rec.preempted]
     assert preempted, "the scenario must preempt"
