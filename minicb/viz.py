@@ -696,9 +696,10 @@ def render_text(trace: Any, width: int = 100, legend: bool = True) -> str:
     """The timeline as text (chapter 02's block diagram; `python -m minicb demo` prints it):
     █ decode, ▓ prefill, ░ idle slot, - running but not scheduled, · waiting, | finished,
     x preempted. Wider than `width` characters, each column covers several steps (compute
-    shows over idling, prefill over decode) and the header says how many. The header is a
-    ruler of elapsed steps, like a time axis: label v sits where step v ends and step v + 1
-    begins, so it starts at 0, and a request that finishes at step v shows its "|" under v."""
+    shows over idling, prefill over decode, and a finish "|" goes in the column after the
+    last one computed) and the header says how many. The header is a ruler of elapsed steps,
+    like a time axis: label v sits where step v ends and step v + 1 begins, so it starts at 0,
+    and a request that finishes at step v shows its "|" under v."""
     data = timeline_data(trace)
     if not data.requests:
         return "(empty trace)"
@@ -733,7 +734,13 @@ def render_text(trace: Any, width: int = 100, legend: bool = True) -> str:
         for step in data.preemptions.get(rid, []):
             chars[(step - 1) // per_col] = "x"
         if rid in data.finishes:
-            chars[min(data.finishes[rid] // per_col, ncols - 1)] = "|"
+            c = min(data.finishes[rid] // per_col, ncols - 1)
+            if chars[c] in (GLYPHS[PREFILL], GLYPHS[DECODE]):
+                # a column of several steps holds the last ones computed: the mark goes after
+                # it, so a request whose whole life fits one column still shows its work
+                c += 1
+                chars.extend(" " * (c + 1 - len(chars)))
+            chars[c] = "|"
         lines.append(rid.ljust(label_w) + "".join(chars).rstrip())
     if legend:
         lines.append("")

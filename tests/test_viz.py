@@ -261,9 +261,27 @@ def test_render_text_compresses_to_width(static):
     lines = text.splitlines()
     assert all(len(line) <= 80 for line in lines)
     assert "(1 column = 4 steps)" in text
-    r1 = lines[2][6:]
-    assert r1.startswith("▓" + "█" * 6) and r1[7] == "|" and set(r1[8:]) == {"░"}
+    r1 = lines[2][6:]  # steps 1-30 computed: 8 columns of 4 steps, the finish after them
+    assert r1.startswith("▓" + "█" * 7) and r1[8] == "|" and set(r1[9:]) == {"░"}
     assert viz.render_text([]) == "(empty trace)"
+
+
+def test_a_life_shorter_than_a_column_still_shows_its_work():
+    """Six steps a column: a request prefilled at step 50 and finished at step 51 shows its
+    prefill, then its finish (the mark alone once overwrote the only column it computed in)."""
+    from minicb.request import SamplingParams
+    from minicb.sim import make_sim_engine
+    e = make_sim_engine(policy="continuous", max_num_seqs=2)
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    e.add_request([1] * 8, SamplingParams(max_tokens=300, **greedy), request_id="long")
+    e.add_request([2] * 8, SamplingParams(max_tokens=2, **greedy), request_id="short",
+                  arrival_step=50)
+    e.run()
+    lines = viz.render_text(e.trace, width=60, legend=False).splitlines()
+    rows = {line[:7].strip(): line[7:] for line in lines[2:]}
+    assert rows["short"] == " " * 8 + "▓|"
+    assert rows["long"] == "▓" + "█" * 49 + "|"
+    assert all(len(line) <= 60 for line in lines)
 
 
 # -------------------------------------------------------------------------------- widget
