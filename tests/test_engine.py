@@ -148,7 +148,8 @@ def test_top_p_stops_where_the_mass_reaches_it():
 
 
 def test_a_tiny_temperature_samples_the_most_likely_token():
-    """logits / 1e-40 overflows float32 to inf (softmax: NaN); shifted first, it cannot."""
+    """logits / 1e-40 would overflow float32 to inf (softmax: NaN): below 1e-5 a request is
+    greedy (as in vLLM), and 1e-3 and 1e-5 really sample, each picking the clear favourite."""
     import torch
 
     from minicb.sampler import sample

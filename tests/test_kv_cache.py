@@ -113,3 +113,13 @@ def test_random_operations_never_leak(ops, seed):
         pool.release(table)
     pool.check([])
     assert pool.num_used == 0 and pool.num_free + pool.num_cached == 12
+
+
+# --- from a second mutation review: each test fails on the planted bug it names ---
+def test_only_computed_prompt_pages_are_indexed():
+    from minicb.kv_cache import PagePool
+    pool = PagePool(8, 4)
+    prompt = list(range(12))
+    table = pool.allocate(3)
+    pool.register_prompt_pages(prompt, table, 5)  # a first chunk: only page 0 is computed
+    assert pool.match_prefix(prompt + [99]) == table[:1]

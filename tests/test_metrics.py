@@ -295,3 +295,41 @@ def test_a_response_returned_whole_shows_its_first_token_at_the_release():
     assert metrics.summarize([], [held])["ttft_steps"]["p50"] == in_steps
     assert metrics.meets_slo(streamed, {"ttft": 1.0}) and not metrics.meets_slo(held, {"ttft": 1.0})
 
+
+# --- from a second mutation review: each test fails on the planted bug it names ---
+def test_host_time_fraction_is_the_share_outside_the_forward():
+    trace = [step(1, [("A", "decode", 1, 0)], 0.0, 1.0, t_forward=0.25)]
+    assert metrics.host_time_fraction(trace) == approx(0.75)
+
+
+def test_decode_speed_skips_mixed_steps_and_counts_kept_guesses_once():
+    mixed = step(1, [("A", "prefill", 8, 0), ("B", "decode", 1, 1)], 0.0, 1.0)
+    spec = step(2, [("B", "decode", 4, 1)], 1.0, 1.5)  # last token + 3 guesses, 2 kept
+    spec.speculated = {"B": (3, 2)}
+    assert spec.decode_tokens_produced == 3
+    assert metrics.decode_tokens_per_s([mixed, spec]) == approx(3 / 0.5)
+
+
+def test_dec_at_p_per_s_divides_by_the_windows_seconds_not_steps():
+    trace, records = pd_like_trace(interleave=True)
+    trace[2].t_end = 5.0  # step 3 (L's last chunk) takes 3 s
+    m = metrics.long_prefill_metrics(trace, records, "L")
+    assert m["prefill_window_s"] == 4.0 and m["dec_at_p_per_s"] == approx(4 / 4.0)
+
+
+def test_short_p_counts_requests_alive_at_the_window_edges():
+    trace, records = pd_like_trace(interleave=True)  # L: arrives step 2, last chunk step 3
+    records += [rec("E", 1, a_step=1, arrival=0.0, sched=0.0, first=1.5, finish=1.5,
+                    f_step=2, fin_step=2),   # finishes in L's arrival step
+                rec("F", 2, a_step=3, arrival=2.0, sched=2.0, first=3.0, finish=4.0,
+                    f_step=3, fin_step=4)]   # arrives in L's last prefill step
+    m = metrics.long_prefill_metrics(trace, records, "L")
+    assert sorted(m["short_request_ids"]) == ["E", "F", "S1", "S2"]
+
+
+def test_queue_and_e2e_steps_in_the_summary():
+    records = hand_records()  # A: arrival 1, scheduled 2, finish 6; B: 2, 2, 6
+    s = metrics.summarize([], records)
+    assert s["queue_steps"]["p50"] == approx(0.5) and s["e2e_steps"]["p50"] == approx(5.5)
+    held = replace(records[0], returned_whole=True, released_time=3.0, released_step=9)
+    assert metrics.summarize([], [held])["e2e_steps"]["p50"] == 9  # to the release

@@ -564,3 +564,14 @@ def test_preemption_counts_the_work_it_throws_away():
     assert {rid: r.num_recomputed_tokens for rid, r in e.requests.items()
             if r.num_recomputed_tokens} == thrown
     assert all(r.num_cached_tokens == 0 for r in e.requests.values())
+
+
+# --- from a second mutation review: each test fails on the planted bug it names ---
+def test_a_deadline_counts_from_the_arrival():
+    from minicb.sim import make_sim_engine
+    from minicb.workload import Workload, WorkloadRequest, run_workload
+    engine = make_sim_engine("h100-like", policy="continuous")
+    w = Workload("w", [WorkloadRequest(prompt_len=8, max_tokens=4, arrival_time=1.0,
+                                       deadline=0.5, request_id="late-comer")])
+    run_workload(engine, w)
+    assert engine.requests["late-comer"].finish_reason == "length"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_metrics import rec, step
 
 from minicb import metrics
 from minicb.engine import Engine
@@ -191,3 +192,19 @@ def test_thousands_of_requests_without_snapshots_give_the_same_results():
     assert summaries[0] == summaries[1]
     assert summaries[1]["completed"] == 1000
     assert summaries[1]["duration_s"] > 10  # simulated seconds: arrivals alone span ~10 s
+
+
+# --- from a second mutation review: each test fails on the planted bug it names ---
+def test_nonnegative_fit_drops_the_most_negative_coefficient():
+    from minicb.sim import _nonnegative_lstsq
+    x = np.array([[1.0, 0.0], [1.0, 1.0], [1.0, 2.0]])
+    coef = _nonnegative_lstsq(x, np.array([2.0, 1.0, 0.0]))  # unconstrained: [2, -1]
+    assert coef == pytest.approx([1.0, 0.0])
+
+
+def test_step_features_restart_after_preemption_and_start_at_the_cache_hit():
+    trace = [step(1, [("A", "prefill", 8, 0), ("B", "prefill", 4, 1)], 0.0, 1.0),
+             step(2, [("A", "prefill", 8, 0)], 1.0, 2.0, preempted=["A"]),
+             step(3, [("A", "decode", 1, 0)], 2.0, 3.0)]
+    feats = step_features(trace, [rec("A", 1), rec("B", 1, cached=4)])
+    assert feats.tolist() == [[1, 12, 0, 16, 96], [1, 8, 0, 8, 64], [1, 0, 1, 9, 0]]

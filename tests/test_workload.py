@@ -284,3 +284,35 @@ def test_dynamic_batching_waiting_on_the_clock_takes_no_steps():
     for row in metrics.per_request(engine.request_records()):
         assert row["queue_s"] == pytest.approx(0.05, abs=0.002)
         assert row["e2e_steps"] == row["ttft_steps"] == 4  # returned whole: TTFT is E2E
+
+
+# --- from a second mutation review: each test fails on the planted bug it names ---
+def test_uniform_lengths_include_both_ends():
+    rng = np.random.default_rng(0)
+    assert set(Lengths.uniform(3, 5).sample(500, rng)) == {3, 4, 5}
+    assert Lengths.parse("uniform:7:7").sample(3, rng) == [7, 7, 7]
+
+
+def test_shared_prefix_is_the_same_for_every_seed():
+    from minicb.workload import shared_prefix
+    a, b = shared_prefix(4, seed=0, prefix_len=32), shared_prefix(4, seed=1, prefix_len=32)
+    assert a.requests[0].prompt_token_ids[:32] == b.requests[3].prompt_token_ids[:32]
+    assert a.requests[0].prompt_token_ids[32:] != b.requests[0].prompt_token_ids[32:]
+
+
+def test_sampled_runs_seed_each_request_by_its_index():
+    engine = make_sim_engine("h100-like")
+    ids = submit(engine, make_workload(3, "fixed:8", "fixed:4"), temperature=0.7)
+    assert [engine.requests[i].params.seed for i in ids] == [0, 1, 2]
+
+
+def test_online_step_arrivals_join_at_their_step_while_the_engine_is_busy():
+    engine = make_sim_engine("h100-like", policy="continuous", max_num_seqs=3)
+    run_workload(engine, get_workload("seed-r1-r4"))  # fed online: R4 comes at step 31
+    r4 = {r.request_id: r for r in engine.request_records()}["R4"]
+    assert r4.arrival_step == 31
+
+
+def test_cancel_fraction_rounds_to_the_nearest_count():
+    w = make_workload(5, "fixed:8", "fixed:4", cancel_fraction=0.3)  # 1.5 -> 2
+    assert sum(r.cancel_after_tokens is not None for r in w.requests) == 2
