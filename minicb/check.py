@@ -23,19 +23,24 @@ import contextlib
 import copy
 import json
 import math
+import numbers
+import operator
 import random
+import sysconfig
 import tempfile
-from collections.abc import Callable, Sequence
+import traceback
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from minicb import metrics
 from minicb.kv_cache import PagePool, page_hash, prompt_page_hashes
 from minicb.model.quant import quantize_rows
-from minicb.request import SamplingParams
+from minicb.request import SamplingParams, Status
 from minicb.scheduler import POLICY_CLASSES, Scheduler, schedule_prefill_chunks
 from minicb.trace import RequestRecord, StepRecord
 
@@ -46,6 +51,41 @@ class CheckFailed(AssertionError):
 
 def _fail(exercise: str, message: str) -> None:
     raise CheckFailed(f"[{exercise}] {message}")
+
+
+def _call(exercise: str, what: str, fn: Callable, *args: Any) -> Any:
+    """Run the learner's code; an exception it raises becomes a CheckFailed naming the call
+    (the grader shows only the message). The exception stays chained below it (`from exc`),
+    so its traceback still shows in the notebook. An untouched stub's NotImplementedError
+    passes as it is: it says all there is to say."""
+    try:
+        return fn(*args)
+    except (CheckFailed, NotImplementedError):
+        raise
+    except Exception as exc:
+        raise CheckFailed(f"[{exercise}] {what} raised {type(exc).__name__}: {exc}"
+                          f"{_line_of(exc)}") from exc
+
+
+_LIBRARIES = (str(Path(__file__).resolve().parent), sysconfig.get_paths()["stdlib"],
+              sysconfig.get_paths()["purelib"])
+
+
+def _line_of(exc: BaseException) -> str:
+    """Where the learner's code raised: its deepest frame outside minicb and the libraries."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not f.filename.startswith(_LIBRARIES)]
+    return f" (at `{frames[-1].line}`)" if frames and frames[-1].line else ""
+
+
+def _as_int(value: Any) -> Any:
+    """A numpy integer scalar where an int is asked for counts as that int."""
+    if isinstance(value, (int, float)):
+        return value
+    try:
+        return operator.index(value)
+    except TypeError:
+        return value
 
 
 def _refuse_the_reference(exercise: str, fn: Any, reference: Callable) -> None:
@@ -188,7 +228,7 @@ def _page_pool_sequence(cls: type, seed: int, name: str) -> None:
     step (the learner's page ids are mapped onto the reference's as they are handed out)."""
     rng = random.Random(seed)
     num_pages = [4, 6, 8, 12][seed % 4]
-    mine = cls(num_pages)
+    mine = _call(name, f"{getattr(cls, '__name__', 'cls')}({num_pages})", cls, num_pages)
     ref = PagePool(num_pages, 1, enable_prefix_caching=False)
     to_ref: dict[int, int] = {}  # learner page id -> reference page id
     tables: dict[str, list[int]] = {}  # request -> the learner's page ids, in order
@@ -219,8 +259,8 @@ def _page_pool_sequence(cls: type, seed: int, name: str) -> None:
             _fail(name, f"{where()}num_free should be {ref.num_free} (the pages with ref count "
                         f"0) but yours is {_num_free(mine)}.")
         free_list = getattr(mine, "free", None)
-        if free_list is not None and not callable(free_list):
-            for p in list(free_list):
+        if isinstance(free_list, Iterable) and not callable(free_list):  # if it is a list
+            for p in map(_as_int, list(free_list)):
                 if isinstance(p, int) and _holders(tables, p):
                     _fail(name, f"{where()}page {p} is on your free list but "
                                 f"{', '.join(map(repr, _holders(tables, p)))} still holds it "
@@ -228,6 +268,7 @@ def _page_pool_sequence(cls: type, seed: int, name: str) -> None:
 
     def allocate(n: int, purpose: str) -> list[int] | None:
         should_fail = n > ref.num_free
+        before = (list(mine.ref_count), _num_free(mine))
         try:
             got = mine.allocate(n)
         except MemoryError:
@@ -235,14 +276,31 @@ def _page_pool_sequence(cls: type, seed: int, name: str) -> None:
             if not should_fail:
                 _fail(name, f"{where()}allocate({n}) with {ref.num_free} free pages must "
                             f"succeed, but yours raised MemoryError.")
+            after = (list(mine.ref_count), _num_free(mine))
+            if after != before:  # checked here: verify() would blame a later release
+                _fail(name, f"{where()}allocate({n}) raised MemoryError, rightly ("
+                            f"{ref.num_free} free), but it changed the pool first "
+                            f"(ref counts {before[0]} -> {after[0]}, num_free {before[1]} -> "
+                            f"{after[1]}). allocate must be all or nothing: when it cannot "
+                            "give all the pages it must give none and change nothing.")
             verify()
             return None
+        except NotImplementedError:
+            raise
+        except Exception as exc:
+            history.append(f"allocate({n}) {purpose} -> {type(exc).__name__}")
+            if should_fail:
+                _fail(name, f"{where()}allocate({n}) with only {ref.num_free} free pages must "
+                            f"raise MemoryError, but yours raised {type(exc).__name__}: {exc}.")
+            raise CheckFailed(f"[{name}] {where()}allocate({n}) with {ref.num_free} free "
+                              f"pages raised {type(exc).__name__}: {exc}{_line_of(exc)}"
+                              ) from exc
         history.append(f"allocate({n}) {purpose} -> {_short(got)}")
         if should_fail:
             _fail(name, f"{where()}allocate({n}) with only {ref.num_free} free pages must raise "
                         f"MemoryError and take nothing (all or nothing), but yours returned "
                         f"{_short(got)}.")
-        got = list(got)
+        got = [_as_int(p) for p in got]  # numpy integers are page ids too
         if len(got) != n or len(set(got)) != n:
             _fail(name, f"{where()}allocate({n}) must return {n} different pages; yours "
                         f"returned {_short(got)}.")
@@ -264,13 +322,18 @@ def _page_pool_sequence(cls: type, seed: int, name: str) -> None:
         except ValueError:
             history.append(f"{text} -> ValueError")
             return
+        except NotImplementedError:
+            raise
+        except Exception as exc:
+            _fail(name, f"{where()}{text} must raise ValueError ({rule}), but yours raised "
+                        f"{type(exc).__name__}: {exc}.")
         history.append(text)
         _fail(name, f"{where()}{text} must raise ValueError ({rule}), but yours did not.")
 
     def release(rid: str) -> None:
         pages = tables.pop(rid)
         history.append(f"release({pages}) as request {rid!r} finished")
-        mine.release(pages)
+        _call(name, f"{where()}release({pages})", mine.release, pages)
         ref.release([to_ref[p] for p in pages])
         verify()
 
@@ -303,7 +366,7 @@ def _page_pool_sequence(cls: type, seed: int, name: str) -> None:
             rid = f"r{next(counter)}"
             history.append(f"share({pages}) for new request {rid!r} (a prefix hit on "
                            f"the first {k} page{'s' if k > 1 else ''} of request {donor!r})")
-            mine.share(pages)
+            _call(name, f"{where()}share({pages})", mine.share, pages)
             ref.share([to_ref[p] for p in pages])
             tables[rid] = list(pages)
         elif op < 0.75:  # a request grows by one page
@@ -353,7 +416,7 @@ def prefix_hashes(fn: Callable[[list[int], int], list[bytes]]) -> bool:
         cases.extend((p, page_size) for p in _prompts(rng, 1, page_size))
     for tokens, page_size in cases:
         want = prompt_page_hashes(tokens, page_size)
-        got = fn(list(tokens), page_size)
+        got = _call(name, f"fn({_short(tokens, 90)}, {page_size})", fn, list(tokens), page_size)
         if got == want:
             continue
         shown = f"token_ids={_short(tokens, 90)}, page_size={page_size}"
@@ -425,7 +488,8 @@ def match_prefix(fn: Callable[[dict[bytes, int], list[int], int], list[int]]) ->
         cases.append((f"random case {i}", cached, query, page_size))
     for label, cached, tokens, page_size in cases:
         want = _reference_match(cached, tokens, page_size)
-        got = fn(dict(cached), list(tokens), page_size)
+        got = _call(name, f"{label}: fn(cached, {_short(tokens, 90)}, {page_size})", fn,
+                    dict(cached), list(tokens), page_size)
         if list(got) == want if isinstance(got, (list, tuple)) else False:
             continue
         shown = (f"{label}: token_ids={_short(tokens, 90)} ({len(tokens)} tokens), "
@@ -465,7 +529,7 @@ def quantize_int8(fn: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]
               for o, i in ((64, 48), (96, 64), (5, 80))]
     for label, weight in cases:
         shown = f"{label} (shape {list(weight.shape)})"
-        out = fn(weight.clone())
+        out = _call(name, f"fn(weight) for {shown}", fn, weight.clone())
         if not isinstance(out, (tuple, list)) or len(out) != 2:
             _fail(name, f"{shown}: return a pair (q, scale), got {_short(out)}.")
         q, scale = out
@@ -542,7 +606,8 @@ def static_batch(fn: Callable[[list[tuple[str, int]], int, int, int], list[str]]
         cases.append((queue, rng.randint(1, 6), rng.randint(0, 16), rng.choice([4, 8, 16])))
     for queue, max_num_seqs, free_pages, page_size in cases:
         want = _reference_static_batch(queue, max_num_seqs, free_pages, page_size)
-        got = fn(list(queue), max_num_seqs, free_pages, page_size)
+        got = _call(name, f"fn({queue}, {max_num_seqs}, {free_pages}, {page_size})", fn,
+                    list(queue), max_num_seqs, free_pages, page_size)
         if isinstance(got, (list, tuple)) and list(got) == want:
             continue
         shown = (f"queue={queue}, max_num_seqs={max_num_seqs}, free_pages={free_pages}, "
@@ -603,10 +668,13 @@ def _finish_cases(seed: int) -> list[tuple[list[int], list[int], int]]:
     rng = random.Random(seed)
     cases = [([30, 200, 80, 60], [1, 1, 1, 31], 3),  # the chapter's R1..R4
              ([1], [1], 1), ([5, 1, 3], [1, 1, 1], 1), ([4, 4], [1, 9], 2),
-             ([6, 2, 9, 3, 5], [1, 2, 2, 4, 20], 2)]
-    for _ in range(8):
+             ([6, 2, 9, 3, 5], [1, 2, 2, 4, 20], 2),
+             ([5, 5, 5], [9, 1, 1], 1), ([3, 6, 2, 4], [4, 1, 4, 1], 2)]  # not in list order
+    for k in range(8):
         n = rng.randint(2, 7)
-        arrivals = sorted(rng.randint(1, 25) for _ in range(n))
+        arrivals = [rng.randint(1, 25) for _ in range(n)]
+        if k % 2:  # half of them in order, half as they came
+            arrivals.sort()
         cases.append(([rng.randint(1, 18) for _ in range(n)], arrivals, rng.randint(1, 4)))
     return cases
 
@@ -615,17 +683,27 @@ def _check_finish_steps(fn: Callable, policy: str, name: str, rule: str) -> bool
     cases = _finish_cases(22 if policy == "static" else 33)
     for max_tokens, arrivals, max_num_seqs in cases:
         want = _finish_steps_real(policy, max_tokens, arrivals, max_num_seqs)
-        got = fn(list(max_tokens), list(arrivals), max_num_seqs)
-        if isinstance(got, (list, tuple)) and list(got) == want:
-            continue
         shown = (f"max_tokens={max_tokens}, arrival_steps={arrivals}, "
                  f"max_num_seqs={max_num_seqs}")
+        got = _call(name, f"fn({shown})", fn, list(max_tokens), list(arrivals), max_num_seqs)
+        if isinstance(got, (list, tuple)) and list(got) == want:
+            continue
         detail = ""
         if isinstance(got, (list, tuple)) and len(got) == len(want):
             i = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
             detail = (f" First difference: request {i + 1} (max_tokens={max_tokens[i]}, "
                       f"arrives at step {arrivals[i]}) finished at step {want[i]} in the real "
                       f"engine; you said {got[i]}.")
+        order = sorted(range(len(arrivals)), key=lambda i: (arrivals[i], i))
+        if order != list(range(len(arrivals))):  # right once sorted: the order is the bug
+            ordered = _call(name, "fn(the same requests listed in arrival order)", fn,
+                            [max_tokens[i] for i in order], sorted(arrivals), max_num_seqs)
+            if isinstance(ordered, (list, tuple)) and len(ordered) == len(want) and \
+                    all(ordered[k] == want[i] for k, i in enumerate(order)):
+                detail += (" Here the list is not in arrival order, and yours gets these requests "
+                           "right once they are listed in arrival order: requests queue by "
+                           "arrival_step (ties in list order), whatever their place in the "
+                           "list; sort the indices by (arrival_steps[i], i).")
         _fail(name, f"{shown}: the real engine (policy {policy!r}) finished the requests at "
                     f"steps {want}; yours says {_short(got)}.{detail} Remember: {rule}")
     return _passed(name, f"{len(cases)} workloads (the chapter's R1..R4 among them) finish at "
@@ -654,7 +732,7 @@ def continuous_finish_steps(fn: Callable[[list[int], list[int], int], list[int]]
         fn, "continuous", "continuous_finish_steps",
         STEP_RULES + " Under continuous batching every step first reclaims (a request that "
         "finished at step k left at the end of step k) and then admits waiting requests, in "
-        "arrival order, into the free slots.")
+        "arrival order (ties in list order), into the free slots.")
 
 
 # ============================================================================ schedulers, for real
@@ -696,18 +774,33 @@ class _Returns(Scheduler):
     """Wraps a learner's scheduler: same name and slot behaviour, but a `schedule` that
     returns something other than the context's batch is reported in plain words."""
 
-    def __init__(self, inner: Any, exercise: str) -> None:
+    def __init__(self, inner: Any, exercise: str, where: str) -> None:
         self.inner = inner
         self.exercise = exercise
+        self.where = where
         self.name = getattr(inner, "name", "learner")
         self.holds_finished_slots = getattr(inner, "holds_finished_slots", False)
 
     def schedule(self, ctx: Any) -> Any:
-        out = self.inner.schedule(ctx)
+        out = _call(self.exercise, f"{self.where}: at step {ctx.step}, schedule(ctx)",
+                    self.inner.schedule, ctx)
         if out is not ctx.batch:
-            _fail(self.exercise, f"at step {ctx.step}, schedule(ctx) returned "
+            _fail(self.exercise, f"{self.where}: at step {ctx.step}, schedule(ctx) returned "
                                  f"{_short(out, 60)}; it must return ctx.batch (the batch that "
                                  "ctx.schedule(...) fills).")
+        # the engine refuses both below, with a message that does not name the cause
+        for req, n in ctx.batch.items:
+            if req.status is not Status.RUNNING and any(req is p for p in ctx.batch.preempted):
+                _fail(self.exercise, f"{self.where}, step {ctx.step}: {req.request_id!r} was "
+                                     "preempted earlier in this step (an earlier decode needed "
+                                     "its pages) and then scheduled. Skip a request that is not "
+                                     "running any more: `if req.status is not Status.RUNNING: "
+                                     "continue` before reserving for it (self.schedule_decodes "
+                                     "does that).")
+            if not isinstance(n, int) and isinstance(_as_int(n), int):
+                _fail(self.exercise, f"{self.where}, step {ctx.step}: ctx.schedule("
+                                     f"{req.request_id!r}, {n!r}) needs a Python int, which the "
+                                     "engine checks: convert the token count with int(...).")
         return out
 
 
@@ -718,16 +811,45 @@ class _Run:
     skipped: list[tuple[int, list[str], list[Any]]] = field(default_factory=list)
 
 
-def _run(policy: Any, wl: CheckWorkload, exercise: str, max_steps: int = 2000,
-         learner: bool = True) -> _Run:
-    """Run `wl` in a real engine on the tiny model with `policy`; for a learner's scheduler,
-    turn the engine's refusals into CheckFailed naming the workload and the step, and note
-    every step in which a running decode was left out."""
-    from minicb.engine import InvariantError, SchedulerError
+def _stalled(engine: Any, record: StepRecord, policy: str | None) -> str:
+    """Why a step scheduled nothing while requests wait or run (minicb's never does)."""
+    budget = engine.config.max_num_batched_tokens
+    head = f"at step {record.step} your scheduler scheduled nothing"
+    if not engine.running:
+        front = engine.waiting[0]
+        if policy == "continuous" and front.num_tokens > budget:
+            return (f"{head}: {front.request_id!r} ({front.num_tokens} tokens) waits at the "
+                    f"front of the queue and nothing runs. A prompt longer than the budget "
+                    f"({budget}) must still run when it is alone: apply the budget only to a "
+                    "prompt that would join others in the step (if prefill_tokens and "
+                    "prefill_tokens + req.num_tokens > budget: break).")
+        return (f"{head} while {[r.request_id for r in engine.waiting][:5]} waited and nothing "
+                "ran: admit from the front of ctx.waiting (ctx.admit, then ctx.schedule).")
+    running = [r.request_id for r in engine.running]
+    if engine.pool.num_available == 0 and not record.preempted:
+        return (f"{head} and preempted nobody while {running} ran and no page was free: a "
+                "decode that cannot get its page must preempt (ctx.reserve_or_preempt(req, 1), "
+                "as self.schedule_decodes does; ctx.reserve only says no), else nothing can "
+                "ever run again.")
+    prefilling = [r.request_id for r in engine.running if r.is_prefill]
+    if prefilling:
+        return (f"{head}: {prefilling} are running but still in prefill and got no chunk. "
+                "Running prompts continue (self.prefilling(ctx)) before new ones are admitted.")
+    return f"{head} while {running} ran: every running decode gets its token."
 
+
+def _run(policy: Any, wl: CheckWorkload, exercise: str, max_steps: int = 2000,
+         learner: bool = True, compared_with: str | None = None) -> _Run:
+    """Run `wl` in a real engine on the tiny model with `policy`; for a learner's scheduler,
+    turn the engine's refusals into CheckFailed naming the workload and the step, stop at
+    the first step that scheduled nothing while work was there, and note every step in
+    which a running decode was left out. `compared_with`: the policy it must match."""
+    from minicb.engine import WHOLE_PROMPT_POLICIES, InvariantError, SchedulerError
+
+    where = f"workload {wl.name!r} ({wl.about})"
     instance = _make_instance(policy)
     if learner:
-        instance = _Returns(instance, exercise)
+        instance = _Returns(instance, exercise, where)
     options = {"max_num_seqs": 4, "max_num_batched_tokens": 64, "chunk_size": 64, **wl.options}
     engine = _engine(instance, **options)
     for i, (rid, prompt_len, max_tokens, arrival) in enumerate(wl.requests):
@@ -735,7 +857,6 @@ def _run(policy: Any, wl: CheckWorkload, exercise: str, max_steps: int = 2000,
                            SamplingParams(max_tokens=max_tokens, **GREEDY_EXACT),
                            request_id=rid, arrival_step=arrival)
     run = _Run(engine.trace, engine)
-    where = f"workload {wl.name!r} ({wl.about})"
     with _OneThread():
         while engine.has_unfinished():
             if len(engine.trace) >= max_steps:
@@ -748,12 +869,22 @@ def _run(policy: Any, wl: CheckWorkload, exercise: str, max_steps: int = 2000,
             try:
                 record = engine.step()
             except SchedulerError as exc:
+                why = ""
+                if "exceed max_num_batched_tokens" in str(exc) and \
+                        compared_with in WHOLE_PROMPT_POLICIES and \
+                        instance.name not in WHOLE_PROMPT_POLICIES:
+                    why = (f" The engine lets one prompt exceed the budget only under a "
+                           f"whole-prompt policy, which it knows by the scheduler's name: keep "
+                           f"name = {compared_with!r} (yours is {instance.name!r}).")
                 _fail(exercise, f"{where}: the engine refused the batch your scheduler "
-                                f"returned: {exc}")
+                                f"returned: {exc}{why}")
             except InvariantError as exc:
                 if "left running decodes out" not in str(exc):
                     _fail(exercise, f"{where}: the engine's invariant check failed: {exc}")
                 record = engine.trace[-1]
+            if learner and not any(m.kind != "idle" for m in record.members) and \
+                    (engine.waiting or engine.running):
+                _fail(exercise, f"{where}: {_stalled(engine, record, compared_with)}")
             if learner:
                 ran = {m.request_id for m in record.members}
                 left = [rid for rid in ready if rid not in ran and rid not in record.preempted]
@@ -858,7 +989,7 @@ def _run_beside_the_reference(cls: Any, policy: str, exercise: str,
                               rules: str, decodes_first: bool) -> int:
     steps = 0
     for wl, ref in zip(workloads, refs):
-        mine = _run(cls, wl, exercise, max_steps=3 * len(ref) + 50)
+        mine = _run(cls, wl, exercise, max_steps=3 * len(ref) + 50, compared_with=policy)
         if decodes_first and mine.skipped:
             step, left, members = mine.skipped[0]
             prefills = [m for m in members if m.kind == "prefill"]
@@ -892,6 +1023,15 @@ CONTINUOUS_WORKLOADS = [
     CheckWorkload("pages", "too few pages: decodes must preempt the newest request",
              [(f"p{i}", 30, 24, 1) for i in range(4)],
              {"max_num_seqs": 4, "max_num_batched_tokens": 256, "num_pages": 8}),
+    CheckWorkload("queue-order", "a 50-, a 30- and a 10-token prompt at once under a 64-token "
+             "budget: the 30-token one does not fit beside the first, and the 10-token one "
+             "must not jump past it",
+             [("a", 50, 4, 1), ("b", 30, 4, 1), ("c", 10, 4, 1)],
+             {"max_num_seqs": 4, "max_num_batched_tokens": 64}),
+    CheckWorkload("late-pages", "six pages: two requests decode when a third arrives at step "
+             "4; the decodes need the free pages first",
+             [("p0", 30, 12, 1), ("p1", 30, 12, 1), ("p2", 14, 6, 4), ("p3", 14, 6, 6)],
+             {"max_num_seqs": 4, "max_num_batched_tokens": 256, "num_pages": 6}),
 ]
 CONTINUOUS_RULES = (
     "Continuous batching, as minicb does it: first every running decode gets one token "
@@ -903,7 +1043,7 @@ CONTINUOUS_RULES = (
 
 
 def continuous_scheduler(cls: Any) -> bool:
-    """Exercise 3.2: a continuous-batching `Scheduler` subclass, run for real on five small
+    """Exercise 3.2: a continuous-batching `Scheduler` subclass, run for real on seven small
     workloads and compared step by step with minicb's ContinuousScheduler."""
     return _check_scheduler(cls, "continuous", "continuous_scheduler", CONTINUOUS_WORKLOADS,
                             CONTINUOUS_RULES, decodes_first=True)
@@ -921,6 +1061,11 @@ CHUNKED_WORKLOADS = [
     CheckWorkload("r1-r4", "the R1..R4 example with 20-token prompts; budget 32, chunk_size 16",
              [("R1", 20, 6, 1), ("R2", 20, 20, 1), ("R3", 20, 12, 1), ("R4", 20, 8, 7)],
              {"max_num_seqs": 3, "max_num_batched_tokens": 32, "chunk_size": 16}),
+    CheckWorkload("busy-budget", "two 60-token prompts are being chunked when a 30-token one "
+             "arrives; budget 40, chunk_size 16: the running prompts' chunks come out of the "
+             "budget first, the newcomer gets what is left",
+             [("a", 60, 3, 1), ("b", 60, 3, 1), ("c", 30, 3, 2)],
+             {"max_num_seqs": 4, "max_num_batched_tokens": 40, "chunk_size": 16}),
 ]
 CHUNKED_RULES = (
     "Prefill-first chunked prefill, as minicb does it: spend the budget "
@@ -994,11 +1139,12 @@ def next_chunk(fn: Callable[..., int]) -> bool:
                       rng.choice([1, 1, 2, 4, 8, 16])))
     for remaining, chunk_size, budget, min_chunk in cases:
         want = _reference_next_chunk(remaining, chunk_size, budget, min_chunk)
-        got = fn(remaining, chunk_size, budget, min_chunk)
-        if got == want and isinstance(got, int):
-            continue
         shown = (f"remaining={remaining}, chunk_size={chunk_size}, budget={budget}, "
                  f"min_chunk={min_chunk}")
+        got = _as_int(_call(name, f"next_chunk({shown})", fn, remaining, chunk_size, budget,
+                            min_chunk))  # a numpy integer (np.min) is an int here
+        if got == want and isinstance(got, int):
+            continue
         why = ""
         if isinstance(got, int):
             if got > budget:
@@ -1040,6 +1186,20 @@ def pd_traces() -> list[tuple[str, list[StepRecord], list[RequestRecord], str]]:
                  "prefill, one finished before it began",
                  requests=[("early", 8, 2, 1), ("short-0", 8, 20, 1), ("long", 120, 3, 4),
                            ("late", 8, 5, 5)]), "pd", None),
+        # short_P's boundaries: the request that decides the answer sits on or just past one
+        (replace(base, name="alive-edges", about="one short request finishes the step the "
+                 "long one arrives, one arrives the step its prefill ends and finishes last of "
+                 "those alive with it, one arrives a step later and finishes later still",
+                 requests=[("edge-finish", 8, 3, 1), ("short-0", 8, 6, 1), ("long", 90, 3, 3),
+                           ("edge-arrive", 8, 12, 5), ("after", 8, 14, 6)]), "pd", None),
+        (replace(base, name="finish-edge", about="the only short request alive with the long "
+                 "one finishes the step it arrives; another finished before",
+                 requests=[("early", 8, 1, 1), ("edge-finish", 8, 3, 1), ("long", 90, 3, 3)]),
+         "pd", None),
+        (replace(base, name="none-alive", about="one request finished before the long one "
+                 "arrived, one arrives after its prefill",
+                 requests=[("early", 8, 2, 1), ("long", 90, 3, 4), ("after", 8, 10, 9)]),
+         "pd", None),
         (replace(base, name="alone", about="the long prompt alone",
                  requests=[("long", 70, 3, 2)]), "chunked", None),
         (base, "pd", 4),  # cut short: the long prefill never finishes
@@ -1061,17 +1221,21 @@ def pd_traces() -> list[tuple[str, list[StepRecord], list[RequestRecord], str]]:
     return _PD_TRACES
 
 
-def _check_long_metric(fn: Callable, key: str, name: str, rule: str) -> bool:
+def _check_long_metric(fn: Callable, key: str, name: str, rule: str,
+                       explain: Callable[..., str] | None = None) -> bool:
     traces = pd_traces()
     for label, trace, records, long_id in traces:
         want = metrics.long_prefill_metrics(trace, records, long_id)[key]
-        got = fn(list(trace), list(records), long_id)
+        got = _call(name, f"fn(trace of {label}, records, {long_id!r})", fn, list(trace),
+                    list(records), long_id)
         if got == want and (got is None) == (want is None):
             continue
         long = next(r for r in records if r.request_id == long_id)
         facts = (f"the long request arrived at step {long.arrival_step}, its prefill finished "
                  f"at step {long.first_token_step}, the trace has {len(trace)} steps")
-        _fail(name, f"trace of {label} ({facts}): expected {want!r}, got {_short(got)}. {rule}")
+        more = explain(trace, records, long) if explain else ""
+        _fail(name, f"trace of {label} ({facts}): expected {want!r}, got {_short(got)}.{more} "
+                    f"{rule}")
     return _passed(name, f"{len(traces)} traces (pd, chunked, continuous, static and edge cases) "
                          "agree with minicb.metrics")
 
@@ -1088,6 +1252,27 @@ def dec_at_p(fn: Callable[[list[StepRecord], list[RequestRecord], str], int]) ->
         "of the trace if its prefill never finished).")
 
 
+def _who_is_alive(trace: list[StepRecord], records: list[RequestRecord],
+                  long: RequestRecord) -> str:
+    """Which other requests count as alive with the long one, and why the rest do not."""
+    end = long.first_token_step if long.first_token_step is not None else trace[-1].step
+    counted, left_out = [], []
+    for r in records:
+        if r is long:
+            continue
+        if r.arrival_step > end:
+            left_out.append(f"{r.request_id} (arrived at step {r.arrival_step}, after the "
+                            f"window ended at step {end})")
+        elif r.finish_step is not None and r.finish_step < long.arrival_step:
+            left_out.append(f"{r.request_id} (finished at step {r.finish_step}, before the "
+                            f"long one arrived)")
+        else:
+            counted.append(f"{r.request_id} (arrived at step {r.arrival_step}, finished at "
+                           f"{r.finish_step})")
+    return (f" Alive with the long one: {', '.join(counted[:6]) or 'none'}; not: "
+            f"{', '.join(left_out[:6]) or 'none'}. Both bounds include their step.")
+
+
 def short_p(fn: Callable[[list[StepRecord], list[RequestRecord], str], int | None]) -> bool:
     """Exercise 5.3: `fn(trace, records, long_id)` is short_P in steps: from the long request's
     arrival until every short request alive with it has finished."""
@@ -1097,7 +1282,7 @@ def short_p(fn: Callable[[list[StepRecord], list[RequestRecord], str], int | Non
         "arrival_step + 1. The short requests are the other requests alive with the long one: "
         "they arrived no later than the end of its prefill window (its first_token_step, or the "
         "last step) and had not finished before it arrived. 0 if there are none; None if one of "
-        "them has not finished.")
+        "them has not finished.", explain=_who_is_alive)
 
 
 # ============================================================================ 06 latency, goodput
@@ -1139,7 +1324,16 @@ LATENCY_KEYS = ("queue", "ttft", "tpot", "e2e")
 def _close(a: Any, b: Any) -> bool:
     if a is None or b is None:
         return a is None and b is None
-    return isinstance(a, (int, float)) and math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
+    return isinstance(a, numbers.Real) and math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
+
+
+def _float32(got: Any, want: Any) -> str:
+    """The note for a value right only to float32's precision: the type is the bug."""
+    if isinstance(got, numbers.Real) and isinstance(want, numbers.Real) and \
+            math.isclose(got, want, rel_tol=1e-5, abs_tol=1e-7):
+        return (" That differs only from about the 7th digit on: computed in float32 (a torch "
+                "tensor's default)? Use Python floats or float64.")
+    return ""
 
 
 def latencies(fn: Callable[[RequestRecord], dict[str, float | None]]) -> bool:
@@ -1157,7 +1351,12 @@ def latencies(fn: Callable[[RequestRecord], dict[str, float | None]]) -> bool:
                       "finish_time"}
     records = [r for seed in range(8) for r in _records(seed)]
     for rec in records:
-        got = fn(rec)
+        shown = (f"arrival_time={rec.arrival_time}, first_scheduled_time="
+                 f"{rec.first_scheduled_time}, first_token_time={rec.first_token_time}, "
+                 f"finish_time={rec.finish_time}, released_time={rec.released_time}, "
+                 f"returned_whole={rec.returned_whole}, "
+                 f"num_output_tokens={rec.num_output_tokens}")
+        got = _call(name, f"fn(record {rec.request_id}: {shown})", fn, rec)
         if not isinstance(got, dict):
             _fail(name, f"fn(record) must return a dict with keys {LATENCY_KEYS}; yours "
                         f"returned {_short(got)}.")
@@ -1166,21 +1365,19 @@ def latencies(fn: Callable[[RequestRecord], dict[str, float | None]]) -> bool:
             if key not in got:
                 _fail(name, f"the dict has no key {key!r} (keys: {sorted(got)}).")
             if not _close(got[key], want):
-                shown = (f"arrival_time={rec.arrival_time}, first_scheduled_time="
-                         f"{rec.first_scheduled_time}, first_token_time={rec.first_token_time}, "
-                         f"finish_time={rec.finish_time}, released_time={rec.released_time}, "
-                         f"returned_whole={rec.returned_whole}, "
-                         f"num_output_tokens={rec.num_output_tokens}")
                 _fail(name, f"record {rec.request_id} ({shown}): {key} should be {want!r} "
-                            f"({meaning[key]}), yours is {got[key]!r}.")
+                            f"({meaning[key]}), yours is {got[key]!r}.{_float32(got[key], want)}")
     return _passed(name, f"{len(records)} request records give the same queue time, TTFT, TPOT "
                          "and E2E as minicb.metrics")
 
 
+def _num_meeting(records: Sequence[RequestRecord], slo: dict[str, float]) -> int:
+    return sum(1 for r in records if metrics.meets_slo(r, slo))
+
+
 def _reference_goodput(records: Sequence[RequestRecord], slo: dict[str, float]) -> float | None:
     span = metrics.run_span(records)
-    met = sum(1 for r in records if metrics.meets_slo(r, slo))
-    return met / span if span > 0 else None
+    return _num_meeting(records, slo) / span if span > 0 else None
 
 
 def goodput(fn: Callable[[list[RequestRecord], dict[str, float]], float | None]) -> bool:
@@ -1204,6 +1401,10 @@ def goodput(fn: Callable[[list[RequestRecord], dict[str, float]], float | None])
     cancelled = [r for seed in range(6) for r in _records(seed)
                  if r.finish_reason == "cancelled" and r.num_output_tokens > 0][:1]
     cases.append(("a cancelled request that was fast", cancelled + one, {"ttft": 100.0}))
+    at_once = RequestRecord("z0", 8, 0, "cancelled", 2.5, None, None, 2.5, [], 1, None, None,
+                            1, [])
+    cases.append(("a span of 0 (one request, cancelled the moment it arrived)", [at_once],
+                  {"ttft": 1.0}))
     for i in range(40):
         records = _records(100 + i, rng.randint(1, 20))
         slo = {k: rng.choice([0.05, 0.1, 0.3, 0.5, 1.0, 2.0]) for k in ("ttft", "tpot", "e2e")
@@ -1211,19 +1412,27 @@ def goodput(fn: Callable[[list[RequestRecord], dict[str, float]], float | None])
         cases.append((f"random case {i}", records, slo))
     for label, records, slo in cases:
         want = _reference_goodput(records, slo)
-        got = fn(list(records), dict(slo))
+        got = _call(name, f"{label}: fn({len(records)} records, slo={slo})", fn,
+                    list(records), dict(slo))
         if _close(got, want):
             continue
         met = [r.request_id for r in records if metrics.meets_slo(r, slo)]
         span = metrics.run_span(records)
-        why = ""
-        if isinstance(got, (int, float)) and span:
-            any_reason = sum(1 for r in records
-                             if metrics.meets_slo(replace(r, finish_reason="stop"), slo))
-            if any_reason != len(met) and math.isclose(got * span, any_reason):
-                why = " Cancelled and failed requests never count, however fast they were."
-            elif len(records) != len(met) and math.isclose(got * span, len(records)):
-                why = " It looks like you counted every request, not only those meeting the SLO."
+        why = _float32(got, want)
+        if isinstance(got, numbers.Real) and span and not why:
+            # the count that each known mistake gives; a hint only where one explains yours,
+            # the specific ones first (counting everything also counts the cancelled)
+            mistakes = [
+                (" Cancelled and failed requests never count, however fast they were.",
+                 _num_meeting([replace(r, finish_reason="stop") for r in records], slo)),
+                (" TTFT and E2E end when the user got the response: a response returned whole "
+                 "reached its user at released_time (use your latencies).",
+                 _num_meeting([replace(r, returned_whole=False, released_time=None)
+                               for r in records], slo)),
+                (" It looks like you counted every request, not only those meeting the SLO.",
+                 len(records))]
+            why = next((hint for hint, n in mistakes
+                        if n != len(met) and math.isclose(got * span, n)), "")
         _fail(name, f"{label}: {len(records)} records, slo={slo}: expected {want!r} "
                     f"({len(met)} requests meet the SLO: {met[:8]}{'...' if len(met) > 8 else ''}"
                     f"; span {span:.3f} s from first arrival to last finish), got "
@@ -1261,7 +1470,7 @@ def per_tenant(fn: Callable[[list[RequestRecord]], dict[Any, dict[str, Any]]]) -
         cases.append((f"random case {i}", records))
     for label, records in cases:
         want = _reference_per_tenant(records)
-        got = fn(list(records))
+        got = _call(name, f"{label}: fn({len(records)} records)", fn, list(records))
         if not isinstance(got, dict):
             _fail(name, f"{label}: fn(records) must return a dict of tenants; yours returned "
                         f"{_short(got)}.")
@@ -1276,14 +1485,25 @@ def per_tenant(fn: Callable[[list[RequestRecord]], dict[Any, dict[str, Any]]]) -
                             f"has {_short(mine)}.")
             for key, value in row.items():
                 if not _close(mine[key], value):
-                    why = ""
-                    if key.startswith("ttft") and value is not None:
+                    why = _float32(mine[key], value)
+                    if key.startswith("ttft") and value is not None and not why:
                         every = [metrics.ttft(r) for r in records if r.tenant == tenant
                                  and metrics.ttft(r) is not None]
                         everything = metrics.percentiles(every, (50, 99))[f"p{key[6:]}"]
+                        done = sorted(metrics.ttft(r) for r in records if r.tenant == tenant
+                                      and metrics.is_completed(r) and metrics.ttft(r) is not None)
+                        q = int(key[6:])
+                        ranks = [float(np.percentile(done, q, method=m))
+                                 for m in ("lower", "higher", "nearest", "midpoint")]
+                        ranks.append(done[min(int(q / 100 * len(done)), len(done) - 1)])
                         if _close(mine[key], everything):
                             why = (" Only completed requests count: a cancelled or failed "
                                    "request's first token says nothing of how it was served.")
+                        elif any(_close(mine[key], v) for v in ranks):
+                            why = (" That is a percentile without interpolation (one of the "
+                                   "values, or a rank rounded): numpy.percentile's default "
+                                   f"interpolates linearly between the two values around "
+                                   f"the {q}th percentile: np.percentile(ttfts, {q}).")
                     _fail(name, f"{label}: tenant {tenant!r}: {key} should be {value!r}, yours "
                                 f"is {_short(mine[key])}.{why}")
     return _passed(name, f"{len(cases)} sets of records give the same per-tenant table as "

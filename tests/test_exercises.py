@@ -345,6 +345,7 @@ def test_scheduler_bugs_meet_the_engine_rules():
 
     message = caught("continuous_scheduler", Unnamed)
     assert "the engine refused the batch" in message and "max_num_batched_tokens" in message
+    assert "keep name = 'continuous' (yours is 'mine')" in message
 
     class Unreserved(Scheduler):
         def schedule(self, ctx):
@@ -446,6 +447,392 @@ def test_metric_bugs_are_caught():
     assert "arrival_step" in caught("dec_at_p", window_from_first_chunk)
 
 
+def short_p_selecting(alive):
+    """short_P computed over the other requests for which `alive(r, long, window_end)`."""
+    def fn(trace, records, long_id):
+        long = next(r for r in records if r.request_id == long_id)
+        end = long.first_token_step if long.first_token_step is not None else trace[-1].step
+        shorts = [r for r in records if r is not long and alive(r, long, end)]
+        if not shorts:
+            return 0
+        if any(r.finish_step is None for r in shorts):
+            return None
+        return max(r.finish_step for r in shorts) - long.arrival_step + 1
+    return fn
+
+
+def test_short_p_is_tested_on_both_bounds_of_alive():
+    def not_done_before(r, long):
+        return r.finish_step is None or r.finish_step >= long.arrival_step
+
+    def every_other(trace, records, lid):  # the reviewer's: no alive test at all
+        long = next(r for r in records if r.request_id == lid)
+        f = [r.finish_step for r in records if r.request_id != lid]
+        return 0 if not f else None if None in f else max(f) - long.arrival_step + 1
+
+    wrong = {
+        "after the window ended": short_p_selecting(
+            lambda r, long, end: not_done_before(r, long)),  # no arrival bound
+        "before the long one arrived": short_p_selecting(
+            lambda r, long, end: r.arrival_step <= end),  # finished before it: counted
+        "finished at 3": short_p_selecting(  # strict >: finishing on its arrival step
+            lambda r, long, end: r.arrival_step <= end and (
+                r.finish_step is None or r.finish_step > long.arrival_step)),
+        "arrived at step 5, finished at 17": short_p_selecting(  # strict <: arriving at its end
+            lambda r, long, end: r.arrival_step < end and not_done_before(r, long)),
+    }
+    for named, fn in [*wrong.items(), ("after the window ended", every_other)]:
+        message = caught("short_p", fn)
+        assert "Alive with the long one" in message and named in message, (named, message)
+    # the edge traces put their requests where their labels say: on or just past a bound
+    traces = {label.split(" ")[0]: {r.request_id: r for r in records}
+              for label, _, records, _ in check.pd_traces()}
+    edges, none = traces["alive-edges"], traces["none-alive"]
+    assert edges["edge-finish"].finish_step == edges["long"].arrival_step
+    assert edges["edge-arrive"].arrival_step == edges["long"].first_token_step
+    assert edges["after"].arrival_step == edges["long"].first_token_step + 1
+    assert edges["after"].finish_step > edges["edge-arrive"].finish_step > \
+        edges["short-0"].finish_step
+    assert traces["finish-edge"]["edge-finish"].finish_step == \
+        traces["finish-edge"]["long"].arrival_step
+    assert none["early"].finish_step < none["long"].arrival_step < none["after"].arrival_step
+
+
+def test_chunked_scheduler_budget_bugs_are_caught():
+    from minicb.scheduler import Scheduler
+
+    next_chunk = solution("04_chunked_prefill.ipynb")["next_chunk"]
+
+    def chunked(running_first=True, admit_all=False, charge_running=True):
+        class Chunked(Scheduler):
+            name = "my-chunked"
+
+            def schedule(self, ctx):
+                budget, size = ctx.config.max_num_batched_tokens, ctx.config.chunk_size
+
+                def running():
+                    nonlocal budget
+                    for req in self.prefilling(ctx):
+                        if req.request_id in ctx.scheduled_ids:
+                            continue
+                        n = next_chunk(req.num_remaining, size, budget)
+                        if n and ctx.reserve(req, n):
+                            ctx.schedule(req, n)
+                            budget -= n if charge_running else 0
+
+                if running_first:
+                    running()
+                while ctx.waiting and budget > 0:
+                    req = ctx.waiting[0]
+                    n = ctx.admit(req, size if admit_all else min(size, budget))
+                    if not n:
+                        break
+                    ctx.schedule(req, n)
+                    budget -= n
+                if not running_first:
+                    running()
+                if not ctx.batch.items:
+                    self.schedule_decodes(ctx)
+                return ctx.batch
+        return Chunked
+
+    assert check.chunked_scheduler(chunked())  # the helper itself is right
+    assert "busy-budget" in caught("chunked_scheduler", chunked(charge_running=False))
+    assert "busy-budget" in caught("chunked_scheduler", chunked(admit_all=True))
+    message = caught("chunked_scheduler", chunked(running_first=False))
+    assert "busy-budget" in message and "[c prefill 16, a prefill 16, b prefill 8]" in message
+
+
+def continuous_like(decodes_first=True, stop_at_misfit=True, alone=True, preempting=True):
+    """Exercise 3.2's scheduler, with one of its rules broken on demand."""
+    from minicb.scheduler import Scheduler
+
+    class Continuous(Scheduler):
+        name = "continuous"
+
+        def decodes(self, ctx):
+            if preempting:
+                self.schedule_decodes(ctx)
+            else:
+                for req in self.decoding(ctx):
+                    if ctx.reserve(req, 1):
+                        ctx.schedule(req, 1)
+
+        def schedule(self, ctx):
+            if decodes_first:
+                self.decodes(ctx)
+            tokens = 0
+            for req in list(ctx.waiting):
+                if ctx.batch.preempted:
+                    break
+                if (tokens or not alone) and \
+                        tokens + req.num_tokens > ctx.config.max_num_batched_tokens:
+                    if stop_at_misfit:
+                        break
+                    continue
+                n = ctx.admit(req, req.num_tokens)
+                if not n:
+                    break
+                ctx.schedule(req, n)
+                tokens += n
+            if not decodes_first:
+                self.decodes(ctx)
+            return ctx.batch
+    return Continuous
+
+
+def test_continuous_scheduler_queue_order_and_decodes_first_are_checked():
+    assert check.continuous_scheduler(continuous_like())  # the helper itself is right
+    message = caught("continuous_scheduler", continuous_like(stop_at_misfit=False))
+    assert "'queue-order'" in message and "[a prefill 50, c prefill 10]" in message
+    message = caught("continuous_scheduler", continuous_like(decodes_first=False))
+    assert "'late-pages'" in message and "yours preempted ['p1']" in message
+
+
+def test_finish_steps_of_requests_listed_out_of_arrival_order():
+    def unsorted(policy):  # the reference solutions, without their sort
+        def fn(max_tokens, arrivals, max_num_seqs):
+            queue, finish, running, step = list(range(len(max_tokens))), [0] * len(max_tokens), \
+                [], 0
+            while queue:
+                step += 1
+                if policy == "continuous" or all(finish[i] < step for i in running):
+                    running = [i for i in running if finish[i] >= step]
+                    while queue and len(running) < max_num_seqs and arrivals[queue[0]] <= step:
+                        i = queue.pop(0)
+                        finish[i] = step + max_tokens[i] - 1
+                        running.append(i)
+            return finish
+        return fn
+
+    for policy in ("static", "continuous"):
+        notebook, name = SOLUTION_OBJECTS[f"{policy}_finish_steps"]
+        for case in ([30, 200, 80, 60], [1, 1, 1, 31], 3), ([4, 2, 6], [1, 2, 2], 2):
+            assert unsorted(policy)(*case) == solution(notebook)[name](*case)  # sorted: right
+        message = caught(f"{policy}_finish_steps", unsorted(policy))
+        assert "arrival_steps=[9, 1, 1]" in message and "[15, 5, 10]" in message
+        assert "sort the indices by (arrival_steps[i], i)" in message
+
+
+def test_scheduler_stalls_and_refusals_name_their_cause():
+    message = caught("continuous_scheduler", continuous_like(alone=False))
+    assert "'long' (100 tokens) waits" in message
+    assert "must still run when it is alone" in message
+    message = caught("continuous_scheduler", continuous_like(preempting=False))
+    assert "no page was free" in message and "must preempt" in message
+
+    from minicb.request import Status
+    from minicb.scheduler import Scheduler, schedule_prefill_chunks
+
+    def pd(status_check=True, preempting=True):
+        class PD(Scheduler):
+            name = "my-pd"
+
+            def schedule(self, ctx):
+                budget = ctx.config.max_num_batched_tokens
+                for req in self.decoding(ctx):
+                    if status_check and req.status is not Status.RUNNING:
+                        continue
+                    if (ctx.reserve_or_preempt if preempting else ctx.reserve)(req, 1):
+                        ctx.schedule(req, 1)
+                        budget -= 1
+                schedule_prefill_chunks(ctx, budget, min_chunk=ctx.config.min_chunk)
+                return ctx.batch
+        return PD
+
+    message = caught("pd_scheduler", pd(status_check=False))
+    assert "'p3' was preempted earlier in this step" in message
+    assert "req.status is not Status.RUNNING" in message
+    assert "must preempt" in caught("pd_scheduler", pd(preempting=False))
+
+
+def test_page_pool_allocate_is_all_or_nothing_and_raises_memory_error():
+    base = solution("01_paged_kv.ipynb")["MyPagePool"]
+
+    class OneByOne(base):  # takes pages until it runs out, then raises
+        def allocate(self, n):
+            pages = []
+            for _ in range(n):
+                if not self.free:
+                    raise MemoryError
+                pages.append(self.free.pop(0))
+                self.ref_count[pages[-1]] = 1
+            return pages
+
+    class Runtime(base):
+        def allocate(self, n):
+            if n > len(self.free):
+                raise RuntimeError("out of pages")
+            return super().allocate(n)
+
+    message = caught("page_pool", OneByOne)
+    assert "allocate must be all or nothing" in message and "not dropped" not in message
+    message = caught("page_pool", Runtime)
+    assert "must raise MemoryError, but yours raised RuntimeError: out of pages" in message
+
+
+def test_an_error_in_the_learners_code_names_the_input():
+    dec_at_p = solution("05_pd_interleaving.ipynb")["dec_at_p"]
+
+    def unfinished_is_none(trace, records, long_id):  # no window end when the prefill is cut
+        long = next(r for r in records if r.request_id == long_id)
+        if long.first_token_step is None:
+            return sum(1 for rec in trace if rec.step <= long.first_token_step)
+        return dec_at_p(trace, records, long_id)
+
+    with pytest.raises(check.CheckFailed) as info:
+        check.dec_at_p(unfinished_is_none)
+    message = str(info.value)
+    assert "stopped after 4 steps" in message and "raised TypeError" in message
+    assert "rec.step <= long.first_token_step" in message  # the learner's line
+    assert isinstance(info.value.__cause__, TypeError)  # its traceback is kept
+
+    latencies = solution("06_benchmarking.ipynb")["latencies"]
+
+    def no_none(r):
+        return {**latencies(r), "queue": r.first_scheduled_time - r.arrival_time}
+
+    message = caught("latencies", no_none)
+    assert "first_scheduled_time=None" in message and "raised TypeError" in message
+
+    class BadShare(solution("01_paged_kv.ipynb")["MyPagePool"]):
+        def share(self, pages):
+            super().share(pages)
+            return self.shared[0]  # no such attribute
+
+    message = caught("page_pool", BadShare)
+    assert "share([" in message and "raised AttributeError" in message
+
+    class Stub(solution("01_paged_kv.ipynb")["MyPagePool"]):  # untouched: the stub's own error
+        def allocate(self, n):
+            raise NotImplementedError("write MyPagePool.allocate")
+
+    with pytest.raises(NotImplementedError, match="write MyPagePool.allocate"):
+        check.page_pool(Stub)
+
+
+def tenant_ttfts(latencies, records, tenant):
+    """The TTFTs of one tenant's completed requests, by the learner-style `latencies`."""
+    ttfts = [latencies(r)["ttft"] for r in records
+             if r.tenant == tenant and r.finish_reason in ("stop", "length")]
+    return [t for t in ttfts if t is not None]
+
+
+def test_numpy_integers_pass_and_float32_is_named():
+    import torch
+
+    reference = solution("04_chunked_prefill.ipynb")["next_chunk"]
+    assert check.next_chunk(lambda *args: np.int64(reference(*args)))
+
+    class NumpyIds(solution("01_paged_kv.ipynb")["MyPagePool"]):
+        def allocate(self, n):
+            return list(np.array(super().allocate(n), dtype=np.int64))
+
+    class CountOnly:  # `free` is a count here, not a list
+        def __init__(self, n):
+            self.ref_count, self.pages, self.free = [0] * n, list(range(n)), n
+
+        @property
+        def num_free(self):
+            return self.free
+
+        def allocate(self, n):
+            if n > self.free:
+                raise MemoryError
+            got, self.pages, self.free = self.pages[:n], self.pages[n:], self.free - n
+            for p in got:
+                self.ref_count[p] = 1
+            return got
+
+        def share(self, pages):
+            if any(self.ref_count[p] == 0 for p in pages):
+                raise ValueError
+            for p in pages:
+                self.ref_count[p] += 1
+
+        def release(self, pages):
+            for p in pages:
+                if self.ref_count[p] == 0:
+                    raise ValueError
+                self.ref_count[p] -= 1
+                if self.ref_count[p] == 0:
+                    self.pages.append(p)
+                    self.free += 1
+
+    assert check.page_pool(NumpyIds) and check.page_pool(CountOnly)
+
+    class NumpyChunks(solution("04_chunked_prefill.ipynb")["MyChunkedScheduler"]):
+        def schedule(self, ctx):
+            super().schedule(ctx)
+            ctx.batch.items = [(r, np.int64(n)) for r, n in ctx.batch.items]
+            return ctx.batch
+
+    assert "needs a Python int" in caught("chunked_scheduler", NumpyChunks)
+
+    latencies = solution("06_benchmarking.ipynb")["latencies"]
+    per_tenant = solution("06_benchmarking.ipynb")["per_tenant"]
+
+    def in_float32(record):
+        return {k: None if v is None else float(np.float32(v))
+                for k, v in latencies(record).items()}
+
+    def torch_quantile(records):
+        out = per_tenant(records)
+        for tenant, row in out.items():
+            ttfts = tenant_ttfts(latencies, records, tenant)
+            if ttfts:
+                q = torch.quantile(torch.tensor(ttfts), torch.tensor([0.5, 0.99]))
+                row["ttft_p50"], row["ttft_p99"] = q.tolist()
+        return out
+
+    assert "computed in float32" in caught("latencies", in_float32)
+    assert "computed in float32" in caught("per_tenant", torch_quantile)
+
+
+def test_goodput_and_per_tenant_hints_fire_only_for_their_cause():
+    goodput = solution("06_benchmarking.ipynb")["goodput"]
+    latencies = solution("06_benchmarking.ipynb")["latencies"]
+
+    def ends_at_the_finish(records, slo):  # TTFT and E2E without the release of a static batch
+        def unreleased(r):
+            out = dict(latencies(r))
+            if r.first_token_time is not None:
+                out["ttft"] = r.first_token_time - r.arrival_time
+                out["e2e"] = r.finish_time - r.arrival_time
+            return out
+
+        span = goodput(records, {})
+        if span is None:
+            return None
+        span = max(r.finish_time for r in records if r.finish_time is not None) - \
+            min(r.arrival_time for r in records)
+        return sum(1 for r in records if r.finish_reason in ("stop", "length") and all(
+            (unreleased(r)[k] is None and k == "tpot") or
+            (unreleased(r)[k] is not None and unreleased(r)[k] <= v) for k, v in slo.items())
+        ) / span
+
+    message = caught("goodput", ends_at_the_finish)
+    assert "released_time" in message and "counted every request" not in message
+
+    def zero_when_no_span(records, slo):
+        got = goodput(records, slo)
+        return 0.0 if got is None and records else got
+
+    assert "a span of 0" in caught("goodput", zero_when_no_span)
+
+    per_tenant = solution("06_benchmarking.ipynb")["per_tenant"]
+
+    def nearest(records):
+        out = per_tenant(records)
+        for tenant, row in out.items():
+            ttfts = tenant_ttfts(latencies, records, tenant)
+            if ttfts:
+                row["ttft_p50"] = float(np.percentile(ttfts, 50, method="nearest"))
+        return out
+
+    assert "without interpolation" in caught("per_tenant", nearest)
+
+
 # ------------------------------------------------------------------------------ notebooks
 @pytest.mark.slow
 @pytest.mark.parametrize("name", EXPECTED)
@@ -485,12 +872,13 @@ def test_grader_restores_checks_and_survives_endless_loops(tmp_path, capsys):
     path = tmp_path / "alice.ipynb"  # a renamed submission: name its source
     nbformat.write(nb, path)
     source = ROOT / "exercises" / "source" / EXPECTED[0]
-    assert grade.main([str(path), "--timeout", "4", "--source", str(source)]) == 0
+    # a timeout of a few seconds can interrupt the import cell on a loaded machine
+    assert grade.main([str(path), "--timeout", "15", "--source", str(source)]) == 0
     out = capsys.readouterr().out
     assert "✓ page_pool" in out and "✓ quantize_int8" in out and "total: 2/4" in out
     assert "check cell of 'page_pool' was edited: restored from the source" in out
     assert "prefix_hashes" in out and "its check cell is missing" in out
-    assert "KeyboardInterrupt" in out and "longer than 4 s" in out
+    assert "KeyboardInterrupt" in out and "longer than 15 s" in out
     assert grade.main([str(tmp_path / "missing.ipynb")]) == 2
 
 
@@ -511,8 +899,9 @@ def test_a_cell_that_swallows_the_interrupt_is_killed_and_the_rest_still_graded(
     path = tmp_path / EXPECTED[0]
     nbformat.write(nb, path)
     t0 = time.monotonic()
-    assert grade.main([str(path), "--timeout", "3"]) == 0
-    assert time.monotonic() - t0 < 60
+    # 3 s was too tight on a loaded machine: the cell importing torch timed out in one CI run
+    assert grade.main([str(path), "--timeout", "15"]) == 0
+    assert time.monotonic() - t0 < 120
     out = capsys.readouterr().out
     assert "✓ page_pool" in out and "✓ prefix_hashes" in out and "total: 2/4" in out
     assert "its kernel was killed" in out
