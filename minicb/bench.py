@@ -379,6 +379,7 @@ def declaration(args: argparse.Namespace, workload: Workload, executor: Executor
         "policy": policies,
         "policy_options": {
             "preemption": cfg.preemption, "priority_aging_steps": cfg.priority_aging_steps,
+            "max_preemptions": cfg.max_preemptions,
             "num_speculative_tokens": cfg.num_speculative_tokens,
             "batch_timeout": f"{cfg.batch_timeout} "
                              f"{'s' if cfg.batch_timeout_in_seconds else 'steps'} (dynamic)"},

@@ -117,6 +117,10 @@ class EngineConfig:
     # with preemption="priority": a waiting request's priority improves by one for every this
     # many steps it has waited, so a stream of important requests cannot starve it (chapter 06)
     priority_aging_steps: int | None = None
+    # a bound on preemption loss (chapter 06): a request preempted this many times is admitted
+    # again only with pages for its whole life (prompt + max_tokens) and is never preempted
+    # again; 0 reserves every request's whole life from the start. None: no bound
+    max_preemptions: int | None = None
     check_invariants: bool = False
     # per-step copies of the waiting queue, page tables, slots and cached pages in the trace
     # (what the step-through pictures draw); False keeps each StepRecord as small as its batch,
@@ -172,6 +176,10 @@ class EngineConfig:
         if aging is not None and self.preemption != "priority":
             raise ValueError("priority_aging_steps ages priorities: it needs "
                              "preemption='priority'")
+        if self.max_preemptions is not None and (not is_int(self.max_preemptions)
+                                                 or self.max_preemptions < 0):
+            raise ValueError(f"max_preemptions must be an integer >= 0 or None, "
+                             f"got {self.max_preemptions!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                              f"got {self.attention_backend!r}")

@@ -95,6 +95,12 @@ class SchedulerContext:
     def num_free_pages(self) -> int:
         return self.pool.num_available
 
+    def is_protected(self, req: Request) -> bool:
+        """Preempted `max_preemptions` times already: it holds pages for its whole life once
+        admitted and is never a victim again (the bound on preemption loss, chapter 06)."""
+        limit = self.config.max_preemptions
+        return limit is not None and req.num_preemptions >= limit
+
     def pages_to_advance(self, req: Request, num_tokens: int) -> int:
         """New pages `req` needs to hold `num_tokens` more tokens."""
         need = self.pool.pages_needed(req.num_computed_tokens + num_tokens)
@@ -128,7 +134,10 @@ class SchedulerContext:
         num_tokens = min(max_tokens, remaining)
         if num_tokens < min(min_tokens, remaining):
             return 0
-        total_pages = self.pool.pages_needed(len(hit) * self.pool.page_size + num_tokens)
+        total_tokens = len(hit) * self.pool.page_size + num_tokens
+        if self.is_protected(req):  # its whole life now, so it never needs a page again
+            total_tokens = max(total_tokens, req.max_num_tokens)
+        total_pages = self.pool.pages_needed(total_tokens)
         # shared pages that sit unreferenced in the LRU list stop being available once shared
         evictable_hits = sum(1 for p in hit if self.pool.ref_count[p] == 0)
         if total_pages - len(hit) > self.pool.num_available - evictable_hits:
@@ -176,10 +185,12 @@ class SchedulerContext:
         """Whom to preempt when `current` needs a page: the running request not yet scheduled
         this step (or `current` itself) that ranks last: the newest; under "priority" the least
         important (the largest `priority` value, as in vLLM); under "deadline" the one whose
-        deadline is furthest away; under "fair" the newest of the most-served tenant."""
-        candidates = [r for r in self.running
-                      if r.request_id not in self.scheduled_ids or r is current]
-        return max(candidates, key=queue_rank(self.config.preemption, self.tenant_service))
+        deadline is furthest away; under "fair" the newest of the most-served tenant. A
+        protected request (`is_protected`) is never chosen: it holds every page it will need."""
+        candidates = [r for r in self.running if (r.request_id not in self.scheduled_ids
+                                                  or r is current) and not self.is_protected(r)]
+        return max(candidates or [current],
+                   key=queue_rank(self.config.preemption, self.tenant_service))
 
     def reserve_or_preempt(self, req: Request, num_tokens: int) -> bool:
         """Reserve pages for `req`, preempting others (possibly `req` itself) until it fits."""

@@ -328,6 +328,7 @@ def test_bad_sampling_params(kwargs, field):
     (dict(enable_prefix_caching="no"), "enable_prefix_caching must be True or False"),
     (dict(check_invariants="yes"), "check_invariants"), (dict(use_cuda_graphs=None), "use_cuda"),
     (dict(trace_snapshots=1), "trace_snapshots"),
+    (dict(max_preemptions=-1), "max_preemptions"), (dict(max_preemptions=1.0), "max_preemptions"),
 ])
 def test_bad_engine_config(kwargs, field):
     with pytest.raises(ValueError, match=field):

@@ -171,13 +171,17 @@ def test_min_chunk_defers_a_small_chunk(make_engine):
                 assert m.num_tokens >= 6, f"step {rec.step}: chunk of {m.num_tokens} < min_chunk"
 
 
-def test_preemption_when_pages_run_out_recomputes_and_matches(make_engine):
+@pytest.mark.parametrize("max_preemptions", [None, 1])
+def test_preemption_when_pages_run_out_recomputes_and_matches(make_engine, max_preemptions):
+    """With `max_preemptions=1` a request preempted once comes back holding its whole life's
+    pages and is never preempted again: the same tokens."""
     prompts = [[(7 * i + j) % 200 + 3 for j in range(20)] for i in range(6)]
     p = SamplingParams(max_tokens=40, **GREEDY)
     small = make_engine("continuous", num_pages=12, page_size=8, max_num_seqs=6,
-                        enable_prefix_caching=True)
+                        enable_prefix_caching=True, max_preemptions=max_preemptions)
     ids = [small.add_request(x, p) for x in prompts]
     small.run()
+    assert max(r.num_preemptions for r in small.requests.values()) <= (max_preemptions or 99)
     assert sum(r.num_preemptions for r in small.requests.values()) > 0
     assert sum(len(rec.preempted) for rec in small.trace) > 0
     assert sum(r.num_recomputed_tokens for r in small.requests.values()) > 0
@@ -575,3 +579,30 @@ def test_a_deadline_counts_from_the_arrival():
                                        deadline=0.5, request_id="late-comer")])
     run_workload(engine, w)
     assert engine.requests["late-comer"].finish_reason == "length"
+
+
+# --- a bound on preemption loss (chapter 06) ---
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(jobs=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 30), st.integers(1, 20)),
+                     min_size=1, max_size=10),
+       policy=st.sampled_from(POLICIES),
+       preemption=st.sampled_from(["newest", "priority", "fair"]),
+       limit=st.sampled_from([0, 1, 2]))
+def test_max_preemptions_bounds_each_requests_loss(jobs, policy, preemption, limit):
+    """Twenty pages of 4 tokens for three slots: preemption is common without a bound. With
+    one, no request is preempted more than `max_preemptions` times, so none throws away more
+    than that many lifetimes of work; every request still completes and every page returns."""
+    from minicb.sim import make_sim_engine
+    engine = make_sim_engine(policy=policy, max_num_seqs=3, max_num_batched_tokens=32,
+                             chunk_size=16, page_size=4, num_pages=20, preemption=preemption,
+                             max_preemptions=limit, check_invariants=True)
+    for i, (prompt_len, max_tokens, arrival) in enumerate(jobs):
+        engine.add_request([1 + i] * prompt_len, SamplingParams(max_tokens=max_tokens, **GREEDY),
+                           request_id=f"r{i}", arrival_step=arrival, priority=i % 3,
+                           tenant="ab"[i % 2])
+    engine.run()
+    for req in engine.requests.values():
+        assert req.finish_reason == "length"
+        assert req.num_preemptions <= limit
+        assert req.num_recomputed_tokens <= limit * req.max_num_tokens
+    assert engine.pool.num_used == 0 and not engine.has_unfinished()
