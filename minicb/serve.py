@@ -774,6 +774,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="queue order and preemption: newest (first come first served), "
                              "priority (the requests' `priority`, smaller first, as vLLM's), "
                              "or fair (between the requests' `user`s)")
+    parser.add_argument("--max-preemptions", type=int, default=None,
+                        help="a bound on preemption loss: a request preempted this many times "
+                             "comes back holding pages for its whole life and is never "
+                             "preempted again (0: reserve every request's whole life)")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (CUDA when "
                         "torch sees a GPU)")
     parser.add_argument("--quantization", choices=[q for q in QUANTIZATIONS if q], default=None,
@@ -791,7 +795,8 @@ def main(argv: list[str] | None = None) -> int:
     from minicb.llm import LLM
 
     options = {k: v for k, v in dict(chunk_size=args.chunk_size, num_pages=args.num_pages,
-                                     num_speculative_tokens=args.num_speculative_tokens)
+                                     num_speculative_tokens=args.num_speculative_tokens,
+                                     max_preemptions=args.max_preemptions)
                .items() if v is not None}
     try:
         llm = LLM(args.model, policy=args.policy, max_num_seqs=args.max_num_seqs,

@@ -394,7 +394,15 @@ def test_serve_cli_help(capsys):
         main(["--help"])
     out = capsys.readouterr().out
     assert exit_info.value.code == 0 and "--max-queue" in out and "--quantization" in out
-    assert "--num-speculative-tokens" in out
+    assert "--num-speculative-tokens" in out and "--max-preemptions" in out
+
+
+def test_serve_cli_passes_the_preemption_bound_to_the_engine(capsys):
+    """Checked by the engine's config before any model loads: a bad bound is named."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--max-preemptions", "-1"])
+    assert exit_info.value.code == 2
+    assert "max_preemptions must be an integer >= 0" in capsys.readouterr().err
 
 
 def test_metrics_count_every_token_of_a_step_that_kept_guesses():
