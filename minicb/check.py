@@ -1,4 +1,4 @@
-"""Checks for the exercise notebooks (chapters 01-06): one function per exercise.
+"""Checks for the exercise notebooks (chapters 01-07): one function per exercise.
 
 `check.<exercise>(your_function_or_class)` runs your code and minicb's reference side by side
 on edge cases and random inputs. On the first disagreement it raises `CheckFailed` (an
@@ -1508,3 +1508,156 @@ def per_tenant(fn: Callable[[list[RequestRecord]], dict[Any, dict[str, Any]]]) -
                                 f"is {_short(mine[key])}.{why}")
     return _passed(name, f"{len(cases)} sets of records give the same per-tenant table as "
                          "minicb.metrics")
+
+
+# ============================================================================ paged attention (07)
+def _reference_metadata(page_table: list[int], num_computed: int, num_new: int,
+                        page_size: int) -> Any:
+    from minicb.attention import build_metadata
+    return build_metadata([list(page_table)], [num_computed], [num_new], page_size)
+
+
+def _slot_cases(seed: int) -> list[tuple[list[int], int, int, int]]:
+    """(page_table, num_computed, num_new, page_size): pages in any order, a chunk starting
+    mid-page, one decode token, a fresh prompt, page size 1."""
+    rng = random.Random(seed)
+    cases = [([3], 0, 4, 4), ([5, 2], 3, 1, 4), ([7, 1, 4], 2, 9, 4), ([9, 0], 16, 1, 16),
+             ([2, 8, 5], 0, 3, 1), ([6, 3], 5, 3, 4)]
+    for _ in range(30):
+        page_size = rng.choice([1, 2, 4, 16])
+        num_computed, num_new = rng.randint(0, 40), rng.randint(1, 40)
+        pages = rng.sample(range(64), -(-(num_computed + num_new) // page_size))
+        cases.append((pages, num_computed, num_new, page_size))
+    return cases
+
+
+def slot_mapping(fn: Callable[[list[int], int, int, int], list[int]]) -> bool:
+    """Exercise 7.1: `fn(page_table, num_computed, num_new, page_size)` returns the cache slot
+    of each of the step's new tokens (positions num_computed .. num_computed + num_new - 1):
+    page_table[pos // page_size] * page_size + pos % page_size, like
+    `AttentionMetadata.slot_mapping`."""
+    name = "slot_mapping"
+    cases = _slot_cases(71)
+    for table, num_computed, num_new, page_size in cases:
+        want = _reference_metadata(table, num_computed, num_new, page_size).slot_mapping.tolist()
+        shown = (f"page_table={table}, num_computed={num_computed}, num_new={num_new}, "
+                 f"page_size={page_size}")
+        got = _call(name, f"fn({shown})", fn, list(table), num_computed, num_new, page_size)
+        got = [_as_int(s) for s in got] if isinstance(got, (list, tuple)) else got
+        if got == want:
+            continue
+        why = ""
+        positions = list(range(num_computed, num_computed + num_new))
+        if got == positions:
+            why = (" Those are the positions: a token's slot is where its page lies, "
+                   "page_table[pos // page_size] * page_size + pos % page_size.")
+        elif isinstance(got, list) and got == _reference_metadata(
+                table, 0, num_new, page_size).slot_mapping.tolist():
+            why = (" Those are the slots of positions 0.. : the new tokens come after the "
+                   f"{num_computed} already in the cache.")
+        elif isinstance(got, list) and len(got) != num_new:
+            why = f" One slot per new token: {num_new} of them."
+        _fail(name, f"{shown}: expected {want}, got {_short(got)}.{why}")
+    return _passed(name, f"{len(cases)} page tables map their new tokens to the same slots as "
+                         "minicb's AttentionMetadata")
+
+
+def _attention_variant(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       page_table: list[int], num_computed: int, scale: float,
+                       causal: bool = True, heads: str = "grouped", paged: bool = True,
+                       new_in_context: bool = True) -> torch.Tensor:
+    """Attention of one member over its pages, and the mistakes the hints name: no causal
+    mask, query head h on kv head h % num_kv_heads, pages read in order 0, 1, ... instead of
+    through the table, the step's own tokens left out of the context."""
+    num_new, num_heads, _ = q.shape
+    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    length = num_computed + (num_new if new_in_context else 0)
+    pos = torch.arange(length)
+    pages = torch.tensor(page_table)[pos // page_size] if paged else pos // page_size
+    slots = pages * page_size + pos % page_size
+    k = k_cache.reshape(-1, num_kv_heads, k_cache.shape[-1])[slots]
+    v = v_cache.reshape(-1, num_kv_heads, v_cache.shape[-1])[slots]
+    group = num_heads // num_kv_heads
+    kv_of_head = torch.arange(num_heads) // group if heads == "grouped" else \
+        torch.arange(num_heads) % num_kv_heads
+    k, v = k[:, kv_of_head], v[:, kv_of_head]  # [length, heads, D]
+    scores = torch.einsum("nhd,lhd->hnl", q.double(), k.double()) * scale
+    if causal:
+        row_pos = num_computed + torch.arange(num_new)
+        scores = scores.masked_fill(pos[None, None, :] > row_pos[None, :, None], float("-inf"))
+    return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v.double()).to(q.dtype)
+
+
+def _attention_cases(seed: int) -> list[tuple[str, int, int, int, int, int, int]]:
+    """(label, num_computed, num_new, page_size, num_heads, num_kv_heads, head_dim)."""
+    rng = random.Random(seed)
+    cases = [("a fresh 5-token prompt", 0, 5, 4, 2, 2, 8),
+             ("one decode token after 9", 9, 1, 4, 4, 1, 8),
+             ("a chunk that starts mid-page", 6, 7, 4, 4, 2, 16),
+             ("grouped-query attention, 4 query heads per kv head", 3, 6, 16, 8, 2, 16),
+             ("one token alone", 0, 1, 16, 2, 1, 8)]
+    for i in range(16):
+        kv = rng.choice([1, 2])
+        cases.append((f"random case {i}", rng.randint(0, 40), rng.choice([1, rng.randint(1, 24)]),
+                      rng.choice([2, 4, 16]), kv * rng.choice([1, 2, 4]), kv,
+                      rng.choice([8, 16])))
+    return cases
+
+
+def paged_attention(fn: Callable[..., torch.Tensor]) -> bool:
+    """Exercise 7.2: `fn(q, k_cache, v_cache, page_table, num_computed, scale)` is one member's
+    attention over the paged cache (its context, this step's tokens included, already stored):
+    q [num_new, num_heads, head_dim] for positions num_computed ..; row i attends causally to
+    positions 0 .. num_computed + i; query head h reads kv head h // (num_heads //
+    num_kv_heads). Compared with minicb's torch backend (`attention.torch_ref.attend`)."""
+    from minicb.attention import torch_ref
+
+    name = "paged_attention"
+    gen = torch.Generator().manual_seed(72)
+    cases = _attention_cases(72)
+    for label, num_computed, num_new, page_size, heads, kv_heads, head_dim in cases:
+        pool = 2 * -(-(num_computed + num_new) // page_size) + 3
+        table = torch.randperm(pool, generator=gen)[:-(-(num_computed + num_new) // page_size)]
+        table = table.tolist()
+        k_cache = torch.randn(pool, page_size, kv_heads, head_dim, generator=gen)
+        v_cache = torch.randn(pool, page_size, kv_heads, head_dim, generator=gen)
+        q = torch.randn(num_new, heads, head_dim, generator=gen)
+        scale = head_dim ** -0.5
+        meta = _reference_metadata(table, num_computed, num_new, page_size)
+        want = torch_ref.attend(q, k_cache, v_cache, meta, scale)
+        shown = (f"{label} (num_computed={num_computed}, num_new={num_new}, page_size="
+                 f"{page_size}, {heads} query heads, {kv_heads} kv heads, page_table={table})")
+        got = _call(name, f"fn(q, k_cache, v_cache, ...) for {shown}", fn, q.clone(),
+                    k_cache.clone(), v_cache.clone(), list(table), num_computed, scale)
+        if not isinstance(got, torch.Tensor) or got.shape != want.shape:
+            _fail(name, f"{shown}: return a tensor shaped {list(want.shape)} "
+                        f"[num_new, num_heads, head_dim], got "
+                        f"{list(got.shape) if isinstance(got, torch.Tensor) else _short(got)}.")
+        if torch.allclose(got.float(), want, rtol=1e-4, atol=1e-5):
+            continue
+        why = ""
+        for mistake, hint in (
+                (dict(causal=False), "each row must not see the positions after its own: row i "
+                                     "attends to positions 0 .. num_computed + i (mask the rest "
+                                     "with -inf before the softmax)"),
+                (dict(heads="modulo"), "query head h shares kv head h // (num_heads // "
+                                       "num_kv_heads) (heads are grouped, not interleaved)"),
+                (dict(paged=False), "the pages are read in order 0, 1, 2, ...: look each "
+                                    "position's page up in page_table"),
+                (dict(new_in_context=False), "this step's tokens are in the cache already, and "
+                                             "each row attends to itself too"),
+                (dict(scale=1.0), "multiply the scores by scale before the softmax")):
+            options = dict(mistake)
+            variant_scale = options.pop("scale", scale)
+            wrong = _attention_variant(q, k_cache, v_cache, table, num_computed, variant_scale,
+                                       **options)
+            if torch.allclose(got.float(), wrong.float(), rtol=1e-4, atol=1e-5):
+                why = f" It looks like {hint}."
+                break
+        if not why and not torch.isfinite(got).all():
+            why = " Your output holds NaN or inf: a row whose scores are all -inf?"
+        worst = (got.float() - want).abs().max().item()
+        _fail(name, f"{shown}: your output differs from minicb's by up to {worst:.3g}.{why}")
+    return _passed(name, f"{len(cases)} members (decode rows, fresh prompts, chunks starting "
+                         "mid-page, grouped-query heads, pages in any order) match minicb's "
+                         "torch attention")

@@ -1,4 +1,4 @@
-"""Exercises, solutions and the autograder (exercises for chapters 01-06).
+"""Exercises, solutions and the autograder (exercises for chapters 01-07).
 
 Fast tests: the generated notebooks match their sources; the generator's stubs; every exercise
 pairs a stub, a check cell and a `minicb.check` function; the reference solutions pass their
@@ -26,7 +26,8 @@ from minicb.model import quant
 SOURCES = sorted((ROOT / "exercises" / "source").glob("*.ipynb"))
 NAMES = [p.name for p in SOURCES]
 EXPECTED = ["01_paged_kv.ipynb", "02_static_batching.ipynb", "03_continuous_batching.ipynb",
-            "04_chunked_prefill.ipynb", "05_pd_interleaving.ipynb", "06_benchmarking.ipynb"]
+            "04_chunked_prefill.ipynb", "05_pd_interleaving.ipynb", "06_benchmarking.ipynb",
+            "07_paged_attention.ipynb"]
 
 
 def tagged(nb, prefix: str) -> dict[str, int]:
@@ -181,6 +182,8 @@ SOLUTION_OBJECTS = {
     "latencies": ("06_benchmarking.ipynb", "latencies"),
     "goodput": ("06_benchmarking.ipynb", "goodput"),
     "per_tenant": ("06_benchmarking.ipynb", "per_tenant"),
+    "slot_mapping": ("07_paged_attention.ipynb", "slot_mapping"),
+    "paged_attention": ("07_paged_attention.ipynb", "paged_attention"),
 }
 
 
@@ -1148,3 +1151,39 @@ def test_static_batch_reference_matches_the_engines_first_batch():
         first = engine.step()
         admitted = [m.request_id for m in first.members]
         assert admitted == _reference_static_batch(queue, max_num_seqs, num_pages, page_size)
+
+
+def test_paged_attention_mistakes_are_named():
+    """Each typical mistake fails with its own hint; the hints' variants are built by the
+    check itself, so this also proves the variant without a mistake is minicb's attention."""
+    from minicb.check import _attention_variant
+
+    correct = solution("07_paged_attention.ipynb")["paged_attention"]
+    assert check.paged_attention(lambda *a: _attention_variant(*a)) is True
+    for mistake, hint in ((dict(causal=False), "must not see the positions after its own"),
+                          (dict(heads="modulo"), "kv head h // (num_heads // num_kv_heads)"),
+                          (dict(paged=False), "look each position's page up in page_table"),
+                          (dict(new_in_context=False), "this step's tokens are in the cache")):
+        assert hint in caught("paged_attention",
+                              lambda *a, m=mistake: _attention_variant(*a, **m))
+    assert "by scale" in caught("paged_attention", lambda q, k, v, t, n, s: correct(q, k, v, t,
+                                                                                   n, 1.0))
+    assert "[num_new, num_heads, head_dim]" in caught(
+        "paged_attention", lambda q, k, v, t, n, s: correct(q, k, v, t, n, s)[-1])
+
+
+def test_slot_mapping_mistakes_are_named():
+    def positions(table, num_computed, num_new, page_size):
+        return list(range(num_computed, num_computed + num_new))
+
+    def from_zero(table, num_computed, num_new, page_size):
+        return [table[p // page_size] * page_size + p % page_size for p in range(num_new)]
+
+    def numpy_ids(table, num_computed, num_new, page_size):  # numpy integers are fine
+        pos = np.arange(num_computed, num_computed + num_new)
+        return list(np.asarray(table)[pos // page_size] * page_size + pos % page_size)
+
+    assert "Those are the positions" in caught("slot_mapping", positions)
+    assert "come after the" in caught("slot_mapping", from_zero)
+    assert check.slot_mapping(numpy_ids) is True
+

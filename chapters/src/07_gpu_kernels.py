@@ -508,6 +508,9 @@ for r in rows:
 #
 # **Try it:** run the kernel check with page size 1 and 64, with a chunk that starts at position
 # 0 and one that starts at the last slot of a page; set `GROUP = 3` as in SmolLM2 (9 query heads
-# over 3 kv heads) and `GROUP = 32` (the decode tile then grows from 16 to 32 rows). There is no
-# exercise notebook for this chapter; the tests in `tests/test_triton.py` are the worked
-# examples.
+# over 3 kv heads) and `GROUP = 32` (the decode tile then grows from 16 to 32 rows). The tests in
+# `tests/test_triton.py` are the worked examples.
+#
+# **Exercises:** [`exercises/07_paged_attention.ipynb`](../exercises/07_paged_attention.ipynb):
+# write the slot mapping and attention over the pages in plain PyTorch (what both kernels
+# compute, for one member), checked against minicb's on random page tables; no GPU needed.
