@@ -4,6 +4,7 @@ executor; the results file follows the schema and starts with the declaration.""
 from __future__ import annotations
 
 import json
+import types
 
 import pytest
 import torch
@@ -274,3 +275,204 @@ def test_hf_static_returns_each_batch_whole(tiny_llama_dir):
     assert metrics.e2e(short) == pytest.approx(metrics.e2e(long))
     assert metrics.tpot(short) == pytest.approx(
         (short.finish_time - short.first_token_time) / 2)
+
+
+# --- from a mutation review of this module: each test fails on the planted bug it names ---
+TINY = ["--num-requests", "4", "--prompt-lengths", "uniform:4:24",
+        "--output-lengths", "uniform:2:6", "--no-progress"]
+SWEEP = ["--executor", "sim", "--workload", "mixed-chat", "--num-requests", "24", "--rate", "40",
+         "--max-num-batched-tokens", "64,512", "--max-num-seqs", "4,16", "--chunk-size", "64",
+         "--no-progress"]
+
+
+def _spy_run_policy(monkeypatch):
+    """Record each summary run_policy returns, by its (budget, seqs, chunk) setting."""
+    seen, real = {}, bench.run_policy
+
+    def spy(executor, policy, workload, options, *args, **kwargs):
+        summary, engine = real(executor, policy, workload, options, *args, **kwargs)
+        key = (options["max_num_batched_tokens"], options["max_num_seqs"], options["chunk_size"])
+        seen[key] = summary
+        return summary, engine
+    monkeypatch.setattr(bench, "run_policy", spy)
+    return seen
+
+
+def test_sweep_rows_copy_each_settings_own_summary(tmp_path, monkeypatch):
+    """Each row's p99 columns are that setting's p99 (not its p50 or p95), and its goodput,
+    tokens/s, attainment and preemptions are its own."""
+    seen = _spy_run_policy(monkeypatch)
+    out = tmp_path / "sweep.json"
+    assert bench.main_sweep([*SWEEP, "--slo-ttft", "0.5", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == len(seen) == 4
+    for row in rows:
+        s = seen[(row["max_num_batched_tokens"], row["max_num_seqs"], row["chunk_size"])]
+        assert (row["ttft_p99_s"], row["tpot_p99_s"], row["e2e_p99_s"]) == (
+            s["ttft_s"]["p99"], s["tpot_s"]["p99"], s["e2e_s"]["p99"])
+        assert (row["goodput_rps"], row["output_tokens_per_s"], row["slo_attainment"],
+                row["preemptions"]) == (s["goodput_rps"], s["output_tokens_per_s"],
+                                        s["slo_attainment"], s["preemptions"])
+    # the p99s differ from the p50s here, so a p50 reported as p99 shows
+    assert any(s["ttft_s"]["p99"] != s["ttft_s"]["p50"] for s in seen.values())
+
+
+def test_sweep_best_is_the_fastest_when_no_setting_meets_the_slo(tmp_path, capsys):
+    """Goodput ties (here at 0: an SLO nobody meets): the best row is the one with the most
+    tokens/s, and the printed best is data["best"]."""
+    out = tmp_path / "sweep.json"
+    assert bench.main_sweep([*SWEEP, "--slo-ttft", "1e-9", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert all(r["goodput_rps"] == 0 for r in data["rows"])
+    assert data["best"]["output_tokens_per_s"] == max(r["output_tokens_per_s"]
+                                                      for r in data["rows"])
+    best = data["best"]
+    assert (f"best: max_num_batched_tokens={best['max_num_batched_tokens']} "
+            f"max_num_seqs={best['max_num_seqs']} chunk_size={best['chunk_size']} "
+            in capsys.readouterr().out)
+
+
+def test_sweep_sustainable_load_uses_the_slo_target(tmp_path):
+    out = tmp_path / "rates.json"
+    argv = ["--executor", "sim", "--workload", "mixed-chat", "--num-requests", "60",
+            "--rates", "5,20,10", "--max-num-batched-tokens", "64,1024", "--max-num-seqs", "32",
+            "--chunk-size", "1024", "--slo-ttft", "0.3", "--slo-target", "0.5",
+            "--out", str(out), "--no-progress"]
+    assert bench.main_sweep(argv) == 0
+    data = json.loads(out.read_text())
+    assert data["declaration"]["slo_target"] == 0.5
+    differs = False
+    for r in data["sustainable"]:
+        attained = {row["rate_rps"]: row["slo_attainment"] for row in data["rows"]
+                    if row["max_num_batched_tokens"] == r["max_num_batched_tokens"]}
+        assert r["sustainable_load_rps"] == metrics.sustainable_load(attained, 0.5)
+        differs |= metrics.sustainable_load(attained, 0.5) != metrics.sustainable_load(attained)
+    assert differs, "the workload no longer tells a 0.5 target from 0.99"
+
+
+def test_the_declaration_reports_the_workload_and_system_that_ran(tmp_path):
+    out = tmp_path / "decl.json"
+    assert bench.main_bench(["--executor", "sim", "--num-requests", "6", "--rate", "3",
+                             "--burstiness", "0.5", "--seed", "7", "--cancel-fraction", "0.5",
+                             "--num-pages", "100", "--page-size", "8", "--no-prefix-caching",
+                             "--out", str(out), "--no-progress"]) == 0
+    data = json.loads(out.read_text())
+    decl, pd = data["declaration"], data["results"]["pd"]
+    assert (decl["rate_rps"], decl["burstiness"], decl["seed"]) == (3.0, 0.5, 7)
+    assert decl["workload"]["cancel_fraction"] == 0.5 and pd["cancelled"] > 0
+    assert decl["memory_limit"] == {"num_pages": 100, "page_size": 8, "kv_tokens": 800}
+    assert decl["cache_state"]["prefix_caching"] is False
+    from minicb.config import EngineConfig
+    assert decl["concurrency"]["max_num_seqs"] == EngineConfig().max_num_seqs  # not None
+    # no --num-pages: the pool the engine really had, not a placeholder
+    assert bench.main_bench(["--executor", "sim", "--num-requests", "2", "--out", str(out),
+                             "--no-progress"]) == 0
+    memory = json.loads(out.read_text())["declaration"]["memory_limit"]
+    assert isinstance(memory["num_pages"], int)
+    assert memory["kv_tokens"] == memory["num_pages"] * memory["page_size"]
+
+
+def test_no_prefix_caching_caches_nothing():
+    args = bench.bench_parser().parse_args(["--executor", "sim", "--workload", "shared-prefix",
+                                            "--num-requests", "4", "--no-prefix-caching",
+                                            "--no-progress"])
+    assert bench.run_bench(args)["results"]["pd"]["cached_prompt_tokens"] == 0
+
+
+@pytest.mark.parametrize("main", [bench.main_bench, bench.main_sweep], ids=["bench", "sweep"])
+def test_threads_flag_sets_torch_threads(main, tmp_path):
+    out, before = tmp_path / "t.json", torch.get_num_threads()
+    wanted = 2 if before != 2 else 3
+    try:
+        assert main(["--executor", "sim", "--num-requests", "2", "--threads", str(wanted),
+                     "--out", str(out), "--no-progress"]) == 0
+        assert torch.get_num_threads() == wanted
+    finally:
+        torch.set_num_threads(before)
+    assert json.loads(out.read_text())["declaration"]["device"]["torch_threads"] == wanted
+
+
+def test_single_stream_speed_counts_prefill_and_decode_on_their_own_steps():
+    """Batch-1 speeds on the simulated executor: prefill from the first step, decode from the
+    steps after it, each over its own seconds."""
+    executor = bench.Executor("sim")
+    got = bench.measure_single_stream(executor, num_prompts=1, prompt_len=64, max_tokens=9)
+    from minicb.request import SamplingParams
+    engine = executor.engine(policy="single")
+    engine.add_request(list(range(100, 164)), SamplingParams(max_tokens=9, temperature=0.0,
+                                                             ignore_eos=True))
+    engine.run()
+    first, rest = engine.trace[0], engine.trace[1:]
+    assert got["prefill_tokens_per_s"] == pytest.approx(64 / first.duration)
+    assert got["decode_tokens_per_s"] == pytest.approx(
+        sum(r.num_decode_tokens for r in rest) / sum(r.duration for r in rest))
+
+
+def test_hf_single_stream_splits_prefill_from_decode(monkeypatch):
+    """On a fake transformers model whose prefill takes 0.5 s and each further token 10 ms."""
+    clock = types.SimpleNamespace(t=0.0)
+
+    class FakeHF:
+        config = types.SimpleNamespace(vocab_size=1000)
+
+        def generate(self, input_ids, max_new_tokens, **kw):
+            clock.t += 0.5 + 0.01 * (max_new_tokens - 1)
+
+    monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=lambda: clock.t))
+    got = bench.hf_single_stream(FakeHF(), num_prompts=3, prompt_len=128, max_tokens=32)
+    assert got["prefill_tokens_per_s"] == pytest.approx(128 / 0.5)
+    assert got["decode_tokens_per_s"] == pytest.approx(100.0)
+
+
+def test_hf_static_token_times_are_each_requests_own(tiny_llama_dir):
+    from minicb.workload import Workload, WorkloadRequest
+    model = bench._hf_model(tiny_llama_dir, "cpu", torch.float32)
+    workload = Workload("two", [WorkloadRequest(prompt_len=8, max_tokens=n, request_id=f"r{n}")
+                                for n in (3, 9)])
+    records = bench.hf_static(model, workload, batch_size=2, progress=False)
+    assert sorted(len(r.token_times) for r in records) == [3, 9]  # not the padded batch's 9
+
+
+def test_hf_generate_batch_sends_each_request_at_its_arrival(tiny_llama_dir):
+    from minicb.workload import Workload, WorkloadRequest
+    model = bench._hf_model(tiny_llama_dir, "cpu", torch.float32)
+    workload = Workload("late", [WorkloadRequest(prompt_len=8, max_tokens=4, request_id=rid,
+                                                 arrival_time=t)
+                                 for rid, t in (("early", 0.0), ("late", 0.4))])
+    records = {r.request_id: r for r in bench.hf_generate_batch(model, workload, 2, 64,
+                                                                progress=False)}
+    late = records["late"]
+    assert late.arrival_time == 0.4 and late.first_token_time >= 0.4
+
+
+def test_compare_hf_runs_transformers_with_minicbs_settings(tiny_llama_dir, monkeypatch):
+    """Same batch size, token budget and dtype on both sides (transformers' runs are spied)."""
+    seen = {}
+    monkeypatch.setattr(bench, "_hf_model",
+                        lambda path, device, dtype: seen.update(dtype=dtype) or "hf")
+    monkeypatch.setattr(bench, "hf_static", lambda model, workload, batch_size, *a, **kw:
+                        seen.update(static=batch_size) or [])
+    monkeypatch.setattr(bench, "hf_generate_batch",
+                        lambda model, workload, seqs, tokens, *a, **kw:
+                        seen.update(seqs=seqs, tokens=tokens) or [])
+    args = bench.bench_parser().parse_args(["--model", str(tiny_llama_dir), "--policy", "pd",
+                                            "--dtype", "bfloat16", "--compare", "hf",
+                                            "--max-num-seqs", "3",
+                                            "--max-num-batched-tokens", "48", *TINY])
+    data = bench.run_bench(args)
+    assert seen == {"dtype": torch.bfloat16, "static": 3, "seqs": 3, "tokens": 48}
+    assert data["declaration"]["compare"]["dtype"] == "bfloat16"
+
+
+def test_the_printed_batch1_ratio_is_minicb_over_hf(tmp_path, capsys):
+    out = tmp_path / "sim.json"
+    assert bench.main_bench(["--executor", "sim", "--num-requests", "2", "--policy", "single",
+                             "--out", str(out), "--no-progress"]) == 0
+    capsys.readouterr()
+    data = json.loads(out.read_text())
+    data["results"]["single"]["single_stream"] = {"decode_tokens_per_s": 200.0,
+                                                  "prefill_tokens_per_s": 1000.0}
+    data["results"]["single"]["hf_single_stream"] = {"decode_tokens_per_s": 100.0,
+                                                     "prefill_tokens_per_s": 900.0}
+    bench.print_report(data)
+    assert "= 2.00x" in capsys.readouterr().out

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import minicb
 from minicb.__main__ import DEMO_QUESTIONS, main
 
 
@@ -47,3 +48,21 @@ def test_bad_options_are_one_line_errors_not_tracebacks(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
         main(argv)
     assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+# --- from a mutation review of this module: each test fails on the planted bug it names ---
+def test_main_passes_a_commands_exit_code_on(capsys):
+    assert main(["bench", "--executor", "sim", "--policy", "fastest",
+                        "--no-progress"]) == 2
+
+
+def test_demo_passes_quantization_to_the_engine(monkeypatch, capsys):
+    seen = {}
+
+    def fake_llm(model, **options):
+        seen.update(options)
+        raise ValueError("stop here")
+    monkeypatch.setattr(minicb, "LLM", fake_llm)
+    with pytest.raises(SystemExit):
+        main(["demo", "--quantization", "int8", "--policy", "continuous"])
+    assert seen["quantization"] == "int8" and seen["policy"] == "continuous"

@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 from fastapi import FastAPI
 
-from minicb import LLM, Engine, SamplingParams, metrics
+from minicb import LLM, Engine, SamplingParams, bench, metrics
 from minicb.client import bench_endpoint, completions_url, run_client
 from minicb.llm import IncrementalDecoder
-from minicb.serve import EngineWorker, ServerThread, create_app, main, parse_request
+from minicb.serve import EngineWorker, Histogram, ServerThread, create_app, main, parse_request
 from minicb.workload import make_workload
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -669,3 +669,188 @@ def test_a_server_keeps_a_bounded_trace_by_default(tiny_model):
     200,000 of before kept 455 MiB that the server never reads)."""
     engine = Engine(tiny_model, policy="pd", num_pages=16)
     assert create_app(engine).state.worker.max_trace == EngineWorker(engine).max_trace == 10_000
+
+
+# --- from a mutation review of this module: each test fails on the planted bug it names ---
+def test_histogram_buckets_are_cumulative():
+    h = Histogram((1.0, 2.0))
+    for v in (0.5, 1.0, 1.5, 3.0):
+        h.observe(v)
+    lines = h.lines("x", "help")
+    assert 'x_bucket{le="1.0"} 2' in lines and 'x_bucket{le="2.0"} 3' in lines
+    assert 'x_bucket{le="+Inf"} 4' in lines and "x_count 4" in lines and "x_sum 6.0" in lines
+
+
+def test_metrics_ttft_is_measured_from_arrival_and_preemptions_are_counted(tiny_model):
+    """/metrics' TTFT sum equals the engine records' TTFTs (arrival to first token), and its
+    preemption counter their preemptions (a pool too small for four requests forces some)."""
+    async def burst(url):
+        async with httpx.AsyncClient(timeout=TIMEOUT) as http:
+            body = {"prompt": list(range(3, 23)), "max_tokens": 40, **GREEDY}
+            return await asyncio.wait_for(asyncio.gather(*(
+                http.post(url + "/v1/completions", json=body) for _ in range(4))), 60)
+
+    with serving(tiny_model, num_pages=7, max_num_seqs=4) as (url, worker):
+        assert all(r.status_code == 200 for r in asyncio.run(burst(url)))
+        wait_idle(worker)
+        records = worker.call(lambda e: e.request_records()).result(10)
+        text = httpx.get(url + "/metrics", timeout=TIMEOUT).text
+    values = dict(line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))
+    ttfts = [r.first_token_time - r.arrival_time for r in records]
+    assert float(values["minicb_time_to_first_token_seconds_sum"]) == pytest.approx(sum(ttfts))
+    preempted = sum(r.num_preemptions for r in records)
+    assert preempted > 0 and int(values["minicb_num_preemptions_total"]) == preempted
+
+
+def test_the_server_trims_its_trace_to_max_trace(tiny_model):
+    engine = Engine(tiny_model, policy="pd", num_pages=64)
+    app = create_app(engine, "tiny", max_trace=6)
+    with ServerThread(app) as url, httpx.Client(timeout=TIMEOUT) as http:
+        for i in range(3):
+            body = {"prompt": [5 + i, 6, 7], "max_tokens": 5, **GREEDY}
+            assert http.post(url + "/v1/completions", json=body).status_code == 200
+        assert app.state.worker.call(lambda e: len(e.trace)).result(10) <= 6
+
+
+def test_max_queue_refuses_the_request_beyond_it(tiny_model):
+    """max_queue=2: two requests may wait; the third, added before any step, is refused."""
+    worker = EngineWorker(Engine(tiny_model, policy="pd", num_pages=64), max_queue=2)
+
+    async def main():
+        gate = threading.Event()
+        worker.start()
+        worker.call(lambda e: gate.wait(10))  # hold the engine thread: the adds queue up
+        tasks = [asyncio.create_task(worker.submit([5, 6, 7], dict(max_tokens=2, **GREEDY)))
+                 for _ in range(3)]
+        await asyncio.sleep(0.05)
+        gate.set()
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    try:
+        results = asyncio.run(asyncio.wait_for(main(), 20))
+    finally:
+        worker.stop()
+    assert [type(r).__name__ for r in results] == ["Job", "Job", "QueueFull"]
+
+
+def test_chat_honours_max_completion_tokens(word_model):
+    body = {"messages": [{"role": "user", "content": "w40 w41"}], "max_completion_tokens": 3,
+            **GREEDY}
+    with serving(word_model) as (url, _), httpx.Client(timeout=TIMEOUT) as http:
+        out = http.post(url + "/v1/chat/completions", json=body).json()
+    assert out["usage"]["completion_tokens"] == 3 and out["choices"][0]["finish_reason"] == "length"
+
+
+def test_serve_cli_max_queue_0_means_no_limit_and_the_served_name(tiny_llama_dir, monkeypatch):
+    import uvicorn
+
+    from minicb.serve import main as serve_main
+    apps = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: apps.append(app))
+    assert serve_main(["--model", str(tiny_llama_dir), "--device", "cpu", "--max-queue", "0",
+                       "--served-model-name", "tiny-x", "--num-pages", "32"]) == 0
+    app = apps[0]
+    assert app.state.worker.max_queue is None
+    with ServerThread(app) as url:
+        assert httpx.get(url + "/v1/models", timeout=TIMEOUT).json()["data"][0]["id"] == "tiny-x"
+
+
+def test_an_event_stream_runs_on_close_when_the_send_fails():
+    """ASGI spec 2.4 servers report a client gone as an OSError from `send`: the stream must
+    still cancel its request."""
+    from minicb.serve import _EventStream
+    closed = []
+
+    async def body():
+        yield "data: 1\n\n"
+
+    async def send(message):
+        if message["type"] == "http.response.body":
+            raise OSError("client gone")
+
+    async def receive():
+        return {"type": "http.disconnect"}
+
+    response = _EventStream(body(), lambda: closed.append(True))
+    with pytest.raises(Exception):  # noqa: B017 - starlette's ClientDisconnect
+        asyncio.run(response({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send))
+    assert closed == [True]
+
+
+def test_parse_request_refuses_a_conversation_with_a_bad_message():
+    with pytest.raises(ValueError, match="messages"):
+        parse_request({"messages": [{"role": "user", "content": "hi"}, {"role": "user"}]},
+                      chat=True)
+
+
+def test_chat_applies_the_template_with_the_generation_prompt(word_model):
+    """LLM.chat: one conversation or a list of them; each prompt is the checkpoint's template
+    with add_generation_prompt (this template only adds w9 when asked)."""
+    tok = word_model[1].tokenizer
+    saved = tok.chat_template
+    tok.chat_template = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
+                         "{% if add_generation_prompt %}w9{% endif %}")
+    try:
+        llm = LLM(word_model, num_pages=64)
+        sp = SamplingParams(max_tokens=3, **GREEDY)
+        a, b = [{"role": "user", "content": "w40 w41"}], [{"role": "user", "content": "w7"}]
+        one = llm.chat(a, sp, use_tqdm=False)
+        two = llm.chat([a, b], sp, use_tqdm=False)
+    finally:
+        tok.chat_template = saved
+    assert one[0].prompt_token_ids == tok.encode("w40 w41 w9")
+    assert [o.prompt_token_ids for o in two] == [tok.encode("w40 w41 w9"), tok.encode("w7 w9")]
+
+
+def test_the_client_counts_refused_and_failed_requests_as_errors(tiny_model):
+    """A 400 (prompt ids beyond the tiny vocabulary, no --vocab-size) and a refused connection
+    are errors, not completed requests."""
+    workload = make_workload(2, prompt_lengths="fixed:8", output_lengths="fixed:4", seed=1)
+    with serving(tiny_model) as (url, _):
+        records = asyncio.run(asyncio.wait_for(run_client(url, workload.requests,
+                                                          warmup=False), 60))
+    assert [r.finish_reason for r in records] == ["error", "error"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}"  # bound, not listening
+        records = asyncio.run(asyncio.wait_for(run_client(closed, workload.requests,
+                                                          model="x", warmup=False), 60))
+    assert [r.finish_reason for r in records] == ["error", "error"]
+    from fastapi import FastAPI
+    from fastapi.responses import StreamingResponse
+    app = FastAPI()  # a server that reports a failure as an error chunk, then [DONE] (vLLM)
+
+    @app.post("/v1/completions")
+    async def failing():
+        return StreamingResponse(iter(['data: {"error": {"message": "boom"}}\n\n',
+                                       "data: [DONE]\n\n"]), media_type="text/event-stream")
+    with ServerThread(app) as url:
+        records = asyncio.run(asyncio.wait_for(run_client(url, workload.requests, model="x",
+                                                          warmup=False), 60))
+    assert [r.finish_reason for r in records] == ["error", "error"]
+
+
+def test_the_client_stamps_every_token_the_last_one_too(tiny_model):
+    workload = make_workload(3, prompt_lengths="fixed:8", output_lengths="fixed:5", seed=4)
+    with serving(tiny_model) as (url, _):
+        records = asyncio.run(asyncio.wait_for(run_client(url, workload.requests,
+                                                          vocab_size=256), 60))
+    for r in records:
+        assert r.num_output_tokens == len(r.token_times) == 5
+        assert r.token_times[-1] <= r.finish_time
+
+
+def test_client_cli_and_bench_endpoint_apply_the_slo_and_rate(tiny_model, tmp_path):
+    from minicb.client import main as client_main
+    out, out2 = tmp_path / "client.json", tmp_path / "bench.json"
+    with serving(tiny_model, max_num_seqs=8) as (url, _):
+        assert client_main(["--endpoint", url, "--num-requests", "3", "--rate", "50",
+                            "--vocab-size", "256", "--slo-ttft", "1e-9", "--out", str(out)]) == 0
+        assert bench.main_bench(["--endpoint", url, "--num-requests", "3", "--vocab-size",
+                                 "256", "--slo-ttft", "1e-9", "--out", str(out2),
+                                 "--no-progress"]) == 0
+    saved = json.loads(out.read_text())
+    assert saved["declaration"]["rate_rps"] == 50.0
+    for result in (saved["results"][url], json.loads(out2.read_text())["results"][url]):
+        assert result["slo"] == {"ttft": 1e-9} and result["slo_met"] == 0
+        assert result["completed"] == 3 and result["goodput_rps"] == 0
