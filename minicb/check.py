@@ -1,4 +1,4 @@
-"""Checks for the exercise notebooks (chapters 01-07): one function per exercise.
+"""Checks for the exercise notebooks (chapters 01-08): one function per exercise.
 
 `check.<exercise>(your_function_or_class)` runs your code and minicb's reference side by side
 on edge cases and random inputs. On the first disagreement it raises `CheckFailed` (an
@@ -1661,3 +1661,104 @@ def paged_attention(fn: Callable[..., torch.Tensor]) -> bool:
     return _passed(name, f"{len(cases)} members (decode rows, fresh prompts, chunks starting "
                          "mid-page, grouped-query heads, pages in any order) match minicb's "
                          "torch attention")
+
+
+# ============================================================================ speculation (08)
+def _lookup_variant(token_ids: list[int], k: int, n_max: int, n_min: int,
+                    pick: str = "rule", include_last: bool = False, shorter: bool = True
+                    ) -> list[int]:
+    """Prompt lookup and the mistakes the hints name: always the latest (or the earliest)
+    occurrence, the last n tokens matching themselves, no shorter n tried."""
+    ids = list(token_ids)
+    sizes = range(min(n_max, len(ids) - (0 if include_last else 1)), n_min - 1, -1)
+    for n in sizes if shorter else list(sizes)[:1]:
+        tail = ids[-n:]
+        limit = len(ids) - n + (1 if include_last else 0)  # starts whose window ends in ids[:-1]
+        hits = [i for i in range(limit) if ids[i:i + n] == tail]
+        if hits:
+            latest, earliest = hits[-1], hits[0]
+            start = {"latest": latest, "earliest": earliest}.get(
+                pick, latest if latest + n + k <= len(ids) else earliest)
+            return ids[start + n:start + n + k]
+    return []
+
+
+def prompt_lookup(fn: Callable[[list[int], int, int, int], list[int]]) -> bool:
+    """Exercise 8.1: `fn(token_ids, k, n_max, n_min)` guesses up to k next tokens by prompt
+    lookup, like `minicb.speculative.propose_ngram`."""
+    from minicb.speculative import propose_ngram
+
+    name = "prompt_lookup"
+    _refuse_the_reference(name, fn, propose_ngram)
+    rng = random.Random(81)
+    cases = [([5, 6, 7, 8, 5, 6], 2, 2, 1), ([1, 2, 3, 1, 2, 3, 1, 2], 3, 3, 2),
+             ([4, 4, 4, 4], 3, 3, 2), ([9], 4, 4, 2), ([9, 9], 2, 2, 1), ([1, 2, 3, 4], 2, 4, 2),
+             ([7, 1, 2, 9, 9, 1, 2, 8, 1, 2], 2, 3, 2), ([3, 5, 3, 5, 3, 5, 3], 4, 4, 2)]
+    for _ in range(60):
+        ids = [rng.randint(1, rng.choice([3, 6, 20])) for _ in range(rng.randint(1, 30))]
+        n_max = rng.randint(1, 4)
+        cases.append((ids, rng.randint(1, 5), n_max, rng.randint(1, n_max)))
+    for index, (ids, k, n_max, n_min) in enumerate(cases):
+        want = propose_ngram(ids, k, n_max, n_min)
+        shown = f"token_ids={ids}, k={k}, n_max={n_max}, n_min={n_min}"
+        got = _call(name, f"fn({shown})", fn, list(ids), k, n_max, n_min)
+        got = [_as_int(t) for t in got] if isinstance(got, (list, tuple)) else got
+        if got == want:
+            continue
+        why = ""
+        # a mistake explains the failure if it gives this answer and every earlier one right
+        for mistake, hint in (
+                (dict(pick="earliest"), "take the latest earlier occurrence, if k tokens follow "
+                                        "it (the freshest context predicts best)"),
+                (dict(pick="latest"), "when fewer than k tokens follow the latest occurrence "
+                                      "(in a run like 4 4 4 4 it overlaps the end), take the "
+                                      "earliest instead"),
+                (dict(include_last=True), "the last n tokens always match themselves: count "
+                                          "only occurrences that end before the last token"),
+                (dict(shorter=False), "when the last n_max tokens occur nowhere earlier, try "
+                                      "n_max - 1, ..., down to n_min")):
+            if got == _lookup_variant(ids, k, n_max, n_min, **mistake) and all(
+                    _lookup_variant(*case, **mistake) == propose_ngram(*case)
+                    for case in cases[:index]):
+                why = f" It looks like you missed this: {hint}."
+                break
+        _fail(name, f"{shown}: expected {want}, got {_short(got)}.{why}")
+    return _passed(name, f"{len(cases)} token sequences give the same guesses as minicb's "
+                         "propose_ngram")
+
+
+def verify_greedy(fn: Callable[[list[int], list[int]], list[int]]) -> bool:
+    """Exercise 8.2: `fn(draft, target)` keeps the guesses a greedy request keeps: `target[j]`
+    is the model's argmax after the request's last token and the first j guesses
+    (len(draft) + 1 of them); returns the longest prefix of `draft` equal to `target`, then the
+    model's own token after it, like `minicb.speculative.verify` for a greedy request."""
+    name = "verify_greedy"
+    rng = random.Random(82)
+    cases = [([], [5]), ([5], [5, 7]), ([5], [6, 7]), ([1, 2, 3], [1, 2, 3, 4]),
+             ([1, 2, 3], [1, 9, 3, 4]), ([1, 2, 3], [9, 2, 3, 4])]
+    for _ in range(40):
+        draft = [rng.randint(1, 4) for _ in range(rng.randint(0, 5))]
+        cases.append((draft, [rng.randint(1, 4) for _ in range(len(draft) + 1)]))
+    for draft, target in cases:
+        accepted = 0
+        while accepted < len(draft) and draft[accepted] == target[accepted]:
+            accepted += 1
+        want = target[:accepted + 1]
+        shown = f"draft={draft}, target={target}"
+        got = _call(name, f"fn({shown})", fn, list(draft), list(target))
+        got = [_as_int(t) for t in got] if isinstance(got, (list, tuple)) else got
+        if got == want:
+            continue
+        why = ""
+        if got == want[:-1]:
+            why = (" Every step also yields the model's own token after the kept guesses "
+                   "(target[accepted]): a step never yields fewer than one token.")
+        elif isinstance(got, list) and len(got) > len(want):
+            why = (" Stop at the first guess the model disagrees with: the rows after it "
+                   "assumed a token the request will not have.")
+        elif isinstance(got, list) and got[-1:] == target[-1:] and want[-1:] != target[-1:]:
+            why = (" The model's own token is its prediction after the last kept guess, "
+                   "target[accepted], not the last row's.")
+        _fail(name, f"{shown}: expected {want}, got {_short(got)}.{why}")
+    return _passed(name, f"{len(cases)} drafts keep the same tokens as minicb's greedy "
+                         "verification")

@@ -1,4 +1,4 @@
-"""One source, two notebooks (exercises for chapters 01-07).
+"""One source, two notebooks (exercises for chapters 01-08).
 
 Each exercise notebook has a single source, `exercises/source/NN_name.ipynb`, whose code cells
 mark the reference answer with nbgrader-style markers:

@@ -1,4 +1,4 @@
-"""The autograder: `python -m minicb grade NOTEBOOK [...] [--json]` (exercises, chapters 01-07).
+"""The autograder: `python -m minicb grade NOTEBOOK [...] [--json]` (exercises, chapters 01-08).
 
 It executes a copy of each notebook from top to bottom in a fresh kernel, carrying on past
 errors, and scores every exercise by its check cell: the cell tagged `check:<exercise>` (and

@@ -1,4 +1,4 @@
-"""Exercises, solutions and the autograder (exercises for chapters 01-07).
+"""Exercises, solutions and the autograder (exercises for chapters 01-08).
 
 Fast tests: the generated notebooks match their sources; the generator's stubs; every exercise
 pairs a stub, a check cell and a `minicb.check` function; the reference solutions pass their
@@ -27,7 +27,7 @@ SOURCES = sorted((ROOT / "exercises" / "source").glob("*.ipynb"))
 NAMES = [p.name for p in SOURCES]
 EXPECTED = ["01_paged_kv.ipynb", "02_static_batching.ipynb", "03_continuous_batching.ipynb",
             "04_chunked_prefill.ipynb", "05_pd_interleaving.ipynb", "06_benchmarking.ipynb",
-            "07_paged_attention.ipynb"]
+            "07_paged_attention.ipynb", "08_speculative_decoding.ipynb"]
 
 
 def tagged(nb, prefix: str) -> dict[str, int]:
@@ -184,6 +184,8 @@ SOLUTION_OBJECTS = {
     "per_tenant": ("06_benchmarking.ipynb", "per_tenant"),
     "slot_mapping": ("07_paged_attention.ipynb", "slot_mapping"),
     "paged_attention": ("07_paged_attention.ipynb", "paged_attention"),
+    "prompt_lookup": ("08_speculative_decoding.ipynb", "prompt_lookup"),
+    "verify_greedy": ("08_speculative_decoding.ipynb", "verify_greedy"),
 }
 
 
@@ -1186,4 +1188,34 @@ def test_slot_mapping_mistakes_are_named():
     assert "Those are the positions" in caught("slot_mapping", positions)
     assert "come after the" in caught("slot_mapping", from_zero)
     assert check.slot_mapping(numpy_ids) is True
+
+
+def test_prompt_lookup_and_verification_mistakes_are_named():
+    """Each mistake's hint fires on it alone (a variant that also gets every earlier case
+    right); the variant without a mistake is minicb's propose_ngram on 3,000 sequences."""
+    import random
+
+    from minicb.check import _lookup_variant
+    from minicb.speculative import propose_ngram
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        ids = [rng.randint(1, rng.choice([2, 3, 6])) for _ in range(rng.randint(1, 25))]
+        n_max, k = rng.randint(1, 4), rng.randint(1, 5)
+        n_min = rng.randint(1, n_max)
+        assert _lookup_variant(ids, k, n_max, n_min) == propose_ngram(ids, k, n_max, n_min)
+    for mistake, hint in ((dict(pick="earliest"), "take the latest earlier occurrence"),
+                          (dict(pick="latest"), "take the earliest instead"),
+                          (dict(include_last=True), "match themselves"),
+                          (dict(shorter=False), "down to n_min")):
+        assert hint in caught("prompt_lookup", lambda *a, m=mistake: _lookup_variant(*a, **m))
+    assert "minicb's own" in caught("prompt_lookup", propose_ngram)
+
+    verify = solution("08_speculative_decoding.ipynb")["verify_greedy"]
+    assert "never yields fewer than one token" in caught(
+        "verify_greedy", lambda d, t: verify(d, t)[:-1])
+    assert "Stop at the first guess" in caught(
+        "verify_greedy", lambda d, t: [x for x, y in zip(d, t) if x == y] + [t[len(d)]] * 2)
+    assert "target[accepted], not the last row's" in caught(
+        "verify_greedy", lambda d, t: [x for x, y in zip(d, t) if x == y] + [t[-1]])
 

@@ -684,5 +684,6 @@ print("same tokens:", batch_runs[0] == batch_runs[4])
 #
 # That is the whole course: from one request at a time (chapter 01) to a scheduler that keeps
 # every chat flowing while a long document is read in (chapter 05), measured the way production
-# measures it (chapter 06). There is no exercise notebook for this chapter: pick one of the
-# projects above.
+# measures it (chapter 06). For this chapter, pick one of the projects above, and do
+# [`exercises/08_speculative_decoding.ipynb`](../exercises/08_speculative_decoding.ipynb): write
+# prompt lookup and greedy verification yourself (section 5), checked against minicb's.
