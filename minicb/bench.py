@@ -118,6 +118,9 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-pages", type=int, default=None)
     parser.add_argument("--page-size", type=int, default=None)
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--max-preemptions", type=int, default=None,
+                        help="a bound on preemption loss: a request preempted this many times "
+                             "comes back holding its whole life's pages (0: reserve it at once)")
     parser.add_argument("--num-speculative-tokens", type=int, default=None,
                         help="speculative decoding by prompt lookup: up to this many guessed "
                              "tokens per decode step (chapter 08; default 0, off)")
@@ -334,7 +337,8 @@ def engine_options(args: argparse.Namespace, workload: Workload) -> dict[str, An
     # tables (for pictures) would cost more than a simulated step and grow with the run
     options: dict[str, Any] = {"trace_snapshots": False, **workload.recommended}
     for key in ("max_num_seqs", "max_num_batched_tokens", "chunk_size", "min_chunk",
-                "num_pages", "page_size", "num_speculative_tokens"):  # flags named as options
+                "num_pages", "page_size", "num_speculative_tokens",
+                "max_preemptions"):  # flags named as options
         value = getattr(args, key, None)
         if value is not None:
             options[key] = value

@@ -88,6 +88,13 @@ def _as_int(value: Any) -> Any:
         return value
 
 
+def _as_list(value: Any) -> Any:
+    """A tensor, array or tuple of integers where a list of ints is asked for, as that list."""
+    if hasattr(value, "tolist") and not isinstance(value, list):
+        value = value.tolist()
+    return [_as_int(v) for v in value] if isinstance(value, (list, tuple)) else value
+
+
 def _refuse_the_reference(exercise: str, fn: Any, reference: Callable) -> None:
     """The exercise asks for your own code: minicb's function itself (or one wrapped with
     functools.wraps) would pass every comparison with itself."""
@@ -831,6 +838,10 @@ def _stalled(engine: Any, record: StepRecord, policy: str | None) -> str:
                 "decode that cannot get its page must preempt (ctx.reserve_or_preempt(req, 1), "
                 "as self.schedule_decodes does; ctx.reserve only says no), else nothing can "
                 "ever run again.")
+    never = [r.request_id for r in engine.running if r.metrics.first_scheduled_step is None]
+    if never:
+        return (f"{head}: {never} were admitted (ctx.admit) but never scheduled. admit only "
+                "gives a request its slot and pages; ctx.schedule(req, n) puts it in the step.")
     prefilling = [r.request_id for r in engine.running if r.is_prefill]
     if prefilling:
         return (f"{head}: {prefilling} are running but still in prefill and got no chunk. "
@@ -1543,7 +1554,7 @@ def slot_mapping(fn: Callable[[list[int], int, int, int], list[int]]) -> bool:
         shown = (f"page_table={table}, num_computed={num_computed}, num_new={num_new}, "
                  f"page_size={page_size}")
         got = _call(name, f"fn({shown})", fn, list(table), num_computed, num_new, page_size)
-        got = [_as_int(s) for s in got] if isinstance(got, (list, tuple)) else got
+        got = _as_list(got)
         if got == want:
             continue
         why = ""
@@ -1702,7 +1713,7 @@ def prompt_lookup(fn: Callable[[list[int], int, int, int], list[int]]) -> bool:
         want = propose_ngram(ids, k, n_max, n_min)
         shown = f"token_ids={ids}, k={k}, n_max={n_max}, n_min={n_min}"
         got = _call(name, f"fn({shown})", fn, list(ids), k, n_max, n_min)
-        got = [_as_int(t) for t in got] if isinstance(got, (list, tuple)) else got
+        got = _as_list(got)
         if got == want:
             continue
         why = ""
@@ -1727,6 +1738,21 @@ def prompt_lookup(fn: Callable[[list[int], int, int, int], list[int]]) -> bool:
                          "propose_ngram")
 
 
+def _verify_variant(draft: list[int], target: list[int], mistake: str | None = None
+                    ) -> list[int]:
+    """Greedy verification, and the mistakes the hints name."""
+    accepted = 0
+    while accepted < len(draft) and draft[accepted] == target[accepted]:
+        accepted += 1
+    if mistake == "no own token":
+        return target[:accepted]
+    if mistake == "no stop":
+        return [d for d, t in zip(draft, target) if d == t] + [target[len(draft)]]
+    if mistake == "last row":
+        return target[:accepted] + [target[-1]]
+    return target[:accepted + 1]
+
+
 def verify_greedy(fn: Callable[[list[int], list[int]], list[int]]) -> bool:
     """Exercise 8.2: `fn(draft, target)` keeps the guesses a greedy request keeps: `target[j]`
     is the model's argmax after the request's last token and the first j guesses
@@ -1734,31 +1760,30 @@ def verify_greedy(fn: Callable[[list[int], list[int]], list[int]]) -> bool:
     model's own token after it, like `minicb.speculative.verify` for a greedy request."""
     name = "verify_greedy"
     rng = random.Random(82)
-    cases = [([], [5]), ([5], [5, 7]), ([5], [6, 7]), ([1, 2, 3], [1, 2, 3, 4]),
-             ([1, 2, 3], [1, 9, 3, 4]), ([1, 2, 3], [9, 2, 3, 4])]
+    # the mismatch in the middle comes early: there every mistake below answers differently
+    cases = [([], [5]), ([5], [5, 7]), ([1, 2, 3], [1, 9, 3, 4]), ([5], [6, 7]),
+             ([1, 2, 3], [1, 2, 3, 4]), ([1, 2, 3], [9, 2, 3, 4])]
     for _ in range(40):
         draft = [rng.randint(1, 4) for _ in range(rng.randint(0, 5))]
         cases.append((draft, [rng.randint(1, 4) for _ in range(len(draft) + 1)]))
-    for draft, target in cases:
-        accepted = 0
-        while accepted < len(draft) and draft[accepted] == target[accepted]:
-            accepted += 1
-        want = target[:accepted + 1]
+    hints = {"no own token": " Every step also yields the model's own token after the kept "
+                             "guesses (target[accepted]): a step never yields fewer than one "
+                             "token.",
+             "no stop": " Stop at the first guess the model disagrees with: the rows after it "
+                        "assumed a token the request will not have.",
+             "last row": " The model's own token is its prediction after the last kept guess, "
+                         "target[accepted], not the last row's."}
+    for index, (draft, target) in enumerate(cases):
+        want = _verify_variant(draft, target)
         shown = f"draft={draft}, target={target}"
-        got = _call(name, f"fn({shown})", fn, list(draft), list(target))
-        got = [_as_int(t) for t in got] if isinstance(got, (list, tuple)) else got
+        got = _as_list(_call(name, f"fn({shown})", fn, list(draft), list(target)))
         if got == want:
             continue
-        why = ""
-        if got == want[:-1]:
-            why = (" Every step also yields the model's own token after the kept guesses "
-                   "(target[accepted]): a step never yields fewer than one token.")
-        elif isinstance(got, list) and len(got) > len(want):
-            why = (" Stop at the first guess the model disagrees with: the rows after it "
-                   "assumed a token the request will not have.")
-        elif isinstance(got, list) and got[-1:] == target[-1:] and want[-1:] != target[-1:]:
-            why = (" The model's own token is its prediction after the last kept guess, "
-                   "target[accepted], not the last row's.")
+        # a mistake explains the failure if it gives this answer and every earlier one right
+        why = next((hint for mistake, hint in hints.items()
+                    if got == _verify_variant(draft, target, mistake) and all(
+                        _verify_variant(*case, mistake) == _verify_variant(*case)
+                        for case in cases[:index])), "")
         _fail(name, f"{shown}: expected {want}, got {_short(got)}.{why}")
     return _passed(name, f"{len(cases)} drafts keep the same tokens as minicb's greedy "
                          "verification")

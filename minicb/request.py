@@ -151,11 +151,6 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
-    def max_num_tokens(self) -> int:
-        """The most tokens its cache can ever hold: prompt + max_tokens (an upper bound)."""
-        return len(self.prompt_token_ids) + self.params.max_tokens
-
-    @property
     def num_remaining(self) -> int:
         """Tokens still to run through the model before the next token can be sampled."""
         return len(self.prompt_token_ids) + len(self.output_token_ids) - self.num_computed_tokens

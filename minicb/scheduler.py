@@ -136,7 +136,7 @@ class SchedulerContext:
             return 0
         total_tokens = len(hit) * self.pool.page_size + num_tokens
         if self.is_protected(req):  # its whole life now, so it never needs a page again
-            total_tokens = max(total_tokens, req.max_num_tokens)
+            total_tokens = max(total_tokens, req.max_total_tokens)
         total_pages = self.pool.pages_needed(total_tokens)
         # shared pages that sit unreferenced in the LRU list stop being available once shared
         evictable_hits = sum(1 for p in hit if self.pool.ref_count[p] == 0)

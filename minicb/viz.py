@@ -699,7 +699,8 @@ def render_text(trace: Any, width: int = 100, legend: bool = True) -> str:
     shows over idling, prefill over decode, and a finish "|" goes in the column after the
     last one computed) and the header says how many. The header is a ruler of elapsed steps,
     like a time axis: label v sits where step v ends and step v + 1 begins, so it starts at 0,
-    and a request that finishes at step v shows its "|" under v."""
+    and a request that finishes at step v shows its "|" under v (within a column when
+    compressed)."""
     data = timeline_data(trace)
     if not data.requests:
         return "(empty trace)"
@@ -735,11 +736,10 @@ def render_text(trace: Any, width: int = 100, legend: bool = True) -> str:
             chars[(step - 1) // per_col] = "x"
         if rid in data.finishes:
             c = min(data.finishes[rid] // per_col, ncols - 1)
-            if chars[c] in (GLYPHS[PREFILL], GLYPHS[DECODE]):
+            if chars[c] in (GLYPHS[PREFILL], GLYPHS[DECODE]) and c + 1 < ncols:
                 # a column of several steps holds the last ones computed: the mark goes after
                 # it, so a request whose whole life fits one column still shows its work
                 c += 1
-                chars.extend(" " * (c + 1 - len(chars)))
             chars[c] = "|"
         lines.append(rid.ljust(label_w) + "".join(chars).rstrip())
     if legend:

@@ -355,9 +355,10 @@ def test_the_declaration_reports_the_workload_and_system_that_ran(tmp_path):
     assert bench.main_bench(["--executor", "sim", "--num-requests", "6", "--rate", "3",
                              "--burstiness", "0.5", "--seed", "7", "--cancel-fraction", "0.5",
                              "--num-pages", "100", "--page-size", "8", "--no-prefix-caching",
-                             "--out", str(out), "--no-progress"]) == 0
+                             "--max-preemptions", "1", "--out", str(out), "--no-progress"]) == 0
     data = json.loads(out.read_text())
     decl, pd = data["declaration"], data["results"]["pd"]
+    assert decl["policy_options"]["max_preemptions"] == 1
     assert (decl["rate_rps"], decl["burstiness"], decl["seed"]) == (3.0, 0.5, 7)
     assert decl["workload"]["cancel_fraction"] == 0.5 and pd["cancelled"] > 0
     assert decl["memory_limit"] == {"num_pages": 100, "page_size": 8, "kv_tokens": 800}

@@ -18,6 +18,7 @@ import time
 import nbformat
 import numpy as np
 import pytest
+import torch
 
 from minicb import check, exercises, grade, kv_cache
 from minicb.exercises import ROOT, MarkerError, cell_tags, generate, solution_code, stub_code
@@ -548,7 +549,8 @@ def test_chunked_scheduler_budget_bugs_are_caught():
     assert "busy-budget" in message and "[c prefill 16, a prefill 16, b prefill 8]" in message
 
 
-def continuous_like(decodes_first=True, stop_at_misfit=True, alone=True, preempting=True):
+def continuous_like(decodes_first=True, stop_at_misfit=True, alone=True, preempting=True,
+                    schedules=True):
     """Exercise 3.2's scheduler, with one of its rules broken on demand."""
     from minicb.scheduler import Scheduler
 
@@ -578,7 +580,8 @@ def continuous_like(decodes_first=True, stop_at_misfit=True, alone=True, preempt
                 n = ctx.admit(req, req.num_tokens)
                 if not n:
                     break
-                ctx.schedule(req, n)
+                if schedules:
+                    ctx.schedule(req, n)
                 tokens += n
             if not decodes_first:
                 self.decodes(ctx)
@@ -625,6 +628,8 @@ def test_scheduler_stalls_and_refusals_name_their_cause():
     assert "must still run when it is alone" in message
     message = caught("continuous_scheduler", continuous_like(preempting=False))
     assert "no page was free" in message and "must preempt" in message
+    message = caught("continuous_scheduler", continuous_like(schedules=False))
+    assert "admitted (ctx.admit) but never scheduled" in message  # not "got no chunk"
 
     from minicb.request import Status
     from minicb.scheduler import Scheduler, schedule_prefill_chunks
@@ -1214,8 +1219,32 @@ def test_prompt_lookup_and_verification_mistakes_are_named():
     verify = solution("08_speculative_decoding.ipynb")["verify_greedy"]
     assert "never yields fewer than one token" in caught(
         "verify_greedy", lambda d, t: verify(d, t)[:-1])
+    from minicb.check import _verify_variant
     assert "Stop at the first guess" in caught(
-        "verify_greedy", lambda d, t: [x for x, y in zip(d, t) if x == y] + [t[len(d)]] * 2)
+        "verify_greedy", lambda d, t: _verify_variant(d, t, "no stop"))
     assert "target[accepted], not the last row's" in caught(
-        "verify_greedy", lambda d, t: [x for x, y in zip(d, t) if x == y] + [t[-1]])
+        "verify_greedy", lambda d, t: _verify_variant(d, t, "last row"))
+    # one too many (it did stop at the first disagreement): no hint rather than a wrong one
+    message = caught("verify_greedy", lambda d, t: t[:len(verify(d, t)) + 1])
+    assert "Stop at the first guess" not in message and "last row" not in message
+    # tensors, arrays and tuples of the right ints are right answers
+    assert check.verify_greedy(lambda d, t: torch.tensor(verify(d, t))) is True
+    assert check.prompt_lookup(lambda *a: np.array(_lookup_variant(*a), dtype=np.int64)) is True
+    slots = solution("07_paged_attention.ipynb")["slot_mapping"]
+    assert check.slot_mapping(lambda *a: torch.tensor(slots(*a))) is True
+
+
+def test_exercise_demos_print_what_their_text_says(capsys):
+    """The demos of exercises 07 and 08 run on the solutions (stored without outputs, so nbval
+    compares nothing there)."""
+    for notebook, cell_id in (("07_paged_attention.ipynb", "ex07-demo-code"),
+                              ("08_speculative_decoding.ipynb", "ex08-demo-code")):
+        namespace = solution(notebook)
+        cell = next(c for c in nbformat.read(ROOT / "solutions" / notebook,
+                                             as_version=4).cells if c.get("id") == cell_id)
+        exec(compile(cell.source, f"{notebook}:{cell_id}", "exec"), namespace)
+    out = capsys.readouterr().out
+    difference = float(re.search(r"largest difference from dense attention (\S+)", out)[1])
+    assert difference < 1e-5
+    assert "30 tokens in 8 steps (22 guesses kept); same answer: True" in out
 

@@ -604,5 +604,5 @@ def test_max_preemptions_bounds_each_requests_loss(jobs, policy, preemption, lim
     for req in engine.requests.values():
         assert req.finish_reason == "length"
         assert req.num_preemptions <= limit
-        assert req.num_recomputed_tokens <= limit * req.max_num_tokens
+        assert req.num_recomputed_tokens <= limit * req.max_total_tokens
     assert engine.pool.num_used == 0 and not engine.has_unfinished()

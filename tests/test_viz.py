@@ -282,6 +282,11 @@ def test_a_life_shorter_than_a_column_still_shows_its_work():
     assert rows["short"] == " " * 8 + "▓|"
     assert rows["long"] == "▓" + "█" * 49 + "|"
     assert all(len(line) <= 60 for line in lines)
+    # a request computing in the last column: its mark stays within the width (found by review)
+    e = make_sim_engine(policy="continuous")
+    e.add_request([1] * 8, SamplingParams(max_tokens=107, **greedy), request_id="r")
+    e.run()
+    assert all(len(line) <= 60 for line in viz.render_text(e.trace, width=60).splitlines())
 
 
 # -------------------------------------------------------------------------------- widget

@@ -549,7 +549,8 @@ for mode in ("newest", "priority"):
 # finish at steps 32, 32 and 47. The total work is the same; who pays for it is a policy choice.
 #
 # **Bounding the loss.** Nothing above stops one request from being preempted again and again:
-# the newest is the victim each time, and a request readmitted last is the newest again. The
+# the newest is the victim each time, and the request that arrived last stays the newest
+# however often it comes back (the rank is the arrival order, not the readmission). The
 # contract asks for preemption loss to be bounded *explicitly* (section 7). `max_preemptions=N`
 # is minicb's bound: a request preempted N times is admitted again only with pages for its
 # whole life (prompt + `max_tokens`), so it never needs another page, and it is never chosen as a
@@ -575,7 +576,7 @@ for limit in (None, 2, 1, 0):
           f"{max(len(rec.members) for rec in e.trace):>13}{e2e[len(e2e) // 2]:>8}{e2e[-1]:>8}")
 
 # %% [markdown]
-# Unbounded, one request is preempted three times and 403 tokens are computed twice. A bound of
+# Unbounded, the last arrival is preempted three times, and 403 tokens are computed again. A bound of
 # 2 changes little here; a bound of 1 caps everyone at one preemption and 284 recomputed tokens,
 # but the 37 steps it adds are the price: a request that comes back holds 7 pages from the
 # start, pages that other requests could have grown into, so fewer run at a time when it

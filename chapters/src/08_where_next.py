@@ -52,6 +52,7 @@ for f in fields(EngineConfig):
 # | `page_size` | `block_size` | `page_size` | tokens per KV page (ch. 01) |
 # | `num_pages` / `gpu_memory_utilization` | `gpu_memory_utilization`, `num_gpu_blocks_override` | `mem_fraction_static` | the size of the KV pool (ch. 07) |
 # | `preemption="newest"` (recompute) | preemption by recompute (V1; the older engine also had `preemption_mode="swap"`) | retracting decode requests, recomputed later | what happens when pages run out (ch. 06) |
+# | `max_preemptions` | (none) | (none) | how often one request may be preempted; 0 reserves each request's whole life (ch. 06) |
 # | `preemption="priority"`, `priority=` per request | `scheduling_policy="priority"`, `priority=` per request | `schedule_policy` (`fcfs`, `lpm` longest prefix match, …) | who waits and who is preempted (ch. 06) |
 # | `num_speculative_tokens`, `prompt_lookup_max`, `prompt_lookup_min` (section 5) | `speculative_config={"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": …, "prompt_lookup_min": …}` | n-gram speculation (see its docs for the flags) | guessed tokens a decode step may check (ch. 08) |
 # | `use_cuda_graphs` (decode-only steps, buckets of 1–64 requests) | on unless `enforce_eager`; capture sizes configurable, mixed steps too | on unless `disable_cuda_graph`; `cuda_graph_max_bs` | steps replayed as CUDA graphs (ch. 07) |
