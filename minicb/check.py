@@ -1537,7 +1537,8 @@ def _slot_cases(seed: int) -> list[tuple[list[int], int, int, int]]:
     for _ in range(30):
         page_size = rng.choice([1, 2, 4, 16])
         num_computed, num_new = rng.randint(0, 40), rng.randint(1, 40)
-        pages = rng.sample(range(64), -(-(num_computed + num_new) // page_size))
+        needed = -(-(num_computed + num_new) // page_size)
+        pages = rng.sample(range(max(64, 2 * needed)), needed)
         cases.append((pages, num_computed, num_new, page_size))
     return cases
 
