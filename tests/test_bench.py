@@ -175,22 +175,32 @@ def test_sweep_finds_the_best_goodput(tmp_path, capsys):
     assert data["declaration"]["concurrency"]["max_num_seqs"] == [4, 16]
 
 
+def sweep_over_rates(tmp_path, slo_target: str) -> tuple[dict, dict]:
+    """Three rates x two budgets on the simulator: (the sweep's JSON, {budget: {rate:
+    attainment}})."""
+    out = tmp_path / "rates.json"
+    argv = ["--executor", "sim", "--workload", "mixed-chat", "--num-requests", "60",
+            "--rates", "5,20,10", "--max-num-batched-tokens", "64,1024", "--max-num-seqs", "32",
+            "--chunk-size", "1024", "--slo-ttft", "0.3", "--slo-target", slo_target,
+            "--out", str(out), "--no-progress"]
+    assert bench.main_sweep(argv) == 0
+    data = json.loads(out.read_text())
+    attained: dict = {}
+    for row in data["rows"]:
+        attained.setdefault(row["max_num_batched_tokens"], {})[row["rate_rps"]] = \
+            row["slo_attainment"]
+    return data, attained
+
+
 def test_sweep_over_rates_reports_each_settings_sustainable_load(tmp_path, capsys):
     """--rates adds the offered load to the grid; each setting's sustainable load is the
     highest rate whose SLO attainment reaches --slo-target, with every lower rate's too. A tiny
     budget starves prefill and sustains less than a large one."""
-    out = tmp_path / "rates.json"
-    argv = ["--executor", "sim", "--workload", "mixed-chat", "--num-requests", "60",
-            "--rates", "5,20,10", "--max-num-batched-tokens", "64,1024", "--max-num-seqs", "32",
-            "--chunk-size", "1024", "--slo-ttft", "0.3", "--slo-target", "0.99",
-            "--out", str(out), "--no-progress"]
-    assert bench.main_sweep(argv) == 0
-    data = json.loads(out.read_text())
+    data, by_budget = sweep_over_rates(tmp_path, "0.99")
     assert len(data["rows"]) == 6 and data["declaration"]["rate_rps"] == [5.0, 10.0, 20.0]
     found = {r["max_num_batched_tokens"]: r["sustainable_load_rps"] for r in data["sustainable"]}
     for budget, load in found.items():
-        attained = {r["rate_rps"]: r["slo_attainment"] for r in data["rows"]
-                    if r["max_num_batched_tokens"] == budget}
+        attained = by_budget[budget]
         assert load == metrics.sustainable_load(attained, 0.99)
         assert load is None or all(attained[r] >= 0.99 for r in attained if r <= load)
     assert found == {64: 10.0, 1024: 20.0}
@@ -333,18 +343,11 @@ def test_sweep_best_is_the_fastest_when_no_setting_meets_the_slo(tmp_path, capsy
 
 
 def test_sweep_sustainable_load_uses_the_slo_target(tmp_path):
-    out = tmp_path / "rates.json"
-    argv = ["--executor", "sim", "--workload", "mixed-chat", "--num-requests", "60",
-            "--rates", "5,20,10", "--max-num-batched-tokens", "64,1024", "--max-num-seqs", "32",
-            "--chunk-size", "1024", "--slo-ttft", "0.3", "--slo-target", "0.5",
-            "--out", str(out), "--no-progress"]
-    assert bench.main_sweep(argv) == 0
-    data = json.loads(out.read_text())
+    data, by_budget = sweep_over_rates(tmp_path, "0.5")
     assert data["declaration"]["slo_target"] == 0.5
     differs = False
     for r in data["sustainable"]:
-        attained = {row["rate_rps"]: row["slo_attainment"] for row in data["rows"]
-                    if row["max_num_batched_tokens"] == r["max_num_batched_tokens"]}
+        attained = by_budget[r["max_num_batched_tokens"]]
         assert r["sustainable_load_rps"] == metrics.sustainable_load(attained, 0.5)
         differs |= metrics.sustainable_load(attained, 0.5) != metrics.sustainable_load(attained)
     assert differs, "the workload no longer tells a 0.5 target from 0.99"
