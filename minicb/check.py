@@ -1554,8 +1554,8 @@ def slot_mapping(fn: Callable[[list[int], int, int, int], list[int]]) -> bool:
         want = _reference_metadata(table, num_computed, num_new, page_size).slot_mapping.tolist()
         shown = (f"page_table={table}, num_computed={num_computed}, num_new={num_new}, "
                  f"page_size={page_size}")
-        got = _call(name, f"fn({shown})", fn, list(table), num_computed, num_new, page_size)
-        got = _as_list(got)
+        got = _as_list(_call(name, f"fn({shown})", fn, list(table), num_computed, num_new,
+                             page_size))
         if got == want:
             continue
         why = ""
@@ -1628,9 +1628,9 @@ def paged_attention(fn: Callable[..., torch.Tensor]) -> bool:
     gen = torch.Generator().manual_seed(72)
     cases = _attention_cases(72)
     for label, num_computed, num_new, page_size, heads, kv_heads, head_dim in cases:
-        pool = 2 * -(-(num_computed + num_new) // page_size) + 3
-        table = torch.randperm(pool, generator=gen)[:-(-(num_computed + num_new) // page_size)]
-        table = table.tolist()
+        needed = -(-(num_computed + num_new) // page_size)  # pages the context fills
+        pool = 2 * needed + 3
+        table = torch.randperm(pool, generator=gen)[:needed].tolist()
         k_cache = torch.randn(pool, page_size, kv_heads, head_dim, generator=gen)
         v_cache = torch.randn(pool, page_size, kv_heads, head_dim, generator=gen)
         q = torch.randn(num_new, heads, head_dim, generator=gen)
@@ -1713,8 +1713,7 @@ def prompt_lookup(fn: Callable[[list[int], int, int, int], list[int]]) -> bool:
     for index, (ids, k, n_max, n_min) in enumerate(cases):
         want = propose_ngram(ids, k, n_max, n_min)
         shown = f"token_ids={ids}, k={k}, n_max={n_max}, n_min={n_min}"
-        got = _call(name, f"fn({shown})", fn, list(ids), k, n_max, n_min)
-        got = _as_list(got)
+        got = _as_list(_call(name, f"fn({shown})", fn, list(ids), k, n_max, n_min))
         if got == want:
             continue
         why = ""
