@@ -1,4 +1,5 @@
-"""The autograder: `python -m minicb grade NOTEBOOK [...] [--json]` (exercises, chapters 01-08).
+"""The autograder: `python -m minicb grade NOTEBOOK [...] [--json] [--csv FILE] [--jobs N]`
+(exercises, chapters 01-08).
 
 It executes a copy of each notebook from top to bottom in a fresh kernel, carrying on past
 errors, and scores every exercise by its check cell: the cell tagged `check:<exercise>` (and
@@ -21,6 +22,11 @@ mark that changes with every run; an exercise passes only when that mark was pri
 raises the bar, it is no sandbox: the learner's code runs in the same kernel before the checks
 and can still patch the engine the checks drive, or IPython itself.
 
+A class's submissions are graded in one call: `--jobs N` grades N notebooks at a time (each in
+its own process and kernel), `--csv FILE` writes a gradebook with one row per notebook (points
+per exercise, the total, the first line of each failure) including a row for every notebook
+that could not be graded, so nobody drops out of the spreadsheet unnoticed.
+
 The original notebook is never modified. Exit status: 0 when every notebook was graded (whatever
 the score), 2 when a notebook could not be read or its exercise source could not be identified.
 """
@@ -28,7 +34,11 @@ the score), 2 when a notebook could not be read or its exercise source could not
 from __future__ import annotations
 
 import argparse
+import contextlib
+import csv
+import functools
 import json
+import multiprocessing
 import os
 import re
 import secrets
@@ -37,11 +47,13 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import nbformat
+from traitlets.config import Config
 
 from minicb.exercises import ROOT, cell_tags
 
@@ -85,6 +97,7 @@ class GradeReport:
     notebook: str
     exercises: list[ExerciseResult] = field(default_factory=list)
     seconds: float = 0.0
+    source: str = ""  # the exercise source's name ("05_pd_interleaving"); "" with --no-restore
     notes: list[str] = field(default_factory=list)  # kernel died, restored cells, ...
 
     @property
@@ -98,8 +111,9 @@ class GradeReport:
         return sum(e.max_points for e in self.exercises)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data for `--json`: notebook, score, max_score, seconds, exercises, notes."""
-        return {"notebook": self.notebook, "score": _num(self.score),
+        """Plain data for `--json`: notebook, source, score, max_score, seconds, exercises,
+        notes."""
+        return {"notebook": self.notebook, "source": self.source, "score": _num(self.score),
                 "max_score": _num(self.max_score), "seconds": round(self.seconds, 2),
                 "exercises": [{**asdict(e), "points": _num(e.points),
                                "max_points": _num(e.max_points)} for e in self.exercises],
@@ -245,9 +259,14 @@ def execute(nb: nbformat.NotebookNode, workdir: Path, timeout: int) -> list[str]
     """Run every cell in a fresh kernel, errors and all; returns notes on what stopped it.
     A cell past `timeout` is interrupted; one still running `timeout` later (it caught the
     interrupt) has its kernel killed, and the cells before it are graded."""
+    # The kernel talks to the grader over Unix sockets in the work folder where there are
+    # such sockets: over TCP, any local user could reach it, and ipykernel 7 prints a warning
+    # per kernel saying so (thirty of them grading a class).
+    config = (Config({"KernelManager": {"transport": "ipc", "ip": str(workdir / "kernel")}})
+              if os.name == "posix" else Config())
     # the grader's own Python, whatever kernel the learner's notebook names
     client = _capped_client()(nb, timeout=timeout, kernel_name="python3", allow_errors=True,
-                              interrupt_on_timeout=True, record_timing=False,
+                              interrupt_on_timeout=True, record_timing=False, config=config,
                               resources={"metadata": {"path": str(workdir)}})
     killed: list[int] = []
     timer: list[threading.Timer] = []
@@ -340,6 +359,7 @@ def grade_notebook(path: str | Path, timeout: int = 300, restore: bool = True,
             raise GradeError(f"cannot read the source {source_path}: "
                              f"{type(exc).__name__}: {exc}") from exc
         expected, notes = restore_checks(nb, source_nb)
+        report.source = source_path.stem
         if source_path.name != path.name:
             notes.insert(0, f"check cells restored from {_shown(source_path)}")
             if not source and (SOURCES / path.name).is_file():
@@ -418,14 +438,91 @@ def format_report(report: GradeReport) -> str:
     return "\n".join(lines)
 
 
+def gradebook(reports: list[GradeReport], failures: dict[str, str] | None = None,
+              order: list[str] | None = None) -> list[dict[str, Any]]:
+    """One spreadsheet row per notebook: its name, exercise source, total, points per exercise
+    (a column for every exercise any notebook holds, blank where it holds none), seconds, the
+    first line of each failed exercise's message, the notes; a notebook that could not be
+    graded (`failures`: notebook -> why) gets a row with its error and no score. Rows follow
+    `order` (the notebooks as given), else reports first, then failures."""
+    failures = failures or {}
+    columns: list[str] = []
+    for report in sorted(reports, key=lambda r: r.source):
+        columns += [e.name for e in report.exercises if e.name not in columns]
+    rows = {}
+    for report in reports:
+        points = {e.name: _num(e.points) for e in report.exercises}
+        failed = [f"{e.name}: {(e.message.splitlines() or [''])[0]}"
+                  for e in report.exercises if not e.passed]
+        rows[report.notebook] = {
+            "notebook": report.notebook, "source": report.source,
+            "score": _num(report.score), "max_score": _num(report.max_score),
+            **{name: points.get(name, "") for name in columns},
+            "seconds": round(report.seconds, 1), "error": "",
+            "feedback": " | ".join(failed), "notes": " | ".join(report.notes)}
+    for notebook, why in failures.items():
+        rows[notebook] = {"notebook": notebook, "source": "", "score": "", "max_score": "",
+                          **{name: "" for name in columns}, "seconds": "", "error": why,
+                          "feedback": "", "notes": ""}
+    names = order if order is not None else list(rows)
+    return [rows[name] for name in names if name in rows]
+
+
+def write_gradebook(path: Path, rows: list[dict[str, Any]]) -> None:
+    """`gradebook` rows as a CSV file (UTF-8, a header line, one line per notebook)."""
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        if not rows:
+            return
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def notebooks_in(paths: list[Path]) -> list[Path]:
+    """The notebooks to grade: each path as given, a folder replaced by every .ipynb below it
+    in name order (Jupyter's .ipynb_checkpoints copies left out)."""
+    found = []
+    for path in paths:
+        if path.is_dir():
+            found += sorted(p for p in path.rglob("*.ipynb")
+                            if ".ipynb_checkpoints" not in p.relative_to(path).parts)
+        else:
+            found.append(path)
+    return found
+
+
+def _grade_or_why(path: Path, timeout: int, restore: bool,
+                  source: Path | None) -> GradeReport | str:
+    """`grade_notebook`, or why the notebook cannot be graded (one line)."""
+    try:
+        nbformat.read(path, as_version=4)
+    except Exception as exc:
+        return f"cannot read {path}: {type(exc).__name__}: {exc}"
+    try:
+        return grade_notebook(path, timeout=timeout, restore=restore, source=source)
+    except GradeError as exc:
+        return str(exc)
+    except Exception as exc:  # a malformed notebook: say so, grade the others
+        return f"cannot grade {path}: {type(exc).__name__}: {exc}"
+
+
 def main(argv: list[str] | None = None) -> int:
-    """`python -m minicb grade NOTEBOOK [NOTEBOOK ...] [--json] [--timeout S] [--no-restore]`."""
+    """`python -m minicb grade NOTEBOOK [NOTEBOOK ...] [--json] [--csv FILE] [--jobs N]
+    [--timeout S] [--no-restore] [--source PATH]`."""
     parser = argparse.ArgumentParser(
         prog="python -m minicb grade",
         description="Execute exercise notebooks and score each exercise by its check cell.")
-    parser.add_argument("notebooks", nargs="+", type=Path)
+    parser.add_argument("notebooks", nargs="+", type=Path,
+                        help="notebooks, or folders: every .ipynb below one (a class's "
+                             "submissions), checkpoints left out")
     parser.add_argument("--json", action="store_true",
                         help="print a JSON object (a list of them for several notebooks)")
+    parser.add_argument("--csv", type=Path, metavar="FILE",
+                        help="also write a gradebook: one row per notebook, a column per "
+                             "exercise, rows for notebooks that could not be graded")
+    parser.add_argument("--jobs", "-j", type=int, default=1, metavar="N",
+                        help="grade N notebooks at a time, each in its own process and kernel "
+                             "(default 1; at most one per core pays)")
     parser.add_argument("--timeout", type=int, default=300,
                         help="seconds a single cell may run before it is interrupted")
     parser.add_argument("--no-restore", action="store_true",
@@ -436,29 +533,34 @@ def main(argv: list[str] | None = None) -> int:
                              "exercises/source/<same file name>, else the one the "
                              "notebook's content identifies)")
     args = parser.parse_args(argv)
-    reports = []
-    status = 0
-    for path in args.notebooks:
-        try:
-            nbformat.read(path, as_version=4)
-        except Exception as exc:
-            print(f"error: cannot read {path}: {type(exc).__name__}: {exc}", file=sys.stderr)
-            status = 2
-            continue
-        try:
-            report = grade_notebook(path, timeout=args.timeout, restore=not args.no_restore,
-                                    source=args.source)
-        except GradeError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            status = 2
-            continue
-        except Exception as exc:  # a malformed notebook: say so, grade the others
-            print(f"error: cannot grade {path}: {type(exc).__name__}: {exc}", file=sys.stderr)
-            status = 2
-            continue
-        reports.append(report)
-        if not args.json:
-            print(format_report(report))
+    if args.jobs < 1:
+        parser.error(f"--jobs must be at least 1, got {args.jobs}")
+    if args.csv is not None and args.csv.suffix == ".ipynb":
+        parser.error(f"--csv {args.csv} would overwrite a notebook: name a .csv file")
+    args.notebooks = notebooks_in(args.notebooks)
+    if not args.notebooks:
+        parser.error("no .ipynb file in the folders given")
+    grade_one = functools.partial(_grade_or_why, timeout=args.timeout,
+                                  restore=not args.no_restore, source=args.source)
+    reports, failures = [], {}
+    with contextlib.ExitStack() as stack:
+        if args.jobs > 1 and len(args.notebooks) > 1:
+            # Separate processes, not threads: each grading drives its own kernel client and
+            # its own timers; "spawn" because a forked child would inherit the parent's.
+            pool = stack.enter_context(ProcessPoolExecutor(
+                min(args.jobs, len(args.notebooks)),
+                mp_context=multiprocessing.get_context("spawn")))
+            results = pool.map(grade_one, args.notebooks)  # in the order given, as they finish
+        else:
+            results = map(grade_one, args.notebooks)
+        for path, result in zip(args.notebooks, results):
+            if isinstance(result, str):
+                print(f"error: {result}", file=sys.stderr)
+                failures[str(path)] = result
+                continue
+            reports.append(result)
+            if not args.json:
+                print(format_report(result), flush=True)
     if args.json:
         data = [r.to_dict() for r in reports]
         one = len(args.notebooks) == 1  # a list whenever several were asked for
@@ -467,8 +569,12 @@ def main(argv: list[str] | None = None) -> int:
         total = sum(r.score for r in reports)
         top = sum(r.max_score for r in reports)
         print(f"all notebooks: {_num(total)}/{_num(top)}")
-    return status
-
+    if args.csv is not None:
+        write_gradebook(args.csv, gradebook(reports, failures,
+                                            order=[str(p) for p in args.notebooks]))
+        print(f"gradebook: {args.csv} ({len(reports)} graded, {len(failures)} not)",
+              file=sys.stderr)
+    return 2 if failures else 0
 
 if __name__ == "__main__":
     sys.exit(main())

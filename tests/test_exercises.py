@@ -10,10 +10,12 @@ survives tampering, endless loops and bad paths.
 
 from __future__ import annotations
 
+import csv
 import json
 import re
 import shutil
 import time
+from pathlib import Path
 
 import nbformat
 import numpy as np
@@ -927,6 +929,68 @@ def test_malformed_tags_and_batches_do_not_stop_the_grader(tmp_path, capsys):
     bad.write_text("{not json")
     assert grade.main(["--json", str(bad), str(tmp_path / "missing.ipynb")]) == 2
     assert json.loads(capsys.readouterr().out) == []
+
+
+def test_the_gradebook_has_a_row_per_notebook_and_a_column_per_exercise():
+    """Submissions of two exercise sets share one sheet: a column for every exercise, blank
+    where a notebook has none, the first line of each failure; a notebook that could not be
+    graded keeps its row (with why), in the order the notebooks were given."""
+    R, E = grade.GradeReport, grade.ExerciseResult
+    failed = E("static_finish_steps", 0, 1, False, "CheckFailed: R2 finishes at 9\nmore")
+    alice = R("alice.ipynb", [E("static_batch", 1, 1, True), failed], seconds=12.34,
+              source="02_static_batching")
+    bob = R("bob.ipynb", [E("page_pool", 1, 1, True), E("quantize_int8", 0.5, 1, False, "")],
+            source="01_paged_kv", notes=["kernel died"])
+    rows = grade.gradebook([alice, bob], {"carol.ipynb": "cannot read carol.ipynb"},
+                           order=["carol.ipynb", "bob.ipynb", "alice.ipynb"])
+    assert [r["notebook"] for r in rows] == ["carol.ipynb", "bob.ipynb", "alice.ipynb"]
+    assert list(rows[0]) == ["notebook", "source", "score", "max_score", "page_pool",
+                             "quantize_int8", "static_batch", "static_finish_steps", "seconds",
+                             "error", "feedback", "notes"]  # exercises in the sources' order
+    carol, bob_row, alice_row = rows
+    assert carol["error"] == "cannot read carol.ipynb" and carol["score"] == ""
+    assert (bob_row["score"], bob_row["max_score"], bob_row["quantize_int8"]) == (1.5, 2, 0.5)
+    assert bob_row["static_batch"] == "" and bob_row["notes"] == "kernel died"
+    assert (alice_row["score"], alice_row["page_pool"], alice_row["seconds"]) == (1, "", 12.3)
+    assert alice_row["feedback"] == "static_finish_steps: CheckFailed: R2 finishes at 9"
+    assert [r["notebook"] for r in grade.gradebook([alice, bob])] == ["alice.ipynb", "bob.ipynb"]
+
+
+@pytest.mark.slow
+def test_a_class_is_graded_two_at_a_time_into_a_gradebook(tmp_path, capfd):
+    """`--jobs 2 --csv` on a folder of submissions (one folder per student, Jupyter's
+    checkpoint copies left out): each notebook graded in its own process, reports printed in
+    name order, a spreadsheet with every submission, the unreadable one included. The kernels
+    talk over Unix sockets: no warning per kernel that TCP is unencrypted."""
+    folder = tmp_path / "submissions"
+    for student, source in [("alice", "solutions"), ("bob", "exercises")]:
+        (folder / student).mkdir(parents=True)
+        shutil.copy(ROOT / source / EXPECTED[student == "bob"], folder / student)
+    (folder / "carol").mkdir()
+    (folder / "carol" / EXPECTED[0]).write_text("{not json")
+    (folder / "alice" / ".ipynb_checkpoints").mkdir()
+    (folder / "alice" / ".ipynb_checkpoints" / "old-checkpoint.ipynb").write_text("{not json")
+    paths = [str(folder / s / EXPECTED[s == "bob"]) for s in ("alice", "bob", "carol")]
+    book = tmp_path / "gradebook.csv"
+    assert grade.main([str(folder), "--jobs", "2", "--csv", str(book), "--timeout", "60"]) == 2
+    out, err = capfd.readouterr()
+    assert out.index("alice") < out.index("bob") and "total: 4/4" in out
+    assert "without encryption" not in err and "gradebook: " in err
+    with open(book, newline="", encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["notebook"] for r in rows] == paths
+    alice, bob, carol = rows
+    assert (alice["source"], alice["score"], alice["page_pool"]) == ("01_paged_kv", "4", "1")
+    assert alice["static_batch"] == "" and bob["page_pool"] == ""
+    assert bob["source"] == Path(EXPECTED[1]).stem and bob["score"] == "0"
+    assert bob["static_batch"] == "0" and "static_batch: NotImplementedError" in bob["feedback"]
+    assert carol["score"] == "" and carol["error"].startswith("cannot read")
+    with pytest.raises(SystemExit):
+        grade.main([paths[0], "--jobs", "0"])
+    with pytest.raises(SystemExit):
+        grade.main([paths[0], "--csv", paths[1]])  # would overwrite a notebook
+    with pytest.raises(SystemExit):
+        grade.main([str((tmp_path / "empty").mkdir() or tmp_path / "empty")])  # no notebook
 
 
 def test_minicbs_own_function_is_not_an_answer():
