@@ -632,8 +632,10 @@ def static_batch(fn: Callable[[list[tuple[str, int]], int, int, int], list[str]]
                 why = f" Your batch needs {pages} pages but only {free_pages} are free."
             elif stop is not None and stop not in got and any(
                     order.index(r) > order.index(stop) for r in got if r in order):
-                why = (f" {stop!r} does not fit ({need[stop]} pages needed), so the batch stops "
-                       "there: first come, first served, later requests must not jump ahead.")
+                left = free_pages - sum(need[rid] for rid in want)
+                why = (f" {stop!r} does not fit ({need[stop]} pages needed, {left} left after "
+                       f"{want}), so the batch stops there: first come, first served, later "
+                       "requests must not jump ahead.")
             elif got != sorted(got, key=lambda r: order.index(r) if r in order else -1):
                 why = " Keep the queue's order."
             elif len(got) < len(want):
@@ -918,6 +920,10 @@ def _signature(record: StepRecord) -> list[tuple[str, str, int]]:
     return sorted((m.request_id, m.kind, m.num_tokens) for m in record.members)
 
 
+def _tokens(record: StepRecord) -> int:
+    return sum(m.num_tokens for m in record.members)
+
+
 def _compare(ref: list[StepRecord], mine: list[StepRecord], wl: CheckWorkload, policy: str,
              exercise: str, rules: str) -> None:
     for a, b in zip(ref, mine):
@@ -926,6 +932,13 @@ def _compare(ref: list[StepRecord], mine: list[StepRecord], wl: CheckWorkload, p
             extra = ""
             if a.preempted != b.preempted:
                 extra = f" minicb preempted {a.preempted}; yours preempted {b.preempted}."
+            chunks = {m.request_id: m.num_tokens for m in a.members if m.kind == "prefill"}
+            one = [m.request_id for m in b.members if m.kind == "prefill" and m.num_tokens == 1
+                   and chunks.get(m.request_id, 1) > 1]
+            if one and _tokens(b) < _tokens(a):  # a prompt being prefilled, taken for a decode
+                extra += (f" Yours gave {one[0]!r}, whose prompt was not yet done, a single "
+                          "token: was it in your decode loop? Decodes are the running requests "
+                          "whose prompt is done: loop over self.decoding(ctx), not ctx.running.")
             _fail(exercise, f"workload {wl.name!r} ({wl.about}), step {a.step}: minicb's "
                             f"{policy} scheduler ran {_describe(a.members)}; yours ran "
                             f"{_describe(b.members)}.{extra}{waiting} {rules}")
@@ -1043,6 +1056,13 @@ CONTINUOUS_WORKLOADS = [
              "4; the decodes need the free pages first",
              [("p0", 30, 12, 1), ("p1", 30, 12, 1), ("p2", 14, 6, 4), ("p3", 14, 6, 6)],
              {"max_num_seqs": 4, "max_num_batched_tokens": 256, "num_pages": 6}),
+    CheckWorkload("decodes-beside-prompts", "three requests decode when a 30- and a 32-token "
+             "prompt arrive at step 3 under a 64-token budget: only prompt tokens count against "
+             "this policy's budget (decodes are not subtracted, unlike chapter 05's pd), so "
+             "both prompts join in step 3",
+             [("d0", 8, 10, 1), ("d1", 8, 10, 1), ("d2", 8, 10, 1), ("x", 30, 3, 3),
+              ("y", 32, 3, 3)],
+             {"max_num_seqs": 8, "max_num_batched_tokens": 64}),
 ]
 CONTINUOUS_RULES = (
     "Continuous batching, as minicb does it: first every running decode gets one token "
@@ -1054,7 +1074,7 @@ CONTINUOUS_RULES = (
 
 
 def continuous_scheduler(cls: Any) -> bool:
-    """Exercise 3.2: a continuous-batching `Scheduler` subclass, run for real on seven small
+    """Exercise 3.2: a continuous-batching `Scheduler` subclass, run for real on eight small
     workloads and compared step by step with minicb's ContinuousScheduler."""
     return _check_scheduler(cls, "continuous", "continuous_scheduler", CONTINUOUS_WORKLOADS,
                             CONTINUOUS_RULES, decodes_first=True)

@@ -240,6 +240,30 @@ def test_pd_scheduler_serving_prefill_before_decodes_is_caught():
     assert "decodes were left waiting at step 3" in caught("pd_scheduler", NamedPD)
 
 
+def test_a_prompt_in_the_decode_loop_is_named():
+    """Found by a learner review: looping over ctx.running for decodes gives a half-prefilled
+    prompt one token; the message says so instead of only showing the two steps."""
+    from minicb.request import Status
+    from minicb.scheduler import Scheduler, schedule_prefill_chunks
+
+    class RunningAsDecodes(Scheduler):
+        name = "my-pd"
+
+        def schedule(self, ctx):
+            budget = ctx.config.max_num_batched_tokens
+            for req in list(ctx.running):
+                if req.status is Status.RUNNING and ctx.reserve_or_preempt(req, 1):
+                    ctx.schedule(req, 1)
+                    budget -= 1
+            schedule_prefill_chunks(ctx, budget, min_chunk=ctx.config.min_chunk)
+            return ctx.batch
+
+    message = caught("pd_scheduler", RunningAsDecodes)
+    assert "long prefill 1] (4 tokens)" in message
+    assert "Yours gave 'long', whose prompt was not yet done, a single token" in message
+    assert "self.decoding(ctx)" in message
+
+
 def test_page_pool_that_forgets_a_ref_count_is_caught():
     base = solution("01_paged_kv.ipynb")["MyPagePool"]
 
@@ -331,7 +355,10 @@ def test_batching_bugs_are_caught():
                 batch.append(rid)
         return batch
 
-    assert "must not jump ahead" in caught("static_batch", jumps_ahead)
+    message = caught("static_batch", jumps_ahead)
+    # the first mismatch: r0 takes 2 of 3 free pages, r1 needs 3 (a review: say what is left)
+    assert "'r1' does not fit (3 pages needed, 1 left after ['r0'])" in message
+    assert "must not jump ahead" in message
 
     def ignores_min_chunk(remaining, chunk_size, budget, min_chunk=1):
         return min(remaining, chunk_size, budget)
@@ -552,7 +579,7 @@ def test_chunked_scheduler_budget_bugs_are_caught():
 
 
 def continuous_like(decodes_first=True, stop_at_misfit=True, alone=True, preempting=True,
-                    schedules=True):
+                    schedules=True, decodes_count=False):
     """Exercise 3.2's scheduler, with one of its rules broken on demand."""
     from minicb.scheduler import Scheduler
 
@@ -570,12 +597,13 @@ def continuous_like(decodes_first=True, stop_at_misfit=True, alone=True, preempt
         def schedule(self, ctx):
             if decodes_first:
                 self.decodes(ctx)
+            budget = ctx.config.max_num_batched_tokens
+            budget -= len(ctx.batch.items) if decodes_count else 0
             tokens = 0
             for req in list(ctx.waiting):
                 if ctx.batch.preempted:
                     break
-                if (tokens or not alone) and \
-                        tokens + req.num_tokens > ctx.config.max_num_batched_tokens:
+                if (tokens or not alone) and tokens + req.num_tokens > budget:
                     if stop_at_misfit:
                         break
                     continue
@@ -597,6 +625,10 @@ def test_continuous_scheduler_queue_order_and_decodes_first_are_checked():
     assert "'queue-order'" in message and "[a prefill 50, c prefill 10]" in message
     message = caught("continuous_scheduler", continuous_like(decodes_first=False))
     assert "'late-pages'" in message and "yours preempted ['p1']" in message
+    # pd's rule (chapter 05) carried back: decodes subtracted from the budget (a learner review)
+    message = caught("continuous_scheduler", continuous_like(decodes_count=True))
+    assert "'decodes-beside-prompts'" in message and "[d0 decode, d1 decode, d2 decode, x " \
+        "prefill 30] (33 tokens)" in message
 
 
 def test_finish_steps_of_requests_listed_out_of_arrival_order():
