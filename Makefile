@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: grade demo test test-fast test-notebooks lab bench exercises serve lint browser-test clean-cache
+.PHONY: student-release grade demo test test-fast test-notebooks lab bench exercises serve lint browser-test clean-cache
 
 $(STAMP): requirements.txt pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -26,7 +26,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	OMP_NUM_THREADS=1 TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests \
 		--nbval-lax --nbval-current-env --nbval-sanitize-with tests/sanitize.cfg \
-		chapters solutions
+		chapters $(wildcard solutions)
 
 ## engine tests only (the inner loop): no notebooks, no slow tests, no browser
 test-fast: $(STAMP)
@@ -34,7 +34,7 @@ test-fast: $(STAMP)
 
 test-notebooks: $(STAMP)
 	OMP_NUM_THREADS=1 TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -p no:cacheprovider --nbval-lax --nbval-current-env \
-		--nbval-sanitize-with tests/sanitize.cfg chapters solutions
+		--nbval-sanitize-with tests/sanitize.cfg chapters $(wildcard solutions)
 
 lab: $(STAMP)
 	$(BIN)/jupyter lab chapters/00_setup_and_tour.ipynb
@@ -56,6 +56,16 @@ exercises: $(STAMP)
 ## score notebooks: make grade NB=exercises/01_paged_kv.ipynb (default: every exercise notebook)
 grade: $(STAMP)
 	$(BIN)/python -m minicb grade $(or $(NB),exercises/*.ipynb)
+
+## a copy of the committed course for students: without solutions/, exercises/source/ (the
+## sources hold the answers) and the exercises' tests. STUDENT=path to put it elsewhere.
+STUDENT ?= dist/minicb-student
+student-release:
+	rm -rf $(STUDENT) $(STUDENT).tar.gz && mkdir -p $(STUDENT)
+	git archive HEAD | tar -x -C $(STUDENT)
+	rm -rf $(STUDENT)/solutions $(STUDENT)/exercises/source $(STUDENT)/tests/test_exercises.py
+	tar -czf $(STUDENT).tar.gz -C $(dir $(STUDENT)) $(notdir $(STUDENT))
+	@echo "$(STUDENT)/ and $(STUDENT).tar.gz: HEAD without the answers"
 
 lint: $(STAMP)
 	$(BIN)/ruff check minicb tests

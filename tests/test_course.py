@@ -3,7 +3,12 @@ one in reading order, and every relative link in the chapters and the README res
 
 import json
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAPTERS = sorted((ROOT / "chapters").glob("[0-9][0-9]_*.ipynb"))
@@ -54,3 +59,27 @@ def test_every_chapter_opens_with_goals_and_ends_with_a_recap():
                        if c["cell_type"] == "markdown")
         assert "you will" in first or "able to" in first, f"{path.name}: no goals up front"
         assert "recap" in last_md or "summary" in last_md, f"{path.name}: no recap at the end"
+
+
+def test_the_student_copy_holds_no_answer(tmp_path):
+    """`make student-release`: the committed course without solutions/, the exercise sources
+    and the exercises' tests; the student notebooks are there, no notebook holds a solution,
+    and the course tests still pass in the copy (no link into what was removed)."""
+    if shutil.which("git") is None or shutil.which("make") is None or \
+            not (ROOT / ".git").exists():
+        pytest.skip("needs git, make and a git checkout")
+    copy = tmp_path / "minicb-student"
+    subprocess.run(["make", "-s", "student-release", f"STUDENT={copy}"], cwd=ROOT, check=True,
+                   capture_output=True)
+    assert (tmp_path / "minicb-student.tar.gz").stat().st_size > 0
+    assert not (copy / "solutions").exists() and not (copy / "exercises" / "source").exists()
+    assert not (copy / "tests" / "test_exercises.py").exists()
+    assert sorted(p.name for p in (copy / "exercises").glob("*.ipynb")) == \
+        sorted(p.name for p in (ROOT / "exercises").glob("*.ipynb"))
+    assert (copy / "chapters" / "00_setup_and_tour.ipynb").exists()
+    answers = [p for p in copy.rglob("*.ipynb") if "### BEGIN SOLUTION" in p.read_text()]
+    assert not answers, answers
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "tests/test_course.py", "-k", "not student_copy"], cwd=copy,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-2000:]

@@ -7,6 +7,13 @@
 # (v1) to 连续批处理 continuous batching, 分块预填充 chunked prefill and PD 交错 prefill/decode
 # interleaving (v2).
 #
+# Two words the chapters use for their sources. **The seed** is that chapter text (written in
+# Chinese): "seed §2.3" means its section 2.3, and a passage the course relies on is quoted in the
+# chapter with a translation, so you never need the text itself. It has nothing to do with the
+# `seed=` of a random workload. **The benchmark contract** is a second text, the rules for
+# measuring a serving engine the way production traffic would: arrival processes, percentiles,
+# goodput at an SLO, preemption and cancellation. Chapter 06 follows it.
+#
 # **After this chapter you will be able to**
 #
 # - open and run the course (`make lab`, `make test`) and say what each chapter adds;
@@ -20,14 +27,14 @@
 # | chapter | seed section | what you build or measure |
 # |---|---|---|
 # | **00** setup and tour | | the default model answering through minicb, a first timeline |
-# | **01** single request, paged KV | v1 | 预填充 prefill vs 解码 decode measured; pages, the 页池 page pool, page tables, the 前缀索引 prefix index |
+# | **01** single request, paged KV | v1 | 预填充 prefill vs 解码 decode measured; pages, the 页池 page pool, page tables, the 前缀索引 prefix index, int8 and prepacked weights |
 # | **02** static batching | 1.1, 1.2, 2.1, 2.2 | v1 under concurrency; 静态批处理 static batching and request-level dynamic batching; the R1/R2/R3 example and its dead slots |
 # | **03** continuous batching | 1.3, 2.3, 2.5 | 迭代级调度 iteration-level scheduling, the four phases of a step, R4 taking R1's 槽位 slot at step 31, which workloads gain |
 # | **04** chunked prefill | 2.4, 3 (problem one, two) | a long prompt blocking every decode; chunks; prefill-first still starving decodes |
 # | **05** PD interleaving | 3 | the decode-first token budget, mixed `[B_dec, 1]` + `[1, N_chunk]` batches, dec@P and short_P |
-# | **06** benchmarking like production | second seed text | arrival processes, percentiles, goodput at an SLO, preemption, cancellation |
-# | **07** GPU kernels | | paged attention and the KV store in Triton |
-# | **08** where next | | minicb's knobs beside vLLM's and SGLang's |
+# | **06** benchmarking like production | the benchmark contract | arrival processes, percentiles, goodput at an SLO, how long a run must be, preemption and a bound on its loss, cancellation, fairness, priority, deadlines and tenants, a sweep |
+# | **07** GPU kernels | | paged attention, the KV store, fused RMSNorm and RoPE in Triton, checked on the CPU in Triton's interpreter |
+# | **08** where next | | minicb's knobs beside vLLM's and SGLang's, serving, a C decode-attention kernel built and measured, speculative decoding by prompt lookup |
 #
 # Each chapter imports the engine from the `minicb` package; none pastes engine code. Where a
 # chapter builds an idea by hand first (a toy page allocator, a toy batch loop), a cell then checks
@@ -44,11 +51,11 @@
 # make demo   # a few chat prompts answered with continuous batching, printed with a timeline
 # ```
 #
-# Every chapter runs top to bottom in under two minutes on two CPU cores with the default model,
-# SmolLM2-135M-Instruct (135 M parameters, float32 on the CPU). With a CUDA build of torch and a
-# GPU, engines go to the GPU by default (`device="auto"`; `device="cpu"` keeps them here) and the
-# notebooks are meant to run unchanged, much faster per step, though so far they have been
-# checked on the CPU only; chapter 07 says how to install the CUDA build.
+# Every chapter runs top to bottom in at most three minutes on two CPU cores (most in under two)
+# with the default model, SmolLM2-135M-Instruct (135 M parameters, float32 on the CPU). With a
+# CUDA build of torch and a GPU, engines go to the GPU by default (`device="auto"`; `device="cpu"`
+# keeps them here) and the notebooks are meant to run unchanged, much faster per step, though so
+# far they have been checked on the CPU only; chapter 07 says how to install the CUDA build.
 #
 # `make test` runs each notebook with `nbval`: cells that print schedule tables and counts start
 # with `# NBVAL_CHECK_OUTPUT` and must reproduce their stored output exactly. That is possible

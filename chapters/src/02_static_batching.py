@@ -174,8 +174,8 @@ for rid, (start, finish, end) in toy.items():
 # %% [markdown]
 # Now the real thing: minicb's `static` policy (`StaticScheduler` in `minicb/scheduler.py`) on
 # SmolLM2, three slots (`max_num_seqs=3`), and the same example from `minicb.workload`
-# (8-token prompts). This is the longest run of the chapter: 260 steps, about 5–15 s on two CPU
-# cores.
+# (8-token prompts). This is the longest run of the chapter: 260 steps, 10–20 s on two CPU cores
+# (the cell prints its own time).
 
 # %%
 # NBVAL_IGNORE_OUTPUT

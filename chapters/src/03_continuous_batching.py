@@ -6,7 +6,9 @@
 # batching, decides the batch again before *every* forward: a finished request leaves at once, a
 # new one takes its place at the next step. vLLM and SGLang use it as the base of online serving.
 #
-# Two notes from the benchmark contract before we start. The Orca paper proposed two things:
+# Two notes from the benchmark contract (the course's second source text: the rules for
+# measuring an engine the way production traffic would, which chapter 06 follows) before we
+# start. The Orca paper proposed two things:
 # iteration-level scheduling, and **selective batching** (batch the token-wise operations, the
 # projections and MLP, over all of a step's tokens, and run attention per request, since each
 # request's context differs); minicb's flat mixed batch with per-member attention metadata (chapter 05 §3 shows

@@ -158,7 +158,13 @@ fig = plot_step_seconds({"continuous": cont}, "wall-clock time of each step")
 # - `max_num_batched_tokens`: at most this many tokens in the **whole** step, prefill and decode
 #   together: the step's token budget.
 #
-# A chunk is therefore `min(chunk_size, budget left, tokens left)`. On plain numbers:
+# A chunk is therefore `min(chunk_size, budget left, tokens left)`. The seed adds one rule,
+# 预算不足时推迟 (defer when the budget is short): if what is left of the step's budget cannot hold
+# a minimum chunk, the chunk waits for a later step instead of running as a sliver whose fixed
+# cost outweighs its work. minicb calls that minimum `min_chunk` (`EngineConfig`, default 1, so it
+# never fires unless you set it) and defers a chunk smaller than `min(min_chunk, tokens left)`: a
+# prompt's last few tokens still run when they finish it. The rule starts to matter in chapter 05,
+# where decodes take their share of the budget first. On plain numbers, without it:
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -373,6 +379,6 @@ for chunk_size, budget in ((128, 128), (512, 128), (64, 128), (128, 256)):
 #   interleaving, chapter 05.
 #
 # **Exercises:** [`exercises/04_chunked_prefill.ipynb`](../exercises/04_chunked_prefill.ipynb):
-# write `next_chunk` (the rule above, plus the seed's "defer a chunk that is too small"), then a
+# write `next_chunk` (the rule of section 2, `min_chunk` included), then a
 # prefill-first chunked scheduler of your own as a `minicb.Scheduler` subclass; the check runs it in
 # the real engine against minicb's `chunked` schedule, and you measure problem two with it.

@@ -479,8 +479,8 @@ for r in rows:
           f"{r['spill_bytes']:>8}{r['loop_spills']:>9}{r['shared_bytes'] / 1024:>11.1f}")
 
 # %% [markdown]
-# Where a spill sits matters as much as its size. With Triton 3.6 (the version installed on the
-# H200 machine this course may borrow for its GPU check; nothing has run there yet), the bf16 decode tile at head_dim 128 spills 4 bytes; the disassembly shows one store
+# Where a spill sits matters as much as its size. With Triton 3.6 (an older release that some GPU
+# servers still ship), the bf16 decode tile at head_dim 128 spills 4 bytes; the disassembly shows one store
 # before the key loop and one load after it, once per program. So the check also reads the
 # disassembly and counts the spill instructions inside a loop (the `in loops` column): only
 # those fail it (`bench/compile-sm90-triton3.6.md`).
