@@ -588,3 +588,33 @@ def test_device_auto_is_the_cpu_here_and_follows_a_loaded_model(tiny_llama_dir, 
     assert resolve_device("auto") == "cuda"
     assert resolve_device("auto", quantization="int8") == "cpu"  # a CPU-only option
     assert Engine((model, info)).config.device == "cpu"  # where the model passed in lies
+
+
+def test_engine_config_limits_are_where_the_messages_say():
+    """The boundary of each rule: equal passes where the rule says >=, zero where it says
+    >= 0; one step past is refused naming the rule. And "auto" dtype is bfloat16 on CUDA."""
+    import torch
+
+    from minicb.config import torch_dtype
+    EngineConfig(policy="pd", chunk_size=16, max_num_seqs=16)  # chunk_size >= max_num_seqs
+    EngineConfig(policy="dynamic", batch_timeout=0)  # dynamic batching that never waits
+    with pytest.raises(ValueError, match="gpu_memory_utilization must be in"):
+        EngineConfig(gpu_memory_utilization=0.0)
+    with pytest.raises(ValueError, match=r"chunk_size \(16\) must be >= min_chunk \(32\)"):
+        EngineConfig(policy="pd", chunk_size=16, min_chunk=32)
+    assert torch_dtype("auto", "cpu") == torch.float32
+    assert torch_dtype("auto", "cuda") == torch_dtype("auto", "cuda:1") == torch.bfloat16
+    assert torch_dtype("float16", "cuda") == torch.float16
+
+
+def test_a_scheduler_instance_meets_the_rules_of_the_policy_it_names():
+    """Found by review: policy=PDScheduler() skipped pd's cross-field checks that policy="pd"
+    gets (a budget below max_num_seqs wedges chunked and pd: decodes cannot all advance)."""
+    from minicb.scheduler import ChunkedScheduler, PDScheduler
+    for policy in (PDScheduler(), ChunkedScheduler()):
+        with pytest.raises(ValueError, match=rf"max_num_batched_tokens \(4\) must be >= "
+                                             rf"max_num_seqs \(8\) under policy '{policy.name}'"):
+            EngineConfig(policy=policy, max_num_batched_tokens=4, max_num_seqs=8)
+    with pytest.raises(ValueError, match=r"chunk_size \(4\) must be >= max_num_seqs"):
+        EngineConfig(policy=PDScheduler(), chunk_size=4, max_num_seqs=8)
+    EngineConfig(policy=PDScheduler(), max_num_batched_tokens=8, max_num_seqs=8, chunk_size=8)

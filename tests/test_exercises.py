@@ -1344,3 +1344,125 @@ def test_exercise_demos_print_what_their_text_says(capsys):
     assert difference < 1e-5
     assert "30 tokens in 8 steps (22 guesses kept); same answer: True" in out
 
+
+
+def fake_execute(outcome: dict[str, str]):
+    """A stand-in for `grade.execute` (no kernel): every code cell counts as run. A cell tagged
+    `check:<name>` or `exercise:<name>` does what `outcome[tag]` says: "pass" (a check cell's
+    default) prints the grader's mark (a restored check cell's last line) or, unrestored,
+    "passed"; "silent" ends with no mark and no error (an earlier cell swallowed errors);
+    any other value is the error it raises, "Name: message"."""
+    def execute(nb, workdir, timeout):
+        for i, cell in enumerate(nb.cells):
+            if cell.cell_type != "code":
+                continue
+            cell.execution_count = i + 1
+            tag = next((t for t in cell_tags(cell) if t.startswith(("check:", "exercise:"))),
+                       "")
+            what = outcome.get(tag, "pass" if tag.startswith("check:") else "silent")
+            if what == "pass":
+                mark = re.search(r"print\('(minicb-grade-check-done:[^']*)'\)\s*$",
+                                 cell.source)
+                cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text=(
+                    mark.group(1) if mark else "passed") + "\n")]
+            elif what != "silent":
+                ename, _, evalue = what.partition(": ")
+                cell.outputs = [nbformat.v4.new_output("error", ename=ename, evalue=evalue,
+                                                       traceback=[])]
+        return []
+    return execute
+
+
+def test_scores_follow_the_check_cells_marks_and_points(tmp_path, monkeypatch):
+    """In memory, no kernel: a passing check earns its `points:<n>` (pd_scheduler is worth 2),
+    a failing one 0 with its error, and one that ended without printing the grader's mark
+    (errors silenced by an earlier cell) 0, even though it raised nothing."""
+    name = EXPECTED[4]  # pd_scheduler (2 points), dec_at_p, short_p
+    path = tmp_path / name
+    shutil.copy(ROOT / "solutions" / name, path)
+    monkeypatch.setattr(grade, "execute", fake_execute({
+        "check:dec_at_p": "CheckFailed: wrong answer", "check:short_p": "silent"}))
+    report = grade.grade_notebook(path)
+    got = {e.name: (e.points, e.max_points, e.passed) for e in report.exercises}
+    assert got == {"pd_scheduler": (2, 2, True), "dec_at_p": (0, 1, False),
+                   "short_p": (0, 1, False)}
+    assert (report.score, report.max_score) == (2, 4)
+    by_name = {e.name: e for e in report.exercises}
+    assert by_name["dec_at_p"].message == "CheckFailed: wrong answer"
+    assert "did not run to its end" in by_name["short_p"].message
+    assert "total: 2/4" in grade.format_report(report)
+    # --no-restore: no mark is asked for, so the silent check passes (proves nothing)
+    assert grade.grade_notebook(path, restore=False).score == 3
+
+
+def test_a_failed_check_names_the_learners_own_error_only_when_it_caused_it(tmp_path,
+                                                                              monkeypatch):
+    """A check failing with NameError after the exercise's own cell raised reports that
+    earlier error (the name was never defined because of it); a check failing on its own
+    (CheckFailed) reports its own message, whatever failed before it."""
+    path = tmp_path / EXPECTED[0]  # page_pool, prefix_hashes, match_prefix, quantize_int8
+    shutil.copy(ROOT / "solutions" / EXPECTED[0], path)
+    monkeypatch.setattr(grade, "execute", fake_execute({
+        "exercise:prefix_hashes": "ZeroDivisionError: division by zero",
+        "check:prefix_hashes": "NameError: name 'prompt_page_hashes' is not defined",
+        "exercise:match_prefix": "TypeError: bad operand",
+        "check:match_prefix": "CheckFailed: match_prefix([1, 2]) returned 3, expected 2",
+        "check:quantize_int8": "KeyboardInterrupt: "}))
+    messages = {e.name: e.message for e in grade.grade_notebook(path, timeout=7).exercises}
+    assert messages["page_pool"] == ""
+    assert messages["prefix_hashes"] == ("ZeroDivisionError: division by zero  (then the check "
+                                         "failed with NameError)")
+    assert messages["match_prefix"] == "CheckFailed: match_prefix([1, 2]) returned 3, expected 2"
+    assert messages["quantize_int8"].startswith("KeyboardInterrupt: a cell ran longer than 7 s")
+
+
+def test_json_is_a_list_whenever_several_notebooks_were_asked_for(tmp_path, monkeypatch,
+                                                                   capsys):
+    path = tmp_path / EXPECTED[1]
+    shutil.copy(ROOT / "solutions" / EXPECTED[1], path)
+    monkeypatch.setattr(grade, "execute", fake_execute({}))
+    assert grade.main(["--json", str(path), str(tmp_path / "missing.ipynb")]) == 2
+    data = json.loads(capsys.readouterr().out)
+    assert isinstance(data, list) and [d["score"] for d in data] == [2]
+
+
+def test_a_file_holding_its_own_exercises_keeps_its_name_even_when_outweighed():
+    """02's stubs and checks plus all of exercise 3's cells: by content alone it looks like
+    exercise 3, but it names 02's exercises and is called 02_...: graded as 02."""
+    source = ROOT / "exercises" / "source"
+    own = nbformat.read(ROOT / "solutions" / EXPECTED[1], as_version=4)
+    other = nbformat.read(ROOT / "solutions" / EXPECTED[2], as_version=4)
+    keep = set(tagged(own, "check").values()) | set(tagged(own, "exercise").values())
+    own.cells = [c for i, c in enumerate(own.cells) if i in keep] + other.cells
+    assert grade.identify_source(own) == source / EXPECTED[2]
+    assert grade.source_for(ROOT / "submissions" / EXPECTED[1], own) == source / EXPECTED[1]
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("### BEGIN SOLUTION\nanswer = 42\n### BEGIN SOLUTION\nx = 1\n### END SOLUTION",
+     "line 3: ### BEGIN SOLUTION inside another solution"),
+    ("x = 1\n### END SOLUTION", "line 2: ### END SOLUTION without ### BEGIN SOLUTION"),
+    ("x = 1\n### BEGIN SOLUTION\nx = 2", "line 2: ### BEGIN SOLUTION is never closed"),
+])
+def test_marker_errors_name_the_line_and_the_fault(bad, message):
+    """A BEGIN left open before another one would otherwise put `answer = 42` in the stub."""
+    with pytest.raises(MarkerError, match=re.escape(message)):
+        stub_code(bad, where="cell")
+
+
+def test_a_written_answer_is_stubbed_and_only_tags_survive_generation():
+    """No source has a marked markdown cell yet: the exercise shows the prompt, never the
+    answer; teacher-only metadata (a hidden source, nbgrader's) and outputs are dropped."""
+    src = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_markdown_cell(
+            "Why?\n### BEGIN SOLUTION\nBecause the pages are shared.\n### END SOLUTION",
+            metadata={"tags": ["answer"], "jupyter": {"source_hidden": True}}),
+        nbformat.v4.new_code_cell("x = 1", metadata={"nbgrader": {"grade": True}},
+                                  execution_count=3,
+                                  outputs=[nbformat.v4.new_output("stream", text="1\n")])])
+    ex, sol = generate(src, "t")
+    assert ex.cells[0].source == "Why?\n" + exercises.MARKDOWN_STUB
+    assert sol.cells[0].source == "Why?\nBecause the pages are shared."
+    assert ex.cells[0].metadata == sol.cells[0].metadata == {"tags": ["answer"]}
+    assert ex.cells[1].metadata == {} and ex.cells[1].outputs == []
+    assert ex.cells[1].execution_count is None

@@ -335,3 +335,38 @@ def test_smollm2_greedy_matches_hf(smollm2_dir):
         theirs, their_logits = hf_greedy(hf, prompt, 16)
         assert ours == theirs, (text, info.tokenizer.decode(ours), info.tokenizer.decode(theirs))
         torch.testing.assert_close(our_logits[0], their_logits[0], atol=1e-3, rtol=0)
+
+
+def test_eos_ids_take_generation_config_first_and_stay_below_the_vocab_size(tmp_path):
+    """generation_config.json's EOS ids (what a chat model stops on) are read as well as
+    config.json's, in that order; an id equal to the vocabulary size (256) cannot be sampled
+    and is left out like any other id past the end."""
+    path = make_tiny_checkpoint(tmp_path / "two-eos")
+    for name, ids in (("generation_config.json", [7, 256]), ("config.json", 2)):
+        data = json.loads((path / name).read_text())
+        data["eos_token_id"] = ids
+        (path / name).write_text(json.dumps(data))
+    _, info = load_model(path, prepack=False)
+    assert info.eos_token_ids == (7, 2)
+
+
+def test_a_checkpoint_with_only_tokenizer_json_gets_its_tokenizer(tmp_path):
+    """Most checkpoints ship tokenizer.json and tokenizer_config.json but neither
+    tokenizer.model nor vocab.json: any one of the tokenizer files is enough."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    path = make_tiny_checkpoint(tmp_path / "with-tokenizer")
+    tok = Tokenizer(models.WordLevel({"<unk>": 0, "hello": 5, "world": 9}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    _, info = load_model(path, prepack=False)
+    assert info.tokenizer is not None
+    assert info.tokenizer.encode("hello world") == [5, 9]
+
+
+def test_load_model_builds_the_attention_backend_asked_for(tiny_llama_dir):
+    """A model used without an Engine (chapter 07's notebook calls it directly) attends with
+    the backend load_model was given, not the torch default."""
+    model, _ = load_model(tiny_llama_dir, prepack=False, attention_backend="cpu")
+    assert model.attention_backend_name == "cpu"

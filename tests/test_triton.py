@@ -289,3 +289,25 @@ def test_decode_graph_runner_matches_the_eager_engine(tiny_checkpoint):
     assert calls and 3 in calls, "decode-only steps of 3 requests went through the runner"
     assert engine.graph_runner.bucket(3) == 4
     assert engine.graph_runner.max_batch == engine.config.max_num_seqs
+
+
+def test_padding_rows_of_a_smaller_decode_step_store_nothing(tiny_checkpoint):
+    """A step of 3 then a step of 1 in the same 4-row bucket: the second step writes its one
+    row's K/V and nothing else, not the first step's stale slots again (by then those pages
+    may be another request's). A batch the size of a bucket runs in that bucket."""
+    from minicb.cuda_graphs import DecodeGraphRunner
+    from minicb.model.loader import load_model
+
+    model, _ = load_model(str(tiny_checkpoint("llama")), device=DEVICE, prepack=False,
+                          attention_backend="triton")
+    kv = model.allocate_kv_cache(4, 16)
+    runner = DecodeGraphRunner(model, kv, 16, 1, DEVICE, buckets=(2, 4),
+                               capture=DEVICE == "cuda")
+    assert (runner.bucket(1), runner.bucket(2), runner.bucket(3), runner.bucket(4)) == (2, 2, 4, 4)
+    runner.run([5, 6, 7], [0, 0, 0], [0, 16, 32], [1, 1, 1], [[0], [1], [2]])
+    before = [(k.clone(), v.clone()) for k, v in kv]
+    out = runner.run([9], [1], [1], [2], [[0]])
+    assert out.shape[0] == 1
+    for (k, v), (k0, v0) in zip(kv, before):
+        changed = ((k != k0) | (v != v0)).flatten(2).any(-1).nonzero().tolist()
+        assert changed == [[0, 1]]  # page 0, offset 1: the one new token, nothing else

@@ -359,3 +359,121 @@ def test_a_trace_without_snapshots_says_what_it_cannot_draw(make_engine):
     with pytest.warns(UserWarning, match="the waiting queue and page tables"):
         viz.step_state(engine, 2)
     assert viz.budget_data(engine).budget == engine.config.max_num_batched_tokens  # no warning
+
+
+# ---------------------------------------------------------- where things are drawn (review)
+def test_timeline_bars_and_marks_sit_on_their_steps(static):
+    """Step k is the cell [k-1, k]: each run's bar starts at its first step - 1, the ">" at
+    arrival - 1, the finish bar "|" at x = the finish step, and the first request is the top
+    row (the widths alone were checked before)."""
+    fig = viz.plot_timeline(static)
+    data, ax = fig.minicb_data, fig.axes[0]
+    drawn = bars(ax)
+    for row, rid in enumerate(data.requests):
+        starts = sorted(x0 for _, y, x0, _ in drawn if y == row)
+        assert starts == [first - 1 for first, _, _ in data.runs(rid)], rid
+    (arrows,) = [c for c in ax.collections if isinstance(c, PathCollection)]
+    assert sorted(map(tuple, arrows.get_offsets().tolist())) == sorted(
+        (data.arrivals[r] - 1, row) for row, r in enumerate(data.requests))
+    finishes = sorted((line.get_xdata()[0], round(sum(line.get_ydata()) / 2))
+                      for line in ax.lines)
+    assert finishes == sorted((data.finishes[r], row) for row, r in enumerate(data.requests))
+    bottom, top = ax.get_ylim()
+    assert top < bottom  # row 0 (R1) at the top, as the chapter's diagram reads
+
+
+def test_runs_break_where_a_request_is_absent():
+    """A request decoding at steps 1 and 3 but absent at 2 (a stalled request in a trace
+    without snapshots) is two runs, not one bar across step 2."""
+    trace = [record(1, [("a", "decode", 1, 0)]), record(2, [("b", "prefill", 4, 1)]),
+             record(3, [("a", "decode", 1, 0)])]
+    assert viz.timeline_data(trace).runs("a") == [(1, 1, "decode"), (3, 3, "decode")]
+
+
+def test_slot_bars_sit_on_their_steps_and_idle_slots_are_hatched(static):
+    """Static batching, slot 0: R1 computes steps 1-30, holds the slot idle (hatched) for
+    31-200, then R4 computes 201-260; each bar covers [first - 1, last]."""
+    ax = viz.plot_slots(static).axes[0]
+    row0 = sorted((round(x0), round(w), c.get_hatch())
+                  for c in ax.collections if isinstance(c, PolyCollection)
+                  for path in c.get_paths()
+                  for (x0, y0), (x1, y1) in [(path.vertices.min(0), path.vertices.max(0))]
+                  for w in [x1 - x0] if round((y0 + y1) / 2) == 0)
+    assert row0 == [(0, 1, None), (1, 29, None), (30, 170, "///"), (200, 1, None),
+                    (201, 59, None)]
+
+
+def test_page_pool_picture_stacks_used_cached_free_and_marks_preemptions():
+    trace = [record(1, used=3, cached=1, total=8),
+             record(2, used=5, cached=1, total=8, preempted=["b"]),
+             record(3, used=2, cached=2, total=8, finished=["a"])]
+    fig = viz.plot_pages(trace)
+    data, ax = fig.minicb_data, fig.axes[0]
+    assert data.preempted_steps == [2]
+    used, cached, free = ax.patches[:3]
+    for patch, base, top in ((used, [0, 0, 0], [3, 5, 2]), (cached, [3, 5, 2], [4, 6, 4]),
+                             (free, [4, 6, 4], [8, 8, 8])):
+        values, edges, baseline = patch.get_data()
+        assert list(edges) == [0, 1, 2, 3], patch.get_label()  # step k: the cell [k-1, k]
+        assert list(values) == top and list(baseline + 0 * values) == base, patch.get_label()
+    (marks,) = [c for c in ax.collections if isinstance(c, PathCollection)]
+    assert marks.get_offsets().tolist() == [[1.5, 8.0]]  # the X over step 2
+
+
+def test_page_map_puts_page_p_at_row_start_plus_column():
+    """16 columns: page 40 sits at row start 32, column 8; the title counts distinct pages."""
+    rec = record(1, [("a", "decode", 1, 0)], page_tables={"a": [0, 1, 18], "b": [18, 40]},
+                 cached=3, total=64)
+    ax = viz.plot_page_map([rec], columns=16).axes[0]
+    at = {t.get_text(): tuple(t.get_position()) for t in ax.texts}
+    assert at["1"] == (1.5, 0.5) and at["40"] == (8.5, 2.5) and at["18×2"] == (2.5, 1.5)
+    assert "4 in page tables (1 shared), 3 cached" in ax.get_title()
+
+
+def test_budget_bars_sit_on_their_steps_and_the_budget_line_is_in_view():
+    trace = [record(1, [("a", "prefill", 4, 0)]), record(2, [("a", "decode", 1, 0)])]
+    ax = viz.plot_budget(trace, 32).axes[0]
+    decode, prefill = ax.containers
+    assert [(r.get_x(), r.get_width()) for r in prefill] == [(0.0, 1.0), (1.0, 1.0)]
+    assert ax.get_ylim()[1] > 32  # the max_num_batched_tokens line is not cut off
+
+
+def test_compare_lines_up_rows_and_shares_the_page_scale():
+    """Request y is row 1 in both panels (x, absent below, keeps row 0 there); pages panels
+    of an 8-page and a 64-page pool share one y scale."""
+    a = [record(1, [("x", "prefill", 4, 0)], finished=["x"]),
+         record(2, [("y", "prefill", 4, 0)], arrived=["y"], finished=["y"])]
+    b = [record(1, [("y", "prefill", 4, 0)], finished=["y"])]
+    top, bottom = viz.compare({"a": a, "b": b}).axes
+    assert [t.get_text() for t in bottom.get_yticklabels()] == ["x", "y"]
+    assert {y for _, y, _, _ in bars(bottom)} == {1}
+    small = [record(1, used=2, total=8)]
+    big = [record(1, used=2, total=64)]
+    top, bottom = viz.compare({"small": small, "big": big}, kind="pages").axes
+    assert top.get_ylim() == bottom.get_ylim()
+
+
+def test_step_through_cursor_and_running_list(continuous):
+    from matplotlib.patches import Rectangle
+
+    """The cursor shades step k's cell [k-1, k]; a request that finished at the step is not
+    listed as running."""
+    w = viz.step_through(continuous)
+    w.show(30)
+    assert "R1" in w.state.finished and "R1" not in w.state.running
+    ax = w._figure.axes[0]
+    (span,) = [p for p in ax.patches if p.get_alpha() == 0.2]  # the shaded cursor cell
+    if isinstance(span, Rectangle):  # matplotlib >= 3.9
+        xs = [span.get_x(), span.get_x() + span.get_width()]
+    else:
+        xs = [x for x, _ in span.get_xy()]
+    assert (min(xs), max(xs)) == (29, 30)
+
+
+def test_seed_example_caches_only_full_prompt_pages():
+    """A 20-token prompt in 16-token pages: one full page per finished request stays cached."""
+    trace = viz.seed_example("continuous")
+    finished = 0
+    for rec in trace:
+        finished += len(rec.finished)
+        assert rec.pages_cached == finished, rec.step
