@@ -196,18 +196,20 @@ class EngineConfig:
                 not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1], "
                              f"got {self.gpu_memory_utilization}")
-        if self.policy in ("chunked", "pd") and self.max_num_batched_tokens < self.max_num_seqs:
+        # A Scheduler instance is held to the rules of the policy it names (PDScheduler() is "pd")
+        kind = self.policy if isinstance(self.policy, str) else getattr(self.policy, "name", None)
+        if kind in ("chunked", "pd") and self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
-                f"({self.max_num_seqs}) under policy {self.policy!r}, or running decodes cannot "
+                f"({self.max_num_seqs}) under policy {kind!r}, or running decodes cannot "
                 "all advance in one step")
-        if self.policy == "pd" and self.chunk_size < self.max_num_seqs:
+        if kind == "pd" and self.chunk_size < self.max_num_seqs:
             raise ValueError(f"chunk_size ({self.chunk_size}) must be >= max_num_seqs "
                              f"({self.max_num_seqs}) under policy 'pd'")
-        if self.policy == "pd" and self.chunk_size < self.min_chunk:
+        if kind == "pd" and self.chunk_size < self.min_chunk:
             raise ValueError(f"chunk_size ({self.chunk_size}) must be >= min_chunk "
                              f"({self.min_chunk}) under policy 'pd'")
-        if self.policy == "pd" and self.max_num_batched_tokens < self.min_chunk:
+        if kind == "pd" and self.max_num_batched_tokens < self.min_chunk:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
                              f">= min_chunk ({self.min_chunk}) under policy 'pd', or a chunk "
                              f"that size never fits a step and prefills never start")
