@@ -630,6 +630,10 @@ def static_batch(fn: Callable[[list[tuple[str, int]], int, int, int], list[str]]
                 why = f" Your batch has {len(got)} members; the limit is {max_num_seqs}."
             elif pages > free_pages:
                 why = f" Your batch needs {pages} pages but only {free_pages} are free."
+            elif len(want) == max_num_seqs and any(rid not in want for rid in got):
+                why = (f" The batch is full at max_num_seqs={max_num_seqs} with the first "
+                       f"{max_num_seqs} requests in the queue: first come, first served, later "
+                       "requests must not jump ahead.")
             elif stop is not None and stop not in got and any(
                     order.index(r) > order.index(stop) for r in got if r in order):
                 left = free_pages - sum(need[rid] for rid in want)
