@@ -43,6 +43,7 @@ import os
 import re
 import secrets
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -72,6 +73,7 @@ check = _minicb_grade_util.module_from_spec(_minicb_grade_spec)
 _minicb_grade_spec.loader.exec_module(check)
 """
 MARK = "minicb-grade-check-done:{nonce}:{name}"  # printed after a check cell's own code
+MAX_SOCKET_PREFIX = 90  # bytes; Linux allows 107 in a Unix socket's path, macOS 103
 MAX_CELL_OUTPUT = 1_000_000  # characters of output kept per cell; errors and marks always
 
 
@@ -255,15 +257,22 @@ def _error_of(cell: nbformat.NotebookNode) -> str | None:
     return None
 
 
+def kernel_config(workdir: Path) -> Config:
+    """How the grader reaches its kernel: over Unix sockets in the work folder where there are
+    such sockets (over TCP any local user could reach it, and ipykernel 7 prints a warning per
+    kernel saying so: thirty of them grading a class). A socket's path must fit in about 100
+    bytes, "-<port>" included: under a long TMPDIR, TCP it is."""
+    socket = str(workdir / "kernel")
+    if os.name == "posix" and len(socket.encode()) <= MAX_SOCKET_PREFIX:
+        return Config({"KernelManager": {"transport": "ipc", "ip": socket}})
+    return Config()
+
+
 def execute(nb: nbformat.NotebookNode, workdir: Path, timeout: int) -> list[str]:
     """Run every cell in a fresh kernel, errors and all; returns notes on what stopped it.
     A cell past `timeout` is interrupted; one still running `timeout` later (it caught the
     interrupt) has its kernel killed, and the cells before it are graded."""
-    # The kernel talks to the grader over Unix sockets in the work folder where there are
-    # such sockets: over TCP, any local user could reach it, and ipykernel 7 prints a warning
-    # per kernel saying so (thirty of them grading a class).
-    config = (Config({"KernelManager": {"transport": "ipc", "ip": str(workdir / "kernel")}})
-              if os.name == "posix" else Config())
+    config = kernel_config(workdir)
     # the grader's own Python, whatever kernel the learner's notebook names
     client = _capped_client()(nb, timeout=timeout, kernel_name="python3", allow_errors=True,
                               interrupt_on_timeout=True, record_timing=False, config=config,
@@ -300,6 +309,10 @@ def execute(nb: nbformat.NotebookNode, workdir: Path, timeout: int) -> list[str]
             os.environ.pop("PYTHONPATH", None)
         else:
             os.environ["PYTHONPATH"] = old_path
+        if getattr(client, "_async_cleanup_kernel_future", None) is not None:
+            # nbclient took the grader's Ctrl-C (or SIGTERM) and shut the kernel down: the
+            # notebook did not fail, the run was stopped. Stop grading instead of scoring it 0.
+            raise KeyboardInterrupt("grading interrupted")
     return []
 
 
@@ -378,6 +391,9 @@ def grade_notebook(path: str | Path, timeout: int = 300, restore: bool = True,
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     report.seconds = time.perf_counter() - t0
+    if report.notes and not any(c.get("execution_count") is not None or c.get("outputs")
+                                for c in nb.cells if c.cell_type == "code"):
+        raise GradeError(f"cannot grade {path}: its kernel ran no cell ({report.notes[-1]})")
 
     checks = {name: i for i, name, _ in check_cells(nb)}
     previous = -1
@@ -469,26 +485,40 @@ def gradebook(reports: list[GradeReport], failures: dict[str, str] | None = None
 
 
 def write_gradebook(path: Path, rows: list[dict[str, Any]]) -> None:
-    """`gradebook` rows as a CSV file (UTF-8, a header line, one line per notebook)."""
-    with open(path, "w", newline="", encoding="utf-8") as f:
+    """`gradebook` rows as a CSV file: UTF-8 with a byte-order mark (so a spreadsheet on
+    Windows reads accented names and Chinese messages right), a header line, one line per
+    notebook. A text cell that a spreadsheet would take for a formula (starting with = + - @)
+    is written with a leading apostrophe, so a file name cannot run as one."""
+    with open(path, "w", newline="", encoding="utf-8-sig") as f:
         if not rows:
             return
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
-        writer.writerows(rows)
+        writer.writerows({key: "'" + value if isinstance(value, str)
+                          and value.startswith(("=", "+", "-", "@", "\t", "\r")) else value
+                          for key, value in row.items()} for row in rows)
 
 
 def notebooks_in(paths: list[Path]) -> list[Path]:
     """The notebooks to grade: each path as given, a folder replaced by every .ipynb below it
-    in name order (Jupyter's .ipynb_checkpoints copies left out)."""
-    found = []
+    in name order (Jupyter's .ipynb_checkpoints copies left out); a notebook named twice (a
+    folder and a file in it, `a.ipynb` and `./a.ipynb`) is graded once."""
+    found, seen = [], set()
     for path in paths:
-        if path.is_dir():
-            found += sorted(p for p in path.rglob("*.ipynb")
-                            if ".ipynb_checkpoints" not in p.relative_to(path).parts)
-        else:
-            found.append(path)
+        below = (sorted(p for p in path.rglob("*.ipynb")
+                        if ".ipynb_checkpoints" not in p.relative_to(path).parts)
+                 if path.is_dir() else [path])
+        for notebook in below:
+            if notebook.resolve() not in seen:
+                seen.add(notebook.resolve())
+                found.append(notebook)
     return found
+
+
+def _ignore_interrupts() -> None:
+    """In a --jobs worker: Ctrl-C is the main process's to handle (it stops the workers), not
+    one more error to grade the next notebook past."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _grade_or_why(path: Path, timeout: int, restore: bool,
@@ -537,30 +567,49 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--jobs must be at least 1, got {args.jobs}")
     if args.csv is not None and args.csv.suffix == ".ipynb":
         parser.error(f"--csv {args.csv} would overwrite a notebook: name a .csv file")
+    if args.csv is not None and not (args.csv.parent.is_dir()
+                                     and os.access(args.csv.parent, os.W_OK)):
+        parser.error(f"--csv {args.csv}: its folder does not exist or cannot be written "
+                     "(checked before grading, so no run is lost)")
     args.notebooks = notebooks_in(args.notebooks)
     if not args.notebooks:
         parser.error("no .ipynb file in the folders given")
     grade_one = functools.partial(_grade_or_why, timeout=args.timeout,
                                   restore=not args.no_restore, source=args.source)
     reports, failures = [], {}
+    interrupted = False
     with contextlib.ExitStack() as stack:
+        pool = None
         if args.jobs > 1 and len(args.notebooks) > 1:
             # Separate processes, not threads: each grading drives its own kernel client and
             # its own timers; "spawn" because a forked child would inherit the parent's.
             pool = stack.enter_context(ProcessPoolExecutor(
-                min(args.jobs, len(args.notebooks)),
+                min(args.jobs, len(args.notebooks)), initializer=_ignore_interrupts,
                 mp_context=multiprocessing.get_context("spawn")))
             results = pool.map(grade_one, args.notebooks)  # in the order given, as they finish
         else:
             results = map(grade_one, args.notebooks)
-        for path, result in zip(args.notebooks, results):
-            if isinstance(result, str):
-                print(f"error: {result}", file=sys.stderr)
-                failures[str(path)] = result
-                continue
-            reports.append(result)
-            if not args.json:
-                print(format_report(result), flush=True)
+        try:
+            for path, result in zip(args.notebooks, results):
+                if isinstance(result, str):
+                    print(f"error: {result}", file=sys.stderr)
+                    failures[str(path)] = result
+                    continue
+                reports.append(result)
+                if not args.json:
+                    print(format_report(result), flush=True)
+        except KeyboardInterrupt:  # Ctrl-C: stop now, keep what was graded
+            interrupted = True
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
+                for worker in multiprocessing.active_children():
+                    worker.kill()  # its kernel exits with it (ipykernel polls its parent)
+    if interrupted:
+        graded = {r.notebook for r in reports} | set(failures)
+        for path in args.notebooks:
+            if str(path) not in graded:
+                failures[str(path)] = "not graded: the run was interrupted (Ctrl-C)"
+        print(f"interrupted: {len(reports)} notebook(s) graded", file=sys.stderr)
     if args.json:
         data = [r.to_dict() for r in reports]
         one = len(args.notebooks) == 1  # a list whenever several were asked for
@@ -574,7 +623,7 @@ def main(argv: list[str] | None = None) -> int:
                                             order=[str(p) for p in args.notebooks]))
         print(f"gradebook: {args.csv} ({len(reports)} graded, {len(failures)} not)",
               file=sys.stderr)
-    return 2 if failures else 0
+    return 130 if interrupted else 2 if failures else 0
 
 if __name__ == "__main__":
     sys.exit(main())

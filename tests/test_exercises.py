@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import re
 import shutil
 import time
@@ -359,6 +360,14 @@ def test_batching_bugs_are_caught():
     # the first mismatch: r0 takes 2 of 3 free pages, r1 needs 3 (a review: say what is left)
     assert "'r1' does not fit (3 pages needed, 1 left after ['r0'])" in message
     assert "must not jump ahead" in message
+
+    def shortest_first(queue, max_num_seqs, free_pages, page_size):
+        return jumps_ahead(sorted(queue, key=lambda q: q[1]), max_num_seqs, free_pages,
+                           page_size)
+
+    # full at max_num_seqs, not short of pages: the message must not say a request "does not fit"
+    message = caught("static_batch", shortest_first)
+    assert "The batch is full at max_num_seqs=3" in message and "does not fit" not in message
 
     def ignores_min_chunk(remaining, chunk_size, budget, min_chunk=1):
         return min(remaining, chunk_size, budget)
@@ -1008,7 +1017,7 @@ def test_a_class_is_graded_two_at_a_time_into_a_gradebook(tmp_path, capfd):
     out, err = capfd.readouterr()
     assert out.index("alice") < out.index("bob") and "total: 4/4" in out
     assert "without encryption" not in err and "gradebook: " in err
-    with open(book, newline="", encoding="utf-8") as f:
+    with open(book, newline="", encoding="utf-8-sig") as f:
         rows = list(csv.DictReader(f))
     assert [r["notebook"] for r in rows] == paths
     alice, bob, carol = rows
@@ -1023,6 +1032,116 @@ def test_a_class_is_graded_two_at_a_time_into_a_gradebook(tmp_path, capfd):
         grade.main([paths[0], "--csv", paths[1]])  # would overwrite a notebook
     with pytest.raises(SystemExit):
         grade.main([str((tmp_path / "empty").mkdir() or tmp_path / "empty")])  # no notebook
+
+
+def test_each_notebook_is_graded_once_and_the_gradebook_is_safe_in_a_spreadsheet(tmp_path):
+    """A folder and a file in it, or `a.ipynb` and `./a.ipynb`, name one notebook: graded once.
+    The CSV starts with a byte-order mark (a spreadsheet on Windows then reads UTF-8), and a
+    cell that would run as a formula (a file named `=HYPERLINK(...)`) is written as text."""
+    folder = tmp_path / "class"
+    (folder / "a").mkdir(parents=True)
+    for name in ("a/x.ipynb", "b.ipynb"):
+        (folder / name).write_text("{}")
+    found = grade.notebooks_in([folder / "a" / "x.ipynb", folder, folder / "a" / ".." / "b.ipynb"])
+    assert found == [folder / "a" / "x.ipynb", folder / "b.ipynb"]
+    book = tmp_path / "book.csv"
+    rows = grade.gradebook([grade.GradeReport("=HYPERLINK(\"http://x\").ipynb", source="é")],
+                           {"-bad.ipynb": "+cannot read"})
+    grade.write_gradebook(book, rows)
+    raw = book.read_bytes()
+    assert raw.startswith(b"\xef\xbb\xbf")
+    with open(book, newline="", encoding="utf-8-sig") as f:
+        first, second = csv.DictReader(f)
+    assert first["notebook"] == "'=HYPERLINK(\"http://x\").ipynb" and first["source"] == "é"
+    assert second["notebook"] == "'-bad.ipynb" and second["error"] == "'+cannot read"
+    with pytest.raises(SystemExit):  # checked before grading, so no run is lost
+        grade.main([str(folder), "--csv", str(tmp_path / "no-such-folder" / "book.csv")])
+
+
+def test_kernels_use_unix_sockets_unless_the_path_is_too_long(tmp_path):
+    short = grade.kernel_config(tmp_path)
+    assert short.KernelManager.transport == "ipc"
+    assert short.KernelManager.ip == str(tmp_path / "kernel")
+    long_path = tmp_path / ("x" * 100)  # a socket path past ~107 bytes cannot be bound
+    assert "transport" not in grade.kernel_config(long_path).KernelManager
+
+
+def test_a_kernel_that_ran_no_cell_is_not_a_score_of_zero(tmp_path, monkeypatch, capsys):
+    """A kernel that never started (a socket it could not bind, a broken environment) is an
+    error row, not zeros for a student."""
+    path = tmp_path / EXPECTED[1]
+    shutil.copy(ROOT / "solutions" / EXPECTED[1], path)
+    monkeypatch.setattr(grade, "execute",
+                        lambda nb, workdir, timeout: ["execution stopped: ZMQError: too long"])
+    with pytest.raises(grade.GradeError, match="its kernel ran no cell .*ZMQError"):
+        grade.grade_notebook(path)
+    assert grade.main([str(path), "--json"]) == 2
+    assert json.loads(capsys.readouterr().out) == []
+
+
+def test_an_interrupted_run_stops_and_keeps_what_was_graded(tmp_path, monkeypatch, capsys):
+    """Ctrl-C while the second of three notebooks runs: the first keeps its score, the others
+    are rows saying they were not graded, the exit status is 130, nothing more is graded."""
+    for i in range(3):
+        shutil.copy(ROOT / "solutions" / EXPECTED[1], tmp_path / f"s{i}.ipynb")
+    calls = []
+    fake = fake_execute({})
+
+    def execute(nb, workdir, timeout):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return fake(nb, workdir, timeout)
+
+    monkeypatch.setattr(grade, "execute", execute)
+    book = tmp_path / "book.csv"
+    assert grade.main([str(tmp_path), "--csv", str(book), "--source",
+                       str(ROOT / "exercises" / "source" / EXPECTED[1])]) == 130
+    assert len(calls) == 2
+    with open(book, newline="", encoding="utf-8-sig") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["score"], r["error"]) for r in rows] == [
+        ("2", ""), ("", "not graded: the run was interrupted (Ctrl-C)"),
+        ("", "not graded: the run was interrupted (Ctrl-C)")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("jobs", ["1", "2"])
+def test_ctrl_c_stops_a_real_grading_run_at_once(tmp_path, jobs):
+    """A teacher's Ctrl-C reaches the grader, its workers and their kernels (one process
+    group). nbclient takes SIGINT to shut its kernel down; the grader then stops instead of
+    scoring that notebook 0 and going on, and with --jobs stops its workers."""
+    import signal
+    import subprocess
+    import sys
+
+    nb = nbformat.read(ROOT / "solutions" / EXPECTED[0], as_version=4)
+    started = tmp_path / "started"
+    nb.cells.insert(1, nbformat.v4.new_code_cell(
+        f"import pathlib, time\npathlib.Path({str(started)!r}).touch()\ntime.sleep(60)"))
+    for i in range(3):
+        nbformat.write(nb, tmp_path / f"s{i}.ipynb")
+    book = tmp_path / "book.csv"
+    run = subprocess.Popen(
+        [sys.executable, "-m", "minicb", "grade", *(str(tmp_path / f"s{i}.ipynb")
+                                                   for i in range(3)),
+         "--jobs", jobs, "--csv", str(book), "--source",
+         str(ROOT / "exercises" / "source" / EXPECTED[0])],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.monotonic() + 120
+    while not started.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(1)
+    os.killpg(run.pid, signal.SIGINT)
+    t0 = time.monotonic()
+    _, err = run.communicate(timeout=60)
+    assert run.returncode == 130, err.decode()[-2000:]
+    assert time.monotonic() - t0 < 30  # not after the 60 s cells, nor the other notebooks
+    with open(book, newline="", encoding="utf-8-sig") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 3 and all(r["error"].startswith("not graded: the run was interrupted")
+                                  for r in rows)
 
 
 def test_minicbs_own_function_is_not_an_answer():
