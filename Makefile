@@ -57,13 +57,17 @@ exercises: $(STAMP)
 grade: $(STAMP)
 	$(BIN)/python -m minicb grade $(or $(NB),exercises/*.ipynb)
 
-## a copy of the committed course for students: without solutions/, exercises/source/ (the
-## sources hold the answers) and the exercises' tests. STUDENT=path to put it elsewhere.
+## a copy of the committed course for students: without solutions/, the exercise sources (they
+## hold the answers; the stubs take their place, so the grader still restores check cells) and
+## the exercises' tests. STUDENT=path to put it elsewhere.
 STUDENT ?= dist/minicb-student
 student-release:
 	rm -rf $(STUDENT) $(STUDENT).tar.gz && mkdir -p $(STUDENT)
 	git archive HEAD | tar -x -C $(STUDENT)
 	rm -rf $(STUDENT)/solutions $(STUDENT)/exercises/source $(STUDENT)/tests/test_exercises.py
+	mkdir $(STUDENT)/exercises/source
+	for f in $(STUDENT)/exercises/*.ipynb; do \
+		sed 's#](\.\./#](../../#g' "$$f" > $(STUDENT)/exercises/source/$$(basename "$$f"); done
 	tar -czf $(STUDENT).tar.gz -C $(dir $(STUDENT)) $(notdir $(STUDENT))
 	@echo "$(STUDENT)/ and $(STUDENT).tar.gz: HEAD without the answers"
 

@@ -61,25 +61,66 @@ def test_every_chapter_opens_with_goals_and_ends_with_a_recap():
         assert "recap" in last_md or "summary" in last_md, f"{path.name}: no recap at the end"
 
 
-def test_the_student_copy_holds_no_answer(tmp_path):
-    """`make student-release`: the committed course without solutions/, the exercise sources
-    and the exercises' tests; the student notebooks are there, no notebook holds a solution,
-    and the course tests still pass in the copy (no link into what was removed)."""
+def student_copy(tmp_path: Path) -> Path:
+    """`make student-release` into tmp_path (skips where git or make is missing)."""
     if shutil.which("git") is None or shutil.which("make") is None or \
             not (ROOT / ".git").exists():
         pytest.skip("needs git, make and a git checkout")
     copy = tmp_path / "minicb-student"
     subprocess.run(["make", "-s", "student-release", f"STUDENT={copy}"], cwd=ROOT, check=True,
                    capture_output=True)
+    return copy
+
+
+def code_of(path: Path) -> str:
+    return "\n".join("".join(c["source"]) for c in json.loads(path.read_text())["cells"])
+
+
+def solution_blocks() -> list[str]:
+    """The text between every pair of solution markers in the exercise sources."""
+    blocks = []
+    for source in sorted((ROOT / "exercises" / "source").glob("*.ipynb")):
+        for cell in json.loads(source.read_text())["cells"]:
+            text = "".join(cell["source"])
+            blocks += [body.strip() for body in
+                       re.findall(r"### BEGIN SOLUTION\n(.*?)### END SOLUTION", text, re.S)]
+    return blocks
+
+
+def test_the_student_copy_holds_no_answer(tmp_path):
+    """`make student-release`: the committed course without solutions/, the exercise sources
+    (the stubs stand in for them) and the exercises' tests; no notebook in it holds the text of
+    any solution, and the course tests still pass in the copy (no link into what was removed)."""
+    copy = student_copy(tmp_path)
     assert (tmp_path / "minicb-student.tar.gz").stat().st_size > 0
-    assert not (copy / "solutions").exists() and not (copy / "exercises" / "source").exists()
+    assert not (copy / "solutions").exists()
     assert not (copy / "tests" / "test_exercises.py").exists()
-    assert sorted(p.name for p in (copy / "exercises").glob("*.ipynb")) == \
-        sorted(p.name for p in (ROOT / "exercises").glob("*.ipynb"))
+    stubs = sorted(p.name for p in (ROOT / "exercises").glob("*.ipynb"))
+    assert sorted(p.name for p in (copy / "exercises").glob("*.ipynb")) == stubs
+    assert sorted(p.name for p in (copy / "exercises" / "source").glob("*.ipynb")) == stubs
     assert (copy / "chapters" / "00_setup_and_tour.ipynb").exists()
-    answers = [p for p in copy.rglob("*.ipynb") if "### BEGIN SOLUTION" in p.read_text()]
-    assert not answers, answers
+    blocks = solution_blocks()
+    assert len(blocks) >= 16 and all(blocks)
+    solved = "\n".join(code_of(p) for p in (ROOT / "solutions").glob("*.ipynb"))
+    assert all(b in solved for b in blocks)  # the search finds an answer where there is one
+    leaks = [(p.relative_to(copy), b[:60]) for p in copy.rglob("*.ipynb") for text in [code_of(p)]
+             for b in blocks if b in text]
+    assert not leaks, leaks
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            "tests/test_course.py", "-k", "not student_copy"], cwd=copy,
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-2000:]
+
+
+@pytest.mark.slow
+def test_a_student_grades_an_exercise_in_the_student_copy(tmp_path):
+    """Every exercise notebook tells the learner to run the grader: in the copy it restores the
+    check cells from the stubs standing in for the sources."""
+    copy = student_copy(tmp_path)
+    done = subprocess.run([sys.executable, "-m", "minicb", "grade",
+                           "exercises/02_static_batching.ipynb", "--json"], cwd=copy,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout)
+    assert report["source"] == "02_static_batching" and report["max_score"] == 2
+    assert all(e["message"].startswith("NotImplementedError") for e in report["exercises"])
