@@ -1237,6 +1237,24 @@ def test_restore_checks_puts_the_sources_check_cells_back():
     assert f"check cell of {third!r} is missing: that exercise scores 0" in notes
 
 
+def test_a_check_cell_retagged_as_another_exercise_serves_only_that_one():
+    """A learner re-tags the first check cell as the second exercise's and deletes the
+    second's: that cell is the second exercise's check (restored), and the first exercise's
+    check is missing. Finding the first by its cell id as well would make one cell stand for
+    two exercises (a survivor of the fourth mutation review)."""
+    source = nbformat.read(ROOT / "exercises" / "source" / EXPECTED[0], as_version=4)
+    nb = nbformat.read(ROOT / "solutions" / EXPECTED[0], as_version=4)
+    checks = tagged(source, "check")
+    first, second, *_ = checks
+    nb.cells[checks[first]].metadata["tags"] = [f"check:{second}"]
+    del nb.cells[checks[second]]
+    _, notes = grade.restore_checks(nb, source)
+    restored = {name: i for i, name, _ in grade.check_cells(nb)}
+    assert first not in restored and f"check cell of {first!r} is missing: that exercise " \
+        "scores 0" in notes
+    assert nb.cells[restored[second]].source == source.cells[checks[second]].source
+
+
 def test_a_notebook_saved_under_another_exercises_name_is_graded_as_what_it_holds():
     """Exercise 3's work saved as 02_static_batching.ipynb names only exercise 3's checks: it
     is graded as exercise 3. A file that names its own exercises keeps its name's source."""
