@@ -28,7 +28,8 @@ per exercise, the total, the first line of each failure) including a row for eve
 that could not be graded, so nobody drops out of the spreadsheet unnoticed.
 
 The original notebook is never modified. Exit status: 0 when every notebook was graded (whatever
-the score), 2 when a notebook could not be read or its exercise source could not be identified.
+the score), 2 when a notebook could not be read, its exercise source could not be identified
+or its kernel ran no cell, 130 when the run was interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -354,7 +355,10 @@ def grade_notebook(path: str | Path, timeout: int = 300, restore: bool = True,
     `source`: the exercise source whose check cells are restored (default: the file of the
     same name in exercises/source, if any); `restore=False` grades the notebook as it is."""
     path = Path(path)
-    nb = nbformat.read(path, as_version=4)
+    try:
+        nb = nbformat.read(path, as_version=4)
+    except Exception as exc:
+        raise GradeError(f"cannot read {path}: {type(exc).__name__}: {exc}") from exc
     report = GradeReport(str(path))
     expected = [(name, points) for _, name, points in check_cells(nb)]
     nonce = None
@@ -387,13 +391,14 @@ def grade_notebook(path: str | Path, timeout: int = 300, restore: bool = True,
     t0 = time.perf_counter()
     workdir = Path(tempfile.mkdtemp(prefix="minicb-grade-"))
     try:
-        report.notes.extend(execute(nb, workdir, timeout))
+        stopped = execute(nb, workdir, timeout)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     report.seconds = time.perf_counter() - t0
-    if report.notes and not any(c.get("execution_count") is not None or c.get("outputs")
-                                for c in nb.cells if c.cell_type == "code"):
-        raise GradeError(f"cannot grade {path}: its kernel ran no cell ({report.notes[-1]})")
+    report.notes.extend(stopped)
+    if stopped and not any(c.get("execution_count") is not None or c.get("outputs")
+                           for c in nb.cells if c.cell_type == "code"):
+        raise GradeError(f"cannot grade {path}: its kernel ran no cell ({stopped[-1]})")
 
     checks = {name: i for i, name, _ in check_cells(nb)}
     previous = -1
@@ -509,8 +514,8 @@ def notebooks_in(paths: list[Path]) -> list[Path]:
                         if ".ipynb_checkpoints" not in p.relative_to(path).parts)
                  if path.is_dir() else [path])
         for notebook in below:
-            if notebook.resolve() not in seen:
-                seen.add(notebook.resolve())
+            if (resolved := notebook.resolve()) not in seen:
+                seen.add(resolved)
                 found.append(notebook)
     return found
 
@@ -524,10 +529,6 @@ def _ignore_interrupts() -> None:
 def _grade_or_why(path: Path, timeout: int, restore: bool,
                   source: Path | None) -> GradeReport | str:
     """`grade_notebook`, or why the notebook cannot be graded (one line)."""
-    try:
-        nbformat.read(path, as_version=4)
-    except Exception as exc:
-        return f"cannot read {path}: {type(exc).__name__}: {exc}"
     try:
         return grade_notebook(path, timeout=timeout, restore=restore, source=source)
     except GradeError as exc:
