@@ -4,7 +4,7 @@
 # This course grows **minicb**, a small but real LLM inference engine: it loads a real checkpoint,
 # keeps the KV cache in fixed-size pages, and schedules many requests at once. The chapters follow
 # one text, the chapter *Continuous Batching 与 Chunked Prefill*, from a single request at a time
-# (v1) to 连续批处理 continuous batching, 分块预填充 chunked prefill and PD 交错 prefill/decode
+# (v1) to 连续批处理 continuous batching, Chunked Prefill and PD 交错 prefill/decode
 # interleaving (v2).
 #
 # Two words the chapters use for their sources. **The seed** is that chapter text (written in
@@ -13,6 +13,10 @@
 # `seed=` of a random workload. **The benchmark contract** is a second text, the rules for
 # measuring a serving engine the way production traffic would: arrival processes, percentiles,
 # goodput at an SLO, preemption and cancellation. Chapter 06 follows it.
+#
+# Chinese words in the course are the sources' own: a term is given in Chinese where the sources
+# use Chinese (页池 page pool, 队头阻塞 head-of-line blocking, 抢占 preemption) and in English
+# where they do (Prefill, Decode, Chunked Prefill, Iteration-level Scheduling, Goodput).
 #
 # **After this chapter you will be able to**
 #
@@ -27,9 +31,9 @@
 # | chapter | seed section | what you build or measure |
 # |---|---|---|
 # | **00** setup and tour | | the default model answering through minicb, a first timeline |
-# | **01** single request, paged KV | v1 | 预填充 prefill vs 解码 decode measured; pages, the 页池 page pool, page tables, the 前缀索引 prefix index, int8 and prepacked weights |
+# | **01** single request, paged KV | v1 | Prefill vs Decode measured; pages, the 页池 page pool, page tables, the 前缀索引 prefix index, int8 and prepacked weights |
 # | **02** static batching | 1.1, 1.2, 2.1, 2.2 | v1 under concurrency; 静态批处理 static batching and request-level dynamic batching; the R1/R2/R3 example and its dead slots |
-# | **03** continuous batching | 1.3, 2.3, 2.5 | 迭代级调度 iteration-level scheduling, the four phases of a step, R4 taking R1's 槽位 slot at step 31, which workloads gain |
+# | **03** continuous batching | 1.3, 2.3, 2.5 | Iteration-level Scheduling, the four phases of a step, R4 taking R1's 槽位 slot at step 31, which workloads gain |
 # | **04** chunked prefill | 2.4, 3 (problem one, two) | a long prompt blocking every decode; chunks; prefill-first still starving decodes |
 # | **05** PD interleaving | 3 | the decode-first token budget, mixed `[B_dec, 1]` + `[1, N_chunk]` batches, dec@P and short_P |
 # | **06** benchmarking like production | the benchmark contract | arrival processes, percentiles, goodput at an SLO, how long a run must be, preemption and a bound on its loss, cancellation, fairness, priority, deadlines and tenants, a sweep |

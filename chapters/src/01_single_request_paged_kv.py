@@ -1,8 +1,8 @@
 # %% [markdown]
 # # 01 · One request at a time, over a paged KV cache (v1)
 #
-# v1 is the engine before any batching: one request runs alone, first its **预填充 prefill**
-# (the whole prompt in one forward), then its **解码 decode** (one token per forward) until it
+# v1 is the engine before any batching: one request runs alone, first its **Prefill**
+# (the whole prompt in one forward), then its **Decode** (one token per forward) until it
 # ends. What v1 already gets right is memory: the KV cache lives in fixed-size **pages** drawn from
 # one **页池 page pool**, and a **前缀索引 prefix index** lets a later request reuse pages that an
 # earlier one computed for the same prompt prefix. The seed puts it as "v1 的重点在于单请求路径上的

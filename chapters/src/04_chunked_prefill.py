@@ -1,5 +1,5 @@
 # %% [markdown]
-# # 04 · Chunked prefill (分块预填充)
+# # 04 · Chunked prefill
 #
 # Chapter 03 ended with continuous batching admitting a new request's **whole prompt** in one
 # step. With chat-sized prompts that is harmless. With a long prompt it is not: the seed's
@@ -11,8 +11,8 @@
 #   step, and every running decode waits for it (队头阻塞 head-of-line blocking, now caused by a
 #   prefill instead of a long decode);
 # - cut a prompt into chunks under the two knobs `chunk_size` and `max_num_batched_tokens` (the
-#   per-step 令牌预算 token budget), predict the chunks by hand and read them off the budget
-#   picture;
+#   per-step token budget, the seed's token 预算), predict the chunks by hand and read them off
+#   the budget picture;
 # - compute **dec@P** from a trace by hand and show **问题二, problem two**: a prefill-first
 #   scheduler with chunks still stops every decode for the whole prefill window (dec@P = 0).
 
@@ -370,7 +370,7 @@ for chunk_size, budget in ((128, 128), (512, 128), (64, 128), (128, 256)):
 #
 # - **Problem one** (问题一): a long prompt prefilled in one step makes that step dozens of
 #   decode steps long; every running decode waits (head-of-line blocking by a prefill).
-# - **Chunked prefill** (分块预填充) bounds each step: chunks of `min(chunk_size, budget left,
+# - **Chunked prefill** bounds each step: chunks of `min(chunk_size, budget left,
 #   tokens left)`. 800 tokens at 128 per step are `[128] * 6 + [32]`; the output tokens do not
 #   change.
 # - **Problem two** (问题二): with a prefill-first policy the decodes still stop for the whole
