@@ -92,6 +92,36 @@ def test_simulated_schedule_equals_real_schedule(tiny_model, policy, options):
         assert any(r.preempted for r in real.trace)
 
 
+@pytest.mark.parametrize("options", [
+    dict(min_chunk=8),
+    dict(preemption="priority"),
+    dict(preemption="priority", priority_aging_steps=3),
+    dict(max_preemptions=1, num_pages=16),
+    dict(max_preemptions=0),
+    dict(preemption="fair"),
+])
+def test_simulated_schedule_equals_real_schedule_for_chapter_06_knobs(tiny_model, options):
+    """Chapters 05 and 06 run min_chunk, the preemption orders and the bound on preemption loss
+    on the simulated executor only, and call its schedules exact: they are, step by step, with
+    a pool small enough to preempt and priorities and tenants that differ."""
+    workload = small_mixed(seed=5, n=10)
+    for i, request in enumerate(workload.requests):
+        request.priority = i % 3
+        request.tenant = "ab"[i % 2]
+    options = dict(dict(policy="pd", max_num_seqs=6, max_num_batched_tokens=32, chunk_size=16,
+                        num_pages=20, page_size=4), **options)
+    real = Engine(tiny_model, **options)
+    run_workload(real, workload)
+    sim = make_sim_engine(TRUE, vocab=tiny_model[1].config.vocab_size, **options)
+    run_workload(sim, workload)
+    assert schedule(sim.trace) == schedule(real.trace)
+    default = make_sim_engine(TRUE, vocab=tiny_model[1].config.vocab_size,
+                              **dict(options, min_chunk=1, preemption="newest",
+                                     priority_aging_steps=None, max_preemptions=None))
+    run_workload(default, workload)
+    assert schedule(sim.trace) != schedule(default.trace)  # the knob changed the schedule
+
+
 def test_step_times_follow_the_model():
     engine = make_sim_engine(TRUE, policy="pd", max_num_seqs=4, max_num_batched_tokens=48,
                              chunk_size=32)
