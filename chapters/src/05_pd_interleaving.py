@@ -458,7 +458,9 @@ print(format_table(results, columns))
 # An extreme case makes it visible: nine chats with one-token prompts decoding, 8 to 32 tokens
 # each, and a budget of only 12 tokens, so 3 tokens are left per step while all nine decode. A
 # 48-token prompt arrives at step 2. Schedules depend only on token counts, so the simulated
-# executor gives the real engine's schedule exactly (chapter 04 checked this).
+# executor gives the real engine's schedule exactly (chapter 04 checked this for chunked
+# prefill; `tests/test_sim.py` checks it, step by step against a real model, for every policy and
+# knob the course simulates, `min_chunk` and chapter 06's preemption orders included).
 
 # %%
 # NBVAL_CHECK_OUTPUT
