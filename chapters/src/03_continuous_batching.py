@@ -2,7 +2,7 @@
 # # 03 · Continuous batching: scheduling every step
 #
 # Static batching fixed the batch for its whole life. **连续批处理 Continuous Batching**, also
-# called **迭代级调度 Iteration-level Scheduling** (the Orca paper, OSDI 2022) or in-flight
+# called **Iteration-level Scheduling** (the Orca paper, OSDI 2022) or in-flight
 # batching, decides the batch again before *every* forward: a finished request leaves at once, a
 # new one takes its place at the next step. vLLM and SGLang use it as the base of online serving.
 #
@@ -95,7 +95,8 @@ for i, line in enumerate(lines):
 # The scheduler itself is `ContinuousScheduler` in `minicb/scheduler.py`: every running decode
 # gets one token, then waiting requests are admitted with their whole prompt while a slot, the
 # pages for the prompt and the token budget allow. Now the seed's example on the real model:
-# R1, R2, R3 want 30, 200 and 80 tokens and start together; R4 arrives at step 31 wanting 60.
+# R1, R2, R3 want 30, 200 and 80 tokens and start together; R4 arrives at step 31 wanting 60
+# (the course's choice, as in chapter 02: the seed gives R4 no length).
 # Three slots, as before. (200 steps, 10–25 s on the course's two CPU cores, depending on the machine
 # and its load.)
 
@@ -170,6 +171,8 @@ batch_table(cont.trace)
 # Same story, with the engine's bookkeeping made explicit: R1's last token comes out of step 30,
 # the reclaim phase of step 30 frees slot 0, and the schedule phase of step 31 hands it to R4.
 # R2, the long request, is never disturbed, and the whole run ends at step 200 instead of 260.
+# Where the seed writes "…" our R4, 60 tokens long, finishes at step 90 and R2 runs alone from
+# 91; the seed's R4, of no stated length, is still running at 200.
 #
 # Now both policies side by side. The static run is the one from chapter 02 (260 steps, the
 # longest cell of this chapter):
@@ -217,10 +220,11 @@ for name, eng in (("static", static), ("continuous", cont)):
 # produce the single-request tokens; here the two runs agree token for token:
 
 # %%
-# NBVAL_IGNORE_OUTPUT
+# NBVAL_CHECK_OUTPUT
 same = {rid: static.requests[rid].output_token_ids == cont.requests[rid].output_token_ids
         for rid in ("R1", "R2", "R3", "R4")}
 print("same tokens under static and continuous:", same)
+assert all(same.values()), "batching changed a greedy answer"
 
 # %% [markdown]
 # Step through the continuous run: step 30 (R1 finishes), step 31 (R4 arrives and joins in the
@@ -311,16 +315,21 @@ viz.plot_pages(tight, title="continuous batching on a 10-page pool: admission wa
 # | very low arrival rate (often only one request running) | almost nothing to swap in: CB degenerates to one request at a time |
 #
 # Let us measure each row with small workloads, four slots, 16-token prompts: the varied run from
-# above (eight requests, 4 to 24 tokens), eight requests of exactly 12 tokens, and four requests of
-# 8 tokens arriving 20 steps apart.
+# above (eight requests, 4 to 24 tokens: the seed's "有的 10 token 有的 1k" scaled down so that a
+# run takes seconds; chapter 06 runs answers of 16 to 256 tokens), eight requests of exactly 12
+# tokens, and four requests of 8 tokens arriving 20 steps apart. A fourth row is the seed's §1.2
+# warning, the stream of chapter 02 whose queue kept growing under static batching: forty requests
+# of 2 to 12 tokens, one every 2 steps.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
 equal = [(f"e{i}", 16, 12, 1) for i in range(8)]
 sparse = [(f"s{i}", 16, 8, 1 + 20 * i) for i in range(4)]
+stream = [(f"q{i}", 16, n, 1 + 2 * i) for i, n in enumerate([2, 12, 4, 10, 2, 6, 12, 4] * 5)]
 for policy in ("static", "continuous"):
     runs["equal", policy] = run(policy, equal, max_num_seqs=4)
     runs["low rate", policy] = run(policy, sparse, max_num_seqs=4)
+    runs["high rate", policy] = run(policy, stream, max_num_seqs=4)
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -330,20 +339,22 @@ def summary(engine):
     latency = [metrics.released(r)[1] - r.arrival_step + 1 for r in recs]  # until returned
     return {"last step": engine.trace[-1].step, "busy steps": len(engine.trace),
             "tokens/step": tokens / len(engine.trace), "mean latency": np.mean(latency),
-            "max latency": max(latency), "dead slot-steps": metrics.dead_slot_steps(engine.trace)}
+            "max latency": max(latency), "dead slot-steps": metrics.dead_slot_steps(engine.trace),
+            "max queue": max(rec.num_waiting for rec in engine.trace)}
 
 
+WORKLOADS = ("varied", "equal", "low rate", "high rate")
 print(f"{'workload':<10}{'policy':<12}{'last step':>10}{'busy steps':>11}{'tokens/step':>12}"
-      f"{'mean lat.':>10}{'max lat.':>9}{'dead':>6}")
+      f"{'mean lat.':>10}{'max lat.':>9}{'dead':>6}{'max queue':>10}")
 table = {}
-for workload in ("varied", "equal", "low rate"):
+for workload in WORKLOADS:
     for policy in ("static", "continuous"):
         s = table[workload, policy] = summary(runs[workload, policy][0])
         print(f"{workload:<10}{policy:<12}{s['last step']:>10}{s['busy steps']:>11}"
               f"{s['tokens/step']:>12.2f}{s['mean latency']:>10.1f}{s['max latency']:>9}"
-              f"{s['dead slot-steps']:>6}")
+              f"{s['dead slot-steps']:>6}{s['max queue']:>10}")
 print()
-for workload in ("varied", "equal", "low rate"):
+for workload in WORKLOADS:
     st, ct = table[workload, "static"], table[workload, "continuous"]
     print(f"{workload:<10} static / continuous: steps {st['busy steps']} / {ct['busy steps']} = "
           f"{st['busy steps'] / ct['busy steps']:.2f}, mean latency {st['mean latency']:.1f} / "
@@ -361,9 +372,12 @@ for workload in ("varied", "equal", "low rate"):
 #   there is nothing to reclaim.
 # - **Low arrival rate**: one request at a time under either policy; tokens/step is 1. Continuous
 #   batching has nothing to swap in and behaves like v1.
+# - **High arrival rate**: static batching's queue keeps growing while requests arrive (chapter
+#   02); continuous batching hands each freed slot on at once, admits every request the step it
+#   arrives (`max queue` is 0) and finishes the stream soon after the last arrival.
 #
 # Steps are exact and machine-independent. Seconds are not: they depend on what one step costs,
-# and a step's cost depends on how many requests it carries. Every decode-only step of the six
+# and a step's cost depends on how many requests it carries. Every decode-only step of the eight
 # runs above, grouped by batch size:
 
 # %%
@@ -383,7 +397,7 @@ for b, m in zip(sizes, medians):
 print(f"fit: one step = {fixed * 1000:.0f} ms + {per_request * 1000:.0f} ms per request\n")
 
 print(f"{'workload':<10}{'policy':<12}{'steps':>6}{'seconds':>9}{'fit predicts':>14}{'tokens/s':>10}")
-for workload, policy in sorted(runs, key=lambda k: ("varied", "equal", "low rate").index(k[0])):
+for workload, policy in sorted(runs, key=lambda k: WORKLOADS.index(k[0])):
     eng, seconds = runs[workload, policy]
     tokens = sum(len(r.output_token_ids) for r in eng.requests.values())
     predicted = sum(fixed + per_request * b for b in metrics.batch_sizes(eng.trace))
