@@ -45,7 +45,15 @@ from minicb.metrics import (
     sustainable_load,
 )
 from minicb.sim import CostModel, SimClock, SimModel, fit_cost_model_runs, sim_model_info
-from minicb.workload import SCENARIOS, Workload, get_workload, make_workload, run_workload
+from minicb.workload import (
+    SCENARIOS,
+    Workload,
+    get_workload,
+    load_workload_file,
+    make_workload,
+    run_workload,
+    save_workload_file,
+)
 
 RESULT_KEYS = ("output_tokens_per_s", "requests_per_s", "ttft_s", "itl_s", "max_itl_s", "tpot_s",
                "e2e_s", "queue_s", "goodput_rps", "dec_at_p", "short_p_steps", "short_p_s",
@@ -101,8 +109,17 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags shared by bench and sweep (chapter 06)."""
     parser.add_argument("--model", default="smollm2-135m",
                         help="bundled model name or a Hugging Face checkpoint directory")
-    parser.add_argument("--workload", default="mixed-chat", choices=sorted(SCENARIOS))
-    parser.add_argument("--num-requests", type=int, default=None)
+    parser.add_argument("--workload", default=None, choices=sorted(SCENARIOS),
+                        help="a generated scenario (default mixed-chat)")
+    parser.add_argument("--workload-file", default=None, metavar="PATH",
+                        help="replay a trace instead: JSON Lines, one request a line, or CSV "
+                             "with a header of the same names: arrival_s (seconds from the "
+                             "start) or arrival_step, prompt_tokens (a length) or "
+                             "prompt_token_ids (a list), output_tokens; optional priority, "
+                             "tenant, deadline_s (after arrival), cancel_after_tokens, "
+                             "request_id. bench --save-workload writes this format")
+    parser.add_argument("--num-requests", type=int, default=None,
+                        help="requests to generate (with --workload-file: replay the first N)")
     parser.add_argument("--rate", type=float, default=None,
                         help="arrival rate in requests/s (default: the workload's own)")
     parser.add_argument("--burstiness", type=float, default=None,
@@ -154,8 +171,9 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_workload(args: argparse.Namespace) -> Workload:
-    """The scenario named by --workload with the flags that apply to it (chapter 06)."""
-    func = SCENARIOS[args.workload]
+    """The scenario named by --workload with the flags that apply to it, or the trace
+    --workload-file replays (chapter 06)."""
+    name = args.workload or "mixed-chat"
     wanted = {"num_requests": args.num_requests, "rate": args.rate,
               "burstiness": args.burstiness, "seed": args.seed,
               "prompt_lengths": args.prompt_lengths, "output_lengths": args.output_lengths,
@@ -164,6 +182,18 @@ def build_workload(args: argparse.Namespace) -> Workload:
     if wanted["cancel_fraction"] is not None:
         wanted["cancel_after_tokens"] = 1
     wanted = {k: v for k, v in wanted.items() if v is not None}
+    if getattr(args, "workload_file", None):
+        refused = [k for k in wanted if k not in ("num_requests", "seed", "cancel_after_tokens")]
+        if args.workload:
+            refused.insert(0, "workload")
+        if refused:
+            flags = ", ".join("--" + k.replace("_", "-") for k in refused)
+            raise ValueError(f"{flags} do(es) not apply to --workload-file: the trace sets "
+                             "arrivals and lengths (edit the file to change them)")
+        if args.num_requests is not None and args.num_requests < 1:
+            raise ValueError(f"--num-requests must be >= 1, got {args.num_requests}")
+        return load_workload_file(args.workload_file, args.num_requests)
+    func = SCENARIOS[name]
     params = inspect.signature(func).parameters
     accepted = set(params)
     if any(p.kind is p.VAR_KEYWORD for p in params.values()):  # forwards to make_workload
@@ -171,8 +201,8 @@ def build_workload(args: argparse.Namespace) -> Workload:
     refused = [k for k in wanted if k not in accepted]
     if refused:
         flags = ", ".join("--" + k.replace("_", "-") for k in refused)
-        raise ValueError(f"{flags} do(es) not apply to workload {args.workload!r}")
-    return get_workload(args.workload, **wanted)
+        raise ValueError(f"{flags} do(es) not apply to workload {name!r}")
+    return get_workload(name, **wanted)
 
 
 def warmup_workload(args: argparse.Namespace) -> Workload | None:
@@ -180,6 +210,9 @@ def warmup_workload(args: argparse.Namespace) -> Workload | None:
     with the next seed (chapter 06); None when cold."""
     if getattr(args, "cache_state", "cold") != "warm":
         return None
+    if getattr(args, "workload_file", None):
+        raise ValueError("--cache-state warm serves the same scenario with another seed first; "
+                         "a replayed trace has no other seed: use --cache-state cold")
     warmup = build_workload(argparse.Namespace(**{**vars(args), "seed": args.seed + 1}))
     if any(r.arrival_step is not None for r in warmup.requests):
         raise ValueError("--cache-state warm needs arrivals in seconds (or all at once), not "
@@ -813,6 +846,9 @@ def bench_parser() -> argparse.ArgumentParser:
                         help="hf: also run the requests through transformers' generate "
                              "(static batches) and generate_batch")
     parser.add_argument("--plot", default=None, help="write a PNG figure here")
+    parser.add_argument("--save-workload", default=None, metavar="PATH",
+                        help="write the requests this run sends as a trace (JSON Lines; CSV if "
+                             "PATH ends in .csv) that --workload-file replays")
     return parser
 
 
@@ -841,6 +877,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     workload, warmup = build_workload(args), warmup_workload(args)
     slo = slo_from_args(args)
     options = engine_options(args, workload)
+    if getattr(args, "save_workload", None):
+        print(f"wrote workload {save_workload_file(workload, args.save_workload)}")
     device = resolve_device(args.device, args.quantization)
     progress = not args.no_progress
     executor = executor_from_args(args, device)
@@ -902,6 +940,8 @@ def main_bench(argv: list[str] | None = None) -> int:
         from minicb.client import CLIENT_COLUMNS, bench_endpoint
         try:
             workload, slo = build_workload(args), slo_from_args(args)
+            if args.save_workload:
+                print(f"wrote workload {save_workload_file(workload, args.save_workload)}")
         except ValueError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
@@ -1086,7 +1126,7 @@ def main_sweep(argv: list[str] | None = None) -> int:
                          for c in columns] for r in data["rows"]]
     widths = [max(len(str(x[i])) for x in lines) for i in range(len(header))]
     sim = " (SIMULATED)" if data["declaration"]["simulated"] else ""
-    print(f"\nsweep of {args.policy} on {args.workload}{sim}, SLO "
+    print(f"\nsweep of {args.policy} on {data['declaration']['workload']['workload']}{sim}, SLO "
           f"{data['declaration']['slo'] or 'none'}")
     for line in lines:
         print("  ".join(str(c).rjust(w) for c, w in zip(line, widths)))

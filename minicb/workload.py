@@ -9,6 +9,8 @@ file can start with it.
                   (1 = Poisson, < 1 burstier, > 1 smoother); explicit steps or times
     lengths       fixed, uniform, lognormal, or drawn from a list
     scenarios     seed-r1-r4, long-prefill, mixed-chat, equal-lengths, low-rate, shared-prefix
+    traces        replay a recorded trace (JSON Lines or CSV, `load_workload_file`), and write
+                  any workload in that format (`save_workload_file`)
 
 Prompts are random token ids from an ordinary-text range of the vocabulary (100..10000 by
 default), so no tokenizer is needed and decoding them still gives readable-ish text. Everything
@@ -17,10 +19,14 @@ is drawn from one `numpy.random.Generator` seeded by `seed`: same seed, same wor
 
 from __future__ import annotations
 
+import csv
 import gc
+import io
+import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -473,6 +479,177 @@ def get_workload(name: str, **kwargs: Any) -> Workload:
         raise ValueError(f"workload must be one of {sorted(SCENARIOS)}, got {name!r}")
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
     return SCENARIOS[name](**kwargs)
+
+
+# ------------------------------------------------------------------------------ replayed traces
+# One request per line of JSON Lines (or per row of a CSV with these names as its header):
+# name -> (kind, WorkloadRequest field). Give arrival_s or arrival_step, prompt_tokens or
+# prompt_token_ids, and output_tokens; the rest is optional.
+TRACE_FIELDS: dict[str, tuple[str, str]] = {
+    "request_id": ("str", "request_id"),
+    "arrival_s": ("seconds", "arrival_time"),  # seconds from the start of the run
+    "arrival_step": ("count", "arrival_step"),  # or the engine step it arrives at (from 1)
+    "prompt_tokens": ("count", "prompt_len"),  # a length: ids drawn from the request's index
+    "prompt_token_ids": ("ids", "prompt_token_ids"),
+    "output_tokens": ("count", "max_tokens"),  # exact: replayed with ignore_eos
+    "priority": ("int", "priority"),  # lower is served first under --preemption priority
+    "tenant": ("str", "tenant"),  # who sent it, for --preemption fair
+    "deadline_s": ("seconds", "deadline"),  # seconds after arrival, for --preemption deadline
+    "cancel_after_tokens": ("count", "cancel_after_tokens"),  # the client cancels then
+}
+
+
+def _trace_value(name: str, value: Any, where: str) -> Any:
+    """One field of a trace row, checked (CSV text converted first); ValueError names
+    `where` (file and line) and the field."""
+    kind = TRACE_FIELDS[name][0]
+    if isinstance(value, str) and kind != "str":  # a CSV cell
+        try:
+            value = ([int(v) for v in value.split()] if kind == "ids" else
+                     float(value) if kind == "seconds" else int(value))
+        except ValueError:
+            wanted = "token ids separated by spaces" if kind == "ids" else "a number"
+            raise ValueError(f"{where}: {name} must be {wanted}, got {value!r}") from None
+    label = f"{where}: {name}"
+    if kind == "str":
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"{label} must be a non-empty string, got {value!r}")
+        return value
+    if kind == "seconds":
+        return _check_positive(label, value, allow_zero=name == "arrival_s")
+    if kind == "ids":
+        if not isinstance(value, list) or not value:
+            raise ValueError(f"{label} must be a non-empty list of token ids, got {value!r}")
+        return [_check_int(f"{label}[{i}]", t, 0) for i, t in enumerate(value)]
+    if kind == "int":
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+            raise ValueError(f"{label} must be an integer, got {value!r}")
+        return int(value)
+    return _check_int(label, value)
+
+
+def trace_request(row: dict[str, Any], where: str) -> WorkloadRequest:
+    """A WorkloadRequest from one trace row (chapter 06); ValueError names `where` and the
+    field at fault: an unknown field, a missing one, or a bad value."""
+    unknown = sorted(set(row) - set(TRACE_FIELDS))
+    if unknown:
+        raise ValueError(f"{where}: unknown field(s) {unknown}; known: {list(TRACE_FIELDS)}")
+    given = {k: v for k, v in row.items() if v is not None and v != ""}
+    for one_of in (("arrival_s", "arrival_step"), ("prompt_tokens", "prompt_token_ids"),
+                   ("output_tokens",)):
+        found = [k for k in one_of if k in given]
+        if len(found) != 1:
+            raise ValueError(f"{where}: give {' or '.join(one_of)}"
+                             + (", not both" if found else " (missing)"))
+    kwargs = {TRACE_FIELDS[k][1]: _trace_value(k, v, where) for k, v in given.items()}
+    return WorkloadRequest(**kwargs)
+
+
+def _summary(values: Sequence[float]) -> dict[str, Any]:
+    return {"kind": "observed", "min": min(values), "p50": float(np.percentile(values, 50)),
+            "max": max(values), "mean": float(np.mean(values))}
+
+
+def load_workload_file(path: str | Path, num_requests: int | None = None) -> Workload:
+    """Replay a trace (chapter 06): JSON Lines, one request a line, or CSV with the field names
+    as header (`TRACE_FIELDS`). Requests are sorted by arrival (the declaration says when the
+    file was not); `num_requests` keeps the first that many. The declaration summarises what
+    the file holds: arrivals ("replayed trace", observed mean rate), lengths (min/p50/max)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"--workload-file {str(path)!r}: no such file")
+    text = path.read_text()
+    rows: list[tuple[str, dict[str, Any]]] = []
+    if path.suffix.lower() == ".csv":
+        reader = csv.DictReader(io.StringIO(text))
+        for i, row in enumerate(reader, start=2):
+            if None in row:
+                raise ValueError(f"{path}, line {i}: more cells than the header has names")
+            rows.append((f"{path}, line {i}", row))
+    else:
+        for i, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}, line {i}: not JSON ({exc.msg})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}, line {i}: each line must be a JSON object")
+            rows.append((f"{path}, line {i}", row))
+    requests = [trace_request(row, where) for where, row in rows]
+    if not requests:
+        raise ValueError(f"{path}: no requests in the file")
+    if len({r.arrival_step is None for r in requests}) > 1:
+        raise ValueError(f"{path}: give every request arrival_s, or every one arrival_step")
+    order = sorted(range(len(requests)), key=lambda i: (*_arrival(requests[i]), i))
+    was_sorted = order == sorted(order)
+    requests = [requests[i] for i in order][:num_requests]
+    for i, r in enumerate(requests):
+        r.request_id = r.request_id or f"req-{order[i]}"
+    if len(set(r.request_id for r in requests)) < len(requests):
+        raise ValueError(f"{path}: request_id values must be unique")
+    times = [r.arrival_time for r in requests if r.arrival_time is not None]
+    span = max(times) - min(times) if times else 0.0
+    gaps = np.diff(times) if len(times) > 2 else np.array([])
+    cv2 = float(gaps.var() / gaps.mean() ** 2) if gaps.size and gaps.mean() > 0 else None
+    declaration = {
+        "workload": path.stem, "source": f"replayed from {path}", "num_requests": len(requests),
+        "arrival_process": "replayed trace" + (" in steps" if not times else "")
+                           + ("" if was_sorted else " (sorted by arrival: the file was not)"),
+        "rate_rps": (len(times) - 1) / span if span > 0 else None,
+        "burstiness": 1 / cv2 if cv2 else None,
+        "burstiness_note": "observed: 1 / CV^2 of the arrival gaps (1 is Poisson-like, "
+                           "smaller is burstier)",
+        "arrival_span_s": span if times else None,
+        "prompt_lengths": _summary([r.prompt_len for r in requests]),
+        "output_lengths": _summary([r.max_tokens for r in requests]),
+        "priorities": sorted({r.priority for r in requests}),
+        "tenants": len({r.tenant for r in requests if r.tenant is not None}),
+        "deadlines": sum(r.deadline is not None for r in requests),
+        "cancel_fraction": sum(r.cancel_after_tokens is not None for r in requests)
+                           / len(requests),
+        "output_lengths_exact": True,
+    }
+    return Workload(path.stem, requests, declaration)
+
+
+def trace_row(req: WorkloadRequest, index: int = 0) -> dict[str, Any]:
+    """One request as a trace row (`load_workload_file` reads it back): prompt ids written out,
+    so a replay sends the same tokens; optional fields only when set (chapter 06)."""
+    row: dict[str, Any] = {"request_id": req.request_id or f"req-{index}"}
+    if req.arrival_step is not None:
+        row["arrival_step"] = req.arrival_step
+    else:
+        row["arrival_s"] = req.arrival_time or 0.0
+    row["prompt_token_ids"] = req.token_ids(index)
+    row["output_tokens"] = req.max_tokens
+    for name, field_name in (("priority", "priority"), ("tenant", "tenant"),
+                             ("deadline_s", "deadline"),
+                             ("cancel_after_tokens", "cancel_after_tokens")):
+        value = getattr(req, field_name)
+        if value is not None and not (name == "priority" and value == 0):
+            row[name] = value
+    return row
+
+
+def save_workload_file(workload: Workload, path: str | Path) -> Path:
+    """Write `workload` as a trace that `load_workload_file` replays (chapter 06): JSON Lines,
+    or CSV when `path` ends in .csv (prompt ids separated by spaces)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows = [trace_row(r, i) for i, r in enumerate(workload.requests)]
+    if path.suffix.lower() == ".csv":
+        names = [n for n in TRACE_FIELDS if any(n in row for row in rows)]
+        with path.open("w", newline="") as f:
+            writer = csv.DictWriter(f, names)
+            writer.writeheader()
+            for row in rows:
+                writer.writerow({k: " ".join(map(str, v)) if isinstance(v, list) else v
+                                 for k, v in row.items()})
+    else:
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
 
 
 # ------------------------------------------------------------------------------ driving

@@ -155,6 +155,37 @@ def test_bench_refuses_bad_flags(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_bench_saves_its_workload_and_replays_it(tmp_path, capsys):
+    """--save-workload writes the requests as a trace; --workload-file replays them: the same
+    schedule, so the same simulated results, under a declaration that says it was replayed."""
+    trace, first, again = (tmp_path / n for n in ("w.jsonl", "first.json", "again.json"))
+    common = ["--executor", "sim", "--policy", "static,pd", "--no-progress"]
+    assert bench.main_bench([*common, "--num-requests", "6", "--rate", "4", "--save-workload",
+                             str(trace), "--out", str(first)]) == 0
+    assert f"wrote workload {trace}" in capsys.readouterr().out
+    assert bench.main_bench([*common, "--workload-file", str(trace), "--out", str(again)]) == 0
+    a, b = (json.loads(p.read_text()) for p in (first, again))
+    for policy in ("static", "pd"):
+        for key in ("ttft_s", "e2e_s", "num_steps", "output_tokens"):
+            assert a["results"][policy][key] == b["results"][policy][key]
+    assert b["declaration"]["arrival_process"] == "replayed trace"
+    assert b["declaration"]["workload"]["source"] == f"replayed from {trace}"
+    assert bench.results_schema_ok(b) == []
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--rate", "3"], "--rate do(es) not apply to --workload-file"),
+    (["--workload", "mixed-chat"], "--workload do(es) not apply to --workload-file"),
+    (["--cache-state", "warm"], "no other seed"),
+])
+def test_a_replayed_trace_refuses_generator_flags(tmp_path, extra, message, capsys):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"arrival_s": 0, "prompt_tokens": 8, "output_tokens": 2}\n')
+    assert bench.main_bench(["--executor", "sim", "--workload-file", str(trace),
+                             "--no-progress", *extra]) == 2
+    assert message in capsys.readouterr().err
+
+
 def test_sweep_finds_the_best_goodput(tmp_path, capsys):
     out = tmp_path / "sweep.json"
     code = bench.main_sweep(["--executor", "sim", "--workload", "mixed-chat",

@@ -18,8 +18,10 @@ from minicb.workload import (
     arrival_times,
     gamma_gaps,
     get_workload,
+    load_workload_file,
     make_workload,
     run_workload,
+    save_workload_file,
     submit,
 )
 
@@ -316,3 +318,79 @@ def test_online_step_arrivals_join_at_their_step_while_the_engine_is_busy():
 def test_cancel_fraction_rounds_to_the_nearest_count():
     w = make_workload(5, "fixed:8", "fixed:4", cancel_fraction=0.3)  # 1.5 -> 2
     assert sum(r.cancel_after_tokens is not None for r in w.requests) == 2
+
+
+# --------------------------------------------------------------------------- replayed traces
+FIELDS = ("request_id", "arrival_time", "arrival_step", "max_tokens", "priority", "tenant",
+          "deadline", "cancel_after_tokens")
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".csv"])
+def test_a_saved_workload_replays_the_same_requests(tmp_path, suffix):
+    w = get_workload("mixed-chat", num_requests=6, rate=3.0, seed=2)
+    w.requests[1].priority, w.requests[2].tenant = 2, "team-a"
+    w.requests[3].deadline, w.requests[4].cancel_after_tokens = 1.5, 2
+    back = load_workload_file(save_workload_file(w, tmp_path / f"trace{suffix}"))
+    assert [r.token_ids(i) for i, r in enumerate(back)] == [r.token_ids(i) for i, r in
+                                                             enumerate(w)]
+    assert [[getattr(r, f) for f in FIELDS] for r in back] == \
+        [[getattr(r, f) for f in FIELDS] for r in w]
+    decl = back.declaration
+    assert decl["arrival_process"] == "replayed trace" and decl["num_requests"] == 6
+    assert decl["source"].startswith("replayed from") and decl["priorities"] == [0, 2]
+    lengths = [r.prompt_len for r in w]
+    assert (decl["prompt_lengths"]["min"], decl["prompt_lengths"]["max"]) == \
+        (min(lengths), max(lengths))
+    times = [r.arrival_time for r in w]
+    assert decl["rate_rps"] == pytest.approx(5 / (max(times) - min(times)))
+
+
+def test_step_arrivals_round_trip(tmp_path):
+    w = get_workload("seed-r1-r4")
+    back = load_workload_file(save_workload_file(w, tmp_path / "r.jsonl"))
+    assert [(r.request_id, r.arrival_step, r.max_tokens) for r in back] == \
+        [(r.request_id, r.arrival_step, r.max_tokens) for r in w]
+
+
+def test_a_trace_with_lengths_only_is_sorted_by_arrival_and_says_so(tmp_path):
+    path = tmp_path / "real.jsonl"
+    path.write_text('{"arrival_s": 0.5, "prompt_tokens": 12, "output_tokens": 3}\n\n'
+                    '{"arrival_s": 0.0, "prompt_tokens": 40, "output_tokens": 9, '
+                    '"priority": -1}\n')
+    w = load_workload_file(path)
+    assert [r.arrival_time for r in w] == [0.0, 0.5] and [r.request_id for r in w] == \
+        ["req-1", "req-0"]  # ids follow the file's order
+    assert w.declaration["arrival_process"].endswith("(sorted by arrival: the file was not)")
+    assert w.requests[0].prompt_len == 40 and len(w.requests[0].token_ids(1)) == 40
+    assert len(load_workload_file(path, num_requests=1)) == 1
+
+
+@pytest.mark.parametrize("line, match", [
+    ('{"arrival_s": 0, "output_tokens": 4}', "line 2: give prompt_tokens or prompt_token_ids"),
+    ('{"arrival_s": 0, "prompt_tokens": -3, "output_tokens": 4}', "line 2: prompt_tokens"),
+    ('{"arrival_s": 0, "prompt_tokens": 3, "output_tokens": 4, "prio": 1}',
+     r"line 2: unknown field\(s\) \['prio'\]"),
+    ('{"arrival_s": -1, "prompt_tokens": 3, "output_tokens": 4}', "line 2: arrival_s"),
+    ('{"prompt_tokens": 3, "output_tokens": 4}', "give arrival_s or arrival_step"),
+    ('{"arrival_s": 0, "prompt_tokens": 3}', "line 2: give output_tokens"),
+    ('{"arrival_s": 0, "prompt_token_ids": [1, "a"], "output_tokens": 4}',
+     r"prompt_token_ids\[1\]"),
+    ('{"arrival_s": 0, "prompt_tokens": 3, "output_tokens": 4, "priority": 1.5}', "priority"),
+    ('{"arrival_step": 2, "prompt_tokens": 3, "output_tokens": 4}', "every request arrival_s"),
+    ("[1, 2]", "line 2: each line must be a JSON object"),
+    ("{oops", "line 2: not JSON"),
+])
+def test_bad_trace_lines_are_named(tmp_path, line, match):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"arrival_s": 0, "prompt_tokens": 3, "output_tokens": 4}\n' + line + "\n")
+    with pytest.raises(ValueError, match=match):
+        load_workload_file(path)
+
+
+def test_bad_csv_cells_are_named(tmp_path):
+    path = tmp_path / "bad.csv"
+    path.write_text("arrival_s,prompt_tokens,output_tokens\n0,12,3\n0.5,twelve,3\n")
+    with pytest.raises(ValueError, match="line 3: prompt_tokens must be a number"):
+        load_workload_file(path)
+    with pytest.raises(ValueError, match="no such file"):
+        load_workload_file(tmp_path / "missing.jsonl")
