@@ -66,7 +66,7 @@ def demo(argv: list[str]) -> int:
 COMMANDS_HELP = {
     "demo": "answer a few chat prompts on the bundled model and draw the step timeline",
     "bench": "run a workload under one or more policies; the benchmark contract's metrics",
-    "sweep": "vary budget, max_num_seqs and chunk size; the setting with the best goodput",
+    "sweep": "vary budget, max_num_seqs, chunk size and priority policy; the best goodput",
     "profile": "fit the simulated executor's step-cost model on this machine",
     "serve": "an OpenAI-compatible HTTP server over one running engine",
     "grade": "score exercise notebooks",

@@ -2,7 +2,8 @@
 
     bench    one workload, one or several policies side by side on the same requests, optionally
              beside Hugging Face transformers (`generate` in static batches, `generate_batch`)
-    sweep    vary the token budget, max_num_seqs and chunk size; report the highest goodput
+    sweep    vary the token budget, max_num_seqs, chunk size and priority policy (preemption
+             order); report the highest goodput
     profile  run a short real workload here, fit the simulated executor's cost model, save it
 
 Every result file starts with the declaration the benchmark contract asks for (arrival
@@ -29,6 +30,7 @@ from typing import Any
 from minicb.attention import resolve_backend
 from minicb.config import (
     POLICIES,
+    PREEMPTIONS,
     QUANTIZATIONS,
     cpuinfo,
     is_finite_number,
@@ -84,6 +86,16 @@ def _policies(values: list[str] | None) -> list[str]:
     return out
 
 
+def _preemptions(text: str | None) -> list[str]:
+    """--preemption: one order, or (sweep) a comma-separated list of them."""
+    names = list(dict.fromkeys(n.strip() for n in str(text or "newest").split(",")
+                               if n.strip()))
+    if not names or any(n not in PREEMPTIONS for n in names):
+        raise ValueError(f"--preemption takes {', '.join(PREEMPTIONS)} (sweep: a comma-separated "
+                         f"list of them), got {text!r}")
+    return names
+
+
 def _int_list(text: str, flag: str) -> list[int]:
     try:
         values = [int(v) for v in str(text).split(",") if v.strip()]
@@ -135,6 +147,18 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-pages", type=int, default=None)
     parser.add_argument("--page-size", type=int, default=None)
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--preemption", default=None,
+                        help="the priority policy: who waits first and who is preempted first "
+                             f"when pages run out: {', '.join(PREEMPTIONS)} (default newest: "
+                             "first come first served; priority: lowest `priority` value "
+                             "first; deadline: earliest deadline first; fair: the tenant "
+                             "served least first). sweep takes a comma list. Only "
+                             "--workload-file gives requests priorities, tenants and "
+                             "deadlines: the generated workloads have none (priority 0, one "
+                             "tenant), where every order but newest serves them as newest")
+    parser.add_argument("--priority-aging-steps", type=int, default=None,
+                        help="with --preemption priority: a waiting request's priority "
+                             "improves by one every this many steps (no starvation)")
     parser.add_argument("--max-preemptions", type=int, default=None,
                         help="a bound on preemption loss: a request preempted this many times "
                              "comes back holding its whole life's pages (0: reserve it at once)")
@@ -377,6 +401,18 @@ def engine_options(args: argparse.Namespace, workload: Workload) -> dict[str, An
             options[key] = value
     if getattr(args, "no_prefix_caching", False):
         options["enable_prefix_caching"] = False
+    preemption = getattr(args, "preemption", None)
+    if preemption is not None:
+        chosen = _preemptions(preemption)
+        if len(chosen) > 1:
+            raise ValueError("bench runs one --preemption order; sweep takes a comma list")
+        options["preemption"] = chosen[0]
+    aging = getattr(args, "priority_aging_steps", None)
+    if aging is not None:
+        if options.get("preemption") != "priority":
+            raise ValueError("--priority-aging-steps ages priorities: it needs --preemption "
+                             "priority")
+        options["priority_aging_steps"] = aging
     timeout = getattr(args, "batch_timeout", None)
     if any(r.arrival_step is not None for r in workload.requests):
         if timeout is not None:
@@ -1008,8 +1044,9 @@ def sweep_parser() -> argparse.ArgumentParser:
     """The argparse parser of `python -m minicb sweep` (chapter 06)."""
     parser = argparse.ArgumentParser(
         prog="python -m minicb sweep",
-        description="Vary the token budget, max_num_seqs and chunk size on a workload; report "
-                    "the setting with the highest goodput at the SLO.")
+        description="Vary the token budget, max_num_seqs, chunk size and priority policy "
+                    "(--preemption, a comma list) on a workload; report the setting with the "
+                    "highest goodput at the SLO.")
     add_common_arguments(parser)
     parser.add_argument("--policy", default="pd", choices=POLICIES)
     parser.add_argument("--max-num-batched-tokens", default="64,128,256,512")
@@ -1025,12 +1062,18 @@ def sweep_parser() -> argparse.ArgumentParser:
 
 
 def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
-    """Every combination of the three lists (and of --rates); rows sorted by goodput, then
-    tokens/s. With --rates, each setting's sustainable load too (chapter 06)."""
+    """Every combination of the four lists (budget, max_num_seqs, chunk size, preemption; and
+    of --rates); rows sorted by goodput, then tokens/s. With --rates, each setting's
+    sustainable load too (chapter 06). --priority-aging-steps applies to the priority rows."""
     set_threads(args.threads)
     budgets = _int_list(args.max_num_batched_tokens, "--max-num-batched-tokens")
     seqs = _int_list(args.max_num_seqs, "--max-num-seqs")
     chunks = _int_list(args.chunk_size, "--chunk-size")
+    preemptions = _preemptions(args.preemption)
+    aging = args.priority_aging_steps
+    if aging is not None and "priority" not in preemptions:
+        raise ValueError("--priority-aging-steps ages priorities: it needs priority among "
+                         "--preemption")
     rates = _rate_list(args.rates, "--rates") if getattr(args, "rates", None) else [None]
     slo = slo_from_args(args)
     target = getattr(args, "slo_target", 0.99)
@@ -1047,7 +1090,8 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
         at_rate = args if rate is None else argparse.Namespace(**{**vars(args), "rate": rate})
         traffic[rate] = (build_workload(at_rate), warmup_workload(at_rate))
     workload = traffic[rates[-1]][0]
-    base = engine_options(args, workload)
+    base = engine_options(argparse.Namespace(**{**vars(args), "preemption": None,
+                                                "priority_aging_steps": None}), workload)
     for key in ("max_num_seqs", "max_num_batched_tokens", "chunk_size"):
         base.pop(key, None)
     device = resolve_device(args.device, args.quantization)
@@ -1055,11 +1099,13 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
     executor.warm_up()
     rows = []
     skipped = []
-    grid = list(itertools.product(budgets, seqs, chunks, rates))
+    grid = list(itertools.product(budgets, seqs, chunks, preemptions, rates))
     bar = _bar(not args.no_progress, len(grid), "sweep")
-    for budget, num_seqs, chunk, rate in grid:
+    for budget, num_seqs, chunk, preemption, rate in grid:
         options = dict(base, max_num_batched_tokens=budget, max_num_seqs=num_seqs,
-                       chunk_size=chunk)
+                       chunk_size=chunk, preemption=preemption)
+        if preemption == "priority" and aging is not None:
+            options["priority_aging_steps"] = aging
         free_device_memory(device)  # the last setting's engine is gone: give its pool back
         try:
             summary = run_policy(executor, args.policy, traffic[rate][0], options, slo,
@@ -1069,7 +1115,8 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
         else:
             rows.append({**({} if rate is None else {"rate_rps": rate}),
                          "max_num_batched_tokens": budget, "max_num_seqs": num_seqs,
-                         "chunk_size": chunk, "goodput_rps": summary["goodput_rps"],
+                         "chunk_size": chunk, "preemption": preemption,
+                         "goodput_rps": summary["goodput_rps"],
                          "output_tokens_per_s": summary["output_tokens_per_s"],
                          "ttft_p99_s": summary["ttft_s"]["p99"],
                          "tpot_p99_s": summary["tpot_s"]["p99"],
@@ -1086,6 +1133,7 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
     decl["token_budget"].update(max_num_batched_tokens=budgets, chunk_size=chunks,
                                 varied="per row: every combination of the lists")
     decl["concurrency"]["max_num_seqs"] = seqs
+    decl["policy_options"].update(preemption=preemptions, priority_aging_steps=aging)
     if rates != [None]:
         decl["rate_rps"] = rates
         decl["slo_target"] = target
@@ -1097,13 +1145,14 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
 def sustainable_rows(rows: list[dict[str, Any]], target: float) -> list[dict[str, Any]]:
     """Each setting's sustainable load over the swept rates (`metrics.sustainable_load`),
     highest first (chapter 06)."""
+    names = ("max_num_batched_tokens", "max_num_seqs", "chunk_size", "preemption")
     by_setting: dict[tuple, dict[float, float | None]] = {}
     for row in rows:
-        key = (row["max_num_batched_tokens"], row["max_num_seqs"], row["chunk_size"])
+        key = tuple(row[n] for n in names)
         by_setting.setdefault(key, {})[row["rate_rps"]] = row["slo_attainment"]
-    found = [{"max_num_batched_tokens": budget, "max_num_seqs": num_seqs, "chunk_size": chunk,
+    found = [{**dict(zip(names, key)),
               "sustainable_load_rps": sustainable_load(attained, target)}
-             for (budget, num_seqs, chunk), attained in by_setting.items()]
+             for key, attained in by_setting.items()]
     return sorted(found, key=lambda r: -(r["sustainable_load_rps"] or 0.0))
 
 
@@ -1116,9 +1165,11 @@ def main_sweep(argv: list[str] | None = None) -> int:
     except (ValueError, NotImplementedError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    columns = ("max_num_batched_tokens", "max_num_seqs", "chunk_size", "goodput_rps",
-               "output_tokens_per_s", "ttft_p99_s", "tpot_p99_s", "slo_attainment")
-    header = ["budget", "seqs", "chunk", "goodput", "tok/s", "TTFT p99", "TPOT p99", "SLO %"]
+    columns = ("max_num_batched_tokens", "max_num_seqs", "chunk_size", "preemption",
+               "goodput_rps", "output_tokens_per_s", "ttft_p99_s", "tpot_p99_s",
+               "slo_attainment")
+    header = ["budget", "seqs", "chunk", "preemption", "goodput", "tok/s", "TTFT p99",
+              "TPOT p99", "SLO %"]
     if data["sustainable"]:
         columns, header = ("rate_rps", *columns), ["rate", *header]
     shown = {"slo_attainment": lambda v: f"{100 * v:.0f}", "rate_rps": lambda v: f"{v:g}"}
@@ -1138,7 +1189,7 @@ def main_sweep(argv: list[str] | None = None) -> int:
     if best and not data["sustainable"]:
         print(f"\nbest: max_num_batched_tokens={best['max_num_batched_tokens']} "
               f"max_num_seqs={best['max_num_seqs']} chunk_size={best['chunk_size']} "
-              f"goodput={_fmt(best['goodput_rps'])} req/s")
+              f"preemption={best['preemption']} goodput={_fmt(best['goodput_rps'])} req/s")
     if data["sustainable"]:
         target = data["declaration"]["slo_target"]
         print(f"\nsustainable load (the highest rate at which at least {target:.0%} of the "
@@ -1146,7 +1197,8 @@ def main_sweep(argv: list[str] | None = None) -> int:
         for r in data["sustainable"]:
             load = r["sustainable_load_rps"]
             print(f"  max_num_batched_tokens={r['max_num_batched_tokens']} "
-                  f"max_num_seqs={r['max_num_seqs']} chunk_size={r['chunk_size']}: "
+                  f"max_num_seqs={r['max_num_seqs']} chunk_size={r['chunk_size']} "
+                  f"preemption={r['preemption']}: "
                   + (f"{load:g} req/s" if load is not None else "not even the lowest rate"))
     if args.out:
         print(f"wrote {write_json(data, args.out)}")

@@ -186,6 +186,59 @@ def test_a_replayed_trace_refuses_generator_flags(tmp_path, extra, message, caps
     assert message in capsys.readouterr().err
 
 
+def priority_trace(tmp_path) -> str:
+    """Two long requests, then a short urgent one (priority -1), all at once, for one slot."""
+    path = tmp_path / "urgent.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in (
+        {"arrival_s": 0.0, "prompt_tokens": 16, "output_tokens": 60},
+        {"arrival_s": 0.0, "prompt_tokens": 16, "output_tokens": 60},
+        {"arrival_s": 0.0, "prompt_tokens": 16, "output_tokens": 2, "priority": -1})))
+    return str(path)
+
+
+def test_bench_preemption_priority_serves_the_urgent_request_first(tmp_path):
+    """--preemption priority: the request with the lowest priority value waits first in line
+    (the trace gives it); newest serves the three in arrival order."""
+    queue = {}
+    for order in ("newest", "priority"):
+        out = tmp_path / f"{order}.json"
+        assert bench.main_bench(["--executor", "sim", "--workload-file", priority_trace(tmp_path),
+                                 "--policy", "continuous", "--max-num-seqs", "1",
+                                 "--preemption", order, "--out", str(out),
+                                 "--no-progress"]) == 0
+        data = json.loads(out.read_text())
+        assert data["declaration"]["policy_options"]["preemption"] == order
+        queue[order] = data["results"]["continuous"]["queue_s"]["p50"]
+    assert queue["priority"] < queue["newest"] / 4  # the short one first: two short waits
+
+
+def test_sweep_sweeps_the_priority_policy(tmp_path, capsys):
+    out = tmp_path / "sweep.json"
+    assert bench.main_sweep(["--executor", "sim", "--workload-file", priority_trace(tmp_path),
+                             "--policy", "continuous", "--max-num-batched-tokens", "64",
+                             "--max-num-seqs", "1", "--chunk-size", "64", "--preemption",
+                             "newest,priority", "--priority-aging-steps", "50",
+                             "--slo-ttft", "0.05", "--out", str(out), "--no-progress"]) == 0
+    data = json.loads(out.read_text())
+    assert sorted(r["preemption"] for r in data["rows"]) == ["newest", "priority"]
+    assert data["declaration"]["policy_options"]["preemption"] == ["newest", "priority"]
+    assert data["declaration"]["policy_options"]["priority_aging_steps"] == 50
+    assert data["best"]["preemption"] == "priority"  # the urgent one meets the TTFT limit too
+    assert "preemption=priority" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("main, extra, message", [
+    (bench.main_bench, ["--preemption", "newest,priority"], "sweep takes a comma list"),
+    (bench.main_bench, ["--preemption", "lifo"], "--preemption takes newest"),
+    (bench.main_bench, ["--priority-aging-steps", "5"], "needs --preemption priority"),
+    (bench.main_sweep, ["--preemption", "newest,fair", "--priority-aging-steps", "5"],
+     "needs priority among --preemption"),
+])
+def test_preemption_flags_are_checked(main, extra, message, capsys):
+    assert main(["--executor", "sim", "--num-requests", "2", "--no-progress", *extra]) == 2
+    assert message in capsys.readouterr().err
+
+
 def test_sweep_finds_the_best_goodput(tmp_path, capsys):
     out = tmp_path / "sweep.json"
     code = bench.main_sweep(["--executor", "sim", "--workload", "mixed-chat",
@@ -238,7 +291,8 @@ def test_sweep_over_rates_reports_each_settings_sustainable_load(tmp_path, capsy
     assert data["sustainable"][0]["max_num_batched_tokens"] == 1024
     printed = capsys.readouterr().out
     assert "sustainable load" in printed and "best:" not in printed
-    assert "max_num_batched_tokens=64 max_num_seqs=32 chunk_size=1024: 10 req/s" in printed
+    assert "max_num_batched_tokens=64 max_num_seqs=32 chunk_size=1024 preemption=newest: " \
+        "10 req/s" in printed
 
 
 @pytest.mark.parametrize("extra, message", [
