@@ -514,6 +514,52 @@ def run_policy(executor: Executor, policy: str, workload: Workload, options: dic
     return summary, engine
 
 
+def output_tokens(engine: Any) -> dict[str, list[int]]:
+    """Each request's output token ids after a run: what the quality check compares
+    (chapter 06)."""
+    return {rid: list(req.output_token_ids) for rid, req in engine.requests.items()}
+
+
+def same_tokens(reference: dict[str, list[int]], tokens: dict[str, list[int]] | None,
+                name: str) -> dict[str, Any]:
+    """Compare greedy outputs request by request with `reference` (those of run `name`); with
+    `tokens` None (a simulated run, which makes no real tokens) say it was not checked
+    (chapter 06)."""
+    if tokens is None:
+        return {"policy": name, "checked": False,
+                "note": "not checked (simulated: no model ran, so no real tokens)"}
+    return {"policy": name, "checked": True, "requests": len(reference),
+            "differing_requests": [rid for rid in reference
+                                   if tokens.get(rid) != reference[rid]]}
+
+
+def quality_lines(results: dict[str, Any]) -> list[str]:
+    """The lines under the table on greedy tokens: minicb's policies against the first, then
+    transformers' runs against it (informative); none when nothing was compared (chapter 06)."""
+    lines = []
+    for hf in (False, True):
+        checks = {name: s["same_tokens_as"] for name, s in results.items()
+                  if "same_tokens_as" in s and name.startswith("hf-") == hf}
+        if not checks:
+            continue
+        first = next(iter(checks.values()))
+        if not first["checked"]:
+            lines.append(f"greedy tokens: {first['note']}")
+            continue
+        ref, total = first["policy"], first["requests"]
+        same = [n for n, c in checks.items() if not c["differing_requests"]]
+        parts = [f"{', '.join(same)} identical to {ref} on all {total} requests"] if same else []
+        for name, check in checks.items():
+            ids = check["differing_requests"]
+            if ids:
+                parts.append(f"{name} differs from {ref} on {len(ids)} of {total} "
+                             f"({', '.join(ids[:5])}{', ...' if len(ids) > 5 else ''})")
+        note = " (informative: other kernels can break near-ties)" if hf else ""
+        lines.append(f"greedy tokens{' of transformers' if hf else ''}: "
+                     + "; ".join(parts) + note)
+    return lines
+
+
 def free_device_memory(device: str) -> None:
     """Give dropped engines' page pools back to the GPU (chapter 06). On CUDA a pool takes
     `gpu_memory_utilization` of the free memory, so the next engine, or transformers' baseline,
@@ -577,13 +623,14 @@ def _arrivals(workload: Workload) -> list[float]:
 
 
 def hf_static(model: Any, workload: Workload, batch_size: int, device: str = "cpu",
-              progress: bool = True) -> list[Any]:
+              progress: bool = True, tokens: dict[str, list[int]] | None = None) -> list[Any]:
     """The same requests through transformers' `model.generate` in static batches (chapter
     06): a batch forms from the requests that have arrived (up to `batch_size`), runs, with
     left padding, until its longest output is done, then the next forms. Greedy; EOS never
     stops a row (min_new_tokens = max_new_tokens). A logits processor stamps each step's time,
     so every request gets its token times, and its release time is the batch's end (E2E counts
-    to it, as for minicb's static policy). Returns RequestRecords."""
+    to it, as for minicb's static policy). Returns RequestRecords; `tokens`, if given, receives
+    each request's output token ids."""
     import torch
     from transformers import LogitsProcessor, LogitsProcessorList
 
@@ -625,13 +672,15 @@ def hf_static(model: Any, workload: Workload, batch_size: int, device: str = "cp
         stamp = Stamp()
         start = time.perf_counter() - t0
         with torch.inference_mode():
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
-                           min_new_tokens=new, do_sample=False, pad_token_id=pad,
-                           logits_processor=LogitsProcessorList([stamp]))
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
+                                 min_new_tokens=new, do_sample=False, pad_token_id=pad,
+                                 logits_processor=LogitsProcessorList([stamp]))
         times = [t - t0 for t in stamp.times]
-        for i in batch:
+        for row, i in enumerate(batch):
             n = workload.requests[i].max_tokens
             rid = workload.requests[i].request_id or f"req-{i}"
+            if tokens is not None:
+                tokens[rid] = out[row, width:width + n].tolist()
             records.append(RequestRecord(  # generate returns the batch whole, at its end
                 rid, len(prompts[i]), n, "length", arrivals[i], start, times[0],
                 times[n - 1], times[:n], None, None, None, None, [],
@@ -645,12 +694,14 @@ def hf_static(model: Any, workload: Workload, batch_size: int, device: str = "cp
 
 def hf_generate_batch(model: Any, workload: Workload, max_num_seqs: int,
                       max_batch_tokens: int, device: str = "cpu",
-                      progress: bool = True, setup: dict | None = None) -> list[Any]:
+                      progress: bool = True, setup: dict | None = None,
+                      tokens: dict[str, list[int]] | None = None) -> list[Any]:
     """The same requests through transformers' own continuous batching (chapter 06), the
     engine behind `model.generate_batch`: its manager, so each request keeps its own
     max_new_tokens and is sent at its arrival time. Greedy, no EOS (eos_token_id=-1).
     Token times come from the manager's `record_timestamps`. Returns RequestRecords; `setup`,
-    if given, receives what transformers chose (attention, CUDA graphs, async batching)."""
+    if given, receives what transformers chose (attention, CUDA graphs, async batching);
+    `tokens`, each request's output token ids."""
     from transformers import ContinuousBatchingConfig, GenerationConfig
     from transformers.generation.continuous_batching.utils import WorkloadHints
 
@@ -709,6 +760,8 @@ def hf_generate_batch(model: Any, workload: Workload, max_num_seqs: int,
     records = []
     for rid, out in results.items():
         i = ids_of[rid]
+        if tokens is not None:
+            tokens[rid] = list(out.generated_tokens)
         times = [t - t0 for t in (out.timestamps or [])]
         reason = "error" if out.error else "length"
         start = out.lifespan[0] - t0 if out.lifespan[0] > 0 else None
@@ -922,11 +975,17 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     if executor.simulated:
         print(f"[{SIMULATED_NOTE}: {executor.cost.name}]", file=sys.stderr)
     results: dict[str, Any] = {}
+    reference: dict[str, list[int]] = {}  # the first policy's greedy tokens, for the others
     for policy in policies:
         engine = None  # the last policy's engine and its pool, before the next is sized
         free_device_memory(device)
         summary, engine = run_policy(executor, policy, workload, options, slo, progress,
                                      warmup)
+        tokens = None if executor.simulated else output_tokens(engine)
+        if policy == policies[0]:
+            reference = tokens or {}
+        else:
+            summary["same_tokens_as"] = same_tokens(reference, tokens, policies[0])
         if policy == "single" and not executor.simulated:
             summary["single_stream"] = measure_single_stream(executor)
         results[policy] = summary
@@ -944,12 +1003,16 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         batch = options.get("max_num_seqs", 16)
         budget = options.get("max_num_batched_tokens", 256)
         hf_setup: dict[str, Any] = {}
+        hf_tokens: dict[str, dict[str, list[int]]] = {"hf-static": {}, "hf-generate-batch": {}}
         for name, fn in (("hf-static", lambda: hf_static(hf, workload, batch, device,
-                                                         progress)),
+                                                         progress, hf_tokens["hf-static"])),
                          ("hf-generate-batch", lambda: hf_generate_batch(
-                             hf, workload, batch, budget, device, progress, hf_setup))):
+                             hf, workload, batch, budget, device, progress, hf_setup,
+                             hf_tokens["hf-generate-batch"]))):
             try:
                 results[name] = summarize_records([], fn(), slo)
+                results[name]["same_tokens_as"] = same_tokens(reference, hf_tokens[name],
+                                                              policies[0])
             except Exception as exc:  # report, keep the other results
                 results[name] = {"error": f"{type(exc).__name__}: {exc}"}
                 print(f"{name} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
@@ -1024,6 +1087,8 @@ def print_report(data: dict[str, Any]) -> None:
           f"SLO {decl.get('slo') or 'none'}\n")
     ok = {k: v for k, v in data["results"].items() if "error" not in v}
     print(format_table(ok, TABLE_COLUMNS))
+    for line in quality_lines(ok):
+        print(line)
     for name, summary in data["results"].items():
         if "error" in summary:
             print(f"  {name}: failed: {summary['error']}")

@@ -43,6 +43,11 @@ def test_bench_end_to_end_on_a_tiny_checkpoint(tiny_llama_dir, tmp_path, capsys)
     assert png.stat().st_size > 1000
     printed = capsys.readouterr().out
     assert "policy" in printed and "continuous" in printed and "TTFT p50" in printed
+    assert "same_tokens_as" not in data["results"]["static"]  # the reference
+    for policy in ("pd", "continuous"):  # greedy: batching never changes the tokens
+        assert data["results"][policy]["same_tokens_as"] == {
+            "policy": "static", "checked": True, "requests": 4, "differing_requests": []}
+    assert "greedy tokens: pd, continuous identical to static on all 4 requests" in printed
 
 
 def test_bench_runs_int8_weights(tiny_llama_dir, tmp_path):
@@ -91,7 +96,11 @@ def test_bench_compare_hf_and_single_stream(tiny_llama_dir, tmp_path, capsys):
     assert single["decode_tokens_per_s"] > 0 and single["prefill_tokens_per_s"] > 0
     assert results["single"]["hf_single_stream"]["decode_tokens_per_s"] > 0
     assert data["declaration"]["compare"]["dtype"] == "float32"  # minicb's, on the CPU
+    for name in ("hf-static", "hf-generate-batch"):  # informative: counted, not required
+        check = results[name]["same_tokens_as"]
+        assert check["policy"] == "single" and check["checked"] and check["requests"] == 4
     printed = capsys.readouterr().out
+    assert "greedy tokens of transformers: " in printed and "informative" in printed
     assert "hf generate batch-1" in printed
     if data["declaration"]["model"]["prepacked"]:  # the float32 CPU default, where oneDNN is
         assert "torch.float32 prepacked weights" in printed
@@ -109,6 +118,8 @@ def test_bench_simulated_says_so(tmp_path):
     assert "SIMULATED" in decl["note"] and decl["cost_model"]["name"] == "h100-like"
     assert data["results"]["pd"]["dec_at_p"] > 0 == data["results"]["chunked"]["dec_at_p"]
     assert bench.results_schema_ok(data) == []
+    assert data["results"]["pd"]["same_tokens_as"]["checked"] is False  # no real tokens
+    assert "not checked (simulated" in data["results"]["pd"]["same_tokens_as"]["note"]
 
 
 def test_a_warm_cache_holds_the_shared_prefix_not_the_questions(tmp_path):
@@ -565,3 +576,17 @@ def test_the_printed_batch1_ratio_is_minicb_over_hf(tmp_path, capsys):
                                                      "prefill_tokens_per_s": 900.0}
     bench.print_report(data)
     assert "= 2.00x" in capsys.readouterr().out
+
+
+def test_quality_lines_name_the_requests_that_differ():
+    ref = {f"r{i}": [i, i + 1] for i in range(7)}
+    other = {**ref, "r2": [0, 0], "r5": [9]}
+    results = {"static": {}, "pd": {"same_tokens_as": bench.same_tokens(ref, ref, "static")},
+               "chunked": {"same_tokens_as": bench.same_tokens(ref, other, "static")},
+               "hf-static": {"same_tokens_as": bench.same_tokens(ref, other, "static")}}
+    assert results["chunked"]["same_tokens_as"]["differing_requests"] == ["r2", "r5"]
+    assert bench.quality_lines(results) == [
+        "greedy tokens: pd identical to static on all 7 requests; chunked differs from static "
+        "on 2 of 7 (r2, r5)",
+        "greedy tokens of transformers: hf-static differs from static on 2 of 7 (r2, r5) "
+        "(informative: other kernels can break near-ties)"]
