@@ -38,6 +38,7 @@ from minicb.config import (
     torch_dtype,
 )
 from minicb.metrics import (
+    LATENCY_COLUMNS,
     PERCENTILE_METHOD,
     TABLE_COLUMNS,
     check_slo,
@@ -67,6 +68,8 @@ CACHE_STATES = {
     "warm": "warm: a fresh engine for each policy that first served the same scenario with "
             "seed + 1 (shared prompt prefixes cached, each request's own tokens not), then "
             "forgot those requests and their trace; only the run after it is measured"}
+NO_SLO_NOTE = ("no SLO given: goodput and SLO attainment need one (--slo-ttft, --slo-itl, "
+               "--slo-tpot, --slo-e2e); completed requests/s is requests_per_s")
 SIMULATED_NOTE = ("SIMULATED: no model ran; the real scheduler, pages and trace ran, and each "
                   "step's time came from the cost model below")
 
@@ -512,6 +515,14 @@ def run_policy(executor: Executor, policy: str, workload: Workload, options: dic
     if executor.simulated:
         summary["host_time_fraction"] = None  # nothing but the modelled forward takes time
     return summary, engine
+
+
+def without_slo(summary: dict[str, Any], slo: dict[str, float]) -> dict[str, Any]:
+    """With no SLO, goodput would be every completed request: say so instead of a number
+    (chapter 06)."""
+    if not slo:
+        summary.update(goodput_rps=None, slo_attainment=None, goodput_note=NO_SLO_NOTE)
+    return summary
 
 
 def output_tokens(engine: Any) -> dict[str, list[int]]:
@@ -988,7 +999,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             summary["same_tokens_as"] = same_tokens(reference, tokens, policies[0])
         if policy == "single" and not executor.simulated:
             summary["single_stream"] = measure_single_stream(executor)
-        results[policy] = summary
+        results[policy] = without_slo(summary, slo)
     data = {"declaration": declaration(args, workload, executor, policies, options, slo,
                                        engine), "results": results}
     engine = None
@@ -1010,7 +1021,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                              hf, workload, batch, budget, device, progress, hf_setup,
                              hf_tokens["hf-generate-batch"]))):
             try:
-                results[name] = summarize_records([], fn(), slo)
+                results[name] = without_slo(summarize_records([], fn(), slo), slo)
                 results[name]["same_tokens_as"] = same_tokens(reference, hf_tokens[name],
                                                               policies[0])
             except Exception as exc:  # report, keep the other results
@@ -1089,6 +1100,8 @@ def print_report(data: dict[str, Any]) -> None:
     print(format_table(ok, TABLE_COLUMNS))
     for line in quality_lines(ok):
         print(line)
+    if not decl.get("slo"):
+        print("goodput: - (no SLO given: --slo-ttft, --slo-itl, --slo-tpot, --slo-e2e)")
     for name, summary in data["results"].items():
         if "error" in summary:
             print(f"  {name}: failed: {summary['error']}")
@@ -1102,6 +1115,8 @@ def print_report(data: dict[str, Any]) -> None:
             ratio = own["decode_tokens_per_s"] / hf1["decode_tokens_per_s"]
             print(f"  batch-1 decode: minicb ({weights_label(decl)} weights) / hf generate "
                   f"(its float weights) = {ratio:.2f}x")
+    print("\nlatency percentiles (s)")
+    print(format_table(ok, LATENCY_COLUMNS))
 
 
 # ------------------------------------------------------------------------------ sweep

@@ -415,6 +415,14 @@ TABLE_COLUMNS = (
     ("preemptions", "preempt", "{}"),
 )
 
+# the contract's p50/p95/p99 of every latency, one row per policy (bench prints it under
+# TABLE_COLUMNS' table)
+LATENCY_COLUMNS = tuple(
+    (f"{key}.p{p}", f"{title} p{p}", fmt) for key, title, fmt in (
+        ("queue_s", "queue", "{:.3f}"), ("ttft_s", "TTFT", "{:.3f}"),
+        ("tpot_s", "TPOT", "{:.4f}"), ("itl_s", "ITL", "{:.4f}"), ("e2e_s", "E2E", "{:.3f}"))
+    for p in PERCENTILES)
+
 
 def lookup(summary: dict[str, Any], dotted: str) -> Any:
     """summary["ttft_s"]["p50"] as lookup(summary, "ttft_s.p50"); None if missing (chapter 05)."""

@@ -590,3 +590,29 @@ def test_quality_lines_name_the_requests_that_differ():
         "on 2 of 7 (r2, r5)",
         "greedy tokens of transformers: hf-static differs from static on 2 of 7 (r2, r5) "
         "(informative: other kernels can break near-ties)"]
+
+
+def test_bench_prints_every_latency_percentile_and_no_goodput_without_an_slo(tmp_path, capsys):
+    """A second table gives p50/p95/p99 of queue, TTFT, TPOT, ITL and E2E; without an SLO
+    goodput is '-' in the table and null in the JSON, with a note (it is not completed
+    requests/s under another name)."""
+    out = tmp_path / "r.json"
+    assert bench.main_bench(["--executor", "sim", "--num-requests", "6", "--rate", "8",
+                             "--policy", "static,pd", "--out", str(out), "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    table = printed.split("latency percentiles (s)\n")[1].splitlines()
+    assert table[0].split()[:4] == ["policy", "queue", "p50", "queue"]
+    for name in ("queue", "TTFT", "TPOT", "ITL", "E2E"):
+        for p in ("p50", "p95", "p99"):
+            assert f"{name} {p}" in table[0]
+    pd = json.loads(out.read_text())["results"]["pd"]
+    row = table[3].split()  # policy, queue p50, queue p95, ...
+    assert row[0] == "pd" and float(row[2]) == pytest.approx(pd["queue_s"]["p95"], abs=1e-3)
+    assert pd["goodput_rps"] is None and pd["slo_attainment"] is None
+    assert "no SLO given" in pd["goodput_note"]
+    main = printed.split("\n\n")[1].splitlines()  # the main table: its goodput column says "-"
+    assert main[0].split()[-3:] == ["goodput", "steps", "preempt"] and main[2].split()[-3] == "-"
+    assert bench.main_bench(["--executor", "sim", "--num-requests", "6", "--policy", "pd",
+                             "--slo-ttft", "1", "--out", str(out), "--no-progress"]) == 0
+    pd = json.loads(out.read_text())["results"]["pd"]
+    assert pd["goodput_rps"] > 0 and "goodput_note" not in pd

@@ -333,3 +333,11 @@ def test_queue_and_e2e_steps_in_the_summary():
     assert s["queue_steps"]["p50"] == approx(0.5) and s["e2e_steps"]["p50"] == approx(5.5)
     held = replace(records[0], returned_whole=True, released_time=3.0, released_step=9)
     assert metrics.summarize([], [held])["e2e_steps"]["p50"] == 9  # to the release
+
+
+def test_latency_columns_cover_every_percentile_of_every_latency():
+    keys = [key for key, _, _ in metrics.LATENCY_COLUMNS]
+    assert keys == [f"{m}.p{p}" for m in ("queue_s", "ttft_s", "tpot_s", "itl_s", "e2e_s")
+                    for p in (50, 95, 99)]
+    s = metrics.summarize([], hand_records())
+    assert "TTFT p95" in metrics.format_table({"x": s}, metrics.LATENCY_COLUMNS)
