@@ -889,6 +889,12 @@ def plot_results(data: dict[str, Any], path: str | Path) -> Path:
 
 def _print_extra(name: str, summary: dict[str, Any]) -> None:
     parts = []
+    if summary.get("num_steps"):  # what the steps processed (transformers' runs have none)
+        parts.append(f"tokens: {summary['prefill_tokens']} prefill + "
+                     f"{summary['decode_tokens']} decode, "
+                     f"{summary['mean_tokens_per_step']:.1f}/step, "
+                     f"mixed steps {summary['mixed_steps']} "
+                     f"({summary['mixed_step_share']:.0%})")
     if summary.get("dec_at_p") is not None:
         parts.append(f"dec@P={summary['dec_at_p']} tokens")
         parts.append(f"short_P={summary['short_p_steps']} steps / "

@@ -219,6 +219,26 @@ def tokens_per_step(trace: Sequence[Any]) -> list[tuple[int, int]]:
     return [(rec.num_prefill_tokens, rec.num_decode_tokens) for rec in trace]
 
 
+def token_mix(trace: Sequence[Any]) -> dict[str, Any]:
+    """What the steps that ran the model actually processed (chapters 05-06; the contract:
+    the kinds and counts of tokens per iteration must be measured): prefill tokens, decode
+    tokens (decode positions, kept and rejected guesses included) and decode rows (one per
+    decode member and step), steps that mixed prefill and decode (count and share of steps),
+    the share of decode tokens computed in such a step, and mean tokens per step. Shares are
+    None when there is nothing to divide."""
+    ran = [rec for rec in trace if any(m.num_tokens > 0 for m in rec.members)]
+    prefill = sum(rec.num_prefill_tokens for rec in ran)
+    decode = sum(rec.num_decode_tokens for rec in ran)
+    mixed = [rec for rec in ran if rec.num_prefill_tokens and rec.num_decode_tokens]
+    return {"prefill_tokens": prefill, "decode_tokens": decode,
+            "decode_rows": sum(1 for rec in ran for m in rec.members if m.kind == "decode"),
+            "mixed_steps": len(mixed),
+            "mixed_step_share": len(mixed) / len(ran) if ran else None,
+            "decode_share_in_mixed_steps": (sum(rec.num_decode_tokens for rec in mixed) / decode
+                                            if decode else None),
+            "mean_tokens_per_step": (prefill + decode) / len(ran) if ran else None}
+
+
 def host_time_fraction(trace: Sequence[Any]) -> float | None:
     """1 - sum(t_forward) / sum(step durations): the share of step time spent outside the
     model (chapter 06)."""
@@ -346,6 +366,7 @@ def summarize(trace: Sequence[Any], records: Sequence[Any], slo: dict[str, float
         "requests_per_s": per_s(len(done)),
         "output_tokens_per_step": output_tokens / len(sizes) if sizes else None,
         "decode_tokens_per_s": decode_tokens_per_s(trace),
+        **token_mix(trace),
         **speculation(trace),
         "host_time_fraction": host_time_fraction(trace),
         "ttft_s": percentiles(v for v in map(ttft, done) if v is not None),

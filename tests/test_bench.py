@@ -106,7 +106,7 @@ def test_bench_compare_hf_and_single_stream(tiny_llama_dir, tmp_path, capsys):
         assert "torch.float32 prepacked weights" in printed
 
 
-def test_bench_simulated_says_so(tmp_path):
+def test_bench_simulated_says_so(tmp_path, capsys):
     out = tmp_path / "sim.json"
     code = bench.main_bench(["--executor", "sim", "--workload", "long-prefill",
                              "--long-prompt-len", "600", "--policy", "chunked,pd",
@@ -120,6 +120,11 @@ def test_bench_simulated_says_so(tmp_path):
     assert bench.results_schema_ok(data) == []
     assert data["results"]["pd"]["same_tokens_as"]["checked"] is False  # no real tokens
     assert "not checked (simulated" in data["results"]["pd"]["same_tokens_as"]["note"]
+    pd, chunked = data["results"]["pd"], data["results"]["chunked"]  # what the steps processed
+    assert pd["mixed_steps"] > 0 == chunked["mixed_steps"]  # prefill-first never mixes
+    assert pd["prefill_tokens"] == chunked["prefill_tokens"] >= 600
+    assert pd["decode_tokens"] == chunked["decode_tokens"] > 0
+    assert f"mixed steps {pd['mixed_steps']} (" in capsys.readouterr().out
 
 
 def test_a_warm_cache_holds_the_shared_prefix_not_the_questions(tmp_path):

@@ -341,3 +341,23 @@ def test_latency_columns_cover_every_percentile_of_every_latency():
                     for p in (50, 95, 99)]
     s = metrics.summarize([], hand_records())
     assert "TTFT p95" in metrics.format_table({"x": s}, metrics.LATENCY_COLUMNS)
+
+
+def test_token_mix_counts_what_each_step_processed():
+    """PD's trace above by hand: steps 2 and 3 mix L's prefill chunks with two decodes, step 5
+    mixes S3's prefill with two decodes; 5 steps ran, 1 waited on the clock (no members)."""
+    trace, records = pd_like_trace(interleave=True)
+    mix = metrics.token_mix(trace + [step(6, [], 5.0, 5.1)])
+    assert mix == {"prefill_tokens": 50 + 50 + 4, "decode_tokens": 3 + 2 + 2 + 3 + 2,
+                   "decode_rows": 12, "mixed_steps": 3, "mixed_step_share": approx(3 / 5),
+                   "decode_share_in_mixed_steps": approx(6 / 12),
+                   "mean_tokens_per_step": approx(116 / 5)}
+    assert metrics.token_mix(pd_like_trace(interleave=False)[0])["mixed_steps"] == 1  # S3's
+    s = metrics.summarize(trace, records)
+    assert all(s[key] == value for key, value in mix.items())
+    guessing = [step(1, [("A", "decode", 4, 0)], 0.0, 1.0)]  # its token and 3 guesses
+    assert metrics.token_mix(guessing)["decode_tokens"] == 4
+    assert metrics.token_mix(guessing)["decode_rows"] == 1
+    empty = metrics.token_mix([])
+    assert empty["prefill_tokens"] == empty["mixed_steps"] == 0
+    assert empty["mixed_step_share"] is None and empty["mean_tokens_per_step"] is None
