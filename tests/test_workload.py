@@ -177,7 +177,7 @@ def test_submit_gives_exact_lengths_and_step_arrivals():
     assert ids == ["R1", "R2", "R3", "R4"]
     engine.run()
     recs = {r.request_id: r for r in engine.request_records()}
-    assert [recs[i].num_output_tokens for i in ids] == [30, 200, 80, 50]
+    assert [recs[i].num_output_tokens for i in ids] == [30, 200, 80, 60]  # R4: the course's
     assert recs["R4"].arrival_step == 31 and recs["R4"].first_scheduled_step == 31
     assert recs["R1"].finish_step == 30
 
