@@ -637,8 +637,10 @@ def hf_static(model: Any, workload: Workload, batch_size: int, device: str = "cp
               progress: bool = True, tokens: dict[str, list[int]] | None = None) -> list[Any]:
     """The same requests through transformers' `model.generate` in static batches (chapter
     06): a batch forms from the requests that have arrived (up to `batch_size`), runs, with
-    left padding, until its longest output is done, then the next forms. Greedy; EOS never
-    stops a row (min_new_tokens = max_new_tokens). A logits processor stamps each step's time,
+    left padding, until its longest output is done, then the next forms. Greedy; EOS neither
+    stops a row nor is kept from being chosen (eos_token_id=None: minicb's ignore_eos; the
+    min_new_tokens of earlier versions banned it, and a request whose greedy answer holds an EOS
+    then took another path). A logits processor stamps each step's time,
     so every request gets its token times, and its release time is the batch's end (E2E counts
     to it, as for minicb's static policy). Returns RequestRecords; `tokens`, if given, receives
     each request's output token ids."""
@@ -684,7 +686,7 @@ def hf_static(model: Any, workload: Workload, batch_size: int, device: str = "cp
         start = time.perf_counter() - t0
         with torch.inference_mode():
             out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
-                                 min_new_tokens=new, do_sample=False, pad_token_id=pad,
+                                 eos_token_id=None, do_sample=False, pad_token_id=pad,
                                  logits_processor=LogitsProcessorList([stamp]))
         times = [t - t0 for t in stamp.times]
         for row, i in enumerate(batch):

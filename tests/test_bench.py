@@ -529,6 +529,26 @@ def test_hf_single_stream_splits_prefill_from_decode(monkeypatch):
     assert got["decode_tokens_per_s"] == pytest.approx(100.0)
 
 
+def test_hf_static_neither_stops_at_nor_bans_an_eos(tiny_llama_dir, tiny_model):
+    """transformers' static rows give minicb's ignore_eos tokens even when the greedy answer
+    holds an EOS (the tiny model never emits its own: make its fourth token the EOS). Banning
+    EOS (min_new_tokens) sent such a request down another path, and the quality line reported
+    a difference that was the baseline's doing."""
+    from minicb import SamplingParams
+    from minicb.engine import Engine
+    from minicb.workload import Workload, WorkloadRequest
+    workload = Workload("eos", [WorkloadRequest(prompt_len=8, max_tokens=8, request_id="r")])
+    engine = Engine(tiny_model, policy="static")
+    engine.add_request(bench._hf_prompts(workload, tiny_model[1].config.vocab_size)[0],
+                       SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    ours = engine.run()[0].token_ids
+    model = bench._hf_model(tiny_llama_dir, "cpu", torch.float32)
+    model.generation_config.eos_token_id = ours[3]
+    tokens: dict[str, list[int]] = {}
+    bench.hf_static(model, workload, batch_size=1, progress=False, tokens=tokens)
+    assert tokens["r"] == ours
+
+
 def test_hf_static_token_times_are_each_requests_own(tiny_llama_dir):
     from minicb.workload import Workload, WorkloadRequest
     model = bench._hf_model(tiny_llama_dir, "cpu", torch.float32)
