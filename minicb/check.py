@@ -54,12 +54,14 @@ def _fail(exercise: str, message: str) -> None:
 
 
 def _call(exercise: str, what: str, fn: Callable, *args: Any) -> Any:
-    """Run the learner's code; an exception it raises becomes a CheckFailed naming the call
-    (the grader shows only the message). The exception stays chained below it (`from exc`),
-    so its traceback still shows in the notebook. An untouched stub's NotImplementedError
-    passes as it is: it says all there is to say."""
+    """Run the learner's code, with minicb's own version of the exercise refusing to run
+    (`_references`); an exception it raises becomes a CheckFailed naming the call (the grader
+    shows only the message). The exception stays chained below it (`from exc`), so its
+    traceback still shows in the notebook. An untouched stub's NotImplementedError passes as it
+    is: it says all there is to say."""
     try:
-        return fn(*args)
+        with _refusing_the_reference(exercise, _references(exercise)):
+            return fn(*args)
     except (CheckFailed, NotImplementedError):
         raise
     except Exception as exc:
@@ -93,6 +95,33 @@ def _as_list(value: Any) -> Any:
     if hasattr(value, "tolist") and not isinstance(value, list):
         value = value.tolist()
     return [_as_int(v) for v in value] if isinstance(value, (list, tuple)) else value
+
+
+def _references(exercise: str) -> list[Callable]:
+    """minicb's own version of what a function exercise asks for: the check compares the
+    learner's answer with it, so a lambda or a class that merely calls it would pass against
+    itself. (Schedulers refuse theirs around the whole run, `_check_scheduler`.)"""
+    from minicb.attention import AttentionMetadata, cpu_kernel, torch_ref
+    from minicb.kv_cache import PrefixIndex
+    from minicb.speculative import NgramIndex, propose_ngram, verify
+    return {
+        "page_pool": [PagePool.allocate, PagePool.share, PagePool.release],
+        "prefix_hashes": [prompt_page_hashes],
+        "match_prefix": [PagePool.match_prefix, PrefixIndex.lookup],
+        "quantize_int8": [quantize_rows],
+        "dec_at_p": [metrics.long_prefill_metrics, metrics.summarize],
+        "short_p": [metrics.long_prefill_metrics, metrics.summarize],
+        "latencies": [metrics.queue_time, metrics.ttft, metrics.tpot, metrics.e2e,
+                      metrics.per_request, metrics.summarize],
+        "goodput": [metrics.summarize],
+        "per_tenant": [metrics.summarize],
+        "slot_mapping": [AttentionMetadata.slot_mapping.func],
+        "paged_attention": [torch_ref.attend, torch_ref.attend_decodes,
+                            torch_ref.attend_prefills, cpu_kernel.attend,
+                            cpu_kernel.attend_decodes],
+        "prompt_lookup": [propose_ngram, NgramIndex.propose],
+        "verify_greedy": [verify],
+    }.get(exercise, [])
 
 
 def _refuse_the_reference(exercise: str, fn: Any, reference: Callable) -> None:
@@ -571,8 +600,8 @@ def quantize_int8(fn: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]
             _fail(name, f"{shown}: expected scales max|row| / 127 = "
                         f"{_short([round(x, 6) for x in want_scale.tolist()], 120)}, got "
                         f"{_short([round(x, 6) for x in scale.tolist()], 120)}.{why}")
-        if int(q.abs().max()) > 127:
-            _fail(name, f"{shown}: q holds {int(q.abs().max())}; keep it in [-127, 127].")
+        if int(q.int().abs().max()) > 127:  # abs() of an int8 -128 is -128 again
+            _fail(name, f"{shown}: q holds {int(q.int().min())}; keep it in [-127, 127].")
         off = (q.float() - want_q.float()).abs()
         if off.max() > 1 or (off > 0).float().mean() > 0.01:
             r, c = divmod(int(off.argmax()), weight.shape[1])
@@ -966,11 +995,17 @@ def _tripwire_code(name: str) -> Any:
     return namespace["tripwire"].__code__
 
 
+_SCHEDULER_EXERCISES = ("continuous_scheduler", "chunked_scheduler", "pd_scheduler")
+
+
 @contextlib.contextmanager
-def _refusing_the_reference(exercise: str, functions: list[Callable]):
-    """While the learner's scheduler runs, minicb's own versions refuse to run: the check
+def _refusing_the_reference(exercise: str, functions: Sequence[Callable]):
+    """While the learner's code runs, minicb's own versions refuse to run: the check
     compares yours with minicb's, so minicb's would pass against itself."""
     saved = {fn: fn.__code__ for fn in functions if fn.__closure__ is None}
+    if not saved:  # nothing to refuse (or already refused around the whole run)
+        yield
+        return
     for fn in saved:
         fn.__code__ = _tripwire_code(fn.__qualname__)
 
@@ -988,11 +1023,15 @@ def _refusing_the_reference(exercise: str, functions: list[Callable]):
         for fn, code in saved.items():
             fn.__code__ = code
     used = used or tripped()
-    if used:
+    if used and exercise in _SCHEDULER_EXERCISES:
         _fail(exercise, f"your scheduler ran minicb's own {', '.join(used)}: write the policy "
                         "yourself (the check compares it step by step with minicb's, which "
                         "would pass against itself). The shared building blocks of "
                         "`Scheduler` (schedule_decodes, decoding, prefilling) are yours to use.")
+    if used:
+        _fail(exercise, f"your code ran minicb's own {', '.join(used)}: write your own version "
+                        "(the check compares it with minicb's, which would pass against "
+                        "itself).")
 
 
 def _check_scheduler(cls: Any, policy: str, exercise: str, workloads: list[CheckWorkload],

@@ -1149,6 +1149,51 @@ def test_minicbs_own_function_is_not_an_answer():
     assert "minicb's own" in caught("quantize_int8", quant.quantize_rows)
 
 
+def _minicbs_own_behind_a_lambda():
+    """A wrong 'answer' per function exercise: minicb's own version, called from a lambda or a
+    subclass (handing over the function itself was refused before; a wrapper passed)."""
+    from minicb import SamplingParams, metrics
+    from minicb.attention import build_metadata, torch_ref
+    from minicb.speculative import NgramIndex, verify
+
+    class InheritedPool(kv_cache.PagePool):
+        def __init__(self, num_pages):
+            super().__init__(num_pages, 16)
+
+    def greedy_verify(draft, target):
+        logits = torch.full((len(target), max(target + draft) + 1), -1.0)
+        logits[torch.arange(len(target)), torch.tensor(target)] = 1.0
+        return verify(logits, draft, SamplingParams(temperature=0.0), None)
+
+    def long_metric(key):
+        return lambda t, r, long_id: metrics.long_prefill_metrics(t, r, long_id)[key]
+
+    return {
+        "page_pool": InheritedPool,
+        "prefix_hashes": lambda tokens, ps: kv_cache.prompt_page_hashes(tokens, ps),
+        "quantize_int8": lambda w: quant.quantize_rows(w),
+        "dec_at_p": long_metric("dec_at_p"),
+        "short_p": long_metric("short_p_steps"),
+        "latencies": lambda r: {"queue": metrics.queue_time(r), "ttft": metrics.ttft(r),
+                                "tpot": metrics.tpot(r), "e2e": metrics.e2e(r)},
+        "goodput": lambda records, slo: metrics.summarize([], records, slo=slo)["goodput_rps"],
+        "slot_mapping": lambda table, computed, new, ps:
+            build_metadata([table], [computed], [new], ps).slot_mapping.tolist(),
+        "paged_attention": lambda q, k, v, table, computed, scale: torch_ref.attend(
+            q, k, v, build_metadata([table], [computed], [q.shape[0]], k.shape[1]), scale),
+        "prompt_lookup": lambda ids, k, n_max, n_min: NgramIndex(n_max, n_min).propose(ids, k),
+        "verify_greedy": greedy_verify,
+    }
+
+
+@pytest.mark.parametrize("exercise", ["page_pool", "prefix_hashes", "quantize_int8", "dec_at_p",
+                                      "short_p", "latencies", "goodput", "slot_mapping",
+                                      "paged_attention", "prompt_lookup", "verify_greedy"])
+def test_minicbs_own_version_behind_a_wrapper_is_not_an_answer(exercise):
+    message = caught(exercise, _minicbs_own_behind_a_lambda()[exercise])
+    assert "your code ran minicb's own" in message, message
+
+
 def test_minicbs_own_scheduler_is_not_an_answer():
     """minicb's policy, however it is reached (the class itself, a subclass that does not
     override, a call through it, a copied function, an error swallowed), fails the check and
