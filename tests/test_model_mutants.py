@@ -13,7 +13,7 @@ import torch
 from paged_cases import HEAD_DIM, NUM_KV_HEADS, assert_close, make_case
 from test_attention_ref import check_against_dense
 from test_model import hf_greedy, load_hf, paged_greedy
-from tiny_models import make_tiny_checkpoint
+from tiny_models import make_tiny_checkpoint, save_random_checkpoint
 
 from minicb.attention import build_metadata, cpu_kernel, int_tensor, torch_ref
 from minicb.model import ModelConfig, load_model
@@ -25,20 +25,8 @@ PROMPT = [17, 3, 99, 42, 8, 8, 200]
 
 
 def write_checkpoint(path, config) -> str:
-    """A random checkpoint of a transformers config, with norms and biases randomized too
-    (as in tiny_models.make_tiny_checkpoint, for configs that helper does not write)."""
-    from transformers import AutoModelForCausalLM, GenerationConfig
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-            elif name.endswith(".bias"):
-                p.normal_(0.0, 0.1)
-    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2)
-    model.save_pretrained(path)
-    return str(path)
+    """A random checkpoint of a transformers config the tiny_models helper does not write."""
+    return str(save_random_checkpoint(config, path))
 
 
 def tiny_config(cls, **overrides):

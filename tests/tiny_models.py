@@ -19,8 +19,6 @@ def make_tiny_checkpoint(path: str | Path, arch: str = "llama", tie: bool = Fals
     Weights are drawn with a larger std than transformers' default so that logits are spread
     out and greedy decoding does not sit on near-ties."""
     from transformers import (
-        AutoModelForCausalLM,
-        GenerationConfig,
         LlamaConfig,
         Qwen2Config,
         Qwen3Config,
@@ -44,9 +42,16 @@ def make_tiny_checkpoint(path: str | Path, arch: str = "llama", tie: bool = Fals
         config = Qwen3Config(**common, head_dim=hidden // heads, rope_theta=1000000.0)
     else:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+    return save_random_checkpoint(config, path, seed)
+
+
+def save_random_checkpoint(config, path: str | Path, seed: int = 0) -> Path:
+    """A random model of a transformers `config`, norms and biases randomized too (they start
+    at 1 and 0), saved into `path` with BOS 1 and EOS 2."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():  # norms and biases start at 1 / 0: randomize them too
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
