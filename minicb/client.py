@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 
 from minicb import metrics
-from minicb.bench import add_slo_arguments, slo_from_args
+from minicb.bench import add_slo_arguments, slo_from_args, without_slo
 from minicb.trace import RequestRecord
 
 CLIENT_COLUMNS = (
@@ -162,7 +162,7 @@ def bench_endpoint(endpoint: str, workload: Any, label: str | None = None,
     """Run `workload` against a server; returns `{"declaration", "results": {label: summary},
     "records"}` in the results schema of `python -m minicb bench` (chapter 06). The summary is
     `minicb.metrics.summarize` over the client's records (no trace: step metrics are None, and so
-    is the queue age, which the client cannot see)."""
+    is the queue age, which the client cannot see; without an SLO no goodput, as in bench)."""
     if model is None:
         listing = httpx.get(completions_url(endpoint).rsplit("/completions", 1)[0] + "/models",
                             timeout=10.0)
@@ -174,7 +174,7 @@ def bench_endpoint(endpoint: str, workload: Any, label: str | None = None,
     declaration = {**workload.declaration, "endpoint": endpoint, "model": model,
                    "measured_at": "client (streamed /v1/completions)",
                    "temperature": temperature, "httpx": httpx.__version__}
-    summary = metrics.summarize([], records, slo)
+    summary = without_slo(metrics.summarize([], records, slo), slo or {})
     if all(r.first_scheduled_time is None for r in records):
         # queue time is invisible from outside: summarize's fallback (the finish time) would
         # report the largest E2E as the oldest wait

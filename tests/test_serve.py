@@ -662,6 +662,7 @@ def test_the_client_summary_reports_no_queue_age(tiny_model):
         result = bench_endpoint(url, workload, label="tiny", vocab_size=256)["results"]["tiny"]
     assert result["completed"] == 4
     assert result["max_queue_age_s"] is None and result["max_queue_age_steps"] is None
+    assert result["goodput_rps"] is None and result["slo_attainment"] is None  # no SLO given
 
 
 def test_a_server_keeps_a_bounded_trace_by_default(tiny_model):
