@@ -1146,6 +1146,9 @@ def sweep_parser() -> argparse.ArgumentParser:
                              "meeting the SLO for --slo-target of the requests (needs an SLO)")
     parser.add_argument("--slo-target", type=float, default=0.99,
                         help="with --rates: the fraction of requests that must meet the SLO")
+    parser.add_argument("--max-queue-age", type=float, default=None, metavar="SECONDS",
+                        help="a fairness limit: a setting whose oldest request waited longer "
+                             "than this before its first step is not chosen as best")
     return parser
 
 
@@ -1164,6 +1167,9 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
                          "--preemption")
     rates = _rate_list(args.rates, "--rates") if getattr(args, "rates", None) else [None]
     slo = slo_from_args(args)
+    fairness = getattr(args, "max_queue_age", None)
+    if fairness is not None and (not is_finite_number(fairness) or fairness <= 0):
+        raise ValueError(f"--max-queue-age must be a number of seconds > 0, got {fairness!r}")
     target = getattr(args, "slo_target", 0.99)
     if rates != [None]:
         if args.rate is not None:
@@ -1210,6 +1216,7 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
                          "tpot_p99_s": summary["tpot_s"]["p99"],
                          "e2e_p99_s": summary["e2e_s"]["p99"],
                          "slo_attainment": summary["slo_attainment"],
+                         "max_queue_age_s": summary["max_queue_age_s"],
                          "preemptions": summary["preemptions"]})
         if bar is not None:
             bar.update(1)
@@ -1217,6 +1224,8 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
         bar.close()
     sustainable = sustainable_rows(rows, target) if rates != [None] else []
     rows.sort(key=lambda r: (-(r["goodput_rps"] or 0.0), -(r["output_tokens_per_s"] or 0.0)))
+    fair = rows if fairness is None else [r for r in rows if r["max_queue_age_s"] is not None
+                                          and r["max_queue_age_s"] <= fairness]
     decl = declaration(args, workload, executor, [args.policy], base, slo)
     decl["token_budget"].update(max_num_batched_tokens=budgets, chunk_size=chunks,
                                 varied="per row: every combination of the lists")
@@ -1225,8 +1234,9 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
     if rates != [None]:
         decl["rate_rps"] = rates
         decl["slo_target"] = target
+    decl["fairness"] = None if fairness is None else {"max_queue_age_s": fairness}
     return {"declaration": decl, "rows": rows, "skipped": skipped,
-            "best": rows[0] if rows else None, "sustainable": sustainable,
+            "best": fair[0] if fair else None, "sustainable": sustainable,
             "note": None if slo else "no SLO given: goodput equals completed requests/s"}
 
 
@@ -1255,9 +1265,9 @@ def main_sweep(argv: list[str] | None = None) -> int:
         return 2
     columns = ("max_num_batched_tokens", "max_num_seqs", "chunk_size", "preemption",
                "goodput_rps", "output_tokens_per_s", "ttft_p99_s", "tpot_p99_s",
-               "slo_attainment")
+               "slo_attainment", "max_queue_age_s")
     header = ["budget", "seqs", "chunk", "preemption", "goodput", "tok/s", "TTFT p99",
-              "TPOT p99", "SLO %"]
+              "TPOT p99", "SLO %", "queue age"]
     if data["sustainable"]:
         columns, header = ("rate_rps", *columns), ["rate", *header]
     shown = {"slo_attainment": lambda v: f"{100 * v:.0f}", "rate_rps": lambda v: f"{v:g}"}
@@ -1273,7 +1283,11 @@ def main_sweep(argv: list[str] | None = None) -> int:
         print(f"skipped {item['setting']}: {item['reason']}")
     if data["note"]:
         print(f"note: {data['note']}")
-    best = data["best"]
+    best, fairness = data["best"], data["declaration"]["fairness"]
+    if fairness and not data["sustainable"]:
+        limit = fairness["max_queue_age_s"]
+        print(f"\nfairness limit: oldest queue age <= {limit:g} s"
+              + ("" if best else ": no setting meets it"))
     if best and not data["sustainable"]:
         print(f"\nbest: max_num_batched_tokens={best['max_num_batched_tokens']} "
               f"max_num_seqs={best['max_num_seqs']} chunk_size={best['chunk_size']} "

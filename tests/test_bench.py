@@ -243,6 +243,38 @@ def test_sweep_sweeps_the_priority_policy(tmp_path, capsys):
     assert "preemption=priority" in capsys.readouterr().out
 
 
+def test_sweep_best_keeps_within_the_fairness_limit(tmp_path, capsys):
+    """--max-queue-age: the contract picks the best goodput among the settings that stay fair.
+    Long prompts at a lower priority: the priority order wins on goodput by starving them."""
+    import dataclasses
+
+    from minicb.workload import Workload, make_workload, save_workload_file
+    traffic = make_workload(100, prompt_lengths="lognormal:512:1.0:16:6000",
+                            output_lengths="uniform:16:256", arrival="poisson", rate=25, seed=2)
+    trace = save_workload_file(Workload("by-size", [
+        dataclasses.replace(r, priority=int(r.prompt_len >= 512)) for r in traffic.requests]),
+        tmp_path / "by-size.jsonl")
+    grid = ["--executor", "sim", "--workload-file", str(trace), "--max-num-batched-tokens", "512",
+            "--max-num-seqs", "8,16", "--chunk-size", "512", "--preemption", "newest,priority",
+            "--slo-ttft", "0.5", "--no-progress"]
+    unlimited = bench.run_sweep(bench.sweep_parser().parse_args(grid))
+    top, rest = unlimited["rows"][0], unlimited["rows"][1:]
+    fairer = min(r["max_queue_age_s"] for r in rest)
+    assert fairer < top["max_queue_age_s"]  # the fastest setting is not the fairest
+    limit = (fairer + top["max_queue_age_s"]) / 2
+    out = tmp_path / "fair.json"
+    assert bench.main_sweep([*grid, "--max-queue-age", str(limit), "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    within = [r for r in data["rows"] if r["max_queue_age_s"] <= limit]
+    assert data["best"] == within[0] != data["rows"][0]
+    assert data["declaration"]["fairness"] == {"max_queue_age_s": limit}
+    assert f"fairness limit: oldest queue age <= {limit:g} s" in capsys.readouterr().out
+    assert bench.main_sweep([*grid, "--max-queue-age", "0.001"]) == 0
+    assert "no setting meets it" in capsys.readouterr().out
+    assert bench.main_sweep([*grid, "--max-queue-age", "-1"]) == 2
+    assert "--max-queue-age must be" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("main, extra, message", [
     (bench.main_bench, ["--preemption", "newest,priority"], "sweep takes a comma list"),
     (bench.main_bench, ["--preemption", "lifo"], "--preemption takes newest"),
