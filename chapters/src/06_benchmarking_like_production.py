@@ -1106,8 +1106,9 @@ print(f"highest goodput without the limit: {top[0]}, budget {top[1]} "
 # included (`--preemption newest,priority`). "Replay the real arrival and length distributions"
 # is `--workload-file`: a trace, one request per line with its arrival time, lengths and,
 # optionally, priority, tenant and deadline (`bench --save-workload` writes the traffic of any
-# run in that form). Here the traffic above, priorities included, written out and replayed, on
-# the simulated executor (`--executor sim`: the run says it is simulated):
+# run in that form), and `--max-queue-age` is the fairness limit of the table above. Here the
+# traffic above, priorities included, written out and replayed, on the simulated executor
+# (`--executor sim`: the run says it is simulated):
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -1121,8 +1122,8 @@ first = json.loads(trace.read_text().splitlines()[0])
 print("first line:", {k: (v[:5] + ["..."] if isinstance(v, list) else v) for k, v in first.items()})
 !{sys.executable} -m minicb sweep --executor sim --workload-file {trace} \
     --preemption newest,priority --max-num-batched-tokens 512,1024 --max-num-seqs 64 \
-    --chunk-size 1024 --num-pages 40000 --slo-ttft 0.5 --slo-tpot 0.025 --no-progress \
-    --out /tmp/minicb-sweep.json
+    --chunk-size 1024 --num-pages 40000 --slo-ttft 0.5 --slo-tpot 0.025 --max-queue-age 0.5 \
+    --no-progress --out /tmp/minicb-sweep.json
 
 # %% [markdown]
 # The replay gives back the Python table's goodput for both orders and both budgets (a chunk
