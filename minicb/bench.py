@@ -1109,7 +1109,7 @@ def print_report(data: dict[str, Any]) -> None:
     for line in quality_lines(ok):
         print(line)
     if not decl.get("slo"):
-        print("goodput: - (no SLO given: --slo-ttft, --slo-itl, --slo-tpot, --slo-e2e)")
+        print(f"goodput: - ({NO_SLO_NOTE})")
     for name, summary in data["results"].items():
         if "error" in summary:
             print(f"  {name}: failed: {summary['error']}")

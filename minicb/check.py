@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import json
 import math
 import numbers
@@ -97,14 +98,15 @@ def _as_list(value: Any) -> Any:
     return [_as_int(v) for v in value] if isinstance(value, (list, tuple)) else value
 
 
-def _references(exercise: str) -> list[Callable]:
+@functools.cache  # asked before every call of the learner's code
+def _references(exercise: str) -> tuple[Callable, ...]:
     """minicb's own version of what a function exercise asks for: the check compares the
     learner's answer with it, so a lambda or a class that merely calls it would pass against
     itself. (Schedulers refuse theirs around the whole run, `_check_scheduler`.)"""
     from minicb.attention import AttentionMetadata, cpu_kernel, torch_ref
     from minicb.kv_cache import PrefixIndex
     from minicb.speculative import NgramIndex, propose_ngram, verify
-    return {
+    return tuple({
         "page_pool": [PagePool.allocate, PagePool.share, PagePool.release],
         "prefix_hashes": [prompt_page_hashes],
         "match_prefix": [PagePool.match_prefix, PrefixIndex.lookup],
@@ -121,7 +123,7 @@ def _references(exercise: str) -> list[Callable]:
                             cpu_kernel.attend_decodes],
         "prompt_lookup": [propose_ngram, NgramIndex.propose],
         "verify_greedy": [verify],
-    }.get(exercise, [])
+    }.get(exercise, []))
 
 
 def _refuse_the_reference(exercise: str, fn: Any, reference: Callable) -> None:
