@@ -544,6 +544,21 @@ def same_tokens(reference: dict[str, list[int]], tokens: dict[str, list[int]] | 
                                    if tokens.get(rid) != reference[rid]]}
 
 
+def cancellations_honoured(engine: Any, workload: Workload) -> bool:
+    """The contract's cancellation requirement, after a run (chapter 06): every request the
+    client cancelled finished in the step that gave it its cancel point's token (nothing was
+    computed for it after), and no request holds KV pages (a cancelled one's came back at
+    once, before its output limit)."""
+    for i, request in enumerate(workload.requests):
+        limit = request.cancel_after_tokens
+        req = engine.requests.get(request.request_id or f"req-{i}")
+        if limit is None or req is None or len(req.output_token_ids) < limit:
+            continue  # never cancelled: it finished on its own first
+        if req.metrics.finish_step != req.metrics.token_steps[limit - 1]:
+            return False
+    return engine.pool.num_used == 0
+
+
 def quality_lines(results: dict[str, Any]) -> list[str]:
     """The lines under the table on greedy tokens: minicb's policies against the first, then
     transformers' runs against it (informative); none when nothing was compared (chapter 06)."""
@@ -1193,6 +1208,7 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
     executor.warm_up()
     rows = []
     skipped = []
+    references: dict[float | None, dict[str, list[int]]] = {}  # by rate: the quality reference
     grid = list(itertools.product(budgets, seqs, chunks, preemptions, rates))
     bar = _bar(not args.no_progress, len(grid), "sweep")
     for budget, num_seqs, chunk, preemption, rate in grid:
@@ -1202,30 +1218,45 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
             options["priority_aging_steps"] = aging
         free_device_memory(device)  # the last setting's engine is gone: give its pool back
         try:
-            summary = run_policy(executor, args.policy, traffic[rate][0], options, slo,
-                                 progress=False, warmup=traffic[rate][1])[0]  # engine dropped
+            summary, engine = run_policy(executor, args.policy, traffic[rate][0], options, slo,
+                                         progress=False, warmup=traffic[rate][1])
         except ValueError as exc:  # e.g. pd with a budget below max_num_seqs
             skipped.append({"setting": options, "reason": str(exc)})
         else:
-            rows.append({**({} if rate is None else {"rate_rps": rate}),
-                         "max_num_batched_tokens": budget, "max_num_seqs": num_seqs,
-                         "chunk_size": chunk, "preemption": preemption,
-                         "goodput_rps": summary["goodput_rps"],
-                         "output_tokens_per_s": summary["output_tokens_per_s"],
-                         "ttft_p99_s": summary["ttft_s"]["p99"],
-                         "tpot_p99_s": summary["tpot_s"]["p99"],
-                         "e2e_p99_s": summary["e2e_s"]["p99"],
-                         "slo_attainment": summary["slo_attainment"],
-                         "max_queue_age_s": summary["max_queue_age_s"],
-                         "preemptions": summary["preemptions"]})
+            row = {**({} if rate is None else {"rate_rps": rate}),
+                   "max_num_batched_tokens": budget, "max_num_seqs": num_seqs,
+                   "chunk_size": chunk, "preemption": preemption,
+                   "goodput_rps": summary["goodput_rps"] if slo else None,
+                   "requests_per_s": summary["requests_per_s"],
+                   "output_tokens_per_s": summary["output_tokens_per_s"],
+                   "ttft_p99_s": summary["ttft_s"]["p99"],
+                   "tpot_p99_s": summary["tpot_s"]["p99"],
+                   "e2e_p99_s": summary["e2e_s"]["p99"],
+                   "slo_attainment": summary["slo_attainment"] if slo else None,
+                   "max_queue_age_s": summary["max_queue_age_s"],
+                   "preemptions": summary["preemptions"],
+                   "cancelled": summary["cancelled"], "errors": summary["errors"],
+                   "cancellations_honoured": cancellations_honoured(engine,
+                                                                    traffic[rate][0]),
+                   "same_tokens": None}
+            if not executor.simulated:
+                tokens = output_tokens(engine)
+                engine = None  # its pool goes before the reference's is sized
+                if rate not in references:
+                    free_device_memory(device)
+                    references[rate] = reference_tokens(executor, traffic[rate][0], base)
+                row.update(quality_check(references[rate], tokens))
+            row["fails"] = requirement_failures(row, fairness)
+            rows.append(row)
+        engine = None
         if bar is not None:
             bar.update(1)
     if bar is not None:
         bar.close()
     sustainable = sustainable_rows(rows, target) if rates != [None] else []
-    rows.sort(key=lambda r: (-(r["goodput_rps"] or 0.0), -(r["output_tokens_per_s"] or 0.0)))
-    fair = rows if fairness is None else [r for r in rows if r["max_queue_age_s"] is not None
-                                          and r["max_queue_age_s"] <= fairness]
+    ranked_by = "goodput_rps" if slo else "requests_per_s"
+    rows.sort(key=lambda r: (-(r[ranked_by] or 0.0), -(r["output_tokens_per_s"] or 0.0)))
+    acceptable = [r for r in rows if not r["fails"]]
     decl = declaration(args, workload, executor, [args.policy], base, slo)
     decl["token_budget"].update(max_num_batched_tokens=budgets, chunk_size=chunks,
                                 varied="per row: every combination of the lists")
@@ -1235,9 +1266,58 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
         decl["rate_rps"] = rates
         decl["slo_target"] = target
     decl["fairness"] = None if fairness is None else {"max_queue_age_s": fairness}
+    decl["requirements"] = sweep_requirements(fairness, executor.simulated)
     return {"declaration": decl, "rows": rows, "skipped": skipped,
-            "best": fair[0] if fair else None, "sustainable": sustainable,
-            "note": None if slo else "no SLO given: goodput equals completed requests/s"}
+            "best": acceptable[0] if acceptable else None, "sustainable": sustainable,
+            "note": None if slo else f"{NO_SLO_NOTE}; the best setting is then the one with "
+                                     "the most completed requests/s"}
+
+
+def reference_tokens(executor: Executor, workload: Workload,
+                     options: dict[str, Any]) -> dict[str, list[int]]:
+    """A sweep's quality reference (chapter 06): each request's greedy tokens served alone
+    (policy single: nothing batched with it, no prefix cache, no speculation), all at once and
+    to its full length (no arrival times, deadlines or cancellations)."""
+    alone = Workload(workload.name, [dataclasses.replace(
+        r, arrival_time=None, arrival_step=None, deadline=None, cancel_after_tokens=None)
+        for r in workload.requests])
+    options = dict(options, enable_prefix_caching=False, num_speculative_tokens=0)
+    return output_tokens(run_policy(executor, "single", alone, options, progress=False)[1])
+
+
+def quality_check(reference: dict[str, list[int]],
+                  tokens: dict[str, list[int]]) -> dict[str, Any]:
+    """The contract's quality requirement for one sweep setting (chapter 06): every token a
+    request got equals the one it gets served alone (a cancelled or expired request got a
+    prefix of them)."""
+    differing = [rid for rid, ids in tokens.items() if reference.get(rid, [])[:len(ids)] != ids]
+    return {"same_tokens": not differing, "differing_requests": differing}
+
+
+def requirement_failures(row: dict[str, Any], fairness: float | None) -> list[str]:
+    """The contract's requirements beside the SLO that a sweep row fails; a row failing any is
+    never the best (chapter 06): fairness (its oldest request waited longer than
+    --max-queue-age), errors (a request failed), cancellation (`cancellations_honoured`),
+    quality (`quality_check`; not checked on the simulator)."""
+    age = row["max_queue_age_s"]
+    failed = {"fairness": fairness is not None and (age is None or age > fairness),
+              "errors": bool(row["errors"]),
+              "cancellation": not row["cancellations_honoured"],
+              "quality": row["same_tokens"] is False}
+    return [name for name, fails in failed.items() if fails]
+
+
+def sweep_requirements(fairness: float | None, simulated: bool) -> dict[str, str]:
+    """What `requirement_failures` holds each setting to, in words, for the declaration
+    (chapter 06)."""
+    return {"fairness": "none given (--max-queue-age)" if fairness is None else
+            f"oldest queue age <= {fairness:g} s",
+            "errors": "no request failed",
+            "cancellation": "each cancelled request stopped in the step of its cancel point "
+                            "and no request holds KV pages after the run",
+            "quality": "not checked (simulated: no model ran, so no real tokens)" if simulated
+            else "every request's greedy tokens equal those it gets served alone (policy "
+                 "single, no prefix cache); a cancelled or expired one's are a prefix"}
 
 
 def sustainable_rows(rows: list[dict[str, Any]], target: float) -> list[dict[str, Any]]:
@@ -1245,9 +1325,10 @@ def sustainable_rows(rows: list[dict[str, Any]], target: float) -> list[dict[str
     highest first (chapter 06)."""
     names = ("max_num_batched_tokens", "max_num_seqs", "chunk_size", "preemption")
     by_setting: dict[tuple, dict[float, float | None]] = {}
-    for row in rows:
+    for row in rows:  # a rate at which a setting fails a requirement is not sustained
         key = tuple(row[n] for n in names)
-        by_setting.setdefault(key, {})[row["rate_rps"]] = row["slo_attainment"]
+        by_setting.setdefault(key, {})[row["rate_rps"]] = None if row["fails"] else \
+            row["slo_attainment"]
     found = [{**dict(zip(names, key)),
               "sustainable_load_rps": sustainable_load(attained, target)}
              for key, attained in by_setting.items()]
@@ -1264,13 +1345,14 @@ def main_sweep(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     columns = ("max_num_batched_tokens", "max_num_seqs", "chunk_size", "preemption",
-               "goodput_rps", "output_tokens_per_s", "ttft_p99_s", "tpot_p99_s",
-               "slo_attainment", "max_queue_age_s")
-    header = ["budget", "seqs", "chunk", "preemption", "goodput", "tok/s", "TTFT p99",
-              "TPOT p99", "SLO %", "queue age"]
+               "goodput_rps", "requests_per_s", "output_tokens_per_s", "ttft_p99_s",
+               "tpot_p99_s", "slo_attainment", "max_queue_age_s", "fails")
+    header = ["budget", "seqs", "chunk", "preemption", "goodput", "req/s", "tok/s", "TTFT p99",
+              "TPOT p99", "SLO %", "queue age", "fails"]
     if data["sustainable"]:
         columns, header = ("rate_rps", *columns), ["rate", *header]
-    shown = {"slo_attainment": lambda v: f"{100 * v:.0f}", "rate_rps": lambda v: f"{v:g}"}
+    shown = {"slo_attainment": lambda v: f"{100 * v:.0f}", "rate_rps": lambda v: f"{v:g}",
+             "fails": lambda v: ",".join(v) or "-"}
     lines = [header] + [[_fmt(r[c]) if c not in shown or r[c] is None else shown[c](r[c])
                          for c in columns] for r in data["rows"]]
     widths = [max(len(str(x[i])) for x in lines) for i in range(len(header))]
@@ -1283,15 +1365,18 @@ def main_sweep(argv: list[str] | None = None) -> int:
         print(f"skipped {item['setting']}: {item['reason']}")
     if data["note"]:
         print(f"note: {data['note']}")
-    best, fairness = data["best"], data["declaration"]["fairness"]
-    if fairness and not data["sustainable"]:
-        limit = fairness["max_queue_age_s"]
-        print(f"\nfairness limit: oldest queue age <= {limit:g} s"
-              + ("" if best else ": no setting meets it"))
+    best = data["best"]
+    print("\nrequirements beside the SLO (a row failing one is not chosen; 'fails' names it):")
+    for name, rule in data["declaration"]["requirements"].items():
+        print(f"  {name}: {rule}")
+    if not best and not data["sustainable"]:
+        print("\nno setting meets them all")
     if best and not data["sustainable"]:
         print(f"\nbest: max_num_batched_tokens={best['max_num_batched_tokens']} "
               f"max_num_seqs={best['max_num_seqs']} chunk_size={best['chunk_size']} "
-              f"preemption={best['preemption']} goodput={_fmt(best['goodput_rps'])} req/s")
+              f"preemption={best['preemption']} "
+              + (f"goodput={_fmt(best['goodput_rps'])} req/s" if data["declaration"]["slo"]
+                 else f"completed={_fmt(best['requests_per_s'])} req/s"))
     if data["sustainable"]:
         target = data["declaration"]["slo_target"]
         print(f"\nsustainable load (the highest rate at which at least {target:.0%} of the "

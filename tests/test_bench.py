@@ -268,11 +268,88 @@ def test_sweep_best_keeps_within_the_fairness_limit(tmp_path, capsys):
     within = [r for r in data["rows"] if r["max_queue_age_s"] <= limit]
     assert data["best"] == within[0] != data["rows"][0]
     assert data["declaration"]["fairness"] == {"max_queue_age_s": limit}
-    assert f"fairness limit: oldest queue age <= {limit:g} s" in capsys.readouterr().out
+    assert f"fairness: oldest queue age <= {limit:g} s" in capsys.readouterr().out
+    assert all(r["fails"] == (["fairness"] if r["max_queue_age_s"] > limit else [])
+               for r in data["rows"])
     assert bench.main_sweep([*grid, "--max-queue-age", "0.001"]) == 0
-    assert "no setting meets it" in capsys.readouterr().out
+    assert "no setting meets them all" in capsys.readouterr().out
     assert bench.main_sweep([*grid, "--max-queue-age", "-1"]) == 2
     assert "--max-queue-age must be" in capsys.readouterr().err
+
+
+def test_sweep_without_an_slo_ranks_by_completed_requests(capsys):
+    """No SLO: goodput and attainment are null, as in bench; the best is the most completed
+    requests/s, and the note says so."""
+    data = bench.run_sweep(bench.sweep_parser().parse_args(SWEEP))
+    assert all(r["goodput_rps"] is None and r["slo_attainment"] is None for r in data["rows"])
+    served = [r["requests_per_s"] for r in data["rows"]]
+    assert served == sorted(served, reverse=True) and served[0] > served[-1]
+    assert data["best"] == data["rows"][0] and "most completed requests/s" in data["note"]
+    assert bench.main_sweep(SWEEP) == 0
+    assert f"completed={bench._fmt(served[0])} req/s" in capsys.readouterr().out
+
+
+def test_sweep_holds_each_setting_to_errors_and_cancellation():
+    """Each row says whether its cancelled requests stopped at their cancel point and how many
+    failed; a setting failing either is never the best, even with the highest goodput."""
+    data = bench.run_sweep(bench.sweep_parser().parse_args(
+        [*SWEEP, "--cancel-fraction", "0.5", "--slo-ttft", "0.5"]))
+    assert all(r["cancelled"] == 12 and r["cancellations_honoured"] and r["errors"] == 0
+               and r["fails"] == [] and r["same_tokens"] is None for r in data["rows"])
+    assert set(data["declaration"]["requirements"]) == {"fairness", "errors", "cancellation",
+                                                        "quality"}
+    assert "not checked" in data["declaration"]["requirements"]["quality"]
+    row = dict(data["rows"][0], errors=1)
+    assert bench.requirement_failures(row, None) == ["errors"]
+    row.update(errors=0, cancellations_honoured=False, same_tokens=False, max_queue_age_s=2.0)
+    assert bench.requirement_failures(row, 1.0) == ["fairness", "cancellation", "quality"]
+
+
+def test_cancellations_honoured_needs_the_stop_at_the_cancel_point_and_no_pages_held():
+    """True after a run that cancelled at the cancel point; False when the request ran past it
+    (the client's cancel came later than the trace says) or when pages are still held."""
+    import dataclasses
+
+    from minicb.workload import Workload, WorkloadRequest
+    cancelled = Workload("c", [WorkloadRequest(prompt_len=20, max_tokens=9,
+                                               cancel_after_tokens=3) for _ in range(3)])
+    engine = make_sim_engine(CostModel(), policy="pd", num_pages=64, page_size=4)
+    run_workload(engine, cancelled)
+    assert all(r.finish_reason == "cancelled" for r in engine.requests.values())
+    assert bench.cancellations_honoured(engine, cancelled)
+    late = Workload("late", [dataclasses.replace(r, cancel_after_tokens=5)
+                             for r in cancelled.requests])
+    engine = make_sim_engine(CostModel(), policy="pd", num_pages=64, page_size=4)
+    run_workload(engine, late)
+    assert not bench.cancellations_honoured(engine, cancelled)  # 5 tokens where 3 were wanted
+    engine = make_sim_engine(CostModel(), policy="pd", num_pages=64, page_size=4)
+    run_workload(engine, cancelled, max_steps=2)  # still running: its pages are held
+    assert not bench.cancellations_honoured(engine, cancelled)
+
+
+def test_sweep_checks_each_settings_tokens_against_each_request_served_alone(
+        tiny_llama_dir, monkeypatch, capsys):
+    """On the real executor every row's greedy tokens are compared with the `single` run's;
+    a setting whose tokens differ fails 'quality' and is not chosen, however fast."""
+    argv = ["--model", str(tiny_llama_dir), "--max-num-batched-tokens", "16,64",
+            "--max-num-seqs", "3", "--chunk-size", "16", "--cancel-fraction", "0.25", *TINY]
+    data = bench.run_sweep(bench.sweep_parser().parse_args(argv))
+    assert [r["same_tokens"] for r in data["rows"]] == [True, True]
+    assert all(r["differing_requests"] == [] and r["cancelled"] == 1 for r in data["rows"])
+    assert "served alone" in data["declaration"]["requirements"]["quality"]
+    real = bench.output_tokens
+
+    def one_changed(engine):  # one setting's first request gets another last token
+        tokens = real(engine)
+        if engine.config.max_num_batched_tokens == data["rows"][0]["max_num_batched_tokens"]:
+            tokens["req-0"][-1] += 1
+        return tokens
+    monkeypatch.setattr(bench, "output_tokens", one_changed)
+    changed = bench.run_sweep(bench.sweep_parser().parse_args(argv))
+    failing = [r for r in changed["rows"] if r["fails"]]
+    assert [(r["fails"], r["differing_requests"]) for r in failing] == [(["quality"], ["req-0"])]
+    assert changed["best"] is not None and changed["best"]["fails"] == []
+    assert changed["best"]["max_num_batched_tokens"] != failing[0]["max_num_batched_tokens"]
 
 
 @pytest.mark.parametrize("main, extra, message", [

@@ -1106,9 +1106,13 @@ print(f"highest goodput without the limit: {top[0]}, budget {top[1]} "
 # included (`--preemption newest,priority`). "Replay the real arrival and length distributions"
 # is `--workload-file`: a trace, one request per line with its arrival time, lengths and,
 # optionally, priority, tenant and deadline (`bench --save-workload` writes the traffic of any
-# run in that form), and `--max-queue-age` is the fairness limit of the table above. Here the
-# traffic above, priorities included, written out and replayed, on the simulated executor
-# (`--executor sim`: the run says it is simulated):
+# run in that form), and `--max-queue-age` is the fairness limit of the table above. The sweep
+# holds every setting to the rest of "同时满足公平性、取消和质量要求" as well: no failed request,
+# every cancellation honoured in the step it came (and no KV page held after the run), and, on
+# the real executor, each request's greedy tokens equal to those it gets served alone (one more
+# run under `single`); the `fails` column names what a row misses, and such a row is never the
+# best. Here the traffic above, priorities included, written out and replayed, on the simulated
+# executor (`--executor sim`: the run says it is simulated, and that quality went unchecked):
 
 # %%
 # NBVAL_IGNORE_OUTPUT
