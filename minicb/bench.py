@@ -54,6 +54,7 @@ from minicb.workload import (
     get_workload,
     load_workload_file,
     make_workload,
+    replay_flags,
     run_workload,
     save_workload_file,
 )
@@ -132,7 +133,8 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
                              "start) or arrival_step, prompt_tokens (a length) or "
                              "prompt_token_ids (a list), output_tokens; optional priority, "
                              "tenant, deadline_s (after arrival), cancel_after_tokens, "
-                             "request_id. bench --save-workload writes this format")
+                             "request_id, long_prefill (true on the one request dec@P is "
+                             "measured around). bench --save-workload writes this format")
     parser.add_argument("--num-requests", type=int, default=None,
                         help="requests to generate (with --workload-file: replay the first N)")
     parser.add_argument("--rate", type=float, default=None,
@@ -230,6 +232,15 @@ def build_workload(args: argparse.Namespace) -> Workload:
         flags = ", ".join("--" + k.replace("_", "-") for k in refused)
         raise ValueError(f"{flags} do(es) not apply to workload {name!r}")
     return get_workload(name, **wanted)
+
+
+def saved_workload_line(workload: Workload, path: str) -> str:
+    """Write `workload` as a trace (--save-workload) and say where, with the flags its
+    scenario's recommended options need when it is replayed (chapter 06)."""
+    line = f"wrote workload {save_workload_file(workload, path)}"
+    flags = replay_flags(workload)
+    return line + (f" (replay it with {flags}: the scenario's recommended options, which a "
+                   "trace does not keep)" if flags else "")
 
 
 def warmup_workload(args: argparse.Namespace) -> Workload | None:
@@ -1001,7 +1012,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     slo = slo_from_args(args)
     options = engine_options(args, workload)
     if getattr(args, "save_workload", None):
-        print(f"wrote workload {save_workload_file(workload, args.save_workload)}")
+        print(saved_workload_line(workload, args.save_workload))
     device = resolve_device(args.device, args.quantization)
     progress = not args.no_progress
     executor = executor_from_args(args, device)
@@ -1074,7 +1085,7 @@ def main_bench(argv: list[str] | None = None) -> int:
         try:
             workload, slo = build_workload(args), slo_from_args(args)
             if args.save_workload:
-                print(f"wrote workload {save_workload_file(workload, args.save_workload)}")
+                print(saved_workload_line(workload, args.save_workload))
         except ValueError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
@@ -1322,7 +1333,8 @@ def sweep_requirements(fairness: float | None, simulated: bool) -> dict[str, str
 
 def sustainable_rows(rows: list[dict[str, Any]], target: float) -> list[dict[str, Any]]:
     """Each setting's sustainable load over the swept rates (`metrics.sustainable_load`),
-    highest first (chapter 06)."""
+    highest first; a rate at which the setting fails a requirement (`fails`) is not sustained
+    (chapter 06)."""
     names = ("max_num_batched_tokens", "max_num_seqs", "chunk_size", "preemption")
     by_setting: dict[tuple, dict[float, float | None]] = {}
     for row in rows:  # a rate at which a setting fails a requirement is not sustained

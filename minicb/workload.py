@@ -485,8 +485,9 @@ def get_workload(name: str, **kwargs: Any) -> Workload:
 # ------------------------------------------------------------------------------ replayed traces
 # One request per line of JSON Lines (or per row of a CSV with these names as its header):
 # name -> (kind, WorkloadRequest field). Give arrival_s or arrival_step, prompt_tokens or
-# prompt_token_ids, and output_tokens; the rest is optional.
-TRACE_FIELDS: dict[str, tuple[str, str]] = {
+# prompt_token_ids, and output_tokens; the rest is optional. long_prefill belongs to the
+# workload, not to a request: the one request dec@P and short_P are measured around.
+TRACE_FIELDS: dict[str, tuple[str, str | None]] = {
     "request_id": ("str", "request_id"),
     "arrival_s": ("seconds", "arrival_time"),  # seconds from the start of the run
     "arrival_step": ("count", "arrival_step"),  # or the engine step it arrives at (from 1)
@@ -497,13 +498,20 @@ TRACE_FIELDS: dict[str, tuple[str, str]] = {
     "tenant": ("str", "tenant"),  # who sent it, for --preemption fair
     "deadline_s": ("seconds", "deadline"),  # seconds after arrival, for --preemption deadline
     "cancel_after_tokens": ("count", "cancel_after_tokens"),  # the client cancels then
+    "long_prefill": ("flag", None),  # true on at most one request: Workload.long_request_id
 }
+FLAG_TEXT = {"true": True, "1": True, "false": False, "0": False}  # a CSV cell
 
 
 def _trace_value(name: str, value: Any, where: str) -> Any:
     """One field of a trace row, checked (CSV text converted first); ValueError names
     `where` (file and line) and the field."""
     kind = TRACE_FIELDS[name][0]
+    if kind == "flag":
+        value = FLAG_TEXT.get(value.lower(), value) if isinstance(value, str) else value
+        if not isinstance(value, bool):
+            raise ValueError(f"{where}: {name} must be true or false, got {value!r}")
+        return value
     if isinstance(value, str) and kind != "str":  # a CSV cell
         try:
             value = ([int(v) for v in value.split()] if kind == "ids" else
@@ -542,7 +550,8 @@ def trace_request(row: dict[str, Any], where: str) -> WorkloadRequest:
         if len(found) != 1:
             raise ValueError(f"{where}: give {' or '.join(one_of)}"
                              + (", not both" if found else " (missing)"))
-    kwargs = {TRACE_FIELDS[k][1]: _trace_value(k, v, where) for k, v in given.items()}
+    kwargs = {TRACE_FIELDS[k][1]: _trace_value(k, v, where) for k, v in given.items()
+              if TRACE_FIELDS[k][1] is not None}
     return WorkloadRequest(**kwargs)
 
 
@@ -581,6 +590,12 @@ def load_workload_file(path: str | Path, num_requests: int | None = None) -> Wor
     requests = [trace_request(row, where) for where, row in rows]
     if not requests:
         raise ValueError(f"{path}: no requests in the file")
+    marked = [requests[i] for i, (where, row) in enumerate(rows)
+              if row.get("long_prefill") not in (None, "")
+              and _trace_value("long_prefill", row["long_prefill"], where)]
+    if len(marked) > 1:
+        raise ValueError(f"{path}: long_prefill is true on {len(marked)} requests; dec@P and "
+                         "short_P are measured around one")
     if len({r.arrival_step is None for r in requests}) > 1:
         raise ValueError(f"{path}: give every request arrival_s, or every one arrival_step")
     order = sorted(range(len(requests)), key=lambda i: (*_arrival(requests[i]), i))
@@ -590,6 +605,7 @@ def load_workload_file(path: str | Path, num_requests: int | None = None) -> Wor
         r.request_id = r.request_id or f"req-{order[i]}"
     if len(set(r.request_id for r in requests)) < len(requests):
         raise ValueError(f"{path}: request_id values must be unique")
+    long_request_id = next((r.request_id for r in requests if marked and r is marked[0]), None)
     times = [r.arrival_time for r in requests if r.arrival_time is not None]
     span = max(times) - min(times) if times else 0.0
     gaps = np.diff(times) if len(times) > 2 else np.array([])
@@ -611,13 +627,16 @@ def load_workload_file(path: str | Path, num_requests: int | None = None) -> Wor
         "cancel_fraction": sum(r.cancel_after_tokens is not None for r in requests)
                            / len(requests),
         "output_lengths_exact": True,
+        "long_request_id": long_request_id,
     }
-    return Workload(path.stem, requests, declaration)
+    return Workload(path.stem, requests, declaration, long_request_id=long_request_id)
 
 
-def trace_row(req: WorkloadRequest, index: int = 0) -> dict[str, Any]:
+def trace_row(req: WorkloadRequest, index: int = 0,
+              long_request_id: str | None = None) -> dict[str, Any]:
     """One request as a trace row (`load_workload_file` reads it back): prompt ids written out,
-    so a replay sends the same tokens; optional fields only when set (chapter 06)."""
+    so a replay sends the same tokens; optional fields only when set, long_prefill on the
+    request whose id is `long_request_id` (chapter 06)."""
     row: dict[str, Any] = {"request_id": req.request_id or f"req-{index}"}
     if req.arrival_step is not None:
         row["arrival_step"] = req.arrival_step
@@ -631,15 +650,19 @@ def trace_row(req: WorkloadRequest, index: int = 0) -> dict[str, Any]:
         value = getattr(req, field_name)
         if value is not None and not (name == "priority" and value == 0):
             row[name] = value
+    if long_request_id is not None and row["request_id"] == long_request_id:
+        row["long_prefill"] = True
     return row
 
 
 def save_workload_file(workload: Workload, path: str | Path) -> Path:
     """Write `workload` as a trace that `load_workload_file` replays (chapter 06): JSON Lines,
-    or CSV when `path` ends in .csv (prompt ids separated by spaces)."""
+    or CSV when `path` ends in .csv (prompt ids separated by spaces). Its long request, if any,
+    is marked long_prefill; its `recommended` engine options are not requests, so not kept
+    (`replay_flags` gives them as flags)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    rows = [trace_row(r, i) for i, r in enumerate(workload.requests)]
+    rows = [trace_row(r, i, workload.long_request_id) for i, r in enumerate(workload.requests)]
     if path.suffix.lower() == ".csv":
         names = [n for n in TRACE_FIELDS if any(n in row for row in rows)]
         with path.open("w", newline="") as f:
@@ -651,6 +674,13 @@ def save_workload_file(workload: Workload, path: str | Path) -> Path:
     else:
         path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
+
+
+def replay_flags(workload: Workload) -> str:
+    """The command-line flags that give a replay of `workload`'s trace the engine options its
+    scenario recommends (e.g. "--max-num-seqs 3"); empty when there are none (chapter 06)."""
+    return " ".join(f"--{key.replace('_', '-')} {value}"
+                    for key, value in workload.recommended.items())
 
 
 # ------------------------------------------------------------------------------ driving

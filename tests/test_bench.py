@@ -189,6 +189,24 @@ def test_bench_saves_its_workload_and_replays_it(tmp_path, capsys):
     assert bench.results_schema_ok(b) == []
 
 
+def test_a_saved_long_prefill_replays_with_its_dec_at_p(tmp_path, capsys):
+    """long-prefill saved and replayed with the flags the save line names gives the same dec@P
+    and short_P: the trace keeps which request is the long one."""
+    trace, first, again = (tmp_path / n for n in ("lp.jsonl", "first.json", "again.json"))
+    common = ["--executor", "sim", "--policy", "chunked,pd", "--no-progress"]
+    assert bench.main_bench([*common, "--workload", "long-prefill", "--save-workload",
+                             str(trace), "--out", str(first)]) == 0
+    flags = capsys.readouterr().out.split("(replay it with ")[1].split(":")[0].split()
+    assert flags == ["--max-num-seqs", "5"]
+    assert bench.main_bench([*common, "--workload-file", str(trace), *flags,
+                             "--out", str(again)]) == 0
+    a, b = (json.loads(p.read_text())["results"] for p in (first, again))
+    assert a["pd"]["dec_at_p"] > 0 and a["chunked"]["dec_at_p"] == 0
+    for policy in ("chunked", "pd"):
+        assert (a[policy]["dec_at_p"], a[policy]["short_p_steps"]) == \
+            (b[policy]["dec_at_p"], b[policy]["short_p_steps"])
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--rate", "3"], "--rate do(es) not apply to --workload-file"),
     (["--workload", "mixed-chat"], "--workload do(es) not apply to --workload-file"),
@@ -303,6 +321,17 @@ def test_sweep_holds_each_setting_to_errors_and_cancellation():
     assert bench.requirement_failures(row, None) == ["errors"]
     row.update(errors=0, cancellations_honoured=False, same_tokens=False, max_queue_age_s=2.0)
     assert bench.requirement_failures(row, 1.0) == ["fairness", "cancellation", "quality"]
+
+
+def test_a_rate_failing_a_requirement_is_not_sustained():
+    """sustainable_rows: a rate at which the setting fails a requirement breaks its run of
+    sustained rates, however good its SLO attainment."""
+    rows = [{"max_num_batched_tokens": 64, "max_num_seqs": 4, "chunk_size": 64,
+             "preemption": "newest", "rate_rps": rate, "slo_attainment": 1.0,
+             "fails": ["fairness"] if rate == 3 else []} for rate in (1, 2, 3, 4)]
+    assert bench.sustainable_rows(rows, 0.99)[0]["sustainable_load_rps"] == 2
+    rows[2]["fails"] = []
+    assert bench.sustainable_rows(rows, 0.99)[0]["sustainable_load_rps"] == 4
 
 
 def test_cancellations_honoured_needs_the_stop_at_the_cancel_point_and_no_pages_held():

@@ -20,6 +20,7 @@ from minicb.workload import (
     get_workload,
     load_workload_file,
     make_workload,
+    replay_flags,
     run_workload,
     save_workload_file,
     submit,
@@ -350,6 +351,36 @@ def test_step_arrivals_round_trip(tmp_path):
     back = load_workload_file(save_workload_file(w, tmp_path / "r.jsonl"))
     assert [(r.request_id, r.arrival_step, r.max_tokens) for r in back] == \
         [(r.request_id, r.arrival_step, r.max_tokens) for r in w]
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".csv"])
+def test_a_trace_keeps_the_long_request_dec_at_p_is_measured_around(tmp_path, suffix):
+    """long-prefill's long prompt is marked long_prefill in the trace and is the replay's
+    long_request_id (dec@P and short_P need it); cut off by num_requests, there is none. The
+    recommended options are not in the trace: replay_flags gives them."""
+    w = get_workload("long-prefill", num_short=3, long_prompt_len=40)
+    path = save_workload_file(w, tmp_path / f"lp{suffix}")
+    back = load_workload_file(path)
+    assert w.long_request_id == "long" and back.long_request_id == "long"
+    assert back.declaration["long_request_id"] == "long"
+    assert load_workload_file(path, num_requests=3).long_request_id is None
+    assert replay_flags(w) == "--max-num-seqs 4" and replay_flags(back) == ""
+    mixed = get_workload("mixed-chat", num_requests=3)
+    assert "long_prefill" not in save_workload_file(mixed, tmp_path / "m.jsonl").read_text()
+    assert load_workload_file(tmp_path / "m.jsonl").long_request_id is None
+
+
+def test_a_trace_marks_at_most_one_long_request(tmp_path):
+    path = tmp_path / "two.jsonl"
+    row = '{"arrival_s": 0, "prompt_tokens": 3, "output_tokens": 4, "long_prefill": %s}\n'
+    path.write_text(row % "true" + row % "true")
+    with pytest.raises(ValueError, match="long_prefill is true on 2 requests"):
+        load_workload_file(path)
+    path.write_text(row % "false" + row % "true")
+    assert load_workload_file(path).long_request_id == "req-1"
+    path.write_text(row % '"yes"')
+    with pytest.raises(ValueError, match="line 1: long_prefill must be true or false"):
+        load_workload_file(path)
 
 
 def test_a_trace_with_lengths_only_is_sorted_by_arrival_and_says_so(tmp_path):
