@@ -1086,12 +1086,12 @@ def main_bench(argv: list[str] | None = None) -> int:
             workload, slo = build_workload(args), slo_from_args(args)
             if args.save_workload:
                 print(saved_workload_line(workload, args.save_workload))
+            data = bench_endpoint(args.endpoint, workload, label=args.endpoint,
+                                  vocab_size=args.vocab_size, progress=not args.no_progress,
+                                  slo=slo)
         except ValueError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-        data = bench_endpoint(args.endpoint, workload, label=args.endpoint,
-                              vocab_size=args.vocab_size, progress=not args.no_progress,
-                              slo=slo)
         data["declaration"]["command"] = args.command_line
         print(format_table(data["results"], CLIENT_COLUMNS))
         if args.out:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -48,6 +49,17 @@ def completions_url(endpoint: str) -> str:
     if url.endswith("/completions"):
         return url
     return url + ("/completions" if url.endswith("/v1") else "/v1/completions")
+
+
+def models_url(endpoint: str) -> str:
+    """The server's model list, beside its completions URL."""
+    return completions_url(endpoint).rsplit("/completions", 1)[0] + "/models"
+
+
+def unreachable(endpoint: str, exc: Exception) -> ValueError:
+    """What to tell a user whose server did not answer (not running, wrong port or path)."""
+    return ValueError(f"cannot reach {endpoint} ({type(exc).__name__}: {exc}); is the server "
+                      "running? Start one with `python -m minicb serve --port 8000`")
 
 
 def _prompt(req: Any, index: int, vocab_size: int | None) -> list[int]:
@@ -118,7 +130,7 @@ async def run_client(endpoint: str, workload_requests: Sequence[Any], model: str
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10.0),
                                  limits=limits) as client:
         if model is None:
-            listing = await client.get(url.rsplit("/completions", 1)[0] + "/models")
+            listing = await client.get(models_url(endpoint))
             listing.raise_for_status()
             model = listing.json()["data"][0]["id"]
         if warmup and workload_requests:
@@ -163,14 +175,16 @@ def bench_endpoint(endpoint: str, workload: Any, label: str | None = None,
     "records"}` in the results schema of `python -m minicb bench` (chapter 06). The summary is
     `minicb.metrics.summarize` over the client's records (no trace: step metrics are None, and so
     is the queue age, which the client cannot see; without an SLO no goodput, as in bench)."""
-    if model is None:
-        listing = httpx.get(completions_url(endpoint).rsplit("/completions", 1)[0] + "/models",
-                            timeout=10.0)
-        listing.raise_for_status()
-        model = listing.json()["data"][0]["id"]
-    records = asyncio.run(run_client(endpoint, workload.requests, model=model,
-                                     temperature=temperature, vocab_size=vocab_size,
-                                     progress=progress))
+    try:
+        if model is None:
+            listing = httpx.get(models_url(endpoint), timeout=10.0)
+            listing.raise_for_status()
+            model = listing.json()["data"][0]["id"]
+        records = asyncio.run(run_client(endpoint, workload.requests, model=model,
+                                         temperature=temperature, vocab_size=vocab_size,
+                                         progress=progress))
+    except (httpx.TransportError, httpx.HTTPStatusError) as exc:
+        raise unreachable(endpoint, exc) from None
     declaration = {**workload.declaration, "endpoint": endpoint, "model": model,
                    "measured_at": "client (streamed /v1/completions)",
                    "temperature": temperature, "httpx": httpx.__version__}
@@ -204,11 +218,15 @@ def main(argv: list[str] | None = None) -> int:
     add_slo_arguments(parser)
     parser.add_argument("--out", default=None, help="write results JSON here")
     args = parser.parse_args(argv)
-    slo = slo_from_args(args)
-    workload = get_workload(args.workload, num_requests=args.num_requests, rate=args.rate,
-                            burstiness=args.burstiness, seed=args.seed)
-    out = bench_endpoint(args.endpoint, workload, args.label, args.model, args.vocab_size,
-                         args.temperature, progress=True, slo=slo)
+    try:
+        slo = slo_from_args(args)
+        workload = get_workload(args.workload, num_requests=args.num_requests, rate=args.rate,
+                                burstiness=args.burstiness, seed=args.seed)
+        out = bench_endpoint(args.endpoint, workload, args.label, args.model, args.vocab_size,
+                             args.temperature, progress=True, slo=slo)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print(metrics.format_table(out["results"], CLIENT_COLUMNS))
     if args.out:
         with open(args.out, "w") as f:

@@ -147,6 +147,10 @@ class LLM:
         """Apply the checkpoint's chat template to one conversation (or a list of them)."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this checkpoint has no chat template; use generate() with a prompt")
+        if isinstance(messages, str):  # llm.chat("hi"): the string, not its first letter
+            raise ValueError(f"chat() takes messages, a list of {{'role': ..., 'content': ...}}"
+                             f", got the string {messages!r}: pass [{{'role': 'user', "
+                             f"'content': {messages!r}}}], or call generate() with a prompt")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         for conversation in conversations:
             if not is_conversation(conversation):

@@ -485,6 +485,20 @@ def test_bench_endpoint_measures_a_running_server(tiny_model, tmp_path, capsys):
     assert result["completed"] == 3 and result["ttft_s"]["p50"] > 0
 
 
+def test_bench_endpoint_without_a_server_says_so(capsys):
+    """A learner who forgot to start the server gets one line naming the endpoint and what to
+    do, exit code 2, from both command lines; not a traceback."""
+    from minicb.client import main as client_main
+    with socket.socket() as sock:  # a port nobody listens on once closed
+        sock.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    for argv in (["--model", "x"], []):  # the warm-up request, and the model listing
+        assert client_main(["--endpoint", url, "--num-requests", "1", *argv]) == 2
+        assert f"cannot reach {url}" in capsys.readouterr().err
+    assert bench.main_bench(["--endpoint", url, "--num-requests", "1", "--no-progress"]) == 2
+    assert "is the server running?" in capsys.readouterr().err
+
+
 def test_a_submitter_that_stops_waiting_harms_no_one(tiny_model):
     """A submit cancelled while its command waits (a timeout, a client gone) neither fails the
     other requests nor drops the commands queued with it; one cancelled while the engine
@@ -801,6 +815,8 @@ def test_chat_applies_the_template_with_the_generation_prompt(word_model):
         tok.chat_template = saved
     assert one[0].prompt_token_ids == tok.encode("w40 w41 w9")
     assert [o.prompt_token_ids for o in two] == [tok.encode("w40 w41 w9"), tok.encode("w7 w9")]
+    with pytest.raises(ValueError, match=r"got the string 'w40 w41': pass \[\{'role'"):
+        llm.chat("w40 w41")
 
 
 def test_the_client_counts_refused_and_failed_requests_as_errors(tiny_model):
