@@ -30,7 +30,7 @@ test: $(STAMP)
 
 ## engine tests only (the inner loop): no notebooks, no slow tests, no browser
 test-fast: $(STAMP)
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests -m "not slow and not browser"
+	OMP_NUM_THREADS=1 TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests -m "not slow and not browser"
 
 test-notebooks: $(STAMP)
 	OMP_NUM_THREADS=1 TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -p no:cacheprovider --nbval-lax --nbval-current-env \

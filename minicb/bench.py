@@ -32,6 +32,7 @@ from minicb.config import (
     POLICIES,
     PREEMPTIONS,
     QUANTIZATIONS,
+    EngineConfig,
     cpuinfo,
     is_finite_number,
     resolve_device,
@@ -47,7 +48,14 @@ from minicb.metrics import (
     summarize,
     sustainable_load,
 )
-from minicb.sim import CostModel, SimClock, SimModel, fit_cost_model_runs, sim_model_info
+from minicb.sim import (
+    DEFAULT_CPU_COST_MODEL,
+    CostModel,
+    SimClock,
+    SimModel,
+    fit_cost_model_runs,
+    sim_model_info,
+)
 from minicb.workload import (
     SCENARIOS,
     Workload,
@@ -270,8 +278,12 @@ def add_slo_arguments(parser: argparse.ArgumentParser) -> None:
 
 def slo_from_args(args: argparse.Namespace) -> dict[str, float]:
     """The SLO dict from --slo-ttft/--slo-itl/--slo-tpot/--slo-e2e (chapter 06)."""
-    return check_slo({"ttft": args.slo_ttft, "itl": args.slo_itl, "tpot": args.slo_tpot,
-                      "e2e": args.slo_e2e})
+    slo = {"ttft": args.slo_ttft, "itl": args.slo_itl, "tpot": args.slo_tpot,
+           "e2e": args.slo_e2e}
+    for key, value in slo.items():  # name the flag, not the dict key
+        if value is not None and (not is_finite_number(value) or value <= 0):
+            raise ValueError(f"--slo-{key} must be a positive number of seconds, got {value!r}")
+    return check_slo(slo)
 
 
 def set_threads(threads: int | None) -> None:
@@ -1011,6 +1023,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     workload, warmup = build_workload(args), warmup_workload(args)
     slo = slo_from_args(args)
     options = engine_options(args, workload)
+    for policy in policies:  # a bad flag fails now, not after the policies before it ran
+        EngineConfig(policy=policy, **options)
     if getattr(args, "save_workload", None):
         print(saved_workload_line(workload, args.save_workload))
     device = resolve_device(args.device, args.quantization)
@@ -1417,7 +1431,9 @@ def profile_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-requests", type=int, default=12)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--target", choices=("duration", "forward"), default="duration")
-    parser.add_argument("--out", default=str(Path("bench") / "cost_model_cpu.json"))
+    parser.add_argument("--out", default=str(DEFAULT_CPU_COST_MODEL),
+                        help="where the fit goes (default: the file --cost-model cpu reads, "
+                             f"{DEFAULT_CPU_COST_MODEL})")
     parser.add_argument("--no-progress", action="store_true")
     return parser
 

@@ -355,8 +355,12 @@ def make_workload(num_requests: int = 32, prompt_lengths: Lengths | str | int = 
         "rate_rps": rate if arrival in ("poisson", "gamma") else None,
         # Poisson gaps are exponential whatever `burstiness` says (arrival_times)
         "burstiness": {"poisson": 1.0, "gamma": burstiness}.get(arrival),
-        "prompt_lengths": prompt_dist.describe(), "output_lengths": output_dist.describe(),
-        "shared_prefix_len": shared_prefix_len, "vocab_range": list(vocab_range),
+        # a prompt is the shared prefix, then a drawn length of its own
+        "prompt_lengths": {**prompt_dist.describe(),
+                           **({"after_shared_prefix": shared_prefix_len} if shared_prefix_len
+                              else {})},
+        "output_lengths": output_dist.describe(), "shared_prefix_len": shared_prefix_len,
+        "vocab_range": list(vocab_range),
         "cancel_fraction": cancel_fraction,
         "cancel_after_tokens": cancel_after_tokens if cancel else None,
         "output_lengths_exact": True,  # submit() sets ignore_eos and max_tokens

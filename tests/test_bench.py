@@ -295,6 +295,22 @@ def test_sweep_best_keeps_within_the_fairness_limit(tmp_path, capsys):
     assert "--max-queue-age must be" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("extra, message", [
+    (["--slo-ttft", "-1"], "--slo-ttft must be a positive number of seconds, got -1.0"),
+    (["--policy", "static,pd", "--max-num-batched-tokens", "2", "--max-num-seqs", "4"],
+     "max_num_batched_tokens (2) must be >= max_num_seqs (4) under policy 'pd'"),
+    (["--max-num-seqs", "0"], "max_num_seqs must be a positive integer"),
+])
+def test_bad_flags_fail_before_any_policy_runs(extra, message, capsys, monkeypatch):
+    """A bad flag is named (the flag, not a dict key), and a setting one of the policies
+    refuses fails before the policies before it have run (and before the banner)."""
+    monkeypatch.setattr(bench, "run_policy", lambda *a, **k: pytest.fail("a policy ran"))
+    assert bench.main_bench(["--executor", "sim", "--num-requests", "2", "--no-progress",
+                             *extra]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "SIMULATED" not in err
+
+
 def test_sweep_without_an_slo_ranks_by_completed_requests(capsys):
     """No SLO: goodput and attainment are null, as in bench; the best is the most completed
     requests/s, and the note says so."""
@@ -489,6 +505,9 @@ def test_profile_fits_and_the_fit_drives_the_simulator(tiny_llama_dir, tmp_path)
     engine = make_sim_engine(cost, policy="pd")
     run_workload(engine, get_workload("seed-r1-r4"))
     assert engine.clock() > 0
+    # without --out the fit goes where --cost-model cpu reads it, wherever profile runs from
+    from minicb.sim import DEFAULT_CPU_COST_MODEL
+    assert bench.profile_parser().parse_args([]).out == str(DEFAULT_CPU_COST_MODEL)
 
 
 def test_a_killed_hf_baseline_leaves_minicbs_results_on_disk(tiny_llama_dir, tmp_path,

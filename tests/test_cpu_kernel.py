@@ -208,6 +208,11 @@ def test_auto_picks_the_kernel_on_the_cpu(monkeypatch):
     assert resolve_backend("auto", "cpu") == "torch"
     with pytest.raises(ValueError, match="C kernel for the CPU"):
         resolve_backend("cpu", "cuda")
+    monkeypatch.setenv("MINICB_ATTENTION", "bogus")  # the message names where it came from
+    with pytest.raises(ValueError, match=r"MINICB_ATTENTION \(environment\) must be .*'bogus'"):
+        resolve_backend("auto", "cpu")
+    with pytest.raises(ValueError, match="^attention_backend must be"):
+        resolve_backend("bogus", "cpu")
 
 
 def test_without_a_working_compiler_auto_falls_back_and_cpu_is_refused(broken_compiler, caplog,

@@ -4,8 +4,15 @@ faults contained, and bad input refused with a clear message and nothing left al
 import pytest
 import torch
 
-from minicb import LLM, Engine, EngineConfig, SamplingParams, Scheduler
-from minicb.engine import InvariantError, SchedulerError
+from minicb import (
+    LLM,
+    Engine,
+    EngineConfig,
+    SamplingParams,
+    Scheduler,
+    SchedulerError,  # the public name a learner imports
+)
+from minicb.engine import InvariantError
 from minicb.scheduler import PDScheduler
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

@@ -200,6 +200,9 @@ def test_prepack_is_the_float32_cpu_default(tiny_llama_dir, monkeypatch):
     monkeypatch.setenv("MINICB_PREPACK", "0")
     assert not load_model(tiny_llama_dir)[0].prepacked
     assert not load_model(tiny_llama_dir, quantization="int8")[0].prepacked
+    monkeypatch.setenv("MINICB_PREPACK", "maybe")  # refused, not silently taken as on
+    with pytest.raises(ValueError, match="MINICB_PREPACK .* must be 0 .* or 1"):
+        load_model(tiny_llama_dir)
 
 
 @needs_prepack

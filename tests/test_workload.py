@@ -301,6 +301,10 @@ def test_shared_prefix_is_the_same_for_every_seed():
     a, b = shared_prefix(4, seed=0, prefix_len=32), shared_prefix(4, seed=1, prefix_len=32)
     assert a.requests[0].prompt_token_ids[:32] == b.requests[3].prompt_token_ids[:32]
     assert a.requests[0].prompt_token_ids[32:] != b.requests[0].prompt_token_ids[32:]
+    drawn = a.declaration["prompt_lengths"]  # the declared lengths say the prefix comes first
+    assert drawn["after_shared_prefix"] == 32
+    assert all(drawn["low"] + 32 <= r.prompt_len <= drawn["high"] + 32 for r in a.requests)
+    assert "after_shared_prefix" not in make_workload(2).declaration["prompt_lengths"]
 
 
 def test_sampled_runs_seed_each_request_by_its_index():

@@ -136,8 +136,9 @@ def build_metadata(page_tables: list[list[int]], num_computed: list[int], num_ne
 def resolve_backend(name: str = "auto", device: str = "cpu") -> str:
     """'auto' picks Triton on CUDA; on the CPU, the C decode kernel (chapter 08) where it builds,
     else the torch reference. MINICB_ATTENTION overrides 'auto'."""
-    if name == "auto":
-        name = os.environ.get("MINICB_ATTENTION", "auto")
+    source = "attention_backend"
+    if name == "auto" and os.environ.get("MINICB_ATTENTION"):
+        name, source = os.environ["MINICB_ATTENTION"], "MINICB_ATTENTION (environment)"
     on_cuda = str(device).startswith("cuda")
     if name == "auto":
         if on_cuda:
@@ -149,8 +150,7 @@ def resolve_backend(name: str = "auto", device: str = "cpu") -> str:
                 _warn_once(f"{reason}; using the torch reference for attention")
             name = "torch" if reason else "cpu"
     if name not in ("torch", "triton", "cpu"):
-        raise ValueError("attention_backend must be 'auto', 'torch', 'triton' or 'cpu', "
-                         f"got {name!r}")
+        raise ValueError(f"{source} must be 'auto', 'torch', 'triton' or 'cpu', got {name!r}")
     if name == "triton" and not on_cuda:
         from minicb.attention import triton_ops
         if not triton_ops._interpreted():  # refuse now, not as an error in every request
