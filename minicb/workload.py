@@ -569,6 +569,8 @@ def load_workload_file(path: str | Path, num_requests: int | None = None) -> Wor
     as header (`TRACE_FIELDS`). Requests are sorted by arrival (the declaration says when the
     file was not); `num_requests` keeps the first that many. The declaration summarises what
     the file holds: arrivals ("replayed trace", observed mean rate), lengths (min/p50/max)."""
+    if num_requests is not None:  # a slice would take -1 as "all but the last"
+        _check_int("num_requests", num_requests)
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"--workload-file {str(path)!r}: no such file")

@@ -262,3 +262,12 @@ def test_latency_column_titles_match_their_keys():
     for key, title, _ in metrics.LATENCY_COLUMNS:
         latency, p = key.split(".")
         assert title == f"{names[latency]} {p}", key
+
+
+@pytest.mark.parametrize("count", [0, -1, 2.5])
+def test_load_workload_file_checks_num_requests(tmp_path, count):
+    """A bug, not a mutant: load_workload_file sliced with num_requests unchecked (-1 dropped
+    the last request, 0 failed in min() of nothing, 2.5 with a TypeError); only bench's flag
+    was checked."""
+    with pytest.raises(ValueError, match="num_requests must be an integer >= 1"):
+        load_workload_file(write(tmp_path, OK * 2), num_requests=count)
