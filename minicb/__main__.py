@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import time
 
@@ -73,35 +74,36 @@ COMMANDS_HELP = {
 }
 
 
+# each command's module is imported only when that command runs: `grade` alone (nbformat's
+# schema validators) took longer to import than a whole `bench --help` should take
+COMMANDS = {"bench": ("minicb.bench", "main_bench"), "sweep": ("minicb.bench", "main_sweep"),
+            "profile": ("minicb.bench", "main_profile"), "serve": ("minicb.serve", "main"),
+            "grade": ("minicb.grade", "main")}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"demo": demo}
-    try:
-        from minicb import bench
-        commands.update(bench=bench.main_bench, sweep=bench.main_sweep,
-                        profile=bench.main_profile)
-    except ImportError:
-        pass
-    try:
-        from minicb import serve
-        commands["serve"] = serve.main
-    except ImportError:
-        pass
-    try:
-        from minicb import grade
-        commands["grade"] = grade.main
-    except ImportError:
-        pass
-    if not argv or argv[0] not in commands:
+    names = ["demo", *COMMANDS]
+    if not argv or argv[0] not in names:
         wants_help = bool(argv) and argv[0] in ("-h", "--help", "help")
-        lines = [f"usage: python -m minicb {{{','.join(commands)}}} [options]", "",
-                 *(f"  {name:<8} {COMMANDS_HELP[name]}" for name in commands), "",
+        lines = [f"usage: python -m minicb {{{','.join(names)}}} [options]", "",
+                 *(f"  {name:<8} {COMMANDS_HELP[name]}" for name in names), "",
                  "python -m minicb COMMAND --help shows a command's options."]
         if argv and not wants_help:
             lines.insert(0, f"unknown command {argv[0]!r}")
         print("\n".join(lines), file=sys.stdout if wants_help else sys.stderr)
         return 0 if wants_help else 2
-    return commands[argv[0]](argv[1:]) or 0
+    if argv[0] == "demo":
+        return demo(argv[1:]) or 0
+    module_name, function = COMMANDS[argv[0]]
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:  # an optional dependency (fastapi for serve, nbformat for grade)
+        print(f"error: `{argv[0]}` needs {exc.name or exc}, which is not installed: "
+              "pip install -e '.[dev,serve]' (or make setup) installs everything",
+              file=sys.stderr)
+        return 2
+    return getattr(module, function)(argv[1:]) or 0
 
 
 if __name__ == "__main__":

@@ -66,3 +66,24 @@ def test_demo_passes_quantization_to_the_engine(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         main(["demo", "--quantization", "int8", "--policy", "continuous"])
     assert seen["quantization"] == "int8" and seen["policy"] == "continuous"
+
+
+def test_a_command_imports_only_its_module_and_names_a_missing_dependency(capsys, monkeypatch):
+    """`python -m minicb bench` does not import grade (nbformat) or serve (fastapi); a command
+    whose optional dependency is missing says which, exit 2, not a traceback."""
+    import subprocess
+    import sys
+    probe = ("import contextlib, io, sys\nfrom minicb.__main__ import main\n"
+             "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+             "    main(['sweep', '--help'])\n"
+             "print(sorted(m for m in ('minicb.bench', 'minicb.grade', 'minicb.serve', "
+             "'nbformat', 'fastapi') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         check=False)
+    assert out.stdout.strip() == "['minicb.bench']", out.stdout[-300:] + out.stderr[-300:]
+
+    def missing(name):
+        raise ImportError("No module named 'fastapi'", name="fastapi")
+    monkeypatch.setattr("minicb.__main__.importlib.import_module", missing)
+    assert main(["serve", "--port", "1"]) == 2
+    assert "`serve` needs fastapi, which is not installed" in capsys.readouterr().err

@@ -354,6 +354,30 @@ def test_a_missed_deadline_ends_the_request_and_frees_its_pages():
     assert summary["deadline_missed"] == 2 and summary["completed"] == 1
 
 
+def test_no_step_looks_for_expired_deadlines_when_no_request_has_one(monkeypatch):
+    """Without deadlines a step does not scan the queue for them (10,000 waiting requests made
+    that scan most of a simulated run); once one request has a deadline, steps check again."""
+    from minicb.request import Request
+    from minicb.sim import make_sim_engine
+    checked = []
+    monkeypatch.setattr(Request, "deadline_time", property(
+        lambda r: checked.append(r.request_id) or float("inf")))
+    engine = make_sim_engine(policy="pd", max_num_seqs=2)
+    for i in range(6):
+        engine.add_request([1, 2, 3], SamplingParams(max_tokens=4, **GREEDY), request_id=f"r{i}")
+    engine.run()
+    assert checked == []
+    engine.add_request([1, 2], SamplingParams(max_tokens=3, **GREEDY), request_id="d",
+                       deadline=5.0)
+    engine.add_request([1, 2], SamplingParams(max_tokens=3, **GREEDY), request_id="e")
+    engine.run()
+    assert "d" in checked and "e" in checked
+    checked.clear()
+    engine.add_request([1, 2], SamplingParams(max_tokens=3, **GREEDY), request_id="f")
+    engine.run()
+    assert checked == []  # d finished: no deadline is left to check
+
+
 def test_fair_order_serves_the_least_served_tenant_first():
     """One slot. Tenant a sends four requests, then tenant b one, all at once: first come first
     served makes b wait for all of a's; "fair" runs b's as soon as a has been served once."""
