@@ -11,9 +11,11 @@ This module is a leaf: it imports nothing else from minicb."""
 from __future__ import annotations
 
 import hashlib
+import math
 from array import array
 from collections import OrderedDict, deque
 
+import numpy as np
 import torch
 
 
@@ -72,6 +74,19 @@ class PrefixIndex:
         self.lru.pop(page, None)
 
 
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype,
+           device: str | torch.device) -> torch.Tensor:
+    """A zero tensor for a page pool (chapter 01). On the CPU its memory comes from calloc
+    (numpy's zeros), which the OS maps already zeroed and hands over a page at a time as it is
+    first written: the default pool of SmolLM2 (750 MB) then costs nothing at load, and only
+    the pages a run uses become resident. torch.zeros writes every byte first (a second or two
+    of every model load)."""
+    num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if torch.device(device).type != "cpu" or not num_bytes:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return torch.from_numpy(np.zeros(num_bytes, dtype=np.uint8)).view(dtype).view(shape)
+
+
 class PagePool:
     """K/V storage for all layers in `num_pages` pages of `page_size` tokens, with bookkeeping.
 
@@ -90,8 +105,9 @@ class PagePool:
         self.prefix = PrefixIndex() if enable_prefix_caching else None
         self.num_evicted = 0  # cached prefix pages taken back for new work, since the start
         shape = (num_pages, page_size, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        every_layer = zeroed((num_layers, 2, *shape), dtype, device)  # K and V of each layer
+        self.k = [every_layer[layer, 0] for layer in range(num_layers)]
+        self.v = [every_layer[layer, 1] for layer in range(num_layers)]
 
     @property
     def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:

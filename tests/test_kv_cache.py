@@ -123,3 +123,29 @@ def test_only_computed_prompt_pages_are_indexed():
     table = pool.allocate(3)
     pool.register_prompt_pages(prompt, table, 5)  # a first chunk: only page 0 is computed
     assert pool.match_prefix(prompt + [99]) == table[:1]
+
+
+def test_the_pool_is_zeros_each_layer_its_own_and_unused_pages_cost_no_memory():
+    """Every K and V page starts at zero, writing one layer's K touches no other tensor, and on
+    Linux a 1 GiB pool adds far less than that to the process's resident memory until its pages
+    are written (calloc's lazily mapped zeros; torch.zeros would write all of it at once)."""
+    import sys
+
+    import torch
+    pool = PagePool(8, 4, num_layers=3, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
+    assert all(t.dtype == torch.bfloat16 and t.shape == (8, 4, 2, 8) and t.is_contiguous()
+               and not t.any() for t in pool.k + pool.v)
+    pool.k[1][3] = 1.0
+    assert int(pool.k[1].count_nonzero()) == 4 * 2 * 8
+    assert not any(t.any() for i, t in enumerate(pool.k + pool.v) if i != 1)
+    if sys.platform != "linux":
+        return
+
+    def resident_mib() -> float:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096 / 2**20
+    before = resident_mib()
+    big = PagePool(4096, 16, num_layers=16, num_kv_heads=4, head_dim=64)  # 1 GiB of float32
+    assert resident_mib() - before < 100
+    big.k[0][:16] = 1.0  # the first pages written become resident; the rest stay unmapped
+    assert resident_mib() - before < 100 and float(big.k[0][:16].sum()) == 16 * 16 * 4 * 64
