@@ -358,7 +358,7 @@ for chunk_size, budget in ((128, 128), (512, 128), (64, 128), (128, 256)):
 # - `64/128`: each request's chunk is capped at 64, so A and B share every step until B is done;
 #   A then finishes alone with 64-token steps: 8 steps, several of them half empty.
 # - `128/256`: both advance 128 tokens per step; the prefill is done in 4 steps instead of 7,
-#   and each of those steps carries twice the tokens.
+#   the first two of those steps carry twice the tokens (256), the last two what is left.
 #
 # The budget sets the longest step (problem one), so it sets the worst inter-token latency a
 # running decode can see. A larger budget makes prefill more efficient (bigger matrix products)

@@ -596,8 +596,9 @@ for mode in ("newest", "priority"):
 
 # %% [markdown]
 # The same two preemptions and the same 63 steps, but different victims: under `priority` the
-# background job r0 gives way twice and finishes last, while the three priority-0 requests
-# finish at steps 32, 32 and 47. The total work is the same; who pays for it is a policy choice.
+# background job r0 gives way first (step 2) and finishes last, while the three priority-0
+# requests finish at steps 32, 32 and 47 (r3, the newest of them, is the second victim, at step
+# 18, once r0 has nothing left to give). The total work is the same; who pays for it is a policy choice.
 #
 # **Bounding the loss.** Nothing above stops one request from being preempted again and again:
 # the newest is the victim each time, and the request that arrived last stays the newest
@@ -1152,7 +1153,8 @@ print("CLI replay == the table above:",
 #   concurrency, length distributions, cache state, policy, token budget, memory, model,
 #   runtime, hardware, and whether it was measured or simulated.
 # - Report p50/p95/p99 of queue time, TTFT, ITL/TPOT and E2E, not means; goodput at an SLO, not
-#   only throughput. In the simulated sweep, throughput grows past 20 requests/s while goodput
+#   only throughput. In the simulated sweep, as the offered rate grows past 20 requests/s,
+#   throughput stays near 19 while goodput
 #   collapses; burstier arrivals at the same mean rate cost goodput too.
 # - Report max ITL (each request's worst gap) next to pooled ITL, and include static batching's
 #   wait for its batch in E2E; continuous batching can still raise ITL p99, as the contract warns.
