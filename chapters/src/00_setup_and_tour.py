@@ -72,7 +72,8 @@
 #
 # `LLM` is a vLLM-style façade: the name of the bundled model (or a local Hugging Face checkpoint
 # directory) plus engine options. The very first load converts the bundled GGUF file into a
-# float32 checkpoint once (about a minute); after that it loads in about a second.
+# float32 checkpoint once (about a minute); after that it loads in one to two seconds (the
+# weights read from the cache and prepacked, and transformers imported for the tokenizer).
 
 # %%
 # NBVAL_IGNORE_OUTPUT

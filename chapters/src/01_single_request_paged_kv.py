@@ -245,10 +245,9 @@ for rows in (1, 16):
 # | Intel Xeon (AVX-512 and AMX) | 0.6–0.8× (0.9× on one thread) | 1.1–1.3× | 1.6× | 1.3× |
 #
 # On the EPYC every size gains. On the Xeon batches and prefill gain less, and a single row is
-# *slower* prepacked: how much depends on the threads. On two threads whole batch-1 decode
-# steps measured 10–40% slower; on one, as in this notebook's table above (the course runs one
-# thread per process), only a few percent. `MINICB_PREPACK=0` is the better setting there for
-# one request at a time. minicb keeps prepacking on by default because
+# *slower* prepacked: whole batch-1 decode steps measured 10–40% slower on two threads and
+# 2–15% on one (the course runs one thread per process; the table above is one such run).
+# `MINICB_PREPACK=0` is the better setting there for one request at a time. minicb keeps prepacking on by default because
 # batches and prefill gain on both; choosing per step would need both layouts in memory. Whole
 # decode steps change a little less than the projections, because attention and the small
 # per-layer operations stay the same; the table printed above comes from the machine that ran

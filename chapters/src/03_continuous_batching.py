@@ -174,8 +174,7 @@ batch_table(cont.trace)
 # Where the seed writes "…" our R4, 60 tokens long, finishes at step 90 and R2 runs alone from
 # 91; the seed's R4, of no stated length, is still running at 200.
 #
-# Now both policies side by side. The static run is the one from chapter 02 (260 steps, the
-# longest cell of this chapter):
+# Now both policies side by side. The static run is the one from chapter 02 (260 steps):
 
 # %%
 # NBVAL_IGNORE_OUTPUT
