@@ -106,6 +106,9 @@ def _references(exercise: str) -> tuple[Callable, ...]:
     from minicb.attention import AttentionMetadata, cpu_kernel, torch_ref
     from minicb.kv_cache import PrefixIndex
     from minicb.speculative import NgramIndex, propose_ngram, verify
+    if exercise == "best_setting":
+        from minicb import bench  # only here: bench imports the whole benchmark
+        return (bench.best_setting, bench.requirement_failures, bench.ranked)
     return tuple({
         "page_pool": [PagePool.allocate, PagePool.share, PagePool.release],
         "prefix_hashes": [prompt_page_hashes],
@@ -1584,6 +1587,115 @@ def per_tenant(fn: Callable[[list[RequestRecord]], dict[Any, dict[str, Any]]]) -
                                 f"is {_short(mine[key])}.{why}")
     return _passed(name, f"{len(cases)} sets of records give the same per-tenant table as "
                          "minicb.metrics")
+
+
+
+def _sweep_rows(rng: random.Random, count: int) -> list[dict[str, Any]]:
+    """Rows as `python -m minicb sweep` writes them (the keys the exercise reads), with ties,
+    unknown queue ages, errors, unhonoured cancellations and differing tokens mixed in."""
+    return [{"max_num_batched_tokens": rng.choice([64, 128, 256, 512, 1024]),
+             "max_num_seqs": rng.choice([4, 8, 16, 32]), "chunk_size": rng.choice([64, 512]),
+             "preemption": rng.choice(["newest", "priority"]),
+             "goodput_rps": rng.choice([0.0, 2.5, 4.0, 7.5, 7.5, 9.0, 12.0]),
+             "output_tokens_per_s": float(rng.randint(100, 3000)),
+             "max_queue_age_s": rng.choice([None, 0.25, 0.5, 1.0, 1.5, 3.0]),
+             "errors": rng.choice([0, 0, 0, 0, 0, 1, 3]),
+             "cancellations_honoured": rng.random() > 0.12,
+             "same_tokens": rng.choice([True, True, None, None, False])} for _ in range(count)]
+
+
+def _setting(row: dict[str, Any]) -> str:
+    return " ".join(f"{k}={row.get(k)}" for k in ("max_num_batched_tokens", "max_num_seqs",
+                                                  "chunk_size", "preemption"))
+
+
+def _why_it_fails(row: dict[str, Any], max_queue_age: float | None) -> str:
+    from minicb import bench
+    age = row["max_queue_age_s"]
+    reasons = {"fairness": f"its oldest request waited {age} s, over the limit of "
+                           f"{max_queue_age} s" if age is not None else
+                           "its queue age is unknown (None), so it cannot be shown to be within "
+                           f"the limit of {max_queue_age} s",
+               "errors": f"errors={row['errors']}: requests failed under it",
+               "cancellation": "cancellations_honoured is False",
+               "quality": "same_tokens is False: its greedy tokens differ from each request's "
+                          "served alone"}
+    return "; ".join(reasons[n] for n in bench.requirement_failures(row, max_queue_age))
+
+
+def best_setting(fn: Callable[[list[dict[str, Any]], float | None], dict[str, Any] | None]
+                 ) -> bool:
+    """Exercise 6.4: `fn(rows, max_queue_age)` picks the contract's setting from a sweep's rows:
+    among the rows meeting every requirement (errors 0, cancellations_honoured True, same_tokens
+    not False (None: not checked), and with a `max_queue_age` a known max_queue_age_s at most
+    that), the one with the highest goodput_rps, ties to the most output_tokens_per_s (then
+    the first); the row itself, or None when no row qualifies."""
+    from minicb import bench
+    name = "best_setting"
+    rng = random.Random(64)
+    cases: list[tuple[str, list[dict[str, Any]], float | None]] = [("no rows", [], None)]
+    base = _sweep_rows(random.Random(1), 1)[0] | {"errors": 0, "cancellations_honoured": True,
+                                                  "same_tokens": True, "max_queue_age_s": 0.2}
+    cases.append(("a faster row over the fairness limit, a slower one exactly at it",
+                  [base | {"goodput_rps": 9.0, "max_queue_age_s": 0.6},
+                   base | {"goodput_rps": 5.0, "max_queue_age_s": 0.5}], 0.5))
+    cases.append(("quality not checked (simulated: same_tokens None) and checked",
+                  [base | {"goodput_rps": 9.0, "same_tokens": None},
+                   base | {"goodput_rps": 5.0}], None))
+    cases.append(("two rows tie on goodput", [base | {"output_tokens_per_s": 900.0},
+                                             base | {"output_tokens_per_s": 1200.0}], None))
+    cases.append(("an unknown queue age and no fairness limit",
+                  [base | {"goodput_rps": 9.0, "max_queue_age_s": None},
+                   base | {"goodput_rps": 5.0}], None))
+    cases.append(("an unknown queue age under a limit",
+                  [base | {"goodput_rps": 9.0, "max_queue_age_s": None},
+                   base | {"goodput_rps": 5.0}], 1.0))
+    cases.append(("every row fails a requirement",
+                  [base | {"errors": 2}, base | {"cancellations_honoured": False},
+                   base | {"same_tokens": False}], None))
+    for _, rows, _ in cases:  # the hand-made rows: one setting each, so messages tell them apart
+        for j, row in enumerate(rows):
+            row["max_num_seqs"] = 8 * (j + 1)
+    for i in range(60):
+        cases.append((f"random sweep {i}", _sweep_rows(rng, rng.randint(1, 12)),
+                      rng.choice([None, None, 0.5, 1.0, 2.0])))
+    for label, rows, limit in cases:
+        want = bench.best_setting(rows, limit)
+        got = _call(name, f"{label}: fn({len(rows)} rows, max_queue_age={limit})", fn,
+                    copy.deepcopy(rows), limit)
+        if got == want and (got is None or got in rows):
+            continue
+        where = f"{label} (max_queue_age={limit}; {len(rows)} rows)"
+        if got is not None and got not in rows:
+            _fail(name, f"{where}: return one of the rows (the dict itself) or None; yours "
+                        f"returned {_short(got)}.")
+        if got is not None and bench.requirement_failures(got, limit):
+            _fail(name, f"{where}: you picked {_setting(got)}, which fails a requirement: "
+                        f"{_why_it_fails(got, limit)}.")
+        if want is None:
+            _fail(name, f"{where}: no row meets every requirement, so the answer is None; yours "
+                        f"is {_setting(got)}.")
+        if got is None:
+            hint = ""
+            if want["same_tokens"] is None:
+                hint = (" same_tokens None means the quality was not checked (the simulator "
+                        "makes no tokens): it does not fail the requirement.")
+            elif limit is not None and want["max_queue_age_s"] == limit:
+                hint = " A queue age equal to the limit is within it."
+            _fail(name, f"{where}: {_setting(want)} meets every requirement, yet yours returned "
+                        f"None.{hint}")
+        hint = ""
+        if got["goodput_rps"] == want["goodput_rps"]:
+            hint = " Ties on goodput go to the most output_tokens_per_s."
+        elif want["same_tokens"] is None:
+            hint = " same_tokens None (not checked) does not fail the quality requirement."
+        elif limit is not None and want["max_queue_age_s"] == limit:
+            hint = " A queue age equal to the limit is within it."
+        _fail(name, f"{where}: expected {_setting(want)} (goodput {want['goodput_rps']}, "
+                    f"{want['output_tokens_per_s']} tokens/s), yours picked {_setting(got)} "
+                    f"(goodput {got['goodput_rps']}, {got['output_tokens_per_s']} tokens/s).{hint}")
+    return _passed(name, f"{len(cases)} sweeps give the same setting as "
+                         "`python -m minicb sweep`")
 
 
 # ============================================================================ paged attention (07)

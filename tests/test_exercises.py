@@ -186,6 +186,7 @@ SOLUTION_OBJECTS = {
     "latencies": ("06_benchmarking.ipynb", "latencies"),
     "goodput": ("06_benchmarking.ipynb", "goodput"),
     "per_tenant": ("06_benchmarking.ipynb", "per_tenant"),
+    "best_setting": ("06_benchmarking.ipynb", "best_setting"),
     "slot_mapping": ("07_paged_attention.ipynb", "slot_mapping"),
     "paged_attention": ("07_paged_attention.ipynb", "paged_attention"),
     "prompt_lookup": ("08_speculative_decoding.ipynb", "prompt_lookup"),
@@ -1648,3 +1649,40 @@ def test_a_written_answer_is_stubbed_and_only_tags_survive_generation():
     assert ex.cells[0].metadata == sol.cells[0].metadata == {"tags": ["answer"]}
     assert ex.cells[1].metadata == {} and ex.cells[1].outputs == []
     assert ex.cells[1].execution_count is None
+
+
+def test_best_setting_mistakes_are_named():
+    """Exercise 6.4: the usual slips each get their own message: quality None taken as a
+    failure, a queue age at the limit taken as over it, no tie-break, no fairness at all, an
+    index instead of the row, and minicb's own function behind a lambda."""
+    from minicb import bench
+    mine = solution("06_benchmarking.ipynb")["best_setting"]
+
+    def keep(rule):
+        def pick(rows, max_queue_age=None):
+            fit = [r for r in rows if rule(r, max_queue_age)]
+            return max(fit, key=lambda r: (r["goodput_rps"], r["output_tokens_per_s"]),
+                       default=None)
+        return pick
+
+    def base(r, limit):
+        return r["errors"] == 0 and r["cancellations_honoured"] and r["same_tokens"] is not False
+
+    def fair(r, limit):
+        return limit is None or (r["max_queue_age_s"] is not None
+                                 and r["max_queue_age_s"] <= limit)
+    assert "does not fail the quality requirement" in caught("best_setting", keep(
+        lambda r, lim: base(r, lim) and fair(r, lim) and r["same_tokens"] is True))
+    assert "A queue age equal to the limit is within it" in caught("best_setting", keep(
+        lambda r, lim: base(r, lim) and (lim is None or (r["max_queue_age_s"] or 1e9) < lim)))
+    assert "its oldest request waited 0.6 s, over the limit of 0.5 s" in caught(
+        "best_setting", keep(base))
+    assert "Ties on goodput go to the most output_tokens_per_s" in caught(
+        "best_setting", lambda rows, lim=None: max(
+            [r for r in rows if base(r, lim) and fair(r, lim)],
+            key=lambda r: r["goodput_rps"], default=None) if rows else None)
+    assert "return one of the rows (the dict itself) or None" in caught(
+        "best_setting", lambda rows, lim=None: (rows.index(mine(rows, lim))
+                                                if mine(rows, lim) is not None else None))
+    assert "ran minicb's own best_setting" in caught(
+        "best_setting", lambda rows, lim=None: bench.best_setting(rows, lim))
