@@ -174,15 +174,16 @@ class EngineWorker:
     async def submit(self, prompt: str | list[int] | None, params: dict[str, Any],
                      messages: list[dict] | None = None, stop: tuple[str, ...] = (),
                      request_id: str | None = None, tenant: str | None = None,
-                     priority: int = 0) -> Job:
+                     priority: int = 0, deadline: float | None = None) -> Job:
         """Queue a request; returns its Job once the engine has accepted it. Raises
         InvalidRequest (bad prompt or params) or QueueFull. `tenant`: the OpenAI `user`;
-        `priority`: smaller is more important (vLLM's extra field), for --preemption."""
+        `priority`: smaller is more important (vLLM's extra field), for --preemption;
+        `deadline`: seconds after arrival by which it must finish (minicb's own field)."""
         self.start()
         sink = (asyncio.get_running_loop(), asyncio.Queue())  # made on the handler's loop
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put(("add", prompt, messages, params, stop, request_id, tenant, priority,
-                            sink, future))
+                            deadline, sink, future))
         try:
             return await asyncio.wrap_future(future)
         except asyncio.CancelledError:  # the caller stopped waiting (timeout, disconnect)
@@ -298,7 +299,8 @@ class EngineWorker:
         else:
             future.set_result(result)
 
-    def _add(self, prompt, messages, params, stop, request_id, tenant, priority, sink) -> Job:
+    def _add(self, prompt, messages, params, stop, request_id, tenant, priority, deadline,
+             sink) -> Job:
         engine = self.engine
         waiting = len(engine.waiting) + len(engine.pending)
         if self.max_queue is not None and waiting >= self.max_queue:
@@ -336,7 +338,7 @@ class EngineWorker:
             rid = f"{base}-{suffix}"
         try:
             engine.add_request(token_ids, sampling, request_id=rid, tenant=tenant,
-                               priority=priority)
+                               priority=priority, deadline=deadline)
         except ValueError as exc:
             message = str(exc)
             fits = "exceeds the model's context" in message or "never fit" in message
@@ -550,10 +552,14 @@ def parse_request(body: Any, chat: bool) -> dict[str, Any]:
     user = body.get("user")  # OpenAI's end-user id: the tenant for preemption="fair"
     if user is not None and not isinstance(user, str):
         raise InvalidRequest(f"user must be a string, got {user!r}", "user")
+    deadline = _number(body, "deadline", None, float)  # minicb's own: seconds after arrival
+    if deadline is not None and deadline <= 0:
+        raise InvalidRequest(f"deadline must be a number of seconds > 0 (after the request "
+                             f"arrives), got {deadline!r}", "deadline")
     return dict(prompt=prompt, messages=messages, params=params, stop=tuple(stop),
                 stream=stream, include_usage=bool(options.get("include_usage")),
                 model=body.get("model"), tenant=user,
-                priority=_number(body, "priority", 0, int))
+                priority=_number(body, "priority", 0, int), deadline=deadline)
 
 
 # ------------------------------------------------------------------------------ the app
@@ -632,7 +638,7 @@ def create_app(engine_or_llm: Any, model_name: str = "minicb", max_queue: int | 
                               f"serves `{model_name}`", "model", "model_not_found")
             job = await worker.submit(req["prompt"], req["params"], req["messages"],
                                       req["stop"], request.headers.get("x-request-id"),
-                                      req["tenant"], req["priority"])
+                                      req["tenant"], req["priority"], req["deadline"])
         except InvalidRequest as exc:
             return _error(400, str(exc), exc.param, exc.code)
         except QueueFull as exc:
@@ -770,10 +776,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-batched-tokens", type=int, default=256)
     parser.add_argument("--chunk-size", type=int, default=None)
     parser.add_argument("--num-pages", type=int, default=None)
-    parser.add_argument("--preemption", default="newest", choices=["newest", "priority", "fair"],
+    parser.add_argument("--preemption", default="newest",
+                        choices=["newest", "priority", "deadline", "fair"],
                         help="queue order and preemption: newest (first come first served), "
                              "priority (the requests' `priority`, smaller first, as vLLM's), "
-                             "or fair (between the requests' `user`s)")
+                             "deadline (the requests' `deadline`, earliest first) or fair "
+                             "(between the requests' `user`s)")
     parser.add_argument("--max-preemptions", type=int, default=None,
                         help="a bound on preemption loss: a request preempted this many times "
                              "comes back holding pages for its whole life and is never "

@@ -284,6 +284,9 @@ def shared_server(tiny_model):
     ({"prompt": [5, 6], "user": "alice"}, 200, None),  # the tenant, for --preemption fair
     ({"prompt": [5, 6], "priority": 1.5}, 400, "priority"),
     ({"prompt": [5, 6], "priority": -2}, 200, None),
+    ({"prompt": [5, 6], "deadline": 0}, 400, "deadline"),  # seconds after arrival, minicb's own
+    ({"prompt": [5, 6], "deadline": "soon"}, 400, "deadline"),
+    ({"prompt": [5, 6], "deadline": 30}, 200, None),
     ({"prompt": [5, 6], "temperature": 10**400}, 400, "temperature"),
     ({"prompt": [5, 6], "max_tokens": "many"}, 400, "max_tokens"),
     ({"prompt": [5, 6], "n": 2}, 400, "n"),
@@ -395,6 +398,31 @@ def test_serve_cli_help(capsys):
     out = capsys.readouterr().out
     assert exit_info.value.code == 0 and "--max-queue" in out and "--quantization" in out
     assert "--num-speculative-tokens" in out and "--max-preemptions" in out
+
+
+def test_a_request_past_its_deadline_ends_with_finish_reason_deadline(shared_server):
+    """A deadline too short to meet ends the request, streamed or not, with finish_reason
+    "deadline" and what it had produced; /metrics counts it; the next request is served."""
+    url = shared_server
+    body = {"prompt": [5, 6, 7], "max_tokens": 200, "deadline": 1e-6, **GREEDY}
+    with httpx.Client(timeout=TIMEOUT) as http:
+        r = http.post(url + "/v1/completions", json=body)
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "deadline"
+        assert len(r.json()["choices"][0]["token_ids"]) < 200
+        with http.stream("POST", url + "/v1/completions", json={**body, "stream": True}) as s:
+            events = [json.loads(line[6:]) for line in s.iter_lines()
+                      if line.startswith("data: {")]
+        assert events[-1]["choices"][0]["finish_reason"] == "deadline"
+        assert 'minicb_requests_total{finish_reason="deadline"}' in http.get(url + "/metrics").text
+        ok = http.post(url + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 2})
+        assert ok.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_serve_cli_takes_every_preemption_order(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    assert "{newest,priority,deadline,fair}" in capsys.readouterr().out
 
 
 def test_serve_cli_passes_the_preemption_bound_to_the_engine(capsys):
