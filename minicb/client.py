@@ -119,7 +119,8 @@ async def run_client(endpoint: str, workload_requests: Sequence[Any], model: str
                      timeout: float = 600.0, progress: bool = False,
                      warmup: bool = True) -> list[RequestRecord]:
     """Send every request (a `WorkloadRequest` or anything with `prompt_token_ids`,
-    `max_tokens`, `arrival_time`, `cancel_after_tokens`, `request_id`) at its arrival time,
+    `max_tokens`, `arrival_time`, `cancel_after_tokens`, `request_id`; a trace's `tenant`,
+    `priority` and `deadline` go as `user`, `priority` and `deadline`) at its arrival time,
     streamed, all concurrently; returns one `RequestRecord` per request, in order (chapter 06).
     `model`: the name to send (default: the server's first model). `vocab_size`: fold prompt
     ids into a small vocabulary (tiny test checkpoints). `warmup`: first send one short
@@ -153,6 +154,11 @@ async def run_client(endpoint: str, workload_requests: Sequence[Any], model: str
                        "stream_options": {"include_usage": True}}
             if temperature > 0:
                 payload["seed"] = i
+            for field, value in (("user", getattr(req, "tenant", None)),  # only when a trace
+                                 ("priority", getattr(req, "priority", 0) or None),  # gave one
+                                 ("deadline", getattr(req, "deadline", None))):
+                if value is not None:
+                    payload[field] = value
             record = await _one(client, url, payload, req.request_id or f"req-{i}",
                                 req.arrival_time or 0.0, req.cancel_after_tokens, t0)
             if bar is not None:

@@ -502,6 +502,24 @@ def test_client_cli_writes_the_results_schema(tiny_model, tmp_path, capsys):
     assert "TTFT p50" in capsys.readouterr().out
 
 
+def test_the_client_sends_a_traces_tenant_priority_and_deadline(tiny_model):
+    """A replayed trace's tenant, priority and deadline reach the server (as `user`,
+    `priority`, `deadline`): the engine holds them, and a deadline too short to meet comes
+    back as finish_reason "deadline". A request without them sends none of the three."""
+    from minicb.workload import Workload, WorkloadRequest
+    workload = Workload("t", [
+        WorkloadRequest(prompt_len=6, max_tokens=40, request_id="late", tenant="team-a",
+                        priority=2, deadline=1e-6),
+        WorkloadRequest(prompt_len=6, max_tokens=3, request_id="plain")])
+    with serving(tiny_model) as (url, worker):
+        records = asyncio.run(asyncio.wait_for(run_client(url, workload.requests,
+                                                          vocab_size=256, warmup=False), 60))
+        seen = worker.call(lambda e: {rid: (r.tenant, r.priority, r.deadline)
+                                      for rid, r in e.requests.items()}).result(10)
+    assert [r.finish_reason for r in records] == ["deadline", "length"]
+    assert seen["late"] == ("team-a", 2, 1e-6) and seen["plain"] == (None, 0, None)
+
+
 def test_bench_endpoint_measures_a_running_server(tiny_model, tmp_path, capsys):
     from minicb.bench import main_bench
 
