@@ -278,12 +278,8 @@ def add_slo_arguments(parser: argparse.ArgumentParser) -> None:
 
 def slo_from_args(args: argparse.Namespace) -> dict[str, float]:
     """The SLO dict from --slo-ttft/--slo-itl/--slo-tpot/--slo-e2e (chapter 06)."""
-    slo = {"ttft": args.slo_ttft, "itl": args.slo_itl, "tpot": args.slo_tpot,
-           "e2e": args.slo_e2e}
-    for key, value in slo.items():  # name the flag, not the dict key
-        if value is not None and (not is_finite_number(value) or value <= 0):
-            raise ValueError(f"--slo-{key} must be a positive number of seconds, got {value!r}")
-    return check_slo(slo)
+    return check_slo({"ttft": args.slo_ttft, "itl": args.slo_itl, "tpot": args.slo_tpot,
+                      "e2e": args.slo_e2e}, label="--slo-{key}")
 
 
 def set_threads(threads: int | None) -> None:
@@ -1365,7 +1361,7 @@ def sustainable_rows(rows: list[dict[str, Any]], target: float) -> list[dict[str
     (chapter 06)."""
     names = ("max_num_batched_tokens", "max_num_seqs", "chunk_size", "preemption")
     by_setting: dict[tuple, dict[float, float | None]] = {}
-    for row in rows:  # a rate at which a setting fails a requirement is not sustained
+    for row in rows:
         key = tuple(row[n] for n in names)
         by_setting.setdefault(key, {})[row["rate_rps"]] = None if row["fails"] else \
             row["slo_attainment"]

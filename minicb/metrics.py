@@ -152,15 +152,16 @@ def meets_slo(r: Any, slo: dict[str, float] | None) -> bool:
     return True
 
 
-def check_slo(slo: dict[str, float] | None) -> dict[str, float]:
+def check_slo(slo: dict[str, float] | None, label: str = "slo[{key!r}]") -> dict[str, float]:
     """Validate an SLO dict: keys among ttft/itl/tpot/e2e, values positive seconds or None
-    (chapter 06)."""
+    (chapter 06). `label` names a bad value in the message (the CLI's: "--slo-{key}")."""
     slo = dict(slo or {})
     for key, value in slo.items():
         if key not in SLO_KEYS:
             raise ValueError(f"slo keys must be among {SLO_KEYS}, got {key!r}")
         if value is not None and (not is_finite_number(value) or value <= 0):
-            raise ValueError(f"slo[{key!r}] must be a positive number of seconds, got {value!r}")
+            raise ValueError(f"{label.format(key=key)} must be a positive number of seconds, "
+                             f"got {value!r}")
     return {k: float(v) for k, v in slo.items() if v is not None}
 
 
