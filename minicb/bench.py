@@ -276,6 +276,20 @@ def add_slo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slo-e2e", type=float, default=None, help="seconds, end to end")
 
 
+# what a replayed trace adds to each request it sends a server: (chapter 06)
+TRACE_FIELDS = ("user", "priority", "deadline")
+
+
+def add_endpoint_arguments(parser: argparse.ArgumentParser) -> None:
+    """--vocab-size and --omit-field: how requests are sent to a server (chapter 06)."""
+    parser.add_argument("--vocab-size", type=int, default=None,
+                        help="with --endpoint: fold prompt ids below this (tiny test models)")
+    parser.add_argument("--omit-field", action="append", default=[], choices=TRACE_FIELDS,
+                        help="with --endpoint: do not send this field of a replayed trace "
+                             "(repeatable; 'priority' for a vLLM server without "
+                             "--scheduling-policy priority, which refuses a non-zero one)")
+
+
 def slo_from_args(args: argparse.Namespace) -> dict[str, float]:
     """The SLO dict from --slo-ttft/--slo-itl/--slo-tpot/--slo-e2e (chapter 06)."""
     return check_slo({"ttft": args.slo_ttft, "itl": args.slo_itl, "tpot": args.slo_tpot,
@@ -982,8 +996,7 @@ def bench_parser() -> argparse.ArgumentParser:
     parser.add_argument("--endpoint", default=None,
                         help="measure a running OpenAI-compatible server (URL) from the client "
                              "side instead of running an engine")
-    parser.add_argument("--vocab-size", type=int, default=None,
-                        help="with --endpoint: fold prompt ids below this (tiny test models)")
+    add_endpoint_arguments(parser)
     parser.add_argument("--compare", choices=("hf",), default=None,
                         help="hf: also run the requests through transformers' generate "
                              "(static batches) and generate_batch")
@@ -1091,19 +1104,21 @@ def main_bench(argv: list[str] | None = None) -> int:
     args = bench_parser().parse_args(argv)
     args.command_line = _command_line("bench", argv)
     if args.endpoint:  # any OpenAI-compatible server, measured from the client side
-        from minicb.client import CLIENT_COLUMNS, bench_endpoint
+        from minicb.client import CLIENT_COLUMNS, bench_endpoint, describe_errors
         try:
             workload, slo = build_workload(args), slo_from_args(args)
             if args.save_workload:
                 print(saved_workload_line(workload, args.save_workload))
             data = bench_endpoint(args.endpoint, workload, label=args.endpoint,
                                   vocab_size=args.vocab_size, progress=not args.no_progress,
-                                  slo=slo)
+                                  slo=slo, omit=args.omit_field)
         except ValueError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         data["declaration"]["command"] = args.command_line
         print(format_table(data["results"], CLIENT_COLUMNS))
+        if problems := describe_errors(data["results"][args.endpoint]):
+            print(problems, file=sys.stderr)
         if args.out:
             print(f"wrote {write_json(data, args.out)}")
         return 0

@@ -24,7 +24,13 @@ from typing import Any
 import httpx
 
 from minicb import metrics
-from minicb.bench import add_slo_arguments, slo_from_args, without_slo
+from minicb.bench import (
+    TRACE_FIELDS,
+    add_endpoint_arguments,
+    add_slo_arguments,
+    slo_from_args,
+    without_slo,
+)
 from minicb.trace import RequestRecord
 
 CLIENT_COLUMNS = (
@@ -62,6 +68,34 @@ def unreachable(endpoint: str, exc: Exception) -> ValueError:
                       "running? Start one with `python -m minicb serve --port 8000`")
 
 
+def _server_error(status: int, body: str) -> str:
+    """A refusal in the server's words: the OpenAI error's message, or the start of the body."""
+    try:
+        error = json.loads(body).get("error")
+        message = error.get("message") if isinstance(error, dict) else error
+    except (ValueError, AttributeError):
+        message = None
+    return f"HTTP {status}: {message or body.strip()[:200]}"
+
+
+def error_reasons(records: Sequence[RequestRecord]) -> dict[str, int]:
+    """Why the failed requests failed: each distinct message and how many it ended."""
+    reasons: dict[str, int] = {}
+    for r in records:
+        if r.finish_reason == "error":
+            reasons[r.error or "unknown"] = reasons.get(r.error or "unknown", 0) + 1
+    return reasons
+
+
+def describe_errors(summary: dict[str, Any]) -> str:
+    """One line per reason a request failed (empty when none did), for the CLIs' stderr."""
+    reasons = summary.get("error_reasons") or {}
+    lines = [f"error: {n} request{'s' * (n > 1)} failed: {why}" for why, n in reasons.items()]
+    if any(name in why for why in reasons for name in TRACE_FIELDS):
+        lines.append("(a server that refuses a trace's field: leave it out with --omit-field)")
+    return "\n".join(lines)
+
+
 def _prompt(req: Any, index: int, vocab_size: int | None) -> list[int]:
     ids = req.token_ids(index) if hasattr(req, "token_ids") else list(req.prompt_token_ids)
     return [t % vocab_size for t in ids] if vocab_size else ids
@@ -73,13 +107,13 @@ async def _one(client: httpx.AsyncClient, url: str, payload: dict, request_id: s
     await asyncio.sleep(max(0.0, t0 + arrival - time.perf_counter()))
     sent = time.perf_counter() - t0
     token_times: list[float] = []
-    num_tokens, finish, usage = 0, None, None
+    num_tokens, finish, usage, error = 0, None, None, None
     try:
         async with client.stream("POST", url, json=payload,
                                  headers={"X-Request-Id": request_id}) as resp:
             if resp.status_code != 200:
-                await resp.aread()
-                finish = "error"
+                body = (await resp.aread()).decode(errors="replace")
+                finish, error = "error", _server_error(resp.status_code, body)
             else:
                 async for line in resp.aiter_lines():
                     if not line.startswith("data:"):
@@ -90,6 +124,7 @@ async def _one(client: httpx.AsyncClient, url: str, payload: dict, request_id: s
                     chunk = json.loads(data)
                     if "error" in chunk:
                         finish = "error"
+                        error = _server_error(resp.status_code, data)
                     usage = chunk.get("usage") or usage
                     for choice in chunk.get("choices") or []:
                         text = choice.get("text") or (choice.get("delta") or {}).get("content")
@@ -103,21 +138,22 @@ async def _one(client: httpx.AsyncClient, url: str, payload: dict, request_id: s
                     if cancel_after is not None and num_tokens >= cancel_after and not finish:
                         finish = "cancelled"  # leaving the block closes the connection
                         break
-    except (httpx.HTTPError, json.JSONDecodeError):
-        finish = "error"
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        finish, error = "error", f"{type(exc).__name__}: {exc}"
     end = time.perf_counter() - t0
     if usage and finish not in ("cancelled", "error"):
         num_tokens = usage.get("completion_tokens", num_tokens)
     return RequestRecord(
         request_id, (usage or {}).get("prompt_tokens", len(payload["prompt"])), num_tokens,
         {"abort": "cancelled"}.get(finish, finish), sent, None,
-        token_times[0] if token_times else None, end, token_times, None, None, None, None, [])
+        token_times[0] if token_times else None, end, token_times, None, None, None, None, [],
+        error=error)
 
 
 async def run_client(endpoint: str, workload_requests: Sequence[Any], model: str | None = None,
                      temperature: float = 0.0, vocab_size: int | None = None,
                      timeout: float = 600.0, progress: bool = False,
-                     warmup: bool = True) -> list[RequestRecord]:
+                     warmup: bool = True, omit: Sequence[str] = ()) -> list[RequestRecord]:
     """Send every request (a `WorkloadRequest` or anything with `prompt_token_ids`,
     `max_tokens`, `arrival_time`, `cancel_after_tokens`, `request_id`; a trace's `tenant`,
     `priority` and `deadline` go as `user`, `priority` and `deadline`) at its arrival time,
@@ -125,7 +161,12 @@ async def run_client(endpoint: str, workload_requests: Sequence[Any], model: str
     `model`: the name to send (default: the server's first model). `vocab_size`: fold prompt
     ids into a small vocabulary (tiny test checkpoints). `warmup`: first send one short
     request, untimed (as vLLM's benchmark does): it fails fast on a wrong endpoint and keeps
-    first-use costs on both sides out of the first measured request."""
+    first-use costs on both sides out of the first measured request. `omit`: trace fields not to
+    send (`"priority"` for a vLLM server started without `--scheduling-policy priority`, which
+    refuses a non-zero one)."""
+    unknown = set(omit) - set(TRACE_FIELDS)
+    if unknown:
+        raise ValueError(f"omit: unknown field(s) {sorted(unknown)}; choose from {TRACE_FIELDS}")
     url = completions_url(endpoint)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10.0),
@@ -157,7 +198,7 @@ async def run_client(endpoint: str, workload_requests: Sequence[Any], model: str
             for field, value in (("user", getattr(req, "tenant", None)),  # only when a trace
                                  ("priority", getattr(req, "priority", 0) or None),  # gave one
                                  ("deadline", getattr(req, "deadline", None))):
-                if value is not None:
+                if value is not None and field not in omit:
                     payload[field] = value
             record = await _one(client, url, payload, req.request_id or f"req-{i}",
                                 req.arrival_time or 0.0, req.cancel_after_tokens, t0)
@@ -176,11 +217,14 @@ async def run_client(endpoint: str, workload_requests: Sequence[Any], model: str
 def bench_endpoint(endpoint: str, workload: Any, label: str | None = None,
                    model: str | None = None, vocab_size: int | None = None,
                    temperature: float = 0.0, progress: bool = False,
-                   slo: dict[str, float] | None = None) -> dict[str, Any]:
+                   slo: dict[str, float] | None = None,
+                   omit: Sequence[str] = ()) -> dict[str, Any]:
     """Run `workload` against a server; returns `{"declaration", "results": {label: summary},
     "records"}` in the results schema of `python -m minicb bench` (chapter 06). The summary is
     `minicb.metrics.summarize` over the client's records (no trace: step metrics are None, and so
-    is the queue age, which the client cannot see; without an SLO no goodput, as in bench)."""
+    is the queue age, which the client cannot see; without an SLO no goodput, as in bench), with
+    `error_reasons`: each failed request's reason in the server's words, and how many. `omit`:
+    trace fields not to send, as in `run_client`."""
     try:
         if model is None:
             listing = httpx.get(models_url(endpoint), timeout=10.0)
@@ -188,13 +232,15 @@ def bench_endpoint(endpoint: str, workload: Any, label: str | None = None,
             model = listing.json()["data"][0]["id"]
         records = asyncio.run(run_client(endpoint, workload.requests, model=model,
                                          temperature=temperature, vocab_size=vocab_size,
-                                         progress=progress))
+                                         progress=progress, omit=omit))
     except (httpx.TransportError, httpx.HTTPStatusError) as exc:
         raise unreachable(endpoint, exc) from None
     declaration = {**workload.declaration, "endpoint": endpoint, "model": model,
                    "measured_at": "client (streamed /v1/completions)",
-                   "temperature": temperature, "httpx": httpx.__version__}
+                   "temperature": temperature, "omitted_fields": sorted(omit),
+                   "httpx": httpx.__version__}
     summary = without_slo(metrics.summarize([], records, slo), slo or {})
+    summary["error_reasons"] = error_reasons(records)
     if all(r.first_scheduled_time is None for r in records):
         # queue time is invisible from outside: summarize's fallback (the finish time) would
         # report the largest E2E as the oldest wait
@@ -217,10 +263,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--burstiness", type=float, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", default=None, help="default: the server's first model")
-    parser.add_argument("--vocab-size", type=int, default=None,
-                        help="fold prompt ids into this vocabulary (tiny checkpoints)")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--label", default=None, help="the results key (default: endpoint)")
+    add_endpoint_arguments(parser)
     add_slo_arguments(parser)
     parser.add_argument("--out", default=None, help="write results JSON here")
     args = parser.parse_args(argv)
@@ -229,11 +274,13 @@ def main(argv: list[str] | None = None) -> int:
         workload = get_workload(args.workload, num_requests=args.num_requests, rate=args.rate,
                                 burstiness=args.burstiness, seed=args.seed)
         out = bench_endpoint(args.endpoint, workload, args.label, args.model, args.vocab_size,
-                             args.temperature, progress=True, slo=slo)
+                             args.temperature, progress=True, slo=slo, omit=args.omit_field)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(metrics.format_table(out["results"], CLIENT_COLUMNS))
+    if problems := describe_errors(next(iter(out["results"].values()))):
+        print(problems, file=sys.stderr)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)

@@ -96,3 +96,4 @@ class RequestRecord:
     # the response reached its user all at once, at the release (a static batch, chapter 02):
     # its first token too, so TTFT ends there
     returned_whole: bool = False
+    error: str | None = None  # why a failed request failed, in the server's words (client)

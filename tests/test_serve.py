@@ -19,6 +19,7 @@ import httpx
 import numpy as np
 import pytest
 from fastapi import FastAPI
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from minicb import LLM, Engine, SamplingParams, bench, metrics
 from minicb.client import bench_endpoint, completions_url, run_client
@@ -879,8 +880,6 @@ def test_the_client_counts_refused_and_failed_requests_as_errors(tiny_model):
         records = asyncio.run(asyncio.wait_for(run_client(closed, workload.requests,
                                                           model="x", warmup=False), 60))
     assert [r.finish_reason for r in records] == ["error", "error"]
-    from fastapi import FastAPI
-    from fastapi.responses import StreamingResponse
     app = FastAPI()  # a server that reports a failure as an error chunk, then [DONE] (vLLM)
 
     @app.post("/v1/completions")
@@ -891,6 +890,49 @@ def test_the_client_counts_refused_and_failed_requests_as_errors(tiny_model):
         records = asyncio.run(asyncio.wait_for(run_client(url, workload.requests, model="x",
                                                           warmup=False), 60))
     assert [r.finish_reason for r in records] == ["error", "error"]
+
+
+def test_a_refusal_is_reported_in_the_servers_words_and_omit_field_avoids_it(capsys):
+    """A server that refuses a non-zero priority (vLLM without --scheduling-policy priority):
+    the failed request's reason comes back in the summary and on stderr with the way out, and
+    `omit` leaves the field off so every request completes. A field name not among the trace's
+    is refused before anything is sent."""
+    from minicb.client import describe_errors
+    from minicb.workload import Workload, WorkloadRequest
+    app, sent = FastAPI(), []
+
+    @app.post("/v1/completions")
+    async def vllm_like(body: dict):
+        sent.append(body)
+        if body.get("priority"):
+            return JSONResponse({"error": {"message": f"Got priority {body['priority']} but "
+                                           "Priority scheduling is not enabled."}}, 400)
+        return StreamingResponse(iter(['data: {"choices": [{"text": "a", "finish_reason": '
+                                       '"length"}]}\n\n',
+                                       "data: [DONE]\n\n"]), media_type="text/event-stream")
+    workload = Workload("t", [WorkloadRequest(prompt_len=4, max_tokens=1, priority=2),
+                              WorkloadRequest(prompt_len=4, max_tokens=1, tenant="a")])
+    with ServerThread(app) as url:
+        refused = bench_endpoint(url, workload, label="x", model="m")["results"]["x"]
+        omitted = bench_endpoint(url, workload, label="x", model="m", omit=["priority", "user"])
+        with pytest.raises(ValueError, match="tenant"):
+            asyncio.run(run_client(url, workload.requests, model="m", omit=["tenant"]))
+    reason = "HTTP 400: Got priority 2 but Priority scheduling is not enabled."
+    assert refused["errors"] == 1 and refused["error_reasons"] == {reason: 1}
+    assert describe_errors(refused).splitlines() == [
+        f"error: 1 request failed: {reason}",
+        "(a server that refuses a trace's field: leave it out with --omit-field)"]
+    assert omitted["results"]["x"]["errors"] == 0 and omitted["results"]["x"]["completed"] == 2
+    assert omitted["declaration"]["omitted_fields"] == ["priority", "user"]
+    measured = [b for b in sent if b["max_tokens"] == 1]  # not the warm-up probes
+    assert [("priority" in b, "user" in b) for b in measured] == [
+        (True, False), (False, True), (False, False), (False, False)]
+    assert describe_errors(omitted["results"]["x"]) == ""
+    parsed = bench.bench_parser().parse_args(["--endpoint", url, "--omit-field", "priority"])
+    assert parsed.omit_field == ["priority"]
+    with pytest.raises(SystemExit):
+        bench.bench_parser().parse_args(["--endpoint", url, "--omit-field", "tenant"])
+    assert "invalid choice" in capsys.readouterr().err
 
 
 def test_the_client_stamps_every_token_the_last_one_too(tiny_model):
