@@ -196,7 +196,9 @@ def load_model(name_or_path: str | os.PathLike, device: str | torch.device = "au
     config = ModelConfig.from_hf(hf_config)
     with torch.device("meta"):  # no random init: every parameter is overwritten below
         model = LlamaModel(config, attention_backend=attention_backend).to(dtype)
-    model.to_empty(device=device)
+    # uninitialised storage, as `to_empty` gives, but through torch.empty: `to_empty`'s
+    # empty_like of a meta tensor imports sympy, a second of every load
+    model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     model.load_hf_state_dict(load_state_dict(path))
     model.eval().requires_grad_(False)
     if quantization == "int8":
