@@ -59,7 +59,7 @@ def batch(kind: str, page_size: int, seed: int):
     after a two-page prefix-cache hit, a fresh prompt, a chunk that starts mid-page."""
     rng = random.Random(seed)
     p = page_size
-    prefill = [(2 * p, p + 5), (2 * p, 7), (0, 2 * p + 3), (p + 5, p - 2)]
+    prefill = [(2 * p, p + 5), (2 * p, 7), (0, 2 * p + 3), (p + 5, max(p - 2, 1))]
     if kind == "decode":
         return [(2 * p + 3, 1), (2 * p + 9, 1)] + ragged_decodes(rng, 4, p), 2, (0, 1)
     if kind == "prefill":

@@ -47,7 +47,7 @@ def make_case(*args, **kwargs):
 
 @pytest.mark.parametrize("kind", ["decode", "prefill", "mixed"])
 @pytest.mark.parametrize("group", [1, 4])
-@pytest.mark.parametrize("page_size", [16, 32])
+@pytest.mark.parametrize("page_size", [1, 16, 32, 64])
 def test_store_and_attend_match_reference(kind, group, page_size):
     members, shared, sharers = batch(kind, page_size, seed=page_size + group)
     q, k, v, k_cache, v_cache, meta = make_case(members, page_size, group, shared, sharers,
