@@ -93,8 +93,8 @@ print(f"(measured on: {device_description('cpu')['cpu_model']}, "
       f"{torch.get_num_threads()} torch thread(s))")
 
 # %% [markdown]
-# A prefill step of 256 tokens costs about as much as eight to twenty decode steps (the
-# line above says how many here), yet produces
+# A prefill step of 256 tokens costs about as much as seven to twenty decode steps, depending
+# on the machine and its load (the line above says how many here), yet produces
 # the K/V of 256 positions: per token, prefill is an order of magnitude faster than decode, and
 # its tokens/s still climbs from 16 to 256 prompt tokens. (Absolute numbers depend on the machine
 # and on what else it runs at the time; compare ratios measured in one run.) Why?

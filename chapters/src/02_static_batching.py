@@ -312,7 +312,9 @@ viz.step_through(static)
 # request waits (as above) launches small batches; waiting longer fills them. Request-level
 # dynamic batching (as in Triton Inference Server and TF Serving) forms a batch when `max_num_seqs`
 # requests wait **or** the oldest has waited `batch_timeout` steps (or seconds, with
-# `batch_timeout_in_seconds=True`). Once formed, the batch is static again.
+# `batch_timeout_in_seconds=True`). Once formed, the batch is static again. The seed's step 1,
+# 等待并收集一批请求 (wait and collect a batch of B), is this policy with no timeout: wait until B
+# requests are there; minicb's `static` is the other end, a batch as soon as anyone waits.
 #
 # Five requests of 8 tokens trickle in at steps 1, 2, 4, 14 and 15; four slots.
 
@@ -345,7 +347,9 @@ viz.compare({"static (form at once)": eager, "dynamic (batch_timeout=4)": patien
 
 # %% [markdown]
 # The dynamic policy held A back four steps so that B and C could join it: one batch of three
-# instead of a batch of one and a batch of two. A pays 4 steps, B and C gain; the mean latency
+# instead of a batch of one and a batch of two. A pays 4 steps, B and C gain, and D and E pay
+# one step each (static started them at step 17, when B and C's batch ended; the timeout holds D
+# to step 18, four steps after it came, hoping for more); the mean latency
 # barely moves, and the batches are fuller. That trade-off (a timeout against batch fill) is all
 # request-level batching can offer: once a batch starts, it still lives until its slowest member
 # ends. The timeout chooses *when* to lock the door, not whether.
@@ -383,7 +387,7 @@ print(f"R1/R2/R3:      {metrics.dead_slot_steps(static.trace)} dead slot-steps")
 #
 # **Exercises:** [`exercises/02_static_batching.ipynb`](../exercises/02_static_batching.ipynb):
 # form a static batch from the front of the waiting queue under the slot limit and the free pages
-# (`static_batch`), then watch your function form the batches of the R1..R4 example in the real
+# (`form_static_batch`, exercise 2.1), then watch your function form the batches of the R1..R4 example in the real
 # engine; then predict from output lengths and arrival steps the step at which each request
 # finishes under static batching (`static_finish_steps`, checked against the real engine on the
 # R1..R4 example and on random workloads).

@@ -294,7 +294,8 @@ viz.plot_pages(tight, title="continuous batching on a 10-page pool: admission wa
 # %% [markdown]
 # With 10 pages, three requests (9 pages) fit; the other three wait, with three slots free,
 # until a finished request's pages come back: each time a request leaves (reclaim), the next
-# step's schedule admits whoever now fits. The green band is pages the prefix index keeps after a
+# step's schedule admits whoever now fits. The light-blue hatched band ("cached") is pages the
+# prefix index keeps after a
 # request finishes (the first two, full, pages of its prompt): they count as available and are
 # evicted, least recently used first, when an admission needs them. With the default pool all six
 # run at once and the run ends at step 8 instead of 16.
@@ -410,7 +411,7 @@ for workload, policy in sorted(runs, key=lambda k: WORKLOADS.index(k[0])):
 # either policy. How much of the 1.5x gain in steps survives in seconds depends on the split
 # (the fit's prediction is rough, but it gets the ordering and the size of the gap about right).
 # At these small batches the fixed part dominates (the fit above: tens of milliseconds a step
-# against a few per request, a slope no larger than the noise between the medians), so most
+# against about one per request, a slope no larger than the noise between the medians), so most
 # of the gain carries over. The per-request part grows with the
 # batch and with each request's context (its own attention, its row of every product): with 32
 # requests of up to 768 tokens it is most of a CPU step (`bench/README.md`). On a GPU a decode
@@ -432,8 +433,9 @@ viz.compare({"static": runs["varied", "static"][0],
 # useful work) and the **shape of tail latency** (a short request's completion no longer depends
 # on the longest output in its batch; it starts as soon as any slot frees up).
 #
-# On a GPU everything here grows: a decode step of 64 or 256 requests costs little more than a
-# step of one, so the gap between a full batch and a half-dead one is worth far more than on two
+# On a GPU everything here grows: a decode step of dozens of requests is expected to cost little
+# more than a step of one while reading the weights dominates (not measured in this course;
+# chapter 07's GPU check will), so the gap between a full batch and a half-dead one is worth far more than on two
 # CPU cores, and real servers keep hundreds of requests in flight.
 #
 # One thing continuous batching as built here does not fix. A new request's whole prompt is
@@ -450,8 +452,10 @@ viz.compare({"static": runs["varied", "static"][0],
 #   slot-steps instead of 290.
 # - Concurrency is not fixed: it follows the queue (batches shrink only when nothing waits) and
 #   the memory (with 10 pages, three 3-page requests at a time).
-# - It gains most when output lengths vary, nothing when they are equal, and nothing at a low
-#   arrival rate, as the seed's table says.
+# - It gains most when output lengths vary, nothing when they are equal, and nothing when
+#   arrivals are so sparse that requests never overlap, as the seed's table says. (A random
+#   stream at a low rate still overlaps now and then, and then a newcomer no longer waits for a
+#   batch to end: `bench/README.md`'s run at 0.5 requests/s, TTFT p99 0.18 s against 1.48 s.)
 #
 # **Exercises:**
 # [`exercises/03_continuous_batching.ipynb`](../exercises/03_continuous_batching.ipynb): predict

@@ -222,8 +222,8 @@ print("paged reference == dense causal attention (max diff < 1e-5):", worst < 1e
 
 # %% [markdown]
 # The test suite does this on many random cases (`tests/test_triton.py`: ragged decodes, chunks
-# starting mid-page, shared prefix pages, page sizes 1 to 64, every GQA group, and bf16/fp16 on a
-# GPU).
+# starting mid-page, shared prefix pages, page sizes 1, 16, 32 and 64, GQA groups 1, 4 and 7,
+# and bf16/fp16 on a GPU).
 #
 # ## 5. The whole model on the Triton backend
 #
@@ -315,8 +315,8 @@ for free_gib in (20, 75):  # e.g. a 24 GB card, an 80 GB H100, after loading the
 # **CUDA graphs for decode steps.** A decode step of a small model on a GPU is a few hundred
 # short kernel launches (30 layers × norms, projections, rotary embedding, the two attention
 # kernels, MLP), each costing microseconds of CPU time to launch. For batch sizes of a few dozen
-# the GPU finishes each kernel faster than the CPU can launch the next, so the step time is set
-# by the host. A CUDA graph records the whole decode forward once for a fixed batch size and
+# the GPU is expected to finish each kernel faster than the CPU can launch the next, so that the
+# step time is set by the host (not yet measured here). A CUDA graph records the whole decode forward once for a fixed batch size and
 # replays it with one launch. minicb does this for decode-only steps (`minicb/cuda_graphs.py`,
 # on with `use_cuda_graphs=True` and the Triton backend on CUDA): at start-up it captures one
 # graph per bucket of 1, 2, 4, … requests up to `max_num_seqs` (at most 64; a decode step never
@@ -422,11 +422,13 @@ print("\n".join(gpu_md.read_text().splitlines()[:6]))
 # `attention_backend="auto"` picks these Triton kernels; `dtype="auto"` picks bfloat16 for a
 # model the engine loads itself (a model from `load_model` keeps the float32 it was loaded in
 # unless you pass `dtype=torch.bfloat16`); and the page pool fills the free memory. Make the examples
-# bigger where the chapters say so (an 8,000-token prompt in chapters 04–05, thousands of
+# bigger where the chapters say so (an 8,000-token prompt in chapter 04's workload, which
+# chapter 05 reuses, thousands of
 # requests in chapter 06), and point `LLM(...)` at a larger local checkpoint (Llama, Qwen2,
 # Qwen3).
 #
-# The prepared GPU check runs in under 8 minutes and writes `bench/gpu-results-<date>.md`:
+# The prepared GPU check is budgeted at 8 minutes (the script stops itself at 470 s; it has not
+# yet run on a GPU) and writes `bench/gpu-results-<date>.md`:
 #
 # ```bash
 # bench/gpu_check.sh                # kernel tests on the GPU, copy bandwidth, decode attention, the engine benchmark

@@ -46,7 +46,7 @@ for f in fields(EngineConfig):
 # | `max_num_batched_tokens` | `max_num_batched_tokens` | `max_prefill_tokens` (prefill per batch); the chunk size bounds a mixed step | tokens per step: the token budget (ch. 04–05) |
 # | `max_num_seqs` | `max_num_seqs` | `max_running_requests` | requests in the running batch (ch. 03) |
 # | `chunk_size` | `long_prefill_token_threshold` (caps one request's prefill tokens per step) | `chunked_prefill_size` | one request's chunk (ch. 04) |
-# | `policy="chunked"` / `"pd"` vs `"continuous"` | `enable_chunked_prefill` (on by default in the V1 engine, which schedules running decodes first, like `pd`) | chunked prefill on unless `chunked_prefill_size=-1`; `enable_mixed_chunk` mixes a chunk with decodes in one batch, like `pd` | whether prompts are cut, and whether decodes share the step (ch. 04–05) |
+# | `policy="chunked"` / `"pd"` vs `"continuous"` | `enable_chunked_prefill` (on by default in the V1 engine, which serves running requests before admitting new ones, close to `pd`) | chunked prefill on unless `chunked_prefill_size=-1`; `enable_mixed_chunk` mixes a chunk with decodes in one batch, like `pd` | whether prompts are cut, and whether decodes share the step (ch. 04–05) |
 # | `min_chunk` | (none: any leftover budget is used) | (none) | the smallest chunk worth running (ch. 05) |
 # | `enable_prefix_caching` | `enable_prefix_caching` | radix cache, on unless `disable_radix_cache` | reuse of cached prompt pages (ch. 01) |
 # | `page_size` | `block_size` | `page_size` | tokens per KV page (ch. 01) |
@@ -294,7 +294,7 @@ print(f"{'of which attention, ms':<40}" + "".join(
 # out of their pages into a padded tensor (`index_select`), because
 # `scaled_dot_product_attention` wants contiguous keys; attention then reads the copy again. A
 # kernel that reads the keys where they lie, page by page, is what chapter 07's Triton kernel
-# does on a GPU. On the CPU, minicb's `cpu` backend does it in about 150 lines of C,
+# does on a GPU. On the CPU, minicb's `cpu` backend does it in under 200 lines of C,
 # `minicb/attention/paged_decode.c`, compiled once with the system compiler on first use and
 # cached (`minicb/attention/cpu_kernel.py`). Its first pass, the scores:
 
@@ -388,9 +388,10 @@ print("same greedy tokens from both backends:", tokens["torch"] == tokens[KERNEL
 # gives the reference back. It reads bfloat16 caches too (`dtype="bfloat16"`, widened to float32
 # row by row). What would take it further: the same kernel for prefill chunks (a tiled, causal
 # version, the CPU twin of chapter 07's); bfloat16 keys and values under float32 weights (a
-# `kv_cache_dtype` knob, as vLLM has: half the bytes to read); and bfloat16 products prepacked
-# for AMX, the matrix units of recent Xeons, which oneDNN already uses for `dtype="bfloat16"`
-# (1.4× float32 on the whole benchmark on such a machine, `bench/README.md`).
+# `kv_cache_dtype` knob, as vLLM has: half the bytes to read). bfloat16 weights are already
+# prepacked for AMX, the matrix units of recent Xeons, where oneDNN runs bfloat16 products
+# (`dtype="bfloat16"`: 1.3–1.5× float32 on the whole benchmark on such a machine,
+# `bench/README.md`).
 #
 # ## 5. A second step, built: steps that yield several tokens
 #
@@ -411,7 +412,9 @@ print("same greedy tokens from both backends:", tokens["torch"] == tokens[KERNEL
 #
 # The cheapest guesser needs no second model. **Prompt lookup** (vLLM's `ngram` method) finds
 # the latest earlier place where the request's last few tokens occurred, in its prompt or its
-# own output, and proposes what followed them there. Text that repeats its input (copying,
+# own output, and proposes what followed them there (the latest with `k` tokens after it; in a
+# run like `a a a a` the latest overlaps the end, so minicb falls back to the earliest; the
+# by-hand version below keeps only the first rule). Text that repeats its input (copying,
 # extraction, code edits, quoting) gets long runs of right guesses; free text gets few.
 #
 # By hand first, on a sentence that asks for a list it contains:
@@ -578,7 +581,8 @@ print("same tokens:", batch_runs[0] == batch_runs[4])
 # not): copying the list, every guess was kept (20 of 20), 32 tokens in 12 steps instead of 32,
 # and it gained by far the most in seconds (the `copy` ratio printed above): at batch 1 on this
 # CPU a step of 5 query rows costs little more than a step of 1, since the weights are read once
-# either way. The JSON rewrite kept 14 guesses of 52 and the poem 16 of 50, about a third,
+# either way. The JSON rewrite kept 14 guesses of 52 and the poem 16 of 50, about a quarter to a
+# third,
 # 1.33–1.34 tokens a step, so they need about a quarter fewer steps; in seconds free text gains
 # much less than copying, and how much varies from run to run (the `json` and `poem` ratios above
 # have ranged from barely faster to about a third faster across builds of this notebook): the
