@@ -94,8 +94,9 @@ print(f"wall clock: single {t_serial:.1f} s = {96 / t_serial:.1f} tokens/s, "
 
 # %% [markdown]
 # The seed: "若多个请求只能串行执行，则多个请求的 Decode 时间在墙钟时间上近似累加" (run serially,
-# the requests' decode times simply add up). On a GPU the effect is much larger: a decode step of
-# 64 requests there costs barely more than a step of one.
+# the requests' decode times simply add up). On a GPU the effect should be much larger: a decode
+# step of dozens of requests is expected to cost barely more than a step of one, since reading
+# the weights dominates (not yet measured in this course; chapter 07's GPU check will).
 #
 # ### Tail latency: a short request behind a long one
 #
