@@ -73,10 +73,11 @@ print(requests)
 #
 # The same in Python, over plain lists. The one change from the seed: after the first chunk the
 # loop keeps taking chunks from the next waiting prompts while budget is left (minicb and vLLM
-# both do this; with one long prompt it makes no difference).
+# both do this). `one_chunk=True` keeps the seed's letter, one chunk a step; the next cells show
+# what the difference costs on this workload.
 
 # %%
-def pd_step(decoding, prefilling, budget, chunk_size, min_chunk=1):
+def pd_step(decoding, prefilling, budget, chunk_size, min_chunk=1, one_chunk=False):
     """decoding: ids of running decodes; prefilling: [(id, prompt tokens left)] in arrival
     order. Returns the step's batch [(id, tokens)]."""
     batch = [(rid, 1) for rid in decoding]        # 1. every decode: one token
@@ -87,6 +88,8 @@ def pd_step(decoding, prefilling, budget, chunk_size, min_chunk=1):
             break
         batch.append((rid, n))
         budget -= n
+        if one_chunk:                             # the seed's letter: one chunk a step
+            break
     return batch
 
 
@@ -124,6 +127,22 @@ for step, batch in enumerate(toy[:11], start=1):
 # At steps 4–9 the batch is three decodes plus a 125-token chunk: 3 + 125 = 128, the whole
 # budget. Step 10 takes the last 50 prompt tokens and gives `long` its first token, and from
 # step 11 `long` decodes with the others.
+#
+# The seed's letter, one chunk a step, differs at step 1: the three chats arrive together, and
+# their 16-token prompts would fit in one step's budget, but each step takes only the front
+# prompt's chunk.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+literal = toy_run(requests, pd_step, budget=BUDGET, chunk_size=CHUNK, one_chunk=True)
+for step, batch in enumerate(literal[:4], start=1):
+    print(step, batch)
+print(f"one chunk a step: {len(literal)} steps; chunks while budget lasts: {len(toy)} steps")
+
+# %% [markdown]
+# The chats start one step apart and every later step shifts with them, so the run takes two
+# steps more. Taking chunks while the budget lasts costs nothing in a step that has room, which
+# is why minicb and vLLM do it; with a single waiting prompt the two loops agree.
 #
 # ## 2. minicb's PDScheduler
 #
@@ -348,6 +367,26 @@ for policy, engine in engines.items():
 # `pd` it is one mixed step. The window itself is usually a little longer in seconds under `pd`:
 # each of its seven steps also carries three decode rows, and the long prompt's first token
 # arrives that much later. That is the price of decode-first, and here it is small.
+
+# What step counts cannot see: chapter 04's problem one. Plain `continuous` prefills the whole
+# 800-token prompt in one step, which also carries the chats' decodes. Its short_P is 21 steps,
+# the same as `pd`'s, and its dec@P is 3: every decode a one-step window can hold, none missed.
+# Only seconds show the stall, in the chats' worst gap:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+whole = Engine(model, policy="continuous", max_num_seqs=4)
+run_workload(whole, workload)
+for policy, engine in (("continuous", whole), ("pd", pd)):
+    m = long_prefill_metrics(engine.trace, engine.request_records(), "long")
+    itl = max(max_itl(r) for r in engine.request_records() if r.request_id.startswith("short"))
+    print(f"{policy:<10} dec@P {m['dec_at_p']:>2}   short_P {m['short_p_steps']} steps, "
+          f"{m['short_p_s']:.2f} s   worst gap between two chat tokens {itl:.2f} s")
+
+# %% [markdown]
+# The same short_P in steps and no decode missed, but one chat token waited for an 800-token
+# forward. Read dec@P and short_P beside a latency in seconds (max ITL here; chapter 06's ITL
+# percentiles at scale): a step count weighs a 3-token step and an 800-token step alike.
 #
 # ## 5. Why total throughput moves less than latency
 #
@@ -385,7 +424,10 @@ print(f"pd / chunked output tokens/s: {tokens_per_s['pd'] / tokens_per_s['chunke
 # tokens/s are the same (the simulation below: 1,245 against 1,246 at 10 requests/s); at saturation
 # the saved steps show again (12% more there). The seed also notes that it can go the other way:
 # mixing shapes in one step can cost extra kernel launches or padding, so PD's total can even be
-# slightly lower. Either way the change in throughput is modest; the change in the chats' experience
+# slightly lower. The simulation cannot show that: its cost model has no term for mixing, so a
+# mixed step costs what its tokens and rows cost. On the real model, compare the prefill
+# windows printed in section 4: the same seven chunks took longer under `pd`, by the cost of the
+# decode rows riding with them. Either way the change in throughput is modest; the change in the chats' experience
 # (dec@P, short_P, the worst inter-token gap) is large.
 #
 # That is why the seed says to judge PD by latency: "应优先观察 dec@P 和 short_P 这类延迟分布指标，
@@ -396,7 +438,7 @@ print(f"pd / chunked output tokens/s: {tokens_per_s['pd'] / tokens_per_s['chunke
 #
 # One long prompt is an anecdote. For a distribution, run 200 requests with Poisson arrivals at
 # 10 requests/s, lognormal prompt lengths (median 256 tokens, a tail to 6,000) and outputs of
-# 16–256 tokens. Four thousand steps of the real model would take too long on a CPU, so this uses
+# 16–256 tokens. Thousands of steps of the real model would take too long on a CPU, so this uses
 # minicb's **simulated executor** (`minicb.sim`, chapter 06): the real engine, scheduler and
 # pages, with a fake model whose step time comes from a cost model. The `h100-like` cost model
 # is an **assumption** (an 8B model on one H100, from published peak figures), not a
@@ -451,16 +493,19 @@ print(format_table(results, columns))
 # ## 6. `min_chunk`: when the leftover budget is too small
 #
 # Rule 3 of the seed: if after the decodes the budget left cannot hold a minimal chunk, defer the
-# chunk. Why bother? A chunk of 3 tokens still pays for reading the weights and for attending
-# over its whole prefix; many tiny chunks are an expensive way to prefill. `min_chunk` sets the
-# smallest chunk worth running.
+# chunk. Why bother? A chunk of 3 tokens rides in a step that reads the weights anyway for the
+# decodes, but each chunk attends over the prompt's whole prefix again, so many tiny chunks read
+# the same K/V many times (and once the decodes are gone, a step would pay the weights for 3
+# tokens). `min_chunk` sets the smallest chunk worth running.
 #
 # An extreme case makes it visible: nine chats with one-token prompts decoding, 8 to 32 tokens
 # each, and a budget of only 12 tokens, so 3 tokens are left per step while all nine decode. A
-# 48-token prompt arrives at step 2. Schedules depend only on token counts, so the simulated
-# executor gives the real engine's schedule exactly (chapter 04 checked this for chunked
-# prefill; `tests/test_sim.py` checks it, step by step against a real model, for every policy and
-# knob the course simulates, `min_chunk` and chapter 06's preemption orders included).
+# 48-token prompt arrives at step 2. This runs on the real model, 32 small steps for each
+# `min_chunk`; the simulated executor, which chapter 06 uses for the same knob at scale, gives
+# the same schedule (schedules depend only on token counts; `tests/test_sim.py` checks it step
+# by step for every policy and knob the course simulates, `min_chunk`, the priority and fair
+# orders and `max_preemptions` included; deadlines count seconds, so they follow each
+# executor's own clock).
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -471,15 +516,22 @@ chats = [WorkloadRequest(prompt_len=1, max_tokens=n, arrival_step=1, request_id=
 tight = Workload("min-chunk", chats + [WorkloadRequest(prompt_len=48, max_tokens=2,
                                                        arrival_step=2, request_id="long")])
 print(f"{'min_chunk':>9} {'chunks':>6} {'first at':>8} {'L TTFT':>6}  chunk sizes")
+same_as_sim = []
 for min_chunk in (1, 4, 8):
-    sim = make_sim_engine(policy="pd", max_num_seqs=12, max_num_batched_tokens=12,
-                          chunk_size=64, min_chunk=min_chunk)
-    run_workload(sim, tight)
-    sizes = [(rec.step, m.num_tokens) for rec in sim.trace for m in rec.members
+    knobs = dict(policy="pd", max_num_seqs=12, max_num_batched_tokens=12, chunk_size=64,
+                 min_chunk=min_chunk)
+    real, sim = Engine(model, **knobs), make_sim_engine(**knobs)
+    for engine in (real, sim):
+        run_workload(engine, tight)
+    sizes = [(rec.step, m.num_tokens) for rec in real.trace for m in rec.members
              if m.request_id == "long" and m.kind == "prefill"]
-    ttft = sim.requests["long"].metrics.first_token_step - 2 + 1
+    ttft = real.requests["long"].metrics.first_token_step - 2 + 1
     print(f"{min_chunk:>9} {len(sizes):>6} {'step ' + str(sizes[0][0]):>8} {ttft:>6}  "
           f"{[n for _, n in sizes]}")
+    same_as_sim.append([[(m.request_id, m.num_tokens) for m in rec.members] for rec in real.trace]
+                       == [[(m.request_id, m.num_tokens) for m in rec.members]
+                           for rec in sim.trace])
+print("the simulated executor's schedules are the same:", all(same_as_sim))
 
 # %% [markdown]
 # With `min_chunk=1` the prompt trickles in 3 to 5 tokens at a time from the step it arrives:
