@@ -70,7 +70,8 @@ from minicb.workload import (
 RESULT_KEYS = ("output_tokens_per_s", "requests_per_s", "ttft_s", "itl_s", "max_itl_s", "tpot_s",
                "e2e_s", "queue_s", "goodput_rps", "dec_at_p", "short_p_steps", "short_p_s",
                "preemptions", "recomputed_tokens", "evicted_pages", "cancelled", "errors",
-               "max_queue_age_s", "host_time_fraction", "decode_tokens_per_s")
+               "deadline_missed", "slo_attainment", "max_queue_age_s", "host_time_fraction",
+               "decode_tokens_per_s")
 CACHE_STATES = {
     "cold": "cold: a fresh engine (empty page pool and prefix index) for each policy; weights "
             "loaded once and warmed up by one short request on a throwaway engine",
@@ -95,6 +96,8 @@ def _policies(values: list[str] | None) -> list[str]:
                 raise ValueError(f"--policy must name policies among {POLICIES}, got {name!r}")
             if name not in out:
                 out.append(name)
+    if not out:
+        raise ValueError(f"--policy names no policy (got {values!r}); choose among {POLICIES}")
     return out
 
 
@@ -242,9 +245,28 @@ def build_workload(args: argparse.Namespace) -> Workload:
     return get_workload(name, **wanted)
 
 
+def check_writable(path: str | os.PathLike | None, flag: str) -> None:
+    """Refuse an output path that cannot be written, before a run spends minutes and loses its
+    results at the end (chapter 06): the file is opened for appending (and removed again if
+    this made it)."""
+    if path is None:
+        return
+    target = Path(path)
+    existed = target.exists()
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(target, "a"):
+            pass
+    except OSError as exc:
+        raise ValueError(f"{flag} {path}: cannot write there ({exc.strerror or exc})") from None
+    if not existed:
+        target.unlink()
+
+
 def saved_workload_line(workload: Workload, path: str) -> str:
     """Write `workload` as a trace (--save-workload) and say where, with the flags its
     scenario's recommended options need when it is replayed (chapter 06)."""
+    check_writable(path, "--save-workload")
     line = f"wrote workload {save_workload_file(workload, path)}"
     flags = replay_flags(workload)
     return line + (f" (replay it with {flags}: the scenario's recommended options, which a "
@@ -661,11 +683,22 @@ def measure_single_stream(executor: Executor, num_prompts: int = 3, prompt_len: 
 # ------------------------------------------------------------------------------ HF baselines
 def _hf_model(path: str | Path, device: str, dtype: Any) -> Any:
     """transformers' model of the same checkpoint, in minicb's dtype: same precision, same
-    quality (the contract's condition for a comparison)."""
+    quality (the contract's condition for a comparison), warmed up (`hf_warm_up`)."""
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
-    model = model.to(device)
-    return model.eval()
+    model = model.to(device).eval()
+    hf_warm_up(model, device)
+    return model
+
+
+def hf_warm_up(model: Any, device: str) -> None:
+    """One untimed short `generate`, so first-use costs (kernel selection, allocator growth)
+    fall outside the timed baseline, as they do for minicb's warmed-up engine (chapter 06)."""
+    import torch
+    ids = torch.ones((1, 8), dtype=torch.long, device=device)
+    with torch.no_grad():
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2,
+                       do_sample=False, pad_token_id=0)
 
 
 def _hf_prompts(workload: Workload, vocab: int) -> list[list[int]]:
@@ -956,6 +989,13 @@ def _print_extra(name: str, summary: dict[str, Any]) -> None:
                      f"{summary['draft_acceptance_rate']:.0%}")
     if summary.get("cancelled") or summary.get("errors"):
         parts.append(f"cancelled={summary['cancelled']} errors={summary['errors']}")
+    if summary.get("deadline_missed"):
+        parts.append(f"deadline missed={summary['deadline_missed']}")
+    if summary.get("recomputed_tokens") or summary.get("evicted_pages"):  # memory pressure
+        parts.append(f"work lost to preemption={summary['recomputed_tokens']} tokens, "
+                     f"cached pages evicted={summary['evicted_pages']}")
+    if summary.get("slo") and summary.get("slo_attainment") is not None:
+        parts.append(f"SLO met by {summary['slo_attainment']:.0%}")
     if summary.get("max_queue_age_s") is not None:
         parts.append(f"oldest queue age={_fmt(summary['max_queue_age_s'])} s")
     single = summary.get("single_stream")
@@ -1007,6 +1047,31 @@ def bench_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# bench flags that set up minicb's own engine: a server measured with --endpoint has its own
+ENGINE_FLAGS = {"policy": "--policy", "max_num_seqs": "--max-num-seqs",
+                "max_num_batched_tokens": "--max-num-batched-tokens", "chunk_size": "--chunk-size",
+                "min_chunk": "--min-chunk", "num_pages": "--num-pages", "page_size": "--page-size",
+                "no_prefix_caching": "--no-prefix-caching", "preemption": "--preemption",
+                "priority_aging_steps": "--priority-aging-steps",
+                "max_preemptions": "--max-preemptions",
+                "num_speculative_tokens": "--num-speculative-tokens",
+                "batch_timeout": "--batch-timeout", "cache_state": "--cache-state",
+                "executor": "--executor", "cost_model": "--cost-model", "device": "--device",
+                "quantization": "--quantization", "dtype": "--dtype", "threads": "--threads",
+                "compare": "--compare", "plot": "--plot"}
+
+
+def refuse_engine_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """With --endpoint the server runs the engine: refuse the flags that would configure
+    minicb's own, rather than accept and ignore them (chapter 06)."""
+    given = [flag for dest, flag in ENGINE_FLAGS.items()
+             if getattr(args, dest) != parser.get_default(dest)]
+    if given:
+        raise ValueError(f"--endpoint measures a running server, which has its own engine "
+                         f"settings: drop {', '.join(given)} (set them where the server starts, "
+                         "e.g. python -m minicb serve --max-num-seqs 32)")
+
+
 def refuse_unequal_hf_comparison(args: argparse.Namespace) -> None:
     """--compare hf runs transformers on the same requests at the same precision: refuse what
     would make the two sides do different work (chapter 06)."""
@@ -1026,6 +1091,8 @@ def refuse_unequal_hf_comparison(args: argparse.Namespace) -> None:
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     """Everything `bench` does, returning the results dict (chapter 06)."""
     policies = _policies(args.policy)
+    check_writable(args.out, "--out")
+    check_writable(args.plot, "--plot")
     set_threads(args.threads)
     if args.compare == "hf":
         refuse_unequal_hf_comparison(args)
@@ -1095,21 +1162,27 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             "dtype": str(hf_dtype).removeprefix("torch."),
             "memory": "hf-generate-batch: KV blocks for every request at once (transformers "
                       "sizes its own cache); hf-static: what generate allocates",
-            "step_arrivals": "requests with an arrival step arrive at time 0 for HF"}
+            "step_arrivals": "requests with an arrival step arrive at time 0 for HF",
+            "warm_up": "one untimed short generate before the timed runs (minicb's engine is "
+                       "warmed up the same way)"}
     return data
 
 
 def main_bench(argv: list[str] | None = None) -> int:
     """`python -m minicb bench ...`: returns an exit code (chapter 06)."""
-    args = bench_parser().parse_args(argv)
+    parser = bench_parser()
+    args = parser.parse_args(argv)
     args.command_line = _command_line("bench", argv)
     if args.endpoint:  # any OpenAI-compatible server, measured from the client side
         from minicb.client import CLIENT_COLUMNS, bench_endpoint, describe_errors
         try:
+            refuse_engine_flags(parser, args)
+            check_writable(args.out, "--out")
             workload, slo = build_workload(args), slo_from_args(args)
             if args.save_workload:
                 print(saved_workload_line(workload, args.save_workload))
-            data = bench_endpoint(args.endpoint, workload, label=args.endpoint,
+            model = None if args.model == parser.get_default("model") else args.model
+            data = bench_endpoint(args.endpoint, workload, label=args.endpoint, model=model,
                                   vocab_size=args.vocab_size, progress=not args.no_progress,
                                   slo=slo, omit=args.omit_field)
         except ValueError as exc:
@@ -1117,7 +1190,7 @@ def main_bench(argv: list[str] | None = None) -> int:
             return 2
         data["declaration"]["command"] = args.command_line
         print(format_table(data["results"], CLIENT_COLUMNS))
-        if problems := describe_errors(data["results"][args.endpoint]):
+        if problems := describe_errors(next(iter(data["results"].values()), {})):
             print(problems, file=sys.stderr)
         if args.out:
             print(f"wrote {write_json(data, args.out)}")
@@ -1207,6 +1280,7 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
     """Every combination of the four lists (budget, max_num_seqs, chunk size, preemption; and
     of --rates); rows sorted by goodput, then tokens/s. With --rates, each setting's
     sustainable load too (chapter 06). --priority-aging-steps applies to the priority rows."""
+    check_writable(args.out, "--out")
     set_threads(args.threads)
     budgets = _int_list(args.max_num_batched_tokens, "--max-num-batched-tokens")
     seqs = _int_list(args.max_num_seqs, "--max-num-seqs")
@@ -1422,6 +1496,10 @@ def main_sweep(argv: list[str] | None = None) -> int:
         print(f"  {name}: {rule}")
     if not best and not data["sustainable"]:
         print("\nno setting meets them all")
+    if best and not data["sustainable"] and data["declaration"]["slo"] \
+            and not best["goodput_rps"]:
+        print("\nno setting met the SLO for a single request (goodput 0 in every row): the "
+              "best below is only the fastest; loosen the SLO or lower the rate")
     if best and not data["sustainable"]:
         print(f"\nbest: max_num_batched_tokens={best['max_num_batched_tokens']} "
               f"max_num_seqs={best['max_num_seqs']} chunk_size={best['chunk_size']} "
@@ -1502,6 +1580,7 @@ def main_profile(argv: list[str] | None = None) -> int:
     """`python -m minicb profile ...`: returns an exit code (chapter 06)."""
     args = profile_parser().parse_args(argv)
     try:
+        check_writable(args.out, "--out")
         set_threads(args.threads)
         cost = run_profile(args.model, resolve_device(args.device), args.num_requests,
                            args.seed, args.target, not args.no_progress)

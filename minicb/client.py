@@ -49,6 +49,14 @@ CLIENT_COLUMNS = (
 )
 
 
+# summary fields only the engine's trace can fill: None from the client's side
+ENGINE_ONLY = ("num_steps", "preemptions", "recomputed_tokens", "evicted_pages",
+               "dead_slot_steps", "mean_batch_size", "output_tokens_per_step",
+               "decode_tokens_per_s", "host_time_fraction", "cached_prompt_tokens",
+               "prefill_tokens", "decode_tokens", "decode_rows", "mixed_steps", "draft_tokens",
+               "accepted_draft_tokens")
+
+
 def completions_url(endpoint: str) -> str:
     """`http://host:port`, `.../v1` or `.../v1/completions` -> the completions URL."""
     url = endpoint.rstrip("/")
@@ -222,7 +230,8 @@ def bench_endpoint(endpoint: str, workload: Any, label: str | None = None,
     """Run `workload` against a server; returns `{"declaration", "results": {label: summary},
     "records"}` in the results schema of `python -m minicb bench` (chapter 06). The summary is
     `minicb.metrics.summarize` over the client's records (no trace: step metrics are None, and so
-    is the queue age, which the client cannot see; without an SLO no goodput, as in bench), with
+    is the queue age, which the client cannot see, and so are the fields in `ENGINE_ONLY`:
+    preemptions, steps, evictions; without an SLO no goodput, as in bench), with
     `error_reasons`: each failed request's reason in the server's words, and how many. `omit`:
     trace fields not to send, as in `run_client`."""
     try:
@@ -245,6 +254,8 @@ def bench_endpoint(endpoint: str, workload: Any, label: str | None = None,
         # queue time is invisible from outside: summarize's fallback (the finish time) would
         # report the largest E2E as the oldest wait
         summary["max_queue_age_s"] = summary["max_queue_age_steps"] = None
+    for key in ENGINE_ONLY:  # the server knows these (its /metrics); a 0 here would be a guess
+        summary[key] = None
     return {"declaration": declaration, "results": {label or endpoint: summary},
             "records": [r.__dict__ for r in records]}
 

@@ -96,6 +96,7 @@ def test_bench_compare_hf_and_single_stream(tiny_llama_dir, tmp_path, capsys):
     assert single["decode_tokens_per_s"] > 0 and single["prefill_tokens_per_s"] > 0
     assert results["single"]["hf_single_stream"]["decode_tokens_per_s"] > 0
     assert data["declaration"]["compare"]["dtype"] == "float32"  # minicb's, on the CPU
+    assert "untimed" in data["declaration"]["compare"]["warm_up"]
     for name in ("hf-static", "hf-generate-batch"):  # informative: counted, not required
         check = results[name]["same_tokens_as"]
         assert check["policy"] == "single" and check["checked"] and check["requests"] == 4
@@ -150,6 +151,8 @@ def test_a_warm_cache_holds_the_shared_prefix_not_the_questions(tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["--policy", "fastest"], "--policy"),
+    (["--policy", ","], "--policy names no policy"),
+    (["--policy", " "], "--policy names no policy"),
     (["--workload", "seed-r1-r4", "--cache-state", "warm"], "arrivals in seconds"),
     (["--workload", "seed-r1-r4", "--rate", "3"], "--rate"),
     (["--workload", "mixed-chat", "--long-prompt-len", "5"], "--long-prompt-len"),
@@ -169,6 +172,58 @@ def test_a_warm_cache_holds_the_shared_prefix_not_the_questions(tmp_path):
 def test_bench_refuses_bad_flags(argv, message, capsys):
     assert bench.main_bench(["--executor", "sim", "--no-progress", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_unwritable_outputs_are_refused_before_the_run(tmp_path, capsys, monkeypatch):
+    """--out, --plot and --save-workload under a plain file (no folder can be made there) fail
+    with one line naming the flag, before any engine runs; a writable --out is not left behind
+    when the run then fails."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    ran = []
+    monkeypatch.setattr(bench, "run_policy", lambda *a, **k: ran.append(a) or 1 / 0)
+    for flag in ("--out", "--plot", "--save-workload"):
+        assert bench.main_bench(["--executor", "sim", "--num-requests", "2", "--no-progress",
+                                 flag, str(blocker / "x")]) == 2
+        assert f"{flag} {blocker / 'x'}: cannot write there" in capsys.readouterr().err
+    assert bench.main_sweep(["--executor", "sim", "--num-requests", "2", "--no-progress",
+                             "--out", str(blocker / "x")]) == 2
+    assert "--out" in capsys.readouterr().err
+    assert ran == []
+    fine = tmp_path / "deep" / "r.json"
+    with pytest.raises(ZeroDivisionError):
+        bench.main_bench(["--executor", "sim", "--num-requests", "2", "--no-progress",
+                          "--out", str(fine)])
+    assert not fine.exists()
+
+
+def test_the_report_names_lost_work_evictions_deadlines_and_attainment(tmp_path, capsys):
+    """Memory pressure and SLO attainment are in the printed extras, not only in the JSON."""
+    out = tmp_path / "r.json"
+    assert bench.main_bench(["--executor", "sim", "--workload", "mixed-chat", "--num-requests",
+                             "32", "--num-pages", "60", "--policy", "pd", "--slo-ttft", "0.5",
+                             "--no-progress", "--out", str(out)]) == 0
+    pd = json.loads(out.read_text())["results"]["pd"]
+    printed = capsys.readouterr().out
+    assert pd["recomputed_tokens"] > 0 and pd["evicted_pages"] > 0
+    assert (f"work lost to preemption={pd['recomputed_tokens']} tokens, cached pages "
+            f"evicted={pd['evicted_pages']}") in printed
+    assert f"SLO met by {pd['slo_attainment']:.0%}" in printed
+    bench._print_extra("x", {"deadline_missed": 3})
+    assert "x: deadline missed=3" in capsys.readouterr().out
+    bench._print_extra("quiet", {"deadline_missed": 0, "recomputed_tokens": 0,
+                                 "evicted_pages": 0, "slo": {}, "slo_attainment": None})
+    assert capsys.readouterr().out == ""
+
+
+def test_bench_endpoint_refuses_engine_flags(capsys):
+    """With --endpoint the server's engine runs: a flag that would set minicb's own is refused
+    by name (before any connection), not accepted and ignored."""
+    for extra, flag in ((["--policy", "static"], "--policy"), (["--num-pages", "8"], "--num-pages"),
+                        (["--executor", "sim"], "--executor"), (["--compare", "hf"], "--compare"),
+                        (["--cache-state", "warm", "--threads", "1"], "--cache-state, --threads")):
+        assert bench.main_bench(["--endpoint", "http://127.0.0.1:9", *extra]) == 2
+        assert f"drop {flag} (set them where the server starts" in capsys.readouterr().err
 
 
 def test_bench_saves_its_workload_and_replays_it(tmp_path, capsys):
@@ -595,9 +650,13 @@ def test_sweep_best_is_the_fastest_when_no_setting_meets_the_slo(tmp_path, capsy
     assert data["best"]["output_tokens_per_s"] == max(r["output_tokens_per_s"]
                                                       for r in data["rows"])
     best = data["best"]
+    printed = capsys.readouterr().out
     assert (f"best: max_num_batched_tokens={best['max_num_batched_tokens']} "
             f"max_num_seqs={best['max_num_seqs']} chunk_size={best['chunk_size']} "
-            in capsys.readouterr().out)
+            in printed)
+    assert "no setting met the SLO for a single request" in printed
+    assert bench.main_sweep([*SWEEP, "--slo-ttft", "30"]) == 0
+    assert "no setting met the SLO" not in capsys.readouterr().out
 
 
 def test_sweep_sustainable_load_uses_the_slo_target(tmp_path):
