@@ -1006,6 +1006,23 @@ def _print_extra(name: str, summary: dict[str, Any]) -> None:
         print(f"  {name}: " + "; ".join(parts))
 
 
+def class_lines(name: str, summary: dict[str, Any]) -> list[str]:
+    """The per-class fairness of one result (`metrics.by_class`): a small table per grouping
+    with more than one class (chapter 06)."""
+    lines = []
+    for grouping, rows in (summary.get("by_class") or {}).items():
+        slo = any(row["slo_attainment"] is not None for row in rows.values())
+        lines.append(f"  {name} by {grouping.replace('_', ' ')}: done/requests, TTFT p50 and "
+                     "p99, E2E p99 (s)" + (", SLO met" if slo else ""))
+        width = max(len(label) for label in rows)
+        for label, row in rows.items():
+            lines.append(f"    {label:>{width}}  {row['completed']:>4}/{row['requests']:<4} "
+                         f"{_fmt(row['ttft_p50_s']):>7} {_fmt(row['ttft_p99_s']):>7} "
+                         f"{_fmt(row['e2e_p99_s']):>7}"
+                         + (f" {row['slo_attainment']:>5.0%}" if slo else ""))
+    return lines
+
+
 def _command_line(command: str, argv: list[str] | None) -> str:
     import shlex
     argv = sys.argv[1:] if argv is None else argv
@@ -1239,6 +1256,8 @@ def print_report(data: dict[str, Any]) -> None:
             print(f"  {name}: failed: {summary['error']}")
         else:
             _print_extra(name, summary)
+            for line in class_lines(name, summary):
+                print(line)
         hf1, own = summary.get("hf_single_stream"), summary.get("single_stream")
         if hf1:
             print(f"  hf generate batch-1: decode {_fmt(hf1['decode_tokens_per_s'])} tok/s, "

@@ -119,7 +119,7 @@ def _references(exercise: str) -> tuple[Callable, ...]:
         "latencies": [metrics.queue_time, metrics.ttft, metrics.tpot, metrics.e2e,
                       metrics.per_request, metrics.summarize],
         "goodput": [metrics.summarize],
-        "per_tenant": [metrics.summarize],
+        "per_tenant": [metrics.summarize, metrics.by_class],
         "slot_mapping": [AttentionMetadata.slot_mapping.func],
         "paged_attention": [torch_ref.attend, torch_ref.attend_decodes,
                             torch_ref.attend_prefills, cpu_kernel.attend,

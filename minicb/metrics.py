@@ -331,6 +331,65 @@ def long_prefill_metrics(trace: Sequence[Any], records: Sequence[Any],
     return out
 
 
+# ------------------------------------------------------------------------------ per class
+PROMPT_BUCKETS = (0, 128, 512, 2048)  # chapter 06's prompt-length buckets, by lower bound
+
+
+def prompt_bucket(num_prompt_tokens: int) -> str:
+    """The prompt-length class of a request: "0-127", "128-511", "512-2047" or "2048+"."""
+    low = max(b for b in PROMPT_BUCKETS if b <= num_prompt_tokens)
+    bigger = [b for b in PROMPT_BUCKETS if b > low]
+    return f"{low}-{bigger[0] - 1}" if bigger else f"{low}+"
+
+
+CLASSES = {"prompt_tokens": lambda r: prompt_bucket(r.num_prompt_tokens),
+           "tenant": lambda r: "(none)" if r.tenant is None else str(r.tenant),
+           "priority": lambda r: str(r.priority)}
+
+
+def by_class(records: Sequence[Any], slo: dict[str, float] | None = None
+             ) -> dict[str, dict[str, dict[str, Any]]]:
+    """The contract's fairness per class (chapter 06: FCFS is fair to arrival order, not to
+    prompt length, tenant or priority class): for each grouping in `CLASSES` that has more than
+    one class among `records`, each class's requests, completed requests, TTFT p50/p99, queue
+    p99 and E2E p99 (over its completed requests, as in `summarize`) and, with an SLO, the share
+    of its not-cancelled requests that met it."""
+    slo = check_slo(slo)
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for grouping, key in CLASSES.items():
+        classes: dict[str, list[Any]] = {}
+        for r in records:
+            classes.setdefault(key(r), []).append(r)
+        if len(classes) < 2:
+            continue
+        rows = {}
+        for name, mine in sorted(classes.items(), key=lambda kv: _class_order(kv[0])):
+            done = [r for r in mine if is_completed(r)]
+            ttfts = percentiles((v for v in map(ttft, done) if v is not None), (50, 99))
+            not_cancelled = [r for r in mine if r.finish_reason != "cancelled"]
+            rows[name] = {
+                "requests": len(mine), "completed": len(done),
+                "ttft_p50_s": ttfts["p50"], "ttft_p99_s": ttfts["p99"],
+                "queue_p99_s": percentiles((v for v in map(queue_time, done) if v is not None),
+                                           (99,))["p99"],
+                "e2e_p99_s": percentiles((v for v in map(e2e, done) if v is not None),
+                                         (99,))["p99"],
+                "slo_attainment": (sum(1 for r in done if meets_slo(r, slo))
+                                   / len(not_cancelled) if slo and not_cancelled else None)}
+        out[grouping] = rows
+    return out
+
+
+def _class_order(name: str) -> tuple[int, float, str]:
+    """Classes in a readable order: numbers (buckets, priorities) by value, then names."""
+    for text in (name, name.split("-")[0].rstrip("+")):  # "-1", "128-511", "2048+"
+        try:
+            return (0, float(text), name)
+        except ValueError:
+            pass
+    return (1, 0.0, name)
+
+
 # ------------------------------------------------------------------------------ summary
 def summarize(trace: Sequence[Any], records: Sequence[Any], slo: dict[str, float] | None = None,
               long_request_id: str | None = None) -> dict[str, Any]:
@@ -397,6 +456,7 @@ def summarize(trace: Sequence[Any], records: Sequence[Any], slo: dict[str, float
         "dead_slot_steps": dead_slot_steps(trace),
         "mean_batch_size": float(np.mean(sizes)) if sizes else None,
         "cached_prompt_tokens": sum(r.num_cached_tokens for r in records),
+        "by_class": by_class(records, slo),
         "percentile_method": PERCENTILE_METHOD,
     }
     summary.update(long_prefill_metrics(trace, records, long_request_id))

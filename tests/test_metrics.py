@@ -361,3 +361,42 @@ def test_token_mix_counts_what_each_step_processed():
     empty = metrics.token_mix([])
     assert empty["prefill_tokens"] == empty["mixed_steps"] == 0
     assert empty["mixed_step_share"] is None and empty["mean_tokens_per_step"] is None
+
+
+# --------------------------------------------------------------------------- fairness per class
+def test_prompt_buckets_have_exact_edges():
+    assert [metrics.prompt_bucket(n) for n in (0, 127, 128, 511, 512, 2047, 2048, 10**6)] == [
+        "0-127", "0-127", "128-511", "128-511", "512-2047", "512-2047", "2048+", "2048+"]
+
+
+def test_by_class_groups_by_prompt_length_tenant_and_priority():
+    """Each grouping with two or more classes, in value order; per class its own requests'
+    TTFT p50/p99, queue and E2E p99 over its completed requests, and SLO attainment over its
+    not-cancelled ones. A grouping with one class (here nobody has a priority) is left out."""
+    def one(rid, prompt, tenant, first, reason="length", priority=0):
+        return replace(rec(rid, 4, reason, arrival=0.0, sched=first / 2, first=first,
+                           finish=first + 1.0, times=[first, first + 1.0]),
+                       num_prompt_tokens=prompt, tenant=tenant, priority=priority)
+    records = [one("a1", 10, "a", 0.1), one("a2", 200, "a", 0.3), one("a3", 300, "a", 2.0),
+               one("b1", 3000, "b", 0.5), one("b2", 20, "b", 9.0, reason="cancelled"),
+               one("n1", 600, None, 0.2)]
+    out = metrics.by_class(records, {"ttft": 1.0})
+    assert list(out) == ["prompt_tokens", "tenant"]
+    assert list(out["prompt_tokens"]) == ["0-127", "128-511", "512-2047", "2048+"]
+    assert list(out["tenant"]) == ["(none)", "a", "b"]
+    a = out["tenant"]["a"]
+    want = metrics.percentiles([0.1, 0.3, 2.0], (50, 99))
+    assert (a["requests"], a["completed"]) == (3, 3)
+    assert (a["ttft_p50_s"], a["ttft_p99_s"]) == (approx(want["p50"]), approx(want["p99"]))
+    assert a["queue_p99_s"] == approx(metrics.percentiles([0.05, 0.15, 1.0], (99,))["p99"])
+    assert a["e2e_p99_s"] == approx(metrics.percentiles([1.1, 1.3, 3.0], (99,))["p99"])
+    assert a["slo_attainment"] == approx(2 / 3)
+    b = out["tenant"]["b"]  # the cancelled request is counted, never averaged in
+    assert (b["requests"], b["completed"], b["ttft_p99_s"], b["slo_attainment"]) == (2, 1, 0.5,
+                                                                                     1.0)
+    assert out["prompt_tokens"]["0-127"]["requests"] == 2
+    assert metrics.by_class(records)["tenant"]["a"]["slo_attainment"] is None  # no SLO
+    ranked = [replace(r, priority=p) for r, p in zip(records, (2, -1, 0, 10, 2, 0))]
+    assert list(metrics.by_class(ranked)["priority"]) == ["-1", "0", "2", "10"]
+    assert metrics.by_class(records[:1]) == {}
+    assert metrics.summarize([], records)["by_class"] == metrics.by_class(records)
