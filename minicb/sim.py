@@ -17,6 +17,7 @@ made this way says "simulated" in its declaration.
 from __future__ import annotations
 
 import json
+import math
 import platform
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -102,8 +103,9 @@ class CostModel:
         model = cls(**known)
         for key in FEATURES:
             value = getattr(model, key)
-            if not isinstance(value, (int, float)) or value < 0:
-                raise ValueError(f"cost model coefficient {key} must be a number >= 0, "
+            if (not isinstance(value, (int, float)) or isinstance(value, bool)
+                    or not math.isfinite(value) or value < 0):
+                raise ValueError(f"cost model coefficient {key} must be a finite number >= 0, "
                                  f"got {value!r}")
         return model
 
@@ -114,10 +116,32 @@ class CostModel:
         if key in PRESETS:
             return PRESETS[key]
         path = Path(DEFAULT_CPU_COST_MODEL if key == "cpu" else key)
+        make = "run `python -m minicb profile` to make one"
+        if path.is_dir():
+            raise ValueError(f"cost model {key!r} is a directory, not a JSON file")
+        if not path.is_file() and key == "cpu":
+            raise ValueError(f"cost model 'cpu' reads {str(path)!r}: no such file ({make})")
         if not path.is_file():
             raise ValueError(f"cost model {key!r} is neither a preset {sorted(PRESETS) + ['cpu']}"
-                             f" nor a JSON file (run `python -m minicb profile` to make one)")
-        return cls.from_dict(json.loads(path.read_text()))
+                             f" nor a JSON file (no such file; {make})")
+        wanted = f"expected a JSON object with coefficients {', '.join(FEATURES)} ({make})"
+        try:
+            data = json.loads(path.read_text(encoding="utf-8-sig"))
+        except UnicodeDecodeError:
+            raise ValueError(f"cost model {str(path)!r} is not UTF-8 text: {wanted}") from None
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"cost model {str(path)!r} is not JSON ({exc.msg}, line "
+                             f"{exc.lineno}): {wanted}") from None
+        except OSError as exc:
+            raise ValueError(f"cost model {str(path)!r}: cannot read it ({exc.strerror})") \
+                from None
+        if not isinstance(data, dict) or not any(k in data for k in FEATURES):
+            raise ValueError(f"cost model {str(path)!r} holds no coefficients: {wanted}")
+        try:
+            return cls.from_dict(data)
+        except ValueError as exc:
+            raise ValueError(f"cost model {str(path)!r}: {str(exc).removeprefix('cost model ')}")\
+                from None
 
 
 DEFAULT_CPU_COST_MODEL = Path(__file__).resolve().parent.parent / "bench" / "cost_model_cpu.json"

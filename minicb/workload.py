@@ -504,6 +504,7 @@ TRACE_FIELDS: dict[str, tuple[str, str | None]] = {
     "cancel_after_tokens": ("count", "cancel_after_tokens"),  # the client cancels then
     "long_prefill": ("flag", None),  # true on at most one request: Workload.long_request_id
 }
+MAX_FIRST_ARRIVAL_S = 86400.0  # a later first arrival is a clock time (epoch), not an offset
 FLAG_TEXT = {"true": True, "1": True, "false": False, "0": False}  # a CSV cell
 
 
@@ -572,24 +573,42 @@ def load_workload_file(path: str | Path, num_requests: int | None = None) -> Wor
     if num_requests is not None:  # a slice would take -1 as "all but the last"
         _check_int("num_requests", num_requests)
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"--workload-file {str(path)!r} is a directory, not a trace file")
     if not path.is_file():
         raise ValueError(f"--workload-file {str(path)!r}: no such file")
-    text = path.read_text()
+    try:  # utf-8-sig: a byte-order mark (Excel writes one) is not part of the first name
+        text = path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text (byte {exc.start}); a trace must be JSON "
+                         "Lines or CSV saved as UTF-8") from None
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read it ({exc.strerror})") from None
     rows: list[tuple[str, dict[str, Any]]] = []
     if path.suffix.lower() == ".csv":
-        reader = csv.DictReader(io.StringIO(text))
-        for i, row in enumerate(reader, start=2):
-            if None in row:
-                raise ValueError(f"{path}, line {i}: more cells than the header has names")
-            rows.append((f"{path}, line {i}", row))
+        limit = csv.field_size_limit()  # 131072 by default: ~20k prompt ids in one cell
+        csv.field_size_limit(max(limit, len(text) + 1))
+        try:
+            reader = csv.DictReader(io.StringIO(text))
+            for i, row in enumerate(reader, start=2):
+                if None in row:
+                    raise ValueError(f"{path}, line {i}: more cells than the header has names")
+                rows.append((f"{path}, line {i}", row))
+        except csv.Error as exc:
+            raise ValueError(f"{path}, line {reader.line_num}: not CSV ({exc})") from None
+        finally:
+            csv.field_size_limit(limit)
     else:
+        first = True
         for i, line in enumerate(text.splitlines(), start=1):
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}, line {i}: not JSON ({exc.msg})") from None
+                hint = "; a CSV trace's name must end in .csv" if first else ""
+                raise ValueError(f"{path}, line {i}: not JSON ({exc.msg}){hint}") from None
+            first = False
             if not isinstance(row, dict):
                 raise ValueError(f"{path}, line {i}: each line must be a JSON object")
             rows.append((f"{path}, line {i}", row))
@@ -613,6 +632,10 @@ def load_workload_file(path: str | Path, num_requests: int | None = None) -> Wor
         raise ValueError(f"{path}: request_id values must be unique")
     long_request_id = next((r.request_id for r in requests if marked and r is marked[0]), None)
     times = [r.arrival_time for r in requests if r.arrival_time is not None]
+    if times and min(times) > MAX_FIRST_ARRIVAL_S:  # the engine would wait until then
+        raise ValueError(f"{path}: the first arrival_s is {min(times)}, more than a day; "
+                         "arrival_s is seconds after the run starts, not a clock time: "
+                         "subtract the first timestamp from every arrival_s")
     span = max(times) - min(times) if times else 0.0
     gaps = np.diff(times) if len(times) > 2 else np.array([])
     cv2 = float(gaps.var() / gaps.mean() ** 2) if gaps.size and gaps.mean() > 0 else None

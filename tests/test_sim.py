@@ -238,3 +238,30 @@ def test_step_features_restart_after_preemption_and_start_at_the_cache_hit():
              step(3, [("A", "decode", 1, 0)], 2.0, 3.0)]
     feats = step_features(trace, [rec("A", 1), rec("B", 1, cached=4)])
     assert feats.tolist() == [[1, 12, 0, 16, 96], [1, 8, 0, 8, 64], [1, 0, 1, 9, 0]]
+
+
+@pytest.mark.parametrize("data, match", [
+    (b"root:x:0:0:root:/root:/bin/bash\n", r"bad\.json' is not JSON \(Expecting value, line 1\)"
+                                           r": expected a JSON object with coefficients a"),
+    (b"", r"bad\.json' is not JSON"),
+    (b"\xff\xfe{", r"bad\.json' is not UTF-8 text"),
+    (b"[1, 2]", r"bad\.json' holds no coefficients"),
+    (b'{"name": "x"}', r"bad\.json' holds no coefficients"),
+    (b'{"a": NaN}', r"bad\.json': coefficient a must be a finite number"),
+    (b'{"a": true}', r"bad\.json': coefficient a must be a finite number"),
+], ids=["passwd", "empty", "utf-16", "list", "no-coefficients", "nan", "bool"])
+def test_bad_cost_model_files_name_the_path(tmp_path, data, match):
+    path = tmp_path / "bad.json"
+    path.write_bytes(data)
+    with pytest.raises(ValueError, match=match):
+        CostModel.load(str(path))
+
+
+def test_cost_model_missing_file_directory_and_byte_order_mark(tmp_path):
+    with pytest.raises(ValueError, match=r"missing\.json' is neither a preset .*no such file"):
+        CostModel.load(str(tmp_path / "missing.json"))
+    with pytest.raises(ValueError, match="is a directory, not a JSON file"):
+        CostModel.load(str(tmp_path))
+    path = tmp_path / "bom.json"
+    path.write_bytes(b"\xef\xbb\xbf" + TRUE.save(tmp_path / "cm.json").read_bytes())
+    assert np.allclose(CostModel.load(str(path)).coefficients, TRUE.coefficients)

@@ -429,3 +429,42 @@ def test_bad_csv_cells_are_named(tmp_path):
         load_workload_file(path)
     with pytest.raises(ValueError, match="no such file"):
         load_workload_file(tmp_path / "missing.jsonl")
+
+
+def test_trace_with_a_byte_order_mark_loads(tmp_path):
+    """Excel saves CSV with a UTF-8 byte-order mark; it is not part of the first field name."""
+    csv_path, jsonl_path = tmp_path / "bom.csv", tmp_path / "bom.jsonl"
+    csv_path.write_bytes(b"\xef\xbb\xbfarrival_s,prompt_tokens,output_tokens\n0,12,3\n0.5,8,2\n")
+    jsonl_path.write_bytes(b'\xef\xbb\xbf{"arrival_s": 0, "prompt_tokens": 12, '
+                           b'"output_tokens": 3}\n')
+    assert [r.prompt_len for r in load_workload_file(csv_path).requests] == [12, 8]
+    assert load_workload_file(jsonl_path).requests[0].max_tokens == 3
+
+
+@pytest.mark.parametrize("name, data, match", [
+    ("latin.csv", b"arrival_s,prompt_tokens,output_tokens\n0,12,3\n\xe90,1,1\n",
+     r"latin\.csv: not UTF-8 text"),
+    ("utf16.jsonl", '{"arrival_s": 0}\n'.encode("utf-16"), r"utf16\.jsonl: not UTF-8 text"),
+    ("epoch.jsonl", b'{"arrival_s": 1764000000.0, "prompt_tokens": 3, "output_tokens": 4}\n'
+                    b'{"arrival_s": 1764000001.5, "prompt_tokens": 3, "output_tokens": 4}\n',
+     r"epoch\.jsonl: the first arrival_s is 1764000000\.0.*subtract the first timestamp"),
+    ("trace.txt", b"arrival_s,prompt_tokens,output_tokens\n0,12,3\n",
+     r"trace\.txt, line 1: not JSON .*must end in \.csv"),
+], ids=["latin-1", "utf-16", "epoch-seconds", "csv-not-named-csv"])
+def test_unreadable_traces_name_the_file(tmp_path, name, data, match):
+    path = tmp_path / name
+    path.write_bytes(data)
+    with pytest.raises(ValueError, match=match):
+        load_workload_file(path)
+
+
+def test_trace_path_that_is_a_directory_says_so(tmp_path):
+    with pytest.raises(ValueError, match="is a directory, not a trace file"):
+        load_workload_file(tmp_path)
+
+
+def test_csv_trace_with_a_long_prompt_cell_round_trips(tmp_path):
+    ids = [12345] * 30_000  # over the csv module's default 131072 characters in one cell
+    w = Workload("long", [WorkloadRequest(prompt_token_ids=ids, max_tokens=2)], {})
+    back = load_workload_file(save_workload_file(w, tmp_path / "long.csv"))
+    assert back.requests[0].prompt_token_ids == ids
