@@ -216,6 +216,28 @@ def test_the_report_names_lost_work_evictions_deadlines_and_attainment(tmp_path,
     assert capsys.readouterr().out == ""
 
 
+def test_the_report_shows_fairness_per_tenant_and_prompt_length(tmp_path, capsys):
+    """A trace with two tenants and prompts of two sizes: bench prints a per-class table for
+    each grouping (done/requests, TTFT p50/p99, E2E p99, SLO met) equal to the JSON's
+    by_class; priorities, all 0 here, get none."""
+    trace, out = tmp_path / "t.jsonl", tmp_path / "r.json"
+    trace.write_text("".join(
+        json.dumps({"arrival_s": 0.05 * i, "prompt_tokens": 40 if i % 3 else 900,
+                    "output_tokens": 8, "tenant": "ab"[i % 2]}) + "\n" for i in range(12)))
+    assert bench.main_bench(["--executor", "sim", "--workload-file", str(trace), "--policy",
+                             "pd", "--slo-ttft", "0.05", "--no-progress", "--out",
+                             str(out)]) == 0
+    printed = capsys.readouterr().out
+    classes = json.loads(out.read_text())["results"]["pd"]["by_class"]
+    assert set(classes) == {"prompt_tokens", "tenant"}
+    assert list(classes["prompt_tokens"]) == ["0-127", "512-2047"]
+    assert "pd by tenant: done/requests, TTFT p50 and p99, E2E p99 (s), SLO met" in printed
+    for label, row in classes["tenant"].items():
+        assert (f"{label}     {row['completed']}/{row['requests']}    "
+                f"{row['ttft_p50_s']:>7.3f} {row['ttft_p99_s']:>7.3f}") in printed
+    assert "pd by prompt tokens" in printed and "pd by priority" not in printed
+
+
 def test_bench_endpoint_refuses_engine_flags(capsys):
     """With --endpoint the server's engine runs: a flag that would set minicb's own is refused
     by name (before any connection), not accepted and ignored."""

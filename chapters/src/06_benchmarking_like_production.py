@@ -799,7 +799,9 @@ for low, high in ((16, 128), (128, 512), (512, 2048), (2048, 6001)):
 # prompt does. FCFS is fair to arrival order, not to size. Shortest-prompt-first would fix the
 # short requests' tail and starve the long ones instead (measured below, once priorities and
 # aging are introduced); whichever order an engine uses, the contract asks to measure its
-# fairness per class, as above, and to bound the damage.
+# fairness per class, as above, and to bound the damage. `python -m minicb bench` prints the same
+# table under each policy whenever a run has more than one prompt-length bucket, tenant or
+# priority (`metrics.by_class`; the buckets there are 0-127, 128-511, 512-2047 and 2048+).
 #
 # **Priority classes.** With `preemption="priority"` minicb orders the waiting queue by `priority` (smaller is more
 # important, as in vLLM) and preempts the least important request first. Two interactive
