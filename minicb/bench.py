@@ -45,6 +45,7 @@ from minicb.metrics import (
     check_slo,
     format_table,
     lookup,
+    resource_use,
     summarize,
     sustainable_load,
 )
@@ -567,6 +568,8 @@ def run_policy(executor: Executor, policy: str, workload: Workload, options: dic
             bar.close()
     summary = summarize(engine.trace, engine.request_records(), slo,
                         workload.long_request_id)
+    summary.update(resource_use(engine.trace, engine.pool.num_pages,
+                                engine.config.max_num_batched_tokens))
     if executor.simulated:
         summary["host_time_fraction"] = None  # nothing but the modelled forward takes time
     return summary, engine
@@ -994,6 +997,10 @@ def _print_extra(name: str, summary: dict[str, Any]) -> None:
     if summary.get("recomputed_tokens") or summary.get("evicted_pages"):  # memory pressure
         parts.append(f"work lost to preemption={summary['recomputed_tokens']} tokens, "
                      f"cached pages evicted={summary['evicted_pages']}")
+    if summary.get("kv_pool_use_peak") is not None:
+        parts.append(f"KV pool use mean {summary['kv_pool_use_mean']:.0%} peak "
+                     f"{summary['kv_pool_use_peak']:.0%}, token budget use mean "
+                     f"{summary['token_budget_use_mean']:.0%}")
     if summary.get("slo") and summary.get("slo_attainment") is not None:
         parts.append(f"SLO met by {summary['slo_attainment']:.0%}")
     if summary.get("max_queue_age_s") is not None:
@@ -1251,6 +1258,9 @@ def print_report(data: dict[str, Any]) -> None:
         print(line)
     if not decl.get("slo"):
         print(f"goodput: - ({NO_SLO_NOTE})")
+    if not {"static", "dynamic", "hf-static"} & set(data["results"]):
+        print("note: no static or dynamic batching row; the contract compares continuous "
+              "batching with one at the same load and quality (e.g. --policy static,pd)")
     for name, summary in data["results"].items():
         if "error" in summary:
             print(f"  {name}: failed: {summary['error']}")

@@ -240,6 +240,20 @@ def token_mix(trace: Sequence[Any]) -> dict[str, Any]:
             "mean_tokens_per_step": (prefill + decode) / len(ran) if ran else None}
 
 
+def resource_use(trace: Sequence[Any], num_pages: int,
+                 max_num_batched_tokens: int) -> dict[str, float | None]:
+    """How full the engine ran (chapter 06; the contract: watch more than device utilisation):
+    the KV pool's share in use by running requests after each step that ran the model (mean
+    and peak; cached pages kept for reuse not counted) and the token budget's mean share."""
+    ran = [rec for rec in trace if any(m.num_tokens > 0 for m in rec.members)]
+    if not ran:
+        return {"kv_pool_use_mean": None, "kv_pool_use_peak": None, "token_budget_use_mean": None}
+    return {"kv_pool_use_mean": float(np.mean([r.pages_used for r in ran])) / num_pages,
+            "kv_pool_use_peak": max(r.pages_used for r in ran) / num_pages,
+            "token_budget_use_mean": float(np.mean([r.num_tokens for r in ran]))
+            / max_num_batched_tokens}
+
+
 def host_time_fraction(trace: Sequence[Any]) -> float | None:
     """1 - sum(t_forward) / sum(step durations): the share of step time spent outside the
     model (chapter 06)."""

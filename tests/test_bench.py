@@ -209,6 +209,13 @@ def test_the_report_names_lost_work_evictions_deadlines_and_attainment(tmp_path,
     assert (f"work lost to preemption={pd['recomputed_tokens']} tokens, cached pages "
             f"evicted={pd['evicted_pages']}") in printed
     assert f"SLO met by {pd['slo_attainment']:.0%}" in printed
+    assert 0 < pd["kv_pool_use_mean"] <= pd["kv_pool_use_peak"] <= 1
+    assert (f"KV pool use mean {pd['kv_pool_use_mean']:.0%} peak {pd['kv_pool_use_peak']:.0%}, "
+            f"token budget use mean {pd['token_budget_use_mean']:.0%}") in printed
+    assert "note: no static or dynamic batching row" in printed  # pd alone
+    bench.main_bench(["--executor", "sim", "--num-requests", "4", "--policy", "static,pd",
+                      "--no-progress"])
+    assert "no static or dynamic" not in capsys.readouterr().out
     bench._print_extra("x", {"deadline_missed": 3})
     assert "x: deadline missed=3" in capsys.readouterr().out
     bench._print_extra("quiet", {"deadline_missed": 0, "recomputed_tokens": 0,

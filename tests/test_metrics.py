@@ -400,3 +400,16 @@ def test_by_class_groups_by_prompt_length_tenant_and_priority():
     assert list(metrics.by_class(ranked)["priority"]) == ["-1", "0", "2", "10"]
     assert metrics.by_class(records[:1]) == {}
     assert metrics.summarize([], records)["by_class"] == metrics.by_class(records)
+
+
+def test_resource_use_counts_steps_that_ran_against_pool_and_budget():
+    """Mean and peak of pages held by running requests over steps that ran the model (an idle
+    step is not averaged in), and the mean share of the token budget those steps used."""
+    trace = [replace(step(1, [("a", "prefill", 12, 0)], 0.0, 1.0), pages_used=2),
+             replace(step(2, [], 1.0, 2.0), pages_used=0),  # waiting on the clock: ignored
+             replace(step(3, [("a", "decode", 1, 0), ("b", "prefill", 7, 1)], 2.0, 3.0),
+                     pages_used=6)]
+    assert metrics.resource_use(trace, num_pages=8, max_num_batched_tokens=16) == {
+        "kv_pool_use_mean": approx(0.5), "kv_pool_use_peak": approx(0.75),
+        "token_budget_use_mean": approx(10 / 16)}
+    assert metrics.resource_use(trace[1:2], 8, 16)["kv_pool_use_peak"] is None
