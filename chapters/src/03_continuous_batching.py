@@ -35,7 +35,7 @@ import numpy as np
 
 from minicb import LLM, SamplingParams, metrics, viz
 from minicb.model.loader import load_model
-from minicb.workload import random_prompt, run_workload, seed_r1_r4
+from minicb.workload import Workload, WorkloadRequest, random_prompt, run_workload, seed_r1_r4
 
 model = load_model("smollm2-135m")  # loaded once, shared by every engine below
 
@@ -173,6 +173,25 @@ batch_table(cont.trace)
 # R2, the long request, is never disturbed, and the whole run ends at step 200 instead of 260.
 # Where the seed writes "…" our R4, 60 tokens long, finishes at step 90 and R2 runs alone from
 # 91; the seed's R4, of no stated length, is still running at 200.
+
+# One thing the seed's picture has that this run lacks: at R3's exit it writes 再招新的请求
+# (recruit a new request). Here nobody is waiting at step 81, so slot 2 stays empty. Add an R5
+# (100 output tokens) that arrives at step 50, while all three slots are busy: it waits, and the
+# step after R3 finishes it takes R3's slot. The text timeline below is the seed's second
+# picture drawn from the run (`·` waiting, `▓` prefill, `█` decode, `|` finished).
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+r5 = WorkloadRequest(prompt_token_ids=workload.requests[0].prompt_token_ids, max_tokens=100,
+                     arrival_step=50, request_id="R5")
+refill = LLM(model, policy="continuous", max_num_seqs=3).engine
+run_workload(refill, Workload("seed-r1-r5", [*workload.requests, r5]))
+
+# %%
+# NBVAL_CHECK_OUTPUT
+batch_table(refill.trace)
+print()
+print(viz.render_text(refill.trace, width=80))
 #
 # Now both policies side by side. The static run is the one from chapter 02 (260 steps):
 
@@ -411,12 +430,13 @@ for workload, policy in sorted(runs, key=lambda k: WORKLOADS.index(k[0])):
 # either policy. How much of the 1.5x gain in steps survives in seconds depends on the split
 # (the fit's prediction is rough, but it gets the ordering and the size of the gap about right).
 # At these small batches the fixed part dominates (the fit above: tens of milliseconds a step
-# against about one per request, a slope no larger than the noise between the medians), so most
+# against a millisecond or two per request, a slope no larger than the noise between the medians), so most
 # of the gain carries over. The per-request part grows with the
 # batch and with each request's context (its own attention, its row of every product): with 32
 # requests of up to 768 tokens it is most of a CPU step (`bench/README.md`). On a GPU a decode
-# step of dozens of requests costs about as much as a step of one: the fixed part dominates, and
-# the gain in steps carries over to seconds almost whole.
+# step of dozens of requests is expected to cost about as much as a step of one (not measured
+# here): the fixed part would dominate, and the gain in steps carry over to seconds almost
+# whole.
 #
 # The equal-length and low-rate workloads run *identical* schedules under both policies, so any
 # gap between their two rows of seconds is noise: the machine that built this notebook was
