@@ -23,10 +23,11 @@ evicted_pages, cached prefix pages given up to make room (reuse lost).
 
 Percentiles are numpy's default definition (linear interpolation between the two nearest
 ranks, `np.percentile(..., method="linear")`), over completed requests only: cancelled and
-failed requests are counted, never averaged in. Throughput divides by the run's span, from
-the first arrival to the last finish: requests/s counts completed requests, output tokens/s
-counts every token produced (a cancelled request's too). Goodput counts completed requests
-that meet every SLO given, per second of the same span.
+failed requests are counted, never averaged in (the oldest queue age, `max_queue_age`, counts
+every request, so a long wait that ended in a cancel still shows there). Throughput divides
+by the run's span, from the first arrival to the last finish: requests/s counts completed
+requests, output tokens/s counts every token produced (a cancelled request's too). Goodput
+counts completed requests that meet every SLO given, per second of the same span.
 
 The PD pair, around one long prompt L (chapter 05):
     dec@P    decode tokens produced by OTHER requests while L's prefill is unfinished: the
@@ -279,7 +280,9 @@ def max_queue_age(records: Sequence[Any], end_time: float | None = None,
                   end_step: int | None = None) -> tuple[float | None, int | None]:
     """The oldest wait before first being scheduled, in seconds and steps (starvation): for a
     request never scheduled, until it finished (cancelled) or until the end of the run
-    (chapter 06)."""
+    (chapter 06). Every request counts, cancelled ones too, so a user who gave up waiting shows
+    here though the percentiles leave them out. A preempted request's second wait shows in its
+    worst gap between tokens (`max_itl`), not here; `max_preemptions` bounds how often."""
     ages: list[float] = []
     steps: list[int] = []
     def first(*values: Any) -> Any:
