@@ -1405,8 +1405,12 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
         decl["slo_target"] = target
     decl["fairness"] = None if fairness is None else {"max_queue_age_s": fairness}
     decl["requirements"] = sweep_requirements(fairness, executor.simulated)
+    if rates == [None]:
+        best = best_setting(rows, fairness, ranked_by)
+    else:  # rows at different offered loads do not compare: the pick is the load sustained
+        best = sustainable[0] if sustainable[0]["sustainable_load_rps"] is not None else None
     return {"declaration": decl, "rows": rows, "skipped": skipped,
-            "best": best_setting(rows, fairness, ranked_by), "sustainable": sustainable,
+            "best": best, "sustainable": sustainable,
             "note": None if slo else f"{NO_SLO_NOTE}; the best setting is then the one with "
                                      "the most completed requests/s"}
 
