@@ -1350,7 +1350,14 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
     references: dict[float | None, dict[str, list[int]]] = {}  # by rate: the quality reference
     grid = list(itertools.product(budgets, seqs, chunks, preemptions, rates))
     bar = _bar(not args.no_progress, len(grid), "sweep")
+    refused: set[tuple] = set()  # a setting refused at one rate is refused at every rate
     for budget, num_seqs, chunk, preemption, rate in grid:
+        setting = {"max_num_batched_tokens": budget, "max_num_seqs": num_seqs,
+                   "chunk_size": chunk, "preemption": preemption}
+        if tuple(setting.values()) in refused:
+            if bar is not None:
+                bar.update(1)
+            continue
         options = dict(base, max_num_batched_tokens=budget, max_num_seqs=num_seqs,
                        chunk_size=chunk, preemption=preemption)
         if preemption == "priority" and aging is not None:
@@ -1360,7 +1367,8 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
             summary, engine = run_policy(executor, args.policy, traffic[rate][0], options, slo,
                                          progress=False, warmup=traffic[rate][1])
         except ValueError as exc:  # e.g. pd with a budget below max_num_seqs
-            skipped.append({"setting": options, "reason": str(exc)})
+            refused.add(tuple(setting.values()))
+            skipped.append({"setting": setting, "reason": str(exc)})
         else:
             row = {**({} if rate is None else {"rate_rps": rate}),
                    "max_num_batched_tokens": budget, "max_num_seqs": num_seqs,
@@ -1408,7 +1416,7 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
     if rates == [None]:
         best = best_setting(rows, fairness, ranked_by)
     else:  # rows at different offered loads do not compare: the pick is the load sustained
-        best = sustainable[0] if sustainable[0]["sustainable_load_rps"] is not None else None
+        best = next((r for r in sustainable[:1] if r["sustainable_load_rps"] is not None), None)
     return {"declaration": decl, "rows": rows, "skipped": skipped,
             "best": best, "sustainable": sustainable,
             "note": None if slo else f"{NO_SLO_NOTE}; the best setting is then the one with "
@@ -1520,7 +1528,8 @@ def main_sweep(argv: list[str] | None = None) -> int:
     for line in lines:
         print("  ".join(str(c).rjust(w) for c, w in zip(line, widths)))
     for item in data["skipped"]:
-        print(f"skipped {item['setting']}: {item['reason']}")
+        print("skipped " + " ".join(f"{k}={v}" for k, v in item["setting"].items())
+              + f": {item['reason']}")
     if data["note"]:
         print(f"note: {data['note']}")
     best = data["best"]

@@ -694,6 +694,14 @@ def test_sweep_sustainable_load_uses_the_slo_target(tmp_path):
     assert data["best"] == data["sustainable"][0]
     assert data["best"]["sustainable_load_rps"] == max(
         r["sustainable_load_rps"] or 0 for r in data["sustainable"])
+    # every setting skipped (pd refuses a budget below max_num_seqs): no rows, no best
+    skipped = bench.run_sweep(bench.sweep_parser().parse_args(
+        ["--executor", "sim", "--num-requests", "4", "--rates", "5,10", "--max-num-batched-tokens",
+         "8", "--max-num-seqs", "16", "--slo-ttft", "1", "--no-progress"]))
+    assert skipped["rows"] == [] and skipped["best"] is None
+    assert [item["setting"] for item in skipped["skipped"]] == [  # once each, not per rate
+        {"max_num_batched_tokens": 8, "max_num_seqs": 16, "chunk_size": c, "preemption": "newest"}
+        for c in (64, 256)]
     assert data["declaration"]["slo_target"] == 0.5
     differs = False
     for r in data["sustainable"]:
