@@ -71,8 +71,10 @@ GUARD = """\
 import importlib.util as _minicb_grade_util  # added by minicb grade: a fresh minicb.check
 _minicb_grade_spec = _minicb_grade_util.spec_from_file_location("minicb.check", {path!r})
 check = _minicb_grade_util.module_from_spec(_minicb_grade_spec)
+__import__("sys").modules["minicb.check"] = check  # its dataclasses look their module up
 _minicb_grade_spec.loader.exec_module(check)
 """
+STUB_ERROR = "NotImplementedError: write "  # what an untouched stub raises
 MARK = "minicb-grade-check-done:{nonce}:{name}"  # printed after a check cell's own code
 MAX_SOCKET_PREFIX = 90  # bytes; Linux allows 107 in a Unix socket's path, macOS 103
 MAX_CELL_OUTPUT = 1_000_000  # characters of output kept per cell; errors and marks always
@@ -91,6 +93,7 @@ class ExerciseResult:
     max_points: float
     passed: bool
     message: str = ""
+    attempted: bool = True  # False: the stub still raises its NotImplementedError
 
 
 @dataclass
@@ -420,6 +423,9 @@ def grade_notebook(path: str | Path, timeout: int = 300, restore: bool = True,
             continue
         if not ran:
             message = "its check cell did not run (see the notes below)"
+        elif error is None and stopped:
+            message = ("its check cell was still running when the kernel was stopped (see the "
+                       "notes below)")
         elif error is None:
             message = ("its check cell reported no error but did not run to its end (did an "
                        "earlier cell change how errors or printed output are handled?)")
@@ -430,8 +436,23 @@ def grade_notebook(path: str | Path, timeout: int = 300, restore: bool = True,
             message = f"{earlier}  (then the check failed with {error.split(':')[0]})"
         else:
             message = error
-        report.exercises.append(ExerciseResult(name, 0, points, False, message))
+        report.exercises.append(ExerciseResult(name, 0, points, False, message,
+                                               attempted=not message.startswith(STUB_ERROR)))
+    if not all(e.passed for e in report.exercises):
+        report.notes.extend(_first_setup_error(nb, set(checks.values())))
     return report
+
+
+def _first_setup_error(nb: nbformat.NotebookNode, check_indices: set[int]) -> list[str]:
+    """A note naming the first error before the first check cell (an import typo in the setup
+    cell, say): later cells then fail for want of what it should have defined."""
+    for i, cell in enumerate(nb.cells[:min(check_indices, default=0)]):
+        if cell.cell_type == "code" and (error := _error_of(cell)):
+            first_line = next((line.strip() for line in cell.source.splitlines()
+                               if line.strip()), "")
+            return [f"cell {i + 1} ({first_line[:60]!r}) raised {error.splitlines()[0]}; the "
+                    "cells after it ran without whatever it should have defined"]
+    return []
 
 
 def _shown(path: Path) -> str:
@@ -480,11 +501,12 @@ def gradebook(reports: list[GradeReport], failures: dict[str, str] | None = None
             "score": _num(report.score), "max_score": _num(report.max_score),
             **{name: points.get(name, "") for name in columns},
             "seconds": round(report.seconds, 1), "error": "",
+            "not_attempted": " ".join(e.name for e in report.exercises if not e.attempted),
             "feedback": " | ".join(failed), "notes": " | ".join(report.notes)}
     for notebook, why in failures.items():
         rows[notebook] = {"notebook": notebook, "source": "", "score": "", "max_score": "",
                           **{name: "" for name in columns}, "seconds": "", "error": why,
-                          "feedback": "", "notes": ""}
+                          "not_attempted": "", "feedback": "", "notes": ""}
     names = order if order is not None else list(rows)
     return [rows[name] for name in names if name in rows]
 
@@ -555,7 +577,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="grade N notebooks at a time, each in its own process and kernel "
                              "(default 1; at most one per core pays)")
     parser.add_argument("--timeout", type=int, default=300,
-                        help="seconds a single cell may run before it is interrupted")
+                        help="seconds a single cell may run before it is interrupted (default "
+                             "300; 60 keeps a class batch short: an endless loop costs a "
+                             "timeout per cell that calls it)")
     parser.add_argument("--no-restore", action="store_true",
                         help="grade the notebook's own check cells as they are (proves "
                              "nothing about a submission)")

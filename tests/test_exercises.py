@@ -911,6 +911,28 @@ def test_untouched_exercise_notebook_grades_zero_with_a_message_each(name, capsy
         assert not e["passed"] and e["points"] == 0
         assert e["message"].startswith("NotImplementedError: write "), e
         assert f"(exercise {e['name']})" in e["message"]
+        assert e["attempted"] is False  # a gradebook tells "not attempted" from "wrong"
+    assert not any("raised" in note for note in data["notes"])  # the setup cell ran
+
+
+@pytest.mark.slow
+def test_a_broken_setup_cell_is_named_and_costs_only_what_needs_it(tmp_path, capsys):
+    """Found by a teacher's review: a typo in the first cell (`import numpyy`) used to zero
+    every exercise with "'NoneType' object has no attribute '__dict__'", because the fresh
+    minicb.check the grader loads was not in sys.modules for its dataclasses. Now an exercise
+    that needs nothing from that cell still scores, and a note names the cell that broke."""
+    nb = nbformat.read(ROOT / "solutions" / EXPECTED[0], as_version=4)
+    setup = next(c for c in nb.cells if c.cell_type == "code")
+    setup.source = "import numpyy\n" + setup.source
+    path = tmp_path / EXPECTED[0]
+    nbformat.write(nb, path)
+    assert grade.main([str(path), "--json", "--timeout", "60"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    results = {e["name"]: e for e in data["exercises"]}
+    assert results["page_pool"]["passed"]
+    assert not any("NoneType" in e["message"] for e in data["exercises"])
+    assert all(e["attempted"] for e in data["exercises"])
+    assert any("('import numpyy') raised ModuleNotFoundError" in note for note in data["notes"])
 
 
 @pytest.mark.slow
@@ -959,6 +981,7 @@ def test_a_cell_that_swallows_the_interrupt_is_killed_and_the_rest_still_graded(
     out = capsys.readouterr().out
     assert "✓ page_pool" in out and "✓ prefix_hashes" in out and "total: 2/4" in out
     assert "its kernel was killed" in out
+    assert "reported no error but did not run to its end" not in out
 
 
 def test_malformed_tags_and_batches_do_not_stop_the_grader(tmp_path, capsys):
@@ -981,17 +1004,21 @@ def test_the_gradebook_has_a_row_per_notebook_and_a_column_per_exercise():
     failed = E("static_finish_steps", 0, 1, False, "CheckFailed: R2 finishes at 9\nmore")
     alice = R("alice.ipynb", [E("static_batch", 1, 1, True), failed], seconds=12.34,
               source="02_static_batching")
-    bob = R("bob.ipynb", [E("page_pool", 1, 1, True), E("quantize_int8", 0.5, 1, False, "")],
+    bob = R("bob.ipynb", [E("page_pool", 1, 1, True), E("quantize_int8", 0.5, 1, False, ""),
+                          E("match_prefix", 0, 1, False, "NotImplementedError: write it",
+                            attempted=False)],
             source="01_paged_kv", notes=["kernel died"])
     rows = grade.gradebook([alice, bob], {"carol.ipynb": "cannot read carol.ipynb"},
                            order=["carol.ipynb", "bob.ipynb", "alice.ipynb"])
     assert [r["notebook"] for r in rows] == ["carol.ipynb", "bob.ipynb", "alice.ipynb"]
     assert list(rows[0]) == ["notebook", "source", "score", "max_score", "page_pool",
-                             "quantize_int8", "static_batch", "static_finish_steps", "seconds",
-                             "error", "feedback", "notes"]  # exercises in the sources' order
+                             "quantize_int8", "match_prefix", "static_batch",
+                             "static_finish_steps", "seconds", "error", "not_attempted",
+                             "feedback", "notes"]  # exercises in the sources' order
     carol, bob_row, alice_row = rows
     assert carol["error"] == "cannot read carol.ipynb" and carol["score"] == ""
-    assert (bob_row["score"], bob_row["max_score"], bob_row["quantize_int8"]) == (1.5, 2, 0.5)
+    assert (bob_row["score"], bob_row["max_score"], bob_row["quantize_int8"]) == (1.5, 3, 0.5)
+    assert bob_row["not_attempted"] == "match_prefix" and alice_row["not_attempted"] == ""
     assert bob_row["static_batch"] == "" and bob_row["notes"] == "kernel died"
     assert (alice_row["score"], alice_row["page_pool"], alice_row["seconds"]) == (1, "", 12.3)
     assert alice_row["feedback"] == "static_finish_steps: CheckFailed: R2 finishes at 9"
