@@ -59,12 +59,13 @@ grade: $(STAMP)
 
 ## a copy of the committed course for students: without solutions/, the exercise sources (they
 ## hold the answers; the stubs take their place, so the grader still restores check cells) and
-## the exercises' tests. STUDENT=path to put it elsewhere.
+## the exercises' tests (and the tests built on them). STUDENT=path to put it elsewhere.
 STUDENT ?= dist/minicb-student
 student-release:
 	rm -rf $(STUDENT) $(STUDENT).tar.gz && mkdir -p $(STUDENT)
 	git archive HEAD | tar -x -C $(STUDENT)
 	rm -rf $(STUDENT)/solutions $(STUDENT)/exercises/source $(STUDENT)/tests/test_exercises.py
+	cd $(STUDENT)/tests && rm -f $$(grep -lE '^(from|import) test_exercises' *.py)
 	mkdir $(STUDENT)/exercises/source
 	for f in $(STUDENT)/exercises/*.ipynb; do \
 		sed 's#](\.\./#](../../#g' "$$f" > $(STUDENT)/exercises/source/$$(basename "$$f"); done
