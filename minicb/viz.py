@@ -55,10 +55,12 @@ STYLE = {  # state -> (face colour, hatch, edge colour, bar height, legend label
     STALLED: ("#FFFFFF", "..", "#0072B2", 0.8, "running, not scheduled this step"),
     WAITING: ("#BBBBBB", None, "#BBBBBB", 0.25, "waiting in queue"),
 }
-# not the state colours above (decode blue, prefill orange, preemption vermillion): Okabe-Ito's
-# others, then Paul Tol's muted scheme, also safe for colour-blind viewers
-REQUEST_COLOURS = ["#CC79A7", "#009E73", "#56B4E9", "#F0E442", "#882255", "#44AA99", "#999933",
-                   "#AA4499"]
+# not the state colours above (decode blue, prefill orange, preemption vermillion) nor the
+# cached pages' sky blue: Okabe-Ito's others, then Paul Tol's muted colours, picked so that any
+# two differ by a CIE76 distance of 16 or more, and each from a state colour by 13 or more, for
+# normal vision and simulated protanopia, deuteranopia and tritanopia (Machado et al. 2009)
+REQUEST_COLOURS = ["#CC79A7", "#009E73", "#F0E442", "#000000", "#332288", "#882255", "#117733",
+                   "#999933"]
 CACHED = "#56B4E9"  # sky blue: lighter than decode's blue in greyscale too
 STEP_AXIS = "step  (step k is the cell from k−1 to k)"
 GLYPHS = {PREFILL: "▓", DECODE: "█", IDLE: "░", STALLED: "-", WAITING: "·"}

@@ -8,6 +8,7 @@ import matplotlib
 matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from matplotlib.collections import PathCollection, PolyCollection  # noqa: E402
 from matplotlib.colors import to_hex  # noqa: E402
@@ -477,3 +478,38 @@ def test_seed_example_caches_only_full_prompt_pages():
     for rec in trace:
         finished += len(rec.finished)
         assert rec.pages_cached == finished, rec.step
+
+
+# Machado, Oliveira & Fernandes (2009), severity 1, on linear RGB
+CVD = {"normal": np.eye(3),
+       "protanopia": np.array([[0.152286, 1.052583, -0.204868], [0.114503, 0.786281, 0.099216],
+                               [-0.003882, -0.048116, 1.051998]]),
+       "deuteranopia": np.array([[0.367322, 0.860646, -0.227968], [0.280085, 0.672501, 0.047413],
+                                 [-0.011820, 0.042940, 0.968881]]),
+       "tritanopia": np.array([[1.255528, -0.076749, -0.178779], [-0.078411, 0.930809, 0.147602],
+                               [0.004733, 0.691367, 0.303900]])}
+
+
+def _lab(colour: str, vision: np.ndarray) -> np.ndarray:
+    srgb = np.array([int(colour[i:i + 2], 16) / 255 for i in (1, 3, 5)])
+    linear = np.where(srgb <= 0.04045, srgb / 12.92, ((srgb + 0.055) / 1.055) ** 2.4)
+    xyz = np.array([[0.4124, 0.3576, 0.1805], [0.2126, 0.7152, 0.0722],
+                    [0.0193, 0.1192, 0.9505]]) @ np.clip(vision @ linear, 0, 1)
+    t = xyz / np.array([0.95047, 1.0, 1.08883])  # D65 white
+    f = np.where(t > 0.008856, np.cbrt(t), 7.787 * t + 16 / 116)
+    return np.array([116 * f[1] - 16, 500 * (f[0] - f[1]), 200 * (f[1] - f[2])])
+
+
+def test_request_colours_stay_apart_for_colour_blind_viewers():
+    """A teacher's review found two request colours (#CC79A7, #44AA99) a CIE76 distance of 4
+    apart under deuteranopia: one colour on a projector. Every pair of request colours, and
+    each against the state and cached colours, is now at least 12 apart for normal vision and
+    simulated protanopia, deuteranopia and tritanopia."""
+    states = [style[0] for style in viz.STYLE.values()] + [viz.CACHED, "#D55E00"]
+
+    def distance(a, b):
+        return min(np.linalg.norm(_lab(a, m) - _lab(b, m)) for m in CVD.values())
+
+    colours = viz.REQUEST_COLOURS
+    assert min(distance(a, b) for i, a in enumerate(colours) for b in colours[i + 1:]) >= 12
+    assert min(distance(a, s) for a in colours for s in states) >= 12
