@@ -34,6 +34,18 @@ def markdown_of(notebook: Path) -> str:
     return "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
 
 
+def test_each_exercise_notebook_says_what_it_needs_and_the_readmes_study_time():
+    """A teacher reads an exercise notebook's first cell for what it needs, how long it takes
+    and how to grade it; its study time is the README table's, so the two cannot drift."""
+    readme = (ROOT / "README.md").read_text()
+    for path in sorted((ROOT / "exercises").glob("*.ipynb")):
+        first = "".join(json.loads(path.read_text())["cells"][0]["source"])
+        row = re.search(rf"^\| {path.stem} \|.*\| ([^|]+) \|$", readme, re.M)
+        assert row, f"{path.stem}: no row in the README's exercise table"
+        assert f"**Study time:** about {row.group(1).strip()}." in first, path.name
+        assert "**Needs:** a CPU" in first and f"minicb grade exercises/{path.name}" in first
+
+
 def test_every_relative_link_resolves():
     documents = [(p, markdown_of(p)) for p in CHAPTERS]
     documents += [(p, markdown_of(p)) for p in sorted((ROOT / "exercises").glob("*.ipynb"))]
