@@ -296,3 +296,64 @@ def test_a_steps_waiting_count_leaves_out_requests_not_yet_arrived():
     e.add_request([3] * 4, _params(2), request_id="queued")
     record = e.step()
     assert record.num_waiting == 1  # "queued" only
+
+
+def test_the_deadlock_breaker_runs_the_oldest_stuck_prompt_in_the_same_step():
+    """Two half-prefilled prompts hold every page and no decode runs: the breaker of
+    `schedule_prefill_chunks` must preempt the newest and give its pages to the oldest's chunk
+    in that step. Breaking the tie with the newest stuck prompt (`stuck[-1]` for `stuck[0]`)
+    asked pages for the newest, which then preempted itself: a step that ran nothing, and the
+    oldest went on a step late."""
+    e = make_sim_engine(policy="chunked", max_num_seqs=2, page_size=4, num_pages=6,
+                        max_num_batched_tokens=8, chunk_size=4, enable_prefix_caching=False,
+                        check_invariants=True)
+    e.add_request([1] * 20, _params(1), request_id="old")
+    e.add_request([2] * 20, _params(1), request_id="new")
+    for _ in range(3):  # 4 tokens each per step: 3 pages each, the whole pool
+        e.step()
+    record = e.step()
+    assert record.preempted == ["new"]
+    assert [(m.request_id, m.num_tokens) for m in record.members] == [("old", 4)]
+    e.run()
+    assert e.requests["old"].num_preemptions == 0
+    assert e.requests["old"].metrics.finish_step < e.requests["new"].metrics.finish_step
+    assert all(rec.members for rec in e.trace)  # no step ran empty
+
+
+def test_an_idle_engine_does_not_skip_steps_past_a_timed_arrival():
+    """With nothing to run, `_skip_idle_time` jumps the step counter to the next arrival step
+    only when every pending request arrives by step: a request arriving by time may come
+    first. Jumping whenever any request had an arrival step (`if steps:`) moved a request due
+    at 0.5 s to step 50, where it started beside the request due then."""
+    e = make_sim_engine(policy="pd", check_invariants=True)
+    e.add_request([1] * 4, _params(2), request_id="by_step", arrival_step=50)
+    e.add_request([2] * 4, _params(2), request_id="by_time", arrival_time=0.5)
+    e.run()
+    by_time, by_step = e.requests["by_time"].metrics, e.requests["by_step"].metrics
+    assert by_time.first_scheduled_step == 1 and by_time.first_scheduled_time == 0.5
+    assert by_time.finish_step < 50
+    assert by_step.arrival_step == by_step.first_scheduled_step == 50
+
+
+@pytest.mark.parametrize("policy", ["continuous", "pd"])
+def test_a_step_that_preempts_admits_no_one(policy):
+    """A step that had to preempt admits no new request (`not ctx.batch.preempted` in the
+    admission loops of the continuous policy and of `schedule_prefill_chunks`): the pages the
+    victim freed go to the running decodes. Without that stop, the waiting "W" (ranked ahead
+    of the preempted "B" under priority) took B's last freed page at once, and the next step
+    "C"'s decode needed that page: W was preempted after one step, its prefill thrown away."""
+    e = make_sim_engine(policy=policy, max_num_seqs=4, page_size=4, num_pages=4,
+                        preemption="priority", enable_prefix_caching=False,
+                        check_invariants=True)
+    e.add_request([1] * 4, _params(6), request_id="A")  # its 5th token needs a page at step 2
+    e.add_request([2] * 3, _params(6), request_id="C")  # and C's at step 3
+    e.add_request([3] * 8, _params(6), request_id="B", priority=5)  # the victim
+    e.add_request([4] * 3, _params(3), request_id="W", arrival_step=2)
+    e.step()  # A, C and B fill all 4 pages
+    record = e.step()
+    assert record.preempted == ["B"]
+    assert [m.request_id for m in record.members] == ["A", "C"]
+    e.run()
+    assert e.requests["W"].num_preemptions == 0
+    assert e.requests["W"].num_recomputed_tokens == 0
+    assert all(r.finish_reason == "length" for r in e.requests.values())
