@@ -294,16 +294,16 @@ class Engine:
         self.pending.append(req)
         self._num_with_deadline += deadline is not None
         if arrival_step is None and arrival_time is None:
-            self._arrive(req)
+            self._arrive(req, self.step_count + 1)  # between steps: the next one
             self._arrived_since_last_step.append(request_id)
         return request_id
 
-    def _arrive(self, req: Request) -> None:
+    def _arrive(self, req: Request, step: int) -> None:  # step: the first that can run it
         self.pending.remove(req)
         # a step already past when the request was added counts as the step it arrives at:
         # the engine cannot have kept it waiting before it knew of it
-        req.metrics.arrival_step = self.step_count + 1 if req.arrival_step is None \
-            else max(req.arrival_step, self.step_count)
+        req.metrics.arrival_step = step if req.arrival_step is None \
+            else max(req.arrival_step, step)
         req.metrics.arrival_time = self.clock() if req.arrival_time is None \
             else req.arrival_time
         enqueue(self.waiting, req, self.config.preemption)
@@ -341,7 +341,7 @@ class Engine:
                    and (r.arrival_time is None or r.arrival_time <= now)]
         arrived.sort(key=lambda r: (r.arrival_time or 0.0, r.arrival_step or 0, r.seq_index))
         for req in arrived:
-            self._arrive(req)
+            self._arrive(req, self.step_count)  # inside step(), after its count went up
         return [r.request_id for r in arrived]
 
     def _skip_idle_time(self) -> None:

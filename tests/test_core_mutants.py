@@ -357,3 +357,21 @@ def test_a_step_that_preempts_admits_no_one(policy):
     assert e.requests["W"].num_preemptions == 0
     assert e.requests["W"].num_recomputed_tokens == 0
     assert all(r.finish_reason == "length" for r in e.requests.values())
+
+
+def test_a_timed_arrival_counts_from_the_step_it_joined():
+    """Found by the mutation review: a request arriving by `arrival_time` got the step AFTER
+    the one that admitted it as its arrival step, so a request served at once had queue_steps
+    -1 and every ttft/e2e in steps one short. Now a timed arrival scheduled the step it arrives
+    is 0 steps in the queue and has its first token in its first step (steps count inclusive),
+    as a request added between steps has."""
+    from minicb import metrics
+    engine = make_sim_engine(policy="pd")
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    engine.add_request([5] * 8, params, request_id="now")
+    engine.add_request([5] * 8, params, request_id="later", arrival_time=0.02)
+    engine.run()
+    for r in engine.request_records():
+        assert r.arrival_step == r.first_scheduled_step, r
+    summary = metrics.summarize(engine.trace, engine.request_records())
+    assert summary["queue_steps"]["p99"] == 0 and summary["ttft_steps"]["p99"] == 1

@@ -884,8 +884,8 @@ for label, workload, mode, aging in (("FCFS", mixed_lengths, "newest", None),
 # Short prompts first halves the short buckets' TTFT p99 (0.63 s to 0.30 s) and lowers the median
 # over all requests by 40%, and the longest prompts pay: their p99 nearly doubles (0.73 s to
 # 1.34 s) and so does the oldest wait. Aging every 25 steps gives most of it back to them (p99
-# 0.84 s, oldest wait 0.72 s) while the shortest bucket keeps its gain; the 512–2,047 bucket
-# pays instead (p99 0.73 s, above FCFS's 0.62 s), since aged long prompts now overtake it. Which
+# 0.84 s, oldest wait 0.75 s) while the shortest bucket keeps its gain; the 512–2,047 bucket
+# pays instead (p99 0.76 s, above FCFS's 0.62 s), since aged long prompts now overtake it. Which
 # row is "fair" is a product decision; the contract's point is that it is measured per class and
 # declared.
 #
@@ -1099,7 +1099,7 @@ print(f"highest goodput without the limit: {top[0]}, budget {top[1]} "
 # the requests within the SLO against 55–72% under FCFS, and goodput rises from 10–14 to about
 # 18 requests/s, because each short request that jumps the queue is one more request served in
 # time. It gets there by starving the long prompts: the oldest wait passes 2 s and the worst
-# bucket's TTFT p99 with it. Aging buys part of the fairness back (oldest wait 0.8–1.2 s) and
+# bucket's TTFT p99 with it. Aging buys part of the fairness back (oldest wait about 1.2 s) and
 # gives up most of the gain (12–15 requests/s). No setting meets the 0.5 s limit: the honest result of this
 # sweep is that 25 requests/s of this traffic needs more hardware, or a product decision to
 # accept a looser limit for the long prompts, written down next to the number.
