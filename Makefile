@@ -53,9 +53,10 @@ browser-test: $(STAMP)
 exercises: $(STAMP)
 	$(BIN)/python -m minicb.exercises build
 
-## score notebooks: make grade NB=exercises/01_paged_kv.ipynb (default: every exercise notebook)
+## score notebooks: make grade NB=exercises/01_paged_kv.ipynb (default: every exercise notebook);
+## ARGS= passes options on, e.g. make grade NB=submissions/ ARGS="--jobs 2 --timeout 60 --csv g.csv"
 grade: $(STAMP)
-	$(BIN)/python -m minicb grade $(or $(NB),exercises/*.ipynb)
+	$(BIN)/python -m minicb grade $(or $(NB),exercises/*.ipynb) $(ARGS)
 
 ## a copy of the committed course for students: without solutions/, the exercise sources (they
 ## hold the answers; the stubs take their place, so the grader still restores check cells) and

@@ -18,11 +18,13 @@ DEMO_QUESTIONS = [
 
 
 def demo(argv: list[str]) -> int:
-    """Answer a few chat prompts on the default model with continuous batching, print the
-    answers with timing and the step timeline as text."""
+    """Answer a few chat prompts on the default model with continuous batching (policy pd:
+    decodes first, prompts in chunks, chapter 05; --policy continuous is chapter 03's), print
+    the answers with timing and the step timeline as text."""
     parser = argparse.ArgumentParser(prog="python -m minicb demo", description=demo.__doc__)
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--policy", default="pd")
+    parser.add_argument("--policy", default="pd", help="single, static, dynamic, continuous, "
+                        "chunked or pd (default)")
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--quantization", choices=[q for q in QUANTIZATIONS if q], default=None,
                         help="int8: weight-only int8 projections (faster, slightly different)")
