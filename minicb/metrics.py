@@ -33,7 +33,9 @@ The PD pair, around one long prompt L (chapter 05):
     dec@P    decode tokens produced by OTHER requests while L's prefill is unfinished: the
              window runs from L's arrival step to the step its last prefill chunk ran
     short_P  from L's arrival until every short request alive with it (arrived before the
-             window ended, not finished before L arrived) has finished; in steps and seconds
+             window ended, not finished before L arrived) has finished; in steps and seconds.
+             Finished, as the seed says (完成生成), not released: under static batching a
+             response returns at its batch's end, and E2E, not short_P, shows that wait
 """
 
 from __future__ import annotations
