@@ -1198,7 +1198,7 @@ def main_bench(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.command_line = _command_line("bench", argv)
     if args.endpoint:  # any OpenAI-compatible server, measured from the client side
-        from minicb.client import CLIENT_COLUMNS, bench_endpoint, describe_errors
+        from minicb.client import bench_endpoint, describe_errors, report
         try:
             refuse_engine_flags(parser, args)
             check_writable(args.out, "--out")
@@ -1213,7 +1213,7 @@ def main_bench(argv: list[str] | None = None) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         data["declaration"]["command"] = args.command_line
-        print(format_table(data["results"], CLIENT_COLUMNS))
+        print(report(data["results"]))
         if problems := describe_errors(next(iter(data["results"].values()), {})):
             print(problems, file=sys.stderr)
         if args.out:

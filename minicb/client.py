@@ -49,6 +49,17 @@ CLIENT_COLUMNS = (
 )
 
 
+# the contract's p50/p95/p99 of every latency the client sees (queue time it cannot)
+CLIENT_LATENCY_COLUMNS = tuple(c for c in metrics.LATENCY_COLUMNS
+                               if not c[0].startswith("queue_s"))
+
+
+def report(results: dict[str, dict[str, Any]]) -> str:
+    """The printed result of a client run (chapter 06): the main table, then p50/p95/p99."""
+    return (metrics.format_table(results, CLIENT_COLUMNS) + "\n\nlatency percentiles (s)\n"
+            + metrics.format_table(results, CLIENT_LATENCY_COLUMNS))
+
+
 # summary fields only the engine's trace can fill: None from the client's side
 ENGINE_ONLY = ("num_steps", "preemptions", "recomputed_tokens", "evicted_pages",
                "dead_slot_steps", "mean_batch_size", "output_tokens_per_step",
@@ -289,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(metrics.format_table(out["results"], CLIENT_COLUMNS))
+    print(report(out["results"]))
     if problems := describe_errors(next(iter(out["results"].values()))):
         print(problems, file=sys.stderr)
     if args.out:

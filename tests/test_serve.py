@@ -530,6 +530,9 @@ def test_bench_endpoint_measures_a_running_server(tiny_model, tmp_path, capsys):
                            "--vocab-size", "256", "--out", str(out)]) == 0
     result = next(iter(json.loads(out.read_text())["results"].values()))
     assert result["completed"] == 3 and result["ttft_s"]["p50"] > 0
+    printed = capsys.readouterr().out  # the contract's p50/p95/p99, not only p50/p99
+    assert "latency percentiles (s)" in printed and "TTFT p95" in printed
+    assert "E2E p95" in printed and "queue p95" not in printed  # queue time is not seen here
     # what only the server's engine knows is unknown here, not 0
     assert result["preemptions"] is None and result["num_steps"] is None
     assert result["evicted_pages"] is None and result["recomputed_tokens"] is None
