@@ -305,7 +305,11 @@ viz.step_through(static)
 # "填充无效数据…或参与无实际意义的重复计算" (hold padding, or take part in meaningless
 # recomputation): a padded `[B, L]` tensor computes every row every step. Here an idle member
 # costs no compute and no memory, only its slot. Every gap the next chapter measures between
-# static and continuous batching would be larger on a classic static server.
+# static and continuous batching would be larger on a classic static server. Hugging Face
+# transformers' `generate` on a left-padded batch is one: on chapter 06's benchmark (32 chat
+# requests, batches of 32, the same model, `python -m minicb bench --compare hf`) it produced
+# 55.6 output tokens/s where minicb's `static` produced 187.8 (`bench/README.md`), though padding
+# is only part of that gap; the rest is each library's own cost per step.
 #
 # ## 3. Request-level dynamic batching
 #
