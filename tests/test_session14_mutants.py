@@ -1,0 +1,402 @@
+"""Planted-bug tests from a mutation review of session 14's code (commits 99a207b..77e31d8:
+per-class fairness, resource use, bench's output checks and --endpoint refusals, the sweep's
+best over rates, the client's error reasons, the grader's notes, trace and cost-model file
+errors): each test fails on the bug its docstring names."""
+
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import replace
+
+import pytest
+from test_metrics import approx, rec
+
+from minicb import bench, metrics
+
+
+def test_class_slo_attainment_counts_failed_requests_as_summarize_does():
+    """by_class's SLO attainment left failed requests out of its denominator (`finish_reason
+    not in ("cancelled", "error")` for `!= "cancelled"`): a class whose requests failed looked
+    as healthy as one whose requests all met the SLO. It is the share of not-cancelled
+    requests, as `summarize`'s slo_attainment is, so one class alone gives summarize's number."""
+    ok = rec("ok", 4, arrival=0.0, sched=0.0, first=0.1, finish=0.5, times=[0.1, 0.5])
+    failed = replace(rec("bad", 0, "error", arrival=0.0, finish=0.2), tenant="b")
+    records = [replace(ok, tenant="a"), replace(ok, request_id="ok2", tenant="b"), failed]
+    rows = metrics.by_class(records, {"ttft": 1.0})["tenant"]
+    assert rows["a"]["slo_attainment"] == 1.0
+    assert rows["b"]["slo_attainment"] == approx(0.5)  # one met, one failed
+    alone = [r for r in records if r.tenant == "b"]
+    assert metrics.summarize([], alone, {"ttft": 1.0})["slo_attainment"] == approx(0.5)
+
+
+def test_check_writable_leaves_an_existing_file_as_it_was(tmp_path):
+    """check_writable removed (`if True: unlink`) or emptied (`open(target, "w")`) a file that
+    was already there: a rerun with the same --out lost the last results before the new run
+    had any, and for good if it then failed."""
+    old = tmp_path / "results.json"
+    old.write_text('{"kept": true}')
+    bench.check_writable(old, "--out")
+    assert old.read_text() == '{"kept": true}'
+    new = tmp_path / "sub" / "new.json"
+    bench.check_writable(new, "--out")
+    assert not new.exists()
+
+
+def test_bench_endpoint_checks_out_before_sending_anything(tmp_path, capsys):
+    """With --endpoint, --out was not checked before the run (the check dropped from that
+    branch): an unwritable path failed only after every request was sent. Here no server
+    listens on the port, so only the early check gives the --out message."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert bench.main_bench(["--endpoint", "http://127.0.0.1:9", "--num-requests", "2",
+                             "--out", str(blocker / "r.json")]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {blocker / 'r.json'}: cannot write there" in err and "cannot reach" not in err
+
+
+# every bench flag an --endpoint run uses (the workload, the SLO, where results go, how
+# requests are sent); every other flag configures minicb's own engine and must be refused
+ENDPOINT_DESTS = {"help", "model", "workload", "workload_file", "num_requests", "rate",
+                  "burstiness", "prompt_lengths", "output_lengths", "long_prompt_len",
+                  "cancel_fraction", "seed", "slo_ttft", "slo_itl", "slo_tpot", "slo_e2e", "out",
+                  "no_progress", "endpoint", "vocab_size", "omit_field", "save_workload"}
+
+
+def test_every_engine_flag_is_refused_with_endpoint():
+    """ENGINE_FLAGS missing an entry (--max-preemptions, --min-chunk dropped): that flag was
+    accepted with --endpoint and silently ignored. Every bench flag is either one an endpoint
+    run uses or one ENGINE_FLAGS names, and each of those is refused by its name."""
+    parser = bench.bench_parser()
+    dests = {a.dest for a in parser._actions}
+    assert dests - ENDPOINT_DESTS == set(bench.ENGINE_FLAGS)
+    for action in parser._actions:
+        if action.dest not in bench.ENGINE_FLAGS:
+            continue
+        flag = action.option_strings[-1]
+        value = ([] if action.nargs == 0 else
+                 [action.choices[-1] if action.choices else "7"])
+        if action.choices and action.choices[-1] == action.default:
+            value = [action.choices[0]]
+        args = parser.parse_args(["--endpoint", "http://127.0.0.1:9", flag, *value])
+        with pytest.raises(ValueError, match=f"drop {flag} "):
+            bench.refuse_engine_flags(parser, args)
+
+
+def test_print_extra_names_evictions_without_recomputation(capsys):
+    """The memory-pressure line showed only when work was recomputed (`or evicted_pages`
+    dropped): cached pages evicted with no preemption went unreported."""
+    bench._print_extra("pd", {"recomputed_tokens": 0, "evicted_pages": 5})
+    assert "pd: work lost to preemption=0 tokens, cached pages evicted=5" in \
+        capsys.readouterr().out
+
+
+def test_a_dynamic_batching_row_is_a_baseline(capsys):
+    """The no-baseline note ignored a dynamic row ("dynamic" dropped from the set): bench
+    --policy dynamic,pd was told it lacked the comparison it had."""
+    assert bench.main_bench(["--executor", "sim", "--num-requests", "4", "--policy",
+                             "dynamic,pd", "--no-progress"]) == 0
+    assert "no static or dynamic" not in capsys.readouterr().out
+
+
+def test_sweep_over_rates_has_no_best_when_no_setting_sustains_any_rate(tmp_path):
+    """With --rates, best was the top of the sustainable list even when its load was None (the
+    `is not None` filter dropped): a setting that met the SLO target at no rate was named
+    best."""
+    data = bench.run_sweep(bench.sweep_parser().parse_args(
+        ["--executor", "sim", "--workload", "mixed-chat", "--num-requests", "8", "--rates",
+         "5,10", "--max-num-batched-tokens", "64,512", "--max-num-seqs", "8", "--chunk-size",
+         "64", "--slo-ttft", "1e-9", "--no-progress"]))
+    assert data["rows"] and all(r["sustainable_load_rps"] is None for r in data["sustainable"])
+    assert data["best"] is None
+
+
+def test_profile_checks_out_before_profiling(tmp_path, capsys, monkeypatch):
+    """profile's --out was not checked first (the check dropped): minutes of profiling were
+    lost to a traceback at the save."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    ran = []
+    monkeypatch.setattr(bench, "run_profile", lambda *a, **k: ran.append(a) or 1 / 0)
+    assert bench.main_profile(["--out", str(blocker / "cm.json"), "--no-progress"]) == 2
+    assert f"--out {blocker / 'cm.json'}: cannot write there" in capsys.readouterr().err
+    assert ran == []
+
+
+def test_the_hf_baseline_is_warmed_up_by_one_short_greedy_generate(monkeypatch):
+    """_hf_model returned transformers' model without its warm-up (the call dropped): the first
+    timed baseline paid the first-use costs minicb's warmed-up engine does not."""
+    import torch
+    import transformers
+
+    calls = []
+
+    class Fake:
+        def to(self, device):
+            return self
+
+        def eval(self):
+            return self
+
+        def generate(self, ids, **kw):
+            calls.append((tuple(ids.shape), kw))
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **k: Fake())
+    model = bench._hf_model("some/path", "cpu", torch.float32)
+    assert isinstance(model, Fake) and len(calls) == 1
+    shape, kw = calls[0]
+    assert shape[0] == 1 and kw["do_sample"] is False and kw["max_new_tokens"] <= 4
+
+
+def test_a_servers_error_is_its_message_or_the_start_of_its_body():
+    """_server_error read `error.get("message")` whatever `error` was (a server that sends
+    `{"error": "text"}` lost its words to the raw body) and kept a whole non-JSON body (an HTML
+    error page of any length as one "reason")."""
+    from minicb.client import _server_error
+    assert _server_error(400, '{"error": {"message": "too long"}}') == "HTTP 400: too long"
+    assert _server_error(503, '{"error": "overloaded"}') == "HTTP 503: overloaded"
+    page = "<html>" + "x" * 1000 + "</html>"
+    assert _server_error(502, f"  {page}\n") == f"HTTP 502: {page[:200]}"
+
+
+def test_describe_errors_plurals_and_hints_only_for_a_trace_field():
+    """describe_errors said "2 request failed" (`n > 2` for `n > 1`), and suggested
+    --omit-field for any failure (the check for a trace field's name dropped), a server fault
+    included."""
+    from minicb.client import describe_errors
+    text = describe_errors({"error_reasons": {"HTTP 500: boom": 2, "HTTP 400: x": 1}})
+    assert text.splitlines() == ["error: 2 requests failed: HTTP 500: boom",
+                                 "error: 1 request failed: HTTP 400: x"]
+    assert describe_errors({"error_reasons": {"HTTP 400: bad deadline": 3}}).endswith(
+        "leave it out with --omit-field)")
+    assert describe_errors({"error_reasons": {}}) == describe_errors({}) == ""
+
+
+def _app(chunks):
+    """A completions server that streams `chunks` (SSE data lines) to every request."""
+    from fastapi import FastAPI
+    from fastapi.responses import StreamingResponse
+
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def completions():
+        return StreamingResponse(iter([f"data: {c}\n\n" for c in chunks] + ["data: [DONE]\n\n"]),
+                                 media_type="text/event-stream")
+    return app
+
+
+def test_failures_keep_their_reason_in_the_stream_and_on_the_wire(capsys):
+    """A server's error chunk in a 200 stream (vLLM's way) and a refused connection were
+    counted as errors with no reason (their `error` assignments dropped): error_reasons said
+    "unknown". bench --endpoint prints the reasons under its table (the call was dropped)."""
+    import asyncio
+    import socket
+
+    from minicb.client import error_reasons, run_client
+    from minicb.serve import ServerThread
+    from minicb.workload import Workload, WorkloadRequest
+
+    workload = Workload("t", [WorkloadRequest(prompt_len=4, max_tokens=2)] * 2)
+    with ServerThread(_app(['{"error": {"message": "boom"}}'])) as url:
+        records = asyncio.run(run_client(url, workload.requests, model="m", warmup=False))
+        assert bench.main_bench(["--endpoint", url, "--model", "m", "--num-requests", "2",
+                                 "--no-progress"]) == 0
+    assert error_reasons(records) == {"HTTP 200: boom": 2}
+    assert "error: 2 requests failed: HTTP 200: boom" in capsys.readouterr().err
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))  # bound, not listening
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}"
+        records = asyncio.run(run_client(closed, workload.requests, model="m", warmup=False))
+    assert [r.finish_reason for r in records] == ["error", "error"]
+    assert all(r.error.startswith("ConnectError: ") for r in records)
+
+
+ENGINE_ONLY = ("num_steps", "preemptions", "recomputed_tokens", "evicted_pages",
+               "dead_slot_steps", "mean_batch_size", "output_tokens_per_step",
+               "decode_tokens_per_s", "host_time_fraction", "cached_prompt_tokens",
+               "prefill_tokens", "decode_tokens", "decode_rows", "mixed_steps", "draft_tokens",
+               "accepted_draft_tokens")
+
+
+def test_bench_endpoint_leaves_every_engine_only_field_null(capsys):
+    """bench --endpoint reported 0 for a field only the server's engine knows when ENGINE_ONLY
+    lost it (dead_slot_steps and mean_batch_size, or cached_prompt_tokens, dropped): a server
+    with a prefix cache read as caching nothing. The model named by --model is sent on, not
+    replaced by the server's first (it was dropped: this server has no /v1/models)."""
+    from minicb.serve import ServerThread
+
+    chunks = [json.dumps({"choices": [{"text": "a", "finish_reason": why}]})
+              for why in (None, "length")]
+    with ServerThread(_app(chunks)) as url:
+        out = bench.main_bench(["--endpoint", url, "--model", "mine", "--num-requests", "2",
+                                "--output-lengths", "fixed:2", "--no-progress"])
+        assert out == 0, capsys.readouterr().err
+        from minicb.client import bench_endpoint
+        from minicb.workload import make_workload
+        data = bench_endpoint(url, make_workload(2, output_lengths="fixed:2"), label="x",
+                              model="mine")
+    summary = data["results"]["x"]
+    assert summary["completed"] == 2
+    assert {key: summary[key] for key in ENGINE_ONLY} == dict.fromkeys(ENGINE_ONLY)
+
+
+def test_error_reasons_count_only_failed_requests():
+    """error_reasons counted every request that did not end by length (`!= "length"` for
+    `== "error"`): stopped, cancelled and late requests became "unknown" failures."""
+    from minicb.client import error_reasons
+    records = [rec(f"r{i}", 2, why) for i, why in enumerate(("stop", "cancelled", "deadline",
+                                                             "length"))]
+    records += [replace(rec("e1", 0, "error"), error="HTTP 400: no"), rec("e2", 0, "error")]
+    assert error_reasons(records) == {"HTTP 400: no": 1, "unknown": 1}
+
+
+def _graded(tmp_path, monkeypatch, outcome, stopped=(), setup_error=None):
+    """Grade a copy of solutions/01 in memory (test_exercises.fake_execute): `outcome` per
+    tag, the run's notes `stopped`, and `setup_error` raised by its first code cell."""
+    import shutil
+
+    import nbformat
+    from test_exercises import EXPECTED, fake_execute
+
+    from minicb import grade
+    from minicb.exercises import ROOT
+
+    path = tmp_path / EXPECTED[0]  # page_pool, prefix_hashes, match_prefix, quantize_int8
+    shutil.copy(ROOT / "solutions" / EXPECTED[0], path)
+    fake = fake_execute(outcome)
+
+    def execute(nb, workdir, timeout):
+        fake(nb, workdir, timeout)
+        if setup_error:
+            first = next(c for c in nb.cells if c.cell_type == "code")
+            ename, _, evalue = setup_error.partition(": ")
+            first.outputs = [nbformat.v4.new_output("error", ename=ename, evalue=evalue,
+                                                    traceback=[])]
+        return list(stopped)
+    monkeypatch.setattr(grade, "execute", execute)
+    return grade.grade_notebook(path)
+
+
+def test_a_check_cell_cut_off_by_a_stopped_kernel_says_so(tmp_path, monkeypatch):
+    """A check cell that was running when its kernel was killed (no error, no mark) was told
+    "reported no error but did not run to its end (did an earlier cell change how errors ...
+    are handled?)" (the stopped-kernel branch dropped), blaming cells that did nothing."""
+    report = _graded(tmp_path, monkeypatch, {"check:match_prefix": "silent"},
+                     stopped=["its kernel was killed: a cell ignored the interrupt"])
+    message = {e.name: e.message for e in report.exercises}["match_prefix"]
+    assert message.startswith("its check cell was still running when the kernel was stopped")
+
+
+def test_only_an_untouched_stubs_error_is_not_attempted(tmp_path, monkeypatch):
+    """attempted=False for any NotImplementedError (the stub's "write " prefix dropped): a
+    learner's own code raising NotImplementedError was listed as not attempted."""
+    report = _graded(tmp_path, monkeypatch, {
+        "check:prefix_hashes": "NotImplementedError: write prompt_page_hashes (exercise "
+                               "prefix_hashes)",
+        "check:match_prefix": "NotImplementedError: pages of size 0"})
+    attempted = {e.name: e.attempted for e in report.exercises}
+    assert attempted == {"page_pool": True, "prefix_hashes": False, "match_prefix": True,
+                         "quantize_int8": True}
+
+
+def test_the_setup_note_names_only_a_cell_before_the_first_check(tmp_path, monkeypatch):
+    """_first_setup_error scanned every cell (not those before the first check cell): an
+    exercise's own error after it was named as the setup cell's. A setup error is named by
+    the first line of its message only, and only when an exercise failed (the note came with
+    a full score too when the `not all(passed)` condition was dropped)."""
+    report = _graded(tmp_path, monkeypatch, {"exercise:match_prefix": "TypeError: bad operand",
+                                             "check:match_prefix": "CheckFailed: wrong"})
+    assert not any("raised" in note for note in report.notes)
+    report = _graded(tmp_path, monkeypatch, {"check:match_prefix": "CheckFailed: wrong"},
+                     setup_error="ModuleNotFoundError: No module named 'numpyy'\nsecond line")
+    notes = [n for n in report.notes if "raised" in n]
+    assert len(notes) == 1 and "raised ModuleNotFoundError: No module named 'numpyy'; the " \
+        "cells after it" in notes[0] and "second line" not in notes[0]
+    report = _graded(tmp_path, monkeypatch, {}, setup_error="ModuleNotFoundError: numpyy")
+    assert report.score == report.max_score
+    assert not any("raised" in note for note in report.notes)
+
+
+def _trace(path, arrivals):
+    path.write_text("".join(json.dumps({"arrival_s": a, "prompt_tokens": 3, "output_tokens": 2})
+                            + "\n" for a in arrivals))
+    return path
+
+
+def test_a_trace_longer_than_a_day_that_starts_near_zero_loads(tmp_path):
+    """The clock-time guard looked at the last arrival (`max(times)` for `min(times)`): a
+    trace recorded over more than a day, offsets from its start, was refused as epoch
+    seconds. The guard's edge is a first arrival of more than a day: a day exactly loads."""
+    from minicb.workload import load_workload_file
+    long = load_workload_file(_trace(tmp_path / "long.jsonl", [0.0, 90_000.0]))
+    assert [r.arrival_time for r in long.requests] == [0.0, 90_000.0]
+    assert load_workload_file(_trace(tmp_path / "day.jsonl", [86_400.0, 86_401.0])).requests
+    with pytest.raises(ValueError, match="more than a day"):
+        load_workload_file(_trace(tmp_path / "late.jsonl", [86_400.5, 86_401.0]))
+
+
+def test_loading_a_long_csv_cell_leaves_the_csv_field_limit_as_it_was(tmp_path):
+    """load_workload_file raised the csv module's process-wide field size limit for a long
+    prompt cell and kept it raised (the restore in `finally` dropped), for every later csv
+    reader in the process."""
+    from minicb.workload import Workload, WorkloadRequest, load_workload_file, save_workload_file
+    before = csv.field_size_limit()
+    w = Workload("long", [WorkloadRequest(prompt_token_ids=[12345] * 30_000, max_tokens=2)], {})
+    load_workload_file(save_workload_file(w, tmp_path / "long.csv"))
+    assert csv.field_size_limit() == before
+
+
+def test_only_a_bad_first_line_suggests_the_trace_is_csv(tmp_path):
+    """The "a CSV trace's name must end in .csv" hint is for a file whose first line is not
+    JSON; it came with a bad line anywhere (`first = False` dropped), where the file is JSON
+    Lines with one broken line."""
+    from minicb.workload import load_workload_file
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"arrival_s": 0, "prompt_tokens": 3, "output_tokens": 2}\n{"arrival_s": 1,\n')
+    with pytest.raises(ValueError, match=r"line 2: not JSON") as info:
+        load_workload_file(path)
+    assert ".csv" not in str(info.value)
+
+
+def test_a_missing_cpu_cost_model_says_where_cpu_reads_it(tmp_path, monkeypatch):
+    """--cost-model cpu with no fitted file was told "'cpu' is neither a preset ... nor a JSON
+    file" (its own branch dropped), which does not say which file it looked for."""
+    from minicb import sim
+    missing = tmp_path / "bench" / "cost_model_cpu.json"
+    monkeypatch.setattr(sim, "DEFAULT_CPU_COST_MODEL", missing)
+    with pytest.raises(ValueError, match=r"cost model 'cpu' reads .*cost_model_cpu\.json.*"
+                                         r"no such file.*minicb profile"):
+        sim.CostModel.load("cpu")
+
+
+def test_an_unreadable_cost_model_or_trace_names_its_path(tmp_path, monkeypatch):
+    """A cost model file that exists but cannot be read (permissions) raised a bare
+    PermissionError traceback (the `except OSError` dropped) instead of one line naming it."""
+    import pathlib
+
+    from minicb.sim import CostModel
+    from minicb.workload import load_workload_file
+    cost, trace = tmp_path / "cm.json", _trace(tmp_path / "t.jsonl", [0.0])
+    cost.write_text('{"a": 0.01}')
+
+    def denied(self, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(self))
+    monkeypatch.setattr(pathlib.Path, "read_text", denied)
+    with pytest.raises(ValueError, match=r"cm\.json': cannot read it \(Permission denied\)"):
+        CostModel.load(str(cost))
+    with pytest.raises(ValueError, match=r"t\.jsonl: cannot read it \(Permission denied\)"):
+        load_workload_file(trace)
+
+
+def test_a_bfloat16_load_holds_bfloat16_weights(tiny_llama_dir):
+    """The meta model got its storage from torch.empty without the tensor's dtype (torch's
+    default float32): a bfloat16 load ran in float32, twice the memory, with no error."""
+    import torch
+
+    from minicb.model.loader import load_model
+    model, _ = load_model(str(tiny_llama_dir), device="cpu", dtype=torch.bfloat16,
+                          prepack=False)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
