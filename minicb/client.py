@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -110,7 +111,7 @@ def describe_errors(summary: dict[str, Any]) -> str:
     """One line per reason a request failed (empty when none did), for the CLIs' stderr."""
     reasons = summary.get("error_reasons") or {}
     lines = [f"error: {n} request{'s' * (n > 1)} failed: {why}" for why, n in reasons.items()]
-    if any(name in why for why in reasons for name in TRACE_FIELDS):
+    if any(re.search(rf"\b{name}\b", why) for why in reasons for name in TRACE_FIELDS):
         lines.append("(a server that refuses a trace's field: leave it out with --omit-field)")
     return "\n".join(lines)
 

@@ -934,6 +934,8 @@ def test_a_refusal_is_reported_in_the_servers_words_and_omit_field_avoids_it(cap
     assert [("priority" in b, "user" in b) for b in measured] == [
         (True, False), (False, True), (False, False), (False, False)]
     assert describe_errors(omitted["results"]["x"]) == ""
+    quota = describe_errors({"error_reasons": {"HTTP 429: too many users": 2}})
+    assert quota == "error: 2 requests failed: HTTP 429: too many users"  # no field named
     parsed = bench.bench_parser().parse_args(["--endpoint", url, "--omit-field", "priority"])
     assert parsed.omit_field == ["priority"]
     with pytest.raises(SystemExit):
