@@ -299,15 +299,16 @@ def add_slo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slo-e2e", type=float, default=None, help="seconds, end to end")
 
 
-# what a replayed trace adds to each request it sends a server: (chapter 06)
-TRACE_FIELDS = ("user", "priority", "deadline")
+# what a replayed trace adds to each request it sends a server (chapter 06); not
+# workload.TRACE_FIELDS, the columns of a trace file
+SENT_FIELDS = ("user", "priority", "deadline")
 
 
 def add_endpoint_arguments(parser: argparse.ArgumentParser) -> None:
     """--vocab-size and --omit-field: how requests are sent to a server (chapter 06)."""
     parser.add_argument("--vocab-size", type=int, default=None,
                         help="with --endpoint: fold prompt ids below this (tiny test models)")
-    parser.add_argument("--omit-field", action="append", default=[], choices=TRACE_FIELDS,
+    parser.add_argument("--omit-field", action="append", default=[], choices=SENT_FIELDS,
                         help="with --endpoint: do not send this field of a replayed trace "
                              "(repeatable; 'priority' for a vLLM server without "
                              "--scheduling-policy priority, which refuses a non-zero one)")
@@ -1198,7 +1199,7 @@ def main_bench(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.command_line = _command_line("bench", argv)
     if args.endpoint:  # any OpenAI-compatible server, measured from the client side
-        from minicb.client import bench_endpoint, describe_errors, report
+        from minicb.client import bench_endpoint, print_errors, report
         try:
             refuse_engine_flags(parser, args)
             check_writable(args.out, "--out")
@@ -1214,8 +1215,7 @@ def main_bench(argv: list[str] | None = None) -> int:
             return 2
         data["declaration"]["command"] = args.command_line
         print(report(data["results"]))
-        if problems := describe_errors(next(iter(data["results"].values()), {})):
-            print(problems, file=sys.stderr)
+        print_errors(data["results"])
         if args.out:
             print(f"wrote {write_json(data, args.out)}")
         return 0
@@ -1358,8 +1358,7 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
             if bar is not None:
                 bar.update(1)
             continue
-        options = dict(base, max_num_batched_tokens=budget, max_num_seqs=num_seqs,
-                       chunk_size=chunk, preemption=preemption)
+        options = dict(base, **setting)
         if preemption == "priority" and aging is not None:
             options["priority_aging_steps"] = aging
         free_device_memory(device)  # the last setting's engine is gone: give its pool back
@@ -1371,9 +1370,7 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
             skipped.append({"setting": setting, "reason": str(exc)})
         else:
             row = {**({} if rate is None else {"rate_rps": rate}),
-                   "max_num_batched_tokens": budget, "max_num_seqs": num_seqs,
-                   "chunk_size": chunk, "preemption": preemption,
-                   "goodput_rps": summary["goodput_rps"] if slo else None,
+                   **setting, "goodput_rps": summary["goodput_rps"] if slo else None,
                    "requests_per_s": summary["requests_per_s"],
                    "output_tokens_per_s": summary["output_tokens_per_s"],
                    "ttft_p99_s": summary["ttft_s"]["p99"],

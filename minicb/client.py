@@ -19,6 +19,7 @@ import json
 import re
 import sys
 import time
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,7 +27,7 @@ import httpx
 
 from minicb import metrics
 from minicb.bench import (
-    TRACE_FIELDS,
+    SENT_FIELDS,
     add_endpoint_arguments,
     add_slo_arguments,
     slo_from_args,
@@ -100,18 +101,20 @@ def _server_error(status: int, body: str) -> str:
 
 def error_reasons(records: Sequence[RequestRecord]) -> dict[str, int]:
     """Why the failed requests failed: each distinct message and how many it ended."""
-    reasons: dict[str, int] = {}
-    for r in records:
-        if r.finish_reason == "error":
-            reasons[r.error or "unknown"] = reasons.get(r.error or "unknown", 0) + 1
-    return reasons
+    return dict(Counter(r.error or "unknown" for r in records if r.finish_reason == "error"))
+
+
+def print_errors(results: dict[str, dict[str, Any]]) -> None:
+    """`describe_errors` of a client run's result on stderr, if any request failed."""
+    if problems := describe_errors(next(iter(results.values()), {})):
+        print(problems, file=sys.stderr)
 
 
 def describe_errors(summary: dict[str, Any]) -> str:
     """One line per reason a request failed (empty when none did), for the CLIs' stderr."""
     reasons = summary.get("error_reasons") or {}
     lines = [f"error: {n} request{'s' * (n > 1)} failed: {why}" for why, n in reasons.items()]
-    if any(re.search(rf"\b{name}\b", why) for why in reasons for name in TRACE_FIELDS):
+    if any(re.search(rf"\b{name}\b", why) for why in reasons for name in SENT_FIELDS):
         lines.append("(a server that refuses a trace's field: leave it out with --omit-field)")
     return "\n".join(lines)
 
@@ -184,9 +187,9 @@ async def run_client(endpoint: str, workload_requests: Sequence[Any], model: str
     first-use costs on both sides out of the first measured request. `omit`: trace fields not to
     send (`"priority"` for a vLLM server started without `--scheduling-policy priority`, which
     refuses a non-zero one)."""
-    unknown = set(omit) - set(TRACE_FIELDS)
+    unknown = set(omit) - set(SENT_FIELDS)
     if unknown:
-        raise ValueError(f"omit: unknown field(s) {sorted(unknown)}; choose from {TRACE_FIELDS}")
+        raise ValueError(f"omit: unknown field(s) {sorted(unknown)}; choose from {SENT_FIELDS}")
     url = completions_url(endpoint)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10.0),
@@ -302,8 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(report(out["results"]))
-    if problems := describe_errors(next(iter(out["results"].values()))):
-        print(problems, file=sys.stderr)
+    print_errors(out["results"])
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)

@@ -207,6 +207,12 @@ def batch_sizes(trace: Sequence[Any]) -> list[int]:
     return [sum(1 for m in rec.members if m.num_tokens > 0) for rec in trace]
 
 
+def steps_that_ran(trace: Sequence[Any]) -> list[Any]:
+    """The steps that ran the model: not the empty ones of dynamic batching waiting on the
+    clock (chapter 06)."""
+    return [rec for rec in trace if any(m.num_tokens > 0 for m in rec.members)]
+
+
 def speculation(trace: Sequence[Any]) -> dict[str, Any]:
     """Speculative decoding (chapter 08): tokens guessed, guesses the model kept, and the share
     kept (None when nothing was guessed)."""
@@ -230,7 +236,7 @@ def token_mix(trace: Sequence[Any]) -> dict[str, Any]:
     decode member and step), steps that mixed prefill and decode (count and share of steps),
     the share of decode tokens computed in such a step, and mean tokens per step. Shares are
     None when there is nothing to divide."""
-    ran = [rec for rec in trace if any(m.num_tokens > 0 for m in rec.members)]
+    ran = steps_that_ran(trace)
     prefill = sum(rec.num_prefill_tokens for rec in ran)
     decode = sum(rec.num_decode_tokens for rec in ran)
     mixed = [rec for rec in ran if rec.num_prefill_tokens and rec.num_decode_tokens]
@@ -248,7 +254,7 @@ def resource_use(trace: Sequence[Any], num_pages: int,
     """How full the engine ran (chapter 06; the contract: watch more than device utilisation):
     the KV pool's share in use by running requests after each step that ran the model (mean
     and peak; cached pages kept for reuse not counted) and the token budget's mean share."""
-    ran = [rec for rec in trace if any(m.num_tokens > 0 for m in rec.members)]
+    ran = steps_that_ran(trace)
     if not ran:
         return {"kv_pool_use_mean": None, "kv_pool_use_peak": None, "token_budget_use_mean": None}
     return {"kv_pool_use_mean": float(np.mean([r.pages_used for r in ran])) / num_pages,
