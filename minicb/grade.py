@@ -6,7 +6,9 @@ errors, and scores every exercise by its check cell: the cell tagged `check:<exe
 `points:<n>`, default 1). An exercise passes when its check cell ran to its end without an
 error; a failed one reports the error its check cell raised (a `CheckFailed` explanation, or
 the `NotImplementedError` of an untouched stub), or the first error among the exercise's own
-cells when the check never got that far.
+cells when the check never got that far. A cell that ignores the timeout's interrupt has its
+kernel killed, and the notebook runs again in a fresh kernel with that cell raising
+`TimeoutError`, so one endless loop does not cost the exercises after it.
 
 Check cells are restored from the exercise's source before the run: `--source PATH`, else
 `exercises/source/<same file name>`, else the source the notebook's content names (its
@@ -78,6 +80,8 @@ STUB_ERROR = "NotImplementedError: write "  # what an untouched stub raises
 MARK = "minicb-grade-check-done:{nonce}:{name}"  # printed after a check cell's own code
 MAX_SOCKET_PREFIX = 90  # bytes; Linux allows 107 in a Unix socket's path, macOS 103
 MAX_CELL_OUTPUT = 1_000_000  # characters of output kept per cell; errors and marks always
+MAX_RESTARTS = 2  # fresh kernels after a killed one; each costs a re-run and 2 timeouts
+STOPPED = "execution stopped: "  # a note saying the notebook's last run did not reach its end
 
 
 class GradeError(ValueError):
@@ -273,24 +277,62 @@ def kernel_config(workdir: Path) -> Config:
 
 
 def execute(nb: nbformat.NotebookNode, workdir: Path, timeout: int) -> list[str]:
-    """Run every cell in a fresh kernel, errors and all; returns notes on what stopped it.
+    """Run every cell in a fresh kernel, errors and all; returns notes on how the run went.
     A cell past `timeout` is interrupted; one still running `timeout` later (it caught the
-    interrupt) has its kernel killed, and the cells before it are graded."""
+    interrupt) has its kernel killed. The notebook is then run again from the top in a fresh
+    kernel with that cell replaced by one raising `TimeoutError`, so the exercises after it
+    are still graded (at most MAX_RESTARTS times; after that the cells before it are graded).
+    A note starting with STOPPED means the last run did not reach the end."""
+    notes: list[str] = []
+    while True:
+        killed_at, why = _run_kernel(nb, workdir, timeout)
+        if why is None:
+            return notes
+        if killed_at is not None:
+            cell = nb.cells[killed_at]
+            why = f"{_describe_cell(cell, killed_at)} {why}"
+        if killed_at is None or len(notes) == MAX_RESTARTS:
+            return notes + [STOPPED + why]
+        notes.append(f"{why}; the notebook was run again in a fresh kernel with that cell "
+                     "raising TimeoutError")
+        cell.source = (f"raise TimeoutError('minicb grade: this cell ignored the interrupt at "
+                       f"{timeout} s and its kernel was killed')")
+        for other in nb.cells:
+            if other.cell_type == "code":
+                other.outputs, other.execution_count = [], None
+
+
+def _describe_cell(cell: nbformat.NotebookNode, index: int) -> str:
+    """A cell as a learner finds it: an exercise's check cell by name, others by number and
+    first line (a restored check cell starts with the grader's own lines)."""
+    name = next((m["name"] for tag in cell_tags(cell) for m in [CHECK_TAG.match(tag)] if m), None)
+    if name:
+        return f"the check cell of {name!r}"
+    first_line = next((line.strip() for line in cell.source.splitlines() if line.strip()), "")
+    return f"cell {index + 1} ({first_line[:60]!r})"
+
+
+def _run_kernel(nb: nbformat.NotebookNode, workdir: Path, timeout: int
+                ) -> tuple[int | None, str | None]:
+    """One run of the notebook in a fresh kernel: (index of the cell whose kernel was killed,
+    why the run stopped), both None when it ran to its end."""
     config = kernel_config(workdir)
     # the grader's own Python, whatever kernel the learner's notebook names
     client = _capped_client()(nb, timeout=timeout, kernel_name="python3", allow_errors=True,
                               interrupt_on_timeout=True, record_timing=False, config=config,
                               resources={"metadata": {"path": str(workdir)}})
     killed: list[int] = []
+    running: list[int] = [-1]
     timer: list[threading.Timer] = []
 
     def kill() -> None:
         process = getattr(getattr(client.km, "provisioner", None), "process", None)
         if process is not None and process.poll() is None:
-            killed.append(process.pid)
+            killed.append(running[0])
             process.kill()
 
-    def arm(**_) -> None:  # each cell gets its timeout, an interrupt, and as long again
+    def arm(cell_index: int = -1, **_) -> None:  # a timeout, an interrupt, and as long again
+        running[0] = cell_index
         for pending in timer:
             pending.cancel()
         timer[:] = [threading.Timer(2 * timeout + 5, kill)]
@@ -303,9 +345,10 @@ def execute(nb: nbformat.NotebookNode, workdir: Path, timeout: int) -> list[str]
     try:
         client.execute()
     except Exception as exc:  # the kernel died, was killed or would not start: grade what ran
-        why = (f"a cell ignored the interrupt at {timeout} s and its kernel was killed"
-               if killed else f"{type(exc).__name__}: {str(exc).strip()[:300]}")
-        return [f"execution stopped: {why}"]
+        if killed:
+            index = killed[0] if 0 <= killed[0] < len(nb.cells) else None
+            return index, f"ignored the interrupt at {timeout} s and its kernel was killed"
+        return None, f"{type(exc).__name__}: {str(exc).strip()[:300]}"
     finally:
         for pending in timer:
             pending.cancel()
@@ -317,7 +360,7 @@ def execute(nb: nbformat.NotebookNode, workdir: Path, timeout: int) -> list[str]
             # nbclient took the grader's Ctrl-C (or SIGTERM) and shut the kernel down: the
             # notebook did not fail, the run was stopped. Stop grading instead of scoring it 0.
             raise KeyboardInterrupt("grading interrupted")
-    return []
+    return None, None
 
 
 def _capped_client() -> type:
@@ -394,11 +437,12 @@ def grade_notebook(path: str | Path, timeout: int = 300, restore: bool = True,
     t0 = time.perf_counter()
     workdir = Path(tempfile.mkdtemp(prefix="minicb-grade-"))
     try:
-        stopped = execute(nb, workdir, timeout)
+        notes = execute(nb, workdir, timeout)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     report.seconds = time.perf_counter() - t0
-    report.notes.extend(stopped)
+    report.notes.extend(notes)
+    stopped = [note for note in notes if note.startswith(STOPPED)]
     if stopped and not any(c.get("execution_count") is not None or c.get("outputs")
                            for c in nb.cells if c.cell_type == "code"):
         raise GradeError(f"cannot grade {path}: its kernel ran no cell ({stopped[-1]})")

@@ -962,9 +962,10 @@ def test_grader_restores_checks_and_survives_endless_loops(tmp_path, capsys):
 def test_a_cell_that_swallows_the_interrupt_is_killed_and_the_rest_still_graded(tmp_path,
                                                                               capsys):
     """Found by review: a cell catching KeyboardInterrupt in a loop was interrupted every
-    `timeout` seconds forever. Now its kernel is killed one timeout after the interrupt, and the
-    exercises before it keep their points. The learner's notebook also names a kernel this
-    machine lacks: the grader runs its own."""
+    `timeout` seconds forever. Now its kernel is killed one timeout after the interrupt and the
+    notebook runs again in a fresh kernel with that cell raising TimeoutError: the exercises
+    before it and after it keep their points (those after it scored 0 before). The learner's
+    notebook also names a kernel this machine lacks: the grader runs its own."""
     nb = nbformat.read(ROOT / "solutions" / EXPECTED[0], as_version=4)
     nb.metadata["kernelspec"] = {"name": "some-env-of-mine", "display_name": "mine",
                                  "language": "python"}
@@ -979,8 +980,11 @@ def test_a_cell_that_swallows_the_interrupt_is_killed_and_the_rest_still_graded(
     assert grade.main([str(path), "--timeout", "15"]) == 0
     assert time.monotonic() - t0 < 120
     out = capsys.readouterr().out
-    assert "✓ page_pool" in out and "✓ prefix_hashes" in out and "total: 2/4" in out
-    assert "its kernel was killed" in out
+    assert "✓ page_pool" in out and "✓ prefix_hashes" in out and "✓ quantize_int8" in out
+    assert "total: 3/4" in out and "TimeoutError" in out
+    assert "('import time') ignored the interrupt at 15 s and its kernel was killed; the " \
+           "notebook was run again in a fresh kernel" in out
+    assert "execution stopped" not in out
     assert "reported no error but did not run to its end" not in out
 
 
@@ -1603,6 +1607,51 @@ def test_scores_follow_the_check_cells_marks_and_points(tmp_path, monkeypatch):
     assert "total: 2/4" in grade.format_report(report)
     # --no-restore: no mark is asked for, so the silent check passes (proves nothing)
     assert grade.grade_notebook(path, restore=False).score == 3
+
+
+def test_a_killed_kernel_is_restarted_with_its_cell_raising_at_most_max_restarts_times(
+        tmp_path, monkeypatch):
+    """In memory, no kernel: each run that ends with a killed kernel is followed by a run in
+    which that cell raises TimeoutError; the notes name each killed cell (an exercise's check
+    cell by its exercise's name); after MAX_RESTARTS restarts the run is graded as stopped."""
+    nb = nbformat.read(ROOT / "solutions" / EXPECTED[0], as_version=4)
+    stub = tagged(nb, "exercise")["match_prefix"]
+    check_cell = tagged(nb, "check")["quantize_int8"]
+    runs = []
+
+    def run_kernel(nb, workdir, timeout):
+        runs.append([c.source for c in nb.cells])
+        assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code")
+        for i, cell in enumerate(nb.cells):
+            if cell.cell_type == "code":
+                cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text="ran")]
+            if i in (stub, check_cell) and not cell.source.startswith("raise TimeoutError"):
+                return i, "ignored the interrupt at 9 s and its kernel was killed"
+        return None, None
+
+    monkeypatch.setattr(grade, "_run_kernel", run_kernel)
+    first_line = nb.cells[stub].source.strip().splitlines()[0]
+    notes = grade.execute(nb, tmp_path, 9)
+    assert len(runs) == 3 and notes == [
+        f"cell {stub + 1} ({first_line[:60]!r}) ignored the interrupt at 9 s and its kernel "
+        "was killed; the notebook was run again in a fresh kernel with that cell raising "
+        "TimeoutError",
+        "the check cell of 'quantize_int8' ignored the interrupt at 9 s and its kernel was "
+        "killed; the notebook was run again in a fresh kernel with that cell raising "
+        "TimeoutError"]
+    assert runs[1][stub].startswith("raise TimeoutError") and runs[1][check_cell] == \
+        runs[0][check_cell]
+    assert nb.cells[check_cell].source.startswith("raise TimeoutError('minicb grade: this "
+                                                  "cell ignored the interrupt at 9 s")
+    # no restarts left: the last run is reported as stopped and nothing is replaced
+    nb = nbformat.read(ROOT / "solutions" / EXPECTED[0], as_version=4)
+    runs.clear()
+    monkeypatch.setattr(grade, "MAX_RESTARTS", 0)
+    notes = grade.execute(nb, tmp_path, 9)
+    assert len(runs) == 1 and notes == [
+        f"execution stopped: cell {stub + 1} ({first_line[:60]!r}) ignored the interrupt at 9 "
+        "s and its kernel was killed"]
+    assert not nb.cells[stub].source.startswith("raise")
 
 
 def test_a_failed_check_names_the_learners_own_error_only_when_it_caused_it(tmp_path,

@@ -284,7 +284,8 @@ def test_a_check_cell_cut_off_by_a_stopped_kernel_says_so(tmp_path, monkeypatch)
     "reported no error but did not run to its end (did an earlier cell change how errors ...
     are handled?)" (the stopped-kernel branch dropped), blaming cells that did nothing."""
     report = _graded(tmp_path, monkeypatch, {"check:match_prefix": "silent"},
-                     stopped=["its kernel was killed: a cell ignored the interrupt"])
+                     stopped=["execution stopped: cell 3 ignored the interrupt at 300 s "
+                              "and its kernel was killed"])
     message = {e.name: e.message for e in report.exercises}["match_prefix"]
     assert message.startswith("its check cell was still running when the kernel was stopped")
 
