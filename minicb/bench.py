@@ -48,6 +48,7 @@ from minicb.metrics import (
     resource_use,
     summarize,
     sustainable_load,
+    worst_class,
 )
 from minicb.sim import (
     DEFAULT_CPU_COST_MODEL,
@@ -1302,6 +1303,11 @@ def sweep_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-queue-age", type=float, default=None, metavar="SECONDS",
                         help="a fairness limit: a setting whose oldest request waited longer "
                              "than this before its first step is not chosen as best")
+    parser.add_argument("--min-class-attainment", type=float, default=None, metavar="FRACTION",
+                        help="a fairness limit across classes (needs an SLO): a setting in "
+                             "which some prompt-length bucket, tenant or priority class met "
+                             "the SLO for less than this fraction of its requests is not "
+                             "chosen as best")
     return parser
 
 
@@ -1324,6 +1330,15 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
     fairness = getattr(args, "max_queue_age", None)
     if fairness is not None and (not is_finite_number(fairness) or fairness <= 0):
         raise ValueError(f"--max-queue-age must be a number of seconds > 0, got {fairness!r}")
+    class_floor = getattr(args, "min_class_attainment", None)
+    if class_floor is not None:
+        if not is_finite_number(class_floor) or not 0 < class_floor <= 1:
+            raise ValueError(f"--min-class-attainment must be a fraction in (0, 1], got "
+                             f"{class_floor!r}")
+        if not slo:
+            raise ValueError("--min-class-attainment limits each class's share of requests "
+                             "meeting the SLO: give one (--slo-ttft, --slo-itl, --slo-tpot, "
+                             "--slo-e2e)")
     target = getattr(args, "slo_target", 0.99)
     if rates != [None]:
         if args.rate is not None:
@@ -1378,6 +1393,7 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
                    "e2e_p99_s": summary["e2e_s"]["p99"],
                    "slo_attainment": summary["slo_attainment"] if slo else None,
                    "max_queue_age_s": summary["max_queue_age_s"],
+                   **worst_class_fields(summary),
                    "preemptions": summary["preemptions"],
                    "cancelled": summary["cancelled"], "errors": summary["errors"],
                    "cancellations_honoured": cancellations_honoured(engine,
@@ -1390,7 +1406,7 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
                     free_device_memory(device)
                     references[rate] = reference_tokens(executor, traffic[rate][0], base)
                 row.update(quality_check(references[rate], tokens))
-            row["fails"] = requirement_failures(row, fairness)
+            row["fails"] = requirement_failures(row, fairness, class_floor)
             rows.append(row)
         engine = None
         if bar is not None:
@@ -1408,10 +1424,11 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
     if rates != [None]:
         decl["rate_rps"] = rates
         decl["slo_target"] = target
-    decl["fairness"] = None if fairness is None else {"max_queue_age_s": fairness}
-    decl["requirements"] = sweep_requirements(fairness, executor.simulated)
+    decl["fairness"] = {key: value for key, value in (("max_queue_age_s", fairness),
+                        ("min_class_attainment", class_floor)) if value is not None} or None
+    decl["requirements"] = sweep_requirements(fairness, executor.simulated, class_floor)
     if rates == [None]:
-        best = best_setting(rows, fairness, ranked_by)
+        best = best_setting(rows, fairness, ranked_by, class_floor)
     else:  # rows at different offered loads do not compare: the pick is the load sustained
         best = next((r for r in sustainable[:1] if r["sustainable_load_rps"] is not None), None)
     return {"declaration": decl, "rows": rows, "skipped": skipped,
@@ -1427,11 +1444,13 @@ def ranked(rows: list[dict[str, Any]], by: str = "goodput_rps") -> list[dict[str
 
 
 def best_setting(rows: list[dict[str, Any]], max_queue_age: float | None = None,
-                 by: str = "goodput_rps") -> dict[str, Any] | None:
+                 by: str = "goodput_rps", min_class_attainment: float | None = None
+                 ) -> dict[str, Any] | None:
     """The contract's pick ("选择同时满足公平性、取消和质量要求的最高 SLO-qualified Goodput";
     chapter 06, exercise 6.4): the first of `ranked(rows, by)` that fails no requirement
-    (`requirement_failures`, fairness against `max_queue_age`); None if every row fails one."""
-    fit = [r for r in rows if not requirement_failures(r, max_queue_age)]
+    (`requirement_failures`, fairness against `max_queue_age` and `min_class_attainment`);
+    None if every row fails one."""
+    fit = [r for r in rows if not requirement_failures(r, max_queue_age, min_class_attainment)]
     return ranked(fit, by)[0] if fit else None
 
 
@@ -1456,24 +1475,45 @@ def quality_check(reference: dict[str, list[int]],
     return {"same_tokens": not differing, "differing_requests": differing}
 
 
-def requirement_failures(row: dict[str, Any], fairness: float | None) -> list[str]:
+def worst_class_fields(summary: dict[str, Any]) -> dict[str, Any]:
+    """A sweep row's class fairness (chapter 06): the class that met the SLO least often
+    (`metrics.worst_class`; "all requests" when the workload holds one class) and its share."""
+    if summary["slo_attainment"] is None:
+        return {"worst_class": None, "worst_class_attainment": None}
+    name, attained = (worst_class(summary["by_class"])
+                      or ("all requests", summary["slo_attainment"]))
+    return {"worst_class": name, "worst_class_attainment": attained}
+
+
+def requirement_failures(row: dict[str, Any], fairness: float | None,
+                         min_class_attainment: float | None = None) -> list[str]:
     """The contract's requirements beside the SLO that a sweep row fails; a row failing any is
     never the best (chapter 06): fairness (its oldest request waited longer than
-    --max-queue-age), errors (a request failed), cancellation (`cancellations_honoured`),
-    quality (`quality_check`; not checked on the simulator)."""
+    --max-queue-age), class fairness (a prompt-length bucket, tenant or priority class met the
+    SLO for less than --min-class-attainment of its requests), errors (a request failed),
+    cancellation (`cancellations_honoured`), quality (`quality_check`; not checked on the
+    simulator)."""
     age = row["max_queue_age_s"]
+    worst = row.get("worst_class_attainment")
     failed = {"fairness": fairness is not None and (age is None or age > fairness),
+              "class fairness": min_class_attainment is not None and (
+                  worst is None or worst < min_class_attainment),
               "errors": bool(row["errors"]),
               "cancellation": not row["cancellations_honoured"],
               "quality": row["same_tokens"] is False}
     return [name for name, fails in failed.items() if fails]
 
 
-def sweep_requirements(fairness: float | None, simulated: bool) -> dict[str, str]:
+def sweep_requirements(fairness: float | None, simulated: bool,
+                       min_class_attainment: float | None = None) -> dict[str, str]:
     """What `requirement_failures` holds each setting to, in words, for the declaration
     (chapter 06)."""
     return {"fairness": "none given (--max-queue-age)" if fairness is None else
             f"oldest queue age <= {fairness:g} s",
+            "class fairness": "none given (--min-class-attainment)"
+            if min_class_attainment is None else
+            f"every prompt-length bucket, tenant and priority class meets the SLO for at least "
+            f"{min_class_attainment:.0%} of its requests",
             "errors": "no request failed",
             "cancellation": "each cancelled request stopped in the step of its cancel point "
                             "and no request holds KV pages after the run",
@@ -1498,6 +1538,18 @@ def sustainable_rows(rows: list[dict[str, Any]], target: float) -> list[dict[str
     return sorted(found, key=lambda r: -(r["sustainable_load_rps"] or 0.0))
 
 
+def _sweep_cell(row: dict[str, Any], column: str) -> str:
+    """One cell of the printed sweep table (chapter 06)."""
+    value = row[column]
+    if value is None:
+        return _fmt(value)
+    if column == "worst_class":
+        return f"{value} {100 * row['worst_class_attainment']:.1f}"
+    shown = {"slo_attainment": lambda v: f"{100 * v:.0f}", "rate_rps": lambda v: f"{v:g}",
+             "fails": lambda v: ",".join(v) or "-"}
+    return shown[column](value) if column in shown else _fmt(value)
+
+
 def main_sweep(argv: list[str] | None = None) -> int:
     """`python -m minicb sweep ...`: returns an exit code (chapter 06)."""
     args = sweep_parser().parse_args(argv)
@@ -1509,15 +1561,12 @@ def main_sweep(argv: list[str] | None = None) -> int:
         return 2
     columns = ("max_num_batched_tokens", "max_num_seqs", "chunk_size", "preemption",
                "goodput_rps", "requests_per_s", "output_tokens_per_s", "ttft_p99_s",
-               "tpot_p99_s", "slo_attainment", "max_queue_age_s", "fails")
+               "tpot_p99_s", "slo_attainment", "max_queue_age_s", "worst_class", "fails")
     header = ["budget", "seqs", "chunk", "preemption", "goodput", "req/s", "tok/s", "TTFT p99",
-              "TPOT p99", "SLO %", "queue age", "fails"]
+              "TPOT p99", "SLO %", "queue age", "worst class SLO %", "fails"]
     if data["sustainable"]:
         columns, header = ("rate_rps", *columns), ["rate", *header]
-    shown = {"slo_attainment": lambda v: f"{100 * v:.0f}", "rate_rps": lambda v: f"{v:g}",
-             "fails": lambda v: ",".join(v) or "-"}
-    lines = [header] + [[_fmt(r[c]) if c not in shown or r[c] is None else shown[c](r[c])
-                         for c in columns] for r in data["rows"]]
+    lines = [header] + [[_sweep_cell(r, c) for c in columns] for r in data["rows"]]
     widths = [max(len(str(x[i])) for x in lines) for i in range(len(header))]
     sim = " (SIMULATED)" if data["declaration"]["simulated"] else ""
     print(f"\nsweep of {args.policy} on {data['declaration']['workload']['workload']}{sim}, SLO "

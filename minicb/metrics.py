@@ -405,6 +405,16 @@ def by_class(records: Sequence[Any], slo: dict[str, float] | None = None
     return out
 
 
+def worst_class(classes: dict[str, dict[str, dict[str, Any]]]) -> tuple[str, float] | None:
+    """The class that met the SLO least often across `by_class`'s groupings, as
+    ("prompt_tokens=2048+", 0.41) (chapter 06: the sweep's class-fairness limit); None without
+    an SLO or when every grouping holds one class. Ties go to the first in `by_class` order."""
+    found = [(f"{grouping}={name}", row["slo_attainment"])
+             for grouping, rows in classes.items() for name, row in rows.items()
+             if row["slo_attainment"] is not None]
+    return min(found, key=lambda item: item[1]) if found else None
+
+
 def _class_order(name: str) -> tuple[int, float, str]:
     """Classes in a readable order: numbers (buckets, priorities) by value, then names."""
     for text in (name, name.split("-")[0].rstrip("+")):  # "-1", "128-511", "2048+"

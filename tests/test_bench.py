@@ -379,6 +379,69 @@ def test_sweep_best_keeps_within_the_fairness_limit(tmp_path, capsys):
     assert "--max-queue-age must be" in capsys.readouterr().err
 
 
+def test_sweep_best_keeps_every_class_above_the_class_fairness_limit(tmp_path, capsys):
+    """--min-class-attainment: a setting in which some class (here the long prompts, bucket
+    512-2047 or 2048+, or priority 1) met the SLO for less than the limit's share of its
+    requests fails "class fairness" and is not the best, however high its goodput."""
+    import dataclasses
+
+    from minicb.workload import Workload, make_workload, save_workload_file
+    traffic = make_workload(100, prompt_lengths="lognormal:512:1.0:16:6000",
+                            output_lengths="uniform:16:256", arrival="poisson", rate=25, seed=2)
+    trace = save_workload_file(Workload("by-size", [
+        dataclasses.replace(r, priority=int(r.prompt_len >= 512)) for r in traffic.requests]),
+        tmp_path / "by-size.jsonl")
+    grid = ["--executor", "sim", "--workload-file", str(trace), "--max-num-batched-tokens", "512",
+            "--max-num-seqs", "8,16", "--chunk-size", "512", "--preemption", "newest,priority",
+            "--slo-ttft", "0.5", "--no-progress"]
+    unlimited = bench.run_sweep(bench.sweep_parser().parse_args(grid))
+    rows = unlimited["rows"]
+    assert all(r["fails"] == [] for r in rows)
+    worst = [r["worst_class_attainment"] for r in rows]
+    assert all(0 <= w <= r["slo_attainment"] for w, r in zip(worst, rows))
+    assert {r["worst_class"].split("=")[0] for r in rows} <= {"prompt_tokens", "priority"}
+    assert worst[0] < max(worst)  # the fastest setting is not the fairest to every class
+    limit = (worst[0] + max(worst)) / 2
+    out = tmp_path / "fair.json"
+    assert bench.main_sweep([*grid, "--min-class-attainment", str(limit), "--out",
+                             str(out)]) == 0
+    printed = capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert all(r["fails"] == (["class fairness"] if r["worst_class_attainment"] < limit else [])
+               for r in data["rows"])
+    fit = [r for r in data["rows"] if r["worst_class_attainment"] >= limit]
+    assert data["best"] == fit[0] != data["rows"][0]
+    assert data["declaration"]["fairness"] == {"min_class_attainment": limit}
+    assert "worst class SLO %" in printed and "class fairness: every prompt-length bucket" in \
+        printed and f"{data['rows'][0]['worst_class']} " in printed
+    for extra, message in ((["--min-class-attainment", "0"], "must be a fraction in (0, 1]"),
+                           (["--min-class-attainment", "1.5"], "must be a fraction in (0, 1]")):
+        assert bench.main_sweep([*grid, *extra]) == 2
+        assert message in capsys.readouterr().err
+    no_slo = [a for a in grid if a not in ("--slo-ttft", "0.5")]
+    assert bench.main_sweep([*no_slo, "--min-class-attainment", "0.5"]) == 2
+    assert "give one (--slo-ttft" in capsys.readouterr().err
+
+
+def test_worst_class_is_the_lowest_attainment_across_groupings():
+    """`metrics.worst_class`: the lowest SLO attainment over every grouping's classes, named
+    grouping=class, the first in order on a tie; None without an SLO or without classes; a
+    one-class workload is "all requests" in a sweep row."""
+    classes = {"prompt_tokens": {"0-127": {"slo_attainment": 0.9},
+                                 "2048+": {"slo_attainment": 0.4}},
+               "tenant": {"a": {"slo_attainment": 0.4}, "b": {"slo_attainment": 1.0}}}
+    assert metrics.worst_class(classes) == ("prompt_tokens=2048+", 0.4)
+    classes["tenant"]["a"]["slo_attainment"] = 0.3
+    assert metrics.worst_class(classes) == ("tenant=a", 0.3)
+    assert metrics.worst_class({"tenant": {"a": {"slo_attainment": None},
+                                           "b": {"slo_attainment": None}}}) is None
+    assert metrics.worst_class({}) is None
+    assert bench.worst_class_fields({"slo_attainment": 0.75, "by_class": {}}) == {
+        "worst_class": "all requests", "worst_class_attainment": 0.75}
+    assert bench.worst_class_fields({"slo_attainment": None, "by_class": classes}) == {
+        "worst_class": None, "worst_class_attainment": None}
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--slo-ttft", "-1"], "--slo-ttft must be a positive number of seconds, got -1.0"),
     (["--policy", "static,pd", "--max-num-batched-tokens", "2", "--max-num-seqs", "4"],
@@ -414,8 +477,8 @@ def test_sweep_holds_each_setting_to_errors_and_cancellation():
         [*SWEEP, "--cancel-fraction", "0.5", "--slo-ttft", "0.5"]))
     assert all(r["cancelled"] == 12 and r["cancellations_honoured"] and r["errors"] == 0
                and r["fails"] == [] and r["same_tokens"] is None for r in data["rows"])
-    assert set(data["declaration"]["requirements"]) == {"fairness", "errors", "cancellation",
-                                                        "quality"}
+    assert set(data["declaration"]["requirements"]) == {"fairness", "class fairness", "errors",
+                                                        "cancellation", "quality"}
     assert "not checked" in data["declaration"]["requirements"]["quality"]
     row = dict(data["rows"][0], errors=1)
     assert bench.requirement_failures(row, None) == ["errors"]
