@@ -62,7 +62,8 @@
 # far they have been checked on the CPU only; chapter 07 says how to install the CUDA build.
 #
 # `make test` runs each notebook with `nbval`: cells that print schedule tables and counts start
-# with `# NBVAL_CHECK_OUTPUT` and must reproduce their stored output exactly. That is possible
+# with `# NBVAL_CHECK_OUTPUT` and must reproduce their stored output, apart from numbers with
+# time, rate or percent units, which `tests/sanitize.cfg` masks. That is possible
 # because a schedule is counted in **engine steps**, not seconds, and greedy sampling with fixed
 # output lengths makes it independent of the generated text. Wall-clock numbers and generated text
 # are marked `# NBVAL_IGNORE_OUTPUT`.

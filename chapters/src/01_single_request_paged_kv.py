@@ -107,7 +107,7 @@ print(f"(measured on: {device_description('cpu')['cpu_model']}, "
 #   byte**.
 # - A prefill of N tokens reuses each weight N times: about **0.5 × N FLOP per byte**, 128 for
 #   N = 256. (The output layer runs for the last position only, which the estimate below accounts
-#   for.)
+#   for: about 100 for N = 256.)
 #
 # The course's build machines (2 cores of an AMD EPYC or an Intel Xeon, depending on the day,
 # measured unloaded when the course was written) reach about 110 GFLOP/s on a large fp32 matrix product through PyTorch's default path and move
@@ -161,8 +161,8 @@ print(f"decode     : {flops_decode / t_decode / 1e9:6.1f} GFLOP/s, "
 # If a decode step waits for 0.54 GB of weights, a step that reads fewer bytes finishes sooner.
 # `quantization="int8"` stores every projection and the output layer as int8, with one float
 # scale per output row (`minicb/model/quant.py`, weight-only quantization): about 0.13 GB per
-# step instead of 0.54. Activations stay float; each product runs in PyTorch's int8-weight
-# kernel. Same prompt, both ways:
+# step instead of 0.54. Activations stay float32 between layers; each product runs in PyTorch's
+# int8-weight kernel, which takes them in bfloat16. Same prompt, both ways:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -184,12 +184,12 @@ for name, out in answers.items():
 
 # %% [markdown]
 # On the AMD EPYC build machine, unloaded (one thread), int8 decoded 64 tokens/s, float32 42 (26
-# through `F.linear`, see the next part; on the Intel Xeon int8 16–26 and float32 11–16 across
+# through `F.linear`, see the next part; on the Intel Xeon int8 16–29 and float32 11–16 across
 # builds of this notebook, the stored run above among them)
 # and Hugging Face `generate` 23–24 (`python -m minicb bench
 # --policy single --compare hf --quantization int8`; the numbers are in `bench/README.md`). The
-# price is numbers, not speed: int8 weights move the logits by up to about 5% of their largest
-# value. Greedy decoding keeps float32's token wherever the best token leads the next by more than
+# price is numbers, not speed: int8 weights (and the kernel's bfloat16 activations) move the
+# logits by up to about 5% of their largest value. Greedy decoding keeps float32's token wherever the best token leads the next by more than
 # int8 moves them; at the first step where two tokens were nearly tied it can pick the other one, and from
 # there the text takes another branch. The `greedy tokens agree` line above counts how many of the
 # 24 agreed in this run. Whether and where the two part depends on the prompt, the length and the
@@ -246,12 +246,14 @@ for rows in (1, 16):
 #
 # On the EPYC every size gains. On the Xeon batches and prefill gain less, and a single row is
 # *slower* prepacked: whole batch-1 decode steps measured 10–40% slower on two threads and
-# 2–15% on one (the course runs one thread per process; the table above is one such run).
+# 2–15% on one (the course runs one thread per process; the table printed by the code cell above is one
+# such run).
 # `MINICB_PREPACK=0` is the better setting there for one request at a time. minicb keeps prepacking on by default because
 # batches and prefill gain on both; choosing per step would need both layouts in memory. Whole
-# decode steps change a little less than the projections, because attention and the small
-# per-layer operations stay the same; the table printed above comes from the machine that ran
-# this notebook, so run it to see yours. On the EPYC at batch 1 (one thread) minicb decoded 42
+# decode steps should change a little less than the projections, because attention and the
+# small per-layer operations stay the same; the table printed above comes from the machine that
+# ran this notebook, so run it to see yours (this run's 16-row step gained 1.4×, more than the
+# Xeon's projection timings: single runs on a shared machine are noisy). On the EPYC at batch 1 (one thread) minicb decoded 42
 # tokens/s prepacked against 26 through `F.linear` and 24 for Hugging Face `generate`; int8
 # still wins at batch 1 (64), where a step is bound by bytes, and loses at 32 rows, where the
 # products are bound by arithmetic (`bench/README.md`). bfloat16 weights (`dtype=torch.bfloat16`)

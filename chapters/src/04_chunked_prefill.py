@@ -152,7 +152,9 @@ fig = plot_step_seconds({"continuous": cont}, "wall-clock time of each step")
 # ## 2. Chunks
 #
 # The fix for problem one is to cut the prompt into pieces and prefill one piece per step, so no
-# step grows beyond a fixed number of tokens. Two knobs bound a step (their names follow vLLM's):
+# step grows beyond a fixed number of tokens. Two knobs bound a step (`max_num_batched_tokens`
+# is vLLM's name; vLLM calls the per-request cap `long_prefill_token_threshold`, SGLang
+# `chunked_prefill_size`; chapter 08):
 #
 # - `chunk_size`: at most this many prompt tokens of **one** request per step;
 # - `max_num_batched_tokens`: at most this many tokens in the **whole** step, prefill and decode
@@ -163,8 +165,9 @@ fig = plot_step_seconds({"continuous": cont}, "wall-clock time of each step")
 # a minimum chunk, the chunk waits for a later step instead of running as a sliver whose fixed
 # cost outweighs its work. minicb calls that minimum `min_chunk` (`EngineConfig`, default 1, so it
 # never fires unless you set it) and defers a chunk smaller than `min(min_chunk, tokens left)`: a
-# prompt's last few tokens still run when they finish it. The rule starts to matter in chapter 05,
-# where decodes take their share of the budget first. On plain numbers, without it:
+# prompt's last few tokens still run when they finish it. Only the `pd` policy applies it: the
+# rule starts to matter in chapter 05, where decodes take their share of the budget first; this
+# chapter's `chunked` policy ignores it. On plain numbers, without it:
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -230,8 +233,9 @@ show_steps(chunked, range(1, 13))
 
 # %% [markdown]
 # From step 4 to step 10 only `long` runs. The three chats hold their pages and their slots but
-# get no tokens: `ChunkedScheduler` is **prefill-first**; while any prefill work is waiting it
-# spends the whole budget on prefill, and decodes run only in steps with no prefill at all. This
+# get no tokens: `ChunkedScheduler` is **prefill-first**; while any prefill work is waiting only
+# prefill chunks get the budget, even when the last chunk leaves most of it unused (step 10: 32
+# of 128), and decodes run only in steps with no prefill at all. This
 # is the seed's 问题二: "系统仍然会连续许多步只执行 Prefill 块 … 用户侧观察到的是已经开始的生成突然
 # 卡住不动" (the system runs only prefill chunks for many steps in a row … the user sees a
 # generation that had started suddenly freeze).
@@ -293,6 +297,8 @@ viz.compare({"continuous": cont, "chunked, prefill-first": chunked})
 # budget and always lets the first waiting prompt in (else a prompt longer than the budget could
 # never run), so a step may exceed the line by that prompt and by the decodes riding along.
 # Chunked prefill stays under it, but every step is either all prefill or all decode, never both.
+# (The dashed line is the chunked run's budget, 128; the continuous run had the default 256, and
+# its 803-token step exceeds that too.)
 
 # %%
 viz.compare({"continuous": cont, "chunked, prefill-first": chunked}, kind="budget",
@@ -368,8 +374,8 @@ for chunk_size, budget in ((128, 128), (512, 128), (64, 128), (128, 256)):
 #
 # ## Recap
 #
-# - **Problem one** (问题一): a long prompt prefilled in one step makes that step dozens of
-#   decode steps long; every running decode waits (head-of-line blocking by a prefill).
+# - **Problem one** (问题一): a long prompt prefilled in one step makes that step some twenty or
+#   more decode steps long (28 in this run); every running decode waits (head-of-line blocking by a prefill).
 # - **Chunked prefill** bounds each step: chunks of `min(chunk_size, budget left,
 #   tokens left)`. 800 tokens at 128 per step are `[128] * 6 + [32]`; the output tokens do not
 #   change.
