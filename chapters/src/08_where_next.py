@@ -175,14 +175,14 @@ with httpx.stream("POST", url + "/v1/completions", timeout=120, json={
 # %%
 # NBVAL_IGNORE_OUTPUT
 from minicb import metrics
-from minicb.client import CLIENT_COLUMNS, run_client
+from minicb.client import report, run_client
 from minicb.workload import make_workload
 
 demo = make_workload(6, prompt_lengths="uniform:16:64", output_lengths="uniform:8:24",
                      arrival="poisson", rate=3, seed=0, name="client-demo")
 records = await run_client(url, demo.requests)  # a notebook already runs an event loop
 summary = metrics.summarize([], records, slo={"ttft": 1.0})
-print(metrics.format_table({"minicb pd (client side)": summary}, CLIENT_COLUMNS))
+print(report({"minicb pd (client side)": summary}))  # the table, then p50/p95/p99
 
 # %% [markdown]
 # From the shell, against any OpenAI-compatible server:
