@@ -431,6 +431,8 @@ class Engine:
                 t0 = self._now()
                 with self._on_device():
                     to_sample, logits = self._forward(items, drafts)
+                if logits.is_cuda:  # kernels run asynchronously: time them, not their launch
+                    torch.cuda.synchronize(logits.device)
                 t_forward = self._now() - t0
                 tokens = self._sample(to_sample, logits, drafts)
             except Exception as exc:  # contain the fault: fail this step's requests only

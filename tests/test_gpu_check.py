@@ -125,6 +125,7 @@ def run_main(gpu_check, monkeypatch, tmp_path, *args: str, **fakes) -> tuple[str
     (name -> callable); returns the table it wrote and the calls each fake received."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # main sets it; restored afterwards
     monkeypatch.setattr(sys, "path", list(sys.path))  # main prepends the checkout
+    monkeypatch.setattr(gpu_check.signal, "signal", lambda *a: None)  # not pytest's SIGTERM
     calls: dict = {}
     for name, fake in fakes.items():
         def recorded(*a, _fake=fake, _name=name, **kw):
@@ -314,3 +315,95 @@ def test_the_table_says_what_each_side_of_the_benchmark_ran(gpu_check, tmp_path)
     assert "`paged\\|sdpa`" in setup and "async batching False" in setup
     for row in rows:  # two cells each: three unescaped pipes
         assert len(re.findall(r"(?<!\\)\|", row)) == 3, row
+
+
+def test_failed_requests_and_a_wrong_kernel_are_not_reported_as_speed(gpu_check, tmp_path):
+    """Found by review: a run in which requests failed ends early and looks fast, and a decode
+    kernel far from the reference was still given its share of the bandwidth. Now the row says
+    how many completed, no pd ÷ HF ratio is given, and an inaccurate kernel reads FAILED."""
+    out = tmp_path / "bench.json"
+    out.write_text(json.dumps({"declaration": {}, "results": {
+        "pd": {"output_tokens_per_s": 900.0, "num_requests": 16, "completed": 14, "errors": 2},
+        "hf-generate-batch": {"output_tokens_per_s": 100.0, "num_requests": 16,
+                              "completed": 16, "errors": 0},
+        "hf-static": {"output_tokens_per_s": 0.0, "num_requests": 16, "completed": 0,
+                      "errors": 16}}}))
+    rows = gpu_check.bench_rows(out)
+    assert ("| mixed-chat, pd | 900 output tok/s; **14/16 requests completed, 2 failed**: not "
+            "a valid result |") in rows
+    assert "| mixed-chat, hf-generate-batch | 100 output tok/s |" in rows
+    assert any(r.startswith("| mixed-chat, hf-static | 0 output tok/s; **0/16") for r in rows)
+    assert not any("**9.00×**" in r for r in rows)
+    assert any("pd ÷ hf-generate-batch | not given: a side did not complete" in r for r in rows)
+    state = {"tests": "12 passed", "bw": 2e12, "small": None, "fusion": None,
+             "model_name": None, "bench_out": None, "bench_json": None, "bench_skipped": False,
+             "dec": {"moved": 1e9, "ref_sec": 2e-3, "rows": [
+                 {"config": (64, 4, 2), "sec": 1e-3, "err": 0.4},
+                 {"config": (32, 4, 2), "sec": 2e-3, "err": 1e-3}]}}
+    text = gpu_check.render_report("2026-11-29", "a GPU", "cuda", gpu_check.SPEC, state, 30.0)
+    assert ("| decode attention, default tiles (64, 4, 2) | **FAILED accuracy**: max abs error "
+            "4.00e-01") in text
+    assert "| decode attention, best tiles (32, 4, 2) | 2000 µs, 500 GB/s = **25%**" in text
+    state["small"] = {"moved": 1e8, "ref_sec": 1e-4,
+                      "rows": [{"config": (64, 4, 2), "sec": 1e-4, "err": 0.3}]}
+    text = gpu_check.render_report("2026-11-29", "a GPU", "cuda", gpu_check.SPEC, state, 30.0)
+    row = next(r for r in text.splitlines() if r.startswith("| decode attention at SmolLM2"))
+    assert "FAILED accuracy: max abs error 3.00e-01" in row and "of copy bandwidth" not in row
+
+
+def test_stages_get_what_is_left_before_the_deadline(gpu_check, monkeypatch, tmp_path):
+    """The stage limits (180 s tests, 200 s benchmark) added up past gpu_check.sh's 470 s, whose
+    SIGTERM lost the table's benchmark rows. The tests now get what is left minus the
+    benchmark's reserve (at least 60 s), the benchmark what is left (at most 200 s)."""
+    monkeypatch.setattr(gpu_check, "DEADLINE", 300)
+    _, calls = run_main(
+        gpu_check, monkeypatch, tmp_path,
+        triton_preflight=lambda *a, **kw: (None, "triton pre-flight: ok"),
+        run_tests=lambda *a, **kw: "12 passed in 3.0s",
+        time_decode=lambda *a, **kw: {"rows": [], "moved": 1e6, "ref_sec": 2e-3},
+        bench_model=lambda *a, **kw: ("a-model", "a model"),
+        time_fusion=lambda *a, **kw: {"error": "not measured here"},
+        run_bench=lambda *a, **kw: "the benchmark's report")
+    assert 60 <= calls["run_tests"][0][1]["timeout"] <= 300 - gpu_check.BENCH_RESERVE
+    assert 200 - 30 < calls["run_bench"][0][1]["timeout"] <= 200
+    monkeypatch.setattr(gpu_check, "DEADLINE", 100)
+    _, calls = run_main(
+        gpu_check, monkeypatch, tmp_path,
+        triton_preflight=lambda *a, **kw: (None, "triton pre-flight: ok"),
+        run_tests=lambda *a, **kw: "12 passed in 3.0s",
+        time_decode=lambda *a, **kw: {"rows": [], "moved": 1e6, "ref_sec": 2e-3},
+        bench_model=lambda *a, **kw: ("a-model", "a model"),
+        time_fusion=lambda *a, **kw: {"error": "not measured here"},
+        run_bench=lambda *a, **kw: "the benchmark's report")
+    assert calls["run_tests"][0][1]["timeout"] == 60
+    assert calls["run_bench"][0][1]["timeout"] <= 95
+
+
+def test_the_time_limits_sigterm_still_writes_the_table(tmp_path):
+    """`timeout 470` sends SIGTERM to the script's process group: the table is written with
+    what was measured and says the check was stopped (before, Python died without writing)."""
+    import signal
+    import time
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--cpu-smoke", "--skip-bench",
+                             "--out-dir", str(tmp_path)], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # until the pre-flight's row is written
+            table = next(tmp_path.glob("gpu-results-*.md"), None)
+            if table is not None and "| Triton pre-flight (one trivial kernel compiled and " \
+                    "launched) | ok |" in table.read_text():
+                break
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGTERM)  # as timeout(1) does: the script and its children
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 1, output[-2000:]
+    text = next(tmp_path.glob("gpu-results-*.md")).read_text()
+    assert "**The check was stopped by signal 15 after" in text
+    assert "| Triton pre-flight (one trivial kernel compiled and launched) | ok |" in text

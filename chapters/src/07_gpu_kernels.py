@@ -249,7 +249,8 @@ requests = [("a", list(range(1000, 1012)), 5, None), ("c", list(range(3000, 3004
 results, seconds, graph_batches = {}, {}, []
 for backend in ("torch", "triton"):
     engine = Engine(model, policy="pd", attention_backend=backend, device=DEVICE,
-                    max_num_batched_tokens=16, chunk_size=16)
+                    max_num_batched_tokens=16, chunk_size=16,
+                    num_pages=64)  # on a GPU the default takes 90% of free memory: two engines
     if backend == "triton":
         if engine.graph_runner is None:  # on the CPU: the graph runner's buffers, no capture
             engine.graph_runner = engine.make_graph_runner(capture=False)

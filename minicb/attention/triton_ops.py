@@ -51,7 +51,9 @@ from minicb.attention import AttentionMetadata
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
+# Triton compiles a variant per integer argument that is 1 or a multiple of 16: the ones that
+# change from step to step are not specialized, so no step of a timed run stops to compile.
+@triton.jit(do_not_specialize=["num_tokens"])
 def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_tokens,
                      stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_kcs, stride_kch, stride_vcs, stride_vch,
@@ -115,7 +117,7 @@ def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, num_q_heads, num_k_heads,
     _rotate_heads(k_ptr + t * stride_kt, stride_kh, num_k_heads, cos, sin, d, d_ok, HALF, BLOCK_H)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_pt"])  # the page-table width, see _store_kv_kernel
 def _paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
                             qsl_ptr, ctx_ptr, page_table_ptr, work_ptr, scale_log2,
                             stride_qt, stride_qh, stride_ot, stride_oh,
