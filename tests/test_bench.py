@@ -345,9 +345,9 @@ def test_sweep_sweeps_the_priority_policy(tmp_path, capsys):
     assert "preemption=priority" in capsys.readouterr().out
 
 
-def test_sweep_best_keeps_within_the_fairness_limit(tmp_path, capsys):
-    """--max-queue-age: the contract picks the best goodput among the settings that stay fair.
-    Long prompts at a lower priority: the priority order wins on goodput by starving them."""
+def by_size_sweep(tmp_path) -> list[str]:
+    """Sweep flags over 100 mixed-length requests at 25 req/s (simulated), the prompts of 512
+    tokens or more at priority 1: the priority order starves them."""
     import dataclasses
 
     from minicb.workload import Workload, make_workload, save_workload_file
@@ -356,9 +356,15 @@ def test_sweep_best_keeps_within_the_fairness_limit(tmp_path, capsys):
     trace = save_workload_file(Workload("by-size", [
         dataclasses.replace(r, priority=int(r.prompt_len >= 512)) for r in traffic.requests]),
         tmp_path / "by-size.jsonl")
-    grid = ["--executor", "sim", "--workload-file", str(trace), "--max-num-batched-tokens", "512",
-            "--max-num-seqs", "8,16", "--chunk-size", "512", "--preemption", "newest,priority",
-            "--slo-ttft", "0.5", "--no-progress"]
+    return ["--executor", "sim", "--workload-file", str(trace), "--max-num-batched-tokens",
+            "512", "--max-num-seqs", "8,16", "--chunk-size", "512", "--preemption",
+            "newest,priority", "--slo-ttft", "0.5", "--no-progress"]
+
+
+def test_sweep_best_keeps_within_the_fairness_limit(tmp_path, capsys):
+    """--max-queue-age: the contract picks the best goodput among the settings that stay fair.
+    Long prompts at a lower priority: the priority order wins on goodput by starving them."""
+    grid = by_size_sweep(tmp_path)
     unlimited = bench.run_sweep(bench.sweep_parser().parse_args(grid))
     top, rest = unlimited["rows"][0], unlimited["rows"][1:]
     fairer = min(r["max_queue_age_s"] for r in rest)
@@ -383,17 +389,7 @@ def test_sweep_best_keeps_every_class_above_the_class_fairness_limit(tmp_path, c
     """--min-class-attainment: a setting in which some class (here the long prompts, bucket
     512-2047 or 2048+, or priority 1) met the SLO for less than the limit's share of its
     requests fails "class fairness" and is not the best, however high its goodput."""
-    import dataclasses
-
-    from minicb.workload import Workload, make_workload, save_workload_file
-    traffic = make_workload(100, prompt_lengths="lognormal:512:1.0:16:6000",
-                            output_lengths="uniform:16:256", arrival="poisson", rate=25, seed=2)
-    trace = save_workload_file(Workload("by-size", [
-        dataclasses.replace(r, priority=int(r.prompt_len >= 512)) for r in traffic.requests]),
-        tmp_path / "by-size.jsonl")
-    grid = ["--executor", "sim", "--workload-file", str(trace), "--max-num-batched-tokens", "512",
-            "--max-num-seqs", "8,16", "--chunk-size", "512", "--preemption", "newest,priority",
-            "--slo-ttft", "0.5", "--no-progress"]
+    grid = by_size_sweep(tmp_path)
     unlimited = bench.run_sweep(bench.sweep_parser().parse_args(grid))
     rows = unlimited["rows"]
     assert all(r["fails"] == [] for r in rows)

@@ -351,30 +351,25 @@ def test_failed_requests_and_a_wrong_kernel_are_not_reported_as_speed(gpu_check,
     assert "FAILED accuracy: max abs error 3.00e-01" in row and "of copy bandwidth" not in row
 
 
+QUICK_STAGES = dict(
+    triton_preflight=lambda *a, **kw: (None, "triton pre-flight: ok"),
+    run_tests=lambda *a, **kw: "12 passed in 3.0s",
+    time_decode=lambda *a, **kw: {"rows": [], "moved": 1e6, "ref_sec": 2e-3},
+    bench_model=lambda *a, **kw: ("a-model", "a model"),
+    time_fusion=lambda *a, **kw: {"error": "not measured here"},
+    run_bench=lambda *a, **kw: "the benchmark's report")
+
+
 def test_stages_get_what_is_left_before_the_deadline(gpu_check, monkeypatch, tmp_path):
     """The stage limits (180 s tests, 200 s benchmark) added up past gpu_check.sh's 470 s, whose
     SIGTERM lost the table's benchmark rows. The tests now get what is left minus the
     benchmark's reserve (at least 60 s), the benchmark what is left (at most 200 s)."""
     monkeypatch.setattr(gpu_check, "DEADLINE", 300)
-    _, calls = run_main(
-        gpu_check, monkeypatch, tmp_path,
-        triton_preflight=lambda *a, **kw: (None, "triton pre-flight: ok"),
-        run_tests=lambda *a, **kw: "12 passed in 3.0s",
-        time_decode=lambda *a, **kw: {"rows": [], "moved": 1e6, "ref_sec": 2e-3},
-        bench_model=lambda *a, **kw: ("a-model", "a model"),
-        time_fusion=lambda *a, **kw: {"error": "not measured here"},
-        run_bench=lambda *a, **kw: "the benchmark's report")
+    _, calls = run_main(gpu_check, monkeypatch, tmp_path, **QUICK_STAGES)
     assert 60 <= calls["run_tests"][0][1]["timeout"] <= 300 - gpu_check.BENCH_RESERVE
     assert 200 - 30 < calls["run_bench"][0][1]["timeout"] <= 200
     monkeypatch.setattr(gpu_check, "DEADLINE", 100)
-    _, calls = run_main(
-        gpu_check, monkeypatch, tmp_path,
-        triton_preflight=lambda *a, **kw: (None, "triton pre-flight: ok"),
-        run_tests=lambda *a, **kw: "12 passed in 3.0s",
-        time_decode=lambda *a, **kw: {"rows": [], "moved": 1e6, "ref_sec": 2e-3},
-        bench_model=lambda *a, **kw: ("a-model", "a model"),
-        time_fusion=lambda *a, **kw: {"error": "not measured here"},
-        run_bench=lambda *a, **kw: "the benchmark's report")
+    _, calls = run_main(gpu_check, monkeypatch, tmp_path, **QUICK_STAGES)
     assert calls["run_tests"][0][1]["timeout"] == 60
     assert calls["run_bench"][0][1]["timeout"] <= 95
 
