@@ -513,8 +513,10 @@ def parse_request(body: Any, chat: bool) -> dict[str, Any]:
                                  "per request)", "prompt")
     if _number(body, "n", 1, int) != 1:
         raise InvalidRequest("only n=1 is supported", "n")
-    if body.get("logprobs") not in (None, False) or body.get("echo"):
-        name = "logprobs" if body.get("logprobs") not in (None, False) else "echo"
+    logprobs = body.get("logprobs")  # 0 == False, yet logprobs=0 asks for the chosen tokens'
+    wants_logprobs = logprobs is not None and logprobs is not False  # (OpenAI): `is`, not ==
+    if wants_logprobs or body.get("echo"):
+        name = "logprobs" if wants_logprobs else "echo"
         raise InvalidRequest(f"{name} is not supported by this server", name)
     stream = body.get("stream")
     stream = False if stream is None else stream  # null: not given, as OpenAI allows
