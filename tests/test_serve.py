@@ -31,6 +31,19 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 TIMEOUT = httpx.Timeout(20.0)
 
 
+def hold_adds(worker) -> tuple[threading.Event, threading.Event]:
+    """Make `worker`'s engine thread stop inside its next add until `release` is set; `adding`
+    is set when it gets there (to cancel a submit while the engine is adding it)."""
+    real_add, adding, release = worker._add, threading.Event(), threading.Event()
+
+    def slow_add(*args):
+        adding.set()
+        release.wait(10)
+        return real_add(*args)
+    worker._add = slow_add
+    return adding, release
+
+
 @pytest.fixture(scope="module")
 def word_model(tiny_model):
     """The tiny Llama with a word-level tokenizer ("w3 w17 ...") and a chat template."""
@@ -579,13 +592,7 @@ def test_a_submitter_that_stops_waiting_harms_no_one(tiny_model):
                        for _ in range(other.events.qsize())), "an unrelated request failed"
             worker.cancel(other.request_id)
 
-            real_add, adding, release = worker._add, threading.Event(), threading.Event()
-
-            def slow_add(*args):
-                adding.set()
-                release.wait(10)
-                return real_add(*args)
-            worker._add = slow_add
+            adding, release = hold_adds(worker)
             late = asyncio.create_task(worker.submit([9, 10], dict(max_tokens=1000, **GREEDY),
                                                      request_id="late"))
             await asyncio.get_running_loop().run_in_executor(None, adding.wait, 10)

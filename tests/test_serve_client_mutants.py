@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import threading
 import time
 from contextlib import contextmanager
 
@@ -22,6 +21,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from test_serve import (
     GREEDY,
     TIMEOUT,
+    hold_adds,
     reference,
     serving,
     sse_chunks,
@@ -205,13 +205,7 @@ def test_a_submit_cancelled_while_the_engine_adds_it_is_cancelled_in_a_live_loop
     worker = EngineWorker(make_sim_engine(policy="pd"))
 
     async def main():
-        real_add, adding, release = worker._add, threading.Event(), threading.Event()
-
-        def slow_add(*args):
-            adding.set()
-            release.wait(10)
-            return real_add(*args)
-        worker._add = slow_add
+        adding, release = hold_adds(worker)
         task = asyncio.create_task(worker.submit([T, T], dict(max_tokens=3000, **GREEDY),
                                                  request_id="late"))
         await asyncio.get_running_loop().run_in_executor(None, adding.wait, 10)
