@@ -29,6 +29,32 @@ def test_readme_course_map_lists_every_chapter_in_order():
     assert listed == [p.stem for p in CHAPTERS]
 
 
+GETSOURCE = re.compile(r"inspect\.getsource\(([\w.]+)\)")
+IMPORT = re.compile(r"^(?:from minicb[\w.]* import [\w, ]+|import minicb[\w.]*(?: as \w+)?)$", re.M)
+
+
+def test_every_printed_engine_source_is_the_current_source():
+    """A chapter that prints engine code with `inspect.getsource` stores that print as a checked
+    output; this catches an engine edit that left the stored copy stale, in seconds instead of
+    in the notebook run (a `do_not_specialize` edit once did exactly that)."""
+    import inspect
+    stale = []
+    for path in CHAPTERS:
+        cells = json.loads(path.read_text())["cells"]
+        code = ["".join(c["source"]) for c in cells if c["cell_type"] == "code"]
+        namespace: dict = {}
+        exec("\n".join(IMPORT.findall("\n".join(code))), namespace)
+        for cell in cells:
+            source = "".join(cell["source"])
+            if cell["cell_type"] != "code" or "NBVAL_CHECK_OUTPUT" not in source:
+                continue
+            stored = "".join("".join(o.get("text", "")) for o in cell["outputs"])
+            for name in GETSOURCE.findall(source):
+                if inspect.getsource(eval(name, namespace)) not in stored:
+                    stale.append(f"{path.name}: {name}")
+    assert not stale, f"rebuild these cells' outputs: {stale}"
+
+
 def markdown_of(notebook: Path) -> str:
     cells = json.loads(notebook.read_text())["cells"]
     return "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
