@@ -259,9 +259,19 @@ class EngineWorker:
                 if self.engine.has_unfinished():
                     self._step()
                     time.sleep(0)  # let the HTTP thread take the GIL and send the tokens
+                else:
+                    self._end_streams_of_finished()
             except Exception:  # noqa: BLE001 - a fault fails the requests, not the server
                 self._fail_all()
             self.snapshot = dict(self.engine.stats())
+
+    def _end_streams_of_finished(self) -> None:
+        """A command finished a request in the engine (`call(lambda e: e.cancel(rid))`) and
+        nothing is left to step: the next step's record would tell its stream, but no step
+        comes until another request does, so tell it now."""
+        for stream in list(self._streams.values()):
+            if self.engine.requests[stream.job.request_id].is_finished:
+                self._send(stream, self._emit(stream))
 
     def _log_fault(self) -> None:
         """Keep and print the traceback of the exception being handled."""
