@@ -121,7 +121,7 @@ class PagePool:
     @property
     def num_cached(self) -> int:
         """Unreferenced pages kept for prefix reuse (evictable)."""
-        return len(self.prefix.lru) if self.prefix else 0
+        return len(self.prefix.lru) if self.prefix is not None else 0
 
     @property
     def num_used(self) -> int:
@@ -223,7 +223,7 @@ class PagePool:
             if have != want:
                 raise AssertionError(f"page {page}: ref count {have} but held by {want} tables")
         free = set(self.free)
-        cached = set(self.prefix.lru) if self.prefix else set()
+        cached = set(self.prefix.lru) if self.prefix is not None else set()
         if len(free) != len(self.free):
             raise AssertionError("a page is on the free list twice")
         if free & cached:
