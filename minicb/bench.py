@@ -71,9 +71,9 @@ from minicb.workload import (
 
 RESULT_KEYS = ("output_tokens_per_s", "requests_per_s", "ttft_s", "itl_s", "max_itl_s", "tpot_s",
                "e2e_s", "queue_s", "goodput_rps", "dec_at_p", "short_p_steps", "short_p_s",
-               "preemptions", "recomputed_tokens", "evicted_pages", "cancelled", "errors",
-               "deadline_missed", "slo_attainment", "max_queue_age_s", "host_time_fraction",
-               "decode_tokens_per_s")
+               "preemptions", "discarded_tokens", "recomputed_tokens", "evicted_pages",
+               "cancelled", "errors", "deadline_missed", "slo_attainment", "max_queue_age_s",
+               "host_time_fraction", "decode_tokens_per_s")
 CACHE_STATES = {
     "cold": "cold: a fresh engine (empty page pool and prefix index) for each policy; weights "
             "loaded once and warmed up by one short request on a throwaway engine",
@@ -996,8 +996,9 @@ def _print_extra(name: str, summary: dict[str, Any]) -> None:
         parts.append(f"cancelled={summary['cancelled']} errors={summary['errors']}")
     if summary.get("deadline_missed"):
         parts.append(f"deadline missed={summary['deadline_missed']}")
-    if summary.get("recomputed_tokens") or summary.get("evicted_pages"):  # memory pressure
-        parts.append(f"work lost to preemption={summary['recomputed_tokens']} tokens, "
+    if summary.get("discarded_tokens") or summary.get("evicted_pages"):  # memory pressure
+        parts.append(f"work lost to preemption={summary['discarded_tokens']} tokens "
+                     f"({summary['recomputed_tokens']} computed again), "
                      f"cached pages evicted={summary['evicted_pages']}")
     if summary.get("kv_pool_use_peak") is not None:
         parts.append(f"KV pool use mean {summary['kv_pool_use_mean']:.0%} peak "

@@ -63,8 +63,8 @@ def report(results: dict[str, dict[str, Any]]) -> str:
 
 
 # summary fields only the engine's trace can fill: None from the client's side
-ENGINE_ONLY = ("num_steps", "preemptions", "recomputed_tokens", "evicted_pages",
-               "dead_slot_steps", "mean_batch_size", "output_tokens_per_step",
+ENGINE_ONLY = ("num_steps", "preemptions", "discarded_tokens", "recomputed_tokens",
+               "evicted_pages", "dead_slot_steps", "mean_batch_size", "output_tokens_per_step",
                "decode_tokens_per_s", "host_time_fraction", "cached_prompt_tokens",
                "prefill_tokens", "decode_tokens", "decode_rows", "mixed_steps", "draft_tokens",
                "accepted_draft_tokens")

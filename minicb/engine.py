@@ -447,7 +447,11 @@ class Engine:
                 self.tenant_service[req.tenant] += num_tokens
                 # of a member with guesses, only its last token is surely in the cache: each
                 # guess the model keeps joins it as the next token is appended (_append_tokens)
+                start = req.num_computed_tokens
                 req.num_computed_tokens += num_tokens - len(drafts.get(req.request_id, ()))
+                # K/V a preemption threw away that the prefix index did not give back (ch. 06)
+                req.num_recomputed_tokens += max(0, min(req.num_computed_tokens,
+                                                        req.num_tokens_before_preemption) - start)
                 if req.num_computed_tokens <= req.num_prompt_tokens:
                     self.pool.register_prompt_pages(req.prompt_token_ids, req.page_table,
                                                     req.num_computed_tokens, req.page_hashes)
@@ -802,5 +806,5 @@ class Engine:
                 list(m.token_times), m.arrival_step, m.first_scheduled_step, m.first_token_step,
                 m.finish_step, list(m.token_steps), r.num_cached_tokens, r.num_preemptions,
                 r.num_recomputed_tokens, r.priority, m.released_time, m.released_step,
-                r.tenant, r.returned_whole))
+                r.tenant, r.returned_whole, num_discarded_tokens=r.num_discarded_tokens))
         return out

@@ -18,8 +18,9 @@ Per request (seconds, and the same in steps where it makes sense):
             except under static batching, whose batch returns whole when its slowest member
             ends (chapter 02); records without a release time fall back to the finish
 
-Memory pressure: preemptions, the tokens they threw away (recomputed_tokens), and
-evicted_pages, cached prefix pages given up to make room (reuse lost).
+Memory pressure: preemptions, the computed tokens they threw away (discarded_tokens, the lost
+work), how many of those were computed again (recomputed_tokens: the rest came back from the
+prefix index), and evicted_pages, cached prefix pages given up to make room (reuse lost).
 
 Percentiles are numpy's default definition (linear interpolation between the two nearest
 ranks, `np.percentile(..., method="linear")`), over completed requests only: cancelled and
@@ -485,6 +486,7 @@ def summarize(trace: Sequence[Any], records: Sequence[Any], slo: dict[str, float
         "preemptions": sum(r.num_preemptions for r in records),
         # cached prefix pages given up for new work: prefix reuse lost to memory pressure
         "evicted_pages": sum(rec.pages_evicted for rec in trace),
+        "discarded_tokens": sum(r.num_discarded_tokens for r in records),
         "recomputed_tokens": sum(r.num_recomputed_tokens for r in records),
         "max_queue_age_s": age_s,
         "max_queue_age_steps": age_steps,

@@ -111,7 +111,9 @@ class Request:
     finish_reason: str | None = None
     error: str | None = None
     num_preemptions: int = 0
-    num_recomputed_tokens: int = 0
+    num_discarded_tokens: int = 0  # computed K/V its preemptions threw away (lost work)
+    num_recomputed_tokens: int = 0  # of those, tokens computed again (the rest came back cached)
+    num_tokens_before_preemption: int = 0  # K/V once reached here: computing below it is redone
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     seq_index: int = 0  # admission order, used for "newest" preemption and FCFS ties
     page_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full prompt pages

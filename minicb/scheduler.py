@@ -155,12 +155,15 @@ class SchedulerContext:
 
     def preempt(self, req: Request) -> None:
         """Free a running request's pages and put it back at the front of the queue; its tokens
-        are recomputed when it is admitted again (reusing any prefix pages still cached)."""
+        are recomputed when it is admitted again (reusing any prefix pages still cached, which
+        is why `num_recomputed_tokens` counts at compute time, not here)."""
         self.pool.register_prompt_pages(req.prompt_token_ids, req.page_table,
                                         req.num_computed_tokens, req.page_hashes or None)
         self.pool.release(req.page_table)
         req.page_table = []
-        req.num_recomputed_tokens += req.num_computed_tokens
+        req.num_discarded_tokens += req.num_computed_tokens
+        req.num_tokens_before_preemption = max(req.num_tokens_before_preemption,
+                                               req.num_computed_tokens)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         req.status = Status.PREEMPTED

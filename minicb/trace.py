@@ -88,7 +88,7 @@ class RequestRecord:
     token_steps: list[int]
     num_cached_tokens: int = 0
     num_preemptions: int = 0
-    num_recomputed_tokens: int = 0
+    num_recomputed_tokens: int = 0  # discarded K/V computed again (the rest came back cached)
     priority: int = 0
     released_time: float | None = None  # the response reached the user (E2E ends here)
     released_step: int | None = None
@@ -97,3 +97,4 @@ class RequestRecord:
     # its first token too, so TTFT ends there
     returned_whole: bool = False
     error: str | None = None  # why a failed request failed, in the server's words (client)
+    num_discarded_tokens: int = 0  # computed K/V its preemptions threw away (lost work)

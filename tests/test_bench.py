@@ -205,8 +205,9 @@ def test_the_report_names_lost_work_evictions_deadlines_and_attainment(tmp_path,
                              "--no-progress", "--out", str(out)]) == 0
     pd = json.loads(out.read_text())["results"]["pd"]
     printed = capsys.readouterr().out
-    assert pd["recomputed_tokens"] > 0 and pd["evicted_pages"] > 0
-    assert (f"work lost to preemption={pd['recomputed_tokens']} tokens, cached pages "
+    assert pd["discarded_tokens"] >= pd["recomputed_tokens"] > 0 and pd["evicted_pages"] > 0
+    assert (f"work lost to preemption={pd['discarded_tokens']} tokens "
+            f"({pd['recomputed_tokens']} computed again), cached pages "
             f"evicted={pd['evicted_pages']}") in printed
     assert f"SLO met by {pd['slo_attainment']:.0%}" in printed
     assert 0 < pd["kv_pool_use_mean"] <= pd["kv_pool_use_peak"] <= 1
@@ -218,7 +219,7 @@ def test_the_report_names_lost_work_evictions_deadlines_and_attainment(tmp_path,
     assert "no static or dynamic" not in capsys.readouterr().out
     bench._print_extra("x", {"deadline_missed": 3})
     assert "x: deadline missed=3" in capsys.readouterr().out
-    bench._print_extra("quiet", {"deadline_missed": 0, "recomputed_tokens": 0,
+    bench._print_extra("quiet", {"deadline_missed": 0, "discarded_tokens": 0,
                                  "evicted_pages": 0, "slo": {}, "slo_attainment": None})
     assert capsys.readouterr().out == ""
 

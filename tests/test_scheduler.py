@@ -565,11 +565,13 @@ def test_equal_rank_waits_first_come_first_served(preemption):
     assert start["first"] < start["second"]
 
 
-def test_preemption_counts_the_work_it_throws_away():
-    """Each preemption adds the victim's computed tokens to num_recomputed_tokens (twice for a
+def test_preemption_counts_the_work_it_throws_away_and_the_work_redone():
+    """Each preemption adds the victim's computed tokens to num_discarded_tokens (twice for a
     request preempted twice), worked out here from the trace; prompt pages found in the cache
     on readmission are recomputation saved, not cached prompt tokens: num_cached_tokens keeps
-    what the first admission found (nothing, for these distinct prompts)."""
+    what the first admission found (nothing, for these distinct prompts), and
+    num_recomputed_tokens counts only what was computed again: every token scheduled beyond the
+    first computation of each position (the request's final cache length)."""
     from minicb.sim import make_sim_engine
     e = make_sim_engine(policy="continuous", max_num_seqs=4, page_size=4, num_pages=9,
                         check_invariants=True)
@@ -578,6 +580,8 @@ def test_preemption_counts_the_work_it_throws_away():
                       request_id=f"r{i}")
     e.run()
     computed, thrown, last_thrown, readmitted_with_hits = {}, {}, {}, False
+    scheduled = {rid: sum(m.num_tokens for rec in e.trace for m in rec.members
+                          if m.request_id == rid) for rid in e.requests}
     for rec in e.trace:
         for rid in rec.preempted:
             thrown[rid] = thrown.get(rid, 0) + computed.get(rid, 0)
@@ -589,9 +593,14 @@ def test_preemption_counts_the_work_it_throws_away():
             computed[m.request_id] = computed.get(m.request_id, 0) + m.num_tokens
     assert max(r.num_preemptions for r in e.requests.values()) >= 2
     assert readmitted_with_hits, "the scenario must readmit a request onto cached pages"
-    assert {rid: r.num_recomputed_tokens for rid, r in e.requests.items()
-            if r.num_recomputed_tokens} == thrown
+    assert {rid: r.num_discarded_tokens for rid, r in e.requests.items()
+            if r.num_discarded_tokens} == thrown
     assert all(r.num_cached_tokens == 0 for r in e.requests.values())
+    for rid, r in e.requests.items():
+        assert r.num_recomputed_tokens == scheduled[rid] - r.num_computed_tokens, rid
+    summary = metrics.summarize(e.trace, e.request_records())
+    assert summary["discarded_tokens"] == sum(thrown.values())
+    assert 0 < summary["recomputed_tokens"] < summary["discarded_tokens"]  # the hits saved some
 
 
 # --- from a second mutation review: each test fails on the planted bug it names ---
@@ -625,8 +634,17 @@ def test_max_preemptions_bounds_each_requests_loss(jobs, policy, preemption, lim
                            request_id=f"r{i}", arrival_step=arrival, priority=i % 3,
                            tenant="ab"[i % 2])
     engine.run()
+    scheduled = dict.fromkeys(engine.requests, 0)
+    for rec in engine.trace:
+        for m in rec.members:
+            scheduled[m.request_id] += m.num_tokens
     for req in engine.requests.values():
         assert req.finish_reason == "length"
         assert req.num_preemptions <= limit
-        assert req.num_recomputed_tokens <= limit * req.max_total_tokens
+        assert req.num_discarded_tokens <= limit * req.max_total_tokens
+        # every scheduled token computes a position for the first time or again (the prompts
+        # share nothing, so the only cache hits are a preempted request's own pages)
+        assert scheduled[req.request_id] == (req.num_computed_tokens - req.num_cached_tokens
+                                             + req.num_recomputed_tokens)
+        assert req.num_recomputed_tokens <= req.num_discarded_tokens
     assert engine.pool.num_used == 0 and not engine.has_unfinished()

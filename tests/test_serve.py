@@ -549,6 +549,7 @@ def test_bench_endpoint_measures_a_running_server(tiny_model, tmp_path, capsys):
     # what only the server's engine knows is unknown here, not 0
     assert result["preemptions"] is None and result["num_steps"] is None
     assert result["evicted_pages"] is None and result["recomputed_tokens"] is None
+    assert result["discarded_tokens"] is None
 
 
 def test_bench_endpoint_without_a_server_says_so(capsys):

@@ -86,8 +86,9 @@ def test_every_engine_flag_is_refused_with_endpoint():
 def test_print_extra_names_evictions_without_recomputation(capsys):
     """The memory-pressure line showed only when work was recomputed (`or evicted_pages`
     dropped): cached pages evicted with no preemption went unreported."""
-    bench._print_extra("pd", {"recomputed_tokens": 0, "evicted_pages": 5})
-    assert "pd: work lost to preemption=0 tokens, cached pages evicted=5" in \
+    bench._print_extra("pd", {"discarded_tokens": 0, "recomputed_tokens": 0,
+                              "evicted_pages": 5})
+    assert "pd: work lost to preemption=0 tokens (0 computed again), cached pages evicted=5" in \
         capsys.readouterr().out
 
 
@@ -213,8 +214,8 @@ def test_failures_keep_their_reason_in_the_stream_and_on_the_wire(capsys):
     assert all(r.error.startswith("ConnectError: ") for r in records)
 
 
-ENGINE_ONLY = ("num_steps", "preemptions", "recomputed_tokens", "evicted_pages",
-               "dead_slot_steps", "mean_batch_size", "output_tokens_per_step",
+ENGINE_ONLY = ("num_steps", "preemptions", "discarded_tokens", "recomputed_tokens",
+               "evicted_pages", "dead_slot_steps", "mean_batch_size", "output_tokens_per_step",
                "decode_tokens_per_s", "host_time_fraction", "cached_prompt_tokens",
                "prefill_tokens", "decode_tokens", "decode_rows", "mixed_steps", "draft_tokens",
                "accepted_draft_tokens")

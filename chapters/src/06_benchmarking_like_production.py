@@ -14,8 +14,9 @@
 # - compute p50/p95/p99 of queue time, TTFT, ITL, TPOT and end-to-end latency, and goodput
 #   at an SLO, by hand and with `minicb.metrics`;
 # - explain what the engine does when the KV cache is full (抢占 preemption and recompute) and
-#   count what it costs (preemptions, recomputed tokens, evicted prefix pages) and who pays it,
-#   and bound it per request (`max_preemptions`); show cancellation returning pages at once;
+#   count what it costs (preemptions, discarded and recomputed tokens, evicted prefix pages)
+#   and who pays it, and bound it per request (`max_preemptions`); show cancellation
+#   returning pages at once;
 # - measure fairness per prompt-length bucket, show priority scheduling starving (饥饿
 #   starvation) a low-priority request, measured as its queue age, and bound it with aging;
 # - sweep the token budget and the slot count and pick the setting with the highest goodput
@@ -560,16 +561,18 @@ for name, engine in (("1024 pages", roomy), ("11 pages", tight)):
     s = metrics.summarize(engine.trace, engine.request_records())
     events = [(rec.step, rid) for rec in engine.trace for rid in rec.preempted]
     print(f"{name:<10} steps {s['num_steps']:>3}, most pages used {max(r.pages_used for r in engine.trace):>2}, "
-          f"preemptions {s['preemptions']} {events}, recomputed tokens {s['recomputed_tokens']}, "
+          f"preemptions {s['preemptions']} {events}, discarded tokens {s['discarded_tokens']} "
+          f"({s['recomputed_tokens']} computed again), "
           f"evicted prefix pages {s['evicted_pages']}")
 print("same output tokens with and without preemption:",
       all(tight.requests[r].output_token_ids == roomy.requests[r].output_token_ids
           for r in roomy.requests))
 
 # %% [markdown]
-# Two preemptions gave up 80 tokens of computed K/V (`recomputed_tokens`: an upper bound on the
-# work redone, since full prompt pages still cached come back without computing) and cost 31
-# extra steps, and the results are unchanged:
+# Two preemptions gave up 80 tokens of computed K/V (`discarded_tokens`, the lost work), of
+# which 48 were computed again (`recomputed_tokens`, counted as the forward recomputes them): r2
+# came back to its two full prompt pages still cached and redid 16 of its 48 tokens, while r3
+# found nothing left and redid all 32. They cost 31 extra steps, and the results are unchanged:
 # a preempted request produces exactly the tokens it would have. A preempted request's full
 # prompt pages stay in the prefix index, reusable when it returns, unless the pool needs the
 # room first: here 2 cached pages were evicted (`evicted_pages`), prefix reuse lost to memory
@@ -618,7 +621,8 @@ growing = Workload("kv-growing", [WorkloadRequest(prompt_len=16, max_tokens=96,
                                                   arrival_step=1 + 2 * i, request_id=f"g{i}")
                                   for i in range(8)])
 print(f"{'max_preemptions':<16}{'steps':>6}{'preemptions':>12}{'most for one':>13}"
-      f"{'recomputed':>11}{'most running':>13}{'E2E p50':>8}{'E2E max':>8}   (steps)")
+      f"{'discarded':>10}{'recomputed':>11}{'most running':>13}{'E2E p50':>8}{'E2E max':>8}"
+      "   (steps)")
 for limit in (None, 2, 1, 0):
     e = make_sim_engine(policy="pd", max_num_seqs=8, num_pages=24, max_preemptions=limit)
     run_workload(e, growing)
@@ -626,14 +630,15 @@ for limit in (None, 2, 1, 0):
     s = metrics.summarize(e.trace, rs)
     e2e = sorted(r.finish_step - r.arrival_step + 1 for r in rs)
     print(f"{str(limit):<16}{len(e.trace):>6}{s['preemptions']:>12}"
-          f"{max(r.num_preemptions for r in rs):>13}{s['recomputed_tokens']:>11}"
+          f"{max(r.num_preemptions for r in rs):>13}{s['discarded_tokens']:>10}"
+          f"{s['recomputed_tokens']:>11}"
           f"{max(len(rec.members) for rec in e.trace):>13}{e2e[len(e2e) // 2]:>8}{e2e[-1]:>8}")
 
 # %% [markdown]
-# Unbounded, the last arrival is preempted three times, and 403 tokens of K/V are given up (not
-# all computed again: prompt pages still cached are reused). A bound of
-# 2 changes little here; a bound of 1 caps everyone at one preemption and 284 recomputed tokens,
-# but the 37 steps it adds are the price: a request that comes back holds 7 pages from the
+# Unbounded, the last arrival is preempted three times, and 403 tokens of K/V are given up, 355
+# of them computed again (the other 48 came back from prompt pages still cached). A bound of
+# 2 changes little here; a bound of 1 caps everyone at one preemption and 284 discarded tokens
+# (268 computed again), but the 37 steps it adds are the price: a request that comes back holds 7 pages from the
 # start, pages that other requests could have grown into, so fewer run at a time when it
 # matters. With 0, nothing is ever recomputed and only 3 requests fit at once (24 pages / 7),
 # and the run takes 290 steps instead of 185. Preemption is what lets a paged engine admit on
@@ -1200,7 +1205,8 @@ print(f"best: {pick['preemption']}, budget {pick['max_num_batched_tokens']} "
 # - Report max ITL (each request's worst gap) next to pooled ITL, and include static batching's
 #   wait for its batch in E2E; continuous batching can still raise ITL p99, as the contract warns.
 # - When the KV cache is full minicb preempts and recomputes: 2 preemptions, 80 discarded
-#   tokens and 2 evicted prefix pages in the 11-page run, identical outputs, 31 extra steps;
+#   tokens (48 computed again, the rest found in the prefix index) and 2 evicted prefix pages
+#   in the 11-page run, identical outputs, 31 extra steps;
 #   `preemption="priority"` makes the low-priority job the victim. `max_preemptions` bounds one
 #   request's loss (three preemptions unbounded, one with a bound of 1), paid for in steps (222
 #   against 185): a returning request holds its whole life's pages; 0 never preempts and fits 3
