@@ -2,9 +2,9 @@
 # # 07 · GPU kernels: paged attention and the KV store in Triton
 #
 # Everything so far ran on a CPU with the plain-PyTorch attention backend. On a GPU, minicb
-# swaps in two Triton kernels that do the same two jobs over the paged KV cache: **store** the
+# swaps in Triton kernels. Two do the attention work over the paged KV cache: **store** the
 # step's new K/V rows into their pages, and **attend** over each member's pages for the whole
-# mixed batch of chapter 05. This chapter reads both kernels, checks them against the torch
+# mixed batch of chapter 05; two more fuse RMSNorm and RoPE (section 6). This chapter reads both kernels, checks them against the torch
 # reference on the CPU in Triton's interpreter, and says what changes on a GPU and what has (and
 # has not yet) been measured there.
 #
@@ -285,15 +285,18 @@ print("same greedy tokens with the Triton kernels as with the torch reference:",
 # underneath.
 #
 # **bfloat16.** `dtype="auto"` is float32 on the CPU (exact parity with the reference; bf16 speed
-# there depends on the CPU: about float32's on the course's AMD EPYC, 1.3–1.8× faster on an
-# Intel Xeon with AMX, `bench/README.md`) and bfloat16 on CUDA: half the bytes for weights and KV
+# there depends on the CPU: about float32's on the course's AMD EPYC; on an Intel Xeon with AMX
+# 1.3–1.5× faster with the default C decode kernel, 1.6–1.8× with the PyTorch reference,
+# `bench/README.md`) and bfloat16 on CUDA: half the bytes for weights and KV
 # cache, and tensor-core matrix products. The kernels accumulate in float32 whatever the input
 # dtype; `tl.dot` on float32 inputs uses exact IEEE precision (no TF32) so that float32 results
 # match the reference.
 #
-# **The page pool is sized from free memory**, as vLLM sizes its KV cache: after the weights are
-# loaded, `gpu_memory_utilization` (0.9) of the free memory, minus 512 MiB of headroom for
-# activations, divided by the bytes of one page across all layers.
+# **The page pool is sized from free memory**, in the spirit of vLLM (which budgets
+# `gpu_memory_utilization` of the GPU's *total* memory, minus the weights and a profiled
+# activation peak): after the weights are loaded, minicb takes `gpu_memory_utilization` (0.9) of
+# the *free* memory, minus 512 MiB of headroom for activations, divided by the bytes of one page
+# across all layers.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -416,7 +419,10 @@ print("\n".join(gpu_md.read_text().splitlines()[:6]))
 # python -m minicb demo
 # ```
 #
-# The CUDA build of torch brings the Triton release it was built with; keep that one.
+# The CUDA build of torch brings the Triton release it was built with; keep that one. If you
+# will use `make` afterwards, also run the README's last two lines (`python -m ipykernel install
+# --sys-prefix --name python3`, `touch .venv/.installed`), or make will reinstall the CPU pins
+# over your CUDA torch.
 #
 # Then the chapters are meant to run unchanged (they have been checked on the CPU only):
 # `device="auto"`, the default of `LLM`, `Engine` and `load_model`, puts the engine on the GPU;
@@ -489,7 +495,8 @@ for r in rows:
 # those fail it (`bench/compile-sm90-triton3.6.md`).
 #
 # It says nothing about speed (nothing ran on a GPU), but it is the cheapest check there is:
-# it catches, in seconds and on any laptop, what would otherwise cost the first minutes of a
+# it catches, in seconds and on any Linux machine, GPU or not, what would otherwise cost the
+# first minutes of a
 # borrowed GPU.
 #
 # ## Recap

@@ -3,8 +3,8 @@
 #
 # minicb is small on purpose, but its knobs are the ones production engines expose, under nearly
 # the same names. This last chapter maps them, serves minicb over the OpenAI API and measures it
-# from the client side, builds one next step (a CPU attention kernel) from profile to
-# measurement, and lists what a learner can build next.
+# from the client side, builds two next steps (a CPU attention kernel, speculative decoding by
+# prompt lookup) from profile to measurement, and lists what a learner can build next.
 #
 # **After this chapter you will be able to**
 #
@@ -18,8 +18,8 @@
 #   and check a C attention kernel that reads the pages in place against the reference;
 # - run steps that yield several tokens per request (speculative decoding by prompt lookup),
 #   check that greedy text does not change, and measure when the guesses pay;
-# - pick a next project (speculative decoding, disaggregated prefill/decode, tensor parallelism,
-#   CUDA graphs for mixed steps…) and say which part of minicb it touches.
+# - pick a next project (better speculative guesses, disaggregated prefill/decode, tensor
+#   parallelism, CUDA graphs for mixed steps…) and say which part of minicb it touches.
 
 # %% [markdown]
 # ## 1. The knobs, side by side
@@ -53,7 +53,7 @@ for f in fields(EngineConfig):
 # | `num_pages` / `gpu_memory_utilization` | `gpu_memory_utilization`, `num_gpu_blocks_override` | `mem_fraction_static` | the size of the KV pool (ch. 07) |
 # | `preemption="newest"` (recompute) | preemption by recompute (V1; the older engine also had `preemption_mode="swap"`) | retracting decode requests, recomputed later | what happens when pages run out (ch. 06) |
 # | `max_preemptions` | (none) | (none) | how often one request may be preempted; 0 reserves each request's whole life (ch. 06) |
-# | `preemption="priority"`, `priority=` per request | `scheduling_policy="priority"`, `priority=` per request | `schedule_policy` (`fcfs`, `lpm` longest prefix match, …) | who waits and who is preempted (ch. 06) |
+# | `preemption="priority"`, `priority=` per request | `scheduling_policy="priority"`, `priority=` per request | `--enable-priority-scheduling` with `priority` per request; `schedule_policy` (`fcfs`, `lpm` longest prefix match, …) orders the queue | who waits and who is preempted (ch. 06) |
 # | `num_speculative_tokens`, `prompt_lookup_max`, `prompt_lookup_min` (section 5) | `speculative_config={"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": …, "prompt_lookup_min": …}` | n-gram speculation (see its docs for the flags) | guessed tokens a decode step may check (ch. 08) |
 # | `use_cuda_graphs` (decode-only steps, buckets of 1–64 requests) | on unless `enforce_eager`; capture sizes configurable, mixed steps too | on unless `disable_cuda_graph`; `cuda_graph_max_bs` | steps replayed as CUDA graphs (ch. 07) |
 #
@@ -62,8 +62,9 @@ for f in fields(EngineConfig):
 # - vLLM's V1 scheduler has no separate prefill and decode phases: it walks the running requests
 #   (decodes and half-done prompts alike), gives each what it still needs capped by
 #   `long_prefill_token_threshold` and the remaining budget, then admits waiting requests. With
-#   one long prompt that is minicb's `pd` step. `max_num_partial_prefills` (how many prompts may
-#   be half-prefilled at once) has no minicb counterpart: minicb lets any number continue.
+#   one long prompt that is minicb's `pd` step. vLLM's older V0 engine could cap how many prompts
+#   are half-prefilled at once (`max_num_partial_prefills`); V1, like minicb, lets any number
+#   continue.
 # - SGLang plans prefill batches and decode batches separately by default, a prefill-first
 #   design close to minicb's `chunked`; `enable_mixed_chunk` puts decodes into the chunk's batch.
 #   Its `lpm` policy orders the queue by longest cached prefix, something minicb's FCFS queue
@@ -378,7 +379,7 @@ print("same greedy tokens from both backends:", tokens["torch"] == tokens[KERNEL
 # prompts of 16–512 tokens, outputs of 8–256, greedy, `ignore_eos`), run with each backend in turn,
 # `pd` made 104.8 and 113.2 output tokens/s with the reference and 127.1 and 132.7 with the kernel
 # (1.17–1.21×), and its median time per output token fell from 0.15–0.17 to 0.13 s
-# (`bench/README.md` has the commands and the files). In the profile above (one thread, 16 requests;
+# (`bench/README.md` has the commands and the files). In the profile above (16 requests, stored from `make test`'s one-thread run;
 # one run, and these runs vary: compare the attention line, which the machine's load moves
 # less than the totals) the copy and the attention on it give way to the kernel's smaller
 # share, and the products are now most of the step.
@@ -623,8 +624,9 @@ print("same tokens:", batch_runs[0] == batch_runs[4])
 # **Admission by deadline** (`scheduler.py`, `sim.py`). minicb's requests may carry deadlines,
 # and `preemption="deadline"` serves the earliest first (chapter 06), but a request that can no
 # longer make it still runs until its deadline passes, and that work is wasted. A scheduler that
-# estimates each request's finish (its remaining tokens times the step cost, from the cost
-# model chapter 06 fits) can refuse or defer it at admission instead. Compare with chapter 06's
+# estimates each request's finish (its remaining tokens times the step cost, from a cost model:
+# `python -m minicb profile` fits one on this machine; chapter 06's simulations use the
+# `h100-like` preset) can refuse or defer it at admission instead. Compare with chapter 06's
 # table: completions, wasted tokens, worst E2E.
 #
 # **Better guesses** (`speculative.py`, `engine.py`). Section 5's prompt lookup guesses only
