@@ -96,7 +96,8 @@ print(f"wall clock: single {t_serial:.1f} s = {96 / t_serial:.1f} tokens/s, "
 # The seed: "若多个请求只能串行执行，则多个请求的 Decode 时间在墙钟时间上近似累加" (run serially,
 # the requests' decode times simply add up). On a GPU the effect should be much larger: a decode
 # step of dozens of requests is expected to cost barely more than a step of one, since reading
-# the weights dominates (not yet measured in this course; chapter 07's GPU check will).
+# the weights dominates (an expectation, not a measurement: no run in this course times a GPU
+# decode step at different batch sizes).
 #
 # ### Tail latency: a short request behind a long one
 #
@@ -162,7 +163,8 @@ def toy_static(requests, batch_size):
 
 # %% [markdown]
 # The seed's example: R1, R2 and R3 need 30, 200 and 80 tokens and start together; R4 arrives
-# at step 31. The seed gives R4 no length (its picture draws R4 still running at step 200);
+# at step 31. The seed gives R4 no length (its continuous-batching picture draws R4 still
+# running at step 200);
 # the course gives it 60 tokens, so that its whole life fits in the pictures.
 
 # %%
@@ -343,7 +345,8 @@ def batches(engine):
 
 
 for name, eng in (("static", eager), ("dynamic, batch_timeout=4", patient)):
-    latency = {r.request_id: r.finish_step - r.arrival_step + 1 for r in eng.request_records()}
+    latency = {r.request_id: metrics.released(r)[1] - r.arrival_step + 1
+               for r in eng.request_records()}
     print(f"{name}: batches {batches(eng)}, last finish at step {eng.trace[-1].step}")
     print(f"    latency in steps {latency}, mean {np.mean(list(latency.values())):.1f}")
 

@@ -93,8 +93,10 @@ for i, line in enumerate(lines):
 
 # %% [markdown]
 # The scheduler itself is `ContinuousScheduler` in `minicb/scheduler.py`: every running decode
-# gets one token, then waiting requests are admitted with their whole prompt while a slot, the
-# pages for the prompt and the token budget allow. Now the seed's example on the real model:
+# gets one token, then waiting requests are admitted with their whole prompt while a slot and
+# the pages for the prompt allow, and while the step's prompt tokens stay within
+# `max_num_batched_tokens`. The step's first prompt always joins, however long (decodes do not
+# count against the budget): chapter 04's problem. Now the seed's example on the real model:
 # R1, R2, R3 want 30, 200 and 80 tokens and start together; R4 arrives at step 31 wanting 60
 # (the course's choice, as in chapter 02: the seed gives R4 no length).
 # Three slots, as before. (200 steps, 10–25 s on the course's two CPU cores, depending on the machine
@@ -185,15 +187,16 @@ batch_table(cont.trace)
 r5 = WorkloadRequest(prompt_token_ids=workload.requests[0].prompt_token_ids, max_tokens=100,
                      arrival_step=50, request_id="R5")
 refill = LLM(model, policy="continuous", max_num_seqs=3).engine
-run_workload(refill, Workload("seed-r1-r5", [*workload.requests, r5]))
+_ = run_workload(refill, Workload("seed-r1-r5", [*workload.requests, r5]))
 
 # %%
 # NBVAL_CHECK_OUTPUT
 batch_table(refill.trace)
 print()
 print(viz.render_text(refill.trace, width=80))
-#
-# Now both policies side by side. The static run is the one from chapter 02 (260 steps):
+
+# %% [markdown]
+# Now both policies side by side. The static run repeats chapter 02's (260 steps):
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -234,8 +237,13 @@ for name, eng in (("static", static), ("continuous", cont)):
 # drain before it can start.
 
 # %% [markdown]
-# Batching must never change what a request generates. Under greedy sampling every policy should
-# produce the single-request tokens; here the two runs agree token for token:
+# Batching must never change what a request generates. Under greedy sampling every policy
+# returns the single-request tokens (minicb's tests check it for every policy on random
+# workloads). The arithmetic is not bit-identical: with other rows beside it, a row's sums can
+# run in another order and differ in the last bits (chapter 01), which could flip a greedy
+# choice only at a near-tie (vLLM promises bit-identical results only in its opt-in
+# batch-invariant mode). Here the static and continuous runs, with different batch-mates at
+# every step, agree token for token:
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -323,6 +331,33 @@ viz.plot_pages(tight, title="continuous batching on a 10-page pool: admission wa
 # not there? Then the engine must preempt someone: free a request's pages and recompute it later.
 # Chapter 06 measures that.
 #
+# Memory is shared, too (the seed's 更充分的多请求复用, fuller reuse across requests). Under v1
+# a prompt prefix could be reused only from a *finished* predecessor (chapter 02). Here the
+# prefix index registers each full prompt page as soon as its K/V is computed, so a request
+# admitted while another with the same prefix still runs maps that request's pages into its own
+# page table. Two requests with the same 40-token system prompt, the second arriving at step 2
+# while the first decodes:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+system_prompt = random_prompt(40, np.random.default_rng(1))
+shared = LLM(model, policy="continuous", max_num_seqs=2).engine
+for rid, question, arrival in (("a", [5, 6, 7], 1), ("b", [8, 9], 2)):
+    shared.add_request(system_prompt + question,
+                       SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+                       request_id=rid, arrival_step=arrival)
+shared.run()
+both = next(rec for rec in shared.trace if len(rec.page_tables) == 2)
+print(f"step {both.step}: page tables {both.page_tables}, pages used {both.pages_used}")
+print("b's prompt tokens found in the prefix index:", shared.requests["b"].num_cached_tokens)
+print("what step 2 computed:", [(m.request_id, m.kind, m.num_tokens) for m in both.members])
+
+# %% [markdown]
+# b's page table starts with a's two full prompt pages (32 tokens, `num_cached_tokens`), so b
+# computes only its last 10 prompt tokens, and the step holds 4 pages for two 3-page requests.
+# The third page is never shared: it is not full, and each request writes its own tokens there.
+# Chapter 06 measures the gain at scale (the `shared-prefix` workload).
+#
 # ## 5. Which workloads gain (seed §2.5)
 #
 # The seed sums it up in a table:
@@ -383,7 +418,7 @@ for workload in WORKLOADS:
 # Latencies are in steps, from arrival until the response is returned: the request's last token,
 # except under static batching, which returns a batch's responses together when its last member
 # finishes (chapter 02), as every E2E figure in this course does. The three rows of the seed's
-# table come out as it says:
+# table, and chapter 02's high-rate stream, come out as the seed says:
 #
 # - **Varied lengths**: continuous batching needs far fewer steps for the same tokens (more tokens
 #   per step), and the mean latency drops; static batching leaves dozens of dead slot-steps.
@@ -484,9 +519,10 @@ viz.compare({"static": runs["varied", "static"][0],
 # on the longest output in its batch; it starts as soon as any slot frees up).
 #
 # On a GPU everything here grows: a decode step of dozens of requests is expected to cost little
-# more than a step of one while reading the weights dominates (not measured in this course;
-# chapter 07's GPU check will), so the gap between a full batch and a half-dead one is worth far more than on two
-# CPU cores, and real servers keep hundreds of requests in flight.
+# more than a step of one while reading the weights dominates (expected, not measured in this
+# course: chapter 07's GPU check times a 16-row decode step, not a sweep over batch sizes), so
+# the gap between a full batch and a half-dead one is worth far more than on two CPU cores, and
+# real servers keep hundreds of requests in flight.
 #
 # One thing continuous batching as built here does not fix. A new request's whole prompt is
 # prefilled inside one step, alongside every running decode. An 8-token prompt costs nothing; a
@@ -502,10 +538,14 @@ viz.compare({"static": runs["varied", "static"][0],
 #   slot-steps instead of 290.
 # - Concurrency is not fixed: it follows the queue (batches shrink only when nothing waits) and
 #   the memory (with 10 pages, three 3-page requests at a time).
+# - Running requests share prefix pages: b, arriving while a decodes, found a's two full prompt
+#   pages in the prefix index (32 tokens), so the two 3-page requests held 4 pages.
 # - It gains most when output lengths vary, nothing when they are equal, and nothing when
 #   arrivals are so sparse that requests never overlap, as the seed's table says. (A random
 #   stream at a low rate still overlaps now and then, and then a newcomer no longer waits for a
-#   batch to end: `bench/README.md`'s run at 0.5 requests/s, TTFT p99 0.18 s against 1.48 s.)
+#   batch to end: `bench/README.md`'s run at 0.5 requests/s, TTFT p99 0.18 s against static's
+#   1.48 s: a static server returns the answer with its batch, so its TTFT is its E2E; its
+#   first token was computed after 0.82 s.)
 #
 # **Exercises:**
 # [`exercises/03_continuous_batching.ipynb`](../exercises/03_continuous_batching.ipynb): predict

@@ -219,7 +219,8 @@ viz.compare({"chunked (prefill-first)": chunked, "pd (decode-first)": pd}, kind=
 
 # %% [markdown]
 # Three decode tokens are a thin line under 128. Zoom into the bottom of the same picture: under
-# `chunked` the blue disappears for steps 4–10; under `pd` it never does.
+# `chunked` the blue disappears for steps 4–10; under `pd`, once the chats are decoding (step 2
+# on), it never does.
 
 # %%
 fig = viz.compare({"chunked (prefill-first)": chunked, "pd (decode-first)": pd}, kind="budget")
