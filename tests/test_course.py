@@ -55,6 +55,21 @@ def test_every_printed_engine_source_is_the_current_source():
     assert not stale, f"rebuild these cells' outputs: {stale}"
 
 
+def test_the_stored_line_numbers_of_engine_step_are_current():
+    """Chapter 03 prints where `Engine.step` and its four phases sit in engine.py (an ignored
+    output, since it is a pointer for the reader, not a result); the stored copy must still
+    point at the right lines."""
+    import contextlib
+    import io
+    cells = json.loads((ROOT / "chapters" / "03_continuous_batching.ipynb").read_text())["cells"]
+    cell = next(c for c in cells if "Engine.step starts at line" in "".join(c["source"]))
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec("".join(cell["source"]), {})
+    stored = "".join("".join(o.get("text", "")) for o in cell["outputs"])
+    assert stored == printed.getvalue(), "rebuild chapter 03's Engine.step cell"
+
+
 def markdown_of(notebook: Path) -> str:
     cells = json.loads(notebook.read_text())["cells"]
     return "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
