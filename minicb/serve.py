@@ -269,8 +269,12 @@ class EngineWorker:
         """A command finished a request in the engine (`call(lambda e: e.cancel(rid))`) and
         nothing is left to step: the next step's record would tell its stream, but no step
         comes until another request does, so tell it now."""
-        for stream in list(self._streams.values()):
-            if self.engine.requests[stream.job.request_id].is_finished:
+        for rid, stream in list(self._streams.items()):
+            req = self.engine.requests.get(rid)
+            if req is None:  # the command forgot it too: nothing left to send but the end
+                self._streams.pop(rid)
+                self._send(stream, Event([], "", "cancelled"))
+            elif req.is_finished:
                 self._send(stream, self._emit(stream))
 
     def _log_fault(self) -> None:

@@ -139,24 +139,35 @@ def test_a_request_the_engine_cancels_while_its_client_listens_ends_with_abort()
 def test_the_only_request_cancelled_in_the_engine_ends_its_stream_at_once():
     """Found in the review, fixed: cancelled through worker.call while no other request ran,
     its stream waited for the next request's step (no step came, so no record told it)."""
-    async def run(url, worker):
+    def cancel(engine, rid, then):
+        engine.cancel(rid)
+        for method in then:
+            getattr(engine, method)(rid)
+
+    async def run(url, worker, then):
         async with httpx.AsyncClient(timeout=TIMEOUT) as http:
             body = {"prompt": [5, 6, 7], "max_tokens": 5000, "stream": True, **GREEDY}
+            rid = f"only{len(then)}"
             async with http.stream("POST", url + "/v1/completions", json=body,
-                                   headers={"X-Request-Id": "only"}) as only:
+                                   headers={"X-Request-Id": rid}) as only:
                 lines = only.aiter_lines()
                 while not (await lines.__anext__()).startswith("data: {"):
                     pass
-                worker.call(lambda e: e.cancel("only"))
+                worker.call(lambda e: cancel(e, rid, then))
                 return [json.loads(line[6:]) async for line in lines
                         if line.startswith("data: {")]
 
     with sim_server() as (url, worker, _, http):
-        events = asyncio.run(asyncio.wait_for(run(url, worker), 10))
+        events = asyncio.run(asyncio.wait_for(run(url, worker, ()), 10))
         wait_idle(worker)
-        assert worker.call(lambda e: (e.requests["only"].finish_reason, e.stats()["pages_used"])
+        assert worker.call(lambda e: (e.requests["only0"].finish_reason, e.stats()["pages_used"])
                            ).result(10) == ("cancelled", 0)
+        # a command that also forgets it: the stream still ends, and the server goes on
+        events_forgotten = asyncio.run(asyncio.wait_for(run(url, worker, ("forget",)), 10))
+        wait_idle(worker)
+        assert worker.last_error is None
     assert events[-1]["choices"][0]["finish_reason"] == "abort"
+    assert events_forgotten[-1]["choices"][0]["finish_reason"] == "abort"
 
 
 def test_a_full_queue_says_when_to_retry_and_a_server_fault_is_a_500():
