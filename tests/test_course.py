@@ -172,6 +172,13 @@ def test_the_student_copy_holds_no_answer(tmp_path):
              if p.parent.name == "tests" for line in answer_lines if line in text]
     assert not leaks, leaks
     assert not (copy / "tests" / "test_check_mutants.py").exists()
+    # collection alone does not see an import inside a test function, or a path into the
+    # removed folders: a test that needs either would fail in the student's `make test` (this
+    # file's own student-copy tests skip there: the copy is no git checkout)
+    needs_removed = [p.name for p in (copy / "tests").glob("*.py") if p.name != "test_course.py"
+                     if re.search(r'^\s*(from|import) test_exercises\b|"solutions"|'
+                                  r'"exercises" / "source"', p.read_text(), re.M)]
+    assert not needs_removed, needs_removed
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            "tests/test_course.py", "-k", "not student_copy"], cwd=copy,
                           capture_output=True, text=True)

@@ -1762,3 +1762,65 @@ def test_best_setting_mistakes_are_named():
                                                 if mine(rows, lim) is not None else None))
     assert "ran minicb's own best_setting" in caught(
         "best_setting", lambda rows, lim=None: bench.best_setting(rows, lim))
+
+
+# --- from the session-14 mutation review (here, not in test_session14_mutants.py, because they
+# read solutions/, which the student copy does not have) ---
+def _graded(tmp_path, monkeypatch, outcome, stopped=(), setup_error=None):
+    """Grade a copy of solutions/01 in memory (fake_execute): `outcome` per
+    tag, the run's notes `stopped`, and `setup_error` raised by its first code cell."""
+    path = tmp_path / EXPECTED[0]  # page_pool, prefix_hashes, match_prefix, quantize_int8
+    shutil.copy(ROOT / "solutions" / EXPECTED[0], path)
+    fake = fake_execute(outcome)
+
+    def execute(nb, workdir, timeout):
+        fake(nb, workdir, timeout)
+        if setup_error:
+            first = next(c for c in nb.cells if c.cell_type == "code")
+            ename, _, evalue = setup_error.partition(": ")
+            first.outputs = [nbformat.v4.new_output("error", ename=ename, evalue=evalue,
+                                                    traceback=[])]
+        return list(stopped)
+    monkeypatch.setattr(grade, "execute", execute)
+    return grade.grade_notebook(path)
+
+
+def test_a_check_cell_cut_off_by_a_stopped_kernel_says_so(tmp_path, monkeypatch):
+    """A check cell that was running when its kernel was killed (no error, no mark) was told
+    "reported no error but did not run to its end (did an earlier cell change how errors ...
+    are handled?)" (the stopped-kernel branch dropped), blaming cells that did nothing."""
+    report = _graded(tmp_path, monkeypatch, {"check:match_prefix": "silent"},
+                     stopped=["execution stopped: cell 3 ignored the interrupt at 300 s "
+                              "and its kernel was killed"])
+    message = {e.name: e.message for e in report.exercises}["match_prefix"]
+    assert message.startswith("its check cell was still running when the kernel was stopped")
+
+
+def test_only_an_untouched_stubs_error_is_not_attempted(tmp_path, monkeypatch):
+    """attempted=False for any NotImplementedError (the stub's "write " prefix dropped): a
+    learner's own code raising NotImplementedError was listed as not attempted."""
+    report = _graded(tmp_path, monkeypatch, {
+        "check:prefix_hashes": "NotImplementedError: write prompt_page_hashes (exercise "
+                               "prefix_hashes)",
+        "check:match_prefix": "NotImplementedError: pages of size 0"})
+    attempted = {e.name: e.attempted for e in report.exercises}
+    assert attempted == {"page_pool": True, "prefix_hashes": False, "match_prefix": True,
+                         "quantize_int8": True}
+
+
+def test_the_setup_note_names_only_a_cell_before_the_first_check(tmp_path, monkeypatch):
+    """_first_setup_error scanned every cell (not those before the first check cell): an
+    exercise's own error after it was named as the setup cell's. A setup error is named by
+    the first line of its message only, and only when an exercise failed (the note came with
+    a full score too when the `not all(passed)` condition was dropped)."""
+    report = _graded(tmp_path, monkeypatch, {"exercise:match_prefix": "TypeError: bad operand",
+                                             "check:match_prefix": "CheckFailed: wrong"})
+    assert not any("raised" in note for note in report.notes)
+    report = _graded(tmp_path, monkeypatch, {"check:match_prefix": "CheckFailed: wrong"},
+                     setup_error="ModuleNotFoundError: No module named 'numpyy'\nsecond line")
+    notes = [n for n in report.notes if "raised" in n]
+    assert len(notes) == 1 and "raised ModuleNotFoundError: No module named 'numpyy'; the " \
+        "cells after it" in notes[0] and "second line" not in notes[0]
+    report = _graded(tmp_path, monkeypatch, {}, setup_error="ModuleNotFoundError: numpyy")
+    assert report.score == report.max_score
+    assert not any("raised" in note for note in report.notes)
