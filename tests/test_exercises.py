@@ -1226,6 +1226,31 @@ def test_minicbs_own_version_behind_a_wrapper_is_not_an_answer(exercise):
     assert "your code ran minicb's own" in message, message
 
 
+def test_minicbs_building_blocks_of_6_1_and_6_2_are_not_an_answer():
+    """Found by an audit: goodput from `metrics.meets_slo` over `metrics.run_span`, and TTFT and
+    E2E from `metrics.first_token_seen` and `metrics.released`, passed: those helpers are the
+    whole of exercises 6.2 and 6.1."""
+    from minicb import metrics
+
+    def goodput(records, slo):
+        span = metrics.run_span(records)
+        return sum(metrics.meets_slo(r, slo) for r in records) / span if span > 0 else None
+
+    def latencies(r):
+        def since(t):
+            return None if t is None or r.arrival_time is None else t - r.arrival_time
+        tpot = None
+        if r.num_output_tokens >= 2 and r.first_token_time is not None \
+                and r.finish_time is not None:
+            tpot = (r.finish_time - r.first_token_time) / (r.num_output_tokens - 1)
+        return {"queue": since(r.first_scheduled_time), "tpot": tpot,
+                "ttft": since(metrics.first_token_seen(r)[0]), "e2e": since(metrics.released(r)[0])}
+
+    for exercise, answer in (("goodput", goodput), ("latencies", latencies)):
+        message = caught(exercise, answer)
+        assert "your code ran minicb's own" in message, message
+
+
 def test_minicbs_own_scheduler_is_not_an_answer():
     """minicb's policy, however it is reached (the class itself, a subclass that does not
     override, a call through it, a copied function, an error swallowed), fails the check and
