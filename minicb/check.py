@@ -359,10 +359,17 @@ def _page_pool_sequence(cls: type, seed: int, name: str) -> None:
         return got
 
     def expect_value_error(call: Callable[[], Any], text: str, rule: str) -> None:
+        before = (list(mine.ref_count), _num_free(mine))
         try:
             call()
         except ValueError:
             history.append(f"{text} -> ValueError")
+            after = (list(mine.ref_count), _num_free(mine))
+            if after != before:  # here: verify() would blame a forgotten reference
+                _fail(name, f"{where()}{text} raised ValueError, rightly, but changed the pool "
+                            f"first (ref counts {before[0]} -> {after[0]}, num_free "
+                            f"{before[1]} -> {after[1]}): check before you change anything, "
+                            "so that a refused call leaves the pool as it was.")
             return
         except NotImplementedError:
             raise
@@ -1644,6 +1651,9 @@ def best_setting(fn: Callable[[list[dict[str, Any]], float | None], dict[str, An
                    base | {"goodput_rps": 5.0}], None))
     cases.append(("two rows tie on goodput", [base | {"output_tokens_per_s": 900.0},
                                              base | {"output_tokens_per_s": 1200.0}], None))
+    cases.append(("two rows equal on goodput and tokens/s",
+                  [base | {"output_tokens_per_s": 900.0}, base | {"output_tokens_per_s": 900.0}],
+                  None))
     cases.append(("an unknown queue age and no fairness limit",
                   [base | {"goodput_rps": 9.0, "max_queue_age_s": None},
                    base | {"goodput_rps": 5.0}], None))
@@ -1685,7 +1695,10 @@ def best_setting(fn: Callable[[list[dict[str, Any]], float | None], dict[str, An
             _fail(name, f"{where}: {_setting(want)} meets every requirement, yet yours returned "
                         f"None.{hint}")
         hint = ""
-        if got["goodput_rps"] == want["goodput_rps"]:
+        if (got["goodput_rps"], got["output_tokens_per_s"]) == \
+                (want["goodput_rps"], want["output_tokens_per_s"]):
+            hint = " Among rows equal on both, the first in the list."
+        elif got["goodput_rps"] == want["goodput_rps"]:
             hint = " Ties on goodput go to the most output_tokens_per_s."
         elif want["same_tokens"] is None:
             hint = " same_tokens None (not checked) does not fail the quality requirement."

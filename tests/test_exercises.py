@@ -298,6 +298,19 @@ def test_page_pool_that_forgets_a_ref_count_is_caught():
 
     assert "must raise MemoryError and take nothing" in caught("page_pool", NotAllOrNothing)
 
+    class RefusesTooLate(base):  # found by an audit: blamed on "a reference was forgotten"
+        def release(self, pages):
+            for page in pages:
+                self.ref_count[page] -= 1
+                if self.ref_count[page] < 0:
+                    raise ValueError("free")
+                if self.ref_count[page] == 0:
+                    self.free.append(page)
+
+    message = caught("page_pool", RefusesTooLate)
+    assert "release([0]) of a free page raised ValueError, rightly, but changed the pool first" \
+        in message and "ref counts [0, 0, 0, 0] -> [-1, 0, 0, 0]" in message, message
+
 
 def test_unchained_hash_and_uncapped_prefix_hit_are_caught():
     from minicb.kv_cache import page_hash
@@ -1782,6 +1795,17 @@ def test_best_setting_mistakes_are_named():
         "best_setting", lambda rows, lim=None: max(
             [r for r in rows if base(r, lim) and fair(r, lim)],
             key=lambda r: r["goodput_rps"], default=None) if rows else None)
+
+    def last_of_ties(rows, limit=None):  # `>=` in a loop: found by an audit, passed before
+        best = None
+        for r in rows:
+            if base(r, limit) and fair(r, limit) and (best is None or (
+                    r["goodput_rps"], r["output_tokens_per_s"]) >= (
+                    best["goodput_rps"], best["output_tokens_per_s"])):
+                best = r
+        return best
+    assert "Among rows equal on both, the first in the list" in caught("best_setting",
+                                                                        last_of_ties)
     assert "return one of the rows (the dict itself) or None" in caught(
         "best_setting", lambda rows, lim=None: (rows.index(mine(rows, lim))
                                                 if mine(rows, lim) is not None else None))
