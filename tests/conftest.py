@@ -82,3 +82,17 @@ def make_engine(tiny_model):
         return Engine(tiny_model, policy=policy, **options)
 
     return make
+
+
+@pytest.fixture(scope="module")
+def static():
+    """The seed's R1..R4 example under static batching (test_viz, test_viz_mutants)."""
+    from minicb import viz
+    return viz.seed_example("static")
+
+
+@pytest.fixture(scope="module")
+def continuous():
+    """The seed's R1..R4 example under continuous batching (test_viz, test_viz_mutants)."""
+    from minicb import viz
+    return viz.seed_example("continuous")

@@ -18,25 +18,16 @@ from minicb import viz  # noqa: E402
 from minicb.trace import Member, StepRecord  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def static():
-    return viz.seed_example("static")
-
-
-@pytest.fixture(scope="module")
-def continuous():
-    return viz.seed_example("continuous")
-
-
 def record(step, members=(), waiting=(), finished=(), preempted=(), page_tables=None, used=0,
-           cached=0, total=16, arrived=()):
+           cached=0, total=16, arrived=(), snapshots=True):
     return StepRecord(step, [Member(*m) for m in members], list(waiting), list(finished),
                       list(preempted), used, cached, 0.0, 0.0, arrived=list(arrived),
-                      page_tables=dict(page_tables or {}), pages_total=total)
+                      page_tables=dict(page_tables or {}), pages_total=total,
+                      snapshots=snapshots)
 
 
-def bars(ax):
-    """(face colour, row, x0, width) of every bar drawn with broken_barh / bar."""
+def boxes(ax):
+    """(collection, face colour, x0, y0, x1, y1) of every bar drawn with broken_barh / bar."""
     out = []
     for coll in ax.collections:
         if not isinstance(coll, PolyCollection):
@@ -44,8 +35,13 @@ def bars(ax):
         faces = coll.get_facecolors()
         for i, path in enumerate(coll.get_paths()):
             (x0, y0), (x1, y1) = path.vertices.min(0), path.vertices.max(0)
-            out.append((to_hex(faces[i % len(faces)]), round((y0 + y1) / 2), x0, x1 - x0))
+            out.append((coll, to_hex(faces[i % len(faces)]), x0, y0, x1, y1))
     return out
+
+
+def bars(ax):
+    """(face colour, row, x0, width) of every bar drawn with broken_barh / bar."""
+    return [(face, round((y0 + y1) / 2), x0, x1 - x0) for _, face, x0, y0, x1, y1 in boxes(ax)]
 
 
 # ------------------------------------------------------------------------------ timeline

@@ -11,30 +11,12 @@ import matplotlib
 matplotlib.use("Agg")
 
 import pytest  # noqa: E402
-from matplotlib.collections import PathCollection, PolyCollection  # noqa: E402
+from matplotlib.collections import PathCollection  # noqa: E402
 from matplotlib.colors import to_hex  # noqa: E402
 from matplotlib.patches import Rectangle  # noqa: E402
+from test_viz import boxes, record  # noqa: E402
 
 from minicb import viz  # noqa: E402
-from minicb.trace import Member, StepRecord  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def static():
-    return viz.seed_example("static")
-
-
-@pytest.fixture(scope="module")
-def continuous():
-    return viz.seed_example("continuous")
-
-
-def record(step, members=(), waiting=(), finished=(), preempted=(), page_tables=None, used=0,
-           cached=0, total=16, arrived=(), snapshots=True):
-    return StepRecord(step, [Member(*m) for m in members], list(waiting), list(finished),
-                      list(preempted), used, cached, 0.0, 0.0, arrived=list(arrived),
-                      page_tables=dict(page_tables or {}), pages_total=total,
-                      snapshots=snapshots)
 
 
 def stalled_trace():
@@ -49,16 +31,8 @@ def stalled_trace():
 
 def polys(ax):
     """(face, hatch, alpha, row, x0, x1, height) of every broken_barh bar."""
-    out = []
-    for coll in ax.collections:
-        if not isinstance(coll, PolyCollection):
-            continue
-        faces = coll.get_facecolors()
-        for i, path in enumerate(coll.get_paths()):
-            (x0, y0), (x1, y1) = path.vertices.min(0), path.vertices.max(0)
-            out.append((to_hex(faces[i % len(faces)]), coll.get_hatch(), coll.get_alpha(),
-                        round((y0 + y1) / 2), round(x0, 6), round(x1, 6), y1 - y0))
-    return out
+    return [(face, coll.get_hatch(), coll.get_alpha(), round((y0 + y1) / 2), round(x0, 6),
+             round(x1, 6), y1 - y0) for coll, face, x0, y0, x1, y1 in boxes(ax)]
 
 
 def legend_texts(ax):
