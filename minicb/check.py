@@ -308,9 +308,17 @@ def _page_pool_sequence(cls: type, seed: int, name: str) -> None:
                                 f"{', '.join(map(repr, _holders(tables, p)))} still holds it "
                                 f"(its ref count should be {ref.ref_count[to_ref[p]]}).")
 
+    def pool_state() -> tuple[list, Any]:
+        return list(mine.ref_count), _num_free(mine)
+
+    def change_since(before: tuple[list, Any]) -> str:
+        after = pool_state()
+        return (f"(ref counts {before[0]} -> {after[0]}, num_free {before[1]} -> "
+                f"{after[1]})")
+
     def allocate(n: int, purpose: str) -> list[int] | None:
         should_fail = n > ref.num_free
-        before = (list(mine.ref_count), _num_free(mine))
+        before = pool_state()
         try:
             got = mine.allocate(n)
         except MemoryError:
@@ -318,13 +326,11 @@ def _page_pool_sequence(cls: type, seed: int, name: str) -> None:
             if not should_fail:
                 _fail(name, f"{where()}allocate({n}) with {ref.num_free} free pages must "
                             f"succeed, but yours raised MemoryError.")
-            after = (list(mine.ref_count), _num_free(mine))
-            if after != before:  # checked here: verify() would blame a later release
+            if pool_state() != before:  # checked here: verify() would blame a later release
                 _fail(name, f"{where()}allocate({n}) raised MemoryError, rightly ("
                             f"{ref.num_free} free), but it changed the pool first "
-                            f"(ref counts {before[0]} -> {after[0]}, num_free {before[1]} -> "
-                            f"{after[1]}). allocate must be all or nothing: when it cannot "
-                            "give all the pages it must give none and change nothing.")
+                            f"{change_since(before)}. allocate must be all or nothing: when it "
+                            "cannot give all the pages it must give none and change nothing.")
             verify()
             return None
         except NotImplementedError:
@@ -359,16 +365,14 @@ def _page_pool_sequence(cls: type, seed: int, name: str) -> None:
         return got
 
     def expect_value_error(call: Callable[[], Any], text: str, rule: str) -> None:
-        before = (list(mine.ref_count), _num_free(mine))
+        before = pool_state()
         try:
             call()
         except ValueError:
             history.append(f"{text} -> ValueError")
-            after = (list(mine.ref_count), _num_free(mine))
-            if after != before:  # here: verify() would blame a forgotten reference
+            if pool_state() != before:  # here: verify() would blame a forgotten reference
                 _fail(name, f"{where()}{text} raised ValueError, rightly, but changed the pool "
-                            f"first (ref counts {before[0]} -> {after[0]}, num_free "
-                            f"{before[1]} -> {after[1]}): check before you change anything, "
+                            f"first {change_since(before)}: check before you change anything, "
                             "so that a refused call leaves the pool as it was.")
             return
         except NotImplementedError:
