@@ -33,6 +33,11 @@ GETSOURCE = re.compile(r"inspect\.getsource\(([\w.]+)\)")
 IMPORT = re.compile(r"^(?:from minicb[\w.]* import [\w, ]+|import minicb[\w.]*(?: as \w+)?)$", re.M)
 
 
+def stored_text(cell: dict) -> str:
+    """What a stored code cell printed (its stream outputs)."""
+    return "".join("".join(o.get("text", "")) for o in cell["outputs"])
+
+
 def test_every_printed_engine_source_is_the_current_source():
     """A chapter that prints engine code with `inspect.getsource` stores that print as a checked
     output; this catches an engine edit that left the stored copy stale, in seconds instead of
@@ -48,7 +53,7 @@ def test_every_printed_engine_source_is_the_current_source():
             source = "".join(cell["source"])
             if cell["cell_type"] != "code" or "NBVAL_CHECK_OUTPUT" not in source:
                 continue
-            stored = "".join("".join(o.get("text", "")) for o in cell["outputs"])
+            stored = stored_text(cell)
             for name in GETSOURCE.findall(source):
                 if inspect.getsource(eval(name, namespace)) not in stored:
                     stale.append(f"{path.name}: {name}")
@@ -66,8 +71,7 @@ def test_the_stored_line_numbers_of_engine_step_are_current():
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         exec("".join(cell["source"]), {})
-    stored = "".join("".join(o.get("text", "")) for o in cell["outputs"])
-    assert stored == printed.getvalue(), "rebuild chapter 03's Engine.step cell"
+    assert stored_text(cell) == printed.getvalue(), "rebuild chapter 03's Engine.step cell"
 
 
 def markdown_of(notebook: Path) -> str:

@@ -565,6 +565,15 @@ def test_equal_rank_waits_first_come_first_served(preemption):
     assert start["first"] < start["second"]
 
 
+def scheduled_tokens(engine) -> dict[str, int]:
+    """Tokens each request was scheduled for over the run, recomputation included."""
+    scheduled = dict.fromkeys(engine.requests, 0)
+    for rec in engine.trace:
+        for m in rec.members:
+            scheduled[m.request_id] += m.num_tokens
+    return scheduled
+
+
 def test_preemption_counts_the_work_it_throws_away_and_the_work_redone():
     """Each preemption adds the victim's computed tokens to num_discarded_tokens (twice for a
     request preempted twice), worked out here from the trace; prompt pages found in the cache
@@ -580,8 +589,7 @@ def test_preemption_counts_the_work_it_throws_away_and_the_work_redone():
                       request_id=f"r{i}")
     e.run()
     computed, thrown, last_thrown, readmitted_with_hits = {}, {}, {}, False
-    scheduled = {rid: sum(m.num_tokens for rec in e.trace for m in rec.members
-                          if m.request_id == rid) for rid in e.requests}
+    scheduled = scheduled_tokens(e)
     for rec in e.trace:
         for rid in rec.preempted:
             thrown[rid] = thrown.get(rid, 0) + computed.get(rid, 0)
@@ -634,10 +642,7 @@ def test_max_preemptions_bounds_each_requests_loss(jobs, policy, preemption, lim
                            request_id=f"r{i}", arrival_step=arrival, priority=i % 3,
                            tenant="ab"[i % 2])
     engine.run()
-    scheduled = dict.fromkeys(engine.requests, 0)
-    for rec in engine.trace:
-        for m in rec.members:
-            scheduled[m.request_id] += m.num_tokens
+    scheduled = scheduled_tokens(engine)
     for req in engine.requests.values():
         assert req.finish_reason == "length"
         assert req.num_preemptions <= limit
