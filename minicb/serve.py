@@ -145,7 +145,10 @@ class EngineWorker:
         self.ttft, self.itl = Histogram(TTFT_BUCKETS), Histogram(ITL_BUCKETS)
         self.finish_reasons: Counter[str] = Counter()
         self._counted_at_cancel: set[str] = set()  # finished through `_cancel`, already counted
-        self.counters = Counter(preemptions=0, prompt_tokens=0, generation_tokens=0, steps=0)
+        self.counters = Counter(preemptions=0, prompt_tokens=0, generation_tokens=0, steps=0,
+                                discarded_tokens=0, recomputed_tokens=0)
+        # preempted requests' (discarded, recomputed) tokens as last counted, for the deltas
+        self._lost_work_seen: dict[str, tuple[int, int]] = {}
         self.snapshot: dict[str, int] = dict(engine.stats())
         self.last_error: str | None = None
 
@@ -222,7 +225,13 @@ class EngineWorker:
                          self.counters["prompt_tokens"]),
                         ("generation_tokens_total", "Tokens generated.",
                          self.counters["generation_tokens"]),
-                        ("steps_total", "Engine steps run.", self.counters["steps"])]
+                        ("steps_total", "Engine steps run.", self.counters["steps"]),
+                        ("preemption_discarded_tokens_total",
+                         "Computed K/V tokens that preemptions threw away (lost work).",
+                         self.counters["discarded_tokens"]),
+                        ("preemption_recomputed_tokens_total",
+                         "Of those, tokens computed again (the rest came back from the prefix "
+                         "cache).", self.counters["recomputed_tokens"])]
             for name, help_text, value in counters:
                 out += [f"# HELP minicb_{name} {help_text}", f"# TYPE minicb_{name} counter",
                         f"minicb_{name} {value}"]
@@ -420,12 +429,26 @@ class EngineWorker:
                     self.ttft.observe(m.first_token_time - m.arrival_time)
                 else:  # one gap per delivery, since the last step that gave it tokens
                     self.itl.observe(m.token_times[-1] - m.token_times[-new - 1])
+            self._count_lost_work(record)
+
+    def _count_lost_work(self, record: Any) -> None:
+        """Add what preemption cost this step (chapter 06): the growth of each preempted
+        request's discarded and recomputed counts since they were last counted."""
+        for rid in dict.fromkeys(record.preempted + [m.request_id for m in record.members]):
+            req = self.engine.requests.get(rid)
+            if req is None or not req.num_preemptions:
+                continue
+            discarded, recomputed = self._lost_work_seen.get(rid, (0, 0))
+            self.counters["discarded_tokens"] += req.num_discarded_tokens - discarded
+            self.counters["recomputed_tokens"] += req.num_recomputed_tokens - recomputed
+            self._lost_work_seen[rid] = (req.num_discarded_tokens, req.num_recomputed_tokens)
 
     def _retire(self, record: Any) -> None:
         """Count a step's finished requests by reason, and bound the trace and the records."""
         engine = self.engine
         with self._lock:
             for rid in record.finished:  # every `_cancel` was counted with its own reason
+                self._lost_work_seen.pop(rid, None)
                 if rid in self._counted_at_cancel:
                     self._counted_at_cancel.discard(rid)
                 elif rid in engine.requests:

@@ -759,7 +759,8 @@ def test_histogram_buckets_are_cumulative():
 
 def test_metrics_ttft_is_measured_from_arrival_and_preemptions_are_counted(tiny_model):
     """/metrics' TTFT sum equals the engine records' TTFTs (arrival to first token), and its
-    preemption counter their preemptions (a pool too small for four requests forces some)."""
+    preemption counters their preemptions and the tokens those discarded and recomputed (a
+    pool too small for four requests forces some)."""
     async def burst(url):
         async with httpx.AsyncClient(timeout=TIMEOUT) as http:
             body = {"prompt": list(range(3, 23)), "max_tokens": 40, **GREEDY}
@@ -776,6 +777,10 @@ def test_metrics_ttft_is_measured_from_arrival_and_preemptions_are_counted(tiny_
     assert float(values["minicb_time_to_first_token_seconds_sum"]) == pytest.approx(sum(ttfts))
     preempted = sum(r.num_preemptions for r in records)
     assert preempted > 0 and int(values["minicb_num_preemptions_total"]) == preempted
+    discarded = sum(r.num_discarded_tokens for r in records)
+    recomputed = sum(r.num_recomputed_tokens for r in records)
+    assert discarded > 0 and int(values["minicb_preemption_discarded_tokens_total"]) == discarded
+    assert 0 < int(values["minicb_preemption_recomputed_tokens_total"]) == recomputed < discarded
 
 
 def test_the_server_trims_its_trace_to_max_trace(tiny_model):
