@@ -127,6 +127,10 @@ def request_colour(index: int) -> str:
     return REQUEST_COLOURS[index % len(REQUEST_COLOURS)]
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
 def _text_colour(face: str) -> str:
     r, g, b = matplotlib.colors.to_rgb(face)
     return "black" if 0.299 * r + 0.587 * g + 0.114 * b > 0.5 else "white"
@@ -519,6 +523,10 @@ def plot_page_map(engine_or_trace: Any, step: int | None = None, ax: Axes | None
     data = page_map_data(records, step)
     order = list(data.page_tables)
     colour = {rid: request_colour(i) for i, rid in enumerate(timeline_data(records).requests)}
+    if len({colour[rid] for rid in order}) < min(len(order), len(REQUEST_COLOURS)):
+        # the other pictures' colours would give two requests on this map one colour (requests
+        # 8 apart in the timeline): number them by their place on the map instead
+        colour = {rid: request_colour(i) for i, rid in enumerate(order)}
     # 16 columns up to 128 pages, then about twice as many columns as rows (landscape)
     ncols = columns or (min(64, max(16, math.ceil(math.sqrt(2 * data.num_shown))))
                         if data.num_shown > 16 else data.num_shown)
@@ -563,7 +571,7 @@ def plot_page_map(engine_or_trace: Any, step: int | None = None, ax: Axes | None
                              engine_or_trace), fontsize=15)
         if legend:
             handles = [Patch(facecolor=colour[r], edgecolor="black",
-                             label=f"{r} ({len(data.page_tables[r])} pages)")
+                             label=f"{r} ({_count(len(data.page_tables[r]), 'page')})")
                        for r in order] if len(order) <= len(REQUEST_COLOURS) else [
                 Patch(facecolor="white", edgecolor="none",
                       label=f"{len(order)} requests: colours repeat")]

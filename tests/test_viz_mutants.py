@@ -227,6 +227,23 @@ def test_page_map_grid_legend_and_colours():
     assert viz.request_colour(2) == "#F0E442" and colours["2"] == "black"
 
 
+def test_page_map_gives_every_request_on_it_its_own_colour():
+    """Requests 0 and 8 of the timeline share a colour everywhere else; on a map that shows only
+    those two, each gets its own (and the legend lists both, since two fit)."""
+    first = record(1, [(f"r{i}", "prefill", 4, i) for i in range(9)],
+                   page_tables={f"r{i}": [i] for i in range(9)}, total=9)
+    last = record(2, [("r0", "decode", 1, 0), ("r8", "decode", 1, 8)],
+                  page_tables={"r0": [0], "r8": [8]}, total=9)
+    assert viz.request_colour(0) == viz.request_colour(8)
+    ax = viz.plot_page_map([first, last]).axes[0]
+    faces = [to_hex(p.get_facecolor()) for p in ax.patches if isinstance(p, Rectangle)]
+    assert faces[0] != faces[8] and faces[0] in {viz.request_colour(i).lower() for i in (0, 1)}
+    assert {"r0 (1 page)", "r8 (1 page)"} <= set(legend_texts(ax))
+    ax = viz.plot_page_map([first, record(2, page_tables={"r3": [3]}, total=9)]).axes[0]
+    (r3,) = [p for p in ax.patches if isinstance(p, Rectangle) and p.get_x() == pytest.approx(3.05)]
+    assert to_hex(r3.get_facecolor()) == viz.request_colour(3).lower()  # the timeline's colour
+
+
 # --------------------------------------------------------------------------------- budget
 def test_budget_colours_and_legend_order():
     """M49 (decode bars in prefill orange) and M50 (budget line first in the legend)."""
