@@ -146,7 +146,8 @@ class EngineWorker:
         self.finish_reasons: Counter[str] = Counter()
         self._counted_at_cancel: set[str] = set()  # finished through `_cancel`, already counted
         self.counters = Counter(preemptions=0, prompt_tokens=0, generation_tokens=0, steps=0,
-                                discarded_tokens=0, recomputed_tokens=0)
+                                discarded_tokens=0, recomputed_tokens=0, evicted_pages=0)
+        self.oldest_waiting_s = 0.0  # queue age of the longest-waiting unscheduled request
         # preempted requests' (discarded, recomputed) tokens as last counted, for the deltas
         self._lost_work_seen: dict[str, tuple[int, int]] = {}
         self.snapshot: dict[str, int] = dict(engine.stats())
@@ -213,7 +214,9 @@ class EngineWorker:
                   ("kv_pages_free", "KV pages on the free list.", s["pages_free"]),
                   ("kv_pages_cached", "Unreferenced KV pages kept by the prefix index.",
                    s["pages_cached"]),
-                  ("kv_pages_total", "KV pages in the pool.", s["pages_total"])]
+                  ("kv_pages_total", "KV pages in the pool.", s["pages_total"]),
+                  ("oldest_waiting_seconds", "Queue age: how long the longest-waiting request "
+                   "not yet scheduled had waited, after the last step.", self.oldest_waiting_s)]
         out = [f"# minicb model={model_name}"]
         for name, help_text, value in gauges:
             out += [f"# HELP minicb_{name} {help_text}", f"# TYPE minicb_{name} gauge",
@@ -231,7 +234,10 @@ class EngineWorker:
                          self.counters["discarded_tokens"]),
                         ("preemption_recomputed_tokens_total",
                          "Of those, tokens computed again (the rest came back from the prefix "
-                         "cache).", self.counters["recomputed_tokens"])]
+                         "cache).", self.counters["recomputed_tokens"]),
+                        ("kv_pages_evicted_total",
+                         "Cached prefix pages given up to make room (reuse lost).",
+                         self.counters["evicted_pages"])]
             for name, help_text, value in counters:
                 out += [f"# HELP minicb_{name} {help_text}", f"# TYPE minicb_{name} counter",
                         f"minicb_{name} {value}"]
@@ -416,9 +422,13 @@ class EngineWorker:
         """Count a step's tokens and latencies (before any handler hears of the step)."""
         self._last_step = record.step
         self.snapshot = dict(self.engine.stats())
+        unscheduled = [r.metrics.arrival_time for r in self.engine.waiting
+                       if r.metrics.first_scheduled_time is None]  # as metrics.max_queue_age
+        self.oldest_waiting_s = record.t_end - min(unscheduled) if unscheduled else 0.0
         with self._lock:
             self.counters["steps"] += 1
             self.counters["preemptions"] += len(record.preempted)
+            self.counters["evicted_pages"] += record.pages_evicted
             for rid in record.sampled:
                 m = self.engine.requests[rid].metrics
                 new = 1  # tokens this step gave it: more than one when guesses were kept

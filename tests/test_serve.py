@@ -25,6 +25,7 @@ from minicb import LLM, Engine, SamplingParams, bench, metrics
 from minicb.client import bench_endpoint, completions_url, run_client
 from minicb.llm import IncrementalDecoder
 from minicb.serve import EngineWorker, Histogram, ServerThread, create_app, main, parse_request
+from minicb.sim import make_sim_engine
 from minicb.workload import make_workload
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -781,6 +782,30 @@ def test_metrics_ttft_is_measured_from_arrival_and_preemptions_are_counted(tiny_
     recomputed = sum(r.num_recomputed_tokens for r in records)
     assert discarded > 0 and int(values["minicb_preemption_discarded_tokens_total"]) == discarded
     assert 0 < int(values["minicb_preemption_recomputed_tokens_total"]) == recomputed < discarded
+
+
+def test_metrics_show_evicted_prefix_pages_and_the_oldest_wait():
+    """Two more things the contract asks to watch when the cache is full: cached prefix pages
+    evicted (a counter, the trace's sum) and queue age (a gauge: the longest wait of a request
+    not yet scheduled, after the last step; 0 once nobody waits)."""
+    engine = make_sim_engine(policy="continuous", num_pages=4, max_num_seqs=1)
+    worker = EngineWorker(engine)  # not started: its per-step counting is driven here
+    params = SamplingParams(max_tokens=2, **GREEDY)
+    engine.add_request([7] * 32, params, request_id="a")  # leaves 2 cached prompt pages
+    engine.add_request(list(range(3, 51)), params, request_id="b")  # 4 pages: evicts them
+    ages = []
+    while engine.has_unfinished():
+        record = engine.step()
+        worker._count(record)
+        ages.append(worker.oldest_waiting_s)
+        waiting = [engine.requests[r].metrics for r in record.waiting]
+        assert ages[-1] == pytest.approx(max((record.t_end - m.arrival_time for m in waiting
+                                              if m.first_scheduled_time is None), default=0))
+    values = dict(line.rsplit(" ", 1) for line in worker.metrics_text("sim").splitlines()
+                  if not line.startswith("#"))
+    evicted = sum(rec.pages_evicted for rec in engine.trace)
+    assert evicted == 2 and int(values["minicb_kv_pages_evicted_total"]) == evicted
+    assert ages[0] > 0 and ages[-1] == 0 and float(values["minicb_oldest_waiting_seconds"]) == 0
 
 
 def test_the_server_trims_its_trace_to_max_trace(tiny_model):

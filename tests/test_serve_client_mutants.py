@@ -66,7 +66,7 @@ def test_metrics_gauges_show_their_own_stat_and_counters_are_typed_counter():
         assert f"minicb_{name} {value}" in lines and f"# TYPE minicb_{name} gauge" in lines
     for name in ("num_preemptions_total", "prompt_tokens_total", "generation_tokens_total",
                  "steps_total", "requests_total", "preemption_discarded_tokens_total",
-                 "preemption_recomputed_tokens_total"):
+                 "preemption_recomputed_tokens_total", "kv_pages_evicted_total"):
         assert f"# TYPE minicb_{name} counter" in lines
     for reason in ("stop", "length", "cancelled", "error"):
         assert f'minicb_requests_total{{finish_reason="{reason}"}} 0' in lines

@@ -197,7 +197,9 @@ print(report({"minicb pd (client side)": summary}))  # the table, then p50/p95/p
 #
 # Same workload, same client, same metrics: the comparison the benchmark contract asks for. The
 # server also exports Prometheus metrics at `/metrics` (its latency histograms use vLLM's
-# bucket edges):
+# bucket edges), among them what the contract asks to watch when the KV cache runs full:
+# preemptions, the work they lost and how much was computed again, evicted prefix pages, and
+# the queue age:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
