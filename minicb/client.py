@@ -57,9 +57,16 @@ CLIENT_LATENCY_COLUMNS = tuple(c for c in metrics.LATENCY_COLUMNS
 
 
 def report(results: dict[str, dict[str, Any]]) -> str:
-    """The printed result of a client run (chapter 06): the main table, then p50/p95/p99."""
-    return (metrics.format_table(results, CLIENT_COLUMNS) + "\n\nlatency percentiles (s)\n"
+    """The printed result of a client run (chapter 06): the main table, then p50/p95/p99, then
+    what the server's /metrics said of memory pressure, if it said anything."""
+    text = (metrics.format_table(results, CLIENT_COLUMNS) + "\n\nlatency percentiles (s)\n"
             + metrics.format_table(results, CLIENT_LATENCY_COLUMNS))
+    for name, summary in results.items():
+        if summary.get("from_server_metrics"):
+            text += (f"\n{name}, from the server's /metrics over the run: "
+                     + ", ".join(f"{field}={summary[field]}"
+                                 for field in summary["from_server_metrics"]))
+    return text
 
 
 # summary fields only the engine's trace can fill: None from the client's side
@@ -68,6 +75,39 @@ ENGINE_ONLY = ("num_steps", "preemptions", "discarded_tokens", "recomputed_token
                "decode_tokens_per_s", "host_time_fraction", "cached_prompt_tokens",
                "prefill_tokens", "decode_tokens", "decode_rows", "mixed_steps", "draft_tokens",
                "accepted_draft_tokens")
+
+
+# counters a server's Prometheus /metrics may have -> the summary field their growth over a run
+# fills (minicb's own, and vLLM's preemptions); the rest of ENGINE_ONLY stays None
+SERVER_COUNTERS = {"minicb_steps_total": "num_steps",
+                   "minicb_num_preemptions_total": "preemptions",
+                   "vllm:num_preemptions_total": "preemptions",
+                   "minicb_preemption_discarded_tokens_total": "discarded_tokens",
+                   "minicb_preemption_recomputed_tokens_total": "recomputed_tokens",
+                   "minicb_kv_pages_evicted_total": "evicted_pages"}
+
+
+def server_counters(endpoint: str) -> dict[str, float]:
+    """The `SERVER_COUNTERS` fields a server's `/metrics` shows now, each summed over its label
+    sets; {} from a server without a Prometheus /metrics."""
+    url = httpx.URL(completions_url(endpoint)).copy_with(path="/metrics", query=None)
+    try:
+        response = httpx.get(url, timeout=10.0)
+        response.raise_for_status()
+    except httpx.HTTPError:
+        return {}
+    values: dict[str, float] = {}
+    for line in response.text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name not in SERVER_COUNTERS:  # comments too
+            continue
+        value_and_time = line[line.rfind("}") + 1:] if "{" in line else line[len(name):]
+        try:  # `name{labels} value [timestamp]`
+            value = float(value_and_time.split()[0])
+        except (ValueError, IndexError):
+            continue
+        values[SERVER_COUNTERS[name]] = values.get(SERVER_COUNTERS[name], 0.0) + value
+    return values
 
 
 def completions_url(endpoint: str) -> str:
@@ -246,7 +286,9 @@ def bench_endpoint(endpoint: str, workload: Any, label: str | None = None,
     "records"}` in the results schema of `python -m minicb bench` (chapter 06). The summary is
     `minicb.metrics.summarize` over the client's records (no trace: step metrics are None, and so
     is the queue age, which the client cannot see, and so are the fields in `ENGINE_ONLY`:
-    preemptions, steps, evictions; without an SLO no goodput, as in bench), with
+    preemptions, steps, evictions, except those the server's /metrics counts (`SERVER_COUNTERS`:
+    their growth over the run, named in `from_server_metrics`); without an SLO no goodput, as in
+    bench), with
     `error_reasons`: each failed request's reason in the server's words, and how many. `omit`:
     trace fields not to send, as in `run_client`."""
     try:
@@ -254,9 +296,11 @@ def bench_endpoint(endpoint: str, workload: Any, label: str | None = None,
             listing = httpx.get(models_url(endpoint), timeout=10.0)
             listing.raise_for_status()
             model = listing.json()["data"][0]["id"]
+        before = server_counters(endpoint)
         records = asyncio.run(run_client(endpoint, workload.requests, model=model,
                                          temperature=temperature, vocab_size=vocab_size,
                                          progress=progress, omit=omit))
+        after = server_counters(endpoint)
     except (httpx.TransportError, httpx.HTTPStatusError) as exc:
         raise unreachable(endpoint, exc) from None
     declaration = {**workload.declaration, "endpoint": endpoint, "model": model,
@@ -269,8 +313,18 @@ def bench_endpoint(endpoint: str, workload: Any, label: str | None = None,
         # queue time is invisible from outside: summarize's fallback (the finish time) would
         # report the largest E2E as the oldest wait
         summary["max_queue_age_s"] = summary["max_queue_age_steps"] = None
-    for key in ENGINE_ONLY:  # the server knows these (its /metrics); a 0 here would be a guess
+    for key in ENGINE_ONLY:  # the server knows these; a 0 here would be a guess
         summary[key] = None
+    # ... and tells some in its /metrics
+    summary["from_server_metrics"] = [key for key in dict.fromkeys(SERVER_COUNTERS.values())
+                                      if key in after and key in before]
+    for key in summary["from_server_metrics"]:
+        summary[key] = round(after[key] - before[key])
+    if after:
+        declaration["server_metrics"] = ("growth of the server's /metrics counters over the run "
+                                         f"({', '.join(sorted(after))}), the warm-up request "
+                                         "included; other clients' requests at the same time "
+                                         "would count too")
     return {"declaration": declaration, "results": {label or endpoint: summary},
             "records": [r.__dict__ for r in records]}
 

@@ -19,9 +19,9 @@ import httpx
 import numpy as np
 import pytest
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from minicb import LLM, Engine, SamplingParams, bench, metrics
+from minicb import LLM, Engine, SamplingParams, bench, client, metrics
 from minicb.client import bench_endpoint, completions_url, run_client
 from minicb.llm import IncrementalDecoder
 from minicb.serve import EngineWorker, Histogram, ServerThread, create_app, main, parse_request
@@ -547,10 +547,12 @@ def test_bench_endpoint_measures_a_running_server(tiny_model, tmp_path, capsys):
     printed = capsys.readouterr().out  # the contract's p50/p95/p99, not only p50/p99
     assert "latency percentiles (s)" in printed and "TTFT p95" in printed
     assert "E2E p95" in printed and "queue p95" not in printed  # queue time is not seen here
-    # what only the server's engine knows is unknown here, not 0
-    assert result["preemptions"] is None and result["num_steps"] is None
-    assert result["evicted_pages"] is None and result["recomputed_tokens"] is None
-    assert result["discarded_tokens"] is None
+    # what only the server's engine knows is unknown here, not 0, unless its /metrics says
+    assert result["mean_batch_size"] is None and result["dead_slot_steps"] is None
+    assert result["preemptions"] == 0 and result["num_steps"] > 0  # minicb's /metrics
+    assert "num_steps=" in printed
+    records_only = metrics.summarize([], [])  # a summary not from bench_endpoint: no such line
+    assert "/metrics" not in client.report({"x": {**records_only, "preemptions": 0}})
 
 
 def test_bench_endpoint_without_a_server_says_so(capsys):
@@ -739,6 +741,43 @@ def test_the_client_summary_reports_no_queue_age(tiny_model):
     assert result["completed"] == 4
     assert result["max_queue_age_s"] is None and result["max_queue_age_steps"] is None
     assert result["goodput_rps"] is None and result["slo_attainment"] is None  # no SLO given
+
+
+def test_bench_endpoint_reads_memory_pressure_from_the_servers_metrics(tiny_model, capsys):
+    """Preemptions, the work they lost and evicted pages are invisible to a client; a server
+    that counts them in /metrics (minicb's names, or vLLM's preemptions) tells: the summary has
+    the counters' growth over the run, equal to the engine's own records (the warm-up request
+    included), and the report prints them."""
+    workload = make_workload(4, prompt_lengths="fixed:20", output_lengths="fixed:40", seed=3)
+    with serving(tiny_model, num_pages=7, max_num_seqs=4) as (url, worker):
+        data = bench_endpoint(url, workload, label="tiny", vocab_size=256)
+        wait_idle(worker)
+        records, steps = worker.call(lambda e: (e.request_records(), len(e.trace))).result(10)
+    summary = data["results"]["tiny"]
+    assert summary["preemptions"] == sum(r.num_preemptions for r in records) > 0
+    assert summary["discarded_tokens"] == sum(r.num_discarded_tokens for r in records) > 0
+    assert summary["recomputed_tokens"] == sum(r.num_recomputed_tokens for r in records)
+    assert summary["num_steps"] == steps and summary["evicted_pages"] is not None
+    assert summary["mean_batch_size"] is None  # not a counter any server exports
+    assert "warm-up request included" in data["declaration"]["server_metrics"]
+    assert summary["from_server_metrics"] == ["num_steps", "preemptions", "discarded_tokens",
+                                              "recomputed_tokens", "evicted_pages"]
+    assert (f"tiny, from the server's /metrics over the run: num_steps={steps}, "
+            f"preemptions={summary['preemptions']}") in client.report(data["results"])
+
+
+def test_server_counters_sum_label_sets_and_skip_other_lines():
+    """vLLM labels its counters (one line per engine); a timestamp may follow the value."""
+    text = ("# TYPE vllm:num_preemptions_total counter\n"
+            'vllm:num_preemptions_total{engine="0",model_name="a b"} 3.0\n'
+            'vllm:num_preemptions_total{engine="1",model_name="a b"} 2.0 1700000000\n'
+            "minicb_kv_pages_evicted_total 7\nvllm:num_preemptions_created 9\n")
+    app = FastAPI()
+    app.get("/metrics")(lambda: Response(text, media_type="text/plain"))
+    with ServerThread(app) as url:
+        assert client.server_counters(url + "/v1") == {"preemptions": 5.0, "evicted_pages": 7.0}
+    with ServerThread(FastAPI()) as url:  # no /metrics: nothing known
+        assert client.server_counters(url) == {}
 
 
 def test_a_server_keeps_a_bounded_trace_by_default(tiny_model):
