@@ -55,6 +55,8 @@ class SamplingParams:
                              f"generator range), got {self.seed!r}")
         if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}")
+        if not isinstance(self.ignore_eos, bool):  # "false" is truthy: it would ignore EOS
+            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         if isinstance(self.stop_token_ids, (int, str)) or not hasattr(self.stop_token_ids,
                                                                       "__iter__"):
             raise ValueError(f"stop_token_ids must be a list of token ids, got "

@@ -310,6 +310,7 @@ def test_invariant_checker_names_the_broken_rule(make_engine):
     (dict(temperature=float("inf")), "temperature"), (dict(stop_token_ids=5), "stop_token_ids"),
     (dict(stop_token_ids=[True]), "stop_token_ids"),
     (dict(top_p=True), "top_p"), (dict(min_tokens=True), "min_tokens"),
+    (dict(ignore_eos="false"), "ignore_eos"), (dict(ignore_eos=None), "ignore_eos"),
 ])
 def test_bad_sampling_params(kwargs, field):
     with pytest.raises(ValueError, match=field):
