@@ -53,7 +53,8 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution a sampled request draws from: one row of logits [vocab] under its
     temperature, top-k and top-p, as float32 on the CPU."""
     # shifted first: the largest logit is 0, so a tiny temperature cannot overflow to inf
-    row = (logits.float() - logits.max()) / params.temperature
+    # float(): an int temperature past int64 (2**70, accepted as finite) fails torch's division
+    row = (logits.float() - logits.max()) / float(params.temperature)
     row = filter_logits(row, params.top_k, params.top_p)
     return torch.softmax(row, dim=-1).cpu()
 

@@ -169,6 +169,16 @@ def test_a_tiny_temperature_samples_the_most_likely_token():
         sample(nan, [SamplingParams(seed=0)], [None])
 
 
+def test_a_huge_integer_temperature_samples_instead_of_failing_the_request(llm):
+    """2**70 is a finite temperature SamplingParams accepts: the request samples (almost
+    uniformly), not ends with finish_reason "error" (torch cannot divide by an int past int64)."""
+    out = llm.generate([[5, 6]], SamplingParams(max_tokens=3, temperature=2**70, seed=1),
+                       use_tqdm=False)[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 3, out.error
+    assert out.token_ids == llm.generate([[5, 6]], SamplingParams(
+        max_tokens=3, temperature=float(2**70), seed=1), use_tqdm=False)[0].token_ids
+
+
 def test_min_tokens_keeps_stop_and_eos_tokens_from_being_sampled(llm):
     """vLLM's meaning: before min_tokens outputs, stop and EOS tokens are not generated (not
     generated and then ignored)."""
