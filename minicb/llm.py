@@ -125,18 +125,26 @@ class LLM:
         ids = self._add_all(prompts, params)
         sent_tokens = {rid: 0 for rid in ids}
         decoders = {rid: IncrementalDecoder(self.tokenizer) for rid in ids}
+
+        def news(rid: str) -> tuple[str, list[int], str]:
+            req = self.engine.requests[rid]
+            new = req.output_token_ids[sent_tokens[rid]:]
+            sent_tokens[rid] = len(req.output_token_ids)
+            delta = "" if self.tokenizer is None else \
+                decoders[rid].step(req.output_token_ids, final=req.is_finished)
+            return rid, new, delta
+
         try:
             while any(not self.engine.requests[rid].is_finished for rid in ids):
                 record = self.engine.step()
                 for rid in record.sampled:
-                    if rid not in sent_tokens:
-                        continue
-                    req = self.engine.requests[rid]
-                    new = req.output_token_ids[sent_tokens[rid]:]
-                    sent_tokens[rid] = len(req.output_token_ids)
-                    delta = "" if self.tokenizer is None else \
-                        decoders[rid].step(req.output_token_ids, final=req.is_finished)
-                    yield rid, new, delta
+                    if rid in sent_tokens:
+                        yield news(rid)
+            # steps another consumer ran (a second stream read in turn, a generate call) may
+            # have given these requests tokens, or finished them: those tokens still go out
+            for rid in ids:
+                if sent_tokens[rid] < len(self.engine.requests[rid].output_token_ids):
+                    yield news(rid)
         finally:  # a consumer that stops early cancels what it no longer reads
             for rid in ids:
                 self.engine.cancel(rid)

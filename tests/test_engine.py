@@ -247,6 +247,22 @@ def test_stream_yields_every_token_once(llm):
     assert not llm.engine.has_unfinished() and llm.engine.pool.num_used == 0
 
 
+def test_two_streams_read_in_turn_each_get_every_token(llm):
+    """The second stream's request finishes in steps the first stream runs: its tokens were
+    never yielded (1 of 5) before the stream sent what other steps had produced."""
+    ref = llm.generate([[5, 6], [7, 8]], [GREEDY, SamplingParams(
+        max_tokens=5, temperature=0.0, ignore_eos=True)], use_tqdm=False)
+    long, short = llm.stream([[5, 6]], GREEDY), llm.stream([[7, 8]], SamplingParams(
+        max_tokens=5, temperature=0.0, ignore_eos=True))
+    got = [next(long), next(short)]
+    got += list(long) + list(short)
+    per_request: dict[str, list[int]] = {}
+    for rid, new, _ in got:
+        per_request.setdefault(rid, []).extend(new)
+    assert list(per_request.values()) == [o.token_ids for o in ref]
+    assert not llm.engine.has_unfinished() and llm.engine.pool.num_used == 0
+
+
 def test_a_failing_forward_fails_only_that_step(make_engine):
     engine = make_engine("continuous")
     a = engine.add_request([5, 6], GREEDY)
