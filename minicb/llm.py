@@ -71,12 +71,19 @@ class LLM:
         if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
                                         and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt, as text or as token ids
+        if isinstance(prompts, bytes) or not hasattr(prompts, "__iter__"):
+            raise ValueError(f"prompts must be a prompt (a string or a list of token ids) or a "
+                             f"list of prompts, got {prompts!r:.80}")
         prompts = list(prompts)
         if params is None:
             params = SamplingParams()
         if isinstance(params, dict):
             raise ValueError("params must be a SamplingParams (or one per prompt), got a dict: "
                              "write SamplingParams(**{...})")
+        if not isinstance(params, SamplingParams) and (isinstance(params, (str, bytes))
+                                                       or not hasattr(params, "__iter__")):
+            raise ValueError(f"params must be a SamplingParams (or one per prompt), got "
+                             f"{params!r:.80}")
         param_list = [params] * len(prompts) if isinstance(params, SamplingParams) \
             else list(params)
         if len(param_list) != len(prompts):

@@ -420,6 +420,10 @@ def test_bad_requests_are_refused_before_any_work(tiny_model):
         (lambda: engine.add_request([1], GREEDY, arrival_time=float("nan")), "arrival_time"),
         (lambda: llm.generate([[1]], SamplingParams(stop_token_ids=[300])), "stop_token_ids"),
         (lambda: llm.generate([[1]], {"max_tokens": 3}), "got a dict"),
+        (lambda: llm.generate(None, GREEDY), "prompts must be a prompt"),
+        (lambda: llm.generate(7, GREEDY), "prompts must be a prompt"),
+        (lambda: llm.generate([[1]], "greedy"), "params must be a SamplingParams"),
+        (lambda: llm.generate([[1]], 3), "params must be a SamplingParams"),
         (lambda: llm.chat([{"role": "user", "content": "hi"}]), "chat template"),
         (lambda: Engine(tiny_model, bogus=1), "unknown engine option"),
     ]
