@@ -676,7 +676,7 @@ def create_app(engine_or_llm: Any, model_name: str = "minicb", max_queue: int | 
     async def _generate(request: Request, chat: bool):
         try:
             body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an int of 4301+ digits
             return _error(400, f"the request body is not valid JSON: {exc}")
         except RecursionError:
             return _error(400, "the request body is nested too deeply")

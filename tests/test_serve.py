@@ -318,6 +318,8 @@ def shared_server(tiny_model):
     ({"prompt": [5, 6], "stop": [3], "stop_token_ids": 7}, 400, "stop_token_ids"),
     ({"prompt": [5, 6], "stream": None, "ignore_eos": None}, 200, None),  # null: not given
     pytest.param(b"[" * 100_000, 400, None, id="nested-too-deeply-for-json"),
+    pytest.param(b'{"prompt": [5, 6], "max_tokens": 1' + b"0" * 5000 + b"}", 400, None,
+                 id="an-integer-past-pythons-4300-digits"),  # a 500 and a traceback before
 ])
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(shared_server, body,
                                                                      status, param):
