@@ -843,10 +843,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-speculative-tokens", type=int, default=None,
                         help="speculative decoding by prompt lookup: up to this many guessed "
                              "tokens per decode step (default 0, off)")
-    parser.add_argument("--log-level", default="info")
+    parser.add_argument("--log-level", default="info",  # uvicorn's names (a KeyError else)
+                        choices=["critical", "error", "warning", "info", "debug", "trace"])
     args = parser.parse_args(argv)
     if not 0 <= args.port <= 65535:
         parser.error(f"--port must be in [0, 65535], got {args.port}")
+    if args.max_queue < 0:  # else every request is refused with a 429
+        parser.error(f"--max-queue must be >= 0 (0: no limit), got {args.max_queue}")
     import uvicorn
 
     from minicb.llm import LLM

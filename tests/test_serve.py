@@ -902,6 +902,20 @@ def test_serve_cli_max_queue_0_means_no_limit_and_the_served_name(tiny_llama_dir
         assert httpx.get(url + "/v1/models", timeout=TIMEOUT).json()["data"][0]["id"] == "tiny-x"
 
 
+def test_serve_cli_refuses_a_negative_max_queue_and_an_unknown_log_level(tiny_llama_dir,
+                                                                          monkeypatch, capsys):
+    """Before any model loads: --max-queue -1 started a server that answered every request
+    429, and --log-level loud a KeyError traceback from uvicorn once the model had loaded."""
+    import uvicorn
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: None)
+    base = ["--model", str(tiny_llama_dir), "--device", "cpu", "--num-pages", "32"]
+    for argv, message in ((["--max-queue", "-1"], "--max-queue must be >= 0"),
+                          (["--log-level", "loud"], "argument --log-level: invalid choice")):
+        with pytest.raises(SystemExit) as exit_info:
+            main([*base, *argv])
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_an_event_stream_runs_on_close_when_the_send_fails():
     """ASGI spec 2.4 servers report a client gone as an OSError from `send`: the stream must
     still cancel its request."""
