@@ -33,6 +33,7 @@ from minicb.bench import (
     slo_from_args,
     without_slo,
 )
+from minicb.config import is_positive_int
 from minicb.trace import RequestRecord
 
 CLIENT_COLUMNS = (
@@ -121,6 +122,11 @@ def completions_url(endpoint: str) -> str:
 def models_url(endpoint: str) -> str:
     """The server's model list, beside its completions URL."""
     return completions_url(endpoint).rsplit("/completions", 1)[0] + "/models"
+
+
+class WarmupFailed(RuntimeError):
+    """The server refused the untimed first request (a wrong model name, prompt ids outside
+    its vocabulary): nothing is measured."""
 
 
 def unreachable(endpoint: str, exc: Exception) -> ValueError:
@@ -230,6 +236,8 @@ async def run_client(endpoint: str, workload_requests: Sequence[Any], model: str
     unknown = set(omit) - set(SENT_FIELDS)
     if unknown:
         raise ValueError(f"omit: unknown field(s) {sorted(unknown)}; choose from {SENT_FIELDS}")
+    if vocab_size is not None and not is_positive_int(vocab_size):  # ids % -5 are negative
+        raise ValueError(f"vocab_size must be a positive integer, got {vocab_size!r}")
     url = completions_url(endpoint)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10.0),
@@ -244,7 +252,7 @@ async def run_client(endpoint: str, workload_requests: Sequence[Any], model: str
             async with client.stream("POST", url, json=probe) as resp:
                 body = (await resp.aread()).decode(errors="replace")
             if resp.status_code != 200:
-                raise RuntimeError(f"the warm-up request failed ({resp.status_code}): {body}")
+                raise WarmupFailed(f"the warm-up request failed ({resp.status_code}): {body}")
         bar = None
         if progress:
             from tqdm.auto import tqdm
@@ -303,6 +311,8 @@ def bench_endpoint(endpoint: str, workload: Any, label: str | None = None,
         after = server_counters(endpoint)
     except (httpx.TransportError, httpx.HTTPStatusError) as exc:
         raise unreachable(endpoint, exc) from None
+    except WarmupFailed as exc:  # the server's answer to what we sent: a one-line error
+        raise ValueError(str(exc)) from None
     declaration = {**workload.declaration, "endpoint": endpoint, "model": model,
                    "measured_at": "client (streamed /v1/completions)",
                    "temperature": temperature, "omitted_fields": sorted(omit),

@@ -571,6 +571,19 @@ def test_bench_endpoint_without_a_server_says_so(capsys):
     assert "is the server running?" in capsys.readouterr().err
 
 
+def test_bench_endpoint_says_why_the_server_refused_the_warm_up(shared_server, capsys):
+    """A wrong --model (404) or prompt ids past a small vocabulary (400, no --vocab-size) was
+    a RuntimeError traceback from both command lines: one line, exit code 2."""
+    from minicb.client import main as client_main
+    one = ["--endpoint", shared_server, "--num-requests", "1"]
+    assert bench.main_bench([*one, "--no-progress", "--model", "gpt-9"]) == 2
+    assert "error: the warm-up request failed (404)" in capsys.readouterr().err
+    assert client_main(one) == 2  # mixed-chat's ids are not below the tiny model's 256
+    assert "error: the warm-up request failed (400)" in capsys.readouterr().err
+    assert client_main([*one, "--vocab-size", "-5"]) == 2
+    assert "vocab_size must be a positive integer, got -5" in capsys.readouterr().err
+
+
 def test_a_submitter_that_stops_waiting_harms_no_one(tiny_model):
     """A submit cancelled while its command waits (a timeout, a client gone) neither fails the
     other requests nor drops the commands queued with it; one cancelled while the engine
