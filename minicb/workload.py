@@ -605,9 +605,10 @@ def load_workload_file(path: str | Path, num_requests: int | None = None) -> Wor
                 continue
             try:
                 row = json.loads(line)
-            except json.JSONDecodeError as exc:
+            except ValueError as exc:  # JSONDecodeError, or an integer of 4301+ digits
                 hint = "; a CSV trace's name must end in .csv" if first else ""
-                raise ValueError(f"{path}, line {i}: not JSON ({exc.msg}){hint}") from None
+                raise ValueError(f"{path}, line {i}: not JSON ({getattr(exc, 'msg', exc)})"
+                                 f"{hint}") from None
             first = False
             if not isinstance(row, dict):
                 raise ValueError(f"{path}, line {i}: each line must be a JSON object")

@@ -418,6 +418,8 @@ def test_a_trace_with_lengths_only_is_sorted_by_arrival_and_says_so(tmp_path):
     ('{"arrival_step": 2, "prompt_tokens": 3, "output_tokens": 4}', "every request arrival_s"),
     ("[1, 2]", "line 2: each line must be a JSON object"),
     ("{oops", "line 2: not JSON"),
+    pytest.param('{"arrival_s": 0, "prompt_tokens": 1' + "0" * 5000 + "}",
+                 "line 2: not JSON .*4300 digits", id="an-integer-of-5001-digits"),
 ])
 def test_bad_trace_lines_are_named(tmp_path, line, match):
     path = tmp_path / "bad.jsonl"
