@@ -1240,20 +1240,65 @@ def weights_label(decl: dict[str, Any]) -> str:
     return f"{label} prepacked" if lookup(decl, "model.prepacked") else str(label)
 
 
+def _lengths(spec: Any) -> str:
+    """`{'kind': 'uniform', 'low': 16, 'high': 512}` -> `uniform 16-512` (others as given)."""
+    if isinstance(spec, dict) and {"low", "high"} <= spec.keys():
+        return f"{spec.get('kind', '')} {spec['low']}-{spec['high']}".strip()
+    if isinstance(spec, dict):
+        return " ".join(f"{k}={v}" for k, v in spec.items())
+    return str(spec)
+
+
+def _head(text: Any) -> str:
+    """The words before a declaration entry's explanation: `open loop: each...` -> `open loop`."""
+    return str(text).split(":")[0]
+
+
+def declaration_lines(decl: dict[str, Any]) -> list[str]:
+    """The benchmark contract's declaration in a few printed lines (chapter 06): arrival process,
+    burstiness and rate, lengths, concurrency, cache state, policy and its options, token
+    budget, memory limit, model, runtime and hardware, SLO. The JSON holds all of it in full."""
+    wl, cache = decl["workload"], decl.get("cache_state") or {}
+    rate = decl.get("rate_rps")
+    arrivals = str(decl.get("arrival_process"))
+    if rate is not None:
+        arrivals += f" at {rate:g} req/s"
+    if decl.get("burstiness") is not None:
+        arrivals += f" (burstiness {decl['burstiness']:g})"
+    concurrency = decl.get("concurrency") or {}
+    options = {k: v for k, v in (decl.get("policy_options") or {}).items()
+               if v not in (None, 0) and k != "batch_timeout"}
+    runtime = ", ".join(f"{k} {v}" for k, v in (decl.get("runtime") or {}).items())
+    cpu_model = lookup(decl, "device.cpu_model")
+    hardware = (f"{lookup(decl, 'device.device')} ({lookup(decl, 'device.cpu_count')} CPUs"
+                + (f", {cpu_model})" if cpu_model else ")"))
+    return [
+        f"workload {wl.get('workload')}: {wl.get('num_requests')} requests, arrivals {arrivals}, "
+        f"prompts {_lengths(decl.get('prompt_lengths'))}, outputs "
+        f"{_lengths(decl.get('output_lengths'))}",
+        f"concurrency: {_head(concurrency.get('client'))}, max_num_seqs "
+        f"{concurrency.get('max_num_seqs')}; cache: prefix caching "
+        f"{'on' if cache.get('prefix_caching') else 'off'}, {_head(cache.get('start'))} start; "
+        "policies "
+        f"{', '.join(decl.get('policy') or [])}"
+        + (f" ({', '.join(f'{k}={v}' for k, v in options.items())})" if options else ""),
+        f"model {lookup(decl, 'model.name')}; executor {decl['executor']}"
+        + (" -- SIMULATED, not measured" if decl.get("simulated")
+           else f", {weights_label(decl)} weights, attention "
+                f"{decl.get('attention_backend', '?')}") + f"; on {hardware}",
+        f"runtime {runtime}" if runtime else "runtime ?",
+        f"token budget {decl['token_budget']}, memory {decl['memory_limit']}, "
+        f"SLO {decl.get('slo') or 'none'}",
+    ]
+
+
 def print_report(data: dict[str, Any]) -> None:
     """Print the declaration summary, the table and the per-policy extras (chapter 06)."""
     decl = data["declaration"]
-    wl = decl["workload"]
-    print(f"\nworkload {wl.get('workload')}: {wl.get('num_requests')} requests, arrivals "
-          f"{decl.get('arrival_process')}, prompts {decl.get('prompt_lengths')}, outputs "
-          f"{decl.get('output_lengths')}")
-    print(f"model {lookup(decl, 'model.name')} on {lookup(decl, 'device.device')} "
-          f"({lookup(decl, 'device.cpu_count')} CPUs); executor {decl['executor']}"
-          + (" -- SIMULATED, not measured" if decl.get("simulated")
-             else f", {weights_label(decl)} weights, attention "
-                  f"{decl.get('attention_backend', '?')}"))
-    print(f"token budget {decl['token_budget']}, memory {decl['memory_limit']}, "
-          f"SLO {decl.get('slo') or 'none'}\n")
+    print()
+    for line in declaration_lines(decl):
+        print(line)
+    print()
     ok = {k: v for k, v in data["results"].items() if "error" not in v}
     print(format_table(ok, TABLE_COLUMNS))
     for line in quality_lines(ok):

@@ -224,6 +224,26 @@ def test_the_report_names_lost_work_evictions_deadlines_and_attainment(tmp_path,
     assert capsys.readouterr().out == ""
 
 
+def test_the_printed_header_declares_everything_the_contract_names(capsys):
+    """Arrival process, burstiness and rate, lengths, concurrency, cache state, policy and its
+    options, budget, memory, model, runtime and hardware: on the console, not only in the
+    JSON (the rate, concurrency, cache state, runtime and preemption policy were missing)."""
+    assert bench.main_bench(["--executor", "sim", "--workload", "mixed-chat", "--num-requests",
+                             "4", "--rate", "7.5", "--burstiness", "0.5", "--policy", "pd",
+                             "--max-num-seqs", "6", "--no-prefix-caching", "--preemption",
+                             "priority", "--max-preemptions", "2", "--no-progress"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("workload mixed-chat"))
+    header = "\n".join(lines[start:start + 5])
+    for shown in ("4 requests, arrivals gamma", "at 7.5 req/s (burstiness 0.5)",
+                  "prompts uniform 16-512", "outputs uniform 8-256",
+                  "concurrency: open loop, max_num_seqs 6", "cache: prefix caching off, cold start",
+                  "policies pd (preemption=priority, max_preemptions=2)",
+                  "SIMULATED, not measured; on cpu (", f"torch {torch.__version__}",
+                  "token budget {'max_num_batched_tokens': 256", "memory {'num_pages'"):
+        assert shown in header, shown
+
+
 def test_the_report_shows_fairness_per_tenant_and_prompt_length(tmp_path, capsys):
     """A trace with two tenants and prompts of two sizes: bench prints a per-class table for
     each grouping (done/requests, TTFT p50/p99, E2E p99, SLO met) equal to the JSON's
