@@ -31,8 +31,8 @@
 # | chapter | seed section | what you build or measure |
 # |---|---|---|
 # | **00** setup and tour | | the default model answering through minicb, a first timeline |
-# | **01** single request, paged KV | v1 | Prefill vs Decode measured; pages, the 页池 page pool, page tables, the 前缀索引 prefix index, int8 and prepacked weights |
-# | **02** static batching | 1.1, 1.2, 2.1, 2.2 | v1 under concurrency; 静态批处理 static batching and request-level dynamic batching; the R1/R2/R3 example and its dead slots; a steady stream whose queue keeps growing |
+# | **01** single request, paged KV | v1, 2.1 | Prefill vs Decode measured; pages, the 页池 page pool, page tables, the 前缀索引 prefix index, int8 and prepacked weights |
+# | **02** static batching | 1.1, 1.2, 2.2 | v1 under concurrency; 静态批处理 static batching and request-level dynamic batching; the R1/R2/R3 example and its dead slots; a steady stream whose queue keeps growing |
 # | **03** continuous batching | 1.3, 2.3, 2.5 | Iteration-level Scheduling, the four phases of a step, R4 taking R1's 槽位 slot at step 31, which workloads gain |
 # | **04** chunked prefill | 2.4, 3 (problem one, two) | a long prompt blocking every decode; chunks; prefill-first still starving decodes |
 # | **05** PD interleaving | 3 | the decode-first token budget, mixed `[B_dec, 1]` + `[1, N_chunk]` batches, dec@P and short_P |

@@ -331,6 +331,8 @@ trickle = [("A", 16, 8, 1), ("B", 16, 8, 2), ("C", 16, 8, 4), ("D", 16, 8, 14),
            ("E", 16, 8, 15)]
 eager, _ = run("static", trickle, max_num_seqs=4)
 patient, _ = run("dynamic", trickle, max_num_seqs=4, batch_timeout=4)
+full, _ = run("dynamic", trickle, max_num_seqs=3, batch_timeout=4)  # 3 slots: the size trigger
+forever, _ = run("dynamic", trickle, max_num_seqs=4, batch_timeout=1000)  # "wait for B"
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -344,7 +346,9 @@ def batches(engine):
     return out
 
 
-for name, eng in (("static", eager), ("dynamic, batch_timeout=4", patient)):
+for name, eng in (("static", eager), ("dynamic, batch_timeout=4", patient),
+                  ("dynamic, batch_timeout=4, 3 slots", full),
+                  ("dynamic, batch_timeout=1000 (wait for 4)", forever)):
     latency = {r.request_id: metrics.released(r)[1] - r.arrival_step + 1
                for r in eng.request_records()}
     print(f"{name}: batches {batches(eng)}, last finish at step {eng.trace[-1].step}")
@@ -361,6 +365,14 @@ viz.compare({"static (form at once)": eager, "dynamic (batch_timeout=4)": patien
 # barely moves, and the batches are fuller. That trade-off (a timeout against batch fill) is all
 # request-level batching can offer: once a batch starts, it still lives until its slowest member
 # ends. The timeout chooses *when* to lock the door, not whether.
+#
+# The other trigger is size. With 3 slots, the batch forms at step 4, the step C makes three
+# waiting, one step before A's timeout would have fired; D and E, two of three, still wait for
+# the timeout (step 18). And the seed's step 1 taken literally, wait until B requests are there
+# (here a timeout of 1,000 steps stands for "never"): A, B and C wait for D, 13 steps, and E,
+# the fifth, waits alone for a batch of four that never fills, 1,000 steps, until the timeout.
+# That is why request-level batchers always pair the size with a timeout, and why the timeout's
+# value is a latency promise: it is the longest a lone request can wait before it starts.
 #
 # ## 4. When static batching is good enough
 #
@@ -388,8 +400,9 @@ print(f"R1/R2/R3:      {metrics.dead_slot_steps(static.trace)} dead slot-steps")
 # - A static batch starts together and ends with its slowest member. In the R1/R2/R3 example that
 #   is 170 dead slot-steps for R1 and 120 for R3, half the batch's capacity, and R4 waiting from
 #   step 31 to step 201.
-# - Request-level dynamic batching only decides when a batch forms (`batch_timeout`); the batch is
-#   still static.
+# - Request-level dynamic batching only decides when a batch forms (`max_num_seqs` waiting, or
+#   `batch_timeout`); the batch is still static. Waiting for a full batch with no timeout left
+#   the fifth request waiting 1,000 steps: the timeout is the promise to a lone request.
 # - All of this comes from the batch being the unit of scheduling. Chapter 03 makes the unit a
 #   single step.
 #
