@@ -134,6 +134,14 @@ def _rate_list(text: str, flag: str) -> list[float]:
     return sorted(set(values))
 
 
+def add_concurrency_argument(parser: argparse.ArgumentParser) -> None:
+    """--max-concurrency: an open or a closed loop of clients (bench, sweep, the client)."""
+    parser.add_argument("--max-concurrency", type=int, default=None, metavar="N",
+                        help="close the loop, as vLLM's bench serve does: at most N requests "
+                             "unfinished at once; one that comes due while N are is sent "
+                             "when one finishes, and arrives then (default: open loop)")
+
+
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags shared by bench and sweep (chapter 06)."""
     parser.add_argument("--model", default="smollm2-135m",
@@ -159,6 +167,7 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-lengths", default=None, help="same forms as --prompt-lengths")
     parser.add_argument("--long-prompt-len", type=int, default=None,
                         help="long-prefill: the long prompt's length (default 2000)")
+    add_concurrency_argument(parser)
     parser.add_argument("--cancel-fraction", type=float, default=None,
                         help="share of requests the client cancels after their first token")
     parser.add_argument("--seed", type=int, default=0)
@@ -484,6 +493,27 @@ def engine_options(args: argparse.Namespace, workload: Workload) -> dict[str, An
     return options  # quantization belongs to the weights: the Executor that loads them
 
 
+def concurrency_declaration(max_concurrency: int | None,
+                            max_num_seqs: int | None = None) -> dict[str, Any]:
+    """How the client sent the requests (chapter 06): an open loop, or a closed one of
+    `max_concurrency` requests in flight (`run_workload`, `run_client`)."""
+    if max_concurrency is None:
+        client = "open loop: each request is sent at its arrival time, whatever the engine is doing"
+    else:
+        client = (f"closed loop: at most {max_concurrency} requests unfinished at once; one that "
+                  "comes due while they are is sent when one finishes, and its arrival, queue "
+                  "time, TTFT and E2E count from then (the offered rate may not be reached)")
+    out: dict[str, Any] = {"client": client, "max_concurrency": max_concurrency}
+    if max_num_seqs is not None:
+        out["max_num_seqs"] = max_num_seqs
+    return out
+
+
+def check_max_concurrency(value: int | None) -> None:
+    if value is not None and value < 1:
+        raise ValueError(f"--max-concurrency must be >= 1, got {value}")
+
+
 def declaration(args: argparse.Namespace, workload: Workload, executor: Executor,
                 policies: list[str], options: dict[str, Any], slo: dict[str, float],
                 engine: Any | None = None) -> dict[str, Any]:
@@ -505,9 +535,8 @@ def declaration(args: argparse.Namespace, workload: Workload, executor: Executor
         "rate_rps": workload.declaration.get("rate_rps"),
         "prompt_lengths": workload.declaration.get("prompt_lengths"),
         "output_lengths": workload.declaration.get("output_lengths"),
-        "concurrency": {"client": "open loop: each request is sent at its arrival time, "
-                                  "whatever the engine is doing",
-                        "max_num_seqs": cfg.max_num_seqs},
+        "concurrency": concurrency_declaration(getattr(args, "max_concurrency", None),
+                                               cfg.max_num_seqs),
         "cache_state": {"prefix_caching": cfg.enable_prefix_caching,
                         "start": CACHE_STATES[getattr(args, "cache_state", "cold")]},
         "policy": policies,
@@ -552,9 +581,11 @@ def warm_prefix_cache(engine: Any, warmup: Workload) -> None:
 
 def run_policy(executor: Executor, policy: str, workload: Workload, options: dict[str, Any],
                slo: dict[str, float] | None = None, progress: bool = True,
-               warmup: Workload | None = None) -> tuple[dict, Any]:
-    """Run `workload` under `policy` on a fresh engine, after `warmup` if given (a warm cache);
-    return (summary, engine) (chapter 06)."""
+               warmup: Workload | None = None,
+               max_concurrency: int | None = None) -> tuple[dict, Any]:
+    """Run `workload` under `policy` on a fresh engine, after `warmup` if given (a warm cache),
+    in an open loop or with `max_concurrency` requests in flight; return (summary, engine)
+    (chapter 06)."""
     engine = executor.engine(policy=policy, **options)
     if warmup is not None:
         warm_prefix_cache(engine, warmup)
@@ -564,7 +595,8 @@ def run_policy(executor: Executor, policy: str, workload: Workload, options: dic
         bar = tqdm(total=len(workload), desc=f"{policy:>10}", unit="req", leave=False,
                    file=sys.stderr)
     try:
-        run_workload(engine, workload, progress=bar if bar is not None else False)
+        run_workload(engine, workload, progress=bar if bar is not None else False,
+                     max_concurrency=max_concurrency)
     finally:
         if bar is not None:
             bar.close()
@@ -1113,6 +1145,9 @@ def refuse_unequal_hf_comparison(args: argparse.Namespace) -> None:
     if getattr(args, "cache_state", "cold") == "warm":
         raise ValueError("--compare hf with --cache-state warm: transformers' baselines start "
                          "cold; compare with --cache-state cold")
+    if getattr(args, "max_concurrency", None) is not None:
+        raise ValueError("--compare hf with --max-concurrency: transformers' baselines send "
+                         "every request at its arrival time; compare in an open loop")
 
 
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -1121,6 +1156,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     check_writable(args.out, "--out")
     check_writable(args.plot, "--plot")
     set_threads(args.threads)
+    check_max_concurrency(args.max_concurrency)
     if args.compare == "hf":
         refuse_unequal_hf_comparison(args)
     workload, warmup = build_workload(args), warmup_workload(args)
@@ -1142,7 +1178,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         engine = None  # the last policy's engine and its pool, before the next is sized
         free_device_memory(device)
         summary, engine = run_policy(executor, policy, workload, options, slo, progress,
-                                     warmup)
+                                     warmup, args.max_concurrency)
         tokens = None if executor.simulated else output_tokens(engine)
         if policy == policies[0]:
             reference = tokens or {}
@@ -1209,9 +1245,11 @@ def main_bench(argv: list[str] | None = None) -> int:
             if args.save_workload:
                 print(saved_workload_line(workload, args.save_workload))
             model = None if args.model == parser.get_default("model") else args.model
+            check_max_concurrency(args.max_concurrency)
             data = bench_endpoint(args.endpoint, workload, label=args.endpoint, model=model,
                                   vocab_size=args.vocab_size, progress=not args.no_progress,
-                                  slo=slo, omit=args.omit_field)
+                                  slo=slo, omit=args.omit_field,
+                                  max_concurrency=args.max_concurrency)
         except ValueError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
@@ -1276,7 +1314,9 @@ def declaration_lines(decl: dict[str, Any]) -> list[str]:
         f"workload {wl.get('workload')}: {wl.get('num_requests')} requests, arrivals {arrivals}, "
         f"prompts {_lengths(decl.get('prompt_lengths'))}, outputs "
         f"{_lengths(decl.get('output_lengths'))}",
-        f"concurrency: {_head(concurrency.get('client'))}, max_num_seqs "
+        f"concurrency: {_head(concurrency.get('client'))}"
+        + (f" of {concurrency['max_concurrency']}" if concurrency.get("max_concurrency") else "")
+        + ", max_num_seqs "
         f"{concurrency.get('max_num_seqs')}; cache: prefix caching "
         f"{'on' if cache.get('prefix_caching') else 'off'}, {_head(cache.get('start'))} start; "
         "policies "
@@ -1373,6 +1413,7 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
                          "--preemption")
     rates = _rate_list(args.rates, "--rates") if getattr(args, "rates", None) else [None]
     slo = slo_from_args(args)
+    check_max_concurrency(args.max_concurrency)
     fairness = getattr(args, "max_queue_age", None)
     if fairness is not None and (not is_finite_number(fairness) or fairness <= 0):
         raise ValueError(f"--max-queue-age must be a number of seconds > 0, got {fairness!r}")
@@ -1425,7 +1466,8 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
         free_device_memory(device)  # the last setting's engine is gone: give its pool back
         try:
             summary, engine = run_policy(executor, args.policy, traffic[rate][0], options, slo,
-                                         progress=False, warmup=traffic[rate][1])
+                                         progress=False, warmup=traffic[rate][1],
+                                         max_concurrency=args.max_concurrency)
         except ValueError as exc:  # e.g. pd with a budget below max_num_seqs
             refused.add(tuple(setting.values()))
             skipped.append({"setting": setting, "reason": str(exc)})

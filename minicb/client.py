@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import re
 import sys
@@ -28,8 +29,11 @@ import httpx
 from minicb import metrics
 from minicb.bench import (
     SENT_FIELDS,
+    add_concurrency_argument,
     add_endpoint_arguments,
     add_slo_arguments,
+    check_max_concurrency,
+    concurrency_declaration,
     slo_from_args,
     without_slo,
 )
@@ -171,9 +175,17 @@ def _prompt(req: Any, index: int, vocab_size: int | None) -> list[int]:
 
 
 async def _one(client: httpx.AsyncClient, url: str, payload: dict, request_id: str,
-               arrival: float, cancel_after: int | None, t0: float) -> RequestRecord:
-    """Send one request at `arrival` seconds after `t0` and time its stream."""
+               arrival: float, cancel_after: int | None, t0: float,
+               slots: Any = None) -> RequestRecord:
+    """Send one request at `arrival` seconds after `t0`, or later when it must wait for one of
+    the client's `slots` (a closed loop), and time its stream from when it was sent."""
     await asyncio.sleep(max(0.0, t0 + arrival - time.perf_counter()))
+    async with slots or contextlib.nullcontext():
+        return await _send(client, url, payload, request_id, cancel_after, t0)
+
+
+async def _send(client: httpx.AsyncClient, url: str, payload: dict, request_id: str,
+                cancel_after: int | None, t0: float) -> RequestRecord:
     sent = time.perf_counter() - t0
     token_times: list[float] = []
     num_tokens, finish, usage, error = 0, None, None, None
@@ -222,7 +234,8 @@ async def _one(client: httpx.AsyncClient, url: str, payload: dict, request_id: s
 async def run_client(endpoint: str, workload_requests: Sequence[Any], model: str | None = None,
                      temperature: float = 0.0, vocab_size: int | None = None,
                      timeout: float = 600.0, progress: bool = False,
-                     warmup: bool = True, omit: Sequence[str] = ()) -> list[RequestRecord]:
+                     warmup: bool = True, omit: Sequence[str] = (),
+                     max_concurrency: int | None = None) -> list[RequestRecord]:
     """Send every request (a `WorkloadRequest` or anything with `prompt_token_ids`,
     `max_tokens`, `arrival_time`, `cancel_after_tokens`, `request_id`; a trace's `tenant`,
     `priority` and `deadline` go as `user`, `priority` and `deadline`) at its arrival time,
@@ -232,12 +245,18 @@ async def run_client(endpoint: str, workload_requests: Sequence[Any], model: str
     request, untimed (as vLLM's benchmark does): it fails fast on a wrong endpoint and keeps
     first-use costs on both sides out of the first measured request. `omit`: trace fields not to
     send (`"priority"` for a vLLM server started without `--scheduling-policy priority`, which
-    refuses a non-zero one)."""
+    refuses a non-zero one). `max_concurrency=N`: a closed loop, as vLLM's `bench serve
+    --max-concurrency`: at most N requests in flight; a request due while N are waits for one
+    to finish, and its times count from when it is sent."""
     unknown = set(omit) - set(SENT_FIELDS)
     if unknown:
         raise ValueError(f"omit: unknown field(s) {sorted(unknown)}; choose from {SENT_FIELDS}")
     if vocab_size is not None and not is_positive_int(vocab_size):  # ids % -5 are negative
         raise ValueError(f"vocab_size must be a positive integer, got {vocab_size!r}")
+    if max_concurrency is not None and not is_positive_int(max_concurrency):
+        raise ValueError(f"max_concurrency must be a positive integer, got {max_concurrency!r}")
+    # a closed loop's slots; FIFO, so requests are sent in the order they came due
+    slots = None if max_concurrency is None else asyncio.Semaphore(max_concurrency)
     url = completions_url(endpoint)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10.0),
@@ -272,7 +291,7 @@ async def run_client(endpoint: str, workload_requests: Sequence[Any], model: str
                 if value is not None and field not in omit:
                     payload[field] = value
             record = await _one(client, url, payload, req.request_id or f"req-{i}",
-                                req.arrival_time or 0.0, req.cancel_after_tokens, t0)
+                                req.arrival_time or 0.0, req.cancel_after_tokens, t0, slots)
             if bar is not None:
                 bar.update(1)
             return record
@@ -289,7 +308,8 @@ def bench_endpoint(endpoint: str, workload: Any, label: str | None = None,
                    model: str | None = None, vocab_size: int | None = None,
                    temperature: float = 0.0, progress: bool = False,
                    slo: dict[str, float] | None = None,
-                   omit: Sequence[str] = ()) -> dict[str, Any]:
+                   omit: Sequence[str] = (),
+                   max_concurrency: int | None = None) -> dict[str, Any]:
     """Run `workload` against a server; returns `{"declaration", "results": {label: summary},
     "records"}` in the results schema of `python -m minicb bench` (chapter 06). The summary is
     `minicb.metrics.summarize` over the client's records (no trace: step metrics are None, and so
@@ -307,7 +327,8 @@ def bench_endpoint(endpoint: str, workload: Any, label: str | None = None,
         before = server_counters(endpoint)
         records = asyncio.run(run_client(endpoint, workload.requests, model=model,
                                          temperature=temperature, vocab_size=vocab_size,
-                                         progress=progress, omit=omit))
+                                         progress=progress, omit=omit,
+                                         max_concurrency=max_concurrency))
         after = server_counters(endpoint)
     except (httpx.TransportError, httpx.HTTPStatusError) as exc:
         raise unreachable(endpoint, exc) from None
@@ -316,6 +337,7 @@ def bench_endpoint(endpoint: str, workload: Any, label: str | None = None,
     declaration = {**workload.declaration, "endpoint": endpoint, "model": model,
                    "measured_at": "client (streamed /v1/completions)",
                    "temperature": temperature, "omitted_fields": sorted(omit),
+                   "concurrency": concurrency_declaration(max_concurrency),
                    "httpx": httpx.__version__}
     summary = without_slo(metrics.summarize([], records, slo), slo or {})
     summary["error_reasons"] = error_reasons(records)
@@ -356,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--label", default=None, help="the results key (default: endpoint)")
     add_endpoint_arguments(parser)
+    add_concurrency_argument(parser)
     add_slo_arguments(parser)
     parser.add_argument("--out", default=None, help="write results JSON here")
     args = parser.parse_args(argv)
@@ -363,8 +386,10 @@ def main(argv: list[str] | None = None) -> int:
         slo = slo_from_args(args)
         workload = get_workload(args.workload, num_requests=args.num_requests, rate=args.rate,
                                 burstiness=args.burstiness, seed=args.seed)
+        check_max_concurrency(args.max_concurrency)
         out = bench_endpoint(args.endpoint, workload, args.label, args.model, args.vocab_size,
-                             args.temperature, progress=True, slo=slo, omit=args.omit_field)
+                             args.temperature, progress=True, slo=slo, omit=args.omit_field,
+                             max_concurrency=args.max_concurrency)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -21,15 +21,18 @@ from __future__ import annotations
 
 import csv
 import gc
+import heapq
 import io
 import json
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from minicb.config import is_positive_int
 
 DEFAULT_VOCAB_RANGE = (100, 10000)  # ordinary text tokens of the SmolLM2 vocabulary (49152)
 
@@ -754,7 +757,8 @@ class _Feeder:
     """Hands requests to the engine when their arrival comes, like clients would, so the
     engine's pending list stays short however long the workload is."""
 
-    def __init__(self, engine: Any, workload: Workload, temperature: float) -> None:
+    def __init__(self, engine: Any, workload: Workload, temperature: float,
+                 max_concurrency: int | None = None) -> None:
         self.engine = engine
         self.temperature = temperature
         order = sorted(range(len(workload.requests)),
@@ -762,6 +766,27 @@ class _Feeder:
         self.queue = [(i, workload.requests[i]) for i in order]
         self.next = 0
         self.ids: dict[int, str] = {}
+        self.max_concurrency = max_concurrency
+        self.in_flight: list[str] = []  # sent, response not yet back (only under a cap)
+        # a closed loop's free client slots: (time, step) each became free, earliest first
+        self.free_slots = [(0.0, 0)] * (max_concurrency or 0)
+
+    def room(self) -> bool:
+        """Whether a client may send another request: always in an open loop; in a closed loop
+        only while fewer than `max_concurrency` of its requests await their response."""
+        if self.max_concurrency is None:
+            return True
+        still = []
+        for rid in self.in_flight:
+            m = self.engine.requests[rid].metrics if rid in self.engine.requests else None
+            if m is None or m.released_time is not None:  # back (or forgotten): a slot frees
+                freed = (m.released_time, m.released_step) if m is not None \
+                    else (self.engine.clock(), self.engine.step_count)
+                heapq.heappush(self.free_slots, freed)
+            else:
+                still.append(rid)
+        self.in_flight = still
+        return bool(self.free_slots)
 
     def due(self, req: WorkloadRequest) -> bool:
         if req.arrival_step is not None:
@@ -775,14 +800,22 @@ class _Feeder:
         if self.next < len(self.queue) and not self.engine.has_unfinished():
             first = self.queue[self.next][1]
             while self.next < len(self.queue) and _arrival(self.queue[self.next][1]) \
-                    == _arrival(first):
+                    == _arrival(first) and self.room():
                 self._add_next()
-        while self.next < len(self.queue) and self.due(self.queue[self.next][1]):
+        while self.next < len(self.queue) and self.due(self.queue[self.next][1]) \
+                and self.room():
             self._add_next()
 
     def _add_next(self) -> None:
         i, req = self.queue[self.next]
+        if self.max_concurrency is not None:  # held back, it is sent when its slot frees
+            free_time, free_step = heapq.heappop(self.free_slots)
+            if req.arrival_step is not None:
+                req = replace(req, arrival_step=max(req.arrival_step, free_step + 1))
+            else:
+                req = replace(req, arrival_time=max(req.arrival_time or 0.0, free_time))
         self.ids[i] = _add(self.engine, req, i, self.temperature)
+        self.in_flight.append(self.ids[i])
         self.next += 1
 
     @property
@@ -792,20 +825,27 @@ class _Feeder:
 
 def run_workload(engine: Any, workload: Workload, progress: bool | Any = False,
                  max_steps: int | None = None, temperature: float = 0.0,
-                 upfront: bool = False) -> list[Any]:
+                 upfront: bool = False, max_concurrency: int | None = None) -> list[Any]:
     """Run `workload` on `engine` until every request is done (chapters 05-06).
 
     Requests reach the engine when their arrival step or time comes (engine clock, reset at
-    the start), as online clients would send them; `upfront=True` adds them all at once with
-    `submit` instead (the engine then holds the future ones). Requests with
-    `cancel_after_tokens` are cancelled once they have that many tokens. `progress`: True
-    for a tqdm bar, or a tqdm-like object with `update(n)`. Returns the engine trace."""
+    the start), as online clients would send them (an open loop); `upfront=True` adds them
+    all at once with `submit` instead (the engine then holds the future ones).
+    `max_concurrency=N` closes the loop (vLLM's `bench serve --max-concurrency`): at most N
+    requests are unfinished at once, and a request that comes due while N are is sent when
+    one finishes, its arrival (and so its queue time, TTFT and E2E) counted from then.
+    Requests with `cancel_after_tokens` are cancelled once they have that many tokens.
+    `progress`: True for a tqdm bar, or a tqdm-like object with `update(n)`. Returns the
+    engine trace."""
+    if max_concurrency is not None and (not is_positive_int(max_concurrency) or upfront):
+        raise ValueError("max_concurrency must be a positive integer (and needs upfront=False),"
+                         f" got {max_concurrency!r}")
     if upfront:
         ids = submit(engine, workload, temperature=temperature)
         feeder = None
     else:
         engine.reset_clock()
-        feeder = _Feeder(engine, workload, temperature)
+        feeder = _Feeder(engine, workload, temperature, max_concurrency)
         ids = [r.request_id or f"req-{i}" for i, r in enumerate(workload.requests)]
     cancel_at = {rid: r.cancel_after_tokens for rid, r in zip(ids, workload.requests)
                  if r.cancel_after_tokens is not None}

@@ -244,6 +244,37 @@ def test_the_printed_header_declares_everything_the_contract_names(capsys):
         assert shown in header, shown
 
 
+def test_max_concurrency_closes_the_loop_and_is_declared(tmp_path, capsys):
+    """bench --max-concurrency N: the run keeps N requests in flight, the declaration says
+    closed loop with N, the header prints it; sweep takes it too; 0 and --compare hf are
+    refused before anything runs."""
+    out = tmp_path / "r.json"
+    argv = ["--executor", "sim", "--num-requests", "30", "--rate", "50", "--policy", "pd",
+            "--no-progress"]
+    assert bench.main_bench([*argv, "--max-concurrency", "3", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    concurrency = data["declaration"]["concurrency"]
+    assert concurrency["max_concurrency"] == 3 and concurrency["client"].startswith("closed loop")
+    assert "concurrency: closed loop of 3, max_num_seqs" in capsys.readouterr().out
+    assert bench.main_bench([*argv, "--out", str(out)]) == 0  # the open loop, for comparison
+    open_loop = json.loads(out.read_text())
+    assert open_loop["declaration"]["concurrency"]["max_concurrency"] is None
+    assert "concurrency: open loop, max_num_seqs" in capsys.readouterr().out
+    closed_ttft = data["results"]["pd"]["ttft_s"]["p99"]
+    assert closed_ttft < open_loop["results"]["pd"]["ttft_s"]["p99"]  # the wait is the client's
+    sweep_out = tmp_path / "s.json"
+    assert bench.main_sweep(["--executor", "sim", "--num-requests", "12", "--rate", "50",
+                             "--max-num-batched-tokens", "256", "--max-concurrency", "2",
+                             "--no-progress", "--out", str(sweep_out)]) == 0
+    assert json.loads(sweep_out.read_text())["declaration"]["concurrency"]["max_concurrency"] == 2
+    capsys.readouterr()
+    assert bench.main_bench([*argv, "--max-concurrency", "0"]) == 2
+    assert "--max-concurrency must be >= 1, got 0" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--compare hf with --max-concurrency"):
+        bench.refuse_unequal_hf_comparison(bench.bench_parser().parse_args(
+            ["--compare", "hf", "--max-concurrency", "4"]))
+
+
 def test_the_report_shows_fairness_per_tenant_and_prompt_length(tmp_path, capsys):
     """A trace with two tenants and prompts of two sizes: bench prints a per-class table for
     each grouping (done/requests, TTFT p50/p99, E2E p99, SLO met) equal to the JSON's

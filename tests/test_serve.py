@@ -781,6 +781,22 @@ def test_bench_endpoint_reads_memory_pressure_from_the_servers_metrics(tiny_mode
             f"preemptions={summary['preemptions']}") in client.report(data["results"])
 
 
+def test_a_closed_loop_client_sends_the_next_request_when_one_comes_back(tiny_model):
+    """max_concurrency=1 (bench --endpoint --max-concurrency 1): no two requests overlap, each
+    is sent after the one before it ended, and its times count from when it was sent; the
+    declaration says so."""
+    workload = make_workload(4, prompt_lengths="fixed:8", output_lengths="fixed:4", seed=4)
+    with serving(tiny_model) as (url, _):
+        data = bench_endpoint(url, workload, label="tiny", vocab_size=256, max_concurrency=1)
+    records = sorted(data["records"], key=lambda r: r["arrival_time"])
+    assert len(records) == 4 and all(r["finish_reason"] == "length" for r in records)
+    for before, after in zip(records, records[1:]):
+        assert after["arrival_time"] >= before["finish_time"]
+    assert data["declaration"]["concurrency"]["max_concurrency"] == 1
+    with pytest.raises(ValueError, match="max_concurrency must be a positive integer"):
+        asyncio.run(run_client("http://127.0.0.1:9", workload.requests, max_concurrency=0))
+
+
 def test_server_counters_sum_label_sets_and_skip_other_lines():
     """vLLM labels its counters (one line per engine); a timestamp may follow the value."""
     text = ("# TYPE vllm:num_preemptions_total counter\n"

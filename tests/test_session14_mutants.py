@@ -60,7 +60,8 @@ def test_bench_endpoint_checks_out_before_sending_anything(tmp_path, capsys):
 ENDPOINT_DESTS = {"help", "model", "workload", "workload_file", "num_requests", "rate",
                   "burstiness", "prompt_lengths", "output_lengths", "long_prompt_len",
                   "cancel_fraction", "seed", "slo_ttft", "slo_itl", "slo_tpot", "slo_e2e", "out",
-                  "no_progress", "endpoint", "vocab_size", "omit_field", "save_workload"}
+                  "no_progress", "endpoint", "vocab_size", "omit_field", "save_workload",
+                  "max_concurrency"}
 
 
 def test_every_engine_flag_is_refused_with_endpoint():

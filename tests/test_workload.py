@@ -474,3 +474,39 @@ def test_csv_trace_with_a_long_prompt_cell_round_trips(tmp_path):
     w = Workload("long", [WorkloadRequest(prompt_token_ids=ids, max_tokens=2)], {})
     back = load_workload_file(save_workload_file(w, tmp_path / "long.csv"))
     assert back.requests[0].prompt_token_ids == ids
+
+
+def test_a_closed_loop_keeps_at_most_n_requests_in_flight():
+    """max_concurrency=N (vLLM's --max-concurrency): at no step are more than N requests sent
+    and unfinished; a request held back arrives when it is sent, never before its own arrival,
+    so its queue time and TTFT do not include the client's wait; the offered 40 requests/s is
+    not reached. N at least the number of requests is the open loop, step for step."""
+    wl = make_workload(40, prompt_lengths="uniform:16:256", output_lengths="uniform:8:64",
+                       arrival="poisson", rate=40, seed=3)
+
+    def run(cap):
+        engine = make_sim_engine("h100-like", policy="pd", max_num_seqs=16)
+        run_workload(engine, wl, max_concurrency=cap)
+        return engine
+
+    closed, open_ = run(4), run(None)
+    for rec in closed.trace:
+        assert len(set(rec.page_tables) | set(rec.waiting)) <= 4
+    assert max(len(set(r.page_tables) | set(r.waiting)) for r in open_.trace) > 4
+    records = {r.request_id: r for r in closed.request_records()}
+    finishes = sorted(r.finish_time for r in records.values())
+    for i, req in enumerate(wl.requests):
+        got = records[req.request_id or f"req-{i}"]
+        assert got.arrival_time >= req.arrival_time - 1e-12
+        if got.arrival_time > req.arrival_time + 1e-9:  # held back: sent as one came back
+            assert any(abs(got.arrival_time - f) < 1e-9 for f in finishes)
+    held = sum(records[r.request_id or f"req-{i}"].arrival_time > r.arrival_time + 1e-9
+               for i, r in enumerate(wl.requests))
+    assert held > 10
+    span = max(r.arrival_time for r in records.values())
+    assert len(records) / span < 30  # the clients could not send at 40 requests/s
+    same = run(40)
+    assert [len(r.members) for r in same.trace] == [len(r.members) for r in open_.trace]
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="max_concurrency must be a positive integer"):
+            run_workload(make_sim_engine(policy="pd"), wl, max_concurrency=bad)
