@@ -1430,6 +1430,11 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
     if rates != [None]:
         if args.rate is not None:
             raise ValueError("give --rate or --rates, not both")
+        if args.max_concurrency is not None:
+            raise ValueError("--rates with --max-concurrency: a closed loop sends no faster "
+                             "than its users get answers, so every offered rate past that "
+                             "would look sustainable; find the sustainable load in an open "
+                             "loop (drop --max-concurrency)")
         if not slo:
             raise ValueError("--rates reports the sustainable load, the highest rate that meets "
                              "an SLO: give one (--slo-ttft, --slo-itl, --slo-tpot, --slo-e2e)")

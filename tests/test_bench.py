@@ -268,6 +268,9 @@ def test_max_concurrency_closes_the_loop_and_is_declared(tmp_path, capsys):
                              "--no-progress", "--out", str(sweep_out)]) == 0
     assert json.loads(sweep_out.read_text())["declaration"]["concurrency"]["max_concurrency"] == 2
     capsys.readouterr()
+    assert bench.main_sweep(["--executor", "sim", "--num-requests", "12", "--rates", "5,50",
+                             "--slo-ttft", "1", "--max-concurrency", "2", "--no-progress"]) == 2
+    assert "--rates with --max-concurrency: a closed loop" in capsys.readouterr().err
     assert bench.main_bench([*argv, "--max-concurrency", "0"]) == 2
     assert "--max-concurrency must be >= 1, got 0" in capsys.readouterr().err
     with pytest.raises(ValueError, match="--compare hf with --max-concurrency"):
