@@ -1279,9 +1279,12 @@ def weights_label(decl: dict[str, Any]) -> str:
 
 
 def _lengths(spec: Any) -> str:
-    """`{'kind': 'uniform', 'low': 16, 'high': 512}` -> `uniform 16-512` (others as given)."""
+    """`{'kind': 'uniform', 'low': 16, 'high': 512}` -> `uniform 16-512`; a lognormal adds its
+    median and sigma; other forms as given."""
     if isinstance(spec, dict) and {"low", "high"} <= spec.keys():
-        return f"{spec.get('kind', '')} {spec['low']}-{spec['high']}".strip()
+        shape = "".join(f" {k} {spec[k]:g}" for k in ("median", "sigma") if k in spec)
+        shape += "," if shape else ""
+        return f"{spec.get('kind', '')}{shape} {spec['low']}-{spec['high']}".strip()
     if isinstance(spec, dict):
         return " ".join(f"{k}={v}" for k, v in spec.items())
     return str(spec)

@@ -242,6 +242,8 @@ def test_the_printed_header_declares_everything_the_contract_names(capsys):
                   "SIMULATED, not measured; on cpu (", f"torch {torch.__version__}",
                   "token budget {'max_num_batched_tokens': 256", "memory {'num_pages'"):
         assert shown in header, shown
+    lognormal = {"kind": "lognormal", "low": 16, "high": 6000, "median": 512.0, "sigma": 1.0}
+    assert bench._lengths(lognormal) == "lognormal median 512 sigma 1, 16-6000"
 
 
 def test_max_concurrency_closes_the_loop_and_is_declared(tmp_path, capsys):
