@@ -369,8 +369,9 @@ viz.compare({"static (form at once)": eager, "dynamic (batch_timeout=4)": patien
 # The other trigger is size. With 3 slots, the batch forms at step 4, the step C makes three
 # waiting, one step before A's timeout would have fired; D and E, two of three, still wait for
 # the timeout (step 18). And the seed's step 1 taken literally, wait until B requests are there
-# (here a timeout of 1,000 steps stands for "never"): A, B and C wait for D, 13 steps, and E,
-# the fifth, waits alone for a batch of four that never fills, 1,000 steps, until the timeout.
+# (here a timeout of 1,000 steps stands for "never"): A, B and C wait for D (A for 13 steps),
+# and E, the fifth, waits alone for a batch of four that never fills, 1,000 steps, until the
+# timeout.
 # That is why request-level batchers always pair the size with a timeout, and why the timeout's
 # value is a latency promise: it is the longest a lone request can wait before it starts.
 #
