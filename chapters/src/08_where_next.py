@@ -195,7 +195,11 @@ print(report({"minicb pd (client side)": summary}))  # the table, then p50/p95/p
 # python -m minicb.client --endpoint http://127.0.0.1:8001 --workload mixed-chat --rate 2 --out vllm.json
 # ```
 #
-# Same workload, same client, same metrics: the comparison the benchmark contract asks for. The
+# Same workload, same client, same metrics: the comparison the benchmark contract asks for.
+# (These send in an open loop, each request at its arrival time; `--max-concurrency N` makes N
+# users who each wait for their answer, as vLLM's `bench serve --max-concurrency` does. Give
+# both servers the same one, and declare it: chapter 06 shows a closed loop hiding an overload.)
+# The
 # server also exports Prometheus metrics at `/metrics` (its latency histograms use vLLM's
 # bucket edges), among them what the contract asks to watch when the KV cache runs full:
 # preemptions, the work they lost and how much was computed again, evicted prefix pages, and
