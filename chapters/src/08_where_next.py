@@ -199,8 +199,7 @@ print(report({"minicb pd (client side)": summary}))  # the table, then p50/p95/p
 # (These send in an open loop, each request at its arrival time; `--max-concurrency N` makes N
 # users who each wait for their answer, as vLLM's `bench serve --max-concurrency` does. Give
 # both servers the same one, and declare it: chapter 06 shows a closed loop hiding an overload.)
-# The
-# server also exports Prometheus metrics at `/metrics` (its latency histograms use vLLM's
+# The server also exports Prometheus metrics at `/metrics` (its latency histograms use vLLM's
 # bucket edges), among them what the contract asks to watch when the KV cache runs full:
 # preemptions, the work they lost and how much was computed again, evicted prefix pages, and
 # the queue age:
