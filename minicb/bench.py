@@ -510,6 +510,7 @@ def concurrency_declaration(max_concurrency: int | None,
 
 
 def check_max_concurrency(value: int | None) -> None:
+    """Refuse a --max-concurrency below 1 before anything runs."""
     if value is not None and value < 1:
         raise ValueError(f"--max-concurrency must be >= 1, got {value}")
 
@@ -1313,22 +1314,24 @@ def declaration_lines(decl: dict[str, Any]) -> list[str]:
     cpu_model = lookup(decl, "device.cpu_model")
     hardware = (f"{lookup(decl, 'device.device')} ({lookup(decl, 'device.cpu_count')} CPUs"
                 + (f", {cpu_model})" if cpu_model else ")"))
+    loop = _head(concurrency.get("client"))
+    if concurrency.get("max_concurrency"):
+        loop += f" of {concurrency['max_concurrency']}"
+    policies = ", ".join(decl.get("policy") or [])
+    if options:
+        policies += f" ({', '.join(f'{k}={v}' for k, v in options.items())})"
+    caching = "on" if cache.get("prefix_caching") else "off"
+    executor = ("SIMULATED, not measured" if decl.get("simulated")
+                else f"{weights_label(decl)} weights, attention "
+                     f"{decl.get('attention_backend', '?')}")
     return [
         f"workload {wl.get('workload')}: {wl.get('num_requests')} requests, arrivals {arrivals}, "
         f"prompts {_lengths(decl.get('prompt_lengths'))}, outputs "
         f"{_lengths(decl.get('output_lengths'))}",
-        f"concurrency: {_head(concurrency.get('client'))}"
-        + (f" of {concurrency['max_concurrency']}" if concurrency.get("max_concurrency") else "")
-        + ", max_num_seqs "
-        f"{concurrency.get('max_num_seqs')}; cache: prefix caching "
-        f"{'on' if cache.get('prefix_caching') else 'off'}, {_head(cache.get('start'))} start; "
-        "policies "
-        f"{', '.join(decl.get('policy') or [])}"
-        + (f" ({', '.join(f'{k}={v}' for k, v in options.items())})" if options else ""),
+        f"concurrency: {loop}, max_num_seqs {concurrency.get('max_num_seqs')}; cache: prefix "
+        f"caching {caching}, {_head(cache.get('start'))} start; policies {policies}",
         f"model {lookup(decl, 'model.name')}; executor {decl['executor']}"
-        + (" -- SIMULATED, not measured" if decl.get("simulated")
-           else f", {weights_label(decl)} weights, attention "
-                f"{decl.get('attention_backend', '?')}") + f"; on {hardware}",
+        + (" -- " if decl.get("simulated") else ", ") + f"{executor}; on {hardware}",
         f"runtime {runtime}" if runtime else "runtime ?",
         f"token budget {decl['token_budget']}, memory {decl['memory_limit']}, "
         f"SLO {decl.get('slo') or 'none'}",

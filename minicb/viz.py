@@ -127,10 +127,6 @@ def request_colour(index: int) -> str:
     return REQUEST_COLOURS[index % len(REQUEST_COLOURS)]
 
 
-def _count(n: int, noun: str) -> str:
-    return f"{n} {noun}" + ("" if n == 1 else "s")
-
-
 def _text_colour(face: str) -> str:
     r, g, b = matplotlib.colors.to_rgb(face)
     return "black" if 0.299 * r + 0.587 * g + 0.114 * b > 0.5 else "white"
@@ -570,8 +566,9 @@ def plot_page_map(engine_or_trace: Any, step: int | None = None, ax: Axes | None
                              f"tables ({len(data.shared)} shared), {data.pages_cached} cached",
                              engine_or_trace), fontsize=15)
         if legend:
+            pages = {r: len(data.page_tables[r]) for r in order}
             handles = [Patch(facecolor=colour[r], edgecolor="black",
-                             label=f"{r} ({_count(len(data.page_tables[r]), 'page')})")
+                             label=f"{r} ({pages[r]} page{'s' * (pages[r] != 1)})")
                        for r in order] if len(order) <= len(REQUEST_COLOURS) else [
                 Patch(facecolor="white", edgecolor="none",
                       label=f"{len(order)} requests: colours repeat")]
