@@ -13,6 +13,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
 QUANTIZATIONS = (None, "int8")  # int8: weight-only, see minicb/model/quant.py
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 PREEMPTIONS = ("newest", "priority", "deadline", "fair")
+PREEMPTION_MODES = ("recompute", "swap")
 
 
 def is_finite_number(value: object) -> bool:
@@ -121,6 +122,16 @@ class EngineConfig:
     # again only with pages for its whole life (prompt + max_tokens) and is never preempted
     # again; 0 reserves every request's whole life from the start. None: no bound
     max_preemptions: int | None = None
+    # what a preempted request's K/V becomes (chapter 06, vLLM's knob): "recompute" frees its
+    # pages and computes them again when it returns; "swap" copies them to `num_swap_pages`
+    # pages of host memory and back (None: as many as num_pages), recomputing only when the
+    # swap space is full
+    preemption_mode: str = "recompute"
+    num_swap_pages: int | None = None
+    # another answer to a full cache (chapter 06): a request that arrives when the free pages,
+    # less what the waiting prompts will take, cannot hold its prompt finishes at once with
+    # finish_reason "rejected" (the server answers 503) instead of waiting
+    reject_when_full: bool = False
     check_invariants: bool = False
     # per-step copies of the waiting queue, page tables, slots and cached pages in the trace
     # (what the step-through pictures draw); False keeps each StepRecord as small as its batch,
@@ -180,6 +191,15 @@ class EngineConfig:
                                                  or self.max_preemptions < 0):
             raise ValueError(f"max_preemptions must be an integer >= 0 or None, "
                              f"got {self.max_preemptions!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, "
+                             f"got {self.preemption_mode!r}")
+        if self.num_swap_pages is not None and not is_positive_int(self.num_swap_pages):
+            raise ValueError(f"num_swap_pages must be a positive integer or None, "
+                             f"got {self.num_swap_pages!r}")
+        if self.num_swap_pages is not None and self.preemption_mode != "swap":
+            raise ValueError("num_swap_pages sizes the swap space: it needs "
+                             "preemption_mode='swap'")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                              f"got {self.attention_backend!r}")
@@ -189,6 +209,7 @@ class EngineConfig:
             raise ValueError("quantization='int8' is a CPU option (torch's int8-weight CPU "
                              "kernel); on CUDA use dtype='bfloat16'")
         for name in ("enable_prefix_caching", "check_invariants", "trace_snapshots",
+                     "reject_when_full",
                      "use_cuda_graphs", "batch_timeout_in_seconds"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")

@@ -1,6 +1,7 @@
 """The engine loop (chapter 03): `Engine.step()` runs the four phases of one iteration
 
-    1. schedule   the policy picks who advances and by how many tokens (may preempt)
+    1. schedule   the policy picks who advances and by how many tokens (may preempt, and
+                  swapped K/V is copied out and in before the forward)
     2. forward    every member is flattened into one token batch and the model runs once
     3. sample     one token for each member whose prompt is now fully in the cache
     4. reclaim    finished requests leave; their pages and slots go back
@@ -148,9 +149,11 @@ class Engine:
         self.tokenizer = self.info.tokenizer
         mc = self.info.config
         num_pages = self.config.num_pages or default_num_pages(mc, self.config, dtype)
+        num_swap_pages = (self.config.num_swap_pages or num_pages
+                          if self.config.preemption_mode == "swap" else 0)
         self.pool = PagePool(num_pages, self.config.page_size, mc.num_layers,
                              mc.num_kv_heads, mc.head_dim, dtype, device,
-                             self.config.enable_prefix_caching)
+                             self.config.enable_prefix_caching, num_swap_pages)
         self.max_model_len = mc.max_position_embeddings
         self.requests: dict[str, Request] = {}
         self.pending: list[Request] = []  # added, arrival step/time not reached yet
@@ -306,7 +309,25 @@ class Engine:
             else max(req.arrival_step, step)
         req.metrics.arrival_time = self.clock() if req.arrival_time is None \
             else req.arrival_time
+        if self.config.reject_when_full and self._pages_to_admit(req) > self._pages_unclaimed():
+            self._finish(req, "rejected")  # its step's record lists it as finished
+            self._finished_between_steps.append(req.request_id)
+            return
         enqueue(self.waiting, req, self.config.preemption)
+
+    def _pages_to_admit(self, req: Request) -> int:
+        """Available pages admitting `req` whole would take (chapter 06): those its tokens
+        need beyond its prefix hits, plus the hits that sit unreferenced (shared, they stop
+        being available)."""
+        hit = self.pool.match_prefix(req.all_token_ids, req.page_hashes or None)
+        evictable_hits = sum(1 for p in hit if self.pool.ref_count[p] == 0)
+        return self.pool.pages_needed(req.num_tokens) - len(hit) + evictable_hits
+
+    def _pages_unclaimed(self) -> int:
+        """Available pages less those the waiting requests will take when admitted: what a new
+        arrival can count on (`reject_when_full`, chapter 06). Running requests' growth is
+        not counted: preemption answers that."""
+        return self.pool.num_available - sum(self._pages_to_admit(r) for r in self.waiting)
 
     def _expire_deadlines(self, now: float) -> None:
         """Finish every waiting or running request whose deadline has passed by `now`, the
@@ -410,6 +431,7 @@ class Engine:
         ctx = SchedulerContext(self.waiting, self.running, self.pool, self.config,
                                self.step_count, t_start, self.free_slots, self.tenant_service)
         batch = self.scheduler.schedule(ctx)
+        swapped_out, swapped_in = self._move_pages(ctx.batch)
         self._validate(batch)
         drafts = self._propose_drafts(batch) if self.config.num_speculative_tokens else {}
         items = sorted(((r, n + len(drafts.get(r.request_id, ()))) for r, n in batch.items),
@@ -479,7 +501,8 @@ class Engine:
             t_start=t_start, t_end=self.clock(), arrived=arrived, sampled=sampled,
             t_forward=t_forward, pages_total=self.pool.num_pages,
             num_waiting=len(self.waiting), snapshots=self.config.trace_snapshots,
-            pages_evicted=self.pool.num_evicted - evicted_before, speculated=speculated)
+            pages_evicted=self.pool.num_evicted - evicted_before, speculated=speculated,
+            pages_swapped_out=swapped_out, pages_swapped_in=swapped_in)
         if self.config.trace_snapshots:
             record.waiting = [r.request_id for r in self.waiting]
             record.page_tables = {r.request_id: list(r.page_table) for r in self.running}
@@ -496,6 +519,22 @@ class Engine:
             self.check_invariants(record)
         self._check_progress(record)
         return record
+
+    def _move_pages(self, batch: ScheduledBatch) -> tuple[int, int]:
+        """Do the swap copies the policy planned (chapter 06), before the forward writes into
+        the pages: out first, since a page a victim gave up may be the one a swap-in takes; then
+        the host pages the swap-ins emptied go back. The simulated executor charges the copies
+        to its clock. Returns (pages copied out, pages copied in)."""
+        if not (batch.swap_out or batch.swap_in):
+            return 0, 0
+        with self._on_device():
+            self.pool.swap_out(batch.swap_out)
+            self.pool.swap_in(batch.swap_in)
+        self.pool.release_swap([host for host, _ in batch.swap_in])
+        charge = getattr(self.model, "copy_pages", None)  # SimModel only: real copies take time
+        if charge is not None:
+            charge(len(batch.swap_out) + len(batch.swap_in))
+        return len(batch.swap_out), len(batch.swap_in)
 
     def _check_progress(self, record: StepRecord) -> None:
         """Count steps in a row that scheduled nothing while requests wait or run; raise after
@@ -652,6 +691,9 @@ class Engine:
                                             req.num_computed_tokens, req.page_hashes)
             self.pool.release(req.page_table)
             req.page_table = []
+        if req.swapped_pages:  # cancelled or out of time while swapped out
+            self.pool.release_swap(req.swapped_pages)
+            req.swapped_pages = []
         if req in self.running:
             self.running.remove(req)
         if req in self.waiting:
@@ -725,7 +767,8 @@ class Engine:
         """Raise InvariantError naming the step, request and rule if the books do not balance."""
         step = self.step_count
         try:
-            self.pool.check([r.page_table for r in self.running])
+            self.pool.check([r.page_table for r in self.running],
+                            [r.swapped_pages for r in self.waiting])
         except AssertionError as exc:
             raise InvariantError(f"step {step}: page pool: {exc}") from None
         places = {}
@@ -746,6 +789,10 @@ class Engine:
             if req.status is not Status.RUNNING and req.page_table:
                 raise InvariantError(f"step {step}: request {req.request_id!r} holds pages "
                                      f"while {req.status.value}")
+            if (req.status is Status.SWAPPED) != bool(req.swapped_pages):
+                raise InvariantError(f"step {step}: request {req.request_id!r} is "
+                                     f"{req.status.value} with {len(req.swapped_pages)} "
+                                     f"swap pages")
         slots = [r.slot for r in self.running]
         if len(set(slots)) != len(slots) or None in slots:
             raise InvariantError(f"step {step}: running requests share or lack slots: {slots}")
@@ -774,7 +821,9 @@ class Engine:
         return {"pages_total": self.pool.num_pages, "pages_free": self.pool.num_free,
                 "pages_cached": self.pool.num_cached, "pages_used": self.pool.num_used,
                 "num_waiting": len(self.waiting) + len(self.pending),
-                "num_running": len(self.running)}
+                "num_running": len(self.running),
+                "swap_pages_total": self.pool.num_swap_pages,
+                "swap_pages_free": len(self.pool.swap_free)}
 
     def output(self, request_id: str) -> RequestOutput:
         req = self.requests[request_id]

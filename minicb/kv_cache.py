@@ -95,9 +95,12 @@ class PagePool:
 
     def __init__(self, num_pages: int, page_size: int, num_layers: int = 0, num_kv_heads: int = 0,
                  head_dim: int = 0, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu", enable_prefix_caching: bool = True) -> None:
+                 device: str | torch.device = "cpu", enable_prefix_caching: bool = True,
+                 num_swap_pages: int = 0) -> None:
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"num_pages and page_size must be >= 1, got {num_pages}, {page_size}")
+        if num_swap_pages < 0:
+            raise ValueError(f"num_swap_pages must be >= 0, got {num_swap_pages}")
         self.num_pages = num_pages
         self.page_size = page_size
         self.ref_count = [0] * num_pages
@@ -105,9 +108,13 @@ class PagePool:
         self.prefix = PrefixIndex() if enable_prefix_caching else None
         self.num_evicted = 0  # cached prefix pages taken back for new work, since the start
         shape = (num_pages, page_size, num_kv_heads, head_dim)
-        every_layer = zeroed((num_layers, 2, *shape), dtype, device)  # K and V of each layer
-        self.k = [every_layer[layer, 0] for layer in range(num_layers)]
-        self.v = [every_layer[layer, 1] for layer in range(num_layers)]
+        self.every_layer = zeroed((num_layers, 2, *shape), dtype, device)  # K, V of each layer
+        self.k = [self.every_layer[layer, 0] for layer in range(num_layers)]
+        self.v = [self.every_layer[layer, 1] for layer in range(num_layers)]
+        # swap space (chapter 06): host pages a swapped-out request's K/V wait in, all layers
+        self.num_swap_pages = num_swap_pages
+        self.swap_free: deque[int] = deque(range(num_swap_pages))
+        self.swap_store = zeroed((num_layers, 2, num_swap_pages, *shape[1:]), dtype, "cpu")
 
     @property
     def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -176,6 +183,30 @@ class PagePool:
                 else:
                     self.free.append(page)
 
+    # --- swap space ---------------------------------------------------------------------------
+    def allocate_swap(self, n: int) -> list[int]:
+        """Take `n` host pages; MemoryError (taking none) if fewer are free."""
+        if n > len(self.swap_free):
+            raise MemoryError(f"need {n} swap pages, only {len(self.swap_free)} free")
+        return [self.swap_free.popleft() for _ in range(n)]
+
+    def release_swap(self, pages: list[int]) -> None:
+        self.swap_free.extend(pages)
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy (device page, host page) pairs' K/V of every layer to host memory."""
+        if pairs:
+            device_pages, host_pages = zip(*pairs)
+            self.swap_store[:, :, list(host_pages)] = \
+                self.every_layer[:, :, list(device_pages)].to("cpu")
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy (host page, device page) pairs' K/V of every layer back into the pool."""
+        if pairs:
+            host_pages, device_pages = zip(*pairs)
+            self.every_layer[:, :, list(device_pages)] = \
+                self.swap_store[:, :, list(host_pages)].to(self.every_layer.device)
+
     # --- prefix reuse -------------------------------------------------------------------------
     def match_prefix(self, token_ids: list[int], hashes: list[bytes] | None = None) -> list[int]:
         """Cached pages for the longest run of full leading pages of `token_ids`, capped so that
@@ -212,9 +243,15 @@ class PagePool:
                 self.free.append(page)
 
     # --- checks -------------------------------------------------------------------------------
-    def check(self, page_tables: list[list[int]]) -> None:
+    def check(self, page_tables: list[list[int]], swapped: list[list[int]] = ()) -> None:
         """Raise AssertionError unless the books balance: ref counts equal the number of page
-        tables holding each page, and free + cached + used = total with no page in two states."""
+        tables holding each page, free + cached + used = total with no page in two states, and
+        every host page is free or held by one swapped request (`swapped`)."""
+        host = [p for pages in swapped for p in pages] + list(self.swap_free)
+        if sorted(host) != list(range(self.num_swap_pages)):
+            raise AssertionError(f"swap pages do not balance: {len(self.swap_free)} free and "
+                                 f"{len(host) - len(self.swap_free)} held of "
+                                 f"{self.num_swap_pages} (lost or held twice)")
         expected = [0] * self.num_pages
         for table in page_tables:
             for page in table:

@@ -20,7 +20,10 @@ Per request (seconds, and the same in steps where it makes sense):
 
 Memory pressure: preemptions, the computed tokens they threw away (discarded_tokens, the lost
 work), how many of those were computed again (recomputed_tokens: the rest came back from the
-prefix index), and evicted_pages, cached prefix pages given up to make room (reuse lost).
+prefix index), evicted_pages, cached prefix pages given up to make room (reuse lost), the pages
+copied out to host memory and back under preemption_mode="swap" (swapped_out_pages,
+swapped_in_pages), and rejected requests (reject_when_full: turned away at arrival, counted
+among the requests that missed the SLO).
 
 Percentiles are numpy's default definition (linear interpolation between the two nearest
 ranks, `np.percentile(..., method="linear")`), over completed requests only: cancelled and
@@ -453,6 +456,7 @@ def summarize(trace: Sequence[Any], records: Sequence[Any], slo: dict[str, float
         "cancelled": sum(1 for r in records if r.finish_reason == "cancelled"),
         "errors": sum(1 for r in records if r.finish_reason == "error"),
         "deadline_missed": sum(1 for r in records if r.finish_reason == "deadline"),
+        "rejected": sum(1 for r in records if r.finish_reason == "rejected"),
         "unfinished": sum(1 for r in records if r.finish_reason is None),
         # steps that ran the model: not the empty ones of dynamic batching waiting on the clock
         "num_steps": len(sizes),
@@ -488,6 +492,8 @@ def summarize(trace: Sequence[Any], records: Sequence[Any], slo: dict[str, float
         "evicted_pages": sum(rec.pages_evicted for rec in trace),
         "discarded_tokens": sum(r.num_discarded_tokens for r in records),
         "recomputed_tokens": sum(r.num_recomputed_tokens for r in records),
+        "swapped_out_pages": sum(rec.pages_swapped_out for rec in trace),
+        "swapped_in_pages": sum(rec.pages_swapped_in for rec in trace),
         "max_queue_age_s": age_s,
         "max_queue_age_steps": age_steps,
         "dead_slot_steps": dead_slot_steps(trace),

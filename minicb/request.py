@@ -1,8 +1,9 @@
 """One request's whole state (chapter 01): its tokens, its pages, its place in the state machine
 
     WAITING -> RUNNING (prefill chunks, then decode) -> FINISHED
-       ^          |                                      (stop / length / cancelled / error)
+       ^          |                 (stop / length / cancelled / error / deadline / rejected)
        +-- PREEMPTED (pages freed, recomputed later) <-+
+       +-- SWAPPED (pages copied to host memory, copied back later) <-+
 
 plus `SamplingParams` (what the user asked for) and `RequestOutput` (what `LLM.generate` returns).
 Like nano-vllm's `Sequence`, everything the scheduler needs lives here as plain fields."""
@@ -20,10 +21,11 @@ class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"  # back in the waiting queue, to be recomputed
+    SWAPPED = "swapped"  # back in the waiting queue, its K/V in host memory (chapter 06)
     FINISHED = "finished"
 
 
-FINISH_REASONS = ("stop", "length", "cancelled", "error", "deadline")
+FINISH_REASONS = ("stop", "length", "cancelled", "error", "deadline", "rejected")
 GREEDY_BELOW = 1e-5  # a temperature under this samples greedily
 
 
@@ -109,6 +111,7 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose K/V are in this request's pages
     num_cached_tokens: int = 0  # prompt tokens served from the prefix index at admission
     page_table: list[int] = field(default_factory=list)  # page ids, in token order
+    swapped_pages: list[int] = field(default_factory=list)  # host page ids while SWAPPED
     slot: int | None = None  # batch slot held while running (what the slot pictures draw)
     finish_reason: str | None = None
     error: str | None = None

@@ -28,11 +28,15 @@ from minicb.request import Request, Status
 @dataclass
 class ScheduledBatch:
     """The plan for one step: (request, tokens to advance) pairs, plus static batching's idle
-    members (finished but still holding their slot), and who was preempted on the way."""
+    members (finished but still holding their slot), who was preempted on the way, and the
+    pages to copy before the forward (chapter 06's swap): (device page, host page) out, then
+    (host page, device page) in."""
 
     items: list[tuple[Request, int]] = field(default_factory=list)
     idle: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -129,6 +133,8 @@ class SchedulerContext:
         would be shorter than `min_tokens` while more than that remains after the prefix hit."""
         if not self.free_slots or max_tokens < 1:
             return 0
+        if req.status is Status.SWAPPED:
+            return self._swap_in(req, max_tokens, min_tokens)
         hit = self.pool.match_prefix(req.all_token_ids, req.page_hashes or None)
         remaining = req.num_tokens - len(hit) * self.pool.page_size
         num_tokens = min(max_tokens, remaining)
@@ -147,26 +153,58 @@ class SchedulerContext:
         req.num_computed_tokens = len(hit) * self.pool.page_size
         if req.status is Status.WAITING and req.num_preemptions == 0:
             req.num_cached_tokens = req.num_computed_tokens
+        self._run(req)
+        return num_tokens
+
+    def _run(self, req: Request) -> None:
+        """From the front of the waiting queue into the running set, in the lowest free slot."""
         req.status = Status.RUNNING
         req.slot = self.free_slots.pop(0)
         self.waiting.remove(req)
         self.running.append(req)
+
+    def _swap_in(self, req: Request, max_tokens: int, min_tokens: int) -> int:
+        """Admit a swapped request (chapter 06): fresh pages for everything it had computed and
+        its next `max_tokens` at most, its K/V copied back into them before the forward."""
+        num_tokens = min(max_tokens, req.num_remaining)
+        if num_tokens < min(min_tokens, req.num_remaining):
+            return 0
+        total_tokens = req.num_computed_tokens + num_tokens
+        if self.is_protected(req):
+            total_tokens = max(total_tokens, req.max_total_tokens)
+        total_pages = self.pool.pages_needed(total_tokens)
+        if total_pages > self.pool.num_available:
+            return 0
+        req.page_table = self.pool.allocate(total_pages)
+        # the host pages go back once the engine has copied them (a swap-out in this same
+        # step must not take them first)
+        self.batch.swap_in.extend(zip(req.swapped_pages, req.page_table))
+        req.swapped_pages = []
+        self._run(req)
         return num_tokens
 
     def preempt(self, req: Request) -> None:
-        """Free a running request's pages and put it back at the front of the queue; its tokens
-        are recomputed when it is admitted again (reusing any prefix pages still cached, which
-        is why `num_recomputed_tokens` counts at compute time, not here)."""
+        """Take a running request's pages and put it back at the front of the queue. Under
+        preemption_mode="swap", while the swap space has room, its K/V is copied to host memory
+        and back when it is admitted again; otherwise its tokens are recomputed then (reusing
+        any prefix pages still cached, which is why `num_recomputed_tokens` counts at compute
+        time, not here)."""
         self.pool.register_prompt_pages(req.prompt_token_ids, req.page_table,
                                         req.num_computed_tokens, req.page_hashes or None)
+        keep = self.pool.pages_needed(req.num_computed_tokens)  # not pages reserved ahead
+        if self.config.preemption_mode == "swap" and 0 < keep <= len(self.pool.swap_free):
+            req.swapped_pages = self.pool.allocate_swap(keep)
+            self.batch.swap_out.extend(zip(req.page_table, req.swapped_pages))
+            req.status = Status.SWAPPED
+        else:
+            req.num_discarded_tokens += req.num_computed_tokens
+            req.num_tokens_before_preemption = max(req.num_tokens_before_preemption,
+                                                   req.num_computed_tokens)
+            req.num_computed_tokens = 0
+            req.status = Status.PREEMPTED
         self.pool.release(req.page_table)
         req.page_table = []
-        req.num_discarded_tokens += req.num_computed_tokens
-        req.num_tokens_before_preemption = max(req.num_tokens_before_preemption,
-                                               req.num_computed_tokens)
-        req.num_computed_tokens = 0
         req.num_preemptions += 1
-        req.status = Status.PREEMPTED
         self.free_slots.append(req.slot)
         self.free_slots.sort()
         req.slot = None

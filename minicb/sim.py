@@ -7,11 +7,13 @@ cost model of the step:
     step_time = a + b * prefill_tokens + c * decode_rows + d * sum(context lengths)
                   + e * sum(prefill chunk tokens * its context length)
 
-`fit_cost_model` fits a..e by least squares to a real run's trace (`python -m minicb profile`
-does it on this machine); `PRESETS["h100-like"]` is set from published-style GPU figures and is
-an assumption, not a measurement. With `make_sim_engine(..., trace_snapshots=False)` (what the
-benchmark uses), 10,000 mixed-chat requests run in about 15 s on two CPU cores, and every result
-made this way says "simulated" in its declaration.
+plus `s` seconds per page copied to or from the swap space (preemption_mode="swap"), charged
+outside the forward. `fit_cost_model` fits a..e by least squares to a real run's trace
+(`python -m minicb profile` does it on this machine); `PRESETS["h100-like"]` is set from
+published-style GPU figures and is an assumption, not a measurement. With
+`make_sim_engine(..., trace_snapshots=False)` (what the benchmark uses), 10,000 mixed-chat
+requests run in about 15 s on two CPU cores, and every result made this way says "simulated"
+in its declaration.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ FEATURE_MEANING = {
     "d": "seconds per token of context summed over the step's members (KV reads)",
     "e": "seconds per (prefill chunk token x that member's context length) (attention)",
 }
+SWAP_MEANING = "seconds per page copied to or from host memory (swap), outside the forward"
 SIM_TOKEN = 100  # "t" in the SmolLM2 vocabulary: an ordinary token, never EOS or special
 
 
@@ -65,6 +68,7 @@ class CostModel:
     c: float = 0.0
     d: float = 0.0
     e: float = 0.0
+    s: float = 0.0  # seconds per page copied to or from host memory (swap, chapter 06)
     name: str = "custom"
     source: str = ""  # where the numbers come from: a fit on a machine, or an assumption
     assumption: bool = False  # True for presets not measured here
@@ -87,7 +91,7 @@ class CostModel:
         out = asdict(self)
         out["formula"] = ("step_time = a + b*prefill_tokens + c*decode_rows + "
                           "d*sum(context) + e*sum(prefill_tokens*context)")
-        out["meaning"] = FEATURE_MEANING
+        out["meaning"] = {**FEATURE_MEANING, "s": SWAP_MEANING}
         return out
 
     def save(self, path: str | Path) -> Path:
@@ -98,10 +102,10 @@ class CostModel:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CostModel:
-        known = {k: data[k] for k in ("a", "b", "c", "d", "e", "name", "source", "assumption",
-                                      "fit") if k in data}
+        known = {k: data[k] for k in (*FEATURES, "s", "name", "source", "assumption", "fit")
+                 if k in data}
         model = cls(**known)
-        for key in FEATURES:
+        for key in (*FEATURES, "s"):
             value = getattr(model, key)
             if (not isinstance(value, (int, float)) or isinstance(value, bool)
                     or not math.isfinite(value) or value < 0):
@@ -152,9 +156,10 @@ DEFAULT_CPU_COST_MODEL = Path(__file__).resolve().parent.parent / "bench" / "cos
 #   b, c: 2 * 8e9 FLOPs per token at ~600 TFLOPS effective (~27 us per token)
 #   d: 128 KiB of K/V per context token (32 layers x 8 kv heads x 128 x 2 x 2 B) at ~3 TB/s
 #   e: causal attention FLOPs 4 * 32 * 4096 per (query, key) pair at ~400 TFLOPS
+#   s: a 16-token page of that K/V (2 MiB) over PCIe 5.0 x16 at ~50 GB/s
 PRESETS: dict[str, CostModel] = {
     "h100-like": CostModel(
-        a=6.0e-3, b=2.7e-5, c=2.7e-5, d=4.4e-8, e=1.3e-9, name="h100-like",
+        a=6.0e-3, b=2.7e-5, c=2.7e-5, d=4.4e-8, e=1.3e-9, s=4.2e-5, name="h100-like",
         source="assumption: Llama-3-8B-class bf16 on one H100, from published peak bandwidth "
                "and bf16 throughput with assumed efficiencies; not measured",
         assumption=True),
@@ -246,6 +251,10 @@ class SimModel:
         return self._block[:n]
 
     __call__ = forward
+
+    def copy_pages(self, num_pages: int) -> None:
+        """The engine's swap copies (chapter 06): `cost.s` seconds per page."""
+        self.clock.advance(self.cost.s * num_pages)
 
 
 def make_sim_engine(cost: CostModel | str = "h100-like", vocab: int = 49152,

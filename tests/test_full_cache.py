@@ -1,0 +1,293 @@
+"""Answers to a full KV cache beyond preempt-and-recompute (chapter 06): swap (a victim's K/V
+copied to host memory and back, `preemption_mode="swap"`) and reject (`reject_when_full`)."""
+
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from minicb import metrics
+from minicb.config import POLICIES
+from minicb.kv_cache import PagePool
+from minicb.request import SamplingParams, Status
+from minicb.sim import CostModel, make_sim_engine
+from tests.tiny_models import run_beside_single
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def tight_run(make_engine, **options):
+    """Six 20-token prompts of 40 tokens each in 12 pages of 8: preemptions are certain."""
+    prompts = [[(7 * i + j) % 200 + 3 for j in range(20)] for i in range(6)]
+    p = SamplingParams(max_tokens=40, **GREEDY)
+    engine = make_engine("continuous", num_pages=12, page_size=8, max_num_seqs=6, **options)
+    ids = [engine.add_request(x, p) for x in prompts]
+    engine.run()
+    ref = make_engine("single")
+    ref_ids = [ref.add_request(x, p) for x in prompts]
+    ref.run()
+    same = [engine.requests[i].output_token_ids for i in ids] == \
+        [ref.requests[i].output_token_ids for i in ref_ids]
+    return engine, same
+
+
+# --- swap --------------------------------------------------------------------------------------
+
+def test_swap_keeps_the_kv_and_returns_the_same_tokens(make_engine):
+    """Every preemption swaps (64 host pages hold every victim at once): no token is discarded
+    or recomputed, every page copied out comes back, and the tokens are the single-request
+    ones, which they would not be if the copied K/V were wrong."""
+    engine, same = tight_run(make_engine, preemption_mode="swap", num_swap_pages=64)
+    s = metrics.summarize(engine.trace, engine.request_records())
+    assert same
+    assert s["preemptions"] > 0
+    assert s["discarded_tokens"] == s["recomputed_tokens"] == 0
+    assert s["swapped_out_pages"] == s["swapped_in_pages"] > 0
+    assert engine.pool.num_used == 0 and len(engine.pool.swap_free) == 64
+
+
+def test_the_swap_space_defaults_to_the_pool_size(make_engine):
+    assert make_engine(num_pages=12, preemption_mode="swap").pool.num_swap_pages == 12
+
+
+def test_recompute_mode_copies_nothing(make_engine):
+    engine, same = tight_run(make_engine)
+    s = metrics.summarize(engine.trace, engine.request_records())
+    assert same and s["preemptions"] > 0 and s["discarded_tokens"] > 0
+    assert s["swapped_out_pages"] == s["swapped_in_pages"] == 0
+    assert engine.pool.num_swap_pages == 0
+
+
+def test_a_full_swap_space_falls_back_to_recompute(make_engine):
+    """Three host pages hold few victims: the others are recomputed; the tokens still match."""
+    engine, same = tight_run(make_engine, preemption_mode="swap", num_swap_pages=3)
+    s = metrics.summarize(engine.trace, engine.request_records())
+    assert same
+    assert s["swapped_out_pages"] > 0 and s["discarded_tokens"] > 0
+    assert len(engine.pool.swap_free) == 3
+
+
+def test_a_swapped_request_holds_host_pages_until_it_returns(make_engine):
+    """Step by step: a victim is SWAPPED with host pages for exactly its computed tokens, and
+    is RUNNING again with its computed count kept when it is admitted back."""
+    engine = make_engine("pd", num_pages=6, page_size=4, max_num_seqs=3,
+                         preemption_mode="swap", enable_prefix_caching=False)
+    p = SamplingParams(max_tokens=12, **GREEDY)
+    for i in range(3):
+        engine.add_request([3 + i] * 6, p, request_id=f"r{i}")
+    seen = []
+    while engine.has_unfinished():
+        rec = engine.step()
+        for rid in rec.preempted:
+            req = engine.requests[rid]
+            seen.append(rid)
+            assert req.status is Status.SWAPPED and not req.page_table
+            assert len(req.swapped_pages) == engine.pool.pages_needed(req.num_computed_tokens)
+            assert req.num_computed_tokens > 0 and req.num_discarded_tokens == 0
+        for rid in {m.request_id for m in rec.members} & set(seen):
+            assert engine.requests[rid].status in (Status.RUNNING, Status.FINISHED)
+    assert seen and all(r.num_discarded_tokens == 0 for r in engine.requests.values())
+
+
+@pytest.mark.parametrize("how", ["cancel", "deadline"])
+def test_a_request_that_ends_while_swapped_gives_its_host_pages_back(how):
+    """Cancelled, or out of time, while its K/V waits in host memory: the host pages return."""
+    engine = make_sim_engine(policy="pd", num_pages=6, page_size=4, max_num_seqs=3,
+                             preemption_mode="swap", check_invariants=True,
+                             enable_prefix_caching=False)
+    p = SamplingParams(max_tokens=12, ignore_eos=True)
+    for i in range(3):
+        engine.add_request([3 + i] * 6, p, request_id=f"r{i}",
+                           deadline=0.05 if how == "deadline" and i == 2 else None)
+    while not any(r.status is Status.SWAPPED for r in engine.requests.values()):
+        engine.step()
+    victim = next(r for r in engine.requests.values() if r.status is Status.SWAPPED)
+    assert len(engine.pool.swap_free) < 6
+    if how == "cancel":
+        engine.cancel(victim.request_id)
+    engine.run()
+    assert len(engine.pool.swap_free) == 6
+    if how == "cancel":
+        assert victim.finish_reason == "cancelled"
+    assert all(not r.swapped_pages for r in engine.requests.values())
+
+
+def test_swap_copies_every_layer_both_ways():
+    pool = PagePool(4, 2, num_layers=3, num_kv_heads=2, head_dim=5, num_swap_pages=3)
+    pool.every_layer.copy_(torch.randn_like(pool.every_layer))
+    before = pool.every_layer.clone()
+    host = pool.allocate_swap(2)
+    pool.swap_out([(3, host[0]), (1, host[1])])
+    pool.every_layer.zero_()
+    pool.swap_in([(host[0], 0), (host[1], 2)])
+    assert torch.equal(pool.every_layer[:, :, 0], before[:, :, 3])
+    assert torch.equal(pool.every_layer[:, :, 2], before[:, :, 1])
+    assert not pool.every_layer[:, :, [1, 3]].any()  # only the targets were written
+    assert torch.equal(pool.k[1][2], before[1, 0, 1]) and torch.equal(pool.v[2][0], before[2, 1, 3])
+
+
+def test_swap_space_books_balance():
+    pool = PagePool(4, 2, num_swap_pages=3)
+    held = pool.allocate_swap(2)
+    pool.check([], [held])
+    with pytest.raises(AssertionError, match="swap pages do not balance"):
+        pool.check([], [])  # held pages nobody owns: lost
+    with pytest.raises(AssertionError, match="swap pages do not balance"):
+        pool.check([], [held, held[:1]])
+    with pytest.raises(MemoryError, match="2 swap pages, only 1 free"):
+        pool.allocate_swap(2)
+    assert len(pool.swap_free) == 1  # all or nothing
+    pool.release_swap(held)
+    pool.check([], [])
+    with pytest.raises(ValueError, match="num_swap_pages"):
+        PagePool(4, 2, num_swap_pages=-1)
+
+
+def test_the_simulated_executor_charges_swap_copies():
+    """`s` seconds per page copied, on top of the forward: the clock gap between the same run
+    with s and without it is s times the pages copied."""
+    runs = []
+    for s in (0.0, 0.25):
+        cost = CostModel(a=0.01, b=1e-4, c=1e-4, s=s)
+        e = make_sim_engine(cost, policy="pd", num_pages=6, page_size=4, max_num_seqs=3,
+                            preemption_mode="swap", enable_prefix_caching=False)
+        for i in range(3):
+            e.add_request([3 + i] * 6, SamplingParams(max_tokens=12, ignore_eos=True))
+        e.run()
+        copied = sum(r.pages_swapped_out + r.pages_swapped_in for r in e.trace)
+        runs.append((e.clock(), copied))
+    (plain, copied), (charged, copied_again) = runs
+    assert copied == copied_again > 0
+    assert charged - plain == pytest.approx(0.25 * copied)
+    assert CostModel.from_dict({"a": 1, "s": 2e-5}).s == 2e-5
+    with pytest.raises(ValueError, match="coefficient s"):
+        CostModel.from_dict({"a": 1, "s": -1})
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+@given(workload=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 12), st.integers(1, 12)),
+                         min_size=1, max_size=7),
+       seed=st.integers(0, 1000), num_swap_pages=st.sampled_from([2, 5, None]))
+def test_swap_under_every_policy_returns_single_tokens(make_engine, policy, workload, seed,
+                                                       num_swap_pages):
+    """Random workloads in 14 pages of 4, swap space of 2, 5 or 14 pages: swap-outs and
+    swap-ins in the same step, fallbacks to recompute, prefix sharing: every request returns
+    the single-request tokens, the invariants hold every step, nothing leaks on either side."""
+    rng = random.Random(seed)
+    engine = make_engine(policy, max_num_seqs=3, max_num_batched_tokens=16, chunk_size=8,
+                         page_size=4, num_pages=14, preemption_mode="swap",
+                         num_swap_pages=num_swap_pages)
+    reference = make_engine("single", page_size=4, num_pages=64)
+    jobs = []
+    for prompt_len, max_tokens, arrival in workload:
+        prompt = [rng.randrange(3, 250) for _ in range(prompt_len)]
+        if rng.random() < 0.3 and jobs:  # share a prefix with an earlier prompt
+            prompt = jobs[-1][0][:prompt_len] + prompt[len(jobs[-1][0][:prompt_len]):]
+        jobs.append((prompt, SamplingParams(max_tokens=max_tokens, **GREEDY), arrival))
+    run_beside_single(engine, reference, jobs)
+    assert engine.pool.num_used == 0
+    assert len(engine.pool.swap_free) == engine.pool.num_swap_pages == (num_swap_pages or 14)
+
+
+# --- reject ------------------------------------------------------------------------------------
+
+def test_reject_when_full_turns_away_what_the_cache_cannot_take(make_engine):
+    """A burst of five 20-token prompts into 8 pages of 8: three fit (3 pages each, 9 > 8:
+    two fit whole, the third's pages are not there), the rest are rejected at arrival: no
+    token, no page, finish_reason "rejected", listed as finished in the step they arrived;
+    the admitted ones return the single-request tokens."""
+    engine = make_engine("pd", num_pages=8, page_size=8, max_num_seqs=6, reject_when_full=True)
+    p = SamplingParams(max_tokens=4, **GREEDY)
+    prompts = [[10 + i] * 20 for i in range(5)]
+    ids = [engine.add_request(x, p, request_id=f"r{i}") for i, x in enumerate(prompts)]
+    engine.run()
+    reasons = {i: engine.requests[i].finish_reason for i in ids}
+    assert reasons == {"r0": "length", "r1": "length", "r2": "rejected", "r3": "rejected",
+                       "r4": "rejected"}
+    for rid in ("r2", "r3", "r4"):
+        req = engine.requests[rid]
+        assert not req.output_token_ids and req.metrics.first_scheduled_step is None
+        assert rid in engine.trace[0].finished and rid in engine.trace[0].arrived
+    s = metrics.summarize(engine.trace, engine.request_records())
+    assert s["rejected"] == 3 and s["completed"] == 2 and s["slo_attainment"] == 2 / 5
+    ref = make_engine("single")
+    for i in (0, 1):
+        ref.add_request(prompts[i], p, request_id=f"r{i}")
+    ref.run()
+    assert all(engine.requests[r].output_token_ids == ref.requests[r].output_token_ids
+               for r in ref.requests)
+    assert engine.pool.num_used == 0
+
+
+def test_without_reject_the_same_burst_waits(make_engine):
+    engine = make_engine("pd", num_pages=8, page_size=8, max_num_seqs=6)
+    for i in range(5):
+        engine.add_request([10 + i] * 20, SamplingParams(max_tokens=4, **GREEDY))
+    engine.run()
+    assert all(r.finish_reason == "length" for r in engine.requests.values())
+
+
+def test_reject_counts_prefix_hits_on_pages_in_use():
+    """A prompt sharing a running request's prompt pages needs only its own: it is accepted
+    where a fresh prompt of the same length is not."""
+    engine = make_sim_engine(policy="pd", num_pages=8, page_size=8, max_num_seqs=6,
+                             reject_when_full=True, check_invariants=True)
+    p = SamplingParams(max_tokens=4, ignore_eos=True)
+    shared = [5] * 40
+    engine.add_request(shared, p, request_id="first")
+    engine.step()  # its 5 prompt pages are computed and indexed; 3 pages are left
+    engine.add_request([6] * 33, p, request_id="fresh")  # 5 pages
+    engine.add_request(shared[:33], p, request_id="copy")  # 4 shared + 1 of its own
+    engine.run()
+    assert engine.requests["fresh"].finish_reason == "rejected"
+    assert engine.requests["copy"].finish_reason == "length"
+    assert engine.requests["copy"].num_cached_tokens == 32
+
+
+def test_reject_counts_cached_pages_as_taken_when_reused():
+    """Once the run is over, unreferenced cached pages are available like free ones, and a
+    prompt reusing them takes them (they stop being available): 8 available pages take the
+    cached copy's 5 and a 3-page prompt, and a third prompt is rejected."""
+    engine = make_sim_engine(policy="pd", num_pages=8, page_size=8, max_num_seqs=6,
+                             reject_when_full=True, check_invariants=True)
+    p = SamplingParams(max_tokens=4, ignore_eos=True)
+    shared = [5] * 40
+    engine.add_request(shared, p, request_id="first")
+    engine.run()
+    assert engine.pool.num_cached == 5 and engine.pool.num_available == 8
+    engine.add_request(shared[:33], p, request_id="cached-copy")
+    engine.add_request([7] * 20, p, request_id="later")
+    engine.add_request([8] * 9, p, request_id="one-more")
+    engine.run()
+    assert [engine.requests[r].finish_reason for r in ("cached-copy", "later", "one-more")] \
+        == ["length", "length", "rejected"]
+    assert engine.requests["cached-copy"].num_cached_tokens == 32
+
+
+def test_reject_counts_what_the_waiting_queue_will_take():
+    """One slot: the second request waits for the slot with its pages promised, so a third
+    that would fit the free pages alone is rejected."""
+    engine = make_sim_engine(policy="pd", num_pages=10, page_size=4, max_num_seqs=1,
+                             reject_when_full=True, check_invariants=True,
+                             enable_prefix_caching=False)
+    p = SamplingParams(max_tokens=2, ignore_eos=True)
+    engine.add_request([1] * 14, p, request_id="a")  # 4 pages
+    engine.add_request([2] * 14, p, request_id="b")  # 4 pages, waits for the slot
+    engine.add_request([3] * 14, p, request_id="c")  # 10 - 4 - 4 = 2 < 4
+    engine.run()
+    assert [engine.requests[r].finish_reason for r in "abc"] == ["length", "length", "rejected"]
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(preemption_mode="spill"), "preemption_mode must be one of"),
+    (dict(num_swap_pages=8), "needs preemption_mode='swap'"),
+    (dict(preemption_mode="swap", num_swap_pages=0), "num_swap_pages must be a positive"),
+    (dict(preemption_mode="swap", num_swap_pages=True), "num_swap_pages must be a positive"),
+    (dict(reject_when_full="yes"), "reject_when_full must be True or False"),
+])
+def test_bad_full_cache_options_are_refused(options, message):
+    with pytest.raises(ValueError, match=message):
+        make_sim_engine(policy="pd", **options)
