@@ -317,11 +317,15 @@ class Engine:
 
     def _pages_to_admit(self, req: Request) -> int:
         """Available pages admitting `req` whole would take (chapter 06): those its tokens
-        need beyond its prefix hits, plus the hits that sit unreferenced (shared, they stop
-        being available)."""
+        need beyond its prefix hits (its whole life's when it will be admitted with it,
+        `max_preemptions`), plus the hits that sit unreferenced (shared, they stop being
+        available)."""
         hit = self.pool.match_prefix(req.all_token_ids, req.page_hashes or None)
         evictable_hits = sum(1 for p in hit if self.pool.ref_count[p] == 0)
-        return self.pool.pages_needed(req.num_tokens) - len(hit) + evictable_hits
+        limit = self.config.max_preemptions
+        tokens = req.max_total_tokens if limit is not None and req.num_preemptions >= limit \
+            else req.num_tokens
+        return self.pool.pages_needed(tokens) - len(hit) + evictable_hits
 
     def _pages_unclaimed(self) -> int:
         """Available pages less those the waiting requests will take when admitted: what a new
@@ -818,12 +822,15 @@ class Engine:
 
     # ------------------------------------------------------------------------------ results
     def stats(self) -> dict[str, int]:
-        return {"pages_total": self.pool.num_pages, "pages_free": self.pool.num_free,
-                "pages_cached": self.pool.num_cached, "pages_used": self.pool.num_used,
-                "num_waiting": len(self.waiting) + len(self.pending),
-                "num_running": len(self.running),
-                "swap_pages_total": self.pool.num_swap_pages,
-                "swap_pages_free": len(self.pool.swap_free)}
+        """Page and queue counts now; the swap space's too when there is one (chapter 06)."""
+        out = {"pages_total": self.pool.num_pages, "pages_free": self.pool.num_free,
+               "pages_cached": self.pool.num_cached, "pages_used": self.pool.num_used,
+               "num_waiting": len(self.waiting) + len(self.pending),
+               "num_running": len(self.running)}
+        if self.pool.num_swap_pages:
+            out.update(swap_pages_total=self.pool.num_swap_pages,
+                       swap_pages_free=len(self.pool.swap_free))
+        return out
 
     def output(self, request_id: str) -> RequestOutput:
         req = self.requests[request_id]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import platform
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -90,7 +91,7 @@ class CostModel:
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["formula"] = ("step_time = a + b*prefill_tokens + c*decode_rows + "
-                          "d*sum(context) + e*sum(prefill_tokens*context)")
+                          "d*sum(context) + e*sum(prefill_tokens*context) + s*pages_swapped")
         out["meaning"] = {**FEATURE_MEANING, "s": SWAP_MEANING}
         return out
 
@@ -360,6 +361,33 @@ def fit_cost_model_runs(runs: list[tuple[list[Any], list[Any] | None]],
                  "mean_step_s": float(y.mean()), "total_s": float(y.sum()),
                  "predicted_total_s": float(pred.sum()), "machine": machine_description()}
     return model
+
+
+def measure_swap_cost(num_layers: int, num_kv_heads: int, head_dim: int, page_size: int = 16,
+                      dtype: torch.dtype = torch.float32, device: str = "cpu",
+                      num_pages: int = 32, repeats: int = 9) -> float:
+    """Seconds per page copied to host memory or back (the cost model's `s`, chapter 06): the
+    median over `repeats` of swapping `num_pages` scattered pages out and in, of a page pool
+    shaped like the model's, every page written once first (the first write to host memory
+    is the OS handing it over, not the copy)."""
+    from minicb.kv_cache import PagePool
+
+    pool = PagePool(2 * num_pages, page_size, num_layers, num_kv_heads, head_dim, dtype, device,
+                    num_swap_pages=2 * num_pages)
+    pool.every_layer.fill_(1.0)
+    pool.swap_store.fill_(1.0)
+    order = np.random.default_rng(0)
+    times = []
+    for _ in range(repeats):
+        device_pages = order.permutation(2 * num_pages)[:num_pages].tolist()
+        host_pages = order.permutation(2 * num_pages)[:num_pages].tolist()
+        start = time.perf_counter()
+        pool.swap_out(list(zip(device_pages, host_pages)))
+        pool.swap_in(list(zip(host_pages, device_pages)))
+        if pool.every_layer.is_cuda:
+            torch.cuda.synchronize(pool.every_layer.device)
+        times.append((time.perf_counter() - start) / (2 * num_pages))
+    return float(np.median(times))
 
 
 def machine_description() -> dict[str, Any]:

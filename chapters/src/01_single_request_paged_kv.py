@@ -395,8 +395,8 @@ print("context length after the step:", meta.context_lens.tolist())
 # ## 3. One request's life on the real engine
 #
 # A request moves through a small state machine, `WAITING → RUNNING → FINISHED` (plus
-# `PREEMPTED`, chapter 06). Let us step one by hand: a 40-token prompt, 12 output tokens, greedy,
-# with `ignore_eos=True` so that it runs exactly 12 tokens.
+# `PREEMPTED` and `SWAPPED`, chapter 06). Let us step one by hand: a 40-token prompt, 12 output
+# tokens, greedy, with `ignore_eos=True` so that it runs exactly 12 tokens.
 
 # %%
 # NBVAL_CHECK_OUTPUT

@@ -709,20 +709,99 @@ for limit in (None, 2, 1, 0):
 # what requests hold *now* instead of what they might need: the bound decides how much of that
 # gamble one unlucky request can be made to pay.
 #
-# Other answers to a full cache exist, and minicb implements four of them: **wait** (admission
-# stops while the pages a prompt needs are not free, chapter 03), **evict cached blocks**
-# (unreferenced prefix pages, least recently used first, counted as `evicted_pages`), **preempt
-# and recompute** (above) and **reserve** (`max_preemptions=0`). It does not implement **swap** (copy a victim's
-# pages to CPU memory and back, which vLLM once offered) or **reject** (its server answers 429 on
-# a full *queue*, `--max-queue`, not on a full cache). Each trades latency against effective
-# capacity, which is why the contract wants the choice declared with the results (`bench`
-# declares `preemption` and `max_preemptions` under `policy_options`).
+# **The other answers.** The contract's list has six: stop admitting, wait, reject, evict
+# cached blocks, swap, preempt and recompute. minicb runs all of them. **Wait** and **stop
+# admitting** are what it does before anything else (a request is admitted only when its first
+# chunk's pages are free, chapter 03; `max_preemptions=0` goes further and waits until a
+# request's whole life fits, reserving it). **Evict** happens on the way (unreferenced prefix
+# pages, least recently used first, `evicted_pages`). **Preempt and recompute** is above. Two
+# are switches:
+#
+# - `preemption_mode="swap"` (vLLM's knob, from before its V1 engine dropped swapping): a
+#   victim's K/V is copied to host memory (`num_swap_pages` pages, as many as the pool by
+#   default) and copied back into fresh pages when it is admitted again, so nothing is
+#   computed twice; the copies cost time instead. The policy only plans the copies (page
+#   pairs in the `ScheduledBatch`); the engine does them before the forward, out first, then
+#   in. When the swap space is full, the victim is recomputed as before.
+# - `reject_when_full=True`: a request that arrives when the free pages, less what the
+#   waiting prompts will take, cannot hold its prompt (its whole life under
+#   `max_preemptions=0`) is turned away at once with `finish_reason="rejected"`; the server
+#   answers HTTP 503. It looks at arrivals only: a running request's growth is still met by
+#   preemption.
+#
+# The same eight growing requests in 24 pages, every answer (simulated: the steps are exact;
+# the time is the cost model's, once for the H100-like preset, where a page swapped each way
+# costs 42 µs over PCIe, and once for this CPU's fitted model, where it costs what
+# `python -m minicb profile` measured):
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from minicb.sim import CostModel
+
+answers = [("preempt, recompute", {}), ("preempt, swap", {"preemption_mode": "swap"}),
+           ("swap, 8 host pages", {"preemption_mode": "swap", "num_swap_pages": 8}),
+           ("reserve (wait)", {"max_preemptions": 0}),
+           ("reject + recompute", {"reject_when_full": True}),
+           ("reserve + reject", {"max_preemptions": 0, "reject_when_full": True})]
+cpu_cost = CostModel.load("cpu")
+print(f"{'answer':<20}{'steps':>6}{'done':>5}{'rejected':>9}{'preempt':>8}{'discarded':>10}"
+      f"{'recomputed':>11}{'swapped':>8}{'E2E p50':>8}{'E2E max':>8}{'h100-like s':>12}"
+      f"{'cpu s':>7}")
+for name, options in answers:
+    runs = [make_sim_engine(cost, policy="pd", max_num_seqs=8, num_pages=24, **options)
+            for cost in ("h100-like", cpu_cost)]
+    for e in runs:
+        run_workload(e, growing)
+    e = runs[0]
+    s = metrics.summarize(e.trace, e.request_records())
+    e2e = sorted(r.finish_step - r.arrival_step + 1 for r in e.request_records()
+                 if metrics.is_completed(r))
+    print(f"{name:<20}{len(e.trace):>6}{s['completed']:>5}{s['rejected']:>9}"
+          f"{s['preemptions']:>8}{s['discarded_tokens']:>10}{s['recomputed_tokens']:>11}"
+          f"{s['swapped_out_pages'] + s['swapped_in_pages']:>8}{e2e[len(e2e) // 2]:>8}"
+          f"{e2e[-1]:>8}{runs[0].clock():>12.3f}{runs[1].clock():>7.2f}")
+
+# %% [markdown]
+# Swap and recompute take the same 185 steps: pages, not compute, decide how many requests
+# run at once, and the 355 recomputed tokens ride in steps whose token budget had room. They
+# differ in time, and by how much depends on the machine. On the H100-like preset
+# recomputing is nearly free (1.146 s against 1.138 s: 355 prefill tokens of compute against
+# 56 copies of a 2 MiB page over PCIe), one reason vLLM's V1 engine dropped swapping. On this
+# CPU, where a prefill token costs a millisecond and a page copy 0.14 ms, swapping saves 0.40
+# s of 6.08 (7%). A swap space of 8 pages holds only some victims; the others are recomputed
+# (208 tokens discarded). Reserving never preempts but runs 3 requests at a time: 290 steps.
+# Reject alone changes nothing here: each arrival's one-page prompt fits when it comes; it is
+# the growth that fills the cache, and preemption still answers that. Reserving and rejecting
+# together turn five of the eight away at the door: the three served finish in 96 steps each,
+# the best E2E in the table, and five users get an error to retry. How many requests the same
+# memory serves, and how fast, is the effective capacity each answer trades.
+#
+# On the real model, the swapped K/V must give the same tokens as never preempting. The
+# 11-page run of four requests again, with swap:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+swapped = Engine(model, policy="pd", max_num_seqs=4, num_pages=11, preemption_mode="swap")
+run_workload(swapped, tight_wl)
+s = metrics.summarize(swapped.trace, swapped.request_records())
+print(f"preemptions {s['preemptions']}, pages copied out {s['swapped_out_pages']} and in "
+      f"{s['swapped_in_pages']}, discarded tokens {s['discarded_tokens']}, steps "
+      f"{s['num_steps']} (recompute: {len(tight.trace)})")
+print("same output tokens as the 1024-page run:",
+      all(swapped.requests[r].output_token_ids == roomy.requests[r].output_token_ids
+          for r in roomy.requests))
+
+# %% [markdown]
+# Each answer trades latency against effective capacity, which is why the contract wants the
+# choice declared with the results: `bench` declares `preemption`, `max_preemptions`,
+# `preemption_mode`, `num_swap_pages` and `reject_when_full` under `policy_options`, and
+# reports `rejected`, `swapped_out_pages` and `swapped_in_pages` beside the preemptions.
 #
 # **OOM.** The contract also asks to watch for out-of-memory failures. minicb allocates its whole
 # page pool when the engine starts (on CUDA, sized from the free memory, chapter 07), so a full
-# cache is never an out-of-memory error: it becomes waiting or preemption, counted above. What
-# could never fit is refused at the door, before any work, with the numbers (a `ValueError`;
-# HTTP 400 from the server), and the engine stays as it was. A forward that fails anyway (on a
+# cache is never an out-of-memory error: it becomes waiting, preemption, a swap or a rejection,
+# counted above. What could never fit is refused at the door, before any work, with the numbers
+# (a `ValueError`; HTTP 400 from the server), and the engine stays as it was. A forward that fails anyway (on a
 # GPU, activations outgrowing their headroom) fails only that step's requests, counted as
 # `errors`, and the engine goes on (the second cell below injects one).
 # The 11-page engine holds 176 tokens:
