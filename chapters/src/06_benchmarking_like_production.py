@@ -766,7 +766,7 @@ for name, options in answers:
 # run at once, and the 355 recomputed tokens ride in steps whose token budget had room. They
 # differ in time, and by how much depends on the machine. On the H100-like preset
 # recomputing is nearly free (1.146 s against 1.138 s: 355 prefill tokens of compute against
-# 56 copies of a 2 MiB page over PCIe), one reason vLLM's V1 engine dropped swapping. On this
+# 56 copies of a 2 MiB page over PCIe); vLLM's V1 engine only recomputes. On this
 # CPU, where a prefill token costs a millisecond and a page copy 0.14 ms, swapping saves 0.40
 # s of 6.08 (7%). A swap space of 8 pages holds only some victims; the others are recomputed
 # (208 tokens discarded). Reserving never preempts but runs 3 requests at a time: 290 steps.
