@@ -501,6 +501,7 @@ class Engine:
             + [Member(r.request_id, "idle", 0, r.slot) for r in batch.idle],
             waiting=[], finished=finished + self._finished_between_steps,
             preempted=[r.request_id for r in batch.preempted],
+            swapped=[r.request_id for r in ctx.batch.swapped],
             pages_used=self.pool.num_used, pages_cached=self.pool.num_cached,
             t_start=t_start, t_end=self.clock(), arrived=arrived, sampled=sampled,
             t_forward=t_forward, pages_total=self.pool.num_pages,

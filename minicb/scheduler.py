@@ -35,6 +35,7 @@ class ScheduledBatch:
     items: list[tuple[Request, int]] = field(default_factory=list)
     idle: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    swapped: list[Request] = field(default_factory=list)  # of `preempted`, those kept on host
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
 
@@ -195,6 +196,7 @@ class SchedulerContext:
         if self.config.preemption_mode == "swap" and 0 < keep <= len(self.pool.swap_free):
             req.swapped_pages = self.pool.allocate_swap(keep)
             self.batch.swap_out.extend(zip(req.page_table, req.swapped_pages))
+            self.batch.swapped.append(req)
             req.status = Status.SWAPPED
         else:
             req.num_discarded_tokens += req.num_computed_tokens

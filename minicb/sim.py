@@ -278,13 +278,15 @@ def step_features(trace: list[Any], records: list[Any] | None = None) -> np.ndar
     """One row [1, prefill tokens, decode rows, sum of context, sum of chunk*context] per step
     (chapter 06), reconstructed from the trace: a member's context grows by the tokens it
     advances, starts at its prefix-cache hit (from `records`) and restarts at 0 when it is
-    preempted. A member advancing one token counts as a decode row, as in `SimModel`."""
+    preempted (unless it was swapped, keeping its K/V). A member advancing one token counts as
+    a decode row, as in `SimModel`."""
     cached = {r.request_id: r.num_cached_tokens for r in (records or [])}
     ctx: dict[str, int] = {}
     rows = []
     for rec in trace:
         for rid in rec.preempted:
-            ctx[rid] = 0
+            if rid not in rec.swapped:
+                ctx[rid] = 0
         prefill = decode = total = prefill_ctx = 0
         for m in rec.members:
             if m.num_tokens <= 0:

@@ -40,6 +40,8 @@ class StepRecord:
     pages_evicted: int = 0  # cached prefix pages evicted to make room during this step
     pages_swapped_out: int = 0  # pages copied to host memory before this step's forward
     pages_swapped_in: int = 0  # pages copied back from host memory (chapter 06)
+    swapped: list[str] = field(default_factory=list)  # of `preempted`, those whose K/V was
+    # copied to host memory (preemption_mode="swap"); the others will be recomputed
     # speculative decoding (chapter 08): decode member id -> (tokens guessed, guesses the model
     # kept); the member's num_tokens counts its last token and every guess
     speculated: dict[str, tuple[int, int]] = field(default_factory=dict)

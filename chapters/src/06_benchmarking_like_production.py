@@ -776,20 +776,28 @@ for name, options in answers:
 # the best E2E in the table, and five users get an error to retry. How many requests the same
 # memory serves, and how fast, is the effective capacity each answer trades.
 #
-# On the real model, the swapped K/V must give the same tokens as never preempting. The
-# 11-page run of four requests again, with swap:
+# On the real model, the swapped K/V must give the same tokens as never preempting, and a
+# request that is let in must not notice the ones turned away. The 11-page run of four requests
+# again, with swap, and with reserve + reject (each request's whole life is 4 pages: two fit):
 
 # %%
 # NBVAL_CHECK_OUTPUT
 swapped = Engine(model, policy="pd", max_num_seqs=4, num_pages=11, preemption_mode="swap")
-run_workload(swapped, tight_wl)
+guarded = Engine(model, policy="pd", max_num_seqs=4, num_pages=11, max_preemptions=0,
+                 reject_when_full=True)
+for engine in (swapped, guarded):
+    run_workload(engine, tight_wl)
 s = metrics.summarize(swapped.trace, swapped.request_records())
-print(f"preemptions {s['preemptions']}, pages copied out {s['swapped_out_pages']} and in "
+print(f"swap: preemptions {s['preemptions']}, pages copied out {s['swapped_out_pages']} and in "
       f"{s['swapped_in_pages']}, discarded tokens {s['discarded_tokens']}, steps "
       f"{s['num_steps']} (recompute: {len(tight.trace)})")
-print("same output tokens as the 1024-page run:",
-      all(swapped.requests[r].output_token_ids == roomy.requests[r].output_token_ids
-          for r in roomy.requests))
+print("reserve + reject:", {r: req.finish_reason for r, req in guarded.requests.items()},
+      f"steps {len(guarded.trace)}, pages in use after: {guarded.pool.num_used}")
+for name, engine in (("swap", swapped), ("reserve + reject", guarded)):
+    served = [r for r, req in engine.requests.items() if req.finish_reason != "rejected"]
+    print(f"{name}: the tokens of the {len(served)} served are the 1024-page run's:",
+          all(engine.requests[r].output_token_ids == roomy.requests[r].output_token_ids
+              for r in served))
 
 # %% [markdown]
 # Each answer trades latency against effective capacity, which is why the contract wants the
