@@ -30,6 +30,7 @@ from typing import Any
 from minicb.attention import resolve_backend
 from minicb.config import (
     POLICIES,
+    PREEMPTION_MODES,
     PREEMPTIONS,
     QUANTIZATIONS,
     EngineConfig,
@@ -72,6 +73,7 @@ from minicb.workload import (
 RESULT_KEYS = ("output_tokens_per_s", "requests_per_s", "ttft_s", "itl_s", "max_itl_s", "tpot_s",
                "e2e_s", "queue_s", "goodput_rps", "dec_at_p", "short_p_steps", "short_p_s",
                "preemptions", "discarded_tokens", "recomputed_tokens", "evicted_pages",
+               "swapped_out_pages", "swapped_in_pages", "rejected",
                "cancelled", "errors", "deadline_missed", "slo_attainment", "max_queue_age_s",
                "host_time_fraction", "decode_tokens_per_s")
 CACHE_STATES = {
@@ -142,6 +144,35 @@ def add_concurrency_argument(parser: argparse.ArgumentParser) -> None:
                              "when one finishes, and arrives then (default: open loop)")
 
 
+def add_full_cache_arguments(parser: argparse.ArgumentParser) -> None:
+    """Two answers to a full KV cache beside preemption (chapter 06): swap a victim's K/V out
+    instead of recomputing it, and reject an arrival the cache cannot take (bench, sweep,
+    serve)."""
+    parser.add_argument("--preemption-mode", choices=PREEMPTION_MODES, default=None,
+                        help="what a preempted request's K/V becomes: recompute (default: "
+                             "freed, computed again when it returns) or swap (copied to host "
+                             "memory and back; recomputed when the swap space is full)")
+    parser.add_argument("--num-swap-pages", type=int, default=None, metavar="N",
+                        help="with --preemption-mode swap: host pages of swap space (default: "
+                             "as many as the KV pool has)")
+    parser.add_argument("--reject-when-full", action="store_true",
+                        help="a request that arrives when the free KV pages, less what the "
+                             "waiting prompts will take, cannot hold its prompt finishes at "
+                             "once as rejected (the server answers 503) instead of waiting")
+
+
+def check_full_cache_flags(preemption_mode: str | None, num_swap_pages: int | None) -> None:
+    """Refuse --num-swap-pages below 1 or without --preemption-mode swap, naming the flags
+    (the engine's own message names its options) (chapter 06)."""
+    if num_swap_pages is None:
+        return
+    if num_swap_pages < 1:
+        raise ValueError(f"--num-swap-pages must be >= 1, got {num_swap_pages}")
+    if preemption_mode != "swap":
+        raise ValueError("--num-swap-pages sizes the swap space: it needs --preemption-mode "
+                         "swap")
+
+
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags shared by bench and sweep (chapter 06)."""
     parser.add_argument("--model", default="smollm2-135m",
@@ -189,6 +220,7 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-preemptions", type=int, default=None,
                         help="a bound on preemption loss: a request preempted this many times "
                              "comes back holding its whole life's pages (0: reserve it at once)")
+    add_full_cache_arguments(parser)
     parser.add_argument("--num-speculative-tokens", type=int, default=None,
                         help="speculative decoding by prompt lookup: up to this many guessed "
                              "tokens per decode step (chapter 08; default 0, off)")
@@ -465,12 +497,16 @@ def engine_options(args: argparse.Namespace, workload: Workload) -> dict[str, An
     options: dict[str, Any] = {"trace_snapshots": False, **workload.recommended}
     for key in ("max_num_seqs", "max_num_batched_tokens", "chunk_size", "min_chunk",
                 "num_pages", "page_size", "num_speculative_tokens",
-                "max_preemptions"):  # flags named as options
+                "max_preemptions", "preemption_mode", "num_swap_pages"):  # flags named as options
         value = getattr(args, key, None)
         if value is not None:
             options[key] = value
+    check_full_cache_flags(getattr(args, "preemption_mode", None),
+                           getattr(args, "num_swap_pages", None))
     if getattr(args, "no_prefix_caching", False):
         options["enable_prefix_caching"] = False
+    if getattr(args, "reject_when_full", False):
+        options["reject_when_full"] = True
     preemption = getattr(args, "preemption", None)
     if preemption is not None:
         chosen = _preemptions(preemption)
@@ -544,6 +580,11 @@ def declaration(args: argparse.Namespace, workload: Workload, executor: Executor
         "policy_options": {
             "preemption": cfg.preemption, "priority_aging_steps": cfg.priority_aging_steps,
             "max_preemptions": cfg.max_preemptions,
+            "preemption_mode": cfg.preemption_mode,
+            # the engine's default swap space is as many pages as its pool
+            "num_swap_pages": (cfg.num_swap_pages or num_pages
+                               if cfg.preemption_mode == "swap" else None),
+            "reject_when_full": cfg.reject_when_full,
             "num_speculative_tokens": cfg.num_speculative_tokens,
             "batch_timeout": f"{cfg.batch_timeout} "
                              f"{'s' if cfg.batch_timeout_in_seconds else 'steps'} (dynamic)"},
@@ -1033,6 +1074,11 @@ def _print_extra(name: str, summary: dict[str, Any]) -> None:
         parts.append(f"work lost to preemption={summary['discarded_tokens']} tokens "
                      f"({summary['recomputed_tokens']} computed again), "
                      f"cached pages evicted={summary['evicted_pages']}")
+    if summary.get("swapped_out_pages") or summary.get("swapped_in_pages"):
+        parts.append(f"pages swapped to host memory={summary['swapped_out_pages']}, "
+                     f"back={summary['swapped_in_pages']}")
+    if summary.get("rejected"):
+        parts.append(f"rejected when full={summary['rejected']}")
     if summary.get("kv_pool_use_peak") is not None:
         parts.append(f"KV pool use mean {summary['kv_pool_use_mean']:.0%} peak "
                      f"{summary['kv_pool_use_peak']:.0%}, token budget use mean "
@@ -1114,6 +1160,8 @@ ENGINE_FLAGS = {"policy": "--policy", "max_num_seqs": "--max-num-seqs",
                 "no_prefix_caching": "--no-prefix-caching", "preemption": "--preemption",
                 "priority_aging_steps": "--priority-aging-steps",
                 "max_preemptions": "--max-preemptions",
+                "preemption_mode": "--preemption-mode", "num_swap_pages": "--num-swap-pages",
+                "reject_when_full": "--reject-when-full",
                 "num_speculative_tokens": "--num-speculative-tokens",
                 "batch_timeout": "--batch-timeout", "cache_state": "--cache-state",
                 "executor": "--executor", "cost_model": "--cost-model", "device": "--device",
@@ -1494,6 +1542,9 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
                    "max_queue_age_s": summary["max_queue_age_s"],
                    **worst_class_fields(summary),
                    "preemptions": summary["preemptions"],
+                   "swapped_out_pages": summary["swapped_out_pages"],
+                   "swapped_in_pages": summary["swapped_in_pages"],
+                   "rejected": summary["rejected"],
                    "cancelled": summary["cancelled"], "errors": summary["errors"],
                    "cancellations_honoured": cancellations_honoured(engine,
                                                                     traffic[rate][0]),
@@ -1561,7 +1612,9 @@ def reference_tokens(executor: Executor, workload: Workload,
     alone = Workload(workload.name, [dataclasses.replace(
         r, arrival_time=None, arrival_step=None, deadline=None, cancel_after_tokens=None)
         for r in workload.requests])
-    options = dict(options, enable_prefix_caching=False, num_speculative_tokens=0)
+    # served alone, none is turned away: reject_when_full would leave some without a reference
+    options = dict(options, enable_prefix_caching=False, num_speculative_tokens=0,
+                   reject_when_full=False)
     return output_tokens(run_policy(executor, "single", alone, options, progress=False)[1])
 
 

@@ -238,7 +238,8 @@ def test_the_printed_header_declares_everything_the_contract_names(capsys):
     for shown in ("4 requests, arrivals gamma", "at 7.5 req/s (burstiness 0.5)",
                   "prompts uniform 16-512", "outputs uniform 8-256",
                   "concurrency: open loop, max_num_seqs 6", "cache: prefix caching off, cold start",
-                  "policies pd (preemption=priority, max_preemptions=2)",
+                  "policies pd (preemption=priority, max_preemptions=2, "
+                  "preemption_mode=recompute)",
                   "SIMULATED, not measured; on cpu (", f"torch {torch.__version__}",
                   "token budget {'max_num_batched_tokens': 256", "memory {'num_pages'"):
         assert shown in header, shown
@@ -1014,3 +1015,127 @@ def test_bench_prints_every_latency_percentile_and_no_goodput_without_an_slo(tmp
                              "--slo-ttft", "1", "--out", str(out), "--no-progress"]) == 0
     pd = json.loads(out.read_text())["results"]["pd"]
     assert pd["goodput_rps"] > 0 and "goodput_note" not in pd
+
+
+# --- the full-cache answers beside preemption (chapter 06): swap, reject -----------------------
+FULL = ["--executor", "sim", "--workload", "mixed-chat", "--num-requests", "32", "--num-pages",
+        "60", "--no-progress"]
+
+
+def _keep_engines(monkeypatch) -> list:
+    """Make run_policy keep each engine it ran, to read its config, pool and trace."""
+    engines, real = [], bench.run_policy
+
+    def keep(*args, **kwargs):
+        summary, engine = real(*args, **kwargs)
+        engines.append(engine)
+        return summary, engine
+    monkeypatch.setattr(bench, "run_policy", keep)
+    return engines
+
+
+def test_swap_flags_reach_the_engine_the_declaration_and_the_report(tmp_path, capsys,
+                                                                     monkeypatch):
+    """--preemption-mode swap --num-swap-pages N: the engine swaps into N host pages; the JSON
+    declares both and counts the pages each way (the trace's sums); the header and the extras
+    print them. Without --num-swap-pages the swap space is the pool's size, declared so."""
+    engines, out = _keep_engines(monkeypatch), tmp_path / "r.json"
+    assert bench.main_bench([*FULL, "--preemption-mode", "swap", "--num-swap-pages", "20",
+                             "--out", str(out)]) == 0
+    engine, printed = engines[-1], capsys.readouterr().out
+    assert (engine.config.preemption_mode, engine.pool.num_swap_pages,
+            engine.config.reject_when_full) == ("swap", 20, False)
+    data = json.loads(out.read_text())
+    options, pd = data["declaration"]["policy_options"], data["results"]["pd"]
+    assert (options["preemption_mode"], options["num_swap_pages"],
+            options["reject_when_full"]) == ("swap", 20, False)
+    swapped_out = sum(r.pages_swapped_out for r in engine.trace)
+    swapped_in = sum(r.pages_swapped_in for r in engine.trace)
+    assert pd["swapped_out_pages"] == swapped_out > 0 and pd["swapped_in_pages"] == swapped_in > 0
+    assert pd["rejected"] == 0 and bench.results_schema_ok(data) == []
+    assert "policies pd (preemption=newest, preemption_mode=swap, num_swap_pages=20)" in printed
+    assert f"pages swapped to host memory={swapped_out}, back={swapped_in}" in printed
+    assert bench.main_bench([*FULL, "--preemption-mode", "swap", "--out", str(out)]) == 0
+    assert engines[-1].pool.num_swap_pages == 60
+    assert json.loads(out.read_text())["declaration"]["policy_options"]["num_swap_pages"] == 60
+
+
+def test_reject_when_full_reaches_the_engine_and_counts_the_rejected(tmp_path, capsys,
+                                                                      monkeypatch):
+    """--reject-when-full: requests the full cache turns away finish as rejected; the JSON counts
+    them (and no swapped pages: recompute is the default), the header and extras say so."""
+    engines, out = _keep_engines(monkeypatch), tmp_path / "r.json"
+    assert bench.main_bench([*FULL, "--reject-when-full", "--out", str(out)]) == 0
+    engine, printed = engines[-1], capsys.readouterr().out
+    assert engine.config.reject_when_full is True and engine.pool.num_swap_pages == 0
+    rejected = sum(r.finish_reason == "rejected" for r in engine.requests.values())
+    data = json.loads(out.read_text())
+    pd = data["results"]["pd"]
+    assert pd["rejected"] == rejected > 0 and pd["swapped_out_pages"] == 0
+    assert data["declaration"]["policy_options"]["reject_when_full"] is True
+    assert "(preemption=newest, preemption_mode=recompute, reject_when_full=True)" in printed
+    assert f"rejected when full={rejected}" in printed
+    bench._print_extra("quiet", {"rejected": 0, "swapped_out_pages": 0, "swapped_in_pages": 0})
+    assert capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize("main", [bench.main_bench, bench.main_sweep], ids=["bench", "sweep"])
+@pytest.mark.parametrize("extra, message", [
+    (["--num-swap-pages", "4"],
+     "--num-swap-pages sizes the swap space: it needs --preemption-mode swap"),
+    (["--preemption-mode", "recompute", "--num-swap-pages", "4"], "needs --preemption-mode swap"),
+    (["--preemption-mode", "swap", "--num-swap-pages", "0"],
+     "--num-swap-pages must be >= 1, got 0"),
+])
+def test_bad_full_cache_flags_are_named_before_anything_runs(main, extra, message, capsys,
+                                                              monkeypatch):
+    monkeypatch.setattr(bench, "run_policy", lambda *a, **k: pytest.fail("a policy ran"))
+    assert main(["--executor", "sim", "--num-requests", "2", "--no-progress", *extra]) == 2
+    assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--executor", "sim", "--preemption-mode", "lifo"])
+    assert exit_info.value.code == 2
+    assert "argument --preemption-mode: invalid choice: 'lifo'" in capsys.readouterr().err
+
+
+def test_bench_endpoint_refuses_the_full_cache_flags(capsys):
+    """They set up minicb's own engine: a server measured with --endpoint has its own."""
+    assert bench.main_bench(["--endpoint", "http://127.0.0.1:9", "--preemption-mode", "swap",
+                             "--num-swap-pages", "4", "--reject-when-full"]) == 2
+    assert ("drop --preemption-mode, --num-swap-pages, --reject-when-full (set them where the "
+            "server starts") in capsys.readouterr().err
+
+
+def test_sweep_passes_the_full_cache_flags_and_its_rows_count_them(tmp_path, monkeypatch):
+    """Every sweep setting runs with the flags; each row has its engine's rejected and swapped
+    pages; the declaration names them."""
+    engines, out = _keep_engines(monkeypatch), tmp_path / "s.json"
+    assert bench.main_sweep(["--executor", "sim", "--num-requests", "16", "--num-pages", "60",
+                             "--max-num-batched-tokens", "128", "--max-num-seqs", "2,4",
+                             "--chunk-size", "64", "--preemption-mode", "swap",
+                             "--reject-when-full", "--no-progress", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert len(engines) == len(data["rows"]) == 2
+    by_seqs = {e.config.max_num_seqs: e for e in engines}
+    for row in data["rows"]:
+        engine = by_seqs[row["max_num_seqs"]]
+        assert engine.config.preemption_mode == "swap" and engine.config.reject_when_full
+        assert row["swapped_out_pages"] == sum(r.pages_swapped_out for r in engine.trace)
+        assert row["swapped_in_pages"] == sum(r.pages_swapped_in for r in engine.trace)
+        assert row["rejected"] == sum(r.finish_reason == "rejected"
+                                      for r in engine.requests.values())
+    assert any(row["rejected"] for row in data["rows"])
+    assert any(row["swapped_out_pages"] for row in data["rows"])
+    options = data["declaration"]["policy_options"]
+    assert (options["preemption_mode"], options["reject_when_full"]) == ("swap", True)
+
+
+def test_the_sweeps_quality_reference_turns_no_request_away(monkeypatch):
+    """Each request's tokens served alone are the quality reference: under reject_when_full a
+    rejected one would have none, and every setting that served it would fail on quality."""
+    seen = []
+    monkeypatch.setattr(bench, "run_policy", lambda executor, policy, workload, options, **kw:
+                        seen.append(options) or ({}, types.SimpleNamespace(requests={})))
+    bench.reference_tokens(None, get_workload("mixed-chat", num_requests=2),
+                           {"reject_when_full": True, "preemption_mode": "swap"})
+    assert seen[0]["reject_when_full"] is False and seen[0]["preemption_mode"] == "swap"
