@@ -35,9 +35,10 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from minicb.bench import add_full_cache_arguments, check_full_cache_flags
 from minicb.config import QUANTIZATIONS, is_finite_number
 from minicb.llm import IncrementalDecoder, is_conversation
-from minicb.request import SamplingParams
+from minicb.request import FINISH_REASONS, SamplingParams
 
 # vLLM's bucket edges, in seconds
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -56,6 +57,11 @@ class InvalidRequest(ValueError):
 
 class QueueFull(RuntimeError):
     """More requests wait than `max_queue` allows: HTTP 429."""
+
+
+class CacheFull(RuntimeError):
+    """The engine rejected the request (`reject_when_full`, chapter 06): the KV cache cannot
+    take its prompt now. HTTP 503, before any stream starts."""
 
 
 @dataclass
@@ -122,7 +128,8 @@ class EngineWorker:
     and `cancel` from any thread or event loop; the thread applies them between steps, steps while
     there is work, and sends each request its new tokens after every step.
 
-    `max_queue`: refuse (QueueFull) a request when that many already wait. A long-running
+    `max_queue`: refuse (QueueFull) a request when that many already wait; an engine with
+    `reject_when_full` refuses (CacheFull) one its KV cache cannot take. A long-running
     server's memory stays bounded: `max_trace` steps are kept in `engine.trace` (the oldest half
     is dropped when it is full), and `max_finished` finished requests in `engine.requests` (the
     oldest are dropped with `Engine.forget`)."""
@@ -144,9 +151,12 @@ class EngineWorker:
         self._lock = threading.Lock()  # guards the counters below (read by /metrics)
         self.ttft, self.itl = Histogram(TTFT_BUCKETS), Histogram(ITL_BUCKETS)
         self.finish_reasons: Counter[str] = Counter()
-        self._counted_at_cancel: set[str] = set()  # finished through `_cancel`, already counted
+        # finished through `_cancel` or rejected in `_add`: already counted when the step's
+        # record lists them
+        self._counted_early: set[str] = set()
         self.counters = Counter(preemptions=0, prompt_tokens=0, generation_tokens=0, steps=0,
-                                discarded_tokens=0, recomputed_tokens=0, evicted_pages=0)
+                                discarded_tokens=0, recomputed_tokens=0, evicted_pages=0,
+                                swapped_out_pages=0, swapped_in_pages=0)
         self.oldest_waiting_s = 0.0  # queue age of the longest-waiting unscheduled request
         # preempted requests' (discarded, recomputed) tokens as last counted, for the deltas
         self._lost_work_seen: dict[str, tuple[int, int]] = {}
@@ -215,6 +225,10 @@ class EngineWorker:
                   ("kv_pages_cached", "Unreferenced KV pages kept by the prefix index.",
                    s["pages_cached"]),
                   ("kv_pages_total", "KV pages in the pool.", s["pages_total"]),
+                  ("kv_swap_pages_free", "Host memory pages free to hold swapped-out K/V.",
+                   s["swap_pages_free"]),
+                  ("kv_swap_pages_total", "Host memory pages of swap space (0: preemption "
+                   "mode recompute).", s["swap_pages_total"]),
                   ("oldest_waiting_seconds", "Queue age: how long the longest-waiting request "
                    "not yet scheduled had waited, after the last step.", self.oldest_waiting_s)]
         out = [f"# minicb model={model_name}"]
@@ -222,8 +236,8 @@ class EngineWorker:
             out += [f"# HELP minicb_{name} {help_text}", f"# TYPE minicb_{name} gauge",
                     f"minicb_{name} {value}"]
         with self._lock:
-            counters = [("num_preemptions_total", "Preemptions (pages freed, recomputed later).",
-                         self.counters["preemptions"]),
+            counters = [("num_preemptions_total", "Preemptions (pages freed; recomputed, or "
+                         "swapped back, later).", self.counters["preemptions"]),
                         ("prompt_tokens_total", "Prompt tokens accepted.",
                          self.counters["prompt_tokens"]),
                         ("generation_tokens_total", "Tokens generated.",
@@ -237,14 +251,18 @@ class EngineWorker:
                          "cache).", self.counters["recomputed_tokens"]),
                         ("kv_pages_evicted_total",
                          "Cached prefix pages given up to make room (reuse lost).",
-                         self.counters["evicted_pages"])]
+                         self.counters["evicted_pages"]),
+                        ("kv_pages_swapped_out_total",
+                         "KV pages copied to host memory by preemptions (preemption mode swap).",
+                         self.counters["swapped_out_pages"]),
+                        ("kv_pages_swapped_in_total", "KV pages copied back from host memory.",
+                         self.counters["swapped_in_pages"])]
             for name, help_text, value in counters:
                 out += [f"# HELP minicb_{name} {help_text}", f"# TYPE minicb_{name} counter",
                         f"minicb_{name} {value}"]
             out += ["# HELP minicb_requests_total Finished requests by finish reason.",
                     "# TYPE minicb_requests_total counter"]
-            for reason in sorted({"stop", "length", "cancelled", "error"}
-                                 | set(self.finish_reasons)):
+            for reason in sorted(set(FINISH_REASONS) | set(self.finish_reasons)):
                 out.append(f'minicb_requests_total{{finish_reason="{reason}"}} '
                            f'{self.finish_reasons[reason]}')
             out += self.ttft.lines("minicb_time_to_first_token_seconds",
@@ -375,6 +393,14 @@ class EngineWorker:
                 field_name = "stop_token_ids"
             raise InvalidRequest(message, field_name,
                                  "context_length_exceeded" if fits else None) from None
+        if engine.requests[rid].finish_reason == "rejected":  # reject_when_full (chapter 06)
+            with self._lock:  # counted now; the next step's record retires it like any other
+                self.finish_reasons["rejected"] += 1
+                self._counted_early.add(rid)
+            raise CacheFull(f"the KV cache is full: it cannot take this prompt's "
+                            f"{len(token_ids)} tokens now (free pages, less what the waiting "
+                            "requests will take, are too few; the server rejects rather than "
+                            "queues, --reject-when-full); retry later")
         job = Job(rid, len(token_ids), sink[1])
         decoder = IncrementalDecoder(self.tokenizer) if self.tokenizer is not None else None
         self._streams[rid] = _Stream(job, sink[0], tuple(stop), decoder)
@@ -392,7 +418,7 @@ class EngineWorker:
         self.snapshot = dict(self.engine.stats())
         with self._lock:
             self.finish_reasons[reason] += 1
-            self._counted_at_cancel.add(rid)
+            self._counted_early.add(rid)
 
     def _step(self) -> None:
         engine = self.engine
@@ -429,6 +455,8 @@ class EngineWorker:
             self.counters["steps"] += 1
             self.counters["preemptions"] += len(record.preempted)
             self.counters["evicted_pages"] += record.pages_evicted
+            self.counters["swapped_out_pages"] += record.pages_swapped_out
+            self.counters["swapped_in_pages"] += record.pages_swapped_in
             for rid in record.sampled:
                 m = self.engine.requests[rid].metrics
                 new = 1  # tokens this step gave it: more than one when guesses were kept
@@ -457,10 +485,10 @@ class EngineWorker:
         """Count a step's finished requests by reason, and bound the trace and the records."""
         engine = self.engine
         with self._lock:
-            for rid in record.finished:  # every `_cancel` was counted with its own reason
+            for rid in record.finished:  # every `_cancel` and rejection was counted already
                 self._lost_work_seen.pop(rid, None)
-                if rid in self._counted_at_cancel:
-                    self._counted_at_cancel.discard(rid)
+                if rid in self._counted_early:
+                    self._counted_early.discard(rid)
                 elif rid in engine.requests:
                     self.finish_reasons[engine.requests[rid].finish_reason] += 1
         if len(engine.trace) > self.max_trace:
@@ -693,6 +721,9 @@ def create_app(engine_or_llm: Any, model_name: str = "minicb", max_queue: int | 
         except QueueFull as exc:
             return _error(429, str(exc), code="queue_full", kind="rate_limit_error",
                           headers={"Retry-After": "1"})
+        except CacheFull as exc:  # the service is full for now, not the caller's fault
+            return _error(503, str(exc), code="cache_full", kind="server_error",
+                          headers={"Retry-After": "1"})
         except Exception as exc:  # noqa: BLE001 - a server bug: say so, keep serving
             return _error(500, f"{type(exc).__name__}: {exc}", kind="server_error")
         kind = ("chat.completion.chunk" if req["stream"] else "chat.completion") if chat \
@@ -835,6 +866,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="a bound on preemption loss: a request preempted this many times "
                              "comes back holding pages for its whole life and is never "
                              "preempted again (0: reserve every request's whole life)")
+    add_full_cache_arguments(parser)
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (CUDA when "
                         "torch sees a GPU)")
     parser.add_argument("--quantization", choices=[q for q in QUANTIZATIONS if q], default=None,
@@ -846,6 +878,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default="info",  # uvicorn's names (a KeyError else)
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     args = parser.parse_args(argv)
+    try:
+        check_full_cache_flags(args.preemption_mode, args.num_swap_pages)
+    except ValueError as exc:
+        parser.error(str(exc))
     if not 0 <= args.port <= 65535:
         parser.error(f"--port must be in [0, 65535], got {args.port}")
     if args.max_queue < 0:  # else every request is refused with a 429
@@ -856,12 +892,15 @@ def main(argv: list[str] | None = None) -> int:
 
     options = {k: v for k, v in dict(chunk_size=args.chunk_size, num_pages=args.num_pages,
                                      num_speculative_tokens=args.num_speculative_tokens,
-                                     max_preemptions=args.max_preemptions)
+                                     max_preemptions=args.max_preemptions,
+                                     preemption_mode=args.preemption_mode,
+                                     num_swap_pages=args.num_swap_pages)
                .items() if v is not None}
     try:
         llm = LLM(args.model, policy=args.policy, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens, device=args.device,
                   quantization=args.quantization, preemption=args.preemption,
+                  reject_when_full=args.reject_when_full,
                   trace_snapshots=False, **options)  # a server draws no pictures
     except ValueError as exc:  # a bad option or model: say which, no traceback
         parser.error(str(exc))

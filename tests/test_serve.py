@@ -1089,3 +1089,108 @@ def test_client_cli_and_bench_endpoint_apply_the_slo_and_rate(tiny_model, tmp_pa
     for result in (saved["results"][url], json.loads(out2.read_text())["results"][url]):
         assert result["slo"] == {"ttft": 1e-9} and result["slo_met"] == 0
         assert result["completed"] == 3 and result["goodput_rps"] == 0
+
+
+# --- the full-cache answers beside preemption (chapter 06): reject (503), swap -----------------
+def test_a_full_cache_answers_503_streamed_or_not_and_the_server_keeps_serving(tiny_model):
+    """reject_when_full: while one request holds 3 of the 4 pages, a 20-token prompt (2 pages)
+    gets HTTP 503 code cache_full, as JSON before any stream starts, with a Retry-After; each
+    is counted once as rejected, retired like any finished request (max_finished=1: forgotten,
+    nothing left behind), and a prompt that fits is served after."""
+    engine = Engine(tiny_model, policy="pd", num_pages=4, reject_when_full=True,
+                    check_invariants=True)
+    app = create_app(engine, "tiny", max_finished=1)
+    worker = app.state.worker
+    adding, release = hold_adds(worker)  # the big prompts queue while the holder is added
+    holder = {"prompt": list(range(3, 43)), "max_tokens": 20, **GREEDY}  # 40 tokens: 3 pages
+    big = {"prompt": list(range(100, 120)), "max_tokens": 2, **GREEDY}  # 2 pages, no hit
+
+    async def send(url):
+        async with httpx.AsyncClient(timeout=TIMEOUT) as http:
+            def post(body, rid):
+                return asyncio.create_task(http.post(url + "/v1/completions", json=body,
+                                                     headers={"X-Request-Id": rid}))
+            first = post(holder, "holder")
+            assert await asyncio.to_thread(adding.wait, 10)
+            refused = [post({**big, "stream": stream}, f"big-{stream}")
+                       for stream in (False, True)]
+            deadline = time.monotonic() + 10
+            while worker._commands.qsize() < 2:  # both queued behind the holder's add
+                assert time.monotonic() < deadline, "the big prompts never reached the engine"
+                await asyncio.sleep(0.005)
+            release.set()  # the holder is added and prefilled; the big prompts come next
+            return await asyncio.wait_for(asyncio.gather(first, *refused), 60)
+
+    with ServerThread(app) as url:
+        held, *answers = asyncio.run(send(url))
+        assert held.status_code == 200 and len(held.json()["choices"][0]["token_ids"]) == 20
+        for answer in answers:
+            assert answer.status_code == 503, answer.text
+            assert answer.headers["content-type"] == "application/json"  # no stream began
+            assert answer.headers["retry-after"] == "1"
+            error = answer.json()["error"]
+            assert (error["code"], error["type"]) == ("cache_full", "server_error")
+            assert "KV cache is full" in error["message"] and "20 tokens" in error["message"]
+        fits = httpx.post(url + "/v1/completions", json=big, headers={"X-Request-Id": "fits"},
+                          timeout=TIMEOUT)
+        assert fits.status_code == 200 and len(fits.json()["choices"][0]["token_ids"]) == 2
+        wait_idle(worker)
+        text = httpx.get(url + "/metrics", timeout=TIMEOUT).text
+        kept, stats = worker.call(lambda e: (sorted(e.requests), e.stats())).result(10)
+    assert 'minicb_requests_total{finish_reason="rejected"} 2' in text.splitlines()
+    assert 'minicb_requests_total{finish_reason="length"} 2' in text.splitlines()
+    assert "minicb_prompt_tokens_total 60" in text.splitlines()  # the rejected were not taken
+    assert kept == ["fits"] and worker._counted_early == set() and stats["pages_used"] == 0
+
+
+def test_swapped_pages_are_counted_in_metrics_as_the_trace_sums(tiny_model):
+    """preemption_mode="swap": a pool too small for four requests preempts, and the victims'
+    K/V goes to host pages and back; /metrics counts the pages each way as the engine's trace
+    does, and its swap gauges show the space."""
+    async def burst(url):
+        async with httpx.AsyncClient(timeout=TIMEOUT) as http:
+            body = {"prompt": list(range(3, 23)), "max_tokens": 40, **GREEDY}
+            return await asyncio.wait_for(asyncio.gather(*(
+                http.post(url + "/v1/completions", json=body) for _ in range(4))), 60)
+
+    with serving(tiny_model, num_pages=7, max_num_seqs=4, preemption_mode="swap",
+                 num_swap_pages=6) as (url, worker):
+        assert all(r.status_code == 200 for r in asyncio.run(burst(url)))
+        wait_idle(worker)
+        trace = worker.call(lambda e: [(r.pages_swapped_out, r.pages_swapped_in)
+                                       for r in e.trace]).result(10)
+        values = dict(line.rsplit(" ", 1) for line in httpx.get(
+            url + "/metrics", timeout=TIMEOUT).text.splitlines() if not line.startswith("#"))
+    swapped_out, swapped_in = sum(o for o, _ in trace), sum(i for _, i in trace)
+    assert swapped_out > 0 and swapped_in == swapped_out  # every victim came back
+    assert int(values["minicb_kv_pages_swapped_out_total"]) == swapped_out
+    assert int(values["minicb_kv_pages_swapped_in_total"]) == swapped_in
+    assert values["minicb_kv_swap_pages_total"] == values["minicb_kv_swap_pages_free"] == "6"
+
+
+def test_serve_cli_passes_the_full_cache_answers_to_the_engine(tiny_llama_dir, monkeypatch,
+                                                               capsys):
+    """--preemption-mode, --num-swap-pages and --reject-when-full reach the engine; bad values
+    are named before any model loads."""
+    import uvicorn
+
+    import minicb.llm
+    apps = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: apps.append(app))
+    base = ["--model", str(tiny_llama_dir), "--device", "cpu", "--num-pages", "32"]
+    assert main([*base, "--preemption-mode", "swap", "--num-swap-pages", "5",
+                 "--reject-when-full"]) == 0
+    assert main(base) == 0
+    configs = [(a.state.worker.engine.config, a.state.worker.engine.pool) for a in apps]
+    assert [(c.preemption_mode, p.num_swap_pages, c.reject_when_full) for c, p in configs] == [
+        ("swap", 5, True), ("recompute", 0, False)]
+    monkeypatch.setattr(minicb.llm, "LLM", lambda *a, **k: pytest.fail("a model loaded"))
+    for argv, message in (
+            (["--num-swap-pages", "5"],
+             "--num-swap-pages sizes the swap space: it needs --preemption-mode swap"),
+            (["--preemption-mode", "swap", "--num-swap-pages", "0"],
+             "--num-swap-pages must be >= 1, got 0"),
+            (["--preemption-mode", "lifo"], "argument --preemption-mode: invalid choice")):
+        with pytest.raises(SystemExit) as exit_info:
+            main([*base, *argv])
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err

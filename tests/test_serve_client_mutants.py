@@ -55,20 +55,24 @@ def metric_values(text: str) -> dict[str, float]:
 def test_metrics_gauges_show_their_own_stat_and_counters_are_typed_counter():
     """Planted: the waiting gauge showed `num_running`; the free-pages gauge showed total minus
     used (cached pages counted as free); the counters were typed `gauge`; the `error` finish
-    reason was missing from minicb_requests_total until some request failed."""
+    reason was missing from minicb_requests_total until some request failed. The swap space's
+    gauges and counters and the deadline and rejected reasons (chapter 06) likewise."""
     worker = EngineWorker(make_sim_engine(policy="pd"))  # never started: the snapshot stays
     worker.snapshot = dict(num_waiting=1, num_running=2, pages_used=3, pages_free=4,
-                           pages_cached=5, pages_total=12)
+                           pages_cached=5, pages_total=12, swap_pages_free=6,
+                           swap_pages_total=7)
     lines = worker.metrics_text("sim").splitlines()
     for name, value in (("num_requests_waiting", 1), ("num_requests_running", 2),
                         ("kv_pages_used", 3), ("kv_pages_free", 4), ("kv_pages_cached", 5),
-                        ("kv_pages_total", 12)):
+                        ("kv_pages_total", 12), ("kv_swap_pages_free", 6),
+                        ("kv_swap_pages_total", 7)):
         assert f"minicb_{name} {value}" in lines and f"# TYPE minicb_{name} gauge" in lines
     for name in ("num_preemptions_total", "prompt_tokens_total", "generation_tokens_total",
                  "steps_total", "requests_total", "preemption_discarded_tokens_total",
-                 "preemption_recomputed_tokens_total", "kv_pages_evicted_total"):
+                 "preemption_recomputed_tokens_total", "kv_pages_evicted_total",
+                 "kv_pages_swapped_out_total", "kv_pages_swapped_in_total"):
         assert f"# TYPE minicb_{name} counter" in lines
-    for reason in ("stop", "length", "cancelled", "error"):
+    for reason in ("stop", "length", "cancelled", "error", "deadline", "rejected"):
         assert f'minicb_requests_total{{finish_reason="{reason}"}} 0' in lines
 
 
