@@ -63,10 +63,14 @@ CLIENT_LATENCY_COLUMNS = tuple(c for c in metrics.LATENCY_COLUMNS
 
 def report(results: dict[str, dict[str, Any]]) -> str:
     """The printed result of a client run (chapter 06): the main table, then p50/p95/p99, then
-    what the server's /metrics said of memory pressure, if it said anything."""
+    the requests a full KV cache turned away and what the server's /metrics said of memory
+    pressure, if any."""
     text = (metrics.format_table(results, CLIENT_COLUMNS) + "\n\nlatency percentiles (s)\n"
             + metrics.format_table(results, CLIENT_LATENCY_COLUMNS))
     for name, summary in results.items():
+        if summary.get("rejected"):
+            text += (f"\n{name}: {summary['rejected']} rejected (HTTP 503 cache_full: the "
+                     "server's KV cache could not take them when they arrived)")
         if summary.get("from_server_metrics"):
             text += (f"\n{name}, from the server's /metrics over the run: "
                      + ", ".join(f"{field}={summary[field]}"
@@ -76,10 +80,10 @@ def report(results: dict[str, dict[str, Any]]) -> str:
 
 # summary fields only the engine's trace can fill: None from the client's side
 ENGINE_ONLY = ("num_steps", "preemptions", "discarded_tokens", "recomputed_tokens",
-               "evicted_pages", "dead_slot_steps", "mean_batch_size", "output_tokens_per_step",
-               "decode_tokens_per_s", "host_time_fraction", "cached_prompt_tokens",
-               "prefill_tokens", "decode_tokens", "decode_rows", "mixed_steps", "draft_tokens",
-               "accepted_draft_tokens")
+               "evicted_pages", "swapped_out_pages", "swapped_in_pages", "dead_slot_steps",
+               "mean_batch_size", "output_tokens_per_step", "decode_tokens_per_s",
+               "host_time_fraction", "cached_prompt_tokens", "prefill_tokens", "decode_tokens",
+               "decode_rows", "mixed_steps", "draft_tokens", "accepted_draft_tokens")
 
 
 # counters a server's Prometheus /metrics may have -> the summary field their growth over a run
@@ -89,7 +93,9 @@ SERVER_COUNTERS = {"minicb_steps_total": "num_steps",
                    "vllm:num_preemptions_total": "preemptions",
                    "minicb_preemption_discarded_tokens_total": "discarded_tokens",
                    "minicb_preemption_recomputed_tokens_total": "recomputed_tokens",
-                   "minicb_kv_pages_evicted_total": "evicted_pages"}
+                   "minicb_kv_pages_evicted_total": "evicted_pages",
+                   "minicb_kv_pages_swapped_out_total": "swapped_out_pages",
+                   "minicb_kv_pages_swapped_in_total": "swapped_in_pages"}
 
 
 def server_counters(endpoint: str) -> dict[str, float]:
@@ -149,6 +155,16 @@ def _server_error(status: int, body: str) -> str:
     return f"HTTP {status}: {message or body.strip()[:200]}"
 
 
+def _is_rejection(status: int, body: str) -> bool:
+    """minicb's 503 with code cache_full: its KV cache could not take the prompt
+    (`reject_when_full`, chapter 06). A rejection the contract counts, not a failure."""
+    try:
+        error = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        return False
+    return status == 503 and isinstance(error, dict) and error.get("code") == "cache_full"
+
+
 def error_reasons(records: Sequence[RequestRecord]) -> dict[str, int]:
     """Why the failed requests failed: each distinct message and how many it ended."""
     return dict(Counter(r.error or "unknown" for r in records if r.finish_reason == "error"))
@@ -194,7 +210,8 @@ async def _send(client: httpx.AsyncClient, url: str, payload: dict, request_id: 
                                  headers={"X-Request-Id": request_id}) as resp:
             if resp.status_code != 200:
                 body = (await resp.aread()).decode(errors="replace")
-                finish, error = "error", _server_error(resp.status_code, body)
+                finish, error = ("rejected", None) if _is_rejection(resp.status_code, body) \
+                    else ("error", _server_error(resp.status_code, body))
             else:
                 async for line in resp.aiter_lines():
                     if not line.startswith("data:"):
@@ -314,11 +331,11 @@ def bench_endpoint(endpoint: str, workload: Any, label: str | None = None,
     "records"}` in the results schema of `python -m minicb bench` (chapter 06). The summary is
     `minicb.metrics.summarize` over the client's records (no trace: step metrics are None, and so
     is the queue age, which the client cannot see, and so are the fields in `ENGINE_ONLY`:
-    preemptions, steps, evictions, except those the server's /metrics counts (`SERVER_COUNTERS`:
-    their growth over the run, named in `from_server_metrics`); without an SLO no goodput, as in
-    bench), with
-    `error_reasons`: each failed request's reason in the server's words, and how many. `omit`:
-    trace fields not to send, as in `run_client`."""
+    preemptions, steps, evictions, swapped pages, except those the server's /metrics counts
+    (`SERVER_COUNTERS`: their growth over the run, named in `from_server_metrics`); without an
+    SLO no goodput, as in bench), with `error_reasons`: each failed request's reason in the
+    server's words, and how many (a 503 cache_full is no failure: `rejected` counts it).
+    `omit`: trace fields not to send, as in `run_client`."""
     try:
         if model is None:
             listing = httpx.get(models_url(endpoint), timeout=10.0)

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 import httpx
 import numpy as np
 import pytest
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from minicb import LLM, Engine, SamplingParams, bench, client, metrics
@@ -776,7 +776,9 @@ def test_bench_endpoint_reads_memory_pressure_from_the_servers_metrics(tiny_mode
     assert summary["mean_batch_size"] is None  # not a counter any server exports
     assert "warm-up request included" in data["declaration"]["server_metrics"]
     assert summary["from_server_metrics"] == ["num_steps", "preemptions", "discarded_tokens",
-                                              "recomputed_tokens", "evicted_pages"]
+                                              "recomputed_tokens", "evicted_pages",
+                                              "swapped_out_pages", "swapped_in_pages"]
+    assert summary["swapped_out_pages"] == summary["swapped_in_pages"] == 0  # recompute
     assert (f"tiny, from the server's /metrics over the run: num_steps={steps}, "
             f"preemptions={summary['preemptions']}") in client.report(data["results"])
 
@@ -1146,7 +1148,7 @@ def test_a_full_cache_answers_503_streamed_or_not_and_the_server_keeps_serving(t
 def test_swapped_pages_are_counted_in_metrics_as_the_trace_sums(tiny_model):
     """preemption_mode="swap": a pool too small for four requests preempts, and the victims'
     K/V goes to host pages and back; /metrics counts the pages each way as the engine's trace
-    does, and its swap gauges show the space."""
+    does (and bench --endpoint reads them there), and its swap gauges show the space."""
     async def burst(url):
         async with httpx.AsyncClient(timeout=TIMEOUT) as http:
             body = {"prompt": list(range(3, 23)), "max_tokens": 40, **GREEDY}
@@ -1161,11 +1163,46 @@ def test_swapped_pages_are_counted_in_metrics_as_the_trace_sums(tiny_model):
                                        for r in e.trace]).result(10)
         values = dict(line.rsplit(" ", 1) for line in httpx.get(
             url + "/metrics", timeout=TIMEOUT).text.splitlines() if not line.startswith("#"))
+        counters = client.server_counters(url)
     swapped_out, swapped_in = sum(o for o, _ in trace), sum(i for _, i in trace)
     assert swapped_out > 0 and swapped_in == swapped_out  # every victim came back
     assert int(values["minicb_kv_pages_swapped_out_total"]) == swapped_out
     assert int(values["minicb_kv_pages_swapped_in_total"]) == swapped_in
+    assert (counters["swapped_out_pages"], counters["swapped_in_pages"]) == (swapped_out,
+                                                                             swapped_in)
     assert values["minicb_kv_swap_pages_total"] == values["minicb_kv_swap_pages_free"] == "6"
+
+
+def test_the_client_counts_a_503_cache_full_as_rejected_not_as_an_error():
+    """A server whose KV cache is full answers 503 cache_full: the client's record finishes as
+    rejected (summarize counts it there, not among the errors) and the report says so; any
+    other 503 stays an error, in the server's words."""
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def answer(request: Request):
+        code = {"req-0": "cache_full", "req-1": None}.get(request.headers.get("x-request-id"),
+                                                            "served")
+        if code == "served":
+            return StreamingResponse(iter([
+                'data: {"choices": [{"index": 0, "text": "a", "token_ids": [5], '
+                '"finish_reason": "length"}]}\n\n', "data: [DONE]\n\n"]),
+                media_type="text/event-stream")
+        return JSONResponse({"error": {"message": "busy", "type": "server_error",
+                                       "param": None, "code": code}}, status_code=503)
+
+    workload = make_workload(3, prompt_lengths="fixed:4", output_lengths="fixed:1", seed=0)
+    with ServerThread(app) as url:
+        data = bench_endpoint(url, workload, label="x", model="x", vocab_size=256)
+    records = {r["request_id"]: r for r in data["records"]}
+    assert [records[f"req-{i}"]["finish_reason"] for i in range(3)] == [
+        "rejected", "error", "length"]
+    assert records["req-0"]["error"] is None
+    summary = data["results"]["x"]
+    assert (summary["rejected"], summary["errors"], summary["completed"]) == (1, 1, 1)
+    assert summary["error_reasons"] == {"HTTP 503: busy": 1}
+    assert summary["swapped_out_pages"] is None  # engine-only, and this server has no /metrics
+    assert "x: 1 rejected (HTTP 503 cache_full" in client.report(data["results"])
 
 
 def test_serve_cli_passes_the_full_cache_answers_to_the_engine(tiny_llama_dir, monkeypatch,
