@@ -201,8 +201,9 @@ print(report({"minicb pd (client side)": summary}))  # the table, then p50/p95/p
 # both servers the same one, and declare it: chapter 06 shows a closed loop hiding an overload.)
 # The server also exports Prometheus metrics at `/metrics` (its latency histograms use vLLM's
 # bucket edges), among them what the contract asks to watch when the KV cache runs full:
-# preemptions, the work they lost and how much was computed again, evicted prefix pages, and
-# the queue age:
+# preemptions, the work they lost and how much was computed again, evicted prefix pages, pages
+# swapped to host memory and back (`--preemption-mode swap`), requests rejected with a 503
+# (`--reject-when-full`), and the queue age:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
