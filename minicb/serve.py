@@ -226,9 +226,9 @@ class EngineWorker:
                    s["pages_cached"]),
                   ("kv_pages_total", "KV pages in the pool.", s["pages_total"]),
                   ("kv_swap_pages_free", "Host memory pages free to hold swapped-out K/V.",
-                   s["swap_pages_free"]),
+                   s.get("swap_pages_free", 0)),  # stats() lists them only with a swap space
                   ("kv_swap_pages_total", "Host memory pages of swap space (0: preemption "
-                   "mode recompute).", s["swap_pages_total"]),
+                   "mode recompute).", s.get("swap_pages_total", 0)),
                   ("oldest_waiting_seconds", "Queue age: how long the longest-waiting request "
                    "not yet scheduled had waited, after the last step.", self.oldest_waiting_s)]
         out = [f"# minicb model={model_name}"]
