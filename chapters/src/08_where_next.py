@@ -53,6 +53,8 @@ for f in fields(EngineConfig):
 # | `num_pages` / `gpu_memory_utilization` | `gpu_memory_utilization`, `num_gpu_blocks_override` | `mem_fraction_static` | the size of the KV pool (ch. 07) |
 # | `preemption="newest"` (recompute) | preemption by recompute (V1; the older engine also had `preemption_mode="swap"`) | retracting decode requests, recomputed later | what happens when pages run out (ch. 06) |
 # | `max_preemptions` | (none) | (none) | how often one request may be preempted; 0 reserves each request's whole life (ch. 06) |
+# | `preemption_mode="swap"`, `num_swap_pages` | `preemption_mode="swap"` with `swap_space` (GiB) in the older engine; V1 recomputes | (none: retracted requests are recomputed) | a victim's K/V copied to host memory and back instead of recomputed (ch. 06) |
+# | `reject_when_full` | (none) | (none) | turn an arrival away (HTTP 503) when the free pages cannot take its prompt (ch. 06) |
 # | `preemption="priority"`, `priority=` per request | `scheduling_policy="priority"`, `priority=` per request | `--enable-priority-scheduling` with `priority` per request; `schedule_policy` (`fcfs`, `lpm` longest prefix match, …) orders the queue | who waits and who is preempted (ch. 06) |
 # | `num_speculative_tokens`, `prompt_lookup_max`, `prompt_lookup_min` (section 5) | `speculative_config={"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": …, "prompt_lookup_min": …}` | n-gram speculation (see its docs for the flags) | guessed tokens a decode step may check (ch. 08) |
 # | `use_cuda_graphs` (decode-only steps, buckets of 1–64 requests) | on unless `enforce_eager`; capture sizes configurable, mixed steps too | on unless `disable_cuda_graph`; `cuda_graph_max_bs` | steps replayed as CUDA graphs (ch. 07) |
@@ -665,8 +667,9 @@ print("same tokens:", batch_runs[0] == batch_runs[4])
 # policy (round robin, least loaded, or prefix-aware so that shared prompts land where their
 # pages are cached) is chapter 06's benchmark problem again, one level up.
 #
-# **Memory**: KV cache quantisation (fp8 pages: twice the requests per GPU), swapping preempted
-# requests' pages to host memory instead of recomputing them, sliding-window attention (pages
+# **Memory**: KV cache quantisation (fp8 pages: twice the requests per GPU), a host-memory
+# tier for cached prefix pages (evicted pages copied out, as chapter 06's swap copies a
+# victim's, and reused from there instead of recomputed), sliding-window attention (pages
 # that fall out of the window go back to the pool).
 #
 # For each: write down what you expect to improve (which percentile of which metric, at which
