@@ -57,6 +57,7 @@ from minicb.sim import (
     SimClock,
     SimModel,
     fit_cost_model_runs,
+    measure_swap_cost,
     sim_model_info,
 )
 from minicb.workload import (
@@ -1802,6 +1803,12 @@ def run_profile(model: str = "smollm2-135m", device: str = "cpu", num_requests: 
         free_device_memory(device)
     name = f"{executor.describe()['name']} on {platform.node() or 'this machine'} ({device})"
     cost = fit_cost_model_runs(runs, target=target, name=name)
+    model, info = executor.pair  # the K/V pages are in the activations' dtype
+    cost.s = measure_swap_cost(info.config.num_layers, info.config.num_kv_heads,
+                               info.config.head_dim, dtype=model.embed_tokens.weight.dtype,
+                               device=device)
+    cost.fit["swap"] = ("s: sim.measure_swap_cost, 32 scattered pages out and in, median of 9, "
+                        f"{datetime.date.today().isoformat()}")
     cpu = platform.processor() or platform.machine()
     cost.source = (f"fitted by `python -m minicb profile` on {cpu}, {os.cpu_count()} CPUs, "
                    f"torch threads {_threads()}, device {device}, "
@@ -1830,7 +1837,7 @@ def main_profile(argv: list[str] | None = None) -> int:
     print(f"cost model ({cost.fit['target']}), fitted on {cost.fit['num_steps']} steps, "
           f"R^2 = {cost.fit['r2']:.3f}, mean |error| = {1e3 * cost.fit['mean_abs_error_s']:.2f} "
           f"ms of a mean step of {1e3 * cost.fit['mean_step_s']:.2f} ms")
-    for key in ("a", "b", "c", "d", "e"):
+    for key in ("a", "b", "c", "d", "e", "s"):
         print(f"  {key} = {getattr(cost, key):.3e}")
     print(f"wrote {cost.save(args.out)}")
     return 0

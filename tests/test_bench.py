@@ -703,6 +703,7 @@ def test_profile_fits_and_the_fit_drives_the_simulator(tiny_llama_dir, tmp_path)
     assert code == 0
     cost = CostModel.load(str(out))
     assert cost.a > 0 and cost.fit["num_steps"] > 5 and "profile" in cost.source
+    assert 0 < cost.s < 1e-2 and "measure_swap_cost" in cost.fit["swap"]  # measured, saved
     engine = make_sim_engine(cost, policy="pd")
     run_workload(engine, get_workload("seed-r1-r4"))
     assert engine.clock() > 0
