@@ -216,6 +216,24 @@ def test_engine_tokens_match_torch_backend(tiny_llama_dir, policy):
     assert results["triton"] == results["torch"]
 
 
+def test_swap_on_the_device_returns_the_tokens_of_a_roomy_pool(tiny_llama_dir):
+    """Swap through the kernels on the test device (on a GPU: device pages copied to host
+    memory and back, decode steps replayed as CUDA graphs over the same pool): a pool too small
+    for three requests swaps, discards nothing, and returns the tokens a roomy pool gives."""
+    from minicb import LLM, SamplingParams, metrics
+    prompts = [[(5 * i + j) % 90 + 3 for j in range(20)] for i in range(3)]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    kw = dict(policy="pd", page_size=16, max_num_seqs=3, attention_backend="triton",
+              device=DEVICE, dtype="float32", check_invariants=True)
+    roomy = LLM(str(tiny_llama_dir), num_pages=32, **kw)
+    tight = LLM(str(tiny_llama_dir), num_pages=6, preemption_mode="swap", **kw)
+    want = [o.token_ids for o in roomy.generate(prompts, params)]
+    got = [o.token_ids for o in tight.generate(prompts, params)]
+    s = metrics.summarize(tight.engine.trace, tight.engine.request_records())
+    assert s["swapped_out_pages"] == s["swapped_in_pages"] > 0 and s["discarded_tokens"] == 0
+    assert got == want
+
+
 def test_min_tokens_bans_stop_tokens_on_the_device(tiny_llama_dir):
     """A request short of its min_tokens has its stop tokens banned in the logits, on the
     logits' device (on a GPU a CPU index there failed every member of the step)."""

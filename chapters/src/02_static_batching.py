@@ -313,6 +313,37 @@ viz.step_through(static)
 # 55.6 output tokens/s where minicb's `static` produced 187.8 (`bench/README.md`), though padding
 # is only part of that gap; the rest is each library's own cost per step.
 #
+# What would the padded rows cost here? Chapter 06's step-cost model, fitted on this course's
+# CPU (`bench/cost_model_cpu.json`), prices a step from its shape: a fixed cost, so much per
+# prefill token, per decode row, per token of context read. Price the run above as minicb ran
+# it, then again with every idle slot-step computed as a padded row would be: one more decode
+# row, reading its request's context, which keeps growing since a padded row keeps producing
+# tokens nobody reads.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from minicb.sim import CostModel, step_features
+
+cpu_cost = CostModel.load("cpu")
+as_run = cpu_cost.predict_features(step_features(static.trace, records.values())).sum()
+idle_rows = idle_context = 0
+for rec in static.trace:
+    for m in rec.members:
+        if m.kind == "idle":
+            r = records[m.request_id]
+            idle_rows += 1
+            idle_context += r.num_prompt_tokens + r.num_output_tokens + rec.step - r.finish_step
+padded = as_run + cpu_cost.c * idle_rows + cpu_cost.d * idle_context
+print(f"as minicb ran it: {as_run:.2f} s (modelled)")
+print(f"with {idle_rows} padded rows computed: {padded:.2f} s, {padded / as_run - 1:.0%} more, "
+      f"for no token anyone reads")
+
+# %% [markdown]
+# About a tenth more time for nothing, on top of the slots held: the compute the seed's
+# "无实际意义的重复计算" (meaningless recomputation) costs in this example. The figure is the cost
+# model's (chapter 06 shows how it is fitted and how well it predicts), not a run of a padded
+# server.
+#
 # ## 3. Request-level dynamic batching
 #
 # Static batching has a second knob to turn: **when** to form a batch. Forming one as soon as any
@@ -400,7 +431,8 @@ print(f"R1/R2/R3:      {metrics.dead_slot_steps(static.trace)} dead slot-steps")
 #   88), and the page pool is nearly empty.
 # - A static batch starts together and ends with its slowest member. In the R1/R2/R3 example that
 #   is 170 dead slot-steps for R1 and 120 for R3, half the batch's capacity, and R4 waiting from
-#   step 31 to step 201.
+#   step 31 to step 201. minicb's idle slots cost no compute; a padded server's would, 11% more
+#   time here by the CPU's step-cost model.
 # - Request-level dynamic batching only decides when a batch forms (`max_num_seqs` waiting, or
 #   `batch_timeout`); the batch is still static. Waiting for a full batch with no timeout left
 #   the fifth request waiting 1,000 steps: the timeout is the promise to a lone request.
