@@ -36,7 +36,7 @@
 # | **03** continuous batching | 1.3, 2.3, 2.5 | Iteration-level Scheduling, the four phases of a step, R4 taking R1's 槽位 slot at step 31, which workloads gain |
 # | **04** chunked prefill | 2.4, 3 (problem one, two) | a long prompt blocking every decode; chunks; prefill-first still starving decodes |
 # | **05** PD interleaving | 3 | the decode-first token budget, mixed `[B_dec, 1]` + `[1, N_chunk]` batches, dec@P and short_P |
-# | **06** benchmarking like production | the benchmark contract | arrival processes, percentiles, goodput at an SLO, how long a run must be, preemption and a bound on its loss, cancellation, fairness, priority, deadlines and tenants, a sweep and a replayed trace |
+# | **06** benchmarking like production | the benchmark contract | arrival processes, percentiles, goodput at an SLO, how long a run must be, every answer to a full cache (wait, reserve, evict, preempt and recompute, swap, reject) and a bound on preemption loss, cancellation, fairness, priority, deadlines and tenants, a sweep and a replayed trace |
 # | **07** GPU kernels | | paged attention, the KV store, fused RMSNorm and RoPE in Triton, checked on the CPU in Triton's interpreter |
 # | **08** where next | | minicb's knobs beside vLLM's and SGLang's, serving, a C decode-attention kernel built and measured, speculative decoding by prompt lookup |
 #
