@@ -452,6 +452,7 @@ class Engine:
         sampled: list[str] = []
         finished: list[str] = []
         speculated: dict[str, tuple[int, int]] = {}
+        recomputed = 0
         if items:
             try:
                 t0 = self._now()
@@ -476,8 +477,10 @@ class Engine:
                 start = req.num_computed_tokens
                 req.num_computed_tokens += num_tokens - len(drafts.get(req.request_id, ()))
                 # K/V a preemption threw away that the prefix index did not give back (ch. 06)
-                req.num_recomputed_tokens += max(0, min(req.num_computed_tokens,
-                                                        req.num_tokens_before_preemption) - start)
+                redone = max(0, min(req.num_computed_tokens,
+                                    req.num_tokens_before_preemption) - start)
+                req.num_recomputed_tokens += redone
+                recomputed += redone
                 if req.num_computed_tokens <= req.num_prompt_tokens:
                     self.pool.register_prompt_pages(req.prompt_token_ids, req.page_table,
                                                     req.num_computed_tokens, req.page_hashes)
@@ -507,7 +510,8 @@ class Engine:
             t_forward=t_forward, pages_total=self.pool.num_pages,
             num_waiting=len(self.waiting), snapshots=self.config.trace_snapshots,
             pages_evicted=self.pool.num_evicted - evicted_before, speculated=speculated,
-            pages_swapped_out=swapped_out, pages_swapped_in=swapped_in)
+            pages_swapped_out=swapped_out, pages_swapped_in=swapped_in,
+            tokens_discarded=ctx.batch.num_discarded_tokens, tokens_recomputed=recomputed)
         if self.config.trace_snapshots:
             record.waiting = [r.request_id for r in self.waiting]
             record.page_tables = {r.request_id: list(r.page_table) for r in self.running}

@@ -36,6 +36,7 @@ class ScheduledBatch:
     idle: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     swapped: list[Request] = field(default_factory=list)  # of `preempted`, those kept on host
+    num_discarded_tokens: int = 0  # computed K/V the others' preemptions threw away
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
 
@@ -200,6 +201,7 @@ class SchedulerContext:
             req.status = Status.SWAPPED
         else:
             req.num_discarded_tokens += req.num_computed_tokens
+            self.batch.num_discarded_tokens += req.num_computed_tokens
             req.num_tokens_before_preemption = max(req.num_tokens_before_preemption,
                                                    req.num_computed_tokens)
             req.num_computed_tokens = 0

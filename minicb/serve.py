@@ -158,8 +158,6 @@ class EngineWorker:
                                 discarded_tokens=0, recomputed_tokens=0, evicted_pages=0,
                                 swapped_out_pages=0, swapped_in_pages=0)
         self.oldest_waiting_s = 0.0  # queue age of the longest-waiting unscheduled request
-        # preempted requests' (discarded, recomputed) tokens as last counted, for the deltas
-        self._lost_work_seen: dict[str, tuple[int, int]] = {}
         self.snapshot: dict[str, int] = dict(engine.stats())
         self.last_error: str | None = None
 
@@ -455,6 +453,8 @@ class EngineWorker:
             self.counters["steps"] += 1
             self.counters["preemptions"] += len(record.preempted)
             self.counters["evicted_pages"] += record.pages_evicted
+            self.counters["discarded_tokens"] += record.tokens_discarded
+            self.counters["recomputed_tokens"] += record.tokens_recomputed
             self.counters["swapped_out_pages"] += record.pages_swapped_out
             self.counters["swapped_in_pages"] += record.pages_swapped_in
             for rid in record.sampled:
@@ -467,26 +467,12 @@ class EngineWorker:
                     self.ttft.observe(m.first_token_time - m.arrival_time)
                 else:  # one gap per delivery, since the last step that gave it tokens
                     self.itl.observe(m.token_times[-1] - m.token_times[-new - 1])
-            self._count_lost_work(record)
-
-    def _count_lost_work(self, record: Any) -> None:
-        """Add what preemption cost this step (chapter 06): the growth of each preempted
-        request's discarded and recomputed counts since they were last counted."""
-        for rid in dict.fromkeys(record.preempted + [m.request_id for m in record.members]):
-            req = self.engine.requests.get(rid)
-            if req is None or not req.num_preemptions:
-                continue
-            discarded, recomputed = self._lost_work_seen.get(rid, (0, 0))
-            self.counters["discarded_tokens"] += req.num_discarded_tokens - discarded
-            self.counters["recomputed_tokens"] += req.num_recomputed_tokens - recomputed
-            self._lost_work_seen[rid] = (req.num_discarded_tokens, req.num_recomputed_tokens)
 
     def _retire(self, record: Any) -> None:
         """Count a step's finished requests by reason, and bound the trace and the records."""
         engine = self.engine
         with self._lock:
             for rid in record.finished:  # every `_cancel` and rejection was counted already
-                self._lost_work_seen.pop(rid, None)
                 if rid in self._counted_early:
                     self._counted_early.discard(rid)
                 elif rid in engine.requests:

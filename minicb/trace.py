@@ -42,6 +42,8 @@ class StepRecord:
     pages_swapped_in: int = 0  # pages copied back from host memory (chapter 06)
     swapped: list[str] = field(default_factory=list)  # of `preempted`, those whose K/V was
     # copied to host memory (preemption_mode="swap"); the others will be recomputed
+    tokens_discarded: int = 0  # computed K/V this step's preemptions threw away (lost work)
+    tokens_recomputed: int = 0  # of the members' tokens, ones computed before a preemption
     # speculative decoding (chapter 08): decode member id -> (tokens guessed, guesses the model
     # kept); the member's num_tokens counts its last token and every guess
     speculated: dict[str, tuple[int, int]] = field(default_factory=dict)

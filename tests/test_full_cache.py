@@ -345,3 +345,19 @@ def test_step_features_keep_a_swapped_requests_context(num_swap_pages):
     predicted = cost.predict_features(step_features(engine.trace, engine.request_records()))
     forward = np.array([rec.t_forward for rec in engine.trace])
     assert np.allclose(forward, predicted, rtol=1e-9, atol=1e-15)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_per_step_lost_work_adds_up_to_the_requests_counts(make_engine, mode):
+    """Each step records the K/V its preemptions threw away and the tokens it computed again
+    (what serve's /metrics counters add up), and over the run they equal the requests' own
+    counts; with a swap space large enough for every victim both are 0."""
+    options = dict(preemption_mode="swap", num_swap_pages=64) if mode == "swap" else {}
+    engine, same = tight_run(make_engine, **options)
+    records = engine.request_records()
+    discarded = sum(rec.tokens_discarded for rec in engine.trace)
+    recomputed = sum(rec.tokens_recomputed for rec in engine.trace)
+    assert same and sum(r.num_preemptions for r in records) > 0
+    assert discarded == sum(r.num_discarded_tokens for r in records)
+    assert recomputed == sum(r.num_recomputed_tokens for r in records)
+    assert (discarded > recomputed > 0) if mode == "recompute" else discarded == recomputed == 0

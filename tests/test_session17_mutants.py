@@ -44,8 +44,7 @@ def drive(engine, worker, added=None):
 def test_oldest_wait_is_the_oldest_unscheduled_request_and_preempted_ones_do_not_count():
     """Planted: the gauge took the newest waiter (`max` of arrival times for `min`), counted a
     preempted request's wait since its first arrival (the first_scheduled_time filter dropped:
-    b, preempted at step 7, arrived before c and d), and showed milliseconds in /metrics.
-    Also: the worker forgets a preempted request's last counts when it finishes."""
+    b, preempted at step 7, arrived before c and d), and showed milliseconds in /metrics."""
     engine = make_sim_engine(policy="continuous", num_pages=4, max_num_seqs=2)
     worker = EngineWorker(engine)  # not started: its per-step counting is driven here
     long = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
@@ -63,7 +62,6 @@ def test_oldest_wait_is_the_oldest_unscheduled_request_and_preempted_ones_do_not
             shown = metric_values(worker.metrics_text("sim"))["minicb_oldest_waiting_seconds"]
             assert shown == pytest.approx(worker.oldest_waiting_s)
     assert checked > 5 and engine.requests["b"].num_preemptions == 1
-    assert worker._lost_work_seen == {}  # each entry dropped when its request finished
 
 
 def test_evicted_pages_count_every_page_a_step_evicts():
