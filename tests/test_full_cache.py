@@ -1,8 +1,6 @@
 """Answers to a full KV cache beyond preempt-and-recompute (chapter 06): swap (a victim's K/V
 copied to host memory and back, `preemption_mode="swap"`) and reject (`reject_when_full`)."""
 
-import random
-
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -13,7 +11,7 @@ from minicb.config import POLICIES
 from minicb.kv_cache import PagePool
 from minicb.request import SamplingParams, Status
 from minicb.sim import CostModel, make_sim_engine
-from tests.tiny_models import run_beside_single
+from tests.tiny_models import random_jobs, run_beside_single
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -176,18 +174,11 @@ def test_swap_under_every_policy_returns_single_tokens(make_engine, policy, work
     """Random workloads in 14 pages of 4, swap space of 2, 5 or 14 pages: swap-outs and
     swap-ins in the same step, fallbacks to recompute, prefix sharing: every request returns
     the single-request tokens, the invariants hold every step, nothing leaks on either side."""
-    rng = random.Random(seed)
     engine = make_engine(policy, max_num_seqs=3, max_num_batched_tokens=16, chunk_size=8,
                          page_size=4, num_pages=14, preemption_mode="swap",
                          num_swap_pages=num_swap_pages)
     reference = make_engine("single", page_size=4, num_pages=64)
-    jobs = []
-    for prompt_len, max_tokens, arrival in workload:
-        prompt = [rng.randrange(3, 250) for _ in range(prompt_len)]
-        if rng.random() < 0.3 and jobs:  # share a prefix with an earlier prompt
-            prompt = jobs[-1][0][:prompt_len] + prompt[len(jobs[-1][0][:prompt_len]):]
-        jobs.append((prompt, SamplingParams(max_tokens=max_tokens, **GREEDY), arrival))
-    run_beside_single(engine, reference, jobs)
+    run_beside_single(engine, reference, random_jobs(workload, seed, GREEDY))
     assert engine.pool.num_used == 0
     assert len(engine.pool.swap_free) == engine.pool.num_swap_pages == (num_swap_pages or 14)
 

@@ -6,7 +6,7 @@ import random
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tiny_models import run_beside_single
+from tiny_models import random_jobs, run_beside_single
 
 from minicb import SamplingParams, metrics
 from minicb.config import POLICIES
@@ -242,18 +242,11 @@ workloads = st.lists(st.tuples(st.integers(1, 40), st.integers(1, 12), st.intege
 def test_every_policy_returns_single_tokens(make_engine, tiny_model, policy, workload, seed,
                                            num_pages):
     """Batching never changes results, steps respect every limit, nothing leaks."""
-    rng = random.Random(seed)
     cfg = dict(max_num_seqs=3, max_num_batched_tokens=16, chunk_size=8, page_size=4,
                num_pages=num_pages)
     engine = make_engine(policy, **cfg)
     reference = make_engine("single", page_size=4, num_pages=64)
-    jobs = []
-    for prompt_len, max_tokens, arrival in workload:
-        prompt = [rng.randrange(3, 250) for _ in range(prompt_len)]
-        if rng.random() < 0.3 and jobs:  # share a prefix with an earlier prompt
-            prompt = jobs[-1][0][:prompt_len] + prompt[len(jobs[-1][0][:prompt_len]):]
-        jobs.append((prompt, SamplingParams(max_tokens=max_tokens, **GREEDY), arrival))
-    ids = run_beside_single(engine, reference, jobs)
+    ids = run_beside_single(engine, reference, random_jobs(workload, seed, GREEDY))
     assert all(engine.requests[i].finish_reason in ("stop", "length") for i in ids)
     for rec in engine.trace:
         assert len(rec.members) <= cfg["max_num_seqs"]

@@ -62,6 +62,23 @@ def save_random_checkpoint(config, path: str | Path, seed: int = 0) -> Path:
     return Path(path)
 
 
+def random_jobs(workload: list[tuple[int, int, int]], seed: int, params: dict) -> list[tuple]:
+    """(prompt, SamplingParams, arrival_step) for each (prompt length, max_tokens, arrival) of a
+    hypothesis workload: random token ids, three in ten sharing a prefix with the prompt before
+    (so prefix-cache pages are shared too). `params`: the other SamplingParams fields."""
+    import random
+
+    from minicb import SamplingParams
+    rng = random.Random(seed)
+    jobs: list[tuple] = []
+    for prompt_len, max_tokens, arrival in workload:
+        prompt = [rng.randrange(3, 250) for _ in range(prompt_len)]
+        if rng.random() < 0.3 and jobs:  # share a prefix with an earlier prompt
+            prompt = jobs[-1][0][:prompt_len] + prompt[len(jobs[-1][0][:prompt_len]):]
+        jobs.append((prompt, SamplingParams(max_tokens=max_tokens, **params), arrival))
+    return jobs
+
+
 def run_beside_single(engine, reference, jobs: list[tuple]) -> list[str]:
     """Add `jobs` [(prompt, params, arrival_step)] to `engine` and, arriving at once, to a
     `single` `reference`; run both and check that every request got the same tokens (batching,
