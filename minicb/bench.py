@@ -667,16 +667,25 @@ def output_tokens(engine: Any) -> dict[str, list[int]]:
 
 
 def same_tokens(reference: dict[str, list[int]], tokens: dict[str, list[int]] | None,
-                name: str) -> dict[str, Any]:
+                name: str, rejected: set[str] | frozenset[str] = frozenset()) -> dict[str, Any]:
     """Compare greedy outputs request by request with `reference` (those of run `name`); with
     `tokens` None (a simulated run, which makes no real tokens) say it was not checked
-    (chapter 06)."""
+    (chapter 06). Requests in `rejected` (turned away by either run, `reject_when_full`) have
+    no tokens to compare: they are listed, not compared; any other missing request differs."""
     if tokens is None:
         return {"policy": name, "checked": False,
                 "note": "not checked (simulated: no model ran, so no real tokens)"}
-    return {"policy": name, "checked": True, "requests": len(reference),
-            "differing_requests": [rid for rid in reference
-                                   if tokens.get(rid) != reference[rid]]}
+    compared = [rid for rid in reference if rid not in rejected]
+    out = {"policy": name, "checked": True, "requests": len(compared),
+           "differing_requests": [rid for rid in compared if tokens.get(rid) != reference[rid]]}
+    if rejected:
+        out["rejected_not_compared"] = sorted(rejected)
+    return out
+
+
+def rejected_ids(engine: Any) -> set[str]:
+    """Requests the engine turned away (`reject_when_full`, chapter 06)."""
+    return {rid for rid, req in engine.requests.items() if req.finish_reason == "rejected"}
 
 
 def cancellations_honoured(engine: Any, workload: Workload) -> bool:
@@ -709,7 +718,10 @@ def quality_lines(results: dict[str, Any]) -> list[str]:
             continue
         ref, total = first["policy"], first["requests"]
         same = [n for n, c in checks.items() if not c["differing_requests"]]
-        parts = [f"{', '.join(same)} identical to {ref} on all {total} requests"] if same else []
+        both = " both served" if any("rejected_not_compared" in c for c in checks.values()) \
+            else ""
+        parts = [f"{', '.join(same)} identical to {ref} on all {total} requests{both}"] \
+            if same else []
         for name, check in checks.items():
             ids = check["differing_requests"]
             if ids:
@@ -1224,6 +1236,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         print(f"[{SIMULATED_NOTE}: {executor.cost.name}]", file=sys.stderr)
     results: dict[str, Any] = {}
     reference: dict[str, list[int]] = {}  # the first policy's greedy tokens, for the others
+    reference_rejected: set[str] = set()  # and the requests it turned away (none to compare)
     for policy in policies:
         engine = None  # the last policy's engine and its pool, before the next is sized
         free_device_memory(device)
@@ -1231,9 +1244,10 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                                      warmup, args.max_concurrency)
         tokens = None if executor.simulated else output_tokens(engine)
         if policy == policies[0]:
-            reference = tokens or {}
+            reference, reference_rejected = tokens or {}, rejected_ids(engine)
         else:
-            summary["same_tokens_as"] = same_tokens(reference, tokens, policies[0])
+            summary["same_tokens_as"] = same_tokens(reference, tokens, policies[0],
+                                                    reference_rejected | rejected_ids(engine))
         if policy == "single" and not executor.simulated:
             summary["single_stream"] = measure_single_stream(executor)
         results[policy] = without_slo(summary, slo)
@@ -1260,7 +1274,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             try:
                 results[name] = without_slo(summarize_records([], fn(), slo), slo)
                 results[name]["same_tokens_as"] = same_tokens(reference, hf_tokens[name],
-                                                              policies[0])
+                                                              policies[0], reference_rejected)
             except Exception as exc:  # report, keep the other results
                 results[name] = {"error": f"{type(exc).__name__}: {exc}"}
                 print(f"{name} failed: {type(exc).__name__}: {exc}", file=sys.stderr)

@@ -992,6 +992,36 @@ def test_quality_lines_name_the_requests_that_differ():
         "(informative: other kernels can break near-ties)"]
 
 
+def test_a_rejected_request_is_listed_not_compared_and_a_lost_one_still_differs():
+    """reject_when_full leaves a request without tokens in one run: that is availability
+    (counted in `rejected`), not quality, so it is listed and left out; a request missing for
+    any other reason still differs."""
+    ref = {f"r{i}": [i, i + 1] for i in range(4)}
+    rejected_here = {**ref, "r1": []}
+    check = bench.same_tokens(ref, rejected_here, "pd", {"r1"})
+    assert check["differing_requests"] == [] and check["requests"] == 3
+    assert check["rejected_not_compared"] == ["r1"]
+    lost = {k: v for k, v in ref.items() if k != "r3"}
+    assert bench.same_tokens(ref, lost, "pd", {"r1"})["differing_requests"] == ["r3"]
+    assert "rejected_not_compared" not in bench.same_tokens(ref, ref, "pd")
+    lines = bench.quality_lines({"pd": {}, "chunked": {"same_tokens_as": check}})
+    assert lines == ["greedy tokens: chunked identical to pd on all 3 requests both served"]
+
+
+def test_bench_compares_policies_on_the_requests_both_served(tiny_llama_dir, tmp_path):
+    """Two policies under --reject-when-full on a small pool: the requests either turned away
+    are not reported as differing tokens."""
+    out = tmp_path / "r.json"
+    assert bench.main_bench(["--model", str(tiny_llama_dir), "--policy", "continuous,pd",
+                             "--num-pages", "8", "--page-size", "4", "--reject-when-full",
+                             "--out", str(out),
+                             *TINY]) == 0
+    results = json.loads(out.read_text())["results"]
+    check = results["pd"]["same_tokens_as"]
+    assert results["pd"]["rejected"] + results["continuous"]["rejected"] > 0
+    assert check["rejected_not_compared"] and check["differing_requests"] == []
+
+
 def test_bench_prints_every_latency_percentile_and_no_goodput_without_an_slo(tmp_path, capsys):
     """A second table gives p50/p95/p99 of queue, TTFT, TPOT, ITL and E2E; without an SLO
     goodput is '-' in the table and null in the JSON, with a note (it is not completed
