@@ -156,7 +156,9 @@ class TimelineData:
     """What `plot_timeline` and `render_text` draw. `cells[request][step]` is one of prefill,
     decode, idle (static batching's dead slot), stalled (running, holds its pages, but not
     scheduled: prefill-first chunking) or waiting; steps where the request is absent are
-    missing. `arrivals`/`finishes` give steps; `preemptions` lists steps per request."""
+    missing. `arrivals`/`finishes` give steps; `preemptions` lists steps per request, and
+    `swaps` those of them where its K/V went to host memory (preemption_mode="swap", chapter
+    06) instead of being thrown away."""
 
     requests: list[str]
     last_step: int
@@ -165,6 +167,7 @@ class TimelineData:
     arrivals: dict[str, int]
     finishes: dict[str, int]
     preemptions: dict[str, list[int]]
+    swaps: dict[str, list[int]] = field(default_factory=dict)
 
     def runs(self, request_id: str) -> list[tuple[int, int, str]]:
         """(first step, last step, state) for each run of equal states of one request."""
@@ -186,6 +189,7 @@ def timeline_data(trace: Any) -> TimelineData:
     tokens: dict[str, dict[int, int]] = defaultdict(dict)
     finishes: dict[str, int] = {}
     preemptions: dict[str, list[int]] = defaultdict(list)
+    swaps: dict[str, list[int]] = defaultdict(list)
 
     def see(rid: str, step: int) -> None:
         order.setdefault(rid, len(order))
@@ -208,6 +212,8 @@ def timeline_data(trace: Any) -> TimelineData:
         for rid in rec.preempted:
             see(rid, k)
             preemptions[rid].append(k)
+        for rid in rec.swapped:
+            swaps[rid].append(k)
         for rid in rec.finished:
             see(rid, k)
             finishes[rid] = k
@@ -215,7 +221,8 @@ def timeline_data(trace: Any) -> TimelineData:
     last = max((r.step for r in records), default=0)
     return TimelineData(requests, last, {r: dict(cells[r]) for r in requests},
                         {r: dict(tokens[r]) for r in requests}, arrivals, finishes,
-                        {r: preemptions[r] for r in requests if preemptions[r]})
+                        {r: preemptions[r] for r in requests if preemptions[r]},
+                        {r: swaps[r] for r in requests if swaps[r]})
 
 
 def _draw_timeline(ax: Axes, data: TimelineData, requests: list[str], legend: bool
@@ -247,12 +254,20 @@ def _draw_timeline(ax: Axes, data: TimelineData, requests: list[str], legend: bo
     if data.finishes:
         marks.append(Line2D([], [], marker="|", ls="", color="black", ms=16, mew=3,
                             label="finishes"))
-    pre = [(s - 0.5, row[r]) for r, steps in data.preemptions.items() for s in steps]
+    pre = [(s - 0.5, row[r]) for r, steps in data.preemptions.items() for s in steps
+           if s not in data.swaps.get(r, ())]
     if pre:
         ax.scatter(*zip(*pre), marker="X", s=110 * max(fit, 0.3) ** 2, color="#D55E00",
                    edgecolor="black", zorder=4)
         marks.append(Line2D([], [], marker="X", ls="", color="#D55E00", mec="black", ms=10,
-                            label="preempted"))
+                            label="preempted" if not data.swaps else
+                            "preempted (recomputed later)"))
+    swapped = [(s - 0.5, row[r]) for r, steps in data.swaps.items() for s in steps]
+    if swapped:  # a down arrow: its K/V went down to host memory, nothing thrown away
+        ax.scatter(*zip(*swapped), marker="v", s=110 * max(fit, 0.3) ** 2, color="#009E73",
+                   edgecolor="black", zorder=4)
+        marks.append(Line2D([], [], marker="v", ls="", color="#009E73", mec="black", ms=10,
+                            label="preempted (swapped to host)"))
     _request_ticks(ax, requests)
     ax.set_xlim(0, max(data.last_step, 1) + 0.5)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -702,12 +717,12 @@ def _nice_tick(span_steps: int, steps_per_col: int, min_chars: int) -> int:
 def render_text(trace: Any, width: int = 100, legend: bool = True) -> str:
     """The timeline as text (chapter 02's block diagram; `python -m minicb demo` prints it):
     █ decode, ▓ prefill, ░ idle slot, - running but not scheduled, · waiting, | finished,
-    x preempted. Wider than `width` characters, each column covers several steps (compute
-    shows over idling, prefill over decode, and a finish "|" goes in the column after the
-    last one computed) and the header says how many. The header is a ruler of elapsed steps,
-    like a time axis: label v sits where step v ends and step v + 1 begins, so it starts at 0,
-    and a request that finishes at step v shows its "|" under v (within a column when
-    compressed)."""
+    x preempted (v when swapped to host memory). Wider than `width` characters, each column
+    covers several steps (compute shows over idling, prefill over decode, and a finish "|"
+    goes in the column after the last one computed) and the header says how many. The header
+    is a ruler of elapsed steps, like a time axis: label v sits where step v ends and step
+    v + 1 begins, so it starts at 0, and a request that finishes at step v shows its "|" under
+    v (within a column when compressed)."""
     data = timeline_data(trace)
     if not data.requests:
         return "(empty trace)"
@@ -740,7 +755,7 @@ def render_text(trace: Any, width: int = 100, legend: bool = True) -> str:
                 best[c] = rank.get(state, 1)
                 chars[c] = GLYPHS.get(state, "█")
         for step in data.preemptions.get(rid, []):
-            chars[(step - 1) // per_col] = "x"
+            chars[(step - 1) // per_col] = "v" if step in data.swaps.get(rid, ()) else "x"
         if rid in data.finishes:
             c = min(data.finishes[rid] // per_col, ncols - 1)
             if chars[c] in (GLYPHS[PREFILL], GLYPHS[DECODE]) and c + 1 < ncols:
@@ -752,7 +767,8 @@ def render_text(trace: Any, width: int = 100, legend: bool = True) -> str:
     if legend:
         lines.append("")
         items = ["█ decode", "▓ prefill", "░ idle slot", "- running, not scheduled",
-                 "· waiting", "| finished", "x preempted"]
+                 "· waiting", "| finished", "x preempted"] + \
+            (["v swapped to host"] if data.swaps else [])
         line = ""
         for item in items:
             if line and len(line) + 2 + len(item) > width:

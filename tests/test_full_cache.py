@@ -352,3 +352,29 @@ def test_per_step_lost_work_adds_up_to_the_requests_counts(make_engine, mode):
     assert discarded == sum(r.num_discarded_tokens for r in records)
     assert recomputed == sum(r.num_recomputed_tokens for r in records)
     assert (discarded > recomputed > 0) if mode == "recompute" else discarded == recomputed == 0
+
+
+def test_pictures_tell_a_swap_from_a_recompute():
+    """The timeline marks a swapped victim with "v" (its K/V went to host memory) and a
+    recomputed one with "x"; a swapped victim comes back decoding, a recomputed one prefills
+    its tokens again."""
+    from minicb import viz
+    texts = {}
+    for mode in ("recompute", "swap"):
+        e = make_sim_engine(policy="pd", num_pages=6, page_size=4, max_num_seqs=3,
+                            preemption_mode=mode, enable_prefix_caching=False)
+        for i in range(3):
+            e.add_request([3 + i] * 6, SamplingParams(max_tokens=12, ignore_eos=True),
+                          request_id=f"r{i}")
+        e.run()
+        data = viz.timeline_data(e)
+        assert data.preemptions == {"r1": [8], "r2": [4]}
+        assert data.swaps == ({"r1": [8], "r2": [4]} if mode == "swap" else {})
+        after = [state for step, state in sorted(data.cells["r1"].items()) if step > 8
+                 and state != "waiting"]
+        assert after[0] == ("decode" if mode == "swap" else "prefill")
+        texts[mode] = viz.render_text(e, width=80)
+        labels = [h.get_label() for h in viz.plot_timeline(e).axes[0].get_legend().legend_handles]
+        assert ("preempted (swapped to host)" in labels) == (mode == "swap")
+    assert "r1    ▓██████x····▓" in texts["recompute"] and "v swapped" not in texts["recompute"]
+    assert "r1    ▓██████v····█" in texts["swap"] and "v swapped to host" in texts["swap"]

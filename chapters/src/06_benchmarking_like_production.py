@@ -800,6 +800,14 @@ for name, engine in (("swap", swapped), ("reserve + reject", guarded)):
               for r in served))
 
 # %% [markdown]
+# In the swap run's timeline a green ▼ marks each victim whose K/V went to host memory: it
+# comes back decoding where it stopped. In the recompute run's (the same picture further
+# below, with a red ✗ per victim) a victim comes back prefilling its tokens again.
+
+# %%
+viz.plot_timeline(swapped, title="11 pages, swap: victims resume decoding")
+
+# %% [markdown]
 # **Under overload.** The growing requests were gentle: the cache filled from growth, not from
 # arrivals. Now send chat traffic (prompts 16-512 tokens, outputs 8-256) at 1.2 requests/s,
 # Poisson, into 96 pages: about twice what this CPU serves in that memory (simulated, this
