@@ -36,7 +36,7 @@ class ScheduledBatch:
     idle: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     swapped: list[Request] = field(default_factory=list)  # of `preempted`, those kept on host
-    num_discarded_tokens: int = 0  # computed K/V the others' preemptions threw away
+    num_discarded_tokens: int = 0  # computed K/V this step's preemptions threw away
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
 
