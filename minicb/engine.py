@@ -175,6 +175,9 @@ class Engine:
         # unfinished requests with a deadline: none, and no step scans the queue for expiry
         # (10,000 waiting requests made that scan most of a simulated run)
         self._num_with_deadline = 0
+        # reject_when_full: (state it was computed in, pages unclaimed then), so a burst of
+        # arrivals does not rescan the whole waiting queue for each of them
+        self._unclaimed: tuple[tuple[int, ...], int] | None = None
         self._generators: dict[str, torch.Generator | None] = {}
         self._failure_hook = None  # tests inject faults here: callable(batch) raising
         self.graph_runner = None  # CUDA graphs for decode-only steps (chapter 07)
@@ -309,9 +312,14 @@ class Engine:
             else max(req.arrival_step, step)
         req.metrics.arrival_time = self.clock() if req.arrival_time is None \
             else req.arrival_time
-        if self.config.reject_when_full and self._pages_to_admit(req) > self._pages_unclaimed():
-            self._finish(req, "rejected")  # its step's record lists it as finished
-            self._finished_between_steps.append(req.request_id)
+        if self.config.reject_when_full:
+            need, unclaimed = self._pages_to_admit(req), self._pages_unclaimed()
+            if need > unclaimed:
+                self._finish(req, "rejected")  # its step's record lists it as finished
+                self._finished_between_steps.append(req.request_id)
+                return
+            enqueue(self.waiting, req, self.config.preemption)
+            self._unclaimed = (self._unclaimed_key(), unclaimed - need)
             return
         enqueue(self.waiting, req, self.config.preemption)
 
@@ -330,8 +338,15 @@ class Engine:
     def _pages_unclaimed(self) -> int:
         """Available pages less those the waiting requests will take when admitted: what a new
         arrival can count on (`reject_when_full`, chapter 06). Running requests' growth is
-        not counted: preemption answers that."""
-        return self.pool.num_available - sum(self._pages_to_admit(r) for r in self.waiting)
+        not counted: preemption answers that. Rescanned only when the step, the queue's length
+        or the pool's counts changed since the last arrival (which updates it itself)."""
+        if self._unclaimed is None or self._unclaimed[0] != self._unclaimed_key():
+            self._unclaimed = (self._unclaimed_key(), self.pool.num_available - sum(
+                self._pages_to_admit(r) for r in self.waiting))
+        return self._unclaimed[1]
+
+    def _unclaimed_key(self) -> tuple[int, ...]:
+        return (self.step_count, len(self.waiting), self.pool.num_free, self.pool.num_cached)
 
     def _expire_deadlines(self, now: float) -> None:
         """Finish every waiting or running request whose deadline has passed by `now`, the

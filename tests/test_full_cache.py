@@ -378,3 +378,45 @@ def test_pictures_tell_a_swap_from_a_recompute():
         assert ("preempted (swapped to host)" in labels) == (mode == "swap")
     assert "r1    ▓██████x····▓" in texts["recompute"] and "v swapped" not in texts["recompute"]
     assert "r1    ▓██████v····█" in texts["swap"] and "v swapped to host" in texts["swap"]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(jobs=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 12), st.integers(0, 6),
+                               st.booleans()), min_size=1, max_size=12),
+       num_pages=st.sampled_from([6, 10, 20]), mode=st.sampled_from(["recompute", "swap"]))
+def test_the_remembered_unclaimed_pages_are_always_the_exact_count(jobs, num_pages, mode):
+    """reject_when_full remembers the pages unclaimed between arrivals instead of rescanning
+    the queue for each: at every arrival, over random arrivals between and within steps,
+    cancels, prefix sharing and both preemption modes, the remembered count equals a fresh
+    scan of the waiting queue."""
+    engine = make_sim_engine(policy="pd", num_pages=num_pages, page_size=4, max_num_seqs=3,
+                             max_num_batched_tokens=16, chunk_size=8, reject_when_full=True,
+                             preemption_mode=mode, check_invariants=True)
+    remembered = engine._pages_unclaimed
+    checked = []
+
+    def compare() -> int:
+        exact = engine.pool.num_available - sum(engine._pages_to_admit(r)
+                                                for r in engine.waiting)
+        value = remembered()
+        assert value == exact
+        checked.append(value)
+        return value
+
+    engine._pages_unclaimed = compare
+    shared, added = list(range(3, 43)), 0
+    for i, (length, max_tokens, steps_before, cancel) in enumerate(jobs):
+        for _ in range(steps_before):
+            if engine.has_unfinished():
+                engine.step()
+        prompt = shared[:length] if i % 3 == 0 else [50 + i] * length
+        if length + max_tokens > num_pages * 4:
+            continue
+        engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        added += 1
+        queue = engine.waiting if i % 2 else engine.running  # a running one frees pages
+        if cancel and queue:
+            engine.cancel(queue[0].request_id)
+    engine.run()
+    assert len(checked) == added  # every arrival asked
+    assert engine.pool.num_used == 0
