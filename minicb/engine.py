@@ -338,8 +338,9 @@ class Engine:
     def _pages_unclaimed(self) -> int:
         """Available pages less those the waiting requests will take when admitted: what a new
         arrival can count on (`reject_when_full`, chapter 06). Running requests' growth is
-        not counted: preemption answers that. Rescanned only when the step, the queue's length
-        or the pool's counts changed since the last arrival (which updates it itself)."""
+        not counted: preemption answers that. Remembered between arrivals (each updates it);
+        rescanned after a step's scheduling, or when the queue's length or the pool's counts
+        changed (a cancel)."""
         if self._unclaimed is None or self._unclaimed[0] != self._unclaimed_key():
             self._unclaimed = (self._unclaimed_key(), self.pool.num_available - sum(
                 self._pages_to_admit(r) for r in self.waiting))
@@ -450,6 +451,7 @@ class Engine:
         ctx = SchedulerContext(self.waiting, self.running, self.pool, self.config,
                                self.step_count, t_start, self.free_slots, self.tenant_service)
         batch = self.scheduler.schedule(ctx)
+        self._unclaimed = None  # admissions and preemptions changed what the queue will take
         swapped_out, swapped_in = self._move_pages(ctx.batch)
         self._validate(batch)
         drafts = self._propose_drafts(batch) if self.config.num_speculative_tokens else {}
