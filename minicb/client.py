@@ -158,11 +158,13 @@ def _server_error(status: int, body: str) -> str:
 def _is_rejection(status: int, body: str) -> bool:
     """minicb's 503 with code cache_full: its KV cache could not take the prompt
     (`reject_when_full`, chapter 06). A rejection the contract counts, not a failure."""
+    if status != 503:  # only then is the body worth parsing
+        return False
     try:
         error = json.loads(body).get("error")
     except (ValueError, AttributeError):
         return False
-    return status == 503 and isinstance(error, dict) and error.get("code") == "cache_full"
+    return isinstance(error, dict) and error.get("code") == "cache_full"
 
 
 def error_reasons(records: Sequence[RequestRecord]) -> dict[str, int]:

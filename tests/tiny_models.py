@@ -3,6 +3,7 @@ transformers' own classes, a few hundred kilobytes each, no tokenizer."""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import torch
@@ -66,8 +67,6 @@ def random_jobs(workload: list[tuple[int, int, int]], seed: int, params: dict) -
     """(prompt, SamplingParams, arrival_step) for each (prompt length, max_tokens, arrival) of a
     hypothesis workload: random token ids, three in ten sharing a prefix with the prompt before
     (so prefix-cache pages are shared too). `params`: the other SamplingParams fields."""
-    import random
-
     from minicb import SamplingParams
     rng = random.Random(seed)
     jobs: list[tuple] = []
