@@ -109,6 +109,9 @@ def _references(exercise: str) -> tuple[Callable, ...]:
     if exercise == "best_setting":
         from minicb import bench  # only here: bench imports the whole benchmark
         return (bench.best_setting, bench.requirement_failures, bench.ranked)
+    if exercise == "swap_break_even":
+        from minicb import sim
+        return (sim.swap_break_even, sim.recompute_seconds)
     return tuple({
         "page_pool": [PagePool.allocate, PagePool.share, PagePool.release],
         "prefix_hashes": [prompt_page_hashes],
@@ -1713,6 +1716,91 @@ def best_setting(fn: Callable[[list[dict[str, Any]], float | None], dict[str, An
                     f"(goodput {got['goodput_rps']}, {got['output_tokens_per_s']} tokens/s).{hint}")
     return _passed(name, f"{len(cases)} sweeps give the same setting as "
                          "`python -m minicb sweep`")
+
+
+def _break_even_variant(cost: Any, n: int, cached: int, page_size: int, chunk_size: int,
+                        mistake: str | None = None) -> float:
+    """The break-even copy cost of exercise 6.5, and the mistakes its hints name."""
+    seconds, start = 0.0, 0 if mistake == "from zero" else cached
+    step = n if mistake == "one chunk" else chunk_size
+    while start < n:
+        end = min(start + step, n)
+        at = start if mistake == "chunk start" else end
+        seconds += (cost.b * (end - start) + (0.0 if mistake == "no d" else cost.d * at)
+                    + cost.e * (end - start) * at + (cost.a if mistake == "with a" else 0.0))
+        start = end
+    pages = {"floor": n // page_size, "uncached": math.ceil((n - cached) / page_size)}.get(
+        mistake, math.ceil(n / page_size))
+    copies = pages if mistake == "one way" else 2 * pages
+    return seconds / copies if copies else math.inf
+
+
+_BREAK_EVEN_HINTS = {
+    "one way": " Swap copies each page twice: out to host memory when the request is preempted, "
+               "back in when it is admitted again.",
+    "floor": " The last page counts even when it is not full: ceil(num_computed / page_size) "
+             "pages hold the tokens.",
+    "uncached": " minicb's swap copies every page the victim holds, its prefix-cached prompt "
+                "pages too: only recompute gets them for free.",
+    "from zero": " The first num_cached tokens are in prompt pages still in the prefix index: "
+                 "recompute starts after them, at context num_cached.",
+    "one chunk": " Recompute is a prefill like any other: chunks of at most chunk_size, each "
+                 "with its own L and end.",
+    "chunk start": " A chunk's context is where it ends: its last token attends to `end` tokens "
+                   "(d*end and e*L*end).",
+    "with a": " No a: the recomputed chunks ride in steps that run for the other requests "
+              "anyway.",
+    "no d": " Each chunk also reads its K/V, d*end.",
+}
+
+
+def swap_break_even(fn: Callable[[Any, int, int, int, int], float]) -> bool:
+    """Exercise 6.5: `fn(cost, num_computed, num_cached, page_size, chunk_size)` is the copy
+    cost per page (seconds) at which swapping a preempted request costs what recomputing it
+    does, like `minicb.sim.swap_break_even`: recompute prefills tokens num_cached..num_computed
+    again in chunks of at most chunk_size, a chunk of L tokens ending at context `end` costing
+    b*L + d*end + e*L*end; swap copies 2 * ceil(num_computed / page_size) pages."""
+    from minicb.sim import PRESETS, CostModel
+    name = "swap_break_even"
+    rng = random.Random(65)
+    # coefficients far apart, so that each mistake changes the answer
+    costs = [CostModel(a=2.0e-2, b=1.0e-3, c=1.2e-3, d=9.0e-6, e=1.1e-6, name="cpu-like"),
+             PRESETS["h100-like"], CostModel(b=1.0, name="b only"),
+             CostModel(a=0.5, b=3.0, d=0.25, e=0.125, name="round numbers")]
+    victims = [(1, 0, 16, 512), (16, 0, 16, 512), (17, 0, 16, 512), (223, 176, 16, 512),
+               (100, 0, 16, 32), (100, 32, 16, 32), (96, 96, 16, 512), (40, 16, 8, 7),
+               (5, 0, 16, 1)]
+    cases = [(cost, *victim) for victim in victims for cost in costs]
+    for _ in range(40):
+        n = rng.randint(1, 600)
+        page_size = rng.choice([4, 8, 16, 32])
+        cached = rng.randint(0, n // page_size) * page_size if rng.random() < 0.7 else 0
+        cases.append((CostModel(**{k: rng.choice([0.0, rng.uniform(1e-7, 1e-2)])
+                                   for k in ("a", "b", "c", "d", "e")}, name="random"),
+                      n, min(cached, n), page_size, rng.randint(1, 300)))
+    for index, (cost, n, cached, page_size, chunk_size) in enumerate(cases):
+        want = _break_even_variant(cost, n, cached, page_size, chunk_size)
+        shown = (f"cost={cost.name!r} (a={cost.a}, b={cost.b}, d={cost.d}, e={cost.e}), "
+                 f"num_computed={n}, num_cached={cached}, page_size={page_size}, "
+                 f"chunk_size={chunk_size}")
+        got = _call(name, f"fn({shown})", fn, cost, n, cached, page_size, chunk_size)
+        if hasattr(got, "item") and not isinstance(got, numbers.Real):
+            got = got.item()
+        if not isinstance(got, numbers.Real) or isinstance(got, bool):
+            _fail(name, f"fn({shown}) must return seconds per page as a number; yours returned "
+                        f"{_short(got)}.")
+        if _close(float(got), want):
+            continue
+        # a mistake explains the failure if it gives this answer and every earlier one right
+        why = next((hint for mistake, hint in _BREAK_EVEN_HINTS.items()
+                    if _close(float(got), _break_even_variant(cost, n, cached, page_size,
+                                                             chunk_size, mistake))
+                    and all(_close(_break_even_variant(*case, mistake), _break_even_variant(*case))
+                            for case in cases[:index])), "")
+        _fail(name, f"{shown}: expected {want!r} s per page, got {got!r}."
+                    f"{why or _float32(float(got), want)}")
+    return _passed(name, f"{len(cases)} victims give the same break-even copy cost as "
+                         "minicb.sim.swap_break_even")
 
 
 # ============================================================================ paged attention (07)

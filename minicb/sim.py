@@ -392,6 +392,43 @@ def measure_swap_cost(num_layers: int, num_kv_heads: int, head_dim: int, page_si
     return float(np.median(times))
 
 
+def recompute_seconds(cost: CostModel, num_computed: int, num_cached: int,
+                      chunk_size: int) -> float:
+    """The forward time recomputing a preempted request adds, by the cost model (chapter 06,
+    exercise 6.5): its tokens past the prefix-cache hit (`num_cached`, full prompt pages still
+    in the index) prefilled again in chunks of at most `chunk_size`, each chunk of L tokens
+    ending at context `end` costing b*L + d*end + e*L*end. No `a`: the chunks ride in steps
+    that run for the other requests anyway."""
+    _check_victim(num_computed, num_cached, chunk_size=chunk_size)
+    seconds, start = 0.0, num_cached
+    while start < num_computed:
+        end = min(start + chunk_size, num_computed)
+        seconds += cost.b * (end - start) + cost.d * end + cost.e * (end - start) * end
+        start = end
+    return seconds
+
+
+def swap_break_even(cost: CostModel, num_computed: int, num_cached: int, page_size: int,
+                    chunk_size: int) -> float:
+    """Seconds per page copied at which swapping a victim costs what recomputing it does
+    (chapter 06, exercise 6.5): swap copies the pages holding its `num_computed` tokens out
+    and back in (2 * ceil(num_computed / page_size) copies, prefix-cached pages too); a copy
+    cost `s` below this makes swap the cheaper answer."""
+    _check_victim(num_computed, num_cached, page_size=page_size)
+    return (recompute_seconds(cost, num_computed, num_cached, chunk_size)
+            / (2 * math.ceil(num_computed / page_size)))
+
+
+def _check_victim(num_computed: int, num_cached: int, **sizes: int) -> None:
+    if not 0 <= num_cached <= num_computed or num_computed < 1:
+        raise ValueError(f"a victim needs 1 <= num_computed and 0 <= num_cached <= "
+                         f"num_computed, got num_computed={num_computed}, "
+                         f"num_cached={num_cached}")
+    for key, value in sizes.items():
+        if value < 1:
+            raise ValueError(f"{key} must be >= 1, got {value}")
+
+
 def machine_description() -> dict[str, Any]:
     """Device and CPU facts for a declaration (chapter 06)."""
     import os

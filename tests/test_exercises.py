@@ -129,7 +129,7 @@ def test_notebook_structure():
         ex = nbformat.read(ROOT / "exercises" / src.name, as_version=4)
         sol = nbformat.read(ROOT / "solutions" / src.name, as_version=4)
         stubs, checks = tagged(source, "exercise"), tagged(source, "check")
-        assert 2 <= len(checks) <= 4, src.name
+        assert 2 <= len(checks) <= 5, src.name  # 5: chapter 06 is the longest
         assert list(stubs) == list(checks), f"{src.name}: each exercise needs stub + check"
         for name, index in checks.items():
             assert stubs[name] < index
@@ -187,6 +187,7 @@ SOLUTION_OBJECTS = {
     "goodput": ("06_benchmarking.ipynb", "goodput"),
     "per_tenant": ("06_benchmarking.ipynb", "per_tenant"),
     "best_setting": ("06_benchmarking.ipynb", "best_setting"),
+    "swap_break_even": ("06_benchmarking.ipynb", "swap_break_even"),
     "slot_mapping": ("07_paged_attention.ipynb", "slot_mapping"),
     "paged_attention": ("07_paged_attention.ipynb", "paged_attention"),
     "prompt_lookup": ("08_speculative_decoding.ipynb", "prompt_lookup"),
@@ -1811,6 +1812,32 @@ def test_best_setting_mistakes_are_named():
                                                 if mine(rows, lim) is not None else None))
     assert "ran minicb's own best_setting" in caught(
         "best_setting", lambda rows, lim=None: bench.best_setting(rows, lim))
+
+
+def test_swap_break_even_mistakes_are_named():
+    """Exercise 6.5: each slip the hints name is caught with its hint (planted through the
+    check's own variants, and once written out by hand); minicb's own function is refused; a
+    non-number is named; a float32 answer gets the float32 note."""
+    from minicb import sim
+    for mistake, hint in check._BREAK_EVEN_HINTS.items():
+        def planted(cost, n, cached, page_size, chunk_size, mistake=mistake):
+            return check._break_even_variant(cost, n, cached, page_size, chunk_size, mistake)
+        assert hint.strip() in caught("swap_break_even", planted), mistake
+
+    def one_copy_per_page(cost, n, cached, page_size, chunk_size):  # written as a learner would
+        return solution("06_benchmarking.ipynb")["swap_break_even"](
+            cost, n, cached, page_size, chunk_size) * 2
+    assert "Swap copies each page twice" in caught("swap_break_even", one_copy_per_page)
+    assert "ran minicb's own swap_break_even" in caught(
+        "swap_break_even", lambda *args: sim.swap_break_even(*args))
+    assert "ran minicb's own recompute_seconds" in caught(
+        "swap_break_even", lambda cost, n, cached, page, chunk:
+        sim.recompute_seconds(cost, n, cached, chunk) / (2 * -(-n // page)))
+    assert "must return seconds per page as a number" in caught(
+        "swap_break_even", lambda *args: "0.1 ms")
+    mine = solution("06_benchmarking.ipynb")["swap_break_even"]
+    assert "computed in float32" in caught("swap_break_even", lambda *args: torch.tensor(
+        mine(*args), dtype=torch.float32).item() * (1 + 3e-7))
 
 
 # --- from the session-14 mutation review (here, not in test_session14_mutants.py, because they

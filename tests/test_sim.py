@@ -3,6 +3,8 @@ a fit that recovers the model, the chapter's long-prefill claims, and scale."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from test_metrics import rec, step
@@ -17,8 +19,9 @@ from minicb.sim import (
     make_sim_engine,
     sim_model_info,
     step_features,
+    swap_break_even,
 )
-from minicb.workload import get_workload, make_workload, run_workload
+from minicb.workload import Workload, WorkloadRequest, get_workload, make_workload, run_workload
 
 TRUE = CostModel(a=2e-3, b=3e-5, c=1e-4, d=2e-7, e=1e-9, name="true")
 
@@ -265,3 +268,36 @@ def test_cost_model_missing_file_directory_and_byte_order_mark(tmp_path):
     path = tmp_path / "bom.json"
     path.write_bytes(b"\xef\xbb\xbf" + TRUE.save(tmp_path / "cm.json").read_bytes())
     assert np.allclose(CostModel.load(str(path)).coefficients, TRUE.coefficients)
+
+
+def test_swap_break_even_matches_the_simulator():
+    """The reference's prediction is what the simulator charges: one victim preempted once,
+    run with recompute and with free swaps, differs in time by the break-even times the pages
+    copied, within 5% (the recompute shifts a little of the other request's work)."""
+    two = Workload("one-victim", [WorkloadRequest(prompt_len=200, max_tokens=64,
+                                                  arrival_step=1 + i, request_id=rid)
+                                  for i, rid in enumerate("ab")])
+    for cost in (PRESETS["h100-like"], CostModel(a=0.02, b=1e-3, c=1.2e-3, d=9e-6, e=1.1e-6)):
+        runs = {}
+        for mode in ("recompute", "swap"):
+            runs[mode] = make_sim_engine(replace(cost, s=0.0), policy="pd", num_pages=28,
+                                         preemption_mode=mode)
+            run_workload(runs[mode], two)
+        redo = metrics.summarize(runs["recompute"].trace, runs["recompute"].request_records())
+        swap = metrics.summarize(runs["swap"].trace, runs["swap"].request_records())
+        copies = swap["swapped_out_pages"] + swap["swapped_in_pages"]
+        assert redo["preemptions"] == swap["preemptions"] == 1 and copies == 28
+        n = redo["discarded_tokens"]
+        predicted = swap_break_even(cost, n, n - redo["recomputed_tokens"], 16, 256)
+        measured = (runs["recompute"].clock() - runs["swap"].clock()) / copies
+        assert measured == pytest.approx(predicted, rel=0.05)
+
+
+def test_swap_break_even_refuses_impossible_victims():
+    cost = PRESETS["h100-like"]
+    for args, words in [((0, 0, 16, 8), "1 <= num_computed"), ((10, 11, 16, 8), "num_cached=11"),
+                        ((10, -1, 16, 8), "num_cached=-1"), ((10, 0, 0, 8), "page_size"),
+                        ((10, 0, 16, 0), "chunk_size")]:
+        with pytest.raises(ValueError, match=words):
+            swap_break_even(cost, *args)
+    assert swap_break_even(cost, 32, 32, 16, 8) == 0.0  # everything cached: nothing to redo

@@ -769,7 +769,8 @@ for name, options in answers:
 # recomputing is nearly free (1.146 s against 1.138 s: 355 prefill tokens of compute against
 # 56 copies of a 2 MiB page over PCIe); vLLM's V1 engine only recomputes. On this
 # CPU, where a prefill token costs a millisecond and a page copy 0.14 ms, swapping saves 0.40
-# s of 6.08 (7%). A swap space of 8 pages holds only some victims; the others are recomputed
+# s of 6.08 (7%). Exercise 6.5 finds the copy cost at which the two break even, and why the
+# prefix cache moves it. A swap space of 8 pages holds only some victims; the others are recomputed
 # (208 tokens discarded). Reserving never preempts but runs 3 requests at a time: 290 steps.
 # Reject alone changes nothing here: each arrival's one-page prompt fits when it comes; it is
 # the growth that fills the cache, and preemption still answers that. Reserving and rejecting
@@ -1463,7 +1464,9 @@ print(f"best: {pick['preemption']}, budget {pick['max_num_batched_tokens']} "
 # (cancelled requests never count), and compare the goodput of two policies on this machine;
 # then the same latencies per tenant, and two tenants sharing one engine first come first served
 # and fair (section 7); last, pick a sweep's setting as the contract's last rule says (the best
-# goodput among settings meeting fairness, cancellation and quality, section 8). Beyond
+# goodput among settings meeting fairness, cancellation and quality, section 8), and predict
+# from the cost model the copy cost per page below which swapping a preempted request beats
+# recomputing it, then check the prediction in the simulator (section 5). Beyond
 # them (not graded): on section 7's priority stream, sweep `priority_aging_steps` from 1 to 120
 # and tabulate the batch job's wait against the chats' median and mean waits. The job's wait
 # moves in steps of 20 (when do the two slots free?), and the chats' median hardly moves until
