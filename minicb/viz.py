@@ -254,20 +254,19 @@ def _draw_timeline(ax: Axes, data: TimelineData, requests: list[str], legend: bo
     if data.finishes:
         marks.append(Line2D([], [], marker="|", ls="", color="black", ms=16, mew=3,
                             label="finishes"))
-    pre = [(s - 0.5, row[r]) for r, steps in data.preemptions.items() for s in steps
-           if s not in data.swaps.get(r, ())]
-    if pre:
-        ax.scatter(*zip(*pre), marker="X", s=110 * max(fit, 0.3) ** 2, color="#D55E00",
-                   edgecolor="black", zorder=4)
-        marks.append(Line2D([], [], marker="X", ls="", color="#D55E00", mec="black", ms=10,
-                            label="preempted" if not data.swaps else
-                            "preempted (recomputed later)"))
+    recomputed = [(s - 0.5, row[r]) for r, steps in data.preemptions.items() for s in steps
+                  if s not in data.swaps.get(r, ())]
     swapped = [(s - 0.5, row[r]) for r, steps in data.swaps.items() for s in steps]
-    if swapped:  # a down arrow: its K/V went down to host memory, nothing thrown away
-        ax.scatter(*zip(*swapped), marker="v", s=110 * max(fit, 0.3) ** 2, color="#009E73",
-                   edgecolor="black", zorder=4)
-        marks.append(Line2D([], [], marker="v", ls="", color="#009E73", mec="black", ms=10,
-                            label="preempted (swapped to host)"))
+    # a down arrow for a swap: its K/V went down to host memory, nothing thrown away
+    for points, marker, color, label in (
+            (recomputed, "X", "#D55E00",
+             "preempted (recomputed later)" if data.swaps else "preempted"),
+            (swapped, "v", "#009E73", "preempted (swapped to host)")):
+        if points:
+            ax.scatter(*zip(*points), marker=marker, s=110 * max(fit, 0.3) ** 2, color=color,
+                       edgecolor="black", zorder=4)
+            marks.append(Line2D([], [], marker=marker, ls="", color=color, mec="black", ms=10,
+                                label=label))
     _request_ticks(ax, requests)
     ax.set_xlim(0, max(data.last_step, 1) + 0.5)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
