@@ -177,7 +177,7 @@ class Engine:
         self._num_with_deadline = 0
         # reject_when_full: (state it was computed in, pages unclaimed then), so a burst of
         # arrivals does not rescan the whole waiting queue for each of them
-        self._unclaimed: tuple[tuple[int, ...], int] | None = None
+        self._unclaimed: tuple[tuple[int, ...], int, bool] | None = None  # key, pages, exact
         self._generators: dict[str, torch.Generator | None] = {}
         self._failure_hook = None  # tests inject faults here: callable(batch) raising
         self.graph_runner = None  # CUDA graphs for decode-only steps (chapter 07)
@@ -313,13 +313,14 @@ class Engine:
         req.metrics.arrival_time = self.clock() if req.arrival_time is None \
             else req.arrival_time
         if self.config.reject_when_full:
-            need, unclaimed = self._pages_to_admit(req), self._pages_unclaimed()
+            need = self._pages_to_admit(req)
+            unclaimed = self._pages_unclaimed(need)
             if need > unclaimed:
                 self._finish(req, "rejected")  # its step's record lists it as finished
                 self._finished_between_steps.append(req.request_id)
                 return
             enqueue(self.waiting, req, self.config.preemption)
-            self._unclaimed = (self._unclaimed_key(), unclaimed - need)
+            self._unclaimed = (self._unclaimed_key(), unclaimed - need, self._unclaimed[2])
             return
         enqueue(self.waiting, req, self.config.preemption)
 
@@ -330,20 +331,31 @@ class Engine:
         available)."""
         hit = self.pool.match_prefix(req.all_token_ids, req.page_hashes or None)
         evictable_hits = sum(1 for p in hit if self.pool.ref_count[p] == 0)
-        limit = self.config.max_preemptions
-        tokens = req.max_total_tokens if limit is not None and req.num_preemptions >= limit \
-            else req.num_tokens
-        return self.pool.pages_needed(tokens) - len(hit) + evictable_hits
+        return self.pool.pages_needed(self._tokens_to_admit(req)) - len(hit) + evictable_hits
 
-    def _pages_unclaimed(self) -> int:
+    def _tokens_to_admit(self, req: Request) -> int:
+        """The tokens `req`'s admission must hold: its whole life's when `max_preemptions`
+        will admit it only with room for all of it (chapter 06)."""
+        limit = self.config.max_preemptions
+        return req.max_total_tokens if limit is not None and req.num_preemptions >= limit \
+            else req.num_tokens
+
+    def _pages_unclaimed(self, need: int) -> int:
         """Available pages less those the waiting requests will take when admitted: what a new
-        arrival can count on (`reject_when_full`, chapter 06). Running requests' growth is
-        not counted: preemption answers that. Remembered between arrivals (each updates it);
-        rescanned after a step's scheduling, or when the queue's length or the pool's counts
-        changed (a cancel)."""
-        if self._unclaimed is None or self._unclaimed[0] != self._unclaimed_key():
-            self._unclaimed = (self._unclaimed_key(), self.pool.num_available - sum(
-                self._pages_to_admit(r) for r in self.waiting))
+        arrival needing `need` pages can count on (`reject_when_full`, chapter 06). Running
+        requests' growth is not counted: preemption answers that. First a lower bound (a
+        waiting request takes at most the pages its tokens need, prefix hits aside); only when
+        that falls short of `need` the exact count, which looks up every waiting request's
+        prefix: a long queue waiting for slots, not pages, would pay that at every arrival.
+        Remembered between arrivals (each takes its pages off); recomputed after a step's
+        scheduling, or when the queue's length or the pool's counts changed (a cancel)."""
+        key = self._unclaimed_key()
+        if self._unclaimed is None or self._unclaimed[0] != key:
+            self._unclaimed = (key, self.pool.num_available - sum(
+                self.pool.pages_needed(self._tokens_to_admit(r)) for r in self.waiting), False)
+        if self._unclaimed[1] < need and not self._unclaimed[2]:
+            self._unclaimed = (key, self.pool.num_available - sum(
+                self._pages_to_admit(r) for r in self.waiting), True)
         return self._unclaimed[1]
 
     def _unclaimed_key(self) -> tuple[int, ...]:
