@@ -1729,7 +1729,7 @@ def _break_even_variant(cost: Any, n: int, cached: int, page_size: int, chunk_si
         seconds += (cost.b * (end - start) + (0.0 if mistake == "no d" else cost.d * at)
                     + cost.e * (end - start) * at + (cost.a if mistake == "with a" else 0.0))
         start = end
-    pages = {"floor": n // page_size, "uncached": math.ceil((n - cached) / page_size)}.get(
+    pages = {"floor": max(1, n // page_size), "uncached": math.ceil((n - cached) / page_size)}.get(
         mistake, math.ceil(n / page_size))
     copies = pages if mistake == "one way" else 2 * pages
     return seconds / copies if copies else math.inf
@@ -1748,8 +1748,8 @@ _BREAK_EVEN_HINTS = {
                  "with its own L and end.",
     "chunk start": " A chunk's context is where it ends: its last token attends to `end` tokens "
                    "(d*end and e*L*end).",
-    "with a": " No a: the recomputed chunks ride in steps that run for the other requests "
-              "anyway.",
+    "with a": " No a: the recomputed chunks ride in steps that run anyway, for the other "
+              "requests or the victim's own next token.",
     "no d": " Each chunk also reads its K/V, d*end.",
 }
 
@@ -1797,6 +1797,8 @@ def swap_break_even(fn: Callable[[Any, int, int, int, int], float]) -> bool:
                                                              chunk_size, mistake))
                     and all(_close(_break_even_variant(*case, mistake), _break_even_variant(*case))
                             for case in cases[:index])), "")
+        if not why and want and any(_close(float(got), want * scale) for scale in (1e3, 1e6)):
+            why = " That is the answer in ms or µs: return seconds."
         _fail(name, f"{shown}: expected {want!r} s per page, got {got!r}."
                     f"{why or _float32(float(got), want)}")
     return _passed(name, f"{len(cases)} victims give the same break-even copy cost as "

@@ -1828,6 +1828,14 @@ def test_swap_break_even_mistakes_are_named():
         return solution("06_benchmarking.ipynb")["swap_break_even"](
             cost, n, cached, page_size, chunk_size) * 2
     assert "Swap copies each page twice" in caught("swap_break_even", one_copy_per_page)
+    def floor_pages(cost, n, cached, page_size, chunk_size):  # guarded against n < page_size
+        seconds = solution("06_benchmarking.ipynb")["swap_break_even"](
+            cost, n, cached, page_size, chunk_size) * 2 * -(-n // page_size)
+        return seconds / (2 * max(1, n // page_size))
+    assert "The last page counts even when it is not full" in caught("swap_break_even",
+                                                                     floor_pages)
+    assert "in ms or µs: return seconds" in caught("swap_break_even", lambda *args: solution(
+        "06_benchmarking.ipynb")["swap_break_even"](*args) * 1e6)
     assert "ran minicb's own swap_break_even" in caught(
         "swap_break_even", lambda *args: sim.swap_break_even(*args))
     assert "ran minicb's own recompute_seconds" in caught(

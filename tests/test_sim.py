@@ -273,7 +273,8 @@ def test_cost_model_missing_file_directory_and_byte_order_mark(tmp_path):
 def test_swap_break_even_matches_the_simulator():
     """The reference's prediction is what the simulator charges: one victim preempted once,
     run with recompute and with free swaps, differs in time by the break-even times the pages
-    copied, within 5% (the recompute shifts a little of the other request's work)."""
+    copied, within 5% (the gap: the victim's pending token rides in its last recomputed
+    chunk instead of a decode row, whose d*end read a swapped victim pays too)."""
     two = Workload("one-victim", [WorkloadRequest(prompt_len=200, max_tokens=64,
                                                   arrival_step=1 + i, request_id=rid)
                                   for i, rid in enumerate("ab")])
