@@ -61,17 +61,25 @@ def test_every_printed_engine_source_is_the_current_source():
 
 
 def test_the_stored_line_numbers_of_engine_step_are_current():
-    """Chapter 03 prints where `Engine.step` and its four phases sit in engine.py (an ignored
-    output, since it is a pointer for the reader, not a result); the stored copy must still
-    point at the right lines."""
+    """Chapter 03 prints where `Engine.step` and its four phases sit in engine.py, chapter 00
+    where it starts (ignored outputs, since they are pointers for the reader, not results);
+    the stored copies must still point at the right lines."""
     import contextlib
+    import inspect
     import io
+
+    from minicb import Engine
     cells = json.loads((ROOT / "chapters" / "03_continuous_batching.ipynb").read_text())["cells"]
     cell = next(c for c in cells if "Engine.step starts at line" in "".join(c["source"]))
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         exec("".join(cell["source"]), {})
     assert stored_text(cell) == printed.getvalue(), "rebuild chapter 03's Engine.step cell"
+    # chapter 00's tour prints the same pointer (after the checkout's path, which varies)
+    cells = json.loads((ROOT / "chapters" / "00_setup_and_tour.ipynb").read_text())["cells"]
+    cell = next(c for c in cells if "Engine.step is defined at" in "".join(c["source"]))
+    line = f"Engine.step is defined at engine.py:{inspect.getsourcelines(Engine.step)[1]}\n"
+    assert line in stored_text(cell), "rebuild chapter 00's Engine.step cell"
 
 
 def markdown_of(notebook: Path) -> str:

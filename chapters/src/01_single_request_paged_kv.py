@@ -143,7 +143,7 @@ print(f"decode     : {flops_decode / t_decode / 1e9:6.1f} GFLOP/s, "
 # step of the linear layers in about 53 ms (19 tokens/s, about 10 GB/s of weights: most of the
 # 15 GB/s bandwidth). This notebook's figures come from minicb's default prepacked weights
 # (last part of this section) and one thread. On the AMD EPYC their decode streamed the weights
-# at about 20 GB/s, above the 15 GB/s of a copy, which writes as many bytes as it reads; on the
+# at over 20 GB/s (42 tokens/s × 0.54 GB, below), above the 15 GB/s of a copy, which writes as many bytes as it reads; on the
 # Intel Xeon, where one prepacked row gains little or is slower than `F.linear` (last part of
 # this section), at 6–10 GB/s. The last line printed below the step table names the CPU that built the
 # stored outputs; stored figures also vary with what else that machine ran at the time.
@@ -246,7 +246,7 @@ for rows in (1, 16):
 #
 # On the EPYC every size gains. On the Xeon batches and prefill gain less, and a single row is
 # *slower* prepacked: whole batch-1 decode steps measured 10–40% slower on two threads and
-# 2–15% on one (the course runs one thread per process; the table printed by the code cell above is one
+# 2–16% on one (the course runs one thread per process; the table printed by the code cell above is one
 # such run).
 # `MINICB_PREPACK=0` is the better setting there for one request at a time. minicb keeps prepacking on by default because
 # batches and prefill gain on both; choosing per step would need both layouts in memory. Whole
@@ -258,7 +258,8 @@ for rows in (1, 16):
 # still wins at batch 1 (64), where a step is bound by bytes, and loses at 32 rows, where the
 # products are bound by arithmetic (`bench/README.md`). bfloat16 weights (`dtype=torch.bfloat16`)
 # are prepacked the same way where oneDNN runs bf16 products: on the Xeon, whose AMX units do,
-# a forward's products ran 1.2–1.4× faster at 1–32 rows and the chapter 06 benchmark 1.02–1.30×.
+# a forward's products ran 1.2–1.4× faster at 1–32 rows and the standard mixed benchmark of
+# `python -m minicb bench` (chapter 06's tool) 1.02–1.30×.
 #
 # The numbers are the same products summed in another order, so they differ in the last bits:
 # about one part in a million. That does not move a greedy choice here, and both ways minicb's
@@ -520,8 +521,8 @@ print("pages held by more than one request (page: ref count):",
 viz.plot_page_map(llm.engine, step=3)
 
 # %% [markdown]
-# Pages 0 to 3 hold the system prompt's first 64 tokens once, for all three requests; each
-# request owns only the pages of its own tail.
+# Pages 0 to 3 hold the prompt's first 64 tokens (the template's opening and most of the system
+# prompt) once, for all three requests; each request owns only the pages of its own tail.
 #
 # ### Why a hit is capped at `prompt_len − 1`
 #

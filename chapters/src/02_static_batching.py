@@ -178,7 +178,7 @@ for rid, (start, finish, end) in toy.items():
 # %% [markdown]
 # Now the real thing: minicb's `static` policy (`StaticScheduler` in `minicb/scheduler.py`) on
 # SmolLM2, three slots (`max_num_seqs=3`), and the same example from `minicb.workload`
-# (8-token prompts). This is the longest run of the chapter: 260 steps, 10–20 s on two CPU cores
+# (8-token prompts). This is the slowest run of the chapter: 260 steps, 10–20 s on two CPU cores
 # (the cell prints its own time).
 
 # %%
@@ -308,8 +308,9 @@ viz.step_through(static)
 # recomputation): a padded `[B, L]` tensor computes every row every step. Here an idle member
 # costs no compute and no memory, only its slot. Every gap the next chapter measures between
 # static and continuous batching would be larger on a classic static server. Hugging Face
-# transformers' `generate` on a left-padded batch is one: on chapter 06's benchmark (32 chat
-# requests, batches of 32, the same model, `python -m minicb bench --compare hf`) it produced
+# transformers' `generate` on a left-padded batch is one: on the standard mixed workload of
+# `python -m minicb bench` (the tool of chapter 06: 32 chat requests, batches of 32, the same
+# model, `--compare hf`) it produced
 # 55.6 output tokens/s where minicb's `static` produced 187.8 (`bench/README.md`), though padding
 # is only part of that gap; the rest is each library's own cost per step.
 #

@@ -364,8 +364,8 @@ for policy, engine in engines.items():
           f"   short_P {m['short_p_s']:5.2f} s   worst gap between two chat tokens {itl:.2f} s")
 
 # %% [markdown]
-# Under `chunked` the chats' worst gap between two tokens is the whole prefill window; under
-# `pd` it is one mixed step. The window itself is usually a little longer in seconds under `pd`:
+# Under `chunked` the chats' worst gap between two tokens is the whole prefill window and one
+# decode step more; under `pd` it is one mixed step. The window itself is usually a little longer in seconds under `pd`:
 # each of its seven steps also carries three decode rows, and the long prompt's first token
 # arrives that much later. That is the price of decode-first, and here it is small.
 

@@ -339,8 +339,8 @@ print(inspect.getsource(DecodeGraphRunner.run))
 
 # %% [markdown]
 # **Fewer kernels: fused RMSNorm and RoPE.** A graph removes the cost of *launching* the
-# kernels, not the kernels themselves: the GPU still runs each one, and a tiny kernel takes a
-# few microseconds whatever its size. In plain PyTorch one RMSNorm is 6–8 kernels (cast to
+# kernels, not the kernels themselves: the GPU still runs each one, and a tiny kernel is
+# expected to take a few microseconds whatever its size (unmeasured here). In plain PyTorch one RMSNorm is 6–8 kernels (cast to
 # float, square, mean, add ε, reciprocal square root, multiply, cast back, scale) and RoPE on q
 # and k is 14 (each half times cos and times sin, the differences, the concatenation). So a
 # backend provides two more functions, `rms_norm(x, weight, eps)` and `rope(q, k, cos, sin)`:
@@ -420,9 +420,9 @@ print("\n".join(gpu_md.read_text().splitlines()[:6]))
 # ```
 #
 # The CUDA build of torch brings the Triton release it was built with; keep that one. If you
-# will use `make` afterwards, also run the README's last two lines (`python -m ipykernel install
-# --sys-prefix --name python3`, `touch .venv/.installed`), or make will reinstall the CPU pins
-# over your CUDA torch.
+# will use `make` afterwards, also run the two lines the README's GPU block has before
+# `python -m minicb demo` (`python -m ipykernel install --sys-prefix --name python3`, `touch
+# .venv/.installed`), or make will reinstall the CPU pins over your CUDA torch.
 #
 # Then the chapters are meant to run unchanged (they have been checked on the CPU only):
 # `device="auto"`, the default of `LLM`, `Engine` and `load_model`, puts the engine on the GPU;
@@ -501,8 +501,9 @@ for r in rows:
 #
 # ## Recap
 #
-# - An attention backend is two functions, `store_kv` and `attend`, over one flat batch and its
-#   metadata; the Triton backend implements them as two kernels.
+# - An attention backend is two attention functions, `store_kv` and `attend`, over one flat
+#   batch and its metadata (plus `rms_norm` and `rope`, section 6); the Triton backend
+#   implements the two as two kernels.
 # - The store kernel scatters K/V rows through the slot mapping (slot −1: skip). The attention
 #   kernel runs an online softmax over a member's pages, a kv head and a GQA group per program,
 #   launched once for decode rows and once for prefill tiles.

@@ -217,8 +217,8 @@ server.__exit__(None, None, None)
 # %% [markdown]
 # ## 4. A next step, built: attention that reads the pages where they lie
 #
-# Here is one project from the list below, done, so you can see the shape of the work: profile,
-# find the waste, write the kernel, test it against the reference, measure.
+# Here is one next step, done, so you can see the shape of the work: profile, find the waste,
+# write the kernel, test it against the reference, measure.
 #
 # **Profile.** After the CPU changes of this course (prepacked projections, chapter 01; decode
 # rows in sorted groups), a decode step with the torch reference spends only about half its time
