@@ -422,19 +422,39 @@ def test_prefix_hits_the_bound_leaves_out_still_admit():
     assert engine.pool.num_used == 0
 
 
+def test_the_bound_counts_a_reserving_queue_by_its_whole_lives():
+    """Under max_preemptions=0 a waiting request will take its whole life's pages: the lower
+    bound must count those too, or an arrival the waiting queue has already claimed the room
+    for would be let in."""
+    engine = make_sim_engine(policy="pd", num_pages=12, page_size=4, max_num_seqs=1,
+                             max_preemptions=0, reject_when_full=True)
+    engine.add_request([5] * 8, SamplingParams(max_tokens=8, ignore_eos=True), request_id="run")
+    engine.step()  # reserves its 4 pages of life
+    engine.add_request([6] * 4, SamplingParams(max_tokens=12, ignore_eos=True), request_id="w")
+    assert engine.requests["w"] in engine.waiting and engine.pool.num_available == 8
+    engine.step()  # w waits for the slot: 4 of its life's pages are claimed, 1 of its prompt's
+    engine.add_request([7] * 16, SamplingParams(max_tokens=1), request_id="x")  # 5 pages of life
+    assert engine.requests["x"].finish_reason == "rejected"
+    engine.run()
+    assert engine.pool.num_used == 0
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
 @given(jobs=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 12), st.integers(0, 6),
                                st.booleans()), min_size=1, max_size=12),
-       num_pages=st.sampled_from([6, 10, 20]), mode=st.sampled_from(["recompute", "swap"]))
-def test_the_remembered_unclaimed_pages_decide_as_the_exact_count(jobs, num_pages, mode):
+       num_pages=st.sampled_from([6, 10, 20]), mode=st.sampled_from(["recompute", "swap"]),
+       limit=st.sampled_from([None, 0, 1]))
+def test_the_remembered_unclaimed_pages_decide_as_the_exact_count(jobs, num_pages, mode, limit):
     """reject_when_full remembers the pages unclaimed between arrivals instead of rescanning
     the queue for each, and counts a cheap lower bound first: at every arrival, over random
-    arrivals between and within steps, cancels, prefix sharing and both preemption modes,
-    the value it decides on is at most a fresh exact scan of the waiting queue, equal to it
-    whenever it rejects, and it rejects exactly when the exact count would."""
+    arrivals between and within steps, cancels, prefix sharing, both preemption modes and
+    max_preemptions None, 0 or 1, the value it decides on is at most a fresh exact scan of the
+    waiting queue, equal to it whenever it rejects, and it rejects exactly when the exact count
+    would."""
     engine = make_sim_engine(policy="pd", num_pages=num_pages, page_size=4, max_num_seqs=3,
                              max_num_batched_tokens=16, chunk_size=8, reject_when_full=True,
-                             preemption_mode=mode, check_invariants=True)
+                             preemption_mode=mode, max_preemptions=limit,
+                             check_invariants=True)
     remembered = engine._pages_unclaimed
     checked = []
 
