@@ -1729,19 +1729,23 @@ def _break_even_variant(cost: Any, n: int, cached: int, page_size: int, chunk_si
         seconds += (cost.b * (end - start) + (0.0 if mistake == "no d" else cost.d * at)
                     + cost.e * (end - start) * at + (cost.a if mistake == "with a" else 0.0))
         start = end
-    pages = {"floor": max(1, n // page_size), "uncached": math.ceil((n - cached) / page_size)}.get(
-        mistake, math.ceil(n / page_size))
-    copies = pages if mistake == "one way" else 2 * pages
+    pages = max(1, n // page_size) if mistake == "floor" else math.ceil(n / page_size)
+    shared = 0 if mistake == "no sharing" else cached // page_size
+    copies = {"one way": pages, "uncached": 2 * math.ceil((n - cached) / page_size)}.get(
+        mistake, 2 * pages - shared)
     return seconds / copies if copies else math.inf
 
 
 _BREAK_EVEN_HINTS = {
-    "one way": " Swap copies each page twice: out to host memory when the request is preempted, "
+    "one way": " Swap copies pages twice: out to host memory when the request is preempted, "
                "back in when it is admitted again.",
     "floor": " The last page counts even when it is not full: ceil(num_computed / page_size) "
              "pages hold the tokens.",
-    "uncached": " minicb's swap copies every page the victim holds, its prefix-cached prompt "
-                "pages too: only recompute gets them for free.",
+    "no sharing": " Coming back, the victim shares its prompt pages still in the prefix index, "
+                  "as a recompute does: those num_cached // page_size pages are not copied "
+                  "back in.",
+    "uncached": " Every page is copied out: when the request is preempted nobody knows which "
+                "of its pages will still be cached when it returns.",
     "from zero": " The first num_cached tokens are in prompt pages still in the prefix index: "
                  "recompute starts after them, at context num_cached.",
     "one chunk": " Recompute is a prefill like any other: chunks of at most chunk_size, each "
@@ -1759,7 +1763,8 @@ def swap_break_even(fn: Callable[[Any, int, int, int, int], float]) -> bool:
     cost per page (seconds) at which swapping a preempted request costs what recomputing it
     does, like `minicb.sim.swap_break_even`: recompute prefills tokens num_cached..num_computed
     again in chunks of at most chunk_size, a chunk of L tokens ending at context `end` costing
-    b*L + d*end + e*L*end; swap copies 2 * ceil(num_computed / page_size) pages."""
+    b*L + d*end + e*L*end; swap copies ceil(num_computed / page_size) pages out and all but the
+    num_cached // page_size still cached back in."""
     from minicb.sim import PRESETS, CostModel
     name = "swap_break_even"
     rng = random.Random(65)

@@ -561,14 +561,14 @@ class Engine:
     def _move_pages(self, batch: ScheduledBatch) -> tuple[int, int]:
         """Do the swap copies the policy planned (chapter 06), before the forward writes into
         the pages: out first, since a page a victim gave up may be the one a swap-in takes; then
-        the host pages the swap-ins emptied go back. The simulated executor charges the copies
-        to its clock. Returns (pages copied out, pages copied in)."""
-        if not (batch.swap_out or batch.swap_in):
+        the host pages of the requests swapped in go back. The simulated executor charges the
+        copies to its clock. Returns (pages copied out, pages copied in)."""
+        if not (batch.swap_out or batch.swap_in or batch.swap_release):
             return 0, 0
         with self._on_device():
             self.pool.swap_out(batch.swap_out)
             self.pool.swap_in(batch.swap_in)
-        self.pool.release_swap([host for host, _ in batch.swap_in])
+        self.pool.release_swap(batch.swap_release)
         charge = getattr(self.model, "copy_pages", None)  # SimModel only: real copies take time
         if charge is not None:
             charge(len(batch.swap_out) + len(batch.swap_in))

@@ -30,7 +30,7 @@ class ScheduledBatch:
     """The plan for one step: (request, tokens to advance) pairs, plus static batching's idle
     members (finished but still holding their slot), who was preempted on the way, and the
     pages to copy before the forward (chapter 06's swap): (device page, host page) out, then
-    (host page, device page) in."""
+    (host page, device page) in, and the host pages to give back once those copies are done."""
 
     items: list[tuple[Request, int]] = field(default_factory=list)
     idle: list[Request] = field(default_factory=list)
@@ -39,6 +39,7 @@ class ScheduledBatch:
     num_discarded_tokens: int = 0  # computed K/V this step's preemptions threw away
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
+    swap_release: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -166,8 +167,10 @@ class SchedulerContext:
         self.running.append(req)
 
     def _swap_in(self, req: Request, max_tokens: int, min_tokens: int) -> int:
-        """Admit a swapped request (chapter 06): fresh pages for everything it had computed and
-        its next `max_tokens` at most, its K/V copied back into them before the forward."""
+        """Admit a swapped request (chapter 06): pages for everything it had computed and its
+        next `max_tokens` at most. Its full prompt pages still in the prefix index are shared,
+        as any admission shares them; the rest of its K/V is copied back from host memory
+        into fresh pages before the forward."""
         num_tokens = min(max_tokens, req.num_remaining)
         if num_tokens < min(min_tokens, req.num_remaining):
             return 0
@@ -175,12 +178,17 @@ class SchedulerContext:
         if self.is_protected(req):
             total_tokens = max(total_tokens, req.max_total_tokens)
         total_pages = self.pool.pages_needed(total_tokens)
-        if total_pages > self.pool.num_available:
+        hit = self.pool.match_prefix(req.all_token_ids, req.page_hashes or None)
+        hit = hit[:req.num_computed_tokens // self.pool.page_size]  # only pages it had
+        evictable_hits = sum(1 for p in hit if self.pool.ref_count[p] == 0)
+        if total_pages - len(hit) > self.pool.num_available - evictable_hits:
             return 0
-        req.page_table = self.pool.allocate(total_pages)
-        # the host pages go back once the engine has copied them (a swap-out in this same
-        # step must not take them first)
-        self.batch.swap_in.extend(zip(req.swapped_pages, req.page_table))
+        self.pool.share(hit)
+        req.page_table = hit + self.pool.allocate(total_pages - len(hit))
+        self.batch.swap_in.extend(zip(req.swapped_pages[len(hit):], req.page_table[len(hit):]))
+        # every host page goes back once the engine has copied (a swap-out in this same step
+        # must not take one first: two copies into one host page)
+        self.batch.swap_release.extend(req.swapped_pages)
         req.swapped_pages = []
         self._run(req)
         return num_tokens

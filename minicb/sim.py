@@ -411,12 +411,17 @@ def recompute_seconds(cost: CostModel, num_computed: int, num_cached: int,
 def swap_break_even(cost: CostModel, num_computed: int, num_cached: int, page_size: int,
                     chunk_size: int) -> float:
     """Seconds per page copied at which swapping a victim costs what recomputing it does
-    (chapter 06, exercise 6.5): swap copies the pages holding its `num_computed` tokens out
-    and back in (2 * ceil(num_computed / page_size) copies, prefix-cached pages too); a copy
-    cost `s` below this makes swap the cheaper answer."""
+    (chapter 06, exercise 6.5): swap copies the ceil(num_computed / page_size) pages holding its
+    tokens out, and back in all but the `num_cached // page_size` prompt pages it finds still
+    cached when it returns (shared, as recompute shares them); a copy cost `s` below this makes
+    swap the cheaper answer."""
     _check_victim(num_computed, num_cached, page_size=page_size)
+    if num_cached % page_size:
+        raise ValueError(f"num_cached counts whole cached pages: a multiple of page_size "
+                         f"{page_size}, got {num_cached}")
+    pages = math.ceil(num_computed / page_size)
     return (recompute_seconds(cost, num_computed, num_cached, chunk_size)
-            / (2 * math.ceil(num_computed / page_size)))
+            / (2 * pages - num_cached // page_size))
 
 
 def _check_victim(num_computed: int, num_cached: int, **sizes: int) -> None:

@@ -1824,18 +1824,29 @@ def test_swap_break_even_mistakes_are_named():
             return check._break_even_variant(cost, n, cached, page_size, chunk_size, mistake)
         assert hint.strip() in caught("swap_break_even", planted), mistake
 
-    def one_copy_per_page(cost, n, cached, page_size, chunk_size):  # written as a learner would
-        return solution("06_benchmarking.ipynb")["swap_break_even"](
-            cost, n, cached, page_size, chunk_size) * 2
-    assert "Swap copies each page twice" in caught("swap_break_even", one_copy_per_page)
+    mine = solution("06_benchmarking.ipynb")["swap_break_even"]
+
+    def recompute_seconds(cost, n, cached, page_size, chunk_size):  # mine times its copies
+        copies = 2 * -(-n // page_size) - cached // page_size
+        return mine(cost, n, cached, page_size, chunk_size) * copies
+
+    def out_only(cost, n, cached, page_size, chunk_size):  # written as a learner would
+        return recompute_seconds(cost, n, cached, page_size, chunk_size) / -(-n // page_size)
+    assert "Swap copies pages twice" in caught("swap_break_even", out_only)
+
     def floor_pages(cost, n, cached, page_size, chunk_size):  # guarded against n < page_size
-        seconds = solution("06_benchmarking.ipynb")["swap_break_even"](
-            cost, n, cached, page_size, chunk_size) * 2 * -(-n // page_size)
-        return seconds / (2 * max(1, n // page_size))
+        return recompute_seconds(cost, n, cached, page_size, chunk_size) / (
+            2 * max(1, n // page_size) - cached // page_size)
     assert "The last page counts even when it is not full" in caught("swap_break_even",
                                                                      floor_pages)
-    assert "in ms or µs: return seconds" in caught("swap_break_even", lambda *args: solution(
-        "06_benchmarking.ipynb")["swap_break_even"](*args) * 1e6)
+
+    def every_page_back(cost, n, cached, page_size, chunk_size):
+        return recompute_seconds(cost, n, cached, page_size, chunk_size) / (
+            2 * -(-n // page_size))
+    assert "shares its prompt pages still in the prefix index" in caught("swap_break_even",
+                                                                         every_page_back)
+    assert "in ms or µs: return seconds" in caught("swap_break_even", lambda *args: mine(
+        *args) * 1e6)
     assert "ran minicb's own swap_break_even" in caught(
         "swap_break_even", lambda *args: sim.swap_break_even(*args))
     assert "ran minicb's own recompute_seconds" in caught(
@@ -1843,7 +1854,6 @@ def test_swap_break_even_mistakes_are_named():
         sim.recompute_seconds(cost, n, cached, chunk) / (2 * -(-n // page)))
     assert "must return seconds per page as a number" in caught(
         "swap_break_even", lambda *args: "0.1 ms")
-    mine = solution("06_benchmarking.ipynb")["swap_break_even"]
     assert "computed in float32" in caught("swap_break_even", lambda *args: torch.tensor(
         mine(*args), dtype=torch.float32).item() * (1 + 3e-7))
 

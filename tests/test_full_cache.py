@@ -33,16 +33,23 @@ def tight_run(make_engine, **options):
 
 # --- swap --------------------------------------------------------------------------------------
 
-def test_swap_keeps_the_kv_and_returns_the_same_tokens(make_engine):
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_swap_keeps_the_kv_and_returns_the_same_tokens(make_engine, prefix_caching):
     """Every preemption swaps (64 host pages hold every victim at once): no token is discarded
-    or recomputed, every page copied out comes back, and the tokens are the single-request
-    ones, which they would not be if the copied K/V were wrong."""
-    engine, same = tight_run(make_engine, preemption_mode="swap", num_swap_pages=64)
+    or recomputed, and the tokens are the single-request ones, which they would not be if the
+    copied K/V were wrong. Without a prefix cache every page copied out is copied back; with
+    one, a victim's prompt pages still cached when it returns are shared instead, fewer copies
+    for the same tokens."""
+    engine, same = tight_run(make_engine, preemption_mode="swap", num_swap_pages=64,
+                             enable_prefix_caching=prefix_caching)
     s = metrics.summarize(engine.trace, engine.request_records())
     assert same
     assert s["preemptions"] > 0
     assert s["discarded_tokens"] == s["recomputed_tokens"] == 0
-    assert s["swapped_out_pages"] == s["swapped_in_pages"] > 0
+    if prefix_caching:
+        assert 0 < s["swapped_in_pages"] < s["swapped_out_pages"]
+    else:
+        assert s["swapped_out_pages"] == s["swapped_in_pages"] > 0
     assert engine.pool.num_used == 0 and len(engine.pool.swap_free) == 64
 
 
@@ -87,6 +94,36 @@ def test_a_swapped_request_holds_host_pages_until_it_returns(make_engine):
         for rid in {m.request_id for m in rec.members} & set(seen):
             assert engine.requests[rid].status in (Status.RUNNING, Status.FINISHED)
     assert seen and all(r.num_discarded_tokens == 0 for r in engine.requests.values())
+
+
+def test_a_swapped_request_shares_its_prompt_pages_still_cached_when_it_returns():
+    """Step by step, with the prefix cache: a victim whose full prompt pages are still in the
+    index when it is admitted again shares them (its page table starts with those very pages,
+    their ref counts go up) and only the rest of its K/V is copied in; every host page it held
+    is free again after that step, and the books balance throughout."""
+    engine = make_sim_engine(policy="pd", num_pages=10, page_size=4, max_num_seqs=4,
+                             preemption_mode="swap", check_invariants=True)
+    p = SamplingParams(max_tokens=12, ignore_eos=True)
+    for i in range(4):
+        engine.add_request([3 + i] * 13, p, request_id=f"r{i}")  # 3 full prompt pages each
+    shared_seen = 0
+    while engine.has_unfinished():
+        returning = [r for r in engine.waiting if r.status is Status.SWAPPED]
+        held = {r.request_id: (list(r.swapped_pages), engine.pool.match_prefix(
+            r.all_token_ids, r.page_hashes or None)[:r.num_computed_tokens // 4])
+            for r in returning}
+        rec = engine.step()
+        for rid, (host, hit) in held.items():
+            req = engine.requests[rid]
+            if req.status is Status.SWAPPED:
+                continue  # not admitted this step
+            assert req.page_table[:len(hit)] == hit and not req.swapped_pages
+            assert set(host) <= set(engine.pool.swap_free)
+            shared_seen += len(hit)
+    assert shared_seen == 6  # two victims, each back to its 3 prompt pages
+    s = metrics.summarize(engine.trace, engine.request_records())
+    assert s["swapped_out_pages"] - s["swapped_in_pages"] == shared_seen
+    assert len(engine.pool.swap_free) == 10 and engine.pool.num_used == 0
 
 
 @pytest.mark.parametrize("how", ["cancel", "deadline"])

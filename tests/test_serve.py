@@ -1165,7 +1165,9 @@ def test_swapped_pages_are_counted_in_metrics_as_the_trace_sums(tiny_model):
             url + "/metrics", timeout=TIMEOUT).text.splitlines() if not line.startswith("#"))
         counters = client.server_counters(url)
     swapped_out, swapped_in = sum(o for o, _ in trace), sum(i for _, i in trace)
-    assert swapped_out > 0 and swapped_in == swapped_out  # every victim came back
+    # every victim came back; its prompt pages still cached (the four share one prompt) are
+    # shared again, not copied in
+    assert 0 < swapped_in < swapped_out
     assert int(values["minicb_kv_pages_swapped_out_total"]) == swapped_out
     assert int(values["minicb_kv_pages_swapped_in_total"]) == swapped_in
     assert (counters["swapped_out_pages"], counters["swapped_in_pages"]) == (swapped_out,

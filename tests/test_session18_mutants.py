@@ -166,7 +166,7 @@ def test_a_recomputed_victim_counts_no_computed_tokens():
 def test_swap_out_is_copied_before_swap_in_into_the_same_page(make_engine):
     """Planted: `_move_pages` copying in before out. A page a victim gave up this step may be
     the one a returning request takes: copying in first overwrites the victim's K/V before it
-    reaches host memory. Also: the host pages the swap-ins emptied are free again, and the
+    reaches host memory. Also: the host pages the plan releases are free again, and the
     counts come back (out, in)."""
     engine = make_engine(num_pages=4, preemption_mode="swap", num_swap_pages=3)
     pool = engine.pool
@@ -175,7 +175,8 @@ def test_swap_out_is_copied_before_swap_in_into_the_same_page(make_engine):
     pool.every_layer[:, :, 2] = victim
     host_in, host_out = pool.allocate_swap(2)
     pool.swap_store[:, :, host_in] = returning
-    batch = ScheduledBatch(swap_out=[(2, host_out)], swap_in=[(host_in, 2)])
+    batch = ScheduledBatch(swap_out=[(2, host_out)], swap_in=[(host_in, 2)],
+                           swap_release=[host_in])
     assert engine._move_pages(batch) == (1, 1)
     assert torch.equal(pool.swap_store[:, :, host_out], victim)
     assert torch.equal(pool.every_layer[:, :, 2], returning)

@@ -287,7 +287,7 @@ def test_swap_break_even_matches_the_simulator():
         redo = metrics.summarize(runs["recompute"].trace, runs["recompute"].request_records())
         swap = metrics.summarize(runs["swap"].trace, runs["swap"].request_records())
         copies = swap["swapped_out_pages"] + swap["swapped_in_pages"]
-        assert redo["preemptions"] == swap["preemptions"] == 1 and copies == 28
+        assert redo["preemptions"] == swap["preemptions"] == 1 and copies == 14 + 3  # 11 shared
         n = redo["discarded_tokens"]
         predicted = swap_break_even(cost, n, n - redo["recomputed_tokens"], 16, 256)
         measured = (runs["recompute"].clock() - runs["swap"].clock()) / copies
@@ -301,4 +301,6 @@ def test_swap_break_even_refuses_impossible_victims():
                         ((10, 0, 16, 0), "chunk_size")]:
         with pytest.raises(ValueError, match=words):
             swap_break_even(cost, *args)
+    with pytest.raises(ValueError, match="multiple of page_size 16, got 20"):
+        swap_break_even(cost, 40, 20, 16, 8)
     assert swap_break_even(cost, 32, 32, 16, 8) == 0.0  # everything cached: nothing to redo

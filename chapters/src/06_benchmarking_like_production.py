@@ -721,7 +721,8 @@ for limit in (None, 2, 1, 0):
 # - `preemption_mode="swap"` (vLLM's knob, from before its V1 engine dropped swapping): a
 #   victim's K/V is copied to host memory (`num_swap_pages` pages, as many as the pool by
 #   default) and copied back into fresh pages when it is admitted again, so nothing is
-#   computed twice; the copies cost time instead. The policy only plans the copies (page
+#   computed twice; the copies cost time instead. Its prompt pages still in the prefix index
+#   then are shared, as any admission shares them, not copied back. The policy only plans the copies (page
 #   pairs in the `ScheduledBatch`); the engine does them before the forward, out first, then
 #   in. When the swap space is full, the victim is recomputed as before.
 # - `reject_when_full=True`: a request that arrives when the free pages, less what the
