@@ -769,7 +769,7 @@ for name, options in answers:
 # run at once, and the 355 recomputed tokens ride in steps whose token budget had room. They
 # differ in time, and by how much depends on the machine. On the H100-like preset
 # recomputing is nearly free (1.146 s against 1.138 s: 355 prefill tokens of compute against
-# 56 copies of a 2 MiB page over PCIe); vLLM's V1 engine only recomputes. On this
+# 53 copies of a 2 MiB page over PCIe); vLLM's V1 engine only recomputes. On this
 # CPU, where a prefill token costs a millisecond and a page copy 0.14 ms, swapping saves 0.40
 # s of 6.08 (7%). Exercise 6.5 finds the copy cost at which the two break even, and why the
 # prefix cache moves it. A swap space of 8 pages holds only some victims; the others are recomputed
