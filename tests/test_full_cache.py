@@ -1,15 +1,18 @@
 """Answers to a full KV cache beyond preempt-and-recompute (chapter 06): swap (a victim's K/V
 copied to host memory and back, `preemption_mode="swap"`) and reject (`reject_when_full`)."""
 
+from collections import deque
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from minicb import metrics
-from minicb.config import POLICIES
+from minicb.config import POLICIES, EngineConfig
 from minicb.kv_cache import PagePool
-from minicb.request import SamplingParams, Status
+from minicb.request import Request, SamplingParams, Status
+from minicb.scheduler import SchedulerContext
 from minicb.sim import CostModel, make_sim_engine
 from tests.tiny_models import random_jobs, run_beside_single
 
@@ -112,7 +115,7 @@ def test_a_swapped_request_shares_its_prompt_pages_still_cached_when_it_returns(
         held = {r.request_id: (list(r.swapped_pages), engine.pool.match_prefix(
             r.all_token_ids, r.page_hashes or None)[:r.num_computed_tokens // 4])
             for r in returning}
-        rec = engine.step()
+        engine.step()
         for rid, (host, hit) in held.items():
             req = engine.requests[rid]
             if req.status is Status.SWAPPED:
@@ -521,3 +524,26 @@ def test_the_remembered_unclaimed_pages_decide_as_the_exact_count(jobs, num_page
     engine.run()
     assert len(checked) == added  # every arrival asked
     assert engine.pool.num_used == 0
+
+
+def test_a_returning_victim_shares_only_the_pages_it_had_and_frees_its_host_pages_later():
+    """Scheduler level: a twin holds a 16-token prompt's pages (3 of them indexed: a prompt
+    match always leaves its last token to compute). A victim of the same prompt swapped out
+    mid-prefill with 8 tokens computed (2 pages) shares those 2 pages when it comes back, not
+    the third: it will write positions 8-11 there, and a page another request reads must not
+    be written. Nothing is copied in, and its host pages are released only with the step's
+    copies (a swap-out later in the same step must not take them while they are written)."""
+    pool = PagePool(8, 4, num_swap_pages=4)
+    prompt = list(range(3, 19))
+    twin = pool.allocate(4)
+    pool.register_prompt_pages(prompt, twin, 16)
+    req = Request("s", prompt, SamplingParams(max_tokens=4, ignore_eos=True),
+                  status=Status.SWAPPED, num_computed_tokens=8, num_preemptions=1)
+    req.swapped_pages = host = pool.allocate_swap(2)
+    ctx = SchedulerContext(deque([req]), [], pool, EngineConfig(preemption_mode="swap"), 1,
+                           0.0, [0, 1])
+    assert ctx.admit(req, 4) == 4
+    assert req.page_table[:2] == twin[:2] and req.num_computed_tokens == 8
+    assert all(pool.ref_count[p] == 1 for p in req.page_table[2:])  # its own to write
+    assert ctx.batch.swap_in == [] and ctx.batch.swap_release == host
+    assert not set(host) & set(pool.swap_free)
