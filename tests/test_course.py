@@ -213,3 +213,11 @@ def test_a_student_grades_an_exercise_in_the_student_copy(tmp_path):
     report = json.loads(done.stdout)
     assert report["source"] == "02_static_batching" and report["max_score"] == 2
     assert all(e["message"].startswith("NotImplementedError") for e in report["exercises"])
+
+
+def test_the_code_is_ruff_clean():
+    """The style rule every module and test keeps (`make lint` runs it too): `ruff check`
+    over the engine, the tests and the benchmark scripts finds nothing."""
+    done = subprocess.run([sys.executable, "-m", "ruff", "check", "minicb", "tests", "bench"],
+                          cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
