@@ -1170,3 +1170,28 @@ def test_the_sweeps_quality_reference_turns_no_request_away(monkeypatch):
     bench.reference_tokens(None, get_workload("mixed-chat", num_requests=2),
                            {"reject_when_full": True, "preemption_mode": "swap"})
     assert seen[0]["reject_when_full"] is False and seen[0]["preemption_mode"] == "swap"
+
+
+def test_the_traces_of_the_readmes_sweeps_are_made_the_same_way_every_time(tmp_path):
+    """bench/make_traces.py writes the two traces bench/README.md's priority and fairness
+    sweeps replay: a replay of the saved priority sweep's trace gives its best row again."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from minicb.workload import load_workload_file
+    root = Path(__file__).resolve().parent.parent
+    subprocess.run([sys.executable, str(root / "bench" / "make_traces.py"), str(tmp_path)],
+                   check=True, capture_output=True)
+    urgent = load_workload_file(tmp_path / "chat-urgent.jsonl")
+    fair = load_workload_file(tmp_path / "fair.jsonl")
+    assert len(urgent.requests) == 200 and len(fair.requests) == 100
+    assert sum(r.priority == -1 for r in urgent.requests) == 40
+    assert all(r.priority == int(r.prompt_len >= 512) for r in fair.requests)
+    saved = json.loads((root / "bench" / "results" / "sweep-priority-sim.json").read_text())
+    args = bench.sweep_parser().parse_args([
+        "--executor", "sim", "--workload-file", str(tmp_path / "chat-urgent.jsonl"),
+        "--policy", "pd", "--max-num-batched-tokens", "512", "--max-num-seqs", "16",
+        "--chunk-size", "256", "--preemption", "priority", "--slo-ttft", "0.5", "--no-progress"])
+    row = bench.run_sweep(args)["rows"][0]
+    assert row["goodput_rps"] == pytest.approx(saved["best"]["goodput_rps"])
