@@ -38,6 +38,7 @@ from minicb.scheduler import (
     SchedulerContext,
     enqueue,
     make_scheduler,
+    prefix_hits,
     queue_rank,
 )
 from minicb.speculative import NgramIndex, verify
@@ -329,7 +330,7 @@ class Engine:
         need beyond its prefix hits (its whole life's when it will be admitted with it,
         `max_preemptions`), plus the hits that sit unreferenced (shared, they stop being
         available)."""
-        hit = self.pool.match_prefix(req.all_token_ids, req.page_hashes or None)
+        hit = prefix_hits(self.pool, req)
         evictable_hits = sum(1 for p in hit if self.pool.ref_count[p] == 0)
         return self.pool.pages_needed(self._tokens_to_admit(req)) - len(hit) + evictable_hits
 

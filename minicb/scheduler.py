@@ -80,6 +80,16 @@ def enqueue(waiting: deque[Request], req: Request, preemption: str,
         waiting.append(req)
 
 
+def prefix_hits(pool: PagePool, req: Request) -> list[int]:
+    """The cached pages admitting `req` shares (chapters 01 and 06): the longest run of its full
+    leading pages in the prefix index; for a swapped request only those it had computed, since
+    it writes the next positions itself and a page another request reads must not be written."""
+    hit = pool.match_prefix(req.all_token_ids, req.page_hashes or None)
+    if req.status is Status.SWAPPED:
+        return hit[:req.num_computed_tokens // pool.page_size]
+    return hit
+
+
 class SchedulerContext:
     """What a policy sees and may do during one step. Built by the engine each step."""
 
@@ -138,7 +148,7 @@ class SchedulerContext:
             return 0
         if req.status is Status.SWAPPED:
             return self._swap_in(req, max_tokens, min_tokens)
-        hit = self.pool.match_prefix(req.all_token_ids, req.page_hashes or None)
+        hit = prefix_hits(self.pool, req)
         remaining = req.num_tokens - len(hit) * self.pool.page_size
         num_tokens = min(max_tokens, remaining)
         if num_tokens < min(min_tokens, remaining):
@@ -178,8 +188,7 @@ class SchedulerContext:
         if self.is_protected(req):
             total_tokens = max(total_tokens, req.max_total_tokens)
         total_pages = self.pool.pages_needed(total_tokens)
-        hit = self.pool.match_prefix(req.all_token_ids, req.page_hashes or None)
-        hit = hit[:req.num_computed_tokens // self.pool.page_size]  # only pages it had
+        hit = prefix_hits(self.pool, req)
         evictable_hits = sum(1 for p in hit if self.pool.ref_count[p] == 0)
         if total_pages - len(hit) > self.pool.num_available - evictable_hits:
             return 0

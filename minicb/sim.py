@@ -398,7 +398,8 @@ def recompute_seconds(cost: CostModel, num_computed: int, num_cached: int,
     exercise 6.5): its tokens past the prefix-cache hit (`num_cached`, full prompt pages still
     in the index) prefilled again in chunks of at most `chunk_size`, each chunk of L tokens
     ending at context `end` costing b*L + d*end + e*L*end. No `a`: the chunks ride in steps
-    that run anyway, for the other requests or the victim's own next token."""
+    that run anyway, for the other requests or the victim's own next token. (`SimModel`
+    charges a 1-token member as a decode row, c + d*end; this formula keeps b and e for it.)"""
     _check_victim(num_computed, num_cached, chunk_size=chunk_size)
     seconds, start = 0.0, num_cached
     while start < num_computed:

@@ -526,24 +526,70 @@ def test_the_remembered_unclaimed_pages_decide_as_the_exact_count(jobs, num_page
     assert engine.pool.num_used == 0
 
 
-def test_a_returning_victim_shares_only_the_pages_it_had_and_frees_its_host_pages_later():
+@pytest.mark.parametrize("computed", [8, 9])
+def test_a_returning_victim_shares_only_the_pages_it_had_and_frees_its_host_pages_later(
+        computed):
     """Scheduler level: a twin holds a 16-token prompt's pages (3 of them indexed: a prompt
     match always leaves its last token to compute). A victim of the same prompt swapped out
-    mid-prefill with 8 tokens computed (2 pages) shares those 2 pages when it comes back, not
-    the third: it will write positions 8-11 there, and a page another request reads must not
-    be written. Nothing is copied in, and its host pages are released only with the step's
-    copies (a swap-out later in the same step must not take them while they are written)."""
+    mid-prefill with 8 or 9 tokens computed shares the 2 full pages it had, not the third: it
+    will write positions from 8 or 9 on there, and a page another request reads must not be
+    written (with 9, its third page is copied back in). Its host pages are released only with
+    the step's copies (a swap-out later in the same step must not take them while they are
+    written). The engine's reject rule counts what this admission takes."""
     pool = PagePool(8, 4, num_swap_pages=4)
     prompt = list(range(3, 19))
     twin = pool.allocate(4)
     pool.register_prompt_pages(prompt, twin, 16)
     req = Request("s", prompt, SamplingParams(max_tokens=4, ignore_eos=True),
-                  status=Status.SWAPPED, num_computed_tokens=8, num_preemptions=1)
-    req.swapped_pages = host = pool.allocate_swap(2)
+                  status=Status.SWAPPED, num_computed_tokens=computed, num_preemptions=1)
+    req.swapped_pages = host = pool.allocate_swap(pool.pages_needed(computed))
+    engine = make_sim_engine(num_pages=8, page_size=4)
+    engine.pool = pool  # the same pool, seen by the engine's reject rule
+    assert engine._pages_to_admit(req) == pool.pages_needed(req.num_tokens) - 2
     ctx = SchedulerContext(deque([req]), [], pool, EngineConfig(preemption_mode="swap"), 1,
                            0.0, [0, 1])
     assert ctx.admit(req, 4) == 4
-    assert req.page_table[:2] == twin[:2] and req.num_computed_tokens == 8
+    assert req.page_table[:2] == twin[:2] and req.num_computed_tokens == computed
     assert all(pool.ref_count[p] == 1 for p in req.page_table[2:])  # its own to write
-    assert ctx.batch.swap_in == [] and ctx.batch.swap_release == host
-    assert not set(host) & set(pool.swap_free)
+    assert ctx.batch.swap_in == list(zip(host[2:], req.page_table[2:]))
+    assert ctx.batch.swap_release == host and not set(host) & set(pool.swap_free)
+
+
+def test_a_swap_in_that_copies_nothing_still_gives_its_host_pages_back():
+    """A victim preempted right after a page-aligned prefill comes back to its prompt pages,
+    all still cached: nothing to copy in, yet its host pages must be released that step."""
+    engine = make_sim_engine(policy="continuous", num_pages=9, page_size=4, max_num_seqs=2,
+                             preemption_mode="swap", num_swap_pages=16, check_invariants=True)
+    release_only = []
+    move = engine._move_pages
+
+    def spy(batch):
+        if batch.swap_release and not (batch.swap_in or batch.swap_out):
+            release_only.append(engine.step_count)
+        return move(batch)
+    engine._move_pages = spy
+    for i in range(2):
+        engine.add_request([10 + i] * 16, SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.run()
+    assert release_only and len(engine.pool.swap_free) == 16
+
+
+def test_after_an_accept_by_the_bound_the_next_arrival_still_gets_the_exact_count():
+    """The bound admits a small arrival; a big one right after, which fits only by the exact
+    count (a waiting twin's prefix hits on a running request's pages), must not be refused on
+    the bound's remembered value."""
+    engine = make_sim_engine(policy="pd", num_pages=30, page_size=4, max_num_seqs=1,
+                             reject_when_full=True)
+    prompt = list(range(3, 35))  # 8 full pages
+    engine.add_request(prompt, SamplingParams(max_tokens=8, ignore_eos=True), request_id="run")
+    engine.step()
+    engine.add_request(prompt + [1], SamplingParams(max_tokens=1), request_id="twin",
+                       arrival_step=engine.step_count + 1)
+    engine.step()
+    exact = engine.pool.num_available - sum(engine._pages_to_admit(r) for r in engine.waiting)
+    engine.add_request([90] * 4, SamplingParams(max_tokens=1), request_id="small")  # 2 pages
+    engine.add_request([91] * (4 * (exact - 3)), SamplingParams(max_tokens=1), request_id="big")
+    assert engine.requests["small"].finish_reason is None
+    assert engine.requests["big"].finish_reason is None
+    engine.run()
+    assert engine.pool.num_used == 0
