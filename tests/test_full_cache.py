@@ -437,19 +437,27 @@ def test_a_long_queue_waiting_for_slots_is_not_looked_up_at_every_arrival():
     assert {r.finish_reason for r in engine.requests.values()} <= {None, "length"}
 
 
+def running_with_a_waiting_twin(num_pages: int):
+    """Under reject_when_full, one slot: "run" holds a 32-token prompt's 8 pages and decodes;
+    "twin", its prompt and one token more, waits for the slot (8 of its pages are hits on
+    pages in use)."""
+    engine = make_sim_engine(policy="pd", num_pages=num_pages, page_size=4, max_num_seqs=1,
+                             reject_when_full=True)
+    prompt = list(range(3, 35))
+    engine.add_request(prompt, SamplingParams(max_tokens=8, ignore_eos=True), request_id="run")
+    engine.step()
+    engine.add_request(prompt + [1], SamplingParams(max_tokens=1), request_id="twin",
+                       arrival_step=engine.step_count + 1)
+    engine.step()
+    return engine
+
+
 def test_prefix_hits_the_bound_leaves_out_still_admit():
     """The bound counts every waiting request's pages as taken; when that falls short, the
     exact count (prefix hits on pages in use cost nothing) decides: an arrival that fits only
     because a waiting request shares a running one's prompt pages is admitted, and one page
     more is rejected."""
-    engine = make_sim_engine(policy="pd", num_pages=12, page_size=4, max_num_seqs=1,
-                             reject_when_full=True)
-    prompt = list(range(3, 35))  # 8 full pages
-    engine.add_request(prompt, SamplingParams(max_tokens=8, ignore_eos=True), request_id="run")
-    engine.step()
-    engine.add_request(prompt + [1], SamplingParams(max_tokens=1), request_id="twin",
-                       arrival_step=engine.step_count + 1)
-    engine.step()  # the twin arrives and waits for the slot
+    engine = running_with_a_waiting_twin(12)
     twin = engine.requests["twin"]
     assert twin in engine.waiting and engine._pages_to_admit(twin) == 1  # 8 hits in use
     fits = engine.pool.num_available - 1  # by the exact count; the bound says 9 are taken
@@ -578,14 +586,7 @@ def test_after_an_accept_by_the_bound_the_next_arrival_still_gets_the_exact_coun
     """The bound admits a small arrival; a big one right after, which fits only by the exact
     count (a waiting twin's prefix hits on a running request's pages), must not be refused on
     the bound's remembered value."""
-    engine = make_sim_engine(policy="pd", num_pages=30, page_size=4, max_num_seqs=1,
-                             reject_when_full=True)
-    prompt = list(range(3, 35))  # 8 full pages
-    engine.add_request(prompt, SamplingParams(max_tokens=8, ignore_eos=True), request_id="run")
-    engine.step()
-    engine.add_request(prompt + [1], SamplingParams(max_tokens=1), request_id="twin",
-                       arrival_step=engine.step_count + 1)
-    engine.step()
+    engine = running_with_a_waiting_twin(30)
     exact = engine.pool.num_available - sum(engine._pages_to_admit(r) for r in engine.waiting)
     engine.add_request([90] * 4, SamplingParams(max_tokens=1), request_id="small")  # 2 pages
     engine.add_request([91] * (4 * (exact - 3)), SamplingParams(max_tokens=1), request_id="big")
