@@ -804,8 +804,10 @@ for name, engine in (("swap", swapped), ("reserve + reject", guarded)):
               for r in served))
 
 # %% [markdown]
-# In the swap run's timeline a green ▼ marks each victim whose K/V went to host memory: it
-# comes back decoding where it stopped. In the recompute run's (the same picture further
+# Of the 5 pages copied out, 2 came back without a copy: full prompt pages still in the prefix
+# index, shared again as any admission shares them; 3 were copied in. In the swap run's
+# timeline a green ▼ marks each victim whose K/V went to host memory: it comes back decoding
+# where it stopped. In the recompute run's (the same picture further
 # below, with a red ✗ per victim) a victim comes back prefilling its tokens again.
 
 # %%
