@@ -330,9 +330,8 @@ class Engine:
         need beyond its prefix hits (its whole life's when it will be admitted with it,
         `max_preemptions`), plus the hits that sit unreferenced (shared, they stop being
         available)."""
-        hit = prefix_hits(self.pool, req)
-        evictable_hits = sum(1 for p in hit if self.pool.ref_count[p] == 0)
-        return self.pool.pages_needed(self._tokens_to_admit(req)) - len(hit) + evictable_hits
+        return self.pool.pages_to_take(prefix_hits(self.pool, req),
+                                       self.pool.pages_needed(self._tokens_to_admit(req)))
 
     def _tokens_to_admit(self, req: Request) -> int:
         """The tokens `req`'s admission must hold: its whole life's when `max_preemptions`

@@ -142,6 +142,12 @@ class PagePool:
     def pages_needed(self, num_tokens: int) -> int:
         return (num_tokens + self.page_size - 1) // self.page_size
 
+    def pages_to_take(self, hit: list[int], total_pages: int) -> int:
+        """Available pages a page table of `total_pages` takes when `hit` are its prefix hits:
+        the pages beyond them, plus the hits that sit unreferenced in the LRU list (shared,
+        they stop being available)."""
+        return total_pages - len(hit) + sum(1 for p in hit if self.ref_count[p] == 0)
+
     # --- allocation ---------------------------------------------------------------------------
     def allocate(self, n: int) -> list[int]:
         """Take `n` fresh pages (ref count 1), evicting least-recently-used cached pages if the

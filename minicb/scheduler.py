@@ -156,18 +156,22 @@ class SchedulerContext:
         total_tokens = len(hit) * self.pool.page_size + num_tokens
         if self.is_protected(req):  # its whole life now, so it never needs a page again
             total_tokens = max(total_tokens, req.max_total_tokens)
-        total_pages = self.pool.pages_needed(total_tokens)
-        # shared pages that sit unreferenced in the LRU list stop being available once shared
-        evictable_hits = sum(1 for p in hit if self.pool.ref_count[p] == 0)
-        if total_pages - len(hit) > self.pool.num_available - evictable_hits:
+        if not self._take_pages(req, hit, self.pool.pages_needed(total_tokens)):
             return 0
-        self.pool.share(hit)
-        req.page_table = hit + self.pool.allocate(total_pages - len(hit))
         req.num_computed_tokens = len(hit) * self.pool.page_size
         if req.status is Status.WAITING and req.num_preemptions == 0:
             req.num_cached_tokens = req.num_computed_tokens
         self._run(req)
         return num_tokens
+
+    def _take_pages(self, req: Request, hit: list[int], total_pages: int) -> bool:
+        """Give `req` a page table of `total_pages`: its prefix hits shared, fresh pages after
+        them. False (and nothing taken) when the available pages cannot hold it."""
+        if self.pool.pages_to_take(hit, total_pages) > self.pool.num_available:
+            return False
+        self.pool.share(hit)
+        req.page_table = hit + self.pool.allocate(total_pages - len(hit))
+        return True
 
     def _run(self, req: Request) -> None:
         """From the front of the waiting queue into the running set, in the lowest free slot."""
@@ -187,13 +191,9 @@ class SchedulerContext:
         total_tokens = req.num_computed_tokens + num_tokens
         if self.is_protected(req):
             total_tokens = max(total_tokens, req.max_total_tokens)
-        total_pages = self.pool.pages_needed(total_tokens)
         hit = prefix_hits(self.pool, req)
-        evictable_hits = sum(1 for p in hit if self.pool.ref_count[p] == 0)
-        if total_pages - len(hit) > self.pool.num_available - evictable_hits:
+        if not self._take_pages(req, hit, self.pool.pages_needed(total_tokens)):
             return 0
-        self.pool.share(hit)
-        req.page_table = hit + self.pool.allocate(total_pages - len(hit))
         self.batch.swap_in.extend(zip(req.swapped_pages[len(hit):], req.page_table[len(hit):]))
         # every host page goes back once the engine has copied (a swap-out in this same step
         # must not take one first: two copies into one host page)
