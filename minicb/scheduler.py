@@ -390,7 +390,8 @@ class DynamicScheduler(StaticScheduler):
 class ContinuousScheduler(Scheduler):
     """Continuous batching (chapter 03): every step, all running decodes advance one token and
     waiting requests join (whole-prompt prefill) while slots, pages and the token budget allow.
-    The budget counts prompt tokens only and the first waiting prompt always joins (a prompt
+    The budget counts whole prompt lengths only (before any prefix-cache hit, a simplification:
+    vLLM counts the tokens it computes) and the first waiting prompt always joins (a prompt
     longer than the budget still runs, in one step), so a step may exceed the budget by its
     decodes or by that one prompt: the problem chapter 04's chunks solve."""
 

@@ -71,13 +71,18 @@ def run(policy, requests, **options):
 #    pages, and choose this step's members and how many tokens each advances (1 for a decode,
 #    the whole prompt for a prefill under this chapter's policy);
 # 2. **forward (模型前向计算)**: flatten the members into one token batch and run the model once;
-#    prefills and decodes share the forward;
+#    prefills and decodes share the forward. (The seed, §2.4, pictures the decodes as a batch of
+#    shape [B, 1], B requests of one token each. minicb lays every member's tokens end to end
+#    instead, B decode tokens and whole prompts in one flat row, so prompts and decodes share a
+#    forward without padding. Decode is memory-bound, chapter 01: the B rows read every weight
+#    once between them, which is where batching's gain comes from.)
 # 3. **sample (采样)**: 0 or 1 new token per member: one for every member whose prompt is now
-#    fully in the cache;
+#    fully in the cache (several with speculative decoding, chapter 08);
 # 4. **reclaim (资源回收)**: a member that produced EOS or reached `max_tokens` leaves the running
 #    set now, and its pages and slot go back for the next step's schedule.
 #
-# In minicb that is `Engine.step()` in `minicb/engine.py`; each phase is marked in the source:
+# In minicb that is `Engine.step()` in `minicb/engine.py`; each phase is marked in the source
+# (forward and sample share one block):
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -94,9 +99,11 @@ for i, line in enumerate(lines):
 # %% [markdown]
 # The scheduler itself is `ContinuousScheduler` in `minicb/scheduler.py`: every running decode
 # gets one token, then waiting requests are admitted with their whole prompt while a slot and
-# the pages for the prompt allow, and while the step's prompt tokens stay within
-# `max_num_batched_tokens`. The step's first prompt always joins, however long (decodes do not
-# count against the budget): chapter 04's problem. Now the seed's example on the real model:
+# the pages for the prompt allow, and while the step's prompt lengths stay within
+# `max_num_batched_tokens` (whole prompts, counted before any prefix-cache hit: a simplification,
+# since vLLM counts only the tokens it computes). The budget never stops the step's first prompt,
+# however long, though a slot and its pages must still be free (and decodes do not count
+# against the budget): chapter 04's problem. Now the seed's example on the real model:
 # R1, R2, R3 want 30, 200 and 80 tokens and start together; R4 arrives at step 31 wanting 60
 # (the course's choice, as in chapter 02: the seed gives R4 no length).
 # Three slots, as before. (200 steps, 10–25 s on the course's two CPU cores, depending on the machine
@@ -126,11 +133,14 @@ for name in ("step", "arrived", "members", "sampled", "finished", "waiting", "pa
 # advances 1 token; R4 is admitted into the free slot 0 with its 8-token prompt. **Forward**: one
 # pass over 1 + 1 + 8 = 10 tokens. **Sample**: all three members got a token (`sampled`), R4 its
 # first. **Reclaim**: nobody `finished`; nobody is `waiting`. `page_tables` shows each running
-# request's pages after the step: R2 has grown to three pages, R4 got one.
+# request's pages after the step: R2 and R3 hold three pages each, R4 got one.
 #
 # ## 3. R4 takes R1's slot at step 31
 #
-# The seed tabulates the batch's members step by step. The same table, computed from the trace:
+# The seed tabulates the batch's members step by step. The same table, computed from the trace.
+# (The seed counts decode steps, 步序（Decode）; minicb's step 1 is the prefill step, which also
+# samples each request's first token, so a request of n output tokens finishes at step n either
+# way.)
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -237,13 +247,14 @@ for name, eng in (("static", static), ("continuous", cont)):
 # drain before it can start.
 
 # %% [markdown]
-# Batching must never change what a request generates. Under greedy sampling every policy
-# returns the single-request tokens (minicb's tests check it for every policy on random
-# workloads). The arithmetic is not bit-identical: with other rows beside it, a row's sums can
-# run in another order and differ in the last bits (chapter 01), which could flip a greedy
-# choice only at a near-tie (vLLM promises bit-identical results only in its opt-in
-# batch-invariant mode). Here the static and continuous runs, with different batch-mates at
-# every step, agree token for token:
+# Batching should not change what a request generates: under greedy sampling every policy should
+# return the tokens the request gets alone. minicb's tests check it for every policy on random
+# workloads, but it is a tested property, not a bit-for-bit guarantee: with other rows beside it,
+# a row's sums can run in another order and differ in the last bits (chapter 01), which could
+# flip a greedy choice at a near-tie (vLLM promises bit-identical results only in its opt-in
+# batch-invariant mode). Here the static and continuous runs agree token for token. R1's batch
+# was the same in both runs (R1, R2, R3 for all its 30 steps), so its `True` tests nothing; R2,
+# R3 and R4 had other batch-mates from step 31 on:
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -371,7 +382,7 @@ print("what step 2 computed:", [(m.request_id, m.kind, m.num_tokens) for m in bo
 # Let us measure each row with small workloads, four slots, 16-token prompts: the varied run from
 # above (eight requests, 4 to 24 tokens: the seed's "有的 10 token 有的 1k" scaled down so that a
 # run takes seconds; chapter 06 runs answers of 16 to 256 tokens), eight requests of exactly 12
-# tokens, and four requests of 8 tokens arriving 20 steps apart. A fourth row is the seed's §1.2
+# tokens, and four requests of 8 tokens arriving 20 steps apart. A fourth row is the seed's §2.2
 # warning, the stream of chapter 02 whose queue kept growing under static batching: forty requests
 # of 2 to 12 tokens, one every 2 steps.
 
@@ -493,15 +504,16 @@ for workload, policy in sorted(runs, key=lambda k: WORKLOADS.index(k[0])):
 # request in the batch. Continuous batching saves whole *steps*: for the varied workload, 16 of
 # them, and with them 16 times the fixed part. The per-request part is paid for every token under
 # either policy. How much of the 1.5x gain in steps survives in seconds depends on the split
-# (the fit's prediction is rough, but it gets the ordering and the size of the gap about right).
+# (the fit's prediction is rough: it runs a sixth to a third below the measured seconds, since
+# it is fitted to decode-only steps while a run also holds its prefill steps and the engine's
+# work around each forward; but it gets the ordering and the size of the gap about right).
 # At these small batches the fixed part dominates (the fit above: tens of milliseconds a step
 # against a millisecond or two per request, a slope no larger than the noise between the medians), so most
 # of the gain carries over. The per-request part grows with the
 # batch and with each request's context (its own attention, its row of every product): with 32
-# requests of up to 768 tokens it is most of a CPU step (`bench/README.md`). On a GPU a decode
-# step of dozens of requests is expected to cost about as much as a step of one (not measured
-# here): the fixed part would dominate, and the gain in steps carry over to seconds almost
-# whole.
+# requests of up to 768 tokens it is most of a CPU step (`bench/README.md`). On a GPU the fixed
+# part is expected to dominate even more (below), and the gain in steps to carry over to seconds
+# almost whole.
 #
 # The equal-length and low-rate workloads run *identical* schedules under both policies, so any
 # gap between their two rows of seconds is noise: the machine that built this notebook was
@@ -514,7 +526,7 @@ viz.compare({"static": runs["varied", "static"][0],
 
 # %% [markdown]
 # The first-principle gains (第一性收益) the seed lists are both visible above: **throughput**
-# (the same hardware finishes more tokens per unit time, because more of each step's slots do
+# (the same hardware, under the same arrival stream, finishes more tokens per unit time, because more of each step's slots do
 # useful work) and the **shape of tail latency** (a short request's completion no longer depends
 # on the longest output in its batch; it starts as soon as any slot frees up).
 #
@@ -527,7 +539,10 @@ viz.compare({"static": runs["varied", "static"][0],
 # One thing continuous batching as built here does not fix. A new request's whole prompt is
 # prefilled inside one step, alongside every running decode. An 8-token prompt costs nothing; a
 # 2,000-token prompt makes that one step long, and every decode in the batch waits for it (the
-# seed's 问题一, problem one). Chapter 04 cuts prompts into chunks.
+# seed's 问题一, problem one). Chapter 04 cuts prompts into chunks. So continuous batching does not
+# always lower latency (the benchmark contract's FAQ: 连续批处理一定会降低延迟吗？不会): a long
+# prefill, or admitting more than the memory and the budget can carry, raises queue time, TTFT
+# and ITL; chapter 06 measures that under load.
 #
 # ## Recap
 #
@@ -540,7 +555,8 @@ viz.compare({"static": runs["varied", "static"][0],
 #   the memory (with 10 pages, three 3-page requests at a time).
 # - Running requests share prefix pages: b, arriving while a decodes, found a's two full prompt
 #   pages in the prefix index (32 tokens), so the two 3-page requests held 4 pages.
-# - It gains most when output lengths vary, nothing when they are equal, and nothing when
+# - It gains most when output lengths vary, nothing when they are equal (and arrive together),
+#   and nothing when
 #   arrivals are so sparse that requests never overlap, as the seed's table says. (A random
 #   stream at a low rate still overlaps now and then, and then a newcomer no longer waits for a
 #   batch to end: `bench/README.md`'s run at 0.5 requests/s, TTFT p99 0.18 s against static's

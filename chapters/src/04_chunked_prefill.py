@@ -153,8 +153,9 @@ fig = plot_step_seconds({"continuous": cont}, "wall-clock time of each step")
 #
 # The fix for problem one is to cut the prompt into pieces and prefill one piece per step, so no
 # step grows beyond a fixed number of tokens. Two knobs bound a step (`max_num_batched_tokens`
-# is vLLM's name; vLLM calls the per-request cap `long_prefill_token_threshold`, SGLang
-# `chunked_prefill_size`; chapter 08):
+# is vLLM's name; vLLM calls the per-request cap `long_prefill_token_threshold`; SGLang has no
+# per-request cap: its `chunked_prefill_size` is the prefill tokens of the whole step, shared by
+# every prompt in it, so with one long prompt it is that prompt's chunk; chapter 08):
 #
 # - `chunk_size`: at most this many prompt tokens of **one** request per step;
 # - `max_num_batched_tokens`: at most this many tokens in the **whole** step, prefill and decode
@@ -206,26 +207,38 @@ print("same tokens as the one-step prefill:",
       chunked.requests["long"].output_token_ids == cont.requests["long"].output_token_ids)
 
 # %% [markdown]
-# Chunking changes the order of work, never the result: the long request's four greedy tokens are
-# the ones the one-step prefill produced. Now the step times:
+# Chunking changes the order of the work, not the result: the long request's four greedy tokens
+# are the ones the one-step prefill produced. (Bit for bit here, in float32 on the CPU. In
+# bfloat16 on a GPU the chunked and one-pass attention add their terms in another order, and a
+# near-tie between two tokens can flip; chapter 07.) Now the step times:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
+def prefill_steps_of(engine, rid="long"):
+    return [rec for rec in engine.trace
+            if any(m.request_id == rid and m.kind == "prefill" for m in rec.members)]
+
+
 for name, engine in (("continuous", cont), ("chunked", chunked)):
     s = step_seconds(engine)
-    print(f"{name:<11} longest step {s.max() * 1000:6.0f} ms   whole run {s.sum():5.1f} s   "
-          f"{len(s)} steps")
+    long_steps = [rec.duration * 1000 for rec in prefill_steps_of(engine)]
+    print(f"{name:<11} whole run {s.sum():4.1f} s in {len(s)} steps;  the long prompt's "
+          f"{len(long_steps)} step(s): {min(long_steps):4.0f} to {max(long_steps):4.0f} ms each, "
+          f"{sum(long_steps) / 1000:.2f} s together")
 fig = plot_step_seconds({"continuous": cont, "chunked (128)": chunked},
                         "wall-clock time of each step: one big step, or seven bounded ones")
 
 # %% [markdown]
-# The longest step is now a 128-token chunk, several times shorter than the 803-token step. The
-# total prefill work is the same (800 prompt tokens either way), just spread over seven steps.
-# Problem one is solved: no single step is long any more.
+# Each 128-token chunk step is several times shorter than the 803-token step, so no step holds
+# the running decodes for long any more: problem one is solved. The prefill work is the same 800
+# prompt tokens, but not the same seconds: the seven chunk steps together take longer than the
+# one big step (a quarter more in this run), since every step pays the fixed costs of a forward
+# again and each chunk's queries also read the K/V of the chunks before it. (The chunked run's
+# very first step may show up tall too: a new engine's first forward pays one-off costs.)
 #
 # ## 3. Problem two: prefill-first starves the decodes
 #
-# Look at what ran in those seven steps:
+# The chats are no better off yet. Look at what ran in those seven steps:
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -233,8 +246,9 @@ show_steps(chunked, range(1, 13))
 
 # %% [markdown]
 # From step 4 to step 10 only `long` runs. The three chats hold their pages and their slots but
-# get no tokens: `ChunkedScheduler` is **prefill-first**; while any prefill work is waiting only
-# prefill chunks get the budget, even when the last chunk leaves most of it unused (step 10: 32
+# get no tokens: `ChunkedScheduler` is **prefill-first**; while any prefill chunk can run (a
+# waiting prompt with a free slot and pages, or a prompt already half done), only prefill chunks
+# get the budget, even when the last chunk leaves most of it unused (step 10: 32
 # of 128), and decodes run only in steps with no prefill at all. This
 # is the seed's 问题二: "系统仍然会连续许多步只执行 Prefill 块 … 用户侧观察到的是已经开始的生成突然
 # 卡住不动" (the system runs only prefill chunks for many steps in a row … the user sees a
@@ -260,8 +274,9 @@ for name, engine in (("continuous", cont), ("chunked", chunked)):
     print(f"{name:<11} prefill window {steps} step(s), dec@P = {tokens}")
 
 # %% [markdown]
-# `minicb.metrics.long_prefill_metrics` computes the same numbers (chapter 05 uses it, together
-# with short_P):
+# `minicb.metrics.long_prefill_metrics` computes the same numbers, and the seed's second metric
+# with them: **short_P**, the steps from the long prompt's arrival until the last short request
+# has finished (chapter 05 compares policies by both):
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -269,19 +284,23 @@ for name, engine in (("continuous", cont), ("chunked", chunked)):
     m = long_prefill_metrics(engine.trace, engine.request_records(), "long")
     print(f"{name:<11} prefill window {m['prefill_window_steps']} step(s), "
           f"dec@P = {m['dec_at_p']}, agrees with the hand count: "
-          f"{(m['dec_at_p'], m['prefill_window_steps']) == dec_at_p(engine)}")
+          f"{(m['dec_at_p'], m['prefill_window_steps']) == dec_at_p(engine)};  "
+          f"short_P = {m['short_p_steps']} steps")
 
 # %% [markdown]
 # dec@P = 0 under `chunked`. Continuous batching got 3 (one token for each chat, in its one
-# enormous step). In seconds the two are the same failure: during the prefill window the chats
-# produced (almost) nothing.
+# enormous step). short_P grows by the six extra steps of the window: the chats finish that much
+# later. In seconds the two are the same failure: during the prefill window the chats produced
+# (almost) nothing, and their longest wait between two tokens is the whole window:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
 for name, engine in (("continuous", cont), ("chunked", chunked)):
     m = long_prefill_metrics(engine.trace, engine.request_records(), "long")
+    gap = max(worst_gap(engine, rid) for rid in m["short_request_ids"])
     print(f"{name:<11} window {m['prefill_window_s']:.2f} s, dec@P = {m['dec_at_p']}, "
-          f"i.e. {m['dec_at_p_per_s']:.1f} decode tokens/s for the chats during the window")
+          f"i.e. {m['dec_at_p_per_s']:.1f} decode tokens/s for the chats; "
+          f"a chat's longest gap between two tokens {gap * 1000:.0f} ms")
 
 # %% [markdown]
 # The two runs side by side, on one step axis. Dotted cells are requests that are running (they
@@ -359,15 +378,19 @@ for chunk_size, budget in ((128, 128), (512, 128), (64, 128), (128, 256)):
 # Read the four lines:
 #
 # - `128/128`: one request's chunk fills the budget; A goes first (first come, first served),
-#   and B starts in the step where A's last 116 tokens leave 12 tokens of budget.
+#   and B starts in the step where A's last 116 tokens leave 12 tokens of budget: exactly the
+#   sliver the seed's defer rule is for (`min_chunk`, section 2); `chunked` runs it anyway.
 # - `512/128`: the budget is the binding limit; same schedule.
 # - `64/128`: each request's chunk is capped at 64, so A and B share every step until B is done;
-#   A then finishes alone with 64-token steps: 8 steps, several of them half empty.
+#   A then finishes alone in 64-token steps (the last one 52): 8 steps, the last three half
+#   empty.
 # - `128/256`: both advance 128 tokens per step; the prefill is done in 4 steps instead of 7,
 #   the first two of those steps carry twice the tokens (256), the last two what is left.
 #
-# The budget sets the longest step (problem one), so it sets the worst inter-token latency a
-# running decode can see. A larger budget makes prefill more efficient (bigger matrix products)
+# The budget sets the longest step (problem one). Once decodes share every step with the chunks
+# (`pd`, chapter 05), that also bounds the worst gap between a chat's tokens; under prefill-first
+# `chunked` it does not, since the chats wait out the whole prefill window (section 3). A larger
+# budget makes prefill more efficient (bigger matrix products)
 # but makes those steps longer. On a GPU the sweet spot is much higher than here: budgets of
 # 2,048 to 8,192 tokens are common, because a GPU step costs nearly the same for 1 token or
 # a few hundred (chapter 06 sweeps it).
@@ -375,7 +398,7 @@ for chunk_size, budget in ((128, 128), (512, 128), (64, 128), (128, 256)):
 # ## Recap
 #
 # - **Problem one** (问题一): a long prompt prefilled in one step makes that step some twenty or
-#   more decode steps long (28 in this run); every running decode waits (head-of-line blocking by a prefill).
+#   more decode steps long (21 in this CPU run); every running decode waits (head-of-line blocking by a prefill).
 # - **Chunked prefill** bounds each step: chunks of `min(chunk_size, budget left,
 #   tokens left)`. 800 tokens at 128 per step are `[128] * 6 + [32]`; the output tokens do not
 #   change.

@@ -43,9 +43,9 @@ for f in fields(EngineConfig):
 #
 # | minicb | vLLM | SGLang | what it bounds |
 # |---|---|---|---|
-# | `max_num_batched_tokens` | `max_num_batched_tokens` | `max_prefill_tokens` (prefill per batch); the chunk size bounds a mixed step | tokens per step: the token budget (ch. 04–05) |
+# | `max_num_batched_tokens` | `max_num_batched_tokens` | `chunked_prefill_size`: the prefill tokens of one step, shared by all its prompts (a mixed step's decodes count against it too); `max_prefill_tokens` is a looser cap of the same kind | tokens per step: the token budget (ch. 04–05) |
 # | `max_num_seqs` | `max_num_seqs` | `max_running_requests` | requests in the running batch (ch. 03) |
-# | `chunk_size` | `long_prefill_token_threshold` (caps one request's prefill tokens per step) | `chunked_prefill_size` | one request's chunk (ch. 04) |
+# | `chunk_size` | `long_prefill_token_threshold` (caps one request's prefill tokens per step) | (none per request: a long prompt's chunk is what is left of `chunked_prefill_size`) | one request's chunk (ch. 04) |
 # | `policy="chunked"` / `"pd"` vs `"continuous"` | `enable_chunked_prefill` (on by default in the V1 engine, which serves running requests before admitting new ones, close to `pd`) | chunked prefill on unless `chunked_prefill_size=-1`; `enable_mixed_chunk` mixes a chunk with decodes in one batch, like `pd` | whether prompts are cut, and whether decodes share the step (ch. 04–05) |
 # | `min_chunk` | (none: any leftover budget is used) | (none) | the smallest chunk worth running (ch. 05) |
 # | `enable_prefix_caching` | `enable_prefix_caching` | radix cache, on unless `disable_radix_cache` | reuse of cached prompt pages (ch. 01) |
