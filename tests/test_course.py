@@ -201,6 +201,20 @@ def test_the_student_copy_holds_no_answer(tmp_path):
     assert collected.returncode == 0, collected.stdout[-2000:]  # no test needs what was removed
 
 
+def test_a_student_resets_an_exercise_in_the_student_copy(tmp_path):
+    """`make reset` works in the copy too, where the stubs stand in for the sources."""
+    copy = student_copy(tmp_path)
+    notebook = copy / "exercises" / "02_static_batching.ipynb"
+    fresh = notebook.read_text()
+    notebook.write_text(fresh.replace("NotImplementedError", "half done"))
+    done = subprocess.run([sys.executable, "-m", "minicb.exercises", "reset",
+                           "exercises/02_static_batching.ipynb"], cwd=copy,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert notebook.read_text() == fresh
+    assert "half done" in next((copy / "exercises" / ".backup").glob("*.ipynb")).read_text()
+
+
 @pytest.mark.slow
 def test_a_student_grades_an_exercise_in_the_student_copy(tmp_path):
     """Every exercise notebook tells the learner to run the grader: in the copy it restores the
@@ -221,3 +235,33 @@ def test_the_code_is_ruff_clean():
     done = subprocess.run([sys.executable, "-m", "ruff", "check", "minicb", "tests", "bench"],
                           cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("cuda", [True, False])
+def test_make_keeps_a_cuda_torch_and_pins_the_rest(tmp_path, cuda):
+    """`make`'s install step on a .venv that already holds a CUDA build of torch (README,
+    "Running on a GPU") installs every pin but torch's and triton's; on a CPU torch, all of
+    them. A fake venv: its python answers the CUDA question, its pip logs what it was given."""
+    if shutil.which("make") is None:
+        pytest.skip("no make")
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    log = tmp_path / "pip.log"
+    answer = 0 if cuda else 1
+    (venv / "bin" / "python").write_text(
+        f'#!/bin/sh\ncase "$*" in *torch.version.cuda*) exit {answer};; esac\nexit 0\n')
+    (venv / "bin" / "pip").write_text(
+        f'#!/bin/sh\necho "pip $*" >> {log}\n'
+        f'if [ "$3" = "-r" ]; then cat "$4" >> {log}; fi\n')
+    for tool in ("python", "pip"):
+        (venv / "bin" / tool).chmod(0o755)
+    done = subprocess.run(["make", "-s", "setup", f"VENV={venv}"], cwd=ROOT,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (venv / ".installed").exists()
+    installed = log.read_text()
+    pins = (ROOT / "requirements.txt").read_text()
+    assert "transformers==" in installed and "nbval==" in installed
+    assert ("torch==" in installed) is not cuda and ("triton==" in installed) is not cuda
+    assert ("keeping .venv's CUDA build" in done.stdout) is cuda
+    assert installed.count("==") >= pins.count("==") - (2 if cuda else 0)

