@@ -1195,3 +1195,22 @@ def test_the_traces_of_the_readmes_sweeps_are_made_the_same_way_every_time(tmp_p
         "--chunk-size", "256", "--preemption", "priority", "--slo-ttft", "0.5", "--no-progress"])
     row = bench.run_sweep(args)["rows"][0]
     assert row["goodput_rps"] == pytest.approx(saved["best"]["goodput_rps"])
+
+
+def test_the_readmes_token_mix_example_is_its_saved_result():
+    """bench/README.md's token_mix lines (long-prefill, simulated) come from the results file
+    it names, and a fresh run gives the same counts: the file is that command's output."""
+    import json
+    from pathlib import Path
+
+    saved = json.loads((Path(__file__).resolve().parent.parent / "bench" / "results"
+                        / "long-prefill-token-mix-sim.json").read_text())["results"]
+    args = bench.bench_parser().parse_args(["--executor", "sim", "--workload", "long-prefill",
+                                            "--policy", "chunked,pd", "--no-progress"])
+    fresh = bench.run_bench(args)["results"]
+    keys = ("prefill_tokens", "decode_tokens", "mixed_steps", "dec_at_p", "num_steps")
+    for policy in ("chunked", "pd"):
+        assert {k: fresh[policy][k] for k in keys} == {k: saved[policy][k] for k in keys}
+    assert (saved["pd"]["prefill_tokens"], saved["pd"]["decode_tokens"]) == (2064, 523)
+    assert (saved["chunked"]["mixed_steps"], saved["pd"]["mixed_steps"]) == (0, 8)
+    assert (saved["chunked"]["dec_at_p"], saved["pd"]["dec_at_p"]) == (0, 32)
