@@ -291,7 +291,8 @@ for name, engine in (("continuous", cont), ("chunked", chunked)):
 # dec@P = 0 under `chunked`. Continuous batching got 3 (one token for each chat, in its one
 # enormous step). short_P grows by the six extra steps of the window: the chats finish that much
 # later. In seconds the two are the same failure: during the prefill window the chats produced
-# (almost) nothing, and their longest wait between two tokens is the whole window:
+# (almost) nothing, and their longest wait between two tokens is the whole window (under
+# `chunked`, with one decode step more):
 
 # %%
 # NBVAL_IGNORE_OUTPUT
