@@ -115,6 +115,7 @@ class PagePool:
         self.num_swap_pages = num_swap_pages
         self.swap_free: deque[int] = deque(range(num_swap_pages))
         self.swap_store = zeroed((num_layers, 2, num_swap_pages, *shape[1:]), dtype, "cpu")
+        self.stage_swaps = self.every_layer.is_cuda  # through page-locked buffers (_staging)
 
     @property
     def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -204,7 +205,7 @@ class PagePool:
         if pairs:
             device_pages, host_pages = zip(*pairs)
             pages = self.every_layer[:, :, list(device_pages)]
-            if pages.is_cuda:  # the DMA runs at full speed only into page-locked memory
+            if self.stage_swaps:  # the DMA runs at full speed only into page-locked memory
                 pages = self._staging(len(pairs)).copy_(pages)
             self.swap_store[:, :, list(host_pages)] = pages.to("cpu")
 
@@ -212,7 +213,7 @@ class PagePool:
         """Copy (host page, device page) pairs' K/V of every layer back into the pool."""
         if pairs:
             host_pages, device_pages = zip(*pairs)
-            if self.every_layer.is_cuda:  # gathered straight into page-locked memory
+            if self.stage_swaps:  # gathered straight into page-locked memory
                 pages = torch.index_select(self.swap_store, 2, torch.tensor(host_pages),
                                            out=self._staging(len(pairs)))
             else:

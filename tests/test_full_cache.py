@@ -56,6 +56,36 @@ def test_swap_keeps_the_kv_and_returns_the_same_tokens(make_engine, prefix_cachi
     assert engine.pool.num_used == 0 and len(engine.pool.swap_free) == 64
 
 
+@pytest.mark.parametrize("staged", [False, True])
+def test_swap_copies_scattered_pages_out_and_back(monkeypatch, staged):
+    """PagePool.swap_out and swap_in move every layer's K and V of scattered pages to host pages
+    and back. On CUDA they go through page-locked bounce buffers (`stage_swaps`); that path runs
+    here on the CPU with plain buffers standing in, so its gathers and shapes are tested too."""
+    pool = PagePool(8, 4, num_layers=3, num_kv_heads=2, head_dim=5, num_swap_pages=6)
+    if staged:
+        staging = []
+
+        def plain_buffer(num_pages):  # what _staging pins on CUDA
+            shape = (*pool.swap_store.shape[:2], num_pages, *pool.swap_store.shape[3:])
+            staging.append(torch.full(shape, float("nan")))
+            return staging[-1]
+
+        pool.stage_swaps = True
+        monkeypatch.setattr(pool, "_staging", plain_buffer)
+    kv = torch.randn(pool.every_layer.shape)
+    pool.every_layer.copy_(kv)
+    pool.swap_out([(6, 4), (1, 0), (3, 5)])
+    assert torch.equal(pool.swap_store[:, :, [4, 0, 5]], kv[:, :, [6, 1, 3]])
+    pool.every_layer.zero_()
+    pool.swap_in([(0, 2), (5, 7), (4, 0)])
+    assert torch.equal(pool.every_layer[:, :, [2, 7, 0]], kv[:, :, [1, 3, 6]])
+    assert torch.count_nonzero(pool.every_layer[:, :, [1, 3, 4, 5, 6]]) == 0
+    if staged:
+        assert len(staging) == 2  # one bounce buffer each way
+    else:
+        assert not pool.stage_swaps  # a CPU pool copies directly
+
+
 def test_the_swap_space_defaults_to_the_pool_size(make_engine):
     assert make_engine(num_pages=12, preemption_mode="swap").pool.num_swap_pages == 12
 
