@@ -1858,6 +1858,9 @@ def slot_mapping(fn: Callable[[list[int], int, int, int], list[int]]) -> bool:
                    f"{num_computed} already in the cache.")
         elif isinstance(got, list) and len(got) != num_new:
             why = f" One slot per new token: {num_new} of them."
+        elif got == [table[pos // page_size] + pos % page_size for pos in positions]:
+            why = (" A page number counts pages, not slots: the page's first slot is "
+                   "page_table[pos // page_size] * page_size.")
         _fail(name, f"{shown}: expected {want}, got {_short(got)}.{why}")
     return _passed(name, f"{len(cases)} page tables map their new tokens to the same slots as "
                          "minicb's AttentionMetadata")
@@ -1865,10 +1868,11 @@ def slot_mapping(fn: Callable[[list[int], int, int, int], list[int]]) -> bool:
 
 def _attention_variant(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        page_table: list[int], num_computed: int, scale: float,
-                       causal: bool = True, heads: str = "grouped", paged: bool = True,
+                       causal: bool | str = True, heads: str = "grouped", paged: bool = True,
                        new_in_context: bool = True) -> torch.Tensor:
     """Attention of one member over its pages, and the mistakes the hints name: no causal
-    mask, query head h on kv head h % num_kv_heads, pages read in order 0, 1, ... instead of
+    mask, or the mask of `is_causal=True` (aligned top-left: row i sees positions 0 .. i),
+    query head h on kv head h % num_kv_heads, pages read in order 0, 1, ... instead of
     through the table, the step's own tokens left out of the context."""
     num_new, num_heads, _ = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -1884,7 +1888,7 @@ def _attention_variant(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     k, v = k[:, kv_of_head], v[:, kv_of_head]  # [length, heads, D]
     scores = torch.einsum("nhd,lhd->hnl", q.double(), k.double()) * scale
     if causal:
-        row_pos = num_computed + torch.arange(num_new)
+        row_pos = torch.arange(num_new) + (0 if causal == "top-left" else num_computed)
         scores = scores.masked_fill(pos[None, None, :] > row_pos[None, :, None], float("-inf"))
     return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v.double()).to(q.dtype)
 
@@ -1941,10 +1945,14 @@ def paged_attention(fn: Callable[..., torch.Tensor]) -> bool:
                 (dict(causal=False), "each row must not see the positions after its own: row i "
                                      "attends to positions 0 .. num_computed + i (mask the rest "
                                      "with -inf before the softmax)"),
+                (dict(causal="top-left"), "row i attends to positions 0 .. num_computed + i; "
+                                          "SDPA's is_causal=True aligns its mask top-left, so "
+                                          "with num_computed > 0 row i sees only 0 .. i: build "
+                                          "the mask yourself"),
                 (dict(heads="modulo"), "query head h shares kv head h // (num_heads // "
                                        "num_kv_heads) (heads are grouped, not interleaved)"),
-                (dict(paged=False), "the pages are read in order 0, 1, 2, ...: look each "
-                                    "position's page up in page_table"),
+                (dict(paged=False), "look each position's page up in page_table (your code "
+                                    "reads pages 0, 1, 2, ... in order)"),
                 (dict(new_in_context=False), "this step's tokens are in the cache already, and "
                                              "each row attends to itself too"),
                 (dict(scale=1.0), "multiply the scores by scale before the softmax")):
@@ -1953,7 +1961,7 @@ def paged_attention(fn: Callable[..., torch.Tensor]) -> bool:
             wrong = _attention_variant(q, k_cache, v_cache, table, num_computed, variant_scale,
                                        **options)
             if torch.allclose(got.float(), wrong.float(), rtol=1e-4, atol=1e-5):
-                why = f" It looks like {hint}."
+                why = f" It looks like you missed this: {hint}."
                 break
         if not why and not torch.isfinite(got).all():
             why = " Your output holds NaN or inf: a row whose scores are all -inf?"
@@ -1966,22 +1974,35 @@ def paged_attention(fn: Callable[..., torch.Tensor]) -> bool:
 
 # ============================================================================ speculation (08)
 def _lookup_variant(token_ids: list[int], k: int, n_max: int, n_min: int,
-                    pick: str = "rule", include_last: bool = False, shorter: bool = True
-                    ) -> list[int]:
+                    pick: str = "rule", include_last: bool = False, uncapped: bool = False,
+                    shorter: bool = True) -> list[int]:
     """Prompt lookup and the mistakes the hints name: always the latest (or the earliest)
-    occurrence, the last n tokens matching themselves, no shorter n tried."""
+    occurrence, or the latest of those with k tokens after it; the last n tokens matching
+    themselves (with n capped at len - 1 or not); no shorter n tried."""
     ids = list(token_ids)
-    sizes = range(min(n_max, len(ids) - (0 if include_last else 1)), n_min - 1, -1)
+    sizes = range(min(n_max, len(ids) - (0 if uncapped else 1)), n_min - 1, -1)
     for n in sizes if shorter else list(sizes)[:1]:
         tail = ids[-n:]
         limit = len(ids) - n + (1 if include_last else 0)  # starts whose window ends in ids[:-1]
         hits = [i for i in range(limit) if ids[i:i + n] == tail]
         if hits:
             latest, earliest = hits[-1], hits[0]
-            start = {"latest": latest, "earliest": earliest}.get(
+            roomy = [i for i in hits if i + n + k <= len(ids)]
+            start = {"latest": latest, "earliest": earliest,
+                     "latest roomy": roomy[-1] if roomy else earliest}.get(
                 pick, latest if latest + n + k <= len(ids) else earliest)
             return ids[start + n:start + n + k]
     return []
+
+
+def _quiet_answer(fn: Callable[..., Any], case: tuple) -> Any:
+    """The learner's answer on one case, or None where their function raises (for naming a
+    mistake from all their answers, after one has failed)."""
+    ids, *rest = case
+    try:
+        return _as_list(fn(list(ids), *rest))
+    except Exception:
+        return None
 
 
 def prompt_lookup(fn: Callable[[list[int], int, int, int], list[int]]) -> bool:
@@ -2005,23 +2026,34 @@ def prompt_lookup(fn: Callable[[list[int], int, int, int], list[int]]) -> bool:
         got = _as_list(_call(name, f"fn({shown})", fn, list(ids), k, n_max, n_min))
         if got == want:
             continue
-        why = ""
-        # a mistake explains the failure if it gives this answer and every earlier one right
-        for mistake, hint in (
+        mistakes = (
                 (dict(pick="earliest"), "take the latest earlier occurrence, if k tokens follow "
                                         "it (the freshest context predicts best)"),
                 (dict(pick="latest"), "when fewer than k tokens follow the latest occurrence "
                                       "(in a run like 4 4 4 4 it overlaps the end), take the "
                                       "earliest instead"),
+                (dict(pick="latest roomy"), "look only at the latest occurrence: if fewer than "
+                                            "k tokens follow it, take the earliest, not the "
+                                            "latest of those that have k tokens after them"),
                 (dict(include_last=True), "the last n tokens always match themselves: count "
                                           "only occurrences that end before the last token"),
+                (dict(include_last=True, uncapped=True),
+                 "the last n tokens always match themselves: count only occurrences that end "
+                 "before the last token (so n is at most len(token_ids) - 1)"),
                 (dict(shorter=False), "when the last n_max tokens occur nowhere earlier, try "
-                                      "n_max - 1, ..., down to n_min")):
+                                      "n_max - 1, ..., down to n_min"))
+        # a mistake explains the failure if it gives the learner's answers on every case (some
+        # mistakes agree on a case; the rest of the answers tell them apart), else if it gives
+        # this answer and every earlier one right
+        answers = [_quiet_answer(fn, case) for case in cases]
+        explains = [hint for mistake, hint in mistakes
+                    if all(_lookup_variant(*case, **mistake) == answer
+                           for case, answer in zip(cases, answers))] or [
+            hint for mistake, hint in mistakes
             if got == _lookup_variant(ids, k, n_max, n_min, **mistake) and all(
-                    _lookup_variant(*case, **mistake) == propose_ngram(*case)
-                    for case in cases[:index]):
-                why = f" It looks like you missed this: {hint}."
-                break
+                _lookup_variant(*case, **mistake) == propose_ngram(*case)
+                for case in cases[:index])]
+        why = f" It looks like you missed this: {explains[0]}." if explains else ""
         _fail(name, f"{shown}: expected {want}, got {_short(got)}.{why}")
     return _passed(name, f"{len(cases)} token sequences give the same guesses as minicb's "
                          "propose_ngram")
@@ -2039,6 +2071,8 @@ def _verify_variant(draft: list[int], target: list[int], mistake: str | None = N
         return [d for d, t in zip(draft, target) if d == t] + [target[len(draft)]]
     if mistake == "last row":
         return target[:accepted] + [target[-1]]
+    if mistake == "the guess":
+        return draft[:accepted + 1] if accepted < len(draft) else target[:accepted + 1]
     return target[:accepted + 1]
 
 
@@ -2061,7 +2095,9 @@ def verify_greedy(fn: Callable[[list[int], list[int]], list[int]]) -> bool:
              "no stop": " Stop at the first guess the model disagrees with: the rows after it "
                         "assumed a token the request will not have.",
              "last row": " The model's own token is its prediction after the last kept guess, "
-                         "target[accepted], not the last row's."}
+                         "target[accepted], not the last row's.",
+             "the guess": " At the first disagreement the request takes the model's token, "
+                          "target[accepted], not the rejected guess."}
     for index, (draft, target) in enumerate(cases):
         want = _verify_variant(draft, target)
         shown = f"draft={draft}, target={target}"

@@ -1538,6 +1538,7 @@ def test_paged_attention_mistakes_are_named():
     correct = solution("07_paged_attention.ipynb")["paged_attention"]
     assert check.paged_attention(lambda *a: _attention_variant(*a)) is True
     for mistake, hint in ((dict(causal=False), "must not see the positions after its own"),
+                          (dict(causal="top-left"), "SDPA's is_causal=True aligns its mask"),
                           (dict(heads="modulo"), "kv head h // (num_heads // num_kv_heads)"),
                           (dict(paged=False), "look each position's page up in page_table"),
                           (dict(new_in_context=False), "this step's tokens are in the cache")):
@@ -1560,7 +1561,12 @@ def test_slot_mapping_mistakes_are_named():
         pos = np.arange(num_computed, num_computed + num_new)
         return list(np.asarray(table)[pos // page_size] * page_size + pos % page_size)
 
+    def pages_not_slots(table, num_computed, num_new, page_size):
+        return [table[p // page_size] + p % page_size
+                for p in range(num_computed, num_computed + num_new)]
+
     assert "Those are the positions" in caught("slot_mapping", positions)
+    assert "counts pages, not slots" in caught("slot_mapping", pages_not_slots)
     assert "come after the" in caught("slot_mapping", from_zero)
     assert check.slot_mapping(numpy_ids) is True
 
@@ -1581,9 +1587,24 @@ def test_prompt_lookup_and_verification_mistakes_are_named():
         assert _lookup_variant(ids, k, n_max, n_min) == propose_ngram(ids, k, n_max, n_min)
     for mistake, hint in ((dict(pick="earliest"), "take the latest earlier occurrence"),
                           (dict(pick="latest"), "take the earliest instead"),
+                          (dict(pick="latest roomy"), "not the latest of those that have k"),
                           (dict(include_last=True), "match themselves"),
+                          (dict(include_last=True, uncapped=True), "n is at most len"),
                           (dict(shorter=False), "down to n_min")):
-        assert hint in caught("prompt_lookup", lambda *a, m=mistake: _lookup_variant(*a, **m))
+        message = caught("prompt_lookup", lambda *a, m=mistake: _lookup_variant(*a, **m))
+        assert hint in message and message.count("It looks like") == 1, (mistake, message)
+
+    def self_matching(token_ids, k, n_max, n_min):  # a learner's own loop, n capped right
+        for n in range(min(n_max, len(token_ids) - 1), n_min - 1, -1):
+            hits = [i for i in range(len(token_ids) - n + 1)
+                    if token_ids[i:i + n] == token_ids[-n:]]
+            if hits:
+                start = hits[-1] if hits[-1] + n + k <= len(token_ids) else hits[0]
+                return token_ids[start + n:start + n + k]
+        return []
+    # its first wrong answer is also what "no shorter n" gives: all its answers tell them apart
+    message = caught("prompt_lookup", self_matching)
+    assert "match themselves" in message and "down to n_min" not in message
     assert "minicb's own" in caught("prompt_lookup", propose_ngram)
 
     verify = solution("08_speculative_decoding.ipynb")["verify_greedy"]
@@ -1594,6 +1615,8 @@ def test_prompt_lookup_and_verification_mistakes_are_named():
         "verify_greedy", lambda d, t: _verify_variant(d, t, "no stop"))
     assert "target[accepted], not the last row's" in caught(
         "verify_greedy", lambda d, t: _verify_variant(d, t, "last row"))
+    assert "not the rejected guess" in caught(
+        "verify_greedy", lambda d, t: _verify_variant(d, t, "the guess"))
     # one too many (it did stop at the first disagreement): no hint rather than a wrong one
     message = caught("verify_greedy", lambda d, t: t[:len(verify(d, t)) + 1])
     assert "Stop at the first guess" not in message and "last row" not in message

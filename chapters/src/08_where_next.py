@@ -421,9 +421,9 @@ print("same greedy tokens from both backends:", tokens["torch"] == tokens[KERNEL
 #
 # The cheapest guesser needs no second model. **Prompt lookup** (vLLM's `ngram` method) finds
 # the latest earlier place where the request's last few tokens occurred, in its prompt or its
-# own output, and proposes what followed them there (the latest with `k` tokens after it; in a
-# run like `a a a a` the latest overlaps the end, so minicb falls back to the earliest; the
-# by-hand version below keeps only the first rule). Text that repeats its input (copying,
+# own output, and proposes what followed them there (the latest occurrence if `k` tokens follow
+# it; in a run like `a a a a` the latest overlaps the end and has too few after it, so minicb
+# falls back to the earliest; the by-hand version below keeps only the first rule). Text that repeats its input (copying,
 # extraction, code edits, quoting) gets long runs of right guesses; free text gets few.
 #
 # By hand first, on a sentence that asks for a list it contains:
