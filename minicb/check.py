@@ -434,6 +434,19 @@ def _page_pool_sequence(cls: type, seed: int, name: str) -> None:
             release(rng.choice(live))
             continue
         verify()
+    # a refusal part-way through a list must change nothing either (checked last, so that
+    # the sequence above names any other mistake first)
+    held = next((pages[:1] for pages in tables.values() if pages), None)
+    free = next((p for p in range(num_pages) if not _holders(tables, p)), None)
+    if held and free is not None:
+        expect_value_error(lambda: mine.release([held[0], free]),
+                           f"release([{held[0]}, {free}]) (page {free} is free)",
+                           "a page cannot be released more often than it was taken")
+        verify()
+        expect_value_error(lambda: mine.share([held[0], free]),
+                           f"share([{held[0]}, {free}]) (page {free} is free)",
+                           "only a page that some request holds can be shared")
+        verify()
     for rid in list(tables):  # finally everyone finishes: the pool must be whole again
         release(rid)
     if any(mine.ref_count):
@@ -595,6 +608,16 @@ def quantize_int8(fn: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]
                         "with .to(torch.int8) after rounding.")
         if q.shape != weight.shape:
             _fail(name, f"{shown}: q has shape {list(q.shape)}, expected {list(weight.shape)}.")
+        if isinstance(scale, torch.Tensor) and scale.dim() == 2 and scale.shape[1] == 1:
+            _fail(name, f"{shown}: scale has shape {list(scale.shape)}, expected "
+                        f"[{weight.shape[0]}]: one number per row, in a 1-D tensor (amax(dim=1) "
+                        "without keepdim, or .squeeze(1)). A [out, 1] scale broadcasts wrong "
+                        "in q * scale[:, None].")
+        if isinstance(scale, torch.Tensor) and scale.dtype in (torch.float16, torch.bfloat16):
+            _fail(name, f"{shown}: scale is {scale.dtype}; keep it in float32 (or float64): "
+                        f"{str(scale.dtype).replace('torch.', '')} keeps only "
+                        f"{8 if scale.dtype == torch.bfloat16 else 11} significant bits, so "
+                        "every weight would be off by the scale's rounding too.")
         scale = torch.as_tensor(scale, dtype=torch.float32).reshape(-1)
         rows = weight.shape[0]
         if scale.numel() != rows:
@@ -634,6 +657,10 @@ def quantize_int8(fn: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]
 
 
 # ============================================================================ 02 static
+def _pages(n: int) -> str:
+    return f"{n} page{'' if n == 1 else 's'}"
+
+
 def _reference_static_batch(queue: Sequence[tuple[str, int]], max_num_seqs: int,
                             free_pages: int, page_size: int) -> list[str]:
     batch = []
@@ -686,14 +713,14 @@ def static_batch(fn: Callable[[list[tuple[str, int]], int, int, int], list[str]]
             elif stop is not None and stop not in got and any(
                     order.index(r) > order.index(stop) for r in got if r in order):
                 left = free_pages - sum(need[rid] for rid in want)
-                why = (f" {stop!r} does not fit ({need[stop]} pages needed, {left} left after "
+                why = (f" {stop!r} does not fit ({_pages(need[stop])} needed, {left} left after "
                        f"{want}), so the batch stops there: first come, first served, later "
                        "requests must not jump ahead.")
             elif got != sorted(got, key=lambda r: order.index(r) if r in order else -1):
                 why = " Keep the queue's order."
             elif len(got) < len(want):
                 nxt = want[len(got)]
-                why = (f" {nxt!r} still fits ({need[nxt]} pages needed, "
+                why = (f" {nxt!r} still fits ({_pages(need[nxt])} needed, "
                        f"{free_pages - pages} left).")
         _fail(name, f"{shown}: expected {want}, got {_short(got)}.{why}")
     return _passed(name, f"{len(cases)} queues form the same batch as minicb's static policy")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import math
 from array import array
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 
 import numpy as np
 import torch
@@ -168,20 +168,25 @@ class PagePool:
         return pages
 
     def share(self, pages: list[int]) -> None:
-        """Add a reference to each page (a prefix hit): a cached page becomes used again."""
+        """Add a reference to each page (a prefix hit): a cached page becomes used again. A free
+        page among them is a caller's bug: ValueError, and no page changes."""
+        for page in pages:
+            if self.ref_count[page] == 0 and (self.prefix is None
+                                               or page not in self.prefix.hash_of):
+                raise ValueError(f"page {page} is free, it cannot be shared")
         for page in pages:
             if self.ref_count[page] == 0:
-                if self.prefix is None or page not in self.prefix.hash_of:
-                    raise ValueError(f"page {page} is free, it cannot be shared")
                 self.prefix.lru.pop(page, None)
             self.ref_count[page] += 1
 
     def release(self, pages: list[int]) -> None:
         """Drop one reference per page. A page at zero goes to the LRU list if the prefix index
-        knows it (newest last), else back to the free list."""
-        for page in reversed(pages):  # later pages of a sequence are evicted first
-            if self.ref_count[page] <= 0:
+        knows it (newest last), else back to the free list. Releasing a page more often than it
+        is held is a caller's bug: ValueError, and no page changes."""
+        for page, times in Counter(pages).items():
+            if self.ref_count[page] < times:
                 raise ValueError(f"page {page} released more often than it was taken")
+        for page in reversed(pages):  # later pages of a sequence are evicted first
             self.ref_count[page] -= 1
             if self.ref_count[page] == 0:
                 if self.prefix is not None and page in self.prefix.hash_of:

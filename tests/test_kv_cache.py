@@ -32,6 +32,26 @@ def test_allocation_is_all_or_nothing():
     assert pool.num_free == 1
 
 
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_a_refused_share_or_release_changes_nothing(prefix_caching):
+    """A free page among the pages given, or a page released more often than it is held
+    (listed twice), is the caller's bug: ValueError, and the pages before it keep their
+    counts, so the pool stays usable and its books balance."""
+    pool = PagePool(6, 4, enable_prefix_caching=prefix_caching)
+    held = pool.allocate(2)
+    free = [p for p in range(6) if p not in held]
+    for bad in ([held[0], free[0]], [held[1], held[1]]):
+        with pytest.raises(ValueError, match="released more often"):
+            pool.release(bad)
+        assert pool.ref_count == [1 if p in held else 0 for p in range(6)]
+        assert pool.num_free == 4
+    with pytest.raises(ValueError, match="is free"):
+        pool.share([held[0], free[0]])
+    assert pool.ref_count == [1 if p in held else 0 for p in range(6)]
+    pool.release(held)
+    pool.check([])
+
+
 def test_chained_hash_depends_on_everything_before():
     a = prompt_page_hashes([1, 2, 3, 4, 5, 6, 7, 8], 4)
     b = prompt_page_hashes([9, 2, 3, 4, 5, 6, 7, 8], 4)
