@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: student-release grade reset demo test test-fast test-notebooks lab bench exercises serve lint browser-test clean-cache
+.PHONY: student-release grade reset reset-needs-nb demo test test-fast test-notebooks lab bench exercises serve lint browser-test clean-cache
 
 ## A CUDA build of torch already in .venv (README, "Running on a GPU") is kept, with the Triton it
 ## brought: the torch and triton pins are the CPU course machines'. Everything else is pinned.
@@ -62,8 +62,11 @@ exercises: $(STAMP)
 
 ## a learner starting an exercise notebook over: make reset NB=exercises/03_continuous_batching.ipynb
 ## (the old one is kept in exercises/.backup/)
-reset: $(STAMP)
-	$(BIN)/python -m minicb.exercises reset $(or $(NB),$(error NB=exercises/NN_name.ipynb is required))
+reset: reset-needs-nb $(STAMP)
+	$(BIN)/python -m minicb.exercises reset $(NB)
+
+reset-needs-nb:  # before the install: a forgotten NB= costs nothing
+	@test -n "$(NB)" || { echo "which notebook? make reset NB=exercises/NN_name.ipynb" >&2; exit 2; }
 
 ## score notebooks: make grade NB=exercises/01_paged_kv.ipynb (default: every exercise notebook);
 ## ARGS= passes options on, e.g. make grade NB=submissions/ ARGS="--jobs 2 --timeout 60 --csv g.csv"

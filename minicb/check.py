@@ -434,18 +434,28 @@ def _page_pool_sequence(cls: type, seed: int, name: str) -> None:
             release(rng.choice(live))
             continue
         verify()
-    # a refusal part-way through a list must change nothing either (checked last, so that
-    # the sequence above names any other mistake first)
-    held = next((pages[:1] for pages in tables.values() if pages), None)
+    # a refusal part-way through a list must change nothing either, whichever end a loop
+    # starts from (checked last, so that the sequence above names any other mistake first)
+    if all(_holders(tables, p) for p in range(num_pages)) and tables:
+        release(next(iter(tables)))  # make a page free
+    if not tables:
+        got = allocate(1, "for request 'a'")
+        tables["a"] = got or []
+    once = next((p for p in range(num_pages) if len(_holders(tables, p)) == 1), None)
     free = next((p for p in range(num_pages) if not _holders(tables, p)), None)
-    if held and free is not None:
-        expect_value_error(lambda: mine.release([held[0], free]),
-                           f"release([{held[0]}, {free}]) (page {free} is free)",
-                           "a page cannot be released more often than it was taken")
-        verify()
-        expect_value_error(lambda: mine.share([held[0], free]),
-                           f"share([{held[0]}, {free}]) (page {free} is free)",
-                           "only a page that some request holds can be shared")
+    if once is not None and free is not None:
+        for pages in ([once, free], [free, once]):
+            expect_value_error(lambda pages=pages: mine.release(pages),
+                               f"release({pages}) (page {free} is free)",
+                               "a page cannot be released more often than it was taken")
+            verify()
+            expect_value_error(lambda pages=pages: mine.share(pages),
+                               f"share({pages}) (page {free} is free)",
+                               "only a page that some request holds can be shared")
+            verify()
+        expect_value_error(lambda: mine.release([once, once]),
+                           f"release([{once}, {once}]) (page {once} is held once)",
+                           "a page listed twice loses two references, and it has one")
         verify()
     for rid in list(tables):  # finally everyone finishes: the pool must be whole again
         release(rid)

@@ -237,31 +237,60 @@ def test_the_code_is_ruff_clean():
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+def fake_venv(tmp_path: Path, cuda: bool | None = None, pip_fails: bool = False) -> Path:
+    """A .venv stand-in for testing the Makefile: its python runs `-c` snippets with the real
+    interpreter over a fake `torch` (CUDA or not) and ignores everything else; its pip logs its
+    arguments and the requirements it is given."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    fake = tmp_path / "fake-torch" / "torch"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text(f"class version:\n    cuda = {'12.4' if cuda else None!r}\n")
+    log = tmp_path / "pip.log"
+    (venv / "bin" / "python").write_text(
+        f'#!/bin/sh\nif [ "$1" = "-c" ]; then PYTHONPATH={fake.parent} exec {sys.executable} "$@"; '
+        'fi\nexit 0\n')
+    (venv / "bin" / "pip").write_text(
+        f'#!/bin/sh\necho "pip $*" >> {log}\n'
+        f'if [ "$3" = "-r" ]; then cat "$4" >> {log}; fi\nexit {1 if pip_fails else 0}\n')
+    for tool in ("python", "pip"):
+        (venv / "bin" / tool).chmod(0o755)
+    return venv
+
+
+def make(*args: str) -> subprocess.CompletedProcess:
+    if shutil.which("make") is None:
+        pytest.skip("no make")
+    return subprocess.run(["make", "-s", *args], cwd=ROOT, capture_output=True, text=True)
+
+
 @pytest.mark.parametrize("cuda", [True, False])
 def test_make_keeps_a_cuda_torch_and_pins_the_rest(tmp_path, cuda):
     """`make`'s install step on a .venv that already holds a CUDA build of torch (README,
     "Running on a GPU") installs every pin but torch's and triton's; on a CPU torch, all of
-    them. A fake venv: its python answers the CUDA question, its pip logs what it was given."""
-    if shutil.which("make") is None:
-        pytest.skip("no make")
-    venv = tmp_path / "venv"
-    (venv / "bin").mkdir(parents=True)
-    log = tmp_path / "pip.log"
-    answer = 0 if cuda else 1
-    (venv / "bin" / "python").write_text(
-        f'#!/bin/sh\ncase "$*" in *torch.version.cuda*) exit {answer};; esac\nexit 0\n')
-    (venv / "bin" / "pip").write_text(
-        f'#!/bin/sh\necho "pip $*" >> {log}\n'
-        f'if [ "$3" = "-r" ]; then cat "$4" >> {log}; fi\n')
-    for tool in ("python", "pip"):
-        (venv / "bin" / tool).chmod(0o755)
-    done = subprocess.run(["make", "-s", "setup", f"VENV={venv}"], cwd=ROOT,
-                          capture_output=True, text=True)
+    them."""
+    venv = fake_venv(tmp_path, cuda)
+    done = make("setup", f"VENV={venv}")
     assert done.returncode == 0, done.stdout + done.stderr
     assert (venv / ".installed").exists()
-    installed = log.read_text()
+    installed = (tmp_path / "pip.log").read_text()
     pins = (ROOT / "requirements.txt").read_text()
     assert "transformers==" in installed and "nbval==" in installed
     assert ("torch==" in installed) is not cuda and ("triton==" in installed) is not cuda
     assert ("keeping .venv's CUDA build" in done.stdout) is cuda
     assert installed.count("==") >= pins.count("==") - (2 if cuda else 0)
+
+
+def test_a_failed_install_stops_make(tmp_path):
+    venv = fake_venv(tmp_path, cuda=True, pip_fails=True)
+    assert make("setup", f"VENV={venv}").returncode != 0
+    assert not (venv / ".installed").exists()
+
+
+def test_make_reset_asks_for_the_notebook_before_installing(tmp_path):
+    venv = fake_venv(tmp_path)
+    done = make("reset", f"VENV={venv}")
+    assert done.returncode != 0 and "make reset NB=exercises/NN_name.ipynb" in done.stderr
+    assert not (tmp_path / "pip.log").exists()  # nothing was installed first
+    done = make("-n", "lab", f"VENV={venv}", "LAB_ARGS=--no-browser --ip=0.0.0.0")
+    assert "jupyter lab --no-browser --ip=0.0.0.0 chapters/00_setup_and_tour.ipynb" in done.stdout

@@ -86,9 +86,11 @@ def test_reset_puts_a_fresh_stub_in_place_and_keeps_the_learners_work(tmp_path, 
     assert exercises.main(["reset", name, "--root", str(tmp_path)]) == 0  # twice in a second
     assert len(list((tmp_path / "exercises" / ".backup").glob("*.ipynb"))) == 2
     assert exercises.main(["reset", "exercises/99_nope.ipynb", "--root", str(tmp_path)]) == 2
-    assert "no exercise notebook named '99_nope.ipynb'" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        exercises.main(["reset"])  # which notebook?
+    err = capsys.readouterr().err
+    assert "no exercise notebook named '99_nope.ipynb'" in err and EXPECTED[0] in err
+    for wrong in (["reset"], ["build", f"exercises/{name}"]):  # which notebook? / none wanted
+        with pytest.raises(SystemExit):
+            exercises.main(wrong)
 
 
 def test_generation_is_deterministic_and_keeps_cell_ids():
@@ -390,8 +392,15 @@ def test_quantization_bugs_are_caught():
         q, scale = solution("01_paged_kv.ipynb")["my_quantize_int8"](weight)
         return q, scale.to(torch.bfloat16)
 
-    assert "a 1-D tensor" in caught("quantize_int8", column_of_scales)
+    def float16_scales(weight):
+        q, scale = solution("01_paged_kv.ipynb")["my_quantize_int8"](weight)
+        return q, scale.half()
+
+    assert "(shape [6, 32]): scale has shape [6, 1], expected [6]" in caught(
+        "quantize_int8", column_of_scales)
     assert "keep it in float32" in caught("quantize_int8", half_scales)
+    message = caught("quantize_int8", float16_scales)
+    assert "keep it in float32" in message and "11 significant bits" in message
 
 
 def test_a_refused_release_part_way_through_a_list_is_caught():
@@ -415,7 +424,27 @@ def test_a_refused_release_part_way_through_a_list_is_caught():
                     raise ValueError(f"page {page}")
                 self.ref_count[page] += 1
 
-    for cls, call in ((HalfwayRelease, "release(["), (HalfwayShare, "share([")):
+    class BackwardsRelease(pool_class):  # refuses before changing only if the bad page is last
+        def release(self, pages):
+            for page in reversed(pages):
+                if self.ref_count[page] <= 0:
+                    raise ValueError(f"page {page}")
+                self.ref_count[page] -= 1
+                if self.ref_count[page] == 0:
+                    self.free.append(page)
+
+    class CountsEachPageOnce(pool_class):  # checks first, but a page listed twice goes to -1
+        def release(self, pages):
+            if any(self.ref_count[page] <= 0 for page in pages):
+                raise ValueError("free")
+            for page in pages:
+                self.ref_count[page] -= 1
+                if self.ref_count[page] == 0:
+                    self.free.append(page)
+
+    assert "a page listed twice loses two references" in caught("page_pool", CountsEachPageOnce)
+    for cls, call in ((HalfwayRelease, "release(["), (HalfwayShare, "share(["),
+                      (BackwardsRelease, "release([")):
         message = caught("page_pool", cls)
         assert "changed the pool first" in message and re.search(
             re.escape(call) + r"\d+, \d+\]\) \(page \d+ is free\)", message), message
@@ -1585,6 +1614,19 @@ def test_paged_attention_mistakes_are_named():
                               lambda *a, m=mistake: _attention_variant(*a, **m))
     assert "by scale" in caught("paged_attention", lambda q, k, v, t, n, s: correct(q, k, v, t,
                                                                                    n, 1.0))
+
+    def sdpa_is_causal(q, k_cache, v_cache, page_table, num_computed, scale):
+        num_new, heads, dim = q.shape
+        page_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+        pos = torch.arange(num_computed + num_new)
+        slots = torch.tensor(page_table)[pos // page_size] * page_size + pos % page_size
+        k = k_cache.reshape(-1, kv_heads, dim)[slots].repeat_interleave(heads // kv_heads, 1)
+        v = v_cache.reshape(-1, kv_heads, dim)[slots].repeat_interleave(heads // kv_heads, 1)
+        return torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
+            scale=scale).transpose(0, 1)
+
+    assert "SDPA's is_causal=True" in caught("paged_attention", sdpa_is_causal)
     assert "[num_new, num_heads, head_dim]" in caught(
         "paged_attention", lambda q, k, v, t, n, s: correct(q, k, v, t, n, s)[-1])
 
@@ -1632,6 +1674,16 @@ def test_prompt_lookup_and_verification_mistakes_are_named():
                           (dict(shorter=False), "down to n_min")):
         message = caught("prompt_lookup", lambda *a, m=mistake: _lookup_variant(*a, **m))
         assert hint in message and message.count("It looks like") == 1, (mistake, message)
+
+    def latest_with_room(token_ids, k, n_max, n_min):  # the other reading of the rule
+        for n in range(min(n_max, len(token_ids) - 1), n_min - 1, -1):
+            hits = [i for i in range(len(token_ids) - n) if token_ids[i:i + n] == token_ids[-n:]]
+            if hits:
+                roomy = [i for i in hits if i + n + k <= len(token_ids)]
+                start = roomy[-1] if roomy else hits[0]
+                return token_ids[start + n:start + n + k]
+        return []
+    assert "not the latest of those that have k" in caught("prompt_lookup", latest_with_room)
 
     def self_matching(token_ids, k, n_max, n_min):  # a learner's own loop, n capped right
         for n in range(min(n_max, len(token_ids) - 1), n_min - 1, -1):

@@ -86,6 +86,30 @@ def test_swap_copies_scattered_pages_out_and_back(monkeypatch, staged):
         assert not pool.stage_swaps  # a CPU pool copies directly
 
 
+def test_the_bounce_buffer_is_pinned_and_holds_the_pages_in_flight(monkeypatch):
+    """`_staging` asks torch for page-locked memory shaped like the pages in flight (every
+    layer, K and V); on a CPU-only torch that cannot be allocated, so pinning is recorded and
+    dropped here."""
+    from minicb import kv_cache
+    asked = []
+    real_empty = torch.empty
+
+    def empty(*shape, pin_memory=False, **kw):
+        asked.append((shape, pin_memory))
+        return real_empty(*shape, **kw)
+
+    pool = PagePool(8, 4, num_layers=3, num_kv_heads=2, head_dim=5, num_swap_pages=6)
+    pool.stage_swaps = True
+    monkeypatch.setattr(kv_cache.torch, "empty", empty)
+    pool.every_layer.normal_()
+    kv = pool.every_layer.clone()
+    pool.swap_out([(6, 4), (1, 0)])
+    pool.every_layer.zero_()
+    pool.swap_in([(4, 2), (0, 3)])
+    assert asked == [(((3, 2, 2, 4, 2, 5),), True)] * 2
+    assert torch.equal(pool.every_layer[:, :, [2, 3]], kv[:, :, [6, 1]])
+
+
 def test_the_swap_space_defaults_to_the_pool_size(make_engine):
     assert make_engine(num_pages=12, preemption_mode="swap").pool.num_swap_pages == 12
 

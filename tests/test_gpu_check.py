@@ -80,6 +80,18 @@ def test_the_swap_row_is_the_page_the_cost_model_assumes(gpu_check):
     row = gpu_check.swap_row({"sec": 40e-6, "bytes": nbytes, "assumed": 42e-6})
     assert "2048 KiB a page | 40.0 µs a page, 52.4 GB/s" in row and "s = 42 µs" in row
     assert "not reached" in gpu_check.swap_row(None)
+    assert "| failed: boom \\| bang |" in gpu_check.swap_row({"error": "boom | bang"})
+
+
+def test_the_swap_stage_times_the_presets_page_in_bf16_on_the_gpu(gpu_check, monkeypatch):
+    import torch
+
+    from minicb import sim
+    seen = {}
+    monkeypatch.setattr(sim, "measure_swap_cost", lambda **kw: seen.update(kw) or 40e-6)
+    swap = gpu_check.time_swap("cuda")
+    assert seen == dict(gpu_check.SWAP_PAGE, dtype=torch.bfloat16, device="cuda")
+    assert swap == {"sec": 40e-6, "bytes": 2 * 2**20, "assumed": 42e-6}
 
 
 def test_fallback_model_has_smollm2s_exact_shapes(gpu_check, smollm2_dir):
