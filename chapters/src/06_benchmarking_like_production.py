@@ -733,7 +733,9 @@ for limit in (None, 2, 1, 0):
 #
 # The same eight growing requests in 24 pages, every answer (simulated: the steps are exact;
 # the time is the cost model's, once for the H100-like preset, where a page swapped each way
-# costs 42 µs over PCIe, and once for this CPU's fitted model, where it costs what
+# is assumed to cost 42 µs over PCIe (the GPU check of chapter 07 measures it, with the engine's
+# own swap copies, whenever a GPU is at hand), and once for this CPU's fitted model, where it
+# costs what
 # `sim.measure_swap_cost` measured on this machine, 0.14 ms; `python -m minicb profile` measures
 # it with the rest of the fit):
 
