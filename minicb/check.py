@@ -27,8 +27,10 @@ import math
 import numbers
 import operator
 import random
+import signal
 import sysconfig
 import tempfile
+import threading
 import traceback
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -2032,6 +2034,11 @@ def _lookup_variant(token_ids: list[int], k: int, n_max: int, n_min: int,
     return []
 
 
+class _OutOfTime(BaseException):
+    """Raised by `_answers_within`'s alarm; a BaseException, so the learner's code cannot
+    swallow it with `except Exception`."""
+
+
 def _quiet_answer(fn: Callable[..., Any], case: tuple) -> Any:
     """The learner's answer on one case, or None where their function raises (for naming a
     mistake from all their answers, after one has failed)."""
@@ -2040,6 +2047,29 @@ def _quiet_answer(fn: Callable[..., Any], case: tuple) -> Any:
         return _as_list(fn(list(ids), *rest))
     except Exception:
         return None
+
+
+def _answers_within(fn: Callable[..., Any], cases: list[tuple], seconds: float
+                    ) -> list[Any] | None:
+    """The learner's answers on every case, or None if they take longer than `seconds` (a
+    function that loops forever on a case after the failing one must not turn the failure
+    message into the grader's timeout). Needs SIGALRM, so only in the main thread."""
+    if threading.current_thread() is not threading.main_thread() or \
+            not hasattr(signal, "setitimer"):
+        return None
+
+    def out_of_time(*_: Any) -> None:
+        raise _OutOfTime
+
+    previous = signal.signal(signal.SIGALRM, out_of_time)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        return [_quiet_answer(fn, case) for case in cases]
+    except _OutOfTime:
+        return None
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def prompt_lookup(fn: Callable[[list[int], int, int, int], list[int]]) -> bool:
@@ -2082,10 +2112,10 @@ def prompt_lookup(fn: Callable[[list[int], int, int, int], list[int]]) -> bool:
         # a mistake explains the failure if it gives the learner's answers on every case (some
         # mistakes agree on a case; the rest of the answers tell them apart), else if it gives
         # this answer and every earlier one right
-        answers = [_quiet_answer(fn, case) for case in cases]
-        explains = [hint for mistake, hint in mistakes
-                    if all(_lookup_variant(*case, **mistake) == answer
-                           for case, answer in zip(cases, answers))] or [
+        answers = _answers_within(fn, cases, seconds=5.0)
+        explains = [hint for mistake, hint in mistakes if answers is not None
+                    and all(_lookup_variant(*case, **mistake) == answer
+                            for case, answer in zip(cases, answers))] or [
             hint for mistake, hint in mistakes
             if got == _lookup_variant(ids, k, n_max, n_min, **mistake) and all(
                 _lookup_variant(*case, **mistake) == propose_ngram(*case)

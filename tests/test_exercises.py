@@ -1693,6 +1693,14 @@ def test_prompt_lookup_and_verification_mistakes_are_named():
                 start = hits[-1] if hits[-1] + n + k <= len(token_ids) else hits[0]
                 return token_ids[start + n:start + n + k]
         return []
+    def loops_on_long_inputs(token_ids, k, n_max, n_min):  # wrong first, endless later
+        while len(token_ids) > 8:
+            pass
+        return []
+    started = time.perf_counter()
+    assert "expected [7, 8], got []" in caught("prompt_lookup", loops_on_long_inputs)
+    assert time.perf_counter() - started < 30  # not the grader's timeout
+
     # its first wrong answer is also what "no shorter n" gives: all its answers tell them apart
     message = caught("prompt_lookup", self_matching)
     assert "match themselves" in message and "down to n_min" not in message
