@@ -30,7 +30,7 @@ demo: $(STAMP)
 ## One torch thread per process: notebook kernels and pytest share 2 cores, and two spinning
 ## threads per process made steps 5-10x slower when anything else ran.
 test: $(STAMP)
-	OMP_NUM_THREADS=1 TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests \
+	OMP_NUM_THREADS=1 TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -p no:cacheprovider --durations=20 tests \
 		--nbval-lax --nbval-current-env --nbval-sanitize-with tests/sanitize.cfg \
 		chapters $(wildcard solutions)
 
