@@ -127,13 +127,13 @@ def time_swap(device: str) -> dict:
     for the page the h100-like preset assumes, through the engine's own PagePool copies."""
     import torch
 
+    from minicb.kv_cache import page_bytes
     from minicb.sim import PRESETS, measure_swap_cost
     page = SWAP_PAGE if device == "cuda" else SMOKE_SWAP_PAGE
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     sec = measure_swap_cost(**page, dtype=dtype, device=device)
-    nbytes = (2 * page["num_layers"] * page["page_size"] * page["num_kv_heads"]
-              * page["head_dim"] * dtype.itemsize)
-    return {"sec": sec, "bytes": nbytes, "assumed": PRESETS["h100-like"].s}
+    return {"sec": sec, "bytes": page_bytes(**page, dtype=dtype),
+            "assumed": PRESETS["h100-like"].s}
 
 
 def _text(out) -> str:

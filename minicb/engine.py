@@ -28,7 +28,7 @@ from minicb.config import (
     resolve_device,
     torch_dtype,
 )
-from minicb.kv_cache import PagePool, prompt_page_hashes
+from minicb.kv_cache import PagePool, page_bytes, prompt_page_hashes
 from minicb.request import Request, RequestOutput, SamplingParams, Status
 from minicb.sampler import make_generator, sample
 from minicb.scheduler import (
@@ -62,8 +62,8 @@ def default_num_pages(model_config, config: EngineConfig, dtype: torch.dtype) ->
     if not str(config.device).startswith("cuda"):
         return 1024
     free, _ = torch.cuda.mem_get_info(torch.device(config.device))
-    per_page = (2 * model_config.num_layers * config.page_size * model_config.num_kv_heads
-                * model_config.head_dim * torch.tensor([], dtype=dtype).element_size())
+    per_page = page_bytes(model_config.num_layers, config.page_size, model_config.num_kv_heads,
+                          model_config.head_dim, dtype)
     budget = free * config.gpu_memory_utilization - 512 * 2**20  # headroom for activations
     return max(16, int(budget // per_page))
 

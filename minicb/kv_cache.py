@@ -87,6 +87,14 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype,
     return torch.from_numpy(np.zeros(num_bytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
+def page_bytes(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int,
+               dtype: torch.dtype) -> int:
+    """Bytes of one page of K and V over every layer: what a GPU pool is sized by (chapter 07)
+    and what a swap copies (chapter 06)."""
+    return (2 * num_layers * page_size * num_kv_heads * head_dim
+            * torch.empty((), dtype=dtype).element_size())
+
+
 class PagePool:
     """K/V storage for all layers in `num_pages` pages of `page_size` tokens, with bookkeeping.
 
