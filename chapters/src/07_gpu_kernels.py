@@ -301,14 +301,18 @@ print("same greedy tokens with the Triton kernels as with the torch reference:",
 # %%
 # NBVAL_CHECK_OUTPUT
 from minicb.engine import default_num_pages
+from minicb.kv_cache import page_bytes
 
 print(inspect.getsource(default_num_pages))
 cfg = model[1].config
-page_bytes = 2 * cfg.num_layers * 16 * cfg.num_kv_heads * cfg.head_dim * 2  # K and V, bf16
+bytes_per_page = 2 * cfg.num_layers * 16 * cfg.num_kv_heads * cfg.head_dim * 2  # K and V, bf16
+agrees = bytes_per_page == page_bytes(cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim,
+                                     torch.bfloat16)
 print(f"SmolLM2-135M: {cfg.num_layers} layers x {cfg.num_kv_heads} kv heads x {cfg.head_dim}"
-      f" dims -> one 16-token page = {page_bytes / 1024:.0f} KiB in bf16")
+      f" dims -> one 16-token page = {bytes_per_page / 1024:.0f} KiB in bf16 "
+      f"(minicb's kv_cache.page_bytes agrees: {agrees})")
 for free_gib in (20, 75):  # e.g. a 24 GB card, an 80 GB H100, after loading the weights
-    pages = int((free_gib * 2**30 * 0.9 - 512 * 2**20) // page_bytes)
+    pages = int((free_gib * 2**30 * 0.9 - 512 * 2**20) // bytes_per_page)
     print(f"{free_gib} GiB free -> {pages:,} pages = {pages * 16 / 1e6:.1f} M tokens of KV cache")
 
 # %% [markdown]
