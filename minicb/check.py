@@ -56,6 +56,10 @@ def _fail(exercise: str, message: str) -> None:
     raise CheckFailed(f"[{exercise}] {message}")
 
 
+def _pages(n: int) -> str:
+    return f"{n} page{'' if n == 1 else 's'}"
+
+
 def _call(exercise: str, what: str, fn: Callable, *args: Any) -> Any:
     """Run the learner's code, with minicb's own version of the exercise refusing to run
     (`_references`); an exception it raises becomes a CheckFailed naming the call (the grader
@@ -423,7 +427,7 @@ def _page_pool_sequence(cls: type, seed: int, name: str) -> None:
             pages = tables[donor][:k]
             rid = f"r{next(counter)}"
             history.append(f"share({pages}) for new request {rid!r} (a prefix hit on "
-                           f"the first {k} page{'s' if k > 1 else ''} of request {donor!r})")
+                           f"the first {_pages(k)} of request {donor!r})")
             _call(name, f"{where()}share({pages})", mine.share, pages)
             ref.share([to_ref[p] for p in pages])
             tables[rid] = list(pages)
@@ -513,7 +517,7 @@ def prefix_hashes(fn: Callable[[list[int], int], list[bytes]]) -> bool:
             elif len(got) < len(want):
                 why = " A page that is exactly full counts too."
             _fail(name, f"fn({shown}) returned {len(got)} hashes; expected {full} ("
-                        f"{len(tokens)} tokens fill {full} page{'s' if full != 1 else ''} of "
+                        f"{len(tokens)} tokens fill {_pages(full)} of "
                         f"{page_size}).{why}")
         unchained = [page_hash(None, tokens[i * page_size:(i + 1) * page_size])
                      for i in range(full)]
@@ -669,10 +673,6 @@ def quantize_int8(fn: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]
 
 
 # ============================================================================ 02 static
-def _pages(n: int) -> str:
-    return f"{n} page{'' if n == 1 else 's'}"
-
-
 def _reference_static_batch(queue: Sequence[tuple[str, int]], max_num_seqs: int,
                             free_pages: int, page_size: int) -> list[str]:
     batch = []
