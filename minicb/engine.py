@@ -462,9 +462,12 @@ class Engine:
         evicted_before = self.pool.num_evicted
         ctx = SchedulerContext(self.waiting, self.running, self.pool, self.config,
                                self.step_count, t_start, self.free_slots, self.tenant_service)
-        batch = self.scheduler.schedule(ctx)
-        self._unclaimed = None  # admissions and preemptions changed what the queue will take
-        swapped_out, swapped_in = self._move_pages(ctx.batch)
+        try:
+            batch = self.scheduler.schedule(ctx)
+        finally:  # a policy that raises after a preemption or a readmission still gets its
+            # copies: without them a victim's K/V would be lost and its host pages leaked
+            self._unclaimed = None  # admissions and preemptions changed what the queue takes
+            swapped_out, swapped_in = self._move_pages(ctx.batch)
         self._validate(batch)
         drafts = self._propose_drafts(batch) if self.config.num_speculative_tokens else {}
         items = sorted(((r, n + len(drafts.get(r.request_id, ()))) for r, n in batch.items),

@@ -648,3 +648,45 @@ def test_after_an_accept_by_the_bound_the_next_arrival_still_gets_the_exact_coun
     assert engine.requests["big"].finish_reason is None
     engine.run()
     assert engine.pool.num_used == 0
+
+
+@pytest.mark.parametrize("fails_at", ["swap-out", "swap-in"])
+def test_a_policy_that_raises_mid_schedule_still_gets_its_swap_copies(make_engine, fails_at):
+    """A learner's policy preempts (swap) or readmits a swapped request, then raises in the
+    same call. The pool and the request changed at once, so the copies they planned must still
+    run: the engine carries on (the policy is fine again next step) with its books balanced and
+    the single-request tokens, which zeroed K/V or lost host pages would not give."""
+    from minicb.scheduler import PDScheduler
+
+    class Flaky(PDScheduler):
+        def schedule(self, ctx):
+            if ctx.step == 4:
+                ctx.preempt(ctx.running[-1])
+                if fails_at == "swap-out":
+                    raise RuntimeError("a learner's bug")
+                return super().schedule(ctx)  # the decodes left; no readmission this step
+            if ctx.step == 5 and fails_at == "swap-in":
+                super().schedule(ctx)  # readmits the victim: its swap-in is planned
+                planned.extend(ctx.batch.swap_in)
+                raise RuntimeError("a learner's bug")
+            return super().schedule(ctx)
+
+    planned: list = []
+    prompts = [list(range(10, 30)), list(range(40, 60))]
+    p = SamplingParams(max_tokens=12, **GREEDY)
+    engine = make_engine(Flaky(), page_size=4, num_pages=64, preemption_mode="swap",
+                         num_swap_pages=16)
+    ids = [engine.add_request(x, p) for x in prompts]
+    with pytest.raises(RuntimeError, match="a learner's bug"):
+        engine.run()
+    engine.check_invariants()
+    engine.run()
+    ref = make_engine("single")
+    ref_ids = [ref.add_request(x, p) for x in prompts]
+    ref.run()
+    assert [engine.requests[i].output_token_ids for i in ids] == \
+        [ref.requests[i].output_token_ids for i in ref_ids]
+    assert sum(r.pages_swapped_out for r in engine.trace) > 0 if fails_at == "swap-in" \
+        else sum(r.pages_swapped_in for r in engine.trace) > 0  # the failed step has no record
+    assert bool(planned) == (fails_at == "swap-in")
+    assert engine.pool.num_used == 0 and len(engine.pool.swap_free) == 16
