@@ -171,7 +171,7 @@ class Engine:
         self._empty_steps = 0  # steps in a row that scheduled nothing while work waits
         self._arrived_since_last_step: list[str] = []  # added between steps, arriving at once
         self._ids = itertools.count()
-        self._seq = itertools.count()  # admission order, even after `forget`
+        self._seq = itertools.count()  # arrival order (Request.seq_index), even after `forget`
         self.tenant_service: Counter[str | None] = Counter()  # tokens computed per tenant
         # unfinished requests with a deadline: none, and no step scans the queue for expiry
         # (10,000 waiting requests made that scan most of a simulated run)
@@ -292,7 +292,7 @@ class Engine:
             raise ValueError(f"tenant must be a string or None, got {tenant!r}")
         req = Request(request_id, token_ids, params, priority=priority, arrival_step=arrival_step,
                       arrival_time=arrival_time, eos_token_ids=tuple(self.info.eos_token_ids),
-                      seq_index=next(self._seq), deadline=deadline, tenant=tenant)
+                      deadline=deadline, tenant=tenant)
         if self.pool.prefix is not None:  # hashed once; admission and reclaim reuse them
             req.page_hashes = prompt_page_hashes(token_ids, self.pool.page_size)
         generator = make_generator(params.seed)  # before any state changes: nothing half-added
@@ -307,6 +307,7 @@ class Engine:
 
     def _arrive(self, req: Request, step: int) -> None:  # step: the first that can run it
         self.pending.remove(req)
+        req.seq_index = next(self._seq)  # "newest" and first-come ties go by arrival, not by add
         # a step already past when the request was added counts as the step it arrives at:
         # the engine cannot have kept it waiting before it knew of it
         req.metrics.arrival_step = step if req.arrival_step is None \
@@ -392,7 +393,8 @@ class Engine:
         arrived = [r for r in self.pending
                    if (r.arrival_step is None or r.arrival_step <= self.step_count)
                    and (r.arrival_time is None or r.arrival_time <= now)]
-        arrived.sort(key=lambda r: (r.arrival_time or 0.0, r.arrival_step or 0, r.seq_index))
+        # stable: requests arriving together keep the order they were added in
+        arrived.sort(key=lambda r: (r.arrival_time or 0.0, r.arrival_step or 0))
         for req in arrived:
             self._arrive(req, self.step_count)  # inside step(), after its count went up
         return [r.request_id for r in arrived]

@@ -120,7 +120,7 @@ class Request:
     num_recomputed_tokens: int = 0  # of those, tokens computed again (the rest came back cached)
     num_tokens_before_preemption: int = 0  # K/V once reached here: computing below it is redone
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
-    seq_index: int = 0  # admission order, used for "newest" preemption and FCFS ties
+    seq_index: int = 0  # arrival order, set as it joins the queue: "newest" preemption, FCFS ties
     page_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full prompt pages
     deadline: float | None = None  # seconds after arrival by which it must finish (chapter 06)
     tenant: str | None = None  # who sent it, for preemption="fair" (None: one shared tenant)

@@ -193,6 +193,20 @@ def test_preemption_when_pages_run_out_recomputes_and_matches(make_engine, max_p
     assert small.pool.num_used == 0
 
 
+def test_newest_means_the_latest_arrival_not_the_latest_added(make_engine):
+    """Preemption "newest" takes the request that arrived last, even when it was added first
+    (a trace replayed out of order, a client adding future arrivals): arrival order is set as
+    a request joins the queue."""
+    engine = make_engine("pd", num_pages=8, page_size=4)
+    p = SamplingParams(max_tokens=20, **GREEDY)
+    engine.add_request(list(range(10, 18)), p, request_id="added-first", arrival_step=3)
+    engine.add_request(list(range(30, 38)), p, request_id="arrived-first", arrival_step=1)
+    engine.run()
+    victims = [rid for rec in engine.trace for rid in rec.preempted]
+    assert victims and set(victims) == {"added-first"}
+    assert engine.requests["arrived-first"].seq_index < engine.requests["added-first"].seq_index
+
+
 def test_priority_preemption_picks_the_least_important(make_engine):
     engine = make_engine("continuous", num_pages=10, page_size=8, max_num_seqs=4,
                          preemption="priority", enable_prefix_caching=False)
@@ -544,13 +558,16 @@ def test_prompts_that_fill_the_budget_exactly_join_together():
     assert sorted(m.request_id for m in e.trace[0].members) == ["a", "b"]
 
 
+@pytest.mark.parametrize("added", ["in arrival order", "later arrival first"])
 @pytest.mark.parametrize("preemption", ["priority", "deadline"])
-def test_equal_rank_waits_first_come_first_served(preemption):
-    """Two requests of the same rank behind a running one: the earlier arrival goes first."""
+def test_equal_rank_waits_first_come_first_served(preemption, added):
+    """Two requests of the same rank behind a running one: the earlier arrival goes first,
+    whichever was added first."""
     from minicb.sim import make_sim_engine
     e = make_sim_engine(policy="continuous", max_num_seqs=1, preemption=preemption)
     e.add_request([1] * 4, SamplingParams(max_tokens=3, **GREEDY), request_id="running")
-    for rid, arrival in (("first", 2), ("second", 3)):
+    arrivals = [("first", 2), ("second", 3)]
+    for rid, arrival in (arrivals if added == "in arrival order" else arrivals[::-1]):
         e.add_request([2] * 4, SamplingParams(max_tokens=2, **GREEDY), request_id=rid,
                       arrival_step=arrival, priority=1, deadline=50.0)
     e.run()
