@@ -872,15 +872,18 @@ def _make_instance(policy: Any) -> Any:
 
 
 class _Returns(Scheduler):
-    """Wraps a learner's scheduler: same name and slot behaviour, but a `schedule` that
-    returns something other than the context's batch is reported in plain words."""
+    """Wraps a learner's scheduler: same name and the same attributes the engine reads
+    (`Scheduler`'s docstring), but a `schedule` that returns something other than the
+    context's batch is reported in plain words."""
 
     def __init__(self, inner: Any, exercise: str, where: str) -> None:
         self.inner = inner
         self.exercise = exercise
         self.where = where
         self.name = getattr(inner, "name", "learner")
-        self.holds_finished_slots = getattr(inner, "holds_finished_slots", False)
+        for flag in ("whole_prompts", "holds_finished_slots", "waits_for_batch_timeout",
+                     "decodes_every_step"):
+            setattr(self, flag, getattr(inner, flag, False))
 
     def schedule(self, ctx: Any) -> Any:
         out = _call(self.exercise, f"{self.where}: at step {ctx.step}, schedule(ctx)",
@@ -949,7 +952,8 @@ def _run(policy: Any, wl: CheckWorkload, exercise: str, max_steps: int = 2000,
     turn the engine's refusals into CheckFailed naming the workload and the step, stop at
     the first step that scheduled nothing while work was there, and note every step in
     which a running decode was left out. `compared_with`: the policy it must match."""
-    from minicb.engine import WHOLE_PROMPT_POLICIES, InvariantError, SchedulerError
+    from minicb.engine import InvariantError, SchedulerError
+    from minicb.scheduler import POLICY_CLASSES
 
     where = f"workload {wl.name!r} ({wl.about})"
     instance = _make_instance(policy)
@@ -976,11 +980,13 @@ def _run(policy: Any, wl: CheckWorkload, exercise: str, max_steps: int = 2000,
             except SchedulerError as exc:
                 why = ""
                 if "exceed max_num_batched_tokens" in str(exc) and \
-                        compared_with in WHOLE_PROMPT_POLICIES and \
-                        instance.name not in WHOLE_PROMPT_POLICIES:
-                    why = (f" The engine lets one prompt exceed the budget only under a "
-                           f"whole-prompt policy, which it knows by the scheduler's name: keep "
-                           f"name = {compared_with!r} (yours is {instance.name!r}).")
+                        compared_with in POLICY_CLASSES and \
+                        POLICY_CLASSES[compared_with].whole_prompts and \
+                        not instance.whole_prompts:
+                    why = (" The engine lets one prompt exceed the budget only under a "
+                           "whole-prompt policy, which it knows by the class attribute "
+                           "`whole_prompts = True` (yours is missing; minicb's "
+                           f"{compared_with!r} scheduler has it).")
                 _fail(exercise, f"{where}: the engine refused the batch your scheduler "
                                 f"returned: {exc}{why}")
             except InvariantError as exc:

@@ -32,7 +32,6 @@ from minicb.kv_cache import PagePool, page_bytes, prompt_page_hashes
 from minicb.request import Request, RequestOutput, SamplingParams, Status
 from minicb.sampler import make_generator, sample
 from minicb.scheduler import (
-    DynamicScheduler,
     ScheduledBatch,
     Scheduler,
     SchedulerContext,
@@ -44,7 +43,6 @@ from minicb.scheduler import (
 from minicb.speculative import NgramIndex, verify
 from minicb.trace import Member, RequestRecord, StepRecord
 
-WHOLE_PROMPT_POLICIES = ("single", "static", "dynamic", "continuous")
 STALL_STEPS = 100_000  # steps in a row with nothing scheduled while work waits: a stalled policy
 
 
@@ -140,7 +138,7 @@ class Engine:
         _check_unbound(self.scheduler)
         # whole-prompt policies may exceed the token budget with one long prompt (problem one);
         # every other scheduler, a learner's included, must stay within it
-        self.enforce_budget = self.scheduler.name not in WHOLE_PROMPT_POLICIES
+        self.enforce_budget = not getattr(self.scheduler, "whole_prompts", False)
         device = self.config.device
         dtype = torch_dtype(self.config.dtype, device)
         self.model, self.info, dtype = _load(model, device, dtype, self.config.quantization,
@@ -194,8 +192,8 @@ class Engine:
         """Dynamic batching by seconds: steps that schedule nothing while requests wait are the
         batch timeout running, not a stall (chapter 02). `batch_timeout` means nothing to other
         policies."""
-        return self.config.batch_timeout_in_seconds and isinstance(self.scheduler,
-                                                                   DynamicScheduler)
+        return bool(self.config.batch_timeout_in_seconds
+                    and getattr(self.scheduler, "waits_for_batch_timeout", False))
 
     def _on_device(self) -> contextlib.AbstractContextManager:
         """Triton kernels and CUDA graphs use torch's current CUDA device: make it the
@@ -851,13 +849,14 @@ class Engine:
                     and m.num_tokens > cfg.chunk_size:
                 raise InvariantError(f"step {step}: request {m.request_id!r}: chunk of "
                                      f"{m.num_tokens} tokens exceeds chunk_size={cfg.chunk_size}")
-        if self.scheduler.name == "pd":
+        if getattr(self.scheduler, "decodes_every_step", False):
             scheduled = {m.request_id for m in record.members}
             skipped = [r.request_id for r in self.running if r.request_id not in scheduled
                        and not r.is_prefill and r.metrics.first_token_step is not None
                        and r.metrics.first_token_step < step and r.num_preemptions == 0]
             if skipped:
-                raise InvariantError(f"step {step}: pd left running decodes out: {skipped}")
+                raise InvariantError(f"step {step}: policy {self.scheduler.name!r} "
+                                     f"(decodes_every_step) left running decodes out: {skipped}")
 
     # ------------------------------------------------------------------------------ results
     def stats(self) -> dict[str, int]:

@@ -267,15 +267,27 @@ class SchedulerContext:
 class Scheduler:
     """Base class of every policy, the learner's included: implement `schedule`.
 
-    `holds_finished_slots` tells the engine not to release a finished request's slot (static
-    batching keeps dead slots until the whole batch ends), and `batch_done` when the responses
-    it holds go back to their users.
+    Four class attributes tell the engine what a policy does, so that it never goes by the
+    policy's name:
+    - `whole_prompts`: prompts are prefilled whole (chapters 01-03), never in chunks, so a step
+      may exceed `max_num_batched_tokens` with one long prompt; the engine holds every other
+      policy, a learner's included, to the budget and to `chunk_size`;
+    - `holds_finished_slots`: a finished request keeps its slot (static batching keeps dead
+      slots until the whole batch ends, chapter 02), and `batch_done` says when the responses
+      it holds go back to their users;
+    - `waits_for_batch_timeout`: with `batch_timeout` in seconds, steps that schedule nothing
+      while requests wait are the timeout running, not a stall (dynamic batching, chapter 02);
+    - `decodes_every_step`: every running decode advances in every step (PD interleaving,
+      chapter 05); the invariant check holds the policy to it.
 
     Give each engine its own instance: a policy may keep state between steps (static batching
     keeps its current batch), so an engine refuses an instance another engine was built with."""
 
     name = "base"
+    whole_prompts = False
     holds_finished_slots = False
+    waits_for_batch_timeout = False
+    decodes_every_step = False
 
     def schedule(self, ctx: SchedulerContext) -> ScheduledBatch:
         raise NotImplementedError
@@ -311,6 +323,7 @@ class SingleScheduler(Scheduler):
     """v1 (chapter 01): one request at a time; the next starts when it finishes."""
 
     name = "single"
+    whole_prompts = True
 
     def schedule(self, ctx: SchedulerContext) -> ScheduledBatch:
         if not ctx.running and ctx.waiting:
@@ -330,6 +343,7 @@ class StaticScheduler(Scheduler):
     and every slot in it, lives until its slowest member ends. Late arrivals wait."""
 
     name = "static"
+    whole_prompts = True
     holds_finished_slots = True
 
     def __init__(self) -> None:
@@ -373,6 +387,7 @@ class DynamicScheduler(StaticScheduler):
     `max_num_seqs` requests wait or the oldest has waited `batch_timeout`."""
 
     name = "dynamic"
+    waits_for_batch_timeout = True
 
     def ready_to_form(self, ctx: SchedulerContext) -> bool:
         if not ctx.waiting:
@@ -396,6 +411,7 @@ class ContinuousScheduler(Scheduler):
     decodes or by that one prompt: the problem chapter 04's chunks solve."""
 
     name = "continuous"
+    whole_prompts = True
 
     def schedule(self, ctx: SchedulerContext) -> ScheduledBatch:
         self.schedule_decodes(ctx)
@@ -434,6 +450,7 @@ class PDScheduler(Scheduler):
     smaller than `min_chunk` is deferred to a later step."""
 
     name = "pd"
+    decodes_every_step = True
 
     def schedule(self, ctx: SchedulerContext) -> ScheduledBatch:
         budget = ctx.config.max_num_batched_tokens

@@ -318,6 +318,51 @@ def test_a_learner_scheduler_runs_and_bad_batches_are_refused(tiny_model):
         engine.step()
 
 
+def test_the_engine_goes_by_a_policys_attributes_not_its_name(tiny_model):
+    """`whole_prompts` lets one long prompt exceed the budget whatever the policy is called;
+    `decodes_every_step` holds a policy to running every decode, named "pd" or not."""
+    from minicb.scheduler import ContinuousScheduler
+
+    class Named(ContinuousScheduler):
+        name = "anything"
+
+    class NotWhole(ContinuousScheduler):
+        whole_prompts = False
+
+    for policy, refused in ((Named(), False), (NotWhole(), True)):
+        engine = Engine(tiny_model, policy=policy, max_num_batched_tokens=8, num_pages=64)
+        engine.add_request([1] * 20, GREEDY)
+        if refused:
+            with pytest.raises(SchedulerError, match="exceed max_num_batched_tokens=8"):
+                engine.step()
+        else:
+            assert engine.step().members[0].num_tokens == 20
+
+    class SkipsOne(PDScheduler):  # leaves the oldest decode out once it has two
+        name = "strict"
+
+        def schedule(self, ctx):
+            super().schedule(ctx)
+            decodes = [r for r, n in ctx.batch.items if not r.is_prefill]
+            if len(decodes) == 2:
+                ctx.batch.items = [(r, n) for r, n in ctx.batch.items if r is not decodes[0]]
+            return ctx.batch
+
+    class Lax(SkipsOne):
+        name = "pd"
+        decodes_every_step = False
+
+    for policy, flagged in ((SkipsOne(), True), (Lax(), False)):
+        engine = Engine(tiny_model, policy=policy, num_pages=64, check_invariants=True)
+        for prompt in ([1, 2, 3], [4, 5, 6, 7]):
+            engine.add_request(prompt, GREEDY)
+        if flagged:
+            with pytest.raises(InvariantError, match="'strict' .* left running decodes out"):
+                engine.run()
+        else:
+            assert [o.finish_reason for o in engine.run()] == ["length", "length"]
+
+
 def test_invariant_checker_names_the_broken_rule(make_engine):
     engine = make_engine("pd")
     engine.add_request([1, 2, 3], GREEDY, request_id="x")

@@ -488,12 +488,17 @@ def test_scheduler_bugs_meet_the_engine_rules():
 
     mine = solution("03_continuous_batching.ipynb")["MyContinuousScheduler"]
 
-    class Unnamed(mine):  # a budget-enforced name: the long prompt is refused by the engine
+    class Renamed(mine):  # the engine goes by attributes, not by names
         name = "mine"
 
-    message = caught("continuous_scheduler", Unnamed)
+    assert check.continuous_scheduler(Renamed)
+
+    class NotWhole(mine):  # budget enforced: the long prompt is refused by the engine
+        whole_prompts = False
+
+    message = caught("continuous_scheduler", NotWhole)
     assert "the engine refused the batch" in message and "max_num_batched_tokens" in message
-    assert "keep name = 'continuous' (yours is 'mine')" in message
+    assert "`whole_prompts = True` (yours is missing" in message
 
     class Unreserved(Scheduler):
         def schedule(self, ctx):
@@ -698,6 +703,7 @@ def continuous_like(decodes_first=True, stop_at_misfit=True, alone=True, preempt
 
     class Continuous(Scheduler):
         name = "continuous"
+        whole_prompts = True
 
         def decodes(self, ctx):
             if preempting:
