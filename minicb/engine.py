@@ -468,7 +468,7 @@ class Engine:
             # copies: without them a victim's K/V would be lost and its host pages leaked
             self._unclaimed = None  # admissions and preemptions changed what the queue takes
             swapped_out, swapped_in = self._move_pages(ctx.batch)
-        self._validate(batch)
+        self._validate(batch, ctx)
         drafts = self._propose_drafts(batch) if self.config.num_speculative_tokens else {}
         items = sorted(((r, n + len(drafts.get(r.request_id, ()))) for r, n in batch.items),
                        key=lambda item: item[1] != 1)  # decode rows first
@@ -536,14 +536,14 @@ class Engine:
             + [Member(r.request_id, "idle", 0, r.slot) for r in batch.idle],
             waiting=[], finished=finished + self._finished_between_steps,
             preempted=[r.request_id for r in batch.preempted],
-            swapped=[r.request_id for r in ctx.batch.swapped],
+            swapped=[r.request_id for r in batch.swapped],
             pages_used=self.pool.num_used, pages_cached=self.pool.num_cached,
             t_start=t_start, t_end=self.clock(), arrived=arrived, sampled=sampled,
             t_forward=t_forward, pages_total=self.pool.num_pages,
             num_waiting=len(self.waiting), snapshots=self.config.trace_snapshots,
             pages_evicted=self.pool.num_evicted - evicted_before, speculated=speculated,
             pages_swapped_out=swapped_out, pages_swapped_in=swapped_in,
-            tokens_discarded=ctx.batch.num_discarded_tokens, tokens_recomputed=recomputed)
+            tokens_discarded=batch.num_discarded_tokens, tokens_recomputed=recomputed)
         if self.config.trace_snapshots:
             record.waiting = [r.request_id for r in self.waiting]
             record.page_tables = {r.request_id: list(r.page_table) for r in self.running}
@@ -767,11 +767,15 @@ class Engine:
         req.metrics.released_step = self.step_count
 
     # ------------------------------------------------------------------------------ checks
-    def _validate(self, batch: ScheduledBatch) -> None:
-        """Refuse an impossible batch (a learner's scheduler may build one) before any work."""
-        if not isinstance(batch, ScheduledBatch):
-            raise SchedulerError(f"step {self.step_count}: schedule() must return a "
-                                 f"ScheduledBatch (ctx.batch), got {type(batch).__name__}")
+    def _validate(self, batch: ScheduledBatch, ctx: SchedulerContext) -> None:
+        """Refuse an impossible batch (a learner's scheduler may build one) before the forward.
+        The policy's verbs have acted by then (admissions, preemptions, swap copies): they are
+        checked as they happen, this checks what the step would compute."""
+        if batch is not ctx.batch:
+            got = "another ScheduledBatch" if isinstance(batch, ScheduledBatch) \
+                else type(batch).__name__
+            raise SchedulerError(f"step {self.step_count}: schedule() must return ctx.batch, "
+                                 f"the batch that ctx.schedule and ctx.preempt fill; got {got}")
         cfg = self.config
         seen: set[str] = set()
         for req, n in batch.items:

@@ -13,7 +13,7 @@ from minicb import (
     SchedulerError,  # the public name a learner imports
 )
 from minicb.engine import InvariantError
-from minicb.scheduler import PDScheduler
+from minicb.scheduler import PDScheduler, ScheduledBatch
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -549,7 +549,17 @@ def test_a_stalled_policy_raises_instead_of_spinning_and_leaves_nothing(tiny_mod
     assert not llm.engine.has_unfinished()
     engine = Engine(tiny_model, policy=ReturnsNothing(), num_pages=16)
     engine.add_request([1, 2], GREEDY)
-    with pytest.raises(SchedulerError, match="must return a ScheduledBatch"):
+    with pytest.raises(SchedulerError, match="must return ctx.batch.*got NoneType"):
+        engine.step()
+
+    class ReturnsACopy(PDScheduler):  # its record's preemptions and swaps would not be its own
+        def schedule(self, ctx):
+            super().schedule(ctx)
+            return ScheduledBatch(items=list(ctx.batch.items))
+
+    engine = Engine(tiny_model, policy=ReturnsACopy(), num_pages=16)
+    engine.add_request([1, 2], GREEDY)
+    with pytest.raises(SchedulerError, match="must return ctx.batch.*another ScheduledBatch"):
         engine.step()
 
 
