@@ -6,7 +6,9 @@
     3. sample     one token for each member whose prompt is now fully in the cache
     4. reclaim    finished requests leave; their pages and slots go back
 
-and appends a `StepRecord` to `engine.trace`. Follow one request's whole life from here."""
+after the queue's housekeeping (arrivals join, expired deadlines leave, time-dependent orders
+re-sort: chapters 02 and 06), and appends a `StepRecord` to `engine.trace`. Follow one
+request's whole life from here."""
 
 from __future__ import annotations
 
@@ -118,7 +120,8 @@ def _check_unbound(scheduler: Scheduler) -> None:
 
 
 class Engine:
-    """Holds the model, the page pool, the queues and the trace; `step()` advances everything."""
+    """Holds the model, the page pool, the queues and the trace; `step()` advances everything
+    (chapter 03; chapter 01 steps a single request through it by hand)."""
 
     def __init__(self, model="smollm2-135m", config: EngineConfig | None = None,
                  clock=None, **options) -> None:
@@ -288,9 +291,10 @@ class Engine:
                              f"{deadline!r}")
         if tenant is not None and not isinstance(tenant, str):
             raise ValueError(f"tenant must be a string or None, got {tenant!r}")
-        req = Request(request_id, token_ids, params, priority=priority, arrival_step=arrival_step,
-                      arrival_time=arrival_time, eos_token_ids=tuple(self.info.eos_token_ids),
-                      deadline=deadline, tenant=tenant)
+        req = Request(request_id, token_ids, params, priority=priority,
+                      arrives_at_step=arrival_step, arrives_at_time=arrival_time,
+                      eos_token_ids=tuple(self.info.eos_token_ids), deadline=deadline,
+                      tenant=tenant)
         if self.pool.prefix is not None:  # hashed once; admission and reclaim reuse them
             req.page_hashes = prompt_page_hashes(token_ids, self.pool.page_size)
         generator = make_generator(params.seed)  # before any state changes: nothing half-added
@@ -308,10 +312,10 @@ class Engine:
         req.seq_index = next(self._seq)  # "newest" and first-come ties go by arrival, not by add
         # a step already past when the request was added counts as the step it arrives at:
         # the engine cannot have kept it waiting before it knew of it
-        req.metrics.arrival_step = step if req.arrival_step is None \
-            else max(req.arrival_step, step)
-        req.metrics.arrival_time = self.clock() if req.arrival_time is None \
-            else req.arrival_time
+        req.metrics.arrival_step = step if req.arrives_at_step is None \
+            else max(req.arrives_at_step, step)
+        req.metrics.arrival_time = self.clock() if req.arrives_at_time is None \
+            else req.arrives_at_time
         if self.config.reject_when_full:
             need = self._pages_to_admit(req)
             unclaimed = self._pages_unclaimed(need)
@@ -389,10 +393,10 @@ class Engine:
     def _admit_arrivals(self) -> list[str]:
         now = self.clock()
         arrived = [r for r in self.pending
-                   if (r.arrival_step is None or r.arrival_step <= self.step_count)
-                   and (r.arrival_time is None or r.arrival_time <= now)]
+                   if (r.arrives_at_step is None or r.arrives_at_step <= self.step_count)
+                   and (r.arrives_at_time is None or r.arrives_at_time <= now)]
         # stable: requests arriving together keep the order they were added in
-        arrived.sort(key=lambda r: (r.arrival_time or 0.0, r.arrival_step or 0))
+        arrived.sort(key=lambda r: (r.arrives_at_time or 0.0, r.arrives_at_step or 0))
         for req in arrived:
             self._arrive(req, self.step_count)  # inside step(), after its count went up
         return [r.request_id for r in arrived]
@@ -401,9 +405,9 @@ class Engine:
         """Nothing to run: jump the step counter, or sleep, to the next arrival."""
         if self.running or self.waiting or not self.pending:
             return
-        steps = [r.arrival_step for r in self.pending if r.arrival_step is not None]
-        times = [r.arrival_time for r in self.pending if r.arrival_time is not None]
-        if steps and all(r.arrival_step is not None for r in self.pending):
+        steps = [r.arrives_at_step for r in self.pending if r.arrives_at_step is not None]
+        times = [r.arrives_at_time for r in self.pending if r.arrives_at_time is not None]
+        if steps and all(r.arrives_at_step is not None for r in self.pending):
             self.step_count = max(self.step_count, min(steps) - 1)
         if times:
             delay = min(times) - self.clock()
@@ -450,6 +454,7 @@ class Engine:
     # ------------------------------------------------------------------------------ the step
     def step(self) -> StepRecord:
         """One iteration: schedule -> forward -> sample -> reclaim. Returns its record."""
+        # 0. the queue: arrivals join, expired deadlines leave, aging or fair order re-sorts
         self._skip_idle_time()
         self.step_count += 1
         arrived = self._arrived_since_last_step + self._admit_arrivals()
@@ -458,7 +463,8 @@ class Engine:
         self._expire_deadlines(t_start)
         self._reorder_waiting_queue()
 
-        # 1. schedule
+        # 1. schedule: the policy's verbs (admit, preempt) act at once; the swap copies they
+        # planned run after it, then the batch is checked before anything is computed
         evicted_before = self.pool.num_evicted
         ctx = SchedulerContext(self.waiting, self.running, self.pool, self.config,
                                self.step_count, t_start, self.free_slots, self.tenant_service)
@@ -470,8 +476,10 @@ class Engine:
             swapped_out, swapped_in = self._move_pages(ctx.batch)
         self._validate(batch, ctx)
         drafts = self._propose_drafts(batch) if self.config.num_speculative_tokens else {}
+        # one-token rows (decodes, and a prefill's last single token) first: the attention
+        # metadata expects them there; a decode carrying guesses counts as a chunk
         items = sorted(((r, n + len(drafts.get(r.request_id, ()))) for r, n in batch.items),
-                       key=lambda item: item[1] != 1)  # decode rows first
+                       key=lambda item: item[1] != 1)
         for req, _ in items:
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = t_start
@@ -501,6 +509,8 @@ class Engine:
                     self._finish(req, "error")
                     finished.append(req.request_id)
                 items, to_sample, tokens = [], [], []
+            # the books: tokens now in the cache, service per tenant, work redone, and the
+            # prompt pages this step completed, which the prefix index can now share
             for req, num_tokens in items:
                 req.num_scheduled_tokens += num_tokens
                 self.tenant_service[req.tenant] += num_tokens
@@ -513,7 +523,7 @@ class Engine:
                                     req.num_tokens_before_preemption) - start)
                 req.num_recomputed_tokens += redone
                 recomputed += redone
-                if req.num_computed_tokens <= req.num_prompt_tokens:
+                if start < req.num_prompt_tokens:  # a chunk of the prompt (or crossing its end)
                     self.pool.register_prompt_pages(req.prompt_token_ids, req.page_table,
                                                     req.num_computed_tokens, req.page_hashes)
             now = self.clock()
@@ -552,8 +562,11 @@ class Engine:
         self._finished_between_steps = []
         if self.waits_on_clock and not (record.members or record.finished or arrived
                                         or record.preempted):
-            self.step_count -= 1  # dynamic batching waiting for its timeout: no step ran, and
-            self._check_progress(record)  # step latencies count steps that did (chapter 02)
+            # dynamic batching waiting for its timeout: no step ran, and step latencies count
+            # steps that did (chapter 02). The record is returned but not traced, and the next
+            # step reuses its number
+            self.step_count -= 1
+            self._check_progress(record)
             return record
         self.trace.append(record)
         if self.config.check_invariants:
@@ -864,7 +877,9 @@ class Engine:
 
     # ------------------------------------------------------------------------------ results
     def stats(self) -> dict[str, int]:
-        """Page and queue counts now; the swap space's too when there is one (chapter 06)."""
+        """Page and queue counts now; the swap space's too when there is one (chapter 06).
+        `num_waiting` counts every request added and not running, those whose arrival step or
+        time is still ahead included (a `StepRecord`'s counts only the arrived)."""
         out = {"pages_total": self.pool.num_pages, "pages_free": self.pool.num_free,
                "pages_cached": self.pool.num_cached, "pages_used": self.pool.num_used,
                "num_waiting": len(self.waiting) + len(self.pending),

@@ -59,14 +59,13 @@ class PrefixIndex:
             pages.append(page)
         return pages
 
-    def register(self, h: bytes, page: int) -> bool:
-        """Remember that `page` holds the full page named `h`. False if `h` is already cached
-        under another page (then `page` stays private to its request)."""
+    def register(self, h: bytes, page: int) -> None:
+        """Remember that `page` holds the full page named `h`, unless `h` is already cached
+        (under this page, or under another: then `page` stays private to its request)."""
         if h in self.page_of or page in self.hash_of:
-            return False
+            return
         self.page_of[h] = page
         self.hash_of[page] = h
-        return True
 
     def forget(self, page: int) -> None:
         h = self.hash_of.pop(page)
@@ -265,8 +264,7 @@ class PagePool:
         if hashes is None:
             hashes = prompt_page_hashes(token_ids[:full * self.page_size], self.page_size)
         for h, page in zip(hashes[:full], page_table):
-            if self.prefix.page_of.get(h) != page:
-                self.prefix.register(h, page)
+            self.prefix.register(h, page)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached page; unreferenced ones return to the free list."""

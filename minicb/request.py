@@ -5,6 +5,10 @@
        +-- PREEMPTED (pages freed, recomputed later) <-+
        +-- SWAPPED (pages copied to host memory, copied back later) <-+
 
+A request added for a later arrival is WAITING in `engine.pending` until it joins the queue.
+"cancelled" and "deadline" can end a request in any state, "rejected" one arriving
+(`reject_when_full`), "error" the members of a step whose forward failed.
+
 plus `SamplingParams` (what the user asked for) and `RequestOutput` (what `LLM.generate` returns).
 Like nano-vllm's `Sequence`, everything the scheduler needs lives here as plain fields."""
 
@@ -18,6 +22,8 @@ from minicb.config import is_finite_number, is_int, is_positive_int
 
 
 class Status(enum.Enum):
+    """Where a request is in its life (chapter 01; PREEMPTED and SWAPPED, chapter 06)."""
+
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"  # back in the waiting queue, to be recomputed
@@ -31,7 +37,8 @@ GREEDY_BELOW = 1e-5  # a temperature under this samples greedily
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick each next token (vLLM's names). temperature 0 (or below 1e-5) means greedy."""
+    """How to pick each next token, and when to stop (vLLM's names; chapter 00 uses them
+    first). temperature 0 (or below 1e-5) means greedy."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -77,7 +84,8 @@ class SamplingParams:
 
 @dataclass
 class RequestMetrics:
-    """Wall-clock seconds (time.perf_counter) and step indices of a request's milestones."""
+    """Wall-clock seconds (time.perf_counter) and step indices of a request's milestones:
+    chapter 00 prints them, chapters 02-06 turn them into queue time, TTFT, ITL and E2E."""
 
     arrival_time: float | None = None
     first_scheduled_time: float | None = None
@@ -97,14 +105,17 @@ class RequestMetrics:
 
 @dataclass(eq=False)  # identity: `req in queue` must not compare every field of every request
 class Request:
-    """All of one request's state. Tokens to compute = `num_tokens - num_computed_tokens`."""
+    """All of one request's state (chapter 01; the preemption fields, chapter 06). Tokens to
+    compute = `num_tokens - num_computed_tokens`."""
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int = 0
-    arrival_step: int | None = None  # enters the waiting queue at this step (None: now)
-    arrival_time: float | None = None  # or at this wall-clock time (seconds from engine start)
+    # when the caller asked it to join the waiting queue: at this step, or at this engine-clock
+    # time in seconds (None: when added). When it did join: `metrics.arrival_step`/`_time`
+    arrives_at_step: int | None = None
+    arrives_at_time: float | None = None
     eos_token_ids: tuple[int, ...] = ()
     output_token_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
@@ -178,7 +189,8 @@ class Request:
 
 @dataclass
 class RequestOutput:
-    """What `LLM.generate` returns per prompt, in prompt order (vLLM's field names)."""
+    """What `LLM.generate` returns per prompt, in prompt order (vLLM's field names;
+    chapter 00)."""
 
     request_id: str
     prompt_token_ids: list[int]

@@ -9,6 +9,8 @@ from minicb.request import SamplingParams
 
 
 def make_generator(seed: int | None) -> torch.Generator | None:
+    """A request's own random stream (None without a seed: torch's global one), on the CPU
+    where `draw` runs."""
     if seed is None:
         return None
     gen = torch.Generator(device="cpu")

@@ -16,7 +16,6 @@ pages only; they never touch tensors or the model.
 
 from __future__ import annotations
 
-import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
@@ -84,6 +83,9 @@ def prefix_hits(pool: PagePool, req: Request) -> list[int]:
     """The cached pages admitting `req` shares (chapters 01 and 06): the longest run of its full
     leading pages in the prefix index; for a swapped request only those it had computed, since
     it writes the next positions itself and a page another request reads must not be written."""
+    # the prompt's page hashes, computed at add_request; a prompt shorter than a page has none,
+    # and its tokens so far are hashed here instead (its output tokens too: a page of the same
+    # tokens at the same positions holds the same K/V, whoever computed it)
     hit = pool.match_prefix(req.all_token_ids, req.page_hashes or None)
     if req.status is Status.SWAPPED:
         return hit[:req.num_computed_tokens // pool.page_size]
@@ -91,7 +93,9 @@ def prefix_hits(pool: PagePool, req: Request) -> list[int]:
 
 
 class SchedulerContext:
-    """What a policy sees and may do during one step. Built by the engine each step."""
+    """What a policy sees and may do during one step (chapter 03; exercise 3.2 writes a policy
+    against it). Built by the engine each step. The verbs act at once on the queues and the
+    pool; the swap copies they plan run after `schedule` returns."""
 
     def __init__(self, waiting: deque[Request], running: list[Request], pool: PagePool,
                  config: EngineConfig, step: int, now: float, free_slots: list[int],
@@ -140,7 +144,8 @@ class SchedulerContext:
         return True
 
     def admit(self, req: Request, max_tokens: int, min_tokens: int = 1) -> int:
-        """Move the request at the front of the waiting queue into the running set: reuse its
+        """Move a waiting request (usually the front of the queue; static batching readmits a
+        preempted member wherever it waits) into the running set: reuse its
         cached prefix pages, take a slot and pages for its first chunk of at most `max_tokens`
         tokens. Returns that chunk's size, or 0 (and changes nothing) if it does not fit or
         would be shorter than `min_tokens` while more than that remains after the prefix hit."""
@@ -174,7 +179,7 @@ class SchedulerContext:
         return True
 
     def _run(self, req: Request) -> None:
-        """From the front of the waiting queue into the running set, in the lowest free slot."""
+        """From the waiting queue into the running set, in the lowest free slot."""
         req.status = Status.RUNNING
         req.slot = self.free_slots.pop(0)
         self.waiting.remove(req)
@@ -265,7 +270,8 @@ class SchedulerContext:
 
 
 class Scheduler:
-    """Base class of every policy, the learner's included: implement `schedule`.
+    """Base class of every policy, the learner's included (chapter 03): implement `schedule`,
+    which fills and returns `ctx.batch`.
 
     Four class attributes tell the engine what a policy does, so that it never goes by the
     policy's name:
@@ -437,9 +443,8 @@ class ChunkedScheduler(Scheduler):
     name = "chunked"
 
     def schedule(self, ctx: SchedulerContext) -> ScheduledBatch:
-        budget = ctx.config.max_num_batched_tokens
-        budget = schedule_prefill_chunks(ctx, budget)
-        if not ctx.batch.items:
+        schedule_prefill_chunks(ctx, ctx.config.max_num_batched_tokens)
+        if not ctx.batch.items:  # decodes only in a step with no prefill work: budget unused
             self.schedule_decodes(ctx)
         return ctx.batch
 
@@ -460,8 +465,9 @@ class PDScheduler(Scheduler):
 
 
 def schedule_prefill_chunks(ctx: SchedulerContext, budget: int, min_chunk: int = 1) -> int:
-    """Spend `budget` on prefill chunks: first the prompts already being prefilled, then new
-    ones from the front of the queue. Returns the budget left."""
+    """Spend `budget` on prefill chunks (chapter 04; pd calls it after its decodes, chapter
+    05): first the prompts already being prefilled, then new ones from the front of the queue.
+    Returns the budget left."""
     chunk_size = ctx.config.chunk_size
     stuck = []  # running prompts whose next chunk has no pages
     for req in Scheduler.prefilling(ctx):
@@ -477,7 +483,8 @@ def schedule_prefill_chunks(ctx: SchedulerContext, budget: int, min_chunk: int =
         budget -= num_tokens
     if stuck and not ctx.batch.items and not Scheduler.decoding(ctx):
         # half-prefilled prompts hold every page and each waits for another's: nothing would
-        # ever run again. Preempt the newest so that the oldest can go on.
+        # ever run again. Free pages by preemption (the victim by the queue's rank, which may
+        # be this prompt itself) so that one of them can go on.
         req, num_tokens = stuck[0]
         if ctx.reserve_or_preempt(req, num_tokens):
             ctx.schedule(req, num_tokens)
@@ -507,5 +514,3 @@ def make_scheduler(policy: str | Scheduler) -> Scheduler:
     return POLICY_CLASSES[policy]()
 
 
-def now() -> float:
-    return time.perf_counter()

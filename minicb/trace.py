@@ -20,10 +20,12 @@ class Member(NamedTuple):
 
 @dataclass
 class StepRecord:
+    """One engine step, as plain data (chapter 00 draws a first timeline from it)."""
+
     step: int  # counts from 1
     members: list[Member]
     waiting: list[str]  # ids in the waiting queue after scheduling (arrived, not running)*
-    finished: list[str]  # ids that finished at this step (stop, length, cancelled, error, deadline)
+    finished: list[str]  # ids that finished at this step (any finish reason, rejected included)
     preempted: list[str]  # ids preempted while scheduling this step
     pages_used: int  # pages referenced by running requests after the step
     pages_cached: int  # unreferenced pages kept by the prefix index after the step

@@ -690,3 +690,28 @@ def test_a_policy_that_raises_mid_schedule_still_gets_its_swap_copies(make_engin
         else sum(r.pages_swapped_in for r in engine.trace) > 0  # the failed step has no record
     assert bool(planned) == (fails_at == "swap-in")
     assert engine.pool.num_used == 0 and len(engine.pool.swap_free) == 16
+
+
+@pytest.mark.parametrize("policy", ["continuous", "pd"])
+def test_prompt_pages_are_shareable_as_soon_as_they_are_computed(make_engine, policy):
+    """After every step, each full prompt page a running request has computed is in the prefix
+    index, also when a recomputation's chunk runs past the prompt's end (its cached pages were
+    evicted while it waited): a twin arriving then shares them instead of computing them."""
+    prompts = [[(7 * i + j) % 200 + 3 for j in range(20)] for i in range(6)]
+    engine = make_engine(policy, num_pages=12, page_size=8, max_num_seqs=6,
+                         enable_prefix_caching=True, chunk_size=64, max_num_batched_tokens=64)
+    for x in prompts:
+        engine.add_request(x, SamplingParams(max_tokens=40, **GREEDY))
+    crossing = 0
+    while engine.has_unfinished():
+        record = engine.step()
+        for m in record.members:
+            req = engine.requests[m.request_id]
+            start = req.num_computed_tokens - m.num_tokens
+            crossing += m.kind == "prefill" and start < req.num_prompt_tokens < \
+                req.num_computed_tokens
+        for req in engine.running:
+            full = min(req.num_computed_tokens, req.num_prompt_tokens) // 8
+            assert all(h in engine.pool.prefix.page_of for h in req.page_hashes[:full]), \
+                f"step {record.step}: {req.request_id}'s computed prompt pages not indexed"
+    assert crossing > 0  # the case this test is about happened

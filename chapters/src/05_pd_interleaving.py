@@ -154,7 +154,8 @@ print(f"one chunk a step: {len(literal)} steps; chunks while budget lasts: {len(
 # prompts, half prefilled, can hold every page while each waits for a page for its next chunk.
 # With no decode left to finish and free one, nothing would ever run again (a property test
 # found such a workload), so `schedule_prefill_chunks` then preempts the newest to let the oldest
-# go on.
+# go on (the newest under the default first-come-first-served order; chapter 06's other orders
+# pick the victim by their own rank).
 
 # %%
 # NBVAL_CHECK_OUTPUT
