@@ -82,7 +82,9 @@ def run(policy, requests, **options):
 #    set now, and its pages and slot go back for the next step's schedule.
 #
 # In minicb that is `Engine.step()` in `minicb/engine.py`; each phase is marked in the source
-# (forward and sample share one block):
+# (forward and sample share one block). A phase 0 comes first: the waiting queue's housekeeping
+# (new arrivals join; chapter 06's expired deadlines leave and its time-dependent orders
+# re-sort), so the scheduler sees the queue as it is at this step:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
