@@ -3,8 +3,9 @@ the same way every time: `python bench/make_traces.py DIR` writes
 
     DIR/chat-urgent.jsonl  200 mixed-chat requests at 10 req/s (Poisson, seed 0), every fifth
                            at priority -1 (urgent; lower goes first under --preemption priority)
-    DIR/fair.jsonl         100 chat requests at 25 req/s, prompts lognormal around 512 tokens,
-                           those of 512 or more at priority 1 (served last by priority)
+    DIR/fair.jsonl         100 chat requests at 25 req/s (Poisson, seed 5), prompts lognormal
+                           around 512 tokens, those of 512 or more at priority 1 (served last
+                           by priority)
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ def main(folder: str) -> None:
     urgent = Workload("chat-urgent", [dataclasses.replace(r, priority=-1 if i % 5 == 0 else 0)
                                       for i, r in enumerate(chat.requests)])
     fair = make_workload(100, prompt_lengths="lognormal:512:1.0:16:6000",
-                         output_lengths="uniform:16:256", arrival="poisson", rate=25, seed=2)
+                         output_lengths="uniform:16:256", arrival="poisson", rate=25, seed=5)
     by_size = Workload("fair", [dataclasses.replace(r, priority=int(r.prompt_len >= 512))
                                 for r in fair.requests])
     for workload in (urgent, by_size):

@@ -14,7 +14,9 @@ file can start with it.
 
 Prompts are random token ids from an ordinary-text range of the vocabulary (100..10000 by
 default), so no tokenizer is needed and decoding them still gives readable-ish text. Everything
-is drawn from one `numpy.random.Generator` seeded by `seed`: same seed, same workload.
+is drawn from `numpy.random.Generator`s seeded by `seed`: same seed, same workload. Lengths and
+prompts, arrival times and the cancelled requests each have their own stream, so the same seed
+at another rate, burstiness or arrival process is the same requests arriving differently.
 """
 
 from __future__ import annotations
@@ -335,8 +337,10 @@ def make_workload(num_requests: int = 32, prompt_lengths: Lengths | str | int = 
             raise ValueError(f"arrival_steps must list one step per request ({n})")
         steps = [_check_int("arrival_steps[i]", s) for s in arrival_steps]
         times: list[float | None] = [None] * n
-    else:
-        times = list(arrival_times(n, arrival, rate, burstiness, rng, arrival_times_s))
+    else:  # their own stream: the same seed draws the same requests whatever their arrivals
+        # (gamma draws differ in number with its shape, all-at-once draws none)
+        times = list(arrival_times(n, arrival, rate, burstiness,
+                                   np.random.default_rng([seed, 2]), arrival_times_s))
     prompt_lens = prompt_dist.sample(n, rng)
     output_lens = output_dist.sample(n, rng)
     prefix = random_prompt(shared_prefix_len, np.random.default_rng(0x5157), vocab_range) \

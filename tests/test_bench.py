@@ -410,7 +410,7 @@ def by_size_sweep(tmp_path) -> list[str]:
 
     from minicb.workload import Workload, make_workload, save_workload_file
     traffic = make_workload(100, prompt_lengths="lognormal:512:1.0:16:6000",
-                            output_lengths="uniform:16:256", arrival="poisson", rate=25, seed=2)
+                            output_lengths="uniform:16:256", arrival="poisson", rate=25, seed=5)
     trace = save_workload_file(Workload("by-size", [
         dataclasses.replace(r, priority=int(r.prompt_len >= 512)) for r in traffic.requests]),
         tmp_path / "by-size.jsonl")

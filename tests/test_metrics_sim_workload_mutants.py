@@ -104,7 +104,7 @@ def test_poisson_arrivals_ignore_burstiness():
     w = make_workload(50, prompt_lengths=4, output_lengths=2, arrival="poisson", rate=4.0,
                       burstiness=0.25, seed=2)
     assert [r.arrival_time for r in w.requests] == arrival_times(
-        50, "poisson", rate=4.0, rng=np.random.default_rng(2))
+        50, "poisson", rate=4.0, rng=np.random.default_rng([2, 2]))  # arrivals: own stream
     assert w.declaration["burstiness"] == 1.0
 
 

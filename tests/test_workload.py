@@ -37,6 +37,24 @@ def test_same_seed_same_workload(name):
         assert get_workload(name, seed=4).to_dict() != a.to_dict()
 
 
+def test_the_same_seed_draws_the_same_requests_whatever_their_arrivals():
+    """Comparing arrival processes (chapter 06's burstiness table, `bench --burstiness`) must
+    compare the same requests: only their arrival times may differ. Gamma draws a different
+    amount of randomness for each shape, all-at-once none, so arrivals have their own stream."""
+    def requests(**arrival):
+        w = get_workload("mixed-chat", num_requests=50, seed=3, **arrival)
+        return [(r.prompt_token_ids, r.max_tokens) for r in w.requests], \
+            [r.arrival_time for r in w.requests]
+
+    same, at_once = requests()
+    for arrival in (dict(rate=1.0), dict(rate=4.0), dict(rate=4.0, burstiness=0.25),
+                    dict(rate=4.0, burstiness=4.0)):
+        drawn, times = requests(**arrival)
+        assert drawn == same, arrival
+        assert times != at_once
+    assert requests(rate=4.0, burstiness=0.25)[1] != requests(rate=4.0, burstiness=4.0)[1]
+
+
 # --------------------------------------------------------------------------- arrivals
 @pytest.mark.parametrize("burstiness", [0.25, 1.0, 4.0])
 def test_gamma_gaps_mean_and_burstiness(burstiness):
