@@ -279,7 +279,9 @@ def step_features(trace: list[Any], records: list[Any] | None = None) -> np.ndar
     (chapter 06), reconstructed from the trace: a member's context grows by the tokens it
     advances, starts at its prefix-cache hit (from `records`) and restarts at 0 when it is
     preempted (unless it was swapped, keeping its K/V). A member advancing one token counts as
-    a decode row, as in `SimModel`."""
+    a decode row, as in `SimModel`. Not reconstructed: a recomputed request readmitted onto its
+    own prompt pages still cached (the trace does not record that hit), so a fit on runs that
+    preempt with prefix caching on reads its context short; `profile`'s runs never preempt."""
     cached = {r.request_id: r.num_cached_tokens for r in (records or [])}
     ctx: dict[str, int] = {}
     rows = []
