@@ -423,8 +423,8 @@ print(f"pd / chunked output tokens/s: {tokens_per_s['pd'] / tokens_per_s['chunke
 # last above is PD's gain in output tokens/s in this run, from 23% fewer steps; it changes from run
 # to run, and on a shared machine a few percent of it is noise. How much the saved steps
 # count depends on load: below saturation both policies simply keep up with the arrivals, so their
-# tokens/s are the same (the simulation below: 1,245 against 1,246 at 10 requests/s); at saturation
-# the saved steps show again (12% more there). The seed also notes that it can go the other way:
+# tokens/s are the same (the simulation below: 1,259 against 1,260 at 10 requests/s); at saturation
+# the saved steps show again (13% more there). The seed also notes that it can go the other way:
 # mixing shapes in one step can cost extra kernel launches or padding, so PD's total can even be
 # slightly lower. The simulation cannot show that: its cost model has no term for mixing, so a
 # mixed step costs what its tokens and rows cost. On the real model, compare the prefill
@@ -473,23 +473,24 @@ print(format_table(results, columns))
 
 # %% [markdown]
 # At 10 requests/s the engine is below saturation, and a policy's throughput is just the arrival
-# rate (the requests are simply served): the two rows show the same output tokens/s, 1,245
-# against 1,246, and TTFT nearly so. The tails are what differ. Under prefill-first, a decode
+# rate (the requests are simply served): the two rows show the same output tokens/s, 1,259
+# against 1,260, and TTFT nearly so. The tails are what differ. Under prefill-first, a decode
 # caught behind a train of 512-token chunks waits several steps for its next token, so ITL p99
-# is 46 ms against PD's 22 ms, and TPOT p99 13 ms against 10 ms.
+# is 45 ms against PD's 22 ms, and TPOT p99 16 ms against 12 ms.
 #
-# **Pooled ITL hides the worst of it.** `ITL p99` pools every gap of every request: about 27,000
+# **Pooled ITL hides the worst of it.** `ITL p99` pools every gap of every request: about 26,000
 # gaps here, so a stall that hits each chat once or twice sits far below the 99th percentile.
 # `max ITL` is each request's *worst* gap, the longest its user watched the output freeze, with
 # percentiles over requests (`metrics.max_itl`). Under prefill-first one chat in a hundred
-# froze for 350 ms or more; under PD 99 chats in 100 froze for at most 24 ms, one mixed step. That is
+# froze for 570 ms or more; under PD 99 chats in 100 froze for at most 24 ms, one mixed step. That is
 # dec@P's lesson at scale, and it is what an interactive SLO (service-level objective: a limit every request should meet;
 # chapter 06 counts goodput against it) should bound: `slo={"itl": 0.1}`
 # (`--slo-itl` on the command line) counts a request as good only if its worst gap is at most
 # 100 ms.
 #
-# At 30 requests/s the engine saturates, and PD also finishes more tokens per second: 3,069
-# against 2,732 (12% more), in 783 steps instead of 966, because it fills the fixed cost of each
+# At 30 requests/s (the same 200 requests, arriving three times as fast) the engine saturates,
+# and PD also finishes more tokens per second: 3,010 against 2,660 (13% more), in 703 steps
+# instead of 895, because it fills the fixed cost of each
 # prefill step with decode rows where prefill-first runs decode-only steps of its own.
 #
 # ## 6. `min_chunk`: when the leftover budget is too small
