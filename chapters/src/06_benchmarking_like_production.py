@@ -516,7 +516,7 @@ for e in (simulate(20), long_run):
           f"{s['queue_s']['p99']:>10.3f}")
 
 # %% [markdown]
-# The short run says 20 requests/s is fine: nearly every request meets the SLO. The long run
+# The short run says 20 requests/s is fine: every request meets the SLO. The long run
 # says it is not: more than a quarter of the requests miss it and the queue's p99 is almost 2 s. At
 # an offered load this close to capacity, every burst leaves a little backlog, and ten seconds
 # is not long enough for the backlog to grow. That is why the benchmark contract asks for the
@@ -1256,7 +1256,7 @@ print(f"best on the CPU: {cpu_best}; the GPU's {best} here: goodput "
 # grows more than fivefold from 256 to 1,024 tokens while goodput barely moves. Copied from the GPU,
 # the budget would be a choice made for another machine. (The CPU's TTFT p99 stays far above the
 # SLO at any budget: the longest prompts, up to 6,000 tokens, take seconds to prefill here, so
-# the sweep moves the SLO share by a few percent; that, too, is a result to report.)
+# the sweep moves the SLO share by ten points at most; that, too, is a result to report.)
 #
 # The prefill chunk is a knob of its own ("Prefill Chunk" in the contract's list): the budget
 # bounds a step's tokens, the chunk bounds one prompt's share of them, so a smaller chunk lets
