@@ -44,7 +44,7 @@ from minicb import metrics
 from minicb.kv_cache import PagePool, page_hash, prompt_page_hashes
 from minicb.model.quant import quantize_rows
 from minicb.request import SamplingParams, Status
-from minicb.scheduler import POLICY_CLASSES, Scheduler, schedule_prefill_chunks
+from minicb.scheduler import POLICY_CLASSES, POLICY_FLAGS, Scheduler, schedule_prefill_chunks
 from minicb.trace import RequestRecord, StepRecord
 
 
@@ -881,8 +881,7 @@ class _Returns(Scheduler):
         self.exercise = exercise
         self.where = where
         self.name = getattr(inner, "name", "learner")
-        for flag in ("whole_prompts", "holds_finished_slots", "waits_for_batch_timeout",
-                     "decodes_every_step"):
+        for flag in POLICY_FLAGS:
             setattr(self, flag, getattr(inner, flag, False))
 
     def schedule(self, ctx: Any) -> Any:
@@ -953,7 +952,6 @@ def _run(policy: Any, wl: CheckWorkload, exercise: str, max_steps: int = 2000,
     the first step that scheduled nothing while work was there, and note every step in
     which a running decode was left out. `compared_with`: the policy it must match."""
     from minicb.engine import InvariantError, SchedulerError
-    from minicb.scheduler import POLICY_CLASSES
 
     where = f"workload {wl.name!r} ({wl.about})"
     instance = _make_instance(policy)

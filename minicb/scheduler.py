@@ -269,6 +269,11 @@ class SchedulerContext:
         return True
 
 
+# the class attributes of `Scheduler` that the engine reads (a wrapper must pass them on)
+POLICY_FLAGS = ("whole_prompts", "holds_finished_slots", "waits_for_batch_timeout",
+                "decodes_every_step")
+
+
 class Scheduler:
     """Base class of every policy, the learner's included (chapter 03): implement `schedule`,
     which fills and returns `ctx.batch`.

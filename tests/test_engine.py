@@ -321,7 +321,11 @@ def test_a_learner_scheduler_runs_and_bad_batches_are_refused(tiny_model):
 def test_the_engine_goes_by_a_policys_attributes_not_its_name(tiny_model):
     """`whole_prompts` lets one long prompt exceed the budget whatever the policy is called;
     `decodes_every_step` holds a policy to running every decode, named "pd" or not."""
-    from minicb.scheduler import ContinuousScheduler
+    from minicb.scheduler import POLICY_FLAGS, ContinuousScheduler, Scheduler
+
+    # the flags a wrapper passes on (check._Returns) are every one the base class declares
+    declared = {k for k, v in vars(Scheduler).items() if isinstance(v, bool)}
+    assert set(POLICY_FLAGS) == declared
 
     class Named(ContinuousScheduler):
         name = "anything"
