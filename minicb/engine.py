@@ -486,6 +486,7 @@ class Engine:
                 req.metrics.first_scheduled_step = self.step_count
         kinds = {r.request_id: ("decode" if not r.is_prefill else "prefill") for r, _ in items}
         slots = {r.request_id: r.slot for r, _ in items}  # before reclaim frees them
+        starts = {r.request_id: r.num_computed_tokens for r, _ in items}
 
         # 2. forward and 3. sample
         t_forward = 0.0
@@ -541,8 +542,8 @@ class Engine:
                 finished.append(req.request_id)
         record = StepRecord(
             step=self.step_count,
-            members=[Member(r.request_id, kinds[r.request_id], n, slots[r.request_id])
-                     for r, n in items]
+            members=[Member(r.request_id, kinds[r.request_id], n, slots[r.request_id],
+                            starts[r.request_id]) for r, n in items]
             + [Member(r.request_id, "idle", 0, r.slot) for r in batch.idle],
             waiting=[], finished=finished + self._finished_between_steps,
             preempted=[r.request_id for r in batch.preempted],

@@ -276,12 +276,11 @@ def make_sim_engine(cost: CostModel | str = "h100-like", vocab: int = 49152,
 # ------------------------------------------------------------------------------ fitting
 def step_features(trace: list[Any], records: list[Any] | None = None) -> np.ndarray:
     """One row [1, prefill tokens, decode rows, sum of context, sum of chunk*context] per step
-    (chapter 06), reconstructed from the trace: a member's context grows by the tokens it
-    advances, starts at its prefix-cache hit (from `records`) and restarts at 0 when it is
-    preempted (unless it was swapped, keeping its K/V). A member advancing one token counts as
-    a decode row, as in `SimModel`. Not reconstructed: a recomputed request readmitted onto its
-    own prompt pages still cached (the trace does not record that hit), so a fit on runs that
-    preempt with prefix caching on reads its context short; `profile`'s runs never preempt."""
+    (chapter 06). A member's context after the step is `start + num_tokens`, where the engine
+    recorded `Member.start`; in a trace made by hand (start None) it is reconstructed: it grows
+    by the tokens the member advances, starts at its prefix-cache hit (from `records`) and
+    restarts at 0 when it is preempted (unless it was swapped, keeping its K/V). A member
+    advancing one token counts as a decode row, as in `SimModel`."""
     cached = {r.request_id: r.num_cached_tokens for r in (records or [])}
     ctx: dict[str, int] = {}
     rows = []
@@ -293,8 +292,9 @@ def step_features(trace: list[Any], records: list[Any] | None = None) -> np.ndar
         for m in rec.members:
             if m.num_tokens <= 0:
                 continue
-            now = ctx.get(m.request_id, cached.get(m.request_id, 0)) + m.num_tokens
-            ctx[m.request_id] = now
+            start = m.start if m.start is not None else \
+                ctx.get(m.request_id, cached.get(m.request_id, 0))
+            now = ctx[m.request_id] = start + m.num_tokens
             total += now
             if m.num_tokens == 1:
                 decode += 1

@@ -10,12 +10,15 @@ from typing import NamedTuple
 
 class Member(NamedTuple):
     """What one request did in one step. kind: 'prefill', 'decode' or 'idle' (a static batch's
-    finished member still holding its slot). num_tokens: tokens it advanced (0 when idle)."""
+    finished member still holding its slot). num_tokens: tokens it advanced (0 when idle).
+    start: tokens of its context already in the cache when the step began (earlier chunks and
+    prefix-cache hits), so it attended over start + num_tokens; None in a trace made by hand."""
 
     request_id: str
     kind: str
     num_tokens: int
     slot: int | None
+    start: int | None = None
 
 
 @dataclass

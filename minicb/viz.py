@@ -989,11 +989,11 @@ def seed_example(policy: str = "continuous", outputs: Iterable[int] = (30, 200, 
             if r in running or r in admit:
                 n = r.prompt if r in admit else 1
                 kind = PREFILL if r in admit else DECODE
+                members.append(Member(r.rid, kind, n, r.slot, r.computed))
                 r.computed += n
                 r.generated += 1
                 need = math.ceil(r.computed / page_size) - len(r.pages)
                 r.pages += [free_pages.pop(0) for _ in range(need)]
-                members.append(Member(r.rid, kind, n, r.slot))
                 sampled.append(r.rid)
             elif policy == "static":
                 members.append(Member(r.rid, IDLE, 0, r.slot))

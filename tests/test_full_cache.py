@@ -408,25 +408,32 @@ def test_measured_swap_cost_is_a_plausible_copy_time():
     assert 1e-6 < measure_swap_cost(30, 3, 64, num_pages=8, repeats=3) < 1e-2
 
 
-@pytest.mark.parametrize("num_swap_pages", [None, 3])
-def test_step_features_keep_a_swapped_requests_context(num_swap_pages):
-    """The trace says which victims were swapped (`StepRecord.swapped`): their context does not
-    restart, so the features rebuilt from the trace are the ones the model saw, every step,
-    with some victims swapped and (3 host pages) others recomputed."""
+@pytest.mark.parametrize("mode, num_swap_pages, prefix", [
+    ("swap", None, False), ("swap", 3, False), ("recompute", None, True)],
+    ids=["swap", "swap-3-pages", "recompute-onto-cached-pages"])
+def test_step_features_follow_each_members_context(mode, num_swap_pages, prefix):
+    """The features rebuilt from the trace are the ones the model saw, every step: a swapped
+    victim's context does not restart (`StepRecord.swapped`; with 3 host pages others are
+    recomputed), and a recomputed victim readmitted onto its own prompt pages still cached
+    starts at that hit (`Member.start`), which the trace's counts alone cannot tell."""
     import numpy as np
 
     from minicb.sim import step_features
     cost = CostModel(a=0.01, b=1e-4, c=1e-4, d=1e-6, e=1e-8)
     engine = make_sim_engine(cost, policy="pd", num_pages=8, page_size=4, max_num_seqs=4,
-                             preemption_mode="swap", num_swap_pages=num_swap_pages,
-                             enable_prefix_caching=False)
+                             preemption_mode=mode, num_swap_pages=num_swap_pages,
+                             enable_prefix_caching=prefix)
     for i in range(4):
         engine.add_request([3 + i] * 6, SamplingParams(max_tokens=12, ignore_eos=True))
     engine.run()
     swapped = [rid for rec in engine.trace for rid in rec.swapped]
     recomputed = [rid for rec in engine.trace for rid in rec.preempted if rid not in rec.swapped]
-    assert swapped and (recomputed or num_swap_pages is None)
+    assert (swapped or mode == "recompute") and (recomputed or num_swap_pages is None)
     assert all(set(rec.swapped) <= set(rec.preempted) for rec in engine.trace)
+    if prefix:  # a readmitted victim's first chunk starts past 0: its cached prompt page
+        readmitted = {rid for rec in engine.trace for rid in rec.preempted}
+        assert any(m.start > 0 for rec in engine.trace for m in rec.members
+                   if m.request_id in readmitted and m.kind == "prefill")
     predicted = cost.predict_features(step_features(engine.trace, engine.request_records()))
     forward = np.array([rec.t_forward for rec in engine.trace])
     assert np.allclose(forward, predicted, rtol=1e-9, atol=1e-15)

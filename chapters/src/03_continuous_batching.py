@@ -132,7 +132,9 @@ for name in ("step", "arrived", "members", "sampled", "finished", "waiting", "pa
 
 # %% [markdown]
 # Read it phase by phase. **Schedule**: R4 `arrived` this step; R2 and R3 are decoding, so each
-# advances 1 token; R4 is admitted into the free slot 0 with its 8-token prompt. **Forward**: one
+# advances 1 token past the 37 already in its cache (`start`: an 8-token prompt and 29 tokens
+# sampled so far); R4 is admitted into the free slot 0 with its 8-token prompt, from `start` 0
+# (a prefix-cache hit or an earlier chunk would start it later). **Forward**: one
 # pass over 1 + 1 + 8 = 10 tokens. **Sample**: all three members got a token (`sampled`), R4 its
 # first. **Reclaim**: nobody `finished`; nobody is `waiting`. `page_tables` shows each running
 # request's pages after the step: R2 and R3 hold three pages each, R4 got one.
