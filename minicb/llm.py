@@ -19,6 +19,12 @@ def is_conversation(messages: object) -> bool:
         isinstance(m, dict) and "role" in m and "content" in m for m in messages)
 
 
+def render_chat(tokenizer: Any, messages: list[dict]) -> str:
+    """The prompt text a chat template makes of `messages`, the assistant's turn opened. Its
+    tokens are `encode(text, add_special_tokens=False)`: the template writes any BOS itself."""
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
 class IncrementalDecoder:
     """One request's output text, decoded as its tokens arrive (vLLM's incremental detokenizer):
     each call decodes only a short window of recent tokens, so a request of n tokens costs O(n)
@@ -30,7 +36,14 @@ class IncrementalDecoder:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.text = ""  # decoded so far
-        # token indices: the window starts at `prefix_offset`; `text` covers tokens up to
+        # special tokens decode to nothing; a window starting on one would decode the next word
+        # as the text's first (its leading space stripped), so the window never holds them
+        self.special = set(getattr(tokenizer, "all_special_ids", ())) | {
+            i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()
+            if getattr(t, "special", False)}
+        self.ids: list[int] = []  # the output's tokens that are text, special ones dropped
+        self.num_seen = 0  # of the output's tokens, those already sorted into `ids`
+        # indices into `ids`: the window starts at `prefix_offset`; `text` covers tokens up to
         # `read_offset`. Both lie where the decoded text ended with a whole character, so a
         # decode from there joins the text before it exactly.
         self.prefix_offset = self.read_offset = 0
@@ -41,19 +54,22 @@ class IncrementalDecoder:
     def step(self, token_ids: list[int], final: bool = False) -> str:
         """Read the output so far (`token_ids`: all of it); returns the text it adds. `final`:
         the request has ended, so an incomplete last character is given as it stands."""
-        if self.read_offset >= len(token_ids) and not final:
+        self.ids += [t for t in token_ids[self.num_seen:] if t not in self.special]
+        self.num_seen = max(self.num_seen, len(token_ids))
+        ids = self.ids
+        if self.read_offset >= len(ids) and not final:
             return ""
         # the window starts a little before the new tokens: a tokenizer that decodes a token
         # differently at the start (a stripped leading space) does so in both decodes below
-        prefix = self._decode(token_ids[self.prefix_offset:self.read_offset])
-        window = self._decode(token_ids[self.prefix_offset:])
+        prefix = self._decode(ids[self.prefix_offset:self.read_offset])
+        window = self._decode(ids[self.prefix_offset:])
         if window.endswith("\ufffd") and not final:
             return ""  # wait for the rest of the character
         if window.startswith(prefix):
             delta = window[len(prefix):]
         else:  # a window decode that rewrites its prefix (cleaned-up spaces): decode it all
-            delta = self._decode(token_ids)[len(self.text):]
-        self.prefix_offset, self.read_offset = self.read_offset, len(token_ids)
+            delta = self._decode(ids)[len(self.text):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(ids)
         self.text += delta
         return delta
 
@@ -175,8 +191,4 @@ class LLM:
         return self.generate(prompts, params, use_tqdm=use_tqdm)
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                 tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
+        return self.engine.tokenize(render_chat(self.tokenizer, messages))

@@ -34,10 +34,11 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from minicb.bench import add_full_cache_arguments, check_full_cache_flags
-from minicb.config import QUANTIZATIONS, is_finite_number
-from minicb.llm import IncrementalDecoder, is_conversation
+from minicb.config import QUANTIZATIONS, is_finite_number, is_int
+from minicb.llm import IncrementalDecoder, is_conversation, render_chat
 from minicb.request import FINISH_REASONS, SamplingParams
 
 # vLLM's bucket edges, in seconds
@@ -132,12 +133,20 @@ class EngineWorker:
     `reject_when_full` refuses (CacheFull) one its KV cache cannot take. A long-running
     server's memory stays bounded: `max_trace` steps are kept in `engine.trace` (the oldest half
     is dropped when it is full), and `max_finished` finished requests in `engine.requests` (the
-    oldest are dropped with `Engine.forget`)."""
+    oldest are dropped with `Engine.forget`). `default_max_tokens`: a chat request that sets no
+    max_tokens gets at most this many (None: whatever room the context and the pool leave, as
+    vLLM; with `max_preemptions` such a request may hold pages for all of that room)."""
 
     def __init__(self, engine: Any, max_queue: int | None = None,
-                 max_trace: int = 10_000, max_finished: int = 10_000) -> None:
+                 max_trace: int = 10_000, max_finished: int = 10_000,
+                 default_max_tokens: int | None = None) -> None:
+        if default_max_tokens is not None and (not is_int(default_max_tokens)
+                                               or default_max_tokens < 1):
+            raise ValueError(f"default_max_tokens must be an integer >= 1 or None, got "
+                             f"{default_max_tokens!r}")
         self.engine = engine
         self.max_queue = max_queue
+        self.default_max_tokens = default_max_tokens
         self.max_trace = max_trace
         self.max_finished = max_finished
         self._finished_ids: deque[str] = deque()  # oldest first, still in engine.requests
@@ -145,6 +154,11 @@ class EngineWorker:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.capacity = engine.pool.num_pages * engine.pool.page_size
+        # no token stands for more characters than its longest vocabulary entry has: a longer
+        # text cannot fit the context, and is refused before it is tokenized
+        self.max_prompt_chars = self.max_model_len * max(
+            map(len, self.tokenizer.get_vocab()), default=1) if self.tokenizer is not None \
+            and hasattr(self.tokenizer, "get_vocab") else None
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, _Stream] = {}
         self._thread: threading.Thread | None = None
@@ -192,16 +206,45 @@ class EngineWorker:
         `priority`: smaller is more important (vLLM's extra field), for --preemption;
         `deadline`: seconds after arrival by which it must finish (minicb's own field)."""
         self.start()
+        # tokenized here, on a worker thread: a long prompt holds up no step of the engine's
+        token_ids, field_name = await asyncio.to_thread(self.tokenize, prompt, messages)
         sink = (asyncio.get_running_loop(), asyncio.Queue())  # made on the handler's loop
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(("add", prompt, messages, params, stop, request_id, tenant, priority,
-                            deadline, sink, future))
+        self._commands.put(("add", token_ids, field_name, params, stop, request_id, tenant,
+                            priority, deadline, sink, future))
         try:
             return await asyncio.wrap_future(future)
         except asyncio.CancelledError:  # the caller stopped waiting (timeout, disconnect)
             # the engine thread may be adding it right now: cancel the request it makes
             future.add_done_callback(self._cancel_unwanted)
             raise
+
+    def tokenize(self, prompt: str | list[int] | None, messages: list[dict] | None
+                 ) -> tuple[list[int], str]:
+        """The prompt's token ids (of `messages` through the chat template, if given) and the
+        request field they came from; InvalidRequest if it cannot be a prompt. Any thread."""
+        field_name = "prompt"
+        if messages is not None:
+            field_name = "messages"
+            if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+                raise InvalidRequest("this model has no chat template: use /v1/completions",
+                                     "messages")
+            try:
+                prompt = render_chat(self.tokenizer, messages)
+            except Exception as exc:  # noqa: BLE001 - a template error is the caller's input
+                raise InvalidRequest(f"cannot apply the chat template: {exc}", "messages") \
+                    from None
+        if isinstance(prompt, str) and self.max_prompt_chars is not None \
+                and len(prompt) > self.max_prompt_chars:
+            raise InvalidRequest(
+                f"the {field_name} has {len(prompt)} characters: more than the model's context "
+                f"of {self.max_model_len} tokens can hold (no token is longer than "
+                f"{self.max_prompt_chars // self.max_model_len} characters)", field_name,
+                "context_length_exceeded")
+        try:
+            return self.engine.tokenize(prompt), field_name
+        except ValueError as exc:
+            raise InvalidRequest(str(exc), field_name) from None
 
     def _cancel_unwanted(self, future: concurrent.futures.Future) -> None:
         """Done-callback of a submit nobody awaits any more: cancel the request it made."""
@@ -228,7 +271,8 @@ class EngineWorker:
                   ("kv_swap_pages_total", "Host memory pages of swap space (0: preemption "
                    "mode recompute).", s.get("swap_pages_total", 0)),
                   ("oldest_waiting_seconds", "Queue age: how long the longest-waiting request "
-                   "not yet scheduled had waited, after the last step.", self.oldest_waiting_s)]
+                   "not yet scheduled had waited, as of the engine's last step or command.",
+                   self.oldest_waiting_s)]
         out = [f"# minicb model={model_name}"]
         for name, help_text, value in gauges:
             out += [f"# HELP minicb_{name} {help_text}", f"# TYPE minicb_{name} gauge",
@@ -294,7 +338,7 @@ class EngineWorker:
                     self._end_streams_of_finished()
             except Exception:  # noqa: BLE001 - a fault fails the requests, not the server
                 self._fail_all()
-            self.snapshot = dict(self.engine.stats())
+            self._refresh_gauges(self.engine.clock())  # commands may have emptied the queue
 
     def _end_streams_of_finished(self) -> None:
         """A command finished a request in the engine (`call(lambda e: e.cancel(rid))`) and
@@ -344,34 +388,20 @@ class EngineWorker:
         else:
             future.set_result(result)
 
-    def _add(self, prompt, messages, params, stop, request_id, tenant, priority, deadline,
+    def _add(self, token_ids, field_name, params, stop, request_id, tenant, priority, deadline,
              sink) -> Job:
         engine = self.engine
         waiting = len(engine.waiting) + len(engine.pending)
         if self.max_queue is not None and waiting >= self.max_queue:
             raise QueueFull(f"the server's queue is full ({waiting} requests waiting, "
                             f"--max-queue {self.max_queue}); retry later")
-        field_name = "prompt"
-        if messages is not None:
-            field_name = "messages"
-            if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-                raise InvalidRequest("this model has no chat template: use /v1/completions",
-                                     "messages")
-            try:
-                prompt = _apply_chat_template(self.tokenizer, messages)
-            except Exception as exc:  # noqa: BLE001 - a template error is the caller's input
-                raise InvalidRequest(f"cannot apply the chat template: {exc}", "messages") \
-                    from None
-        try:
-            token_ids = engine.tokenize(prompt)
-        except ValueError as exc:
-            raise InvalidRequest(str(exc), field_name) from None
         if stop and self.tokenizer is None:
             raise InvalidRequest("stop strings need a tokenizer, and this model has none: use "
                                  "stop_token_ids", "stop")
         params = dict(params)
         if params.get("max_tokens") is None:  # chat's default: whatever room is left
-            params["max_tokens"] = max(1, min(self.max_model_len, self.capacity) - len(token_ids))
+            room = max(1, min(self.max_model_len, self.capacity) - len(token_ids))
+            params["max_tokens"] = min(room, self.default_max_tokens or room)
         try:
             sampling = SamplingParams(**params)
         except ValueError as exc:
@@ -413,10 +443,17 @@ class EngineWorker:
         if req is None or req.is_finished:
             return
         self.engine.cancel(rid, "stop" if reason == "stop" else "cancelled")
-        self.snapshot = dict(self.engine.stats())
+        self._refresh_gauges(self.engine.clock())
         with self._lock:
             self.finish_reasons[reason] += 1
             self._counted_early.add(rid)
+
+    def _refresh_gauges(self, now: float) -> None:
+        """The engine's counts and the queue age as of `now` (engine seconds), for /metrics."""
+        self.snapshot = dict(self.engine.stats())
+        unscheduled = [r.metrics.arrival_time for r in self.engine.waiting
+                       if r.metrics.first_scheduled_time is None]  # as metrics.max_queue_age
+        self.oldest_waiting_s = now - min(unscheduled) if unscheduled else 0.0
 
     def _step(self) -> None:
         engine = self.engine
@@ -445,10 +482,7 @@ class EngineWorker:
     def _count(self, record: Any) -> None:
         """Count a step's tokens and latencies (before any handler hears of the step)."""
         self._last_step = record.step
-        self.snapshot = dict(self.engine.stats())
-        unscheduled = [r.metrics.arrival_time for r in self.engine.waiting
-                       if r.metrics.first_scheduled_time is None]  # as metrics.max_queue_age
-        self.oldest_waiting_s = record.t_end - min(unscheduled) if unscheduled else 0.0
+        self._refresh_gauges(record.t_end)
         with self._lock:
             self.counters["steps"] += 1
             self.counters["preemptions"] += len(record.preempted)
@@ -515,13 +549,6 @@ class EngineWorker:
             s.loop.call_soon_threadsafe(s.job.events.put_nowait, event)
         except RuntimeError:  # the handler's event loop is gone: nobody listens any more
             self._cancel(s.job.request_id, "cancelled")
-
-
-def _apply_chat_template(tokenizer: Any, messages: list[dict]) -> list[int]:
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    return [int(t) for t in ids]
 
 
 # ------------------------------------------------------------------------------ request parsing
@@ -646,12 +673,13 @@ def _sse(data: dict | str) -> str:
 
 
 def create_app(engine_or_llm: Any, model_name: str = "minicb", max_queue: int | None = 256,
-               max_trace: int = 10_000, max_finished: int = 10_000) -> FastAPI:
+               max_trace: int = 10_000, max_finished: int = 10_000,
+               default_max_tokens: int | None = None) -> FastAPI:
     """The FastAPI app around one engine (chapters 06 and 08). `engine_or_llm`: an Engine or an
     LLM. The worker is `app.state.worker`; it starts with the app (or at the first request)."""
     engine = getattr(engine_or_llm, "engine", engine_or_llm)
     worker = EngineWorker(engine, max_queue=max_queue, max_trace=max_trace,
-                          max_finished=max_finished)
+                          max_finished=max_finished, default_max_tokens=default_max_tokens)
 
     async def lifespan(app: FastAPI):
         worker.start()
@@ -690,6 +718,8 @@ def create_app(engine_or_llm: Any, model_name: str = "minicb", max_queue: int | 
     async def _generate(request: Request, chat: bool):
         try:
             body = json.loads(await request.body())
+        except ClientDisconnect:  # it hung up while sending the body: nobody hears an answer
+            return _error(400, "the client disconnected before its request was read")
         except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an int of 4301+ digits
             return _error(400, f"the request body is not valid JSON: {exc}")
         except RecursionError:
@@ -852,6 +882,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="a bound on preemption loss: a request preempted this many times "
                              "comes back holding pages for its whole life and is never "
                              "preempted again (0: reserve every request's whole life)")
+    parser.add_argument("--default-max-tokens", type=int, default=None,
+                        help="the max_tokens of a chat request that sets none (default: all the "
+                             "room its prompt leaves; with --max-preemptions such a request may "
+                             "hold pages for all of it, so set this for a shared server)")
     add_full_cache_arguments(parser)
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (CUDA when "
                         "torch sees a GPU)")
@@ -872,6 +906,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--port must be in [0, 65535], got {args.port}")
     if args.max_queue < 0:  # else every request is refused with a 429
         parser.error(f"--max-queue must be >= 0 (0: no limit), got {args.max_queue}")
+    if args.default_max_tokens is not None and args.default_max_tokens < 1:
+        parser.error(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}")
     import uvicorn
 
     from minicb.llm import LLM
@@ -891,7 +927,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # a bad option or model: say which, no traceback
         parser.error(str(exc))
     name = args.served_model_name or args.model
-    app = create_app(llm, name, max_queue=args.max_queue or None)
+    app = create_app(llm, name, max_queue=args.max_queue or None,
+                     default_max_tokens=args.default_max_tokens)
+    if args.max_preemptions is not None and args.default_max_tokens is None:
+        print("minicb: note: with --max-preemptions, a chat request without max_tokens may hold "
+              "pages for the whole context; --default-max-tokens bounds it", flush=True)
     print(f"minicb: serving {name} (policy {args.policy}) on http://{args.host}:{args.port}/v1",
           flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

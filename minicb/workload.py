@@ -97,6 +97,7 @@ class WorkloadRequest:
             raise ValueError("give arrival_time or arrival_step, not both")
         if not isinstance(self.priority, (int, np.integer)):
             raise ValueError(f"priority must be an integer, got {self.priority!r}")
+        self.priority = int(self.priority)  # a numpy integer is not JSON (the client sends it)
         if self.cancel_after_tokens is not None:
             self.cancel_after_tokens = _check_int("cancel_after_tokens",
                                                   self.cancel_after_tokens)

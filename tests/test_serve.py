@@ -522,11 +522,12 @@ def test_client_cli_writes_the_results_schema(tiny_model, tmp_path, capsys):
 def test_the_client_sends_a_traces_tenant_priority_and_deadline(tiny_model):
     """A replayed trace's tenant, priority and deadline reach the server (as `user`,
     `priority`, `deadline`): the engine holds them, and a deadline too short to meet comes
-    back as finish_reason "deadline". A request without them sends none of the three."""
+    back as finish_reason "deadline". A request without them sends none of the three. A numpy
+    priority is sent as an int (it was not JSON, and the whole run raised)."""
     from minicb.workload import Workload, WorkloadRequest
     workload = Workload("t", [
         WorkloadRequest(prompt_len=6, max_tokens=40, request_id="late", tenant="team-a",
-                        priority=2, deadline=1e-6),
+                        priority=np.int64(2), deadline=1e-6),  # numpy's, as a trace gives
         WorkloadRequest(prompt_len=6, max_tokens=3, request_id="plain")])
     with serving(tiny_model) as (url, worker):
         records = asyncio.run(asyncio.wait_for(run_client(url, workload.requests,
@@ -676,6 +677,39 @@ def test_incremental_decoding_equals_a_full_decode_on_smollm2():
         text = "".join(decoder.step(ids[:i + 1], final=i == len(ids) - 1)
                        for i in range(len(ids)))
         assert text == tok.decode(ids, skip_special_tokens=True), trial
+
+
+def metaspace_tokenizer():
+    """A Llama-2/Mistral-style (SentencePiece) tokenizer: a word's "▁" becomes a space, except
+    at the start of a decode, where it is dropped."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "▁Hello": 3, "▁world": 4, "▁again": 5, "!": 6}
+    raw = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    raw.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    return PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>", bos_token="<s>",
+                                   eos_token="</s>")
+
+
+@pytest.mark.parametrize("kind", ["word", "metaspace"])
+def test_incremental_decoding_around_special_tokens(word_model, kind):
+    """A generated special token (EOS under ignore_eos, a BOS) decodes to nothing; the word after
+    it keeps its space (the window never starts on a special token: it did, and that word was
+    decoded as the text's first, 'Helloworld')."""
+    tok = word_model[1].tokenizer if kind == "word" else metaspace_tokenizer()
+    words = [3, 4, 5] if kind == "metaspace" else [80, 81, 82]
+    rng = random.Random(1)
+    for trial in range(30):
+        ids = [rng.choice(words + [1, 2, 6] if kind == "metaspace" else words + [1, 2])
+               for _ in range(rng.randrange(1, 12))]
+        decoder = IncrementalDecoder(tok)
+        text = "".join(decoder.step(ids[:i + 1], final=i == len(ids) - 1)
+                       for i in range(len(ids)))
+        assert text == tok.decode(ids, skip_special_tokens=True), (trial, ids)
+    decoder = IncrementalDecoder(tok)
+    assert [decoder.step([3, 2, 4][:n]) for n in (1, 2, 3)] == (
+        ["Hello", "", " world"] if kind == "metaspace" else ["w3", "", " w4"])
 
 
 def test_stop_strings_wait_for_min_tokens(word_model):
@@ -880,6 +914,104 @@ def test_metrics_show_evicted_prefix_pages_and_the_oldest_wait():
     assert ages[0] > 0 and ages[-1] == 0 and float(values["minicb_oldest_waiting_seconds"]) == 0
 
 
+def test_the_queue_age_gauge_falls_to_zero_when_the_waiting_hang_up():
+    """Clients that hang up together are cancelled between steps; with nothing left to step,
+    no step record comes to update the gauge, so the cancels must (it kept the last age)."""
+    engine = make_sim_engine(policy="continuous", num_pages=64, max_num_seqs=1)
+    worker = EngineWorker(engine)  # not started: its engine-thread methods are driven here
+    for rid in "abc":
+        engine.add_request([5, 6, 7], SamplingParams(max_tokens=8, **GREEDY), request_id=rid)
+    worker._count(engine.step())
+    assert worker.oldest_waiting_s > 0  # b and c wait behind a
+    for rid in "abc":
+        worker._cancel(rid, "cancelled")
+    assert not engine.has_unfinished() and worker.oldest_waiting_s == 0
+
+
+def test_a_slow_tokenization_holds_up_no_step(word_model):
+    """Prompts are tokenized off the engine thread: while one is still being tokenized, other
+    requests run to the end (tokenized between steps, one 18 MB prompt held every stream for
+    49 s)."""
+    import concurrent.futures
+    with serving(word_model) as (url, worker), httpx.Client(timeout=TIMEOUT) as http:
+        entered, release = threading.Event(), threading.Event()
+        real = worker.engine.tokenize
+
+        def slow(prompt):
+            if prompt == "w9 w9 w9":
+                entered.set()
+                release.wait(10)
+            return real(prompt)
+        worker.engine.tokenize = slow
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            body = {"prompt": "w9 w9 w9", "max_tokens": 2, **GREEDY}
+            held = pool.submit(http.post, url + "/v1/completions", json=body)
+            assert entered.wait(10)
+            try:
+                out = http.post(url + "/v1/completions", timeout=5,
+                                json={"prompt": "w5 w6", "max_tokens": 3, **GREEDY})
+            finally:
+                release.set()
+            assert out.status_code == 200 and len(out.json()["choices"][0]["token_ids"]) == 3
+            assert held.result(10).status_code == 200
+
+
+def test_a_prompt_too_long_to_fit_is_refused_before_it_is_tokenized(word_model):
+    """No token of the word tokenizer is longer than 5 characters ("<unk>"), so a prompt of
+    more than 5 x max_model_len characters cannot fit: refused without tokenizing it."""
+    with serving(word_model) as (url, worker), httpx.Client(timeout=TIMEOUT) as http:
+        limit = worker.max_prompt_chars
+        assert limit == 5 * worker.max_model_len
+        calls = []
+        real = worker.engine.tokenize
+        worker.engine.tokenize = lambda prompt: (isinstance(prompt, str) and calls.append(prompt)
+                                                 or real(prompt))  # texts it was asked
+        for chat in (False, True):
+            body = {"messages": [{"role": "user", "content": "w5 " * limit}]} if chat \
+                else {"prompt": "w5 " * limit}
+            out = http.post(url + ("/v1/chat/completions" if chat else "/v1/completions"),
+                            json={**body, "max_tokens": 2})
+            error = out.json()["error"]
+            assert out.status_code == 400 and error["code"] == "context_length_exceeded"
+            assert "characters" in error["message"]
+            assert error["param"] == ("messages" if chat else "prompt")
+        assert calls == []
+        ok = http.post(url + "/v1/completions", json={"prompt": "w5 w6", "max_tokens": 2})
+        assert ok.status_code == 200 and calls == ["w5 w6"]
+
+
+def test_default_max_tokens_bounds_a_chat_without_one(word_model):
+    engine = Engine(word_model, policy="pd", num_pages=64)
+    with pytest.raises(ValueError, match="default_max_tokens must be an integer >= 1"):
+        create_app(engine, "tiny", default_max_tokens=0)
+    app = create_app(engine, "tiny", default_max_tokens=4)
+    chat = {"messages": [{"role": "user", "content": "w5 w6"}], "ignore_eos": True, **GREEDY}
+    with ServerThread(app) as url, httpx.Client(timeout=TIMEOUT) as http:
+        out = http.post(url + "/v1/chat/completions", json=chat).json()
+        assert out["usage"]["completion_tokens"] == 4
+        assert out["choices"][0]["finish_reason"] == "length"
+        out = http.post(url + "/v1/chat/completions", json={**chat, "max_tokens": 6}).json()
+        assert out["usage"]["completion_tokens"] == 6  # a request's own max_tokens still rules
+
+
+def test_a_client_that_hangs_up_while_sending_its_body_gets_a_quiet_answer(tiny_model):
+    """Starlette raises ClientDisconnect from request.body(): answered, not a traceback."""
+    app = create_app(Engine(tiny_model, policy="pd", num_pages=64), "tiny")
+    sent = []
+
+    async def receive():
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [],
+             "query_string": b"", "http_version": "1.1", "scheme": "http", "root_path": "",
+             "server": ("127.0.0.1", 80), "client": ("127.0.0.1", 1)}
+    asyncio.run(app(scope, receive, send))
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 400
+    assert b"disconnected" in sent[1]["body"]
+
+
 def test_the_server_trims_its_trace_to_max_trace(tiny_model):
     engine = Engine(tiny_model, policy="pd", num_pages=64)
     app = create_app(engine, "tiny", max_trace=6)
@@ -926,9 +1058,10 @@ def test_serve_cli_max_queue_0_means_no_limit_and_the_served_name(tiny_llama_dir
     apps = []
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: apps.append(app))
     assert serve_main(["--model", str(tiny_llama_dir), "--device", "cpu", "--max-queue", "0",
-                       "--served-model-name", "tiny-x", "--num-pages", "32"]) == 0
+                       "--served-model-name", "tiny-x", "--num-pages", "32",
+                       "--default-max-tokens", "64"]) == 0
     app = apps[0]
-    assert app.state.worker.max_queue is None
+    assert app.state.worker.max_queue is None and app.state.worker.default_max_tokens == 64
     with ServerThread(app) as url:
         assert httpx.get(url + "/v1/models", timeout=TIMEOUT).json()["data"][0]["id"] == "tiny-x"
 
@@ -941,6 +1074,7 @@ def test_serve_cli_refuses_a_negative_max_queue_and_an_unknown_log_level(tiny_ll
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: None)
     base = ["--model", str(tiny_llama_dir), "--device", "cpu", "--num-pages", "32"]
     for argv, message in ((["--max-queue", "-1"], "--max-queue must be >= 0"),
+                          (["--default-max-tokens", "0"], "--default-max-tokens must be >= 1"),
                           (["--log-level", "loud"], "argument --log-level: invalid choice")):
         with pytest.raises(SystemExit) as exit_info:
             main([*base, *argv])
