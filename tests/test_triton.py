@@ -60,9 +60,8 @@ def test_store_and_attend_match_reference(kind, group, page_size):
     torch.testing.assert_close(v_cache, ref_v, rtol=0, atol=0, equal_nan=True)
 
     scale = HEAD_DIM ** -0.5
-    # the reference reads padding slots (times zero), so give it a NaN-free copy of the cache;
-    # the kernel gets the poisoned one and must never touch a slot past a member's context
-    expected = torch_ref.attend(q, ref_k.nan_to_num(), ref_v.nan_to_num(), meta, scale)
+    # both read the poisoned caches: neither may touch a slot past a member's context
+    expected = torch_ref.attend(q, ref_k, ref_v, meta, scale)
     out = torch.full_like(expected, float("nan"))
     tops.attend(q, k_cache, v_cache, meta, scale, out=out)
     assert not out.isnan().any(), "some output rows were not written"
@@ -79,8 +78,7 @@ def test_contexts_longer_than_several_key_blocks():
     assert max(c + n for c, n in members) > 2 * key_block
     q, k, v, k_cache, v_cache, meta = make_case(members, 16, 4, seed=3)
     tops.store_kv(k, v, k_cache, v_cache, meta)
-    expected = torch_ref.attend(q, k_cache.nan_to_num(), v_cache.nan_to_num(), meta,
-                                HEAD_DIM ** -0.5)
+    expected = torch_ref.attend(q, k_cache, v_cache, meta, HEAD_DIM ** -0.5)
     out = torch.full_like(expected, float("nan"))
     tops.attend(q, k_cache, v_cache, meta, HEAD_DIM ** -0.5, out=out)
     assert_close(out, expected)
@@ -91,7 +89,7 @@ def test_non_power_of_two_group_and_head_dim():
     members = [(20, 1), (3, 1), (16, 21)]
     q, k, v, k_cache, v_cache, meta = make_case(members, 16, 7, seed=3, head_dim=24)
     tops.store_kv(k, v, k_cache, v_cache, meta)
-    expected = torch_ref.attend(q, k_cache.nan_to_num(), v_cache.nan_to_num(), meta, 0.2)
+    expected = torch_ref.attend(q, k_cache, v_cache, meta, 0.2)
     assert_close(tops.attend(q, k_cache, v_cache, meta, 0.2), expected)
 
 
@@ -101,8 +99,8 @@ def test_half_precision_accumulates_in_float32(dtype):
     members = [(40, 1), (70, 1), (16, 40)]
     q, k, v, k_cache, v_cache, meta = make_case(members, 16, 4, seed=5, dtype=dtype)
     tops.store_kv(k, v, k_cache, v_cache, meta)
-    expected = torch_ref.attend(q.float(), k_cache.float().nan_to_num(),
-                                v_cache.float().nan_to_num(), meta, HEAD_DIM ** -0.5)
+    expected = torch_ref.attend(q.float(), k_cache.float(), v_cache.float(), meta,
+                                HEAD_DIM ** -0.5)
     out = tops.attend(q, k_cache, v_cache, meta, HEAD_DIM ** -0.5)
     assert out.dtype == dtype
     torch.testing.assert_close(out.float().cpu(), expected.cpu(), rtol=2e-2, atol=2e-2)

@@ -77,7 +77,10 @@ def _decode_groups(meta: AttentionMetadata) -> list[tuple[torch.Tensor, torch.Te
             pos = torch.arange(width, device=rows.device)
             valid = pos[None, :] < meta.context_lens[rows].long()[:, None]
             pages = meta.page_tables[rows].long()[:, pos // meta.page_size]
-            slots = torch.where(valid, pages * meta.page_size + pos % meta.page_size, 0)
+            # padding repeats the row's own first slot (masked out): a slot it does not own
+            # may hold anything, and a NaN there would poison the row even at weight 0
+            slots = torch.where(valid, pages * meta.page_size + pos % meta.page_size,
+                                pages[:, :1] * meta.page_size)
             groups.append((rows, slots, valid))
         meta.cache["decode_groups"] = groups
     return meta.cache["decode_groups"]
