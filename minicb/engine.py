@@ -37,6 +37,7 @@ from minicb.scheduler import (
     ScheduledBatch,
     Scheduler,
     SchedulerContext,
+    SchedulerError,
     enqueue,
     make_scheduler,
     prefix_hits,
@@ -50,10 +51,6 @@ STALL_STEPS = 100_000  # steps in a row with nothing scheduled while work waits:
 
 class InvariantError(AssertionError):
     """An engine invariant broke: the message names the step, the request and the rule."""
-
-
-class SchedulerError(ValueError):
-    """A scheduler returned a batch the engine refuses to run; the message names the rule."""
 
 
 def default_num_pages(model_config, config: EngineConfig, dtype: torch.dtype) -> int:
@@ -177,9 +174,10 @@ class Engine:
         # unfinished requests with a deadline: none, and no step scans the queue for expiry
         # (10,000 waiting requests made that scan most of a simulated run)
         self._num_with_deadline = 0
-        # reject_when_full: (state it was computed in, pages unclaimed then), so a burst of
-        # arrivals does not rescan the whole waiting queue for each of them
-        self._unclaimed: tuple[tuple[int, ...], int, bool] | None = None  # key, pages, exact
+        # reject_when_full: (state it was computed in, pages unclaimed then, the cached pages
+        # the queue's prefix hits claim: None while the count is only a lower bound), so a
+        # burst of arrivals does not rescan the whole waiting queue for each of them
+        self._unclaimed: tuple[tuple[int, ...], int, set[int] | None] | None = None
         self._generators: dict[str, torch.Generator | None] = {}
         self._failure_hook = None  # tests inject faults here: callable(batch) raising
         self.graph_runner = None  # CUDA graphs for decode-only steps (chapter 07)
@@ -319,22 +317,26 @@ class Engine:
         if self.config.reject_when_full:
             need = self._pages_to_admit(req)
             unclaimed = self._pages_unclaimed(need)
+            claimed = self._unclaimed[2]
+            if claimed is not None:  # cached pages a waiting request will share: not twice
+                need = self._pages_to_admit(req, claimed)
             if need > unclaimed:
                 self._finish(req, "rejected")  # its step's record lists it as finished
                 self._finished_between_steps.append(req.request_id)
                 return
             enqueue(self.waiting, req, self.config.preemption)
-            self._unclaimed = (self._unclaimed_key(), unclaimed - need, self._unclaimed[2])
+            self._unclaimed = (self._unclaimed_key(), unclaimed - need, claimed)
             return
         enqueue(self.waiting, req, self.config.preemption)
 
-    def _pages_to_admit(self, req: Request) -> int:
+    def _pages_to_admit(self, req: Request, claimed: set[int] | None = None) -> int:
         """Available pages admitting `req` whole would take (chapter 06): those its tokens
         need beyond its prefix hits (its whole life's when it will be admitted with it,
         `max_preemptions`), plus the hits that sit unreferenced (shared, they stop being
-        available)."""
+        available) and are not in `claimed` (counted for a request ahead of it already)."""
         return self.pool.pages_to_take(prefix_hits(self.pool, req),
-                                       self.pool.pages_needed(self._tokens_to_admit(req)))
+                                       self.pool.pages_needed(self._tokens_to_admit(req)),
+                                       claimed)
 
     def _tokens_to_admit(self, req: Request) -> int:
         """The tokens `req`'s admission must hold: its whole life's when `max_preemptions`
@@ -355,10 +357,11 @@ class Engine:
         key = self._unclaimed_key()
         if self._unclaimed is None or self._unclaimed[0] != key:
             self._unclaimed = (key, self.pool.num_available - sum(
-                self.pool.pages_needed(self._tokens_to_admit(r)) for r in self.waiting), False)
-        if self._unclaimed[1] < need and not self._unclaimed[2]:
+                self.pool.pages_needed(self._tokens_to_admit(r)) for r in self.waiting), None)
+        if self._unclaimed[1] < need and self._unclaimed[2] is None:
+            claimed: set[int] = set()  # two requests sharing a cached page take it once
             self._unclaimed = (key, self.pool.num_available - sum(
-                self._pages_to_admit(r) for r in self.waiting), True)
+                self._pages_to_admit(r, claimed) for r in self.waiting), claimed)
         return self._unclaimed[1]
 
     def _unclaimed_key(self) -> tuple[int, ...]:

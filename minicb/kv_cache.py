@@ -150,11 +150,17 @@ class PagePool:
     def pages_needed(self, num_tokens: int) -> int:
         return (num_tokens + self.page_size - 1) // self.page_size
 
-    def pages_to_take(self, hit: list[int], total_pages: int) -> int:
+    def pages_to_take(self, hit: list[int], total_pages: int,
+                      claimed: set[int] | None = None) -> int:
         """Available pages a page table of `total_pages` takes when `hit` are its prefix hits:
         the pages beyond them, plus the hits that sit unreferenced in the LRU list (shared,
-        they stop being available)."""
-        return total_pages - len(hit) + sum(1 for p in hit if self.ref_count[p] == 0)
+        they stop being available). `claimed`: unreferenced pages already counted for another
+        table that will share them, not counted again; this table's are added to it."""
+        cached = {p for p in hit if self.ref_count[p] == 0}
+        if claimed is not None:
+            cached -= claimed
+            claimed |= cached
+        return total_pages - len(hit) + len(cached)
 
     # --- allocation ---------------------------------------------------------------------------
     def allocate(self, n: int) -> list[int]:

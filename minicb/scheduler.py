@@ -24,6 +24,12 @@ from minicb.kv_cache import PagePool
 from minicb.request import Request, Status
 
 
+class SchedulerError(ValueError):
+    """A scheduler used a verb on the wrong request, or returned a batch the engine refuses to
+    run; the message names the rule (chapter 03)."""
+
+
+
 @dataclass
 class ScheduledBatch:
     """The plan for one step: (request, tokens to advance) pairs, plus static batching's idle
@@ -110,6 +116,8 @@ class SchedulerContext:
         self.tenant_service = tenant_service if tenant_service is not None else Counter()
         self.batch = ScheduledBatch()
         self.scheduled_ids: set[str] = set()
+        # request id -> host pages of a swap-in planned this step and not yet copied
+        self._swapping_in: dict[str, list[int]] = {}
 
     # --- reading ------------------------------------------------------------------------------
     @property
@@ -149,6 +157,11 @@ class SchedulerContext:
         cached prefix pages, take a slot and pages for its first chunk of at most `max_tokens`
         tokens. Returns that chunk's size, or 0 (and changes nothing) if it does not fit or
         would be shorter than `min_tokens` while more than that remains after the prefix hit."""
+        if req.status not in (Status.WAITING, Status.PREEMPTED, Status.SWAPPED) \
+                or req not in self.waiting:
+            raise SchedulerError(f"step {self.step}: ctx.admit({req.request_id}): only a "
+                                 f"request in the waiting queue can be admitted; it is "
+                                 f"{req.status.value}")
         if not self.free_slots or max_tokens < 1:
             return 0
         if req.status is Status.SWAPPED:
@@ -203,6 +216,7 @@ class SchedulerContext:
         # every host page goes back once the engine has copied (a swap-out in this same step
         # must not take one first: two copies into one host page)
         self.batch.swap_release.extend(req.swapped_pages)
+        self._swapping_in[req.request_id] = req.swapped_pages
         req.swapped_pages = []
         self._run(req)
         return num_tokens
@@ -212,7 +226,37 @@ class SchedulerContext:
         preemption_mode="swap", while the swap space has room, its K/V is copied to host memory
         and back when it is admitted again; otherwise its tokens are recomputed then (reusing
         any prefix pages still cached, which is why `num_recomputed_tokens` counts at compute
-        time, not here)."""
+        time, not here). A request swapped in this same step goes back to its host pages,
+        which still hold its K/V: the copy back was only planned."""
+        if req.status is not Status.RUNNING or req not in self.running:
+            raise SchedulerError(f"step {self.step}: ctx.preempt({req.request_id}): only a "
+                                 f"running request can be preempted; it is {req.status.value}")
+        host_pages = self._swapping_in.pop(req.request_id, None)
+        if host_pages is not None:  # its fresh pages hold nothing yet: nothing to register
+            planned = set(host_pages)
+            self.batch.swap_in = [(h, p) for h, p in self.batch.swap_in if h not in planned]
+            self.batch.swap_release = [h for h in self.batch.swap_release if h not in planned]
+            req.swapped_pages = host_pages
+            self.batch.swapped.append(req)
+            req.status = Status.SWAPPED
+        else:
+            self._give_up_pages(req)
+        self.pool.release(req.page_table)
+        req.page_table = []
+        req.num_preemptions += 1
+        self.free_slots.append(req.slot)
+        self.free_slots.sort()
+        req.slot = None
+        self.running.remove(req)
+        enqueue(self.waiting, req, self.config.preemption, preempted=True)
+        if req.request_id in self.scheduled_ids:
+            self.batch.items = [(r, n) for r, n in self.batch.items if r is not req]
+            self.scheduled_ids.discard(req.request_id)
+        self.batch.preempted.append(req)
+
+    def _give_up_pages(self, req: Request) -> None:
+        """A victim's computed K/V: its full prompt pages indexed for reuse, then the rest
+        copied to host memory (swap, while there is room) or dropped, to be recomputed."""
         self.pool.register_prompt_pages(req.prompt_token_ids, req.page_table,
                                         req.num_computed_tokens, req.page_hashes or None)
         keep = self.pool.pages_needed(req.num_computed_tokens)  # not pages reserved ahead
@@ -228,18 +272,6 @@ class SchedulerContext:
                                                    req.num_computed_tokens)
             req.num_computed_tokens = 0
             req.status = Status.PREEMPTED
-        self.pool.release(req.page_table)
-        req.page_table = []
-        req.num_preemptions += 1
-        self.free_slots.append(req.slot)
-        self.free_slots.sort()
-        req.slot = None
-        self.running.remove(req)
-        enqueue(self.waiting, req, self.config.preemption, preempted=True)
-        if req.request_id in self.scheduled_ids:
-            self.batch.items = [(r, n) for r, n in self.batch.items if r is not req]
-            self.scheduled_ids.discard(req.request_id)
-        self.batch.preempted.append(req)
 
     def release_slot(self, req: Request) -> None:
         """Give back a finished request's slot (static batching holds them until batch end)."""

@@ -12,7 +12,7 @@ from minicb import metrics
 from minicb.config import POLICIES, EngineConfig
 from minicb.kv_cache import PagePool
 from minicb.request import Request, SamplingParams, Status
-from minicb.scheduler import SchedulerContext
+from minicb.scheduler import Scheduler, SchedulerContext
 from minicb.sim import CostModel, make_sim_engine
 from tests.tiny_models import random_jobs, run_beside_single
 
@@ -54,6 +54,86 @@ def test_swap_keeps_the_kv_and_returns_the_same_tokens(make_engine, prefix_cachi
     else:
         assert s["swapped_out_pages"] == s["swapped_in_pages"] > 0
     assert engine.pool.num_used == 0 and len(engine.pool.swap_free) == 64
+
+
+class AdmitFirst(Scheduler):
+    """A learner's plausible policy: admit from the queue first, then give every decode its
+    token (schedule_decodes preempts the newest unscheduled request when pages run out, which
+    can be one just admitted from swap), then schedule the admitted chunks still running."""
+    name = "admit-first"
+
+    def schedule(self, ctx):
+        admitted = []
+        for req in self.prefilling(ctx):
+            n = min(req.num_remaining, ctx.config.chunk_size)
+            if ctx.reserve(req, n):
+                admitted.append((req, n))
+        while ctx.waiting and len(admitted) < 2:
+            req = ctx.waiting[0]
+            n = ctx.admit(req, min(req.num_remaining, ctx.config.chunk_size))
+            if not n:
+                break
+            admitted.append((req, n))
+        self.schedule_decodes(ctx)
+        for req, n in admitted:
+            if req.status is Status.RUNNING and req.request_id not in ctx.scheduled_ids:
+                ctx.schedule(req, n)
+        return ctx.batch
+
+
+def test_a_request_swapped_in_and_preempted_in_one_step_keeps_its_kv(make_engine):
+    """Admitted from swap, then the same step's victim: its K/V must stay in the host pages it
+    had (the copy back was only planned). The copies ran out before in, so its new host pages
+    got the old contents of its fresh device pages: other tokens, no invariant tripped."""
+    jobs = [([235, 178, 208, 220, 230, 50, 169, 62, 173, 40, 225, 60], 9),
+            ([21, 139, 219, 57], 13), ([113, 35], 4), ([216, 40, 24, 226, 206, 210], 12),
+            ([193, 114, 246, 38, 206, 227, 68, 94, 220], 11)]
+    outputs = {}
+    for name, engine in (
+            ("single", make_engine("single", page_size=4)),
+            ("swap", make_engine(AdmitFirst(), num_pages=9, page_size=4, max_num_seqs=4,
+                                 max_num_batched_tokens=256, chunk_size=256,
+                                 enable_prefix_caching=False, preemption_mode="swap"))):
+        ids = [engine.add_request(p, SamplingParams(max_tokens=m, **GREEDY)) for p, m in jobs]
+        both = []
+        while engine.has_unfinished():
+            swapped = {r.request_id: list(r.swapped_pages) for r in engine.waiting
+                       if r.status is Status.SWAPPED}
+            rec = engine.step()
+            both += [rid for rid in rec.swapped if rid in swapped]
+            for rid in rec.swapped:
+                if rid in swapped:  # back in the host pages it left, nothing copied for it
+                    assert engine.requests[rid].swapped_pages == swapped[rid]
+        outputs[name] = [engine.requests[i].output_token_ids for i in ids]
+        if name == "swap":
+            assert both, "no request was swapped in and preempted in one step"
+            assert engine.pool.num_used == 0 and len(engine.pool.swap_free) == 9
+    assert outputs["swap"] == outputs["single"]
+
+
+def test_verbs_refuse_the_wrong_request_before_changing_anything(make_engine):
+    """ctx.admit of a running request, ctx.preempt of a waiting one: a SchedulerError naming
+    the verb, and the pool, the slots and the queue as they were (admit replaced a running
+    request's page table, leaking its pages, before the queue refused it)."""
+    from minicb.engine import SchedulerError
+    engine = make_engine("pd", num_pages=16, page_size=4, max_num_seqs=2)
+    for prompt in ([5, 6, 7, 8, 9], [10, 11, 12], [13, 14]):
+        engine.add_request(prompt, SamplingParams(max_tokens=4, **GREEDY))
+    engine.step()
+    ctx = SchedulerContext(engine.waiting, engine.running, engine.pool, engine.config,
+                           engine.step_count + 1, 0.0, engine.free_slots)
+    before = (engine.pool.num_free, list(engine.free_slots), list(engine.waiting),
+              list(engine.running), [list(r.page_table) for r in engine.running])
+    with pytest.raises(SchedulerError, match=r"ctx.admit\(req-0\): only a request in the "
+                                             r"waiting queue can be admitted; it is running"):
+        ctx.admit(engine.running[0], 8)
+    with pytest.raises(SchedulerError, match=r"ctx.preempt\(req-2\): only a running request "
+                                             r"can be preempted; it is waiting"):
+        ctx.preempt(engine.waiting[0])
+    assert before == (engine.pool.num_free, list(engine.free_slots), list(engine.waiting),
+                      list(engine.running), [list(r.page_table) for r in engine.running])
+    engine.run()  # still usable
+    assert all(r.finish_reason == "length" for r in engine.requests.values())
 
 
 @pytest.mark.parametrize("staged", [False, True])
@@ -350,6 +430,27 @@ def test_reject_counts_cached_pages_as_taken_when_reused():
     assert [engine.requests[r].finish_reason for r in ("cached-copy", "later", "one-more")] \
         == ["length", "length", "rejected"]
     assert engine.requests["cached-copy"].num_cached_tokens == 32
+
+
+def test_reject_counts_cached_pages_two_arrivals_share_once():
+    """Two copies of a cached prompt arriving together share its 4 cached pages: they take
+    4 + 1 + 1 = 6 of the 8 available, so both are accepted (each was charged the 4, 5 + 5 > 8,
+    and the second was rejected though both then ran without a preemption); a third, fresh
+    3-page prompt would make 9 and is rejected."""
+    engine = make_sim_engine(policy="pd", num_pages=8, page_size=8, max_num_seqs=6,
+                             reject_when_full=True, check_invariants=True)
+    p = SamplingParams(max_tokens=4, ignore_eos=True)
+    shared = [5] * 40
+    engine.add_request(shared, p, request_id="first")
+    engine.run()
+    assert engine.pool.num_cached == 5 and engine.pool.num_available == 8
+    for rid in ("copy-1", "copy-2"):
+        engine.add_request(shared[:33], p, request_id=rid)
+    engine.add_request([7] * 20, p, request_id="fresh")
+    engine.run()
+    assert [engine.requests[r].finish_reason for r in ("copy-1", "copy-2", "fresh")] \
+        == ["length", "length", "rejected"]
+    assert not any(rec.preempted for rec in engine.trace)
 
 
 def test_reject_counts_what_the_waiting_queue_will_take():
