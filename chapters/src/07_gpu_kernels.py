@@ -128,8 +128,9 @@ print(inspect.getsource(tops.attend))
 # A small mixed step, built by hand: two decode members and one prefill chunk, page size 8, 2 kv
 # heads of dimension 16 and 4 query heads (GQA group 2). The pages are handed out in a shuffled
 # order, the two decodes **share** their first two pages (a prefix-cache hit), and every slot no
-# token owns is filled with NaN, so a kernel that reads a slot it should not turns the output
-# into NaN.
+# token owns is filled with NaN, so a backend that reads a slot it should not turns the output
+# into NaN. Both backends get these caches: the reference pads a short decode row by repeating
+# the row's own first slot (masked out), never a slot another request owns.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -285,7 +286,7 @@ print("same greedy tokens with the Triton kernels as with the torch reference:",
 # underneath.
 #
 # **bfloat16.** `dtype="auto"` is float32 on the CPU (exact parity with the reference; bf16 speed
-# there depends on the CPU: about float32's on the course's AMD EPYC; on an Intel Xeon with AMX
+# there depends on the CPU: about float32's on the AMD EPYC build machine; on an Intel Xeon with AMX
 # 1.3–1.5× faster with the default C decode kernel, 1.5–1.8× with the PyTorch reference,
 # `bench/README.md`) and bfloat16 on CUDA: half the bytes for weights and KV
 # cache, and tensor-core matrix products. The kernels accumulate in float32 whatever the input
@@ -398,6 +399,7 @@ kv_bytes = rows * context * kv_heads * head_dim * 2 * 2  # K and V, 2 bytes each
 print(f"K/V read by one decode-attention call: {kv_bytes / 2**20:.0f} MiB")
 for name, tb_per_s in (("H100 SXM, nominal HBM3 3.35 TB/s", 3.35e12),):
     print(f"at half of {name}: {kv_bytes / (tb_per_s / 2) * 1e6:.0f} us per call")
+print("(a measured copy runs below the nominal figure, so the real target allows a little more)")
 
 # %% [markdown]
 # That is the target, not a result. **No GPU run has been made yet**: every GPU figure in this

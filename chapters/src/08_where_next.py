@@ -95,8 +95,10 @@ def as_vllm(cfg: EngineConfig) -> list[str]:
 
 
 def as_sglang(cfg: EngineConfig) -> list[str]:
-    chunk = cfg.chunk_size if cfg.policy in ("chunked", "pd") else -1
-    args = [f"--chunked-prefill-size {chunk}", f"--max-prefill-tokens {cfg.max_num_batched_tokens}",
+    # SGLang's chunk is what is left of the step's budget: chunk_size has no counterpart
+    budget = cfg.max_num_batched_tokens if cfg.policy in ("chunked", "pd") else -1
+    args = [f"--chunked-prefill-size {budget}",
+            f"--max-prefill-tokens {cfg.max_num_batched_tokens}",
             f"--max-running-requests {cfg.max_num_seqs}", f"--page-size {cfg.page_size}"]
     if cfg.policy == "pd":
         args += ["--enable-mixed-chunk"]
@@ -360,12 +362,9 @@ for table, n in zip(tables, contexts):
                                                                         generator=gen)
 meta = build_metadata(tables, [n - 1 for n in contexts], [1] * len(contexts), page_size)
 q = torch.randn(len(contexts), kv_heads * group, head_dim, generator=gen)
-# the kernel gets the poisoned caches; the reference reads padding slots (times zero), so it
-# gets NaN-free copies
-caches = (k_cache, v_cache) if KERNEL == "cpu" else (k_cache.nan_to_num(), v_cache.nan_to_num())
-kernel_out = get_backend(KERNEL).attend(q, *caches, meta, head_dim ** -0.5)
-reference = torch_ref.attend(q, k_cache.nan_to_num(), v_cache.nan_to_num(), meta,
-                             head_dim ** -0.5)
+# both get the poisoned caches: neither may read a slot its rows do not own
+kernel_out = get_backend(KERNEL).attend(q, k_cache, v_cache, meta, head_dim ** -0.5)
+reference = torch_ref.attend(q, k_cache, v_cache, meta, head_dim ** -0.5)
 print("kernel read no unowned slot (no NaN):", not kernel_out.isnan().any().item())
 print("largest difference from the reference below 1e-5:",
       (kernel_out - reference).abs().max().item() < 1e-5)
@@ -380,7 +379,7 @@ tokens = {backend: [o.token_ids for o in LLM("smollm2-135m", attention_backend=b
 print("same greedy tokens from both backends:", tokens["torch"] == tokens[KERNEL])
 
 # %% [markdown]
-# **Measure.** On the course machine (2 cores of an Intel Xeon, both threads), with 32 requests
+# **Measure.** On the Intel Xeon build machine (2 cores, both threads), with 32 requests
 # decoding over contexts of 16–600 tokens, attention took 60–125 ms of each decode step with the
 # reference (copy plus attention; it swung with the machine's memory traffic across three runs) and
 # 35–47 ms with the kernel. On the standard mixed-chat benchmark (32 requests arriving at once,
@@ -419,11 +418,13 @@ print("same greedy tokens from both backends:", tokens["torch"] == tokens[KERNEL
 # model itself predicts after the last kept one. Every step still yields at least one token; a
 # good guess yields up to `k + 1`.
 #
-# The cheapest guesser needs no second model. **Prompt lookup** (vLLM's `ngram` method) finds
-# the latest earlier place where the request's last few tokens occurred, in its prompt or its
-# own output, and proposes what followed them there (the latest occurrence if `k` tokens follow
-# it; in a run like `a a a a` the latest overlaps the end and has too few after it, so minicb
-# falls back to the earliest; the by-hand version below keeps only the first rule). Text that repeats its input (copying,
+# The cheapest guesser needs no second model. **Prompt lookup** (the idea behind vLLM's `ngram`
+# method) finds an earlier place where the request's last few tokens occurred, in its prompt or
+# its own output, and proposes what followed them there. Which place is a choice: minicb takes
+# the latest if `k` tokens follow it (in a run like `a a a a` the latest overlaps the end and
+# has too few after it, so minicb falls back to the earliest; the by-hand version below keeps
+# only the first rule); vLLM's proposer takes the earliest occurrence of its longest match.
+# Nothing here measures which guesses better. Text that repeats its input (copying,
 # extraction, code edits, quoting) gets long runs of right guesses; free text gets few.
 #
 # By hand first, on a sentence that asks for a list it contains:
