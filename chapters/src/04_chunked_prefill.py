@@ -289,8 +289,8 @@ for name, engine in (("continuous", cont), ("chunked", chunked)):
 
 # %% [markdown]
 # dec@P = 0 under `chunked`. Continuous batching got 3 (one token for each chat, in its one
-# enormous step). short_P grows by the six extra steps of the window: the chats finish that much
-# later. In seconds the two are the same failure: during the prefill window the chats produced
+# enormous step). short_P grows by seven steps (21 to 28): the chats lose every step of the
+# seven-step window, where under `continuous` they still decoded in its one step. In seconds the two are the same failure: during the prefill window the chats produced
 # (almost) nothing, and their longest wait between two tokens is the whole window (under
 # `chunked`, with one decode step more):
 

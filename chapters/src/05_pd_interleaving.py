@@ -428,7 +428,8 @@ print(f"pd / chunked output tokens/s: {tokens_per_s['pd'] / tokens_per_s['chunke
 # mixing shapes in one step can cost extra kernel launches or padding, so PD's total can even be
 # slightly lower. The simulation cannot show that: its cost model has no term for mixing, so a
 # mixed step costs what its tokens and rows cost. On the real model, compare the prefill
-# windows printed in section 4: the same seven chunks took longer under `pd`, by the cost of the
+# windows printed in section 4: the seven chunks of the same 800-token prompt took longer under
+# `pd`, by the cost of the
 # decode rows riding with them. Either way the change in throughput is modest; the change in the chats' experience
 # (dec@P, short_P, the worst inter-token gap) is large.
 #
@@ -565,7 +566,7 @@ viz.step_through(pd)
 #   token unchanged at 7 steps; same prefill and decode tokens, 7 fewer steps.
 # - Total throughput moves much less than latency: the same tokens are computed, and PD saves
 #   only decode-only steps (in the small run here a gain in tokens/s smaller than its 23% fewer
-#   steps suggest, the ratio printed in section 5; none below saturation in the simulation, 12%
+#   steps suggest, the ratio printed in section 5; none below saturation in the simulation, 13%
 #   at saturation). Judge a scheduler by dec@P, short_P and tail
 #   inter-token latency, then by tokens/s.
 # - Chapter 06 turns this into a benchmark: arrival processes, percentiles, goodput at an SLO,
