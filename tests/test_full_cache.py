@@ -412,10 +412,9 @@ def test_reject_counts_prefix_hits_on_pages_in_use():
     assert engine.requests["copy"].num_cached_tokens == 32
 
 
-def test_reject_counts_cached_pages_as_taken_when_reused():
-    """Once the run is over, unreferenced cached pages are available like free ones, and a
-    prompt reusing them takes them (they stop being available): 8 available pages take the
-    cached copy's 5 and a 3-page prompt, and a third prompt is rejected."""
+def after_a_cached_prompt():
+    """A reject_when_full engine whose only run left its 40-token prompt's 5 pages cached (8
+    pages of 8 tokens, all available): (engine, params, that prompt)."""
     engine = make_sim_engine(policy="pd", num_pages=8, page_size=8, max_num_seqs=6,
                              reject_when_full=True, check_invariants=True)
     p = SamplingParams(max_tokens=4, ignore_eos=True)
@@ -423,6 +422,14 @@ def test_reject_counts_cached_pages_as_taken_when_reused():
     engine.add_request(shared, p, request_id="first")
     engine.run()
     assert engine.pool.num_cached == 5 and engine.pool.num_available == 8
+    return engine, p, shared
+
+
+def test_reject_counts_cached_pages_as_taken_when_reused():
+    """Once the run is over, unreferenced cached pages are available like free ones, and a
+    prompt reusing them takes them (they stop being available): 8 available pages take the
+    cached copy's 5 and a 3-page prompt, and a third prompt is rejected."""
+    engine, p, shared = after_a_cached_prompt()
     engine.add_request(shared[:33], p, request_id="cached-copy")
     engine.add_request([7] * 20, p, request_id="later")
     engine.add_request([8] * 9, p, request_id="one-more")
@@ -437,13 +444,7 @@ def test_reject_counts_cached_pages_two_arrivals_share_once():
     4 + 1 + 1 = 6 of the 8 available, so both are accepted (each was charged the 4, 5 + 5 > 8,
     and the second was rejected though both then ran without a preemption); a third, fresh
     3-page prompt would make 9 and is rejected."""
-    engine = make_sim_engine(policy="pd", num_pages=8, page_size=8, max_num_seqs=6,
-                             reject_when_full=True, check_invariants=True)
-    p = SamplingParams(max_tokens=4, ignore_eos=True)
-    shared = [5] * 40
-    engine.add_request(shared, p, request_id="first")
-    engine.run()
-    assert engine.pool.num_cached == 5 and engine.pool.num_available == 8
+    engine, p, shared = after_a_cached_prompt()
     for rid in ("copy-1", "copy-2"):
         engine.add_request(shared[:33], p, request_id=rid)
     engine.add_request([7] * 20, p, request_id="fresh")
