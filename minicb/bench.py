@@ -123,7 +123,7 @@ def _int_list(text: str, flag: str) -> list[int]:
         raise ValueError(f"{flag} takes comma-separated integers, got {text!r}") from None
     if not values or any(v < 1 for v in values):
         raise ValueError(f"{flag} takes comma-separated positive integers, got {text!r}")
-    return values
+    return list(dict.fromkeys(values))  # a value given twice would run the same setting twice
 
 
 def _rate_list(text: str, flag: str) -> list[float]:
@@ -1210,6 +1210,21 @@ def refuse_unequal_hf_comparison(args: argparse.Namespace) -> None:
     if getattr(args, "max_concurrency", None) is not None:
         raise ValueError("--compare hf with --max-concurrency: transformers' baselines send "
                          "every request at its arrival time; compare in an open loop")
+    if getattr(args, "reject_when_full", False):
+        raise ValueError("--compare hf with --reject-when-full: transformers' baselines turn "
+                         "nobody away, so the two sides would serve different requests")
+
+
+def refuse_unequal_hf_workload(workload: Any) -> None:
+    """--compare hf on a workload (a trace) whose requests are cancelled or have deadlines:
+    transformers' baselines run every request to its full length (chapter 06)."""
+    cut = [r.request_id or f"#{i}" for i, r in enumerate(workload.requests)
+           if r.cancel_after_tokens is not None or r.deadline is not None]
+    if cut:
+        raise ValueError(f"--compare hf on a workload whose requests are cancelled or have "
+                         f"deadlines ({', '.join(map(str, cut[:3]))}"
+                         f"{', ...' if len(cut) > 3 else ''}): transformers' baselines run "
+                         "every request to its full length; compare without them")
 
 
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -1222,6 +1237,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     if args.compare == "hf":
         refuse_unequal_hf_comparison(args)
     workload, warmup = build_workload(args), warmup_workload(args)
+    if args.compare == "hf":
+        refuse_unequal_hf_workload(workload)
     slo = slo_from_args(args)
     options = engine_options(args, workload)
     for policy in policies:  # a bad flag fails now, not after the policies before it ran
@@ -1509,6 +1526,9 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
                              "an SLO: give one (--slo-ttft, --slo-itl, --slo-tpot, --slo-e2e)")
         if not is_finite_number(target) or not 0 < target <= 1:
             raise ValueError(f"--slo-target must be a fraction in (0, 1], got {target!r}")
+    elif target != 0.99:
+        raise ValueError("--slo-target is the share of requests a sustainable rate must serve "
+                         "within the SLO: it needs --rates")
     traffic = {}
     for rate in rates:
         at_rate = args if rate is None else argparse.Namespace(**{**vars(args), "rate": rate})

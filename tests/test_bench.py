@@ -166,12 +166,50 @@ def test_a_warm_cache_holds_the_shared_prefix_not_the_questions(tmp_path):
     # --compare hf only at the same load and quality: refused before any model loads
     (["--executor", "real", "--compare", "hf", "--quantization", "int8"], "same quality"),
     (["--executor", "real", "--compare", "hf", "--cancel-fraction", "0.2"], "cannot cancel"),
+    (["--executor", "real", "--compare", "hf", "--reject-when-full"], "turn nobody away"),
     (["--executor", "real", "--compare", "hf", "--workload", "shared-prefix",
       "--cache-state", "warm"], "start cold"),
 ])
 def test_bench_refuses_bad_flags(argv, message, capsys):
     assert bench.main_bench(["--executor", "sim", "--no-progress", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_compare_hf_refuses_a_trace_with_cancels_or_deadlines(tmp_path, capsys, monkeypatch):
+    """transformers' baselines run every request to its full length: a trace that cancels one
+    or gives it a deadline is refused before any model loads (it ran, and its speed ratio and
+    token check compared different work)."""
+    monkeypatch.setattr(bench, "executor_from_args", lambda *a: 1 / 0)
+    for extra in ('"cancel_after_tokens": 1', '"deadline_s": 0.5'):
+        trace = tmp_path / "t.jsonl"
+        trace.write_text('{"arrival_s": 0, "prompt_tokens": 8, "output_tokens": 4}\n'
+                         f'{{"arrival_s": 0, "prompt_tokens": 8, "output_tokens": 4, {extra}}}\n')
+        assert bench.main_bench(["--executor", "real", "--compare", "hf", "--no-progress",
+                                 "--workload-file", str(trace)]) == 2
+        assert "cancelled or have deadlines" in capsys.readouterr().err
+
+
+def test_sweep_lists_run_each_setting_once_and_slo_target_needs_rates(tmp_path, capsys):
+    rows = []
+    for budgets, seqs in (("256, 256", "8,08"), ("256", "8")):
+        out = tmp_path / "s.json"
+        assert bench.main_sweep(["--executor", "sim", "--num-requests", "4", "--no-progress",
+                                 "--max-num-batched-tokens", budgets, "--max-num-seqs", seqs,
+                                 "--out", str(out)]) == 0
+        rows.append(len(json.loads(out.read_text())["rows"]))
+    assert rows[0] == rows[1]  # each value given twice ran its setting twice
+    assert bench.main_sweep(["--executor", "sim", "--num-requests", "4", "--no-progress",
+                             "--slo-ttft", "1", "--slo-target", "0.5"]) == 2
+    err = capsys.readouterr().err
+    assert "--slo-target" in err and "needs --rates" in err
+
+
+def test_dynamic_batching_may_wait_longer_than_the_idle_guard(capsys):
+    """A batch timeout in seconds is the clock running, not a stall: 101 s of 1 ms empty steps
+    passed run_workload's 100,000-idle-step guard, which raised."""
+    assert bench.main_bench(["--executor", "sim", "--no-progress", "--num-requests", "3",
+                             "--rate", "1", "--policy", "dynamic", "--batch-timeout", "101"]) == 0
+    assert "dynamic" in capsys.readouterr().out
 
 
 def test_unwritable_outputs_are_refused_before_the_run(tmp_path, capsys, monkeypatch):
