@@ -1193,7 +1193,7 @@ def refuse_engine_flags(parser: argparse.ArgumentParser, args: argparse.Namespac
                          "e.g. python -m minicb serve --max-num-seqs 32)")
 
 
-def refuse_unequal_hf_comparison(args: argparse.Namespace) -> None:
+def refuse_unequal_hf_comparison(args: argparse.Namespace, workload: Any) -> None:
     """--compare hf runs transformers on the same requests at the same precision: refuse what
     would make the two sides do different work (chapter 06)."""
     if args.executor == "sim":
@@ -1213,11 +1213,6 @@ def refuse_unequal_hf_comparison(args: argparse.Namespace) -> None:
     if getattr(args, "reject_when_full", False):
         raise ValueError("--compare hf with --reject-when-full: transformers' baselines turn "
                          "nobody away, so the two sides would serve different requests")
-
-
-def refuse_unequal_hf_workload(workload: Any) -> None:
-    """--compare hf on a workload (a trace) whose requests are cancelled or have deadlines:
-    transformers' baselines run every request to its full length (chapter 06)."""
     cut = [r.request_id or f"#{i}" for i, r in enumerate(workload.requests)
            if r.cancel_after_tokens is not None or r.deadline is not None]
     if cut:
@@ -1234,11 +1229,9 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     check_writable(args.plot, "--plot")
     set_threads(args.threads)
     check_max_concurrency(args.max_concurrency)
-    if args.compare == "hf":
-        refuse_unequal_hf_comparison(args)
     workload, warmup = build_workload(args), warmup_workload(args)
     if args.compare == "hf":
-        refuse_unequal_hf_workload(workload)
+        refuse_unequal_hf_comparison(args, workload)
     slo = slo_from_args(args)
     options = engine_options(args, workload)
     for policy in policies:  # a bad flag fails now, not after the policies before it ran

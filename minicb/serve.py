@@ -332,10 +332,10 @@ class EngineWorker:
                     self._log_fault()
             try:
                 if self.engine.has_unfinished():
-                    self._step()
+                    self._step()  # its record refreshes the gauges, and so does each cancel
                     time.sleep(0)  # let the HTTP thread take the GIL and send the tokens
-                else:
-                    self._end_streams_of_finished()
+                    continue
+                self._end_streams_of_finished()
             except Exception:  # noqa: BLE001 - a fault fails the requests, not the server
                 self._fail_all()
             self._refresh_gauges(self.engine.clock())  # commands may have emptied the queue

@@ -11,7 +11,7 @@ import torch
 
 from minicb import bench, metrics
 from minicb.sim import CostModel, make_sim_engine
-from minicb.workload import get_workload, run_workload
+from minicb.workload import Workload, get_workload, run_workload
 
 TINY = ["--num-requests", "4", "--prompt-lengths", "uniform:4:24",
         "--output-lengths", "uniform:2:6", "--no-progress"]
@@ -316,7 +316,7 @@ def test_max_concurrency_closes_the_loop_and_is_declared(tmp_path, capsys):
     assert "--max-concurrency must be >= 1, got 0" in capsys.readouterr().err
     with pytest.raises(ValueError, match="--compare hf with --max-concurrency"):
         bench.refuse_unequal_hf_comparison(bench.bench_parser().parse_args(
-            ["--compare", "hf", "--max-concurrency", "4"]))
+            ["--compare", "hf", "--max-concurrency", "4"]), Workload("none", []))
 
 
 def test_the_report_shows_fairness_per_tenant_and_prompt_length(tmp_path, capsys):
