@@ -36,6 +36,7 @@ from minicb.config import (
     EngineConfig,
     cpuinfo,
     is_finite_number,
+    is_positive_int,
     resolve_device,
     torch_dtype,
 )
@@ -51,6 +52,7 @@ from minicb.metrics import (
     sustainable_load,
     worst_class,
 )
+from minicb.scheduler import POLICY_CLASSES
 from minicb.sim import (
     DEFAULT_CPU_COST_MODEL,
     CostModel,
@@ -254,9 +256,10 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true")
 
 
-def build_workload(args: argparse.Namespace) -> Workload:
+def build_workload(args: argparse.Namespace, rate_flag: str = "--rate") -> Workload:
     """The scenario named by --workload with the flags that apply to it, or the trace
-    --workload-file replays (chapter 06)."""
+    --workload-file replays (chapter 06). A refused flag is named as the user gave it
+    (`rate_flag`: sweep's --rates sets the rate)."""
     name = args.workload or "mixed-chat"
     wanted = {"num_requests": args.num_requests, "rate": args.rate,
               "burstiness": args.burstiness, "seed": args.seed,
@@ -266,12 +269,13 @@ def build_workload(args: argparse.Namespace) -> Workload:
     if wanted["cancel_fraction"] is not None:
         wanted["cancel_after_tokens"] = 1
     wanted = {k: v for k, v in wanted.items() if v is not None}
+    flag = {"rate": rate_flag}
     if getattr(args, "workload_file", None):
         refused = [k for k in wanted if k not in ("num_requests", "seed", "cancel_after_tokens")]
         if args.workload:
             refused.insert(0, "workload")
         if refused:
-            flags = ", ".join("--" + k.replace("_", "-") for k in refused)
+            flags = ", ".join(flag.get(k, "--" + k.replace("_", "-")) for k in refused)
             raise ValueError(f"{flags} do(es) not apply to --workload-file: the trace sets "
                              "arrivals and lengths (edit the file to change them)")
         if args.num_requests is not None and args.num_requests < 1:
@@ -284,7 +288,7 @@ def build_workload(args: argparse.Namespace) -> Workload:
         accepted |= set(inspect.signature(make_workload).parameters)
     refused = [k for k in wanted if k not in accepted]
     if refused:
-        flags = ", ".join("--" + k.replace("_", "-") for k in refused)
+        flags = ", ".join(flag.get(k, "--" + k.replace("_", "-")) for k in refused)
         raise ValueError(f"{flags} do(es) not apply to workload {name!r}")
     return get_workload(name, **wanted)
 
@@ -667,25 +671,39 @@ def output_tokens(engine: Any) -> dict[str, list[int]]:
 
 
 def same_tokens(reference: dict[str, list[int]], tokens: dict[str, list[int]] | None,
-                name: str, rejected: set[str] | frozenset[str] = frozenset()) -> dict[str, Any]:
+                name: str, rejected: set[str] | frozenset[str] = frozenset(),
+                cut: set[str] | frozenset[str] = frozenset()) -> dict[str, Any]:
     """Compare greedy outputs request by request with `reference` (those of run `name`); with
     `tokens` None (a simulated run, which makes no real tokens) say it was not checked
     (chapter 06). Requests in `rejected` (turned away by either run, `reject_when_full`) have
-    no tokens to compare: they are listed, not compared; any other missing request differs."""
+    no tokens to compare: they are listed, not compared; any other missing request differs.
+    Requests in `cut` (ended by their deadline in either run, at a point that depends on the
+    run's timing) are compared on the tokens both runs gave them."""
     if tokens is None:
         return {"policy": name, "checked": False,
                 "note": "not checked (simulated: no model ran, so no real tokens)"}
     compared = [rid for rid in reference if rid not in rejected]
+
+    def differs(rid: str) -> bool:
+        ours, theirs = tokens.get(rid), reference[rid]
+        if ours is None or rid not in cut:
+            return ours != theirs
+        common = min(len(ours), len(theirs))
+        return ours[:common] != theirs[:common]
+
     out = {"policy": name, "checked": True, "requests": len(compared),
-           "differing_requests": [rid for rid in compared if tokens.get(rid) != reference[rid]]}
+           "differing_requests": [rid for rid in compared if differs(rid)]}
     if rejected:
         out["rejected_not_compared"] = sorted(rejected)
+    if cut & set(compared):
+        out["deadline_cut_compared_on_common_tokens"] = sorted(cut & set(compared))
     return out
 
 
-def rejected_ids(engine: Any) -> set[str]:
-    """Requests the engine turned away (`reject_when_full`, chapter 06)."""
-    return {rid for rid, req in engine.requests.items() if req.finish_reason == "rejected"}
+def finished_ids(engine: Any, reason: str) -> set[str]:
+    """Requests that ended with `reason`: "rejected" (turned away, `reject_when_full`) or
+    "deadline" (expired), chapter 06."""
+    return {rid for rid, req in engine.requests.items() if req.finish_reason == reason}
 
 
 def cancellations_honoured(engine: Any, workload: Workload) -> bool:
@@ -716,17 +734,22 @@ def quality_lines(results: dict[str, Any]) -> list[str]:
         if not first["checked"]:
             lines.append(f"greedy tokens: {first['note']}")
             continue
-        ref, total = first["policy"], first["requests"]
-        same = [n for n, c in checks.items() if not c["differing_requests"]]
+        ref = first["policy"]
         both = " both served" if any("rejected_not_compared" in c for c in checks.values()) \
             else ""
-        parts = [f"{', '.join(same)} identical to {ref} on all {total} requests{both}"] \
-            if same else []
+        same: dict[int, list[str]] = {}  # policies that turn different requests away
+        for name, check in checks.items():  # compare different numbers of requests
+            if not check["differing_requests"]:
+                same.setdefault(check["requests"], []).append(name)
+        parts = [f"{', '.join(names)} identical to {ref} on all {total} requests{both}"
+                 for total, names in same.items()]
         for name, check in checks.items():
-            ids = check["differing_requests"]
+            ids, total = check["differing_requests"], check["requests"]
             if ids:
                 parts.append(f"{name} differs from {ref} on {len(ids)} of {total} "
                              f"({', '.join(ids[:5])}{', ...' if len(ids) > 5 else ''})")
+        if any("deadline_cut_compared_on_common_tokens" in c for c in checks.values()):
+            parts.append("requests a deadline cut short compared on the tokens both got")
         note = " (informative: other kernels can break near-ties)" if hf else ""
         lines.append(f"greedy tokens{' of transformers' if hf else ''}: "
                      + "; ".join(parts) + note)
@@ -1247,6 +1270,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {}
     reference: dict[str, list[int]] = {}  # the first policy's greedy tokens, for the others
     reference_rejected: set[str] = set()  # and the requests it turned away (none to compare)
+    reference_cut: set[str] = set()  # and those its deadlines cut short
     for policy in policies:
         engine = None  # the last policy's engine and its pool, before the next is sized
         free_device_memory(device)
@@ -1254,10 +1278,14 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                                      warmup, args.max_concurrency)
         tokens = None if executor.simulated else output_tokens(engine)
         if policy == policies[0]:
-            reference, reference_rejected = tokens or {}, rejected_ids(engine)
+            reference = tokens or {}
+            reference_rejected = finished_ids(engine, "rejected")
+            reference_cut = finished_ids(engine, "deadline")
         else:
-            summary["same_tokens_as"] = same_tokens(reference, tokens, policies[0],
-                                                    reference_rejected | rejected_ids(engine))
+            summary["same_tokens_as"] = same_tokens(
+                reference, tokens, policies[0],
+                rejected=reference_rejected | finished_ids(engine, "rejected"),
+                cut=reference_cut | finished_ids(engine, "deadline"))
         if policy == "single" and not executor.simulated:
             summary["single_stream"] = measure_single_stream(executor)
         results[policy] = without_slo(summary, slo)
@@ -1482,11 +1510,17 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
     sustainable load too (chapter 06). --priority-aging-steps applies to the priority rows."""
     check_writable(args.out, "--out")
     set_threads(args.threads)
-    budgets = _int_list(args.max_num_batched_tokens, "--max-num-batched-tokens")
-    seqs = _int_list(args.max_num_seqs, "--max-num-seqs")
-    chunks = _int_list(args.chunk_size, "--chunk-size")
+    lists = unread_settings_once(args.policy, bool(args.num_speculative_tokens), {
+        "max_num_batched_tokens": _int_list(args.max_num_batched_tokens,
+                                            "--max-num-batched-tokens"),
+        "max_num_seqs": _int_list(args.max_num_seqs, "--max-num-seqs"),
+        "chunk_size": _int_list(args.chunk_size, "--chunk-size")})
+    budgets, seqs, chunks = (lists[k] for k in ("max_num_batched_tokens", "max_num_seqs",
+                                                "chunk_size"))
     preemptions = _preemptions(args.preemption)
     aging = args.priority_aging_steps
+    if aging is not None and not is_positive_int(aging):  # or every priority row is skipped
+        raise ValueError(f"--priority-aging-steps must be a positive integer, got {aging!r}")
     if aging is not None and "priority" not in preemptions:
         raise ValueError("--priority-aging-steps ages priorities: it needs priority among "
                          "--preemption")
@@ -1525,7 +1559,8 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
     traffic = {}
     for rate in rates:
         at_rate = args if rate is None else argparse.Namespace(**{**vars(args), "rate": rate})
-        traffic[rate] = (build_workload(at_rate), warmup_workload(at_rate))
+        traffic[rate] = (build_workload(at_rate, "--rate" if rate is None else "--rates"),
+                         warmup_workload(at_rate))
     workload = traffic[rates[-1]][0]
     base = engine_options(argparse.Namespace(**{**vars(args), "preemption": None,
                                                 "priority_aging_steps": None}), workload)
@@ -1599,6 +1634,11 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
                                 varied="per row: every combination of the lists")
     decl["concurrency"]["max_num_seqs"] = seqs
     decl["policy_options"].update(preemption=preemptions, priority_aging_steps=aging)
+    unread = [k for k in lists if k not in settings_read(args.policy,
+                                                         bool(args.num_speculative_tokens))]
+    if unread:
+        decl["not_varied"] = (f"{args.policy} does not read {', '.join(unread)}: each runs at "
+                              "the first value given only (other values give the same rows)")
     if rates != [None]:
         decl["rate_rps"] = rates
         decl["slo_target"] = target
@@ -1613,6 +1653,24 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
             "best": best, "sustainable": sustainable,
             "note": None if slo else f"{NO_SLO_NOTE}; the best setting is then the one with "
                                      "the most completed requests/s"}
+
+
+def settings_read(policy: str, speculating: bool) -> tuple[str, ...]:
+    """The batch settings `policy`'s schedule depends on (`Scheduler.reads`; speculative
+    decoding's guesses take the token budget the policy left, so with it every policy reads
+    max_num_batched_tokens), chapter 06."""
+    reads = POLICY_CLASSES[policy].reads
+    if speculating and "max_num_batched_tokens" not in reads:
+        reads = (*reads, "max_num_batched_tokens")
+    return reads
+
+
+def unread_settings_once(policy: str, speculating: bool,
+                         lists: dict[str, list[int]]) -> dict[str, list[int]]:
+    """A sweep's value lists with each setting `policy` does not read cut to its first value
+    (chapter 06): varying it would run the same schedule again and rank copies of one row."""
+    reads = settings_read(policy, speculating)
+    return {name: values if name in reads else values[:1] for name, values in lists.items()}
 
 
 def ranked(rows: list[dict[str, Any]], by: str = "goodput_rps") -> list[dict[str, Any]]:
@@ -1704,18 +1762,21 @@ def sweep_requirements(fairness: float | None, simulated: bool,
 
 def sustainable_rows(rows: list[dict[str, Any]], target: float) -> list[dict[str, Any]]:
     """Each setting's sustainable load over the swept rates (`metrics.sustainable_load`),
-    highest first; a rate at which the setting fails a requirement (`fails`) is not sustained
-    (chapter 06)."""
+    highest first, ties to the higher goodput at that load (then output tokens/s); a rate at
+    which the setting fails a requirement (`fails`) is not sustained (chapter 06)."""
     names = ("max_num_batched_tokens", "max_num_seqs", "chunk_size", "preemption")
-    by_setting: dict[tuple, dict[float, float | None]] = {}
+    by_setting: dict[tuple, dict[float, dict[str, Any]]] = {}
     for row in rows:
-        key = tuple(row[n] for n in names)
-        by_setting.setdefault(key, {})[row["rate_rps"]] = None if row["fails"] else \
-            row["slo_attainment"]
-    found = [{**dict(zip(names, key)),
-              "sustainable_load_rps": sustainable_load(attained, target)}
-             for key, attained in by_setting.items()]
-    return sorted(found, key=lambda r: -(r["sustainable_load_rps"] or 0.0))
+        by_setting.setdefault(tuple(row[n] for n in names), {})[row["rate_rps"]] = row
+    found = []
+    for key, at_rate in by_setting.items():
+        load = sustainable_load({rate: None if row["fails"] else row["slo_attainment"]
+                                 for rate, row in at_rate.items()}, target)
+        there = at_rate.get(load, {}) if load is not None else {}
+        found.append(({**dict(zip(names, key)), "sustainable_load_rps": load},
+                      (-(load or 0.0), -(there.get("goodput_rps") or 0.0),
+                       -(there.get("output_tokens_per_s") or 0.0))))
+    return [setting for setting, _ in sorted(found, key=lambda pair: pair[1])]
 
 
 def _sweep_cell(row: dict[str, Any], column: str) -> str:
@@ -1756,8 +1817,9 @@ def main_sweep(argv: list[str] | None = None) -> int:
     for item in data["skipped"]:
         print("skipped " + " ".join(f"{k}={v}" for k, v in item["setting"].items())
               + f": {item['reason']}")
-    if data["note"]:
-        print(f"note: {data['note']}")
+    for note in (data["declaration"].get("not_varied"), data["note"]):
+        if note:
+            print(f"note: {note}")
     best = data["best"]
     print("\nrequirements beside the SLO (a row failing one is not chosen; 'fails' names it):")
     for name, rule in data["declaration"]["requirements"].items():

@@ -310,8 +310,8 @@ class Scheduler:
     """Base class of every policy, the learner's included (chapter 03): implement `schedule`,
     which fills and returns `ctx.batch`.
 
-    Four class attributes tell the engine what a policy does, so that it never goes by the
-    policy's name:
+    Five class attributes tell the engine (and `sweep`) what a policy does, so that they never
+    go by the policy's name:
     - `whole_prompts`: prompts are prefilled whole (chapters 01-03), never in chunks, so a step
       may exceed `max_num_batched_tokens` with one long prompt; the engine holds every other
       policy, a learner's included, to the budget and to `chunk_size`;
@@ -321,7 +321,10 @@ class Scheduler:
     - `waits_for_batch_timeout`: with `batch_timeout` in seconds, steps that schedule nothing
       while requests wait are the timeout running, not a stall (dynamic batching, chapter 02);
     - `decodes_every_step`: every running decode advances in every step (PD interleaving,
-      chapter 05); the invariant check holds the policy to it.
+      chapter 05); the invariant check holds the policy to it;
+    - `reads`: which of the batch settings `max_num_seqs`, `max_num_batched_tokens` and
+      `chunk_size` its schedule depends on (`sweep` varies only those, chapter 06; a learner's
+      policy is assumed to read all three).
 
     Give each engine its own instance: a policy may keep state between steps (static batching
     keeps its current batch), so an engine refuses an instance another engine was built with."""
@@ -331,6 +334,7 @@ class Scheduler:
     holds_finished_slots = False
     waits_for_batch_timeout = False
     decodes_every_step = False
+    reads = ("max_num_seqs", "max_num_batched_tokens", "chunk_size")
 
     def schedule(self, ctx: SchedulerContext) -> ScheduledBatch:
         raise NotImplementedError
@@ -367,6 +371,7 @@ class SingleScheduler(Scheduler):
 
     name = "single"
     whole_prompts = True
+    reads = ()
 
     def schedule(self, ctx: SchedulerContext) -> ScheduledBatch:
         if not ctx.running and ctx.waiting:
@@ -388,6 +393,7 @@ class StaticScheduler(Scheduler):
     name = "static"
     whole_prompts = True
     holds_finished_slots = True
+    reads = ("max_num_seqs",)
 
     def __init__(self) -> None:
         self.batch: list[Request] = []
@@ -455,6 +461,7 @@ class ContinuousScheduler(Scheduler):
 
     name = "continuous"
     whole_prompts = True
+    reads = ("max_num_seqs", "max_num_batched_tokens")
 
     def schedule(self, ctx: SchedulerContext) -> ScheduledBatch:
         self.schedule_decodes(ctx)

@@ -589,6 +589,39 @@ def test_a_rate_failing_a_requirement_is_not_sustained():
     assert bench.sustainable_rows(rows, 0.99)[0]["sustainable_load_rps"] == 4
 
 
+def test_settings_sustaining_the_same_load_rank_by_their_goodput_there():
+    """Two settings sustain the same load: the one with more goodput at that load ranks first,
+    whatever the grid order (it went by the order of the lists)."""
+    rows = [{"max_num_batched_tokens": budget, "max_num_seqs": 4, "chunk_size": 64,
+             "preemption": "newest", "rate_rps": rate, "slo_attainment": 1.0, "fails": [],
+             "goodput_rps": rate * (0.9 if budget == 64 else 1.0),
+             "output_tokens_per_s": 10.0} for budget in (64, 512) for rate in (1, 2)]
+    assert [r["max_num_batched_tokens"] for r in bench.sustainable_rows(rows, 0.99)] == [512, 64]
+
+
+def test_sweep_varies_only_the_settings_the_policy_reads(capsys):
+    """continuous ignores chunk_size and static ignores the budget and chunk_size: each is
+    swept once (with two values it ran the same schedule twice and could rank a copy best),
+    and the note says so; with speculation every policy reads the budget."""
+    grid = ["--max-num-batched-tokens", "64,512", "--max-num-seqs", "4,16",
+            "--chunk-size", "64,256"]
+    for policy, rows, unread in (("continuous", 4, "chunk_size"),
+                                 ("static", 2, "max_num_batched_tokens, chunk_size"),
+                                 ("pd", 8, None)):
+        data = bench.run_sweep(bench.sweep_parser().parse_args(
+            [*SWEEP, *grid, "--policy", policy]))
+        settings = {(r["max_num_batched_tokens"], r["max_num_seqs"], r["chunk_size"])
+                    for r in data["rows"]}
+        assert len(data["rows"]) == len(settings) == rows
+        note = data["declaration"].get("not_varied")
+        assert (note is None) if unread is None else note.startswith(
+            f"{policy} does not read {unread}:")
+    assert bench.settings_read("single", True) == ("max_num_batched_tokens",)
+    assert bench.main_sweep([*SWEEP, *grid, "--policy", "static"]) == 0
+    assert "note: static does not read max_num_batched_tokens, chunk_size" in \
+        capsys.readouterr().out
+
+
 def test_cancellations_honoured_needs_the_stop_at_the_cancel_point_and_no_pages_held():
     """True after a run that cancelled at the cancel point; False when the request ran past it
     (the client's cancel came later than the trace says) or when pages are still held."""
@@ -710,6 +743,10 @@ def test_sweep_over_rates_reports_each_settings_sustainable_load(tmp_path, capsy
     (["--rates", "0,5", "--slo-ttft", "1"], "positive rates"),
     (["--rates", "5,10", "--rate", "5", "--slo-ttft", "1"], "not both"),
     (["--rates", "5,10", "--slo-ttft", "1", "--slo-target", "1.5"], "--slo-target"),
+    (["--rates", "5,10", "--slo-ttft", "1", "--workload", "long-prefill"],
+     "--rates do(es) not apply to workload 'long-prefill'"),  # it said --rate, not given
+    (["--preemption", "newest,priority", "--priority-aging-steps", "-1"],
+     "--priority-aging-steps must be a positive integer"),  # its rows were skipped silently
 ])
 def test_sweep_over_rates_refuses_bad_flags(extra, message, capsys):
     argv = ["--executor", "sim", "--num-requests", "4", "--no-progress", *extra]
@@ -1044,6 +1081,26 @@ def test_a_rejected_request_is_listed_not_compared_and_a_lost_one_still_differs(
     assert "rejected_not_compared" not in bench.same_tokens(ref, ref, "pd")
     lines = bench.quality_lines({"pd": {}, "chunked": {"same_tokens_as": check}})
     assert lines == ["greedy tokens: chunked identical to pd on all 3 requests both served"]
+
+
+def test_a_deadline_cut_request_is_compared_on_the_tokens_both_runs_gave_it():
+    """A deadline ends a request at a point set by the run's timing, so two policies cut it
+    at different lengths: the tokens both gave it are compared (a wrong one still differs).
+    A policy that turns different requests away is reported on its own count."""
+    ref = {"r0": [1, 2, 3, 4], "r1": [5, 6], "r2": [7, 8]}
+    cut_short = {**ref, "r0": [1, 2]}
+    check = bench.same_tokens(ref, cut_short, "static", cut={"r0"})
+    assert check["differing_requests"] == []
+    assert check["deadline_cut_compared_on_common_tokens"] == ["r0"]
+    assert bench.same_tokens(ref, cut_short, "static")["differing_requests"] == ["r0"]
+    assert bench.same_tokens(ref, {**ref, "r0": [1, 9]}, "static",
+                             cut={"r0"})["differing_requests"] == ["r0"]
+    rejected = bench.same_tokens(ref, {**ref, "r2": []}, "static", {"r2"})
+    lines = bench.quality_lines({"static": {}, "pd": {"same_tokens_as": check},
+                                 "chunked": {"same_tokens_as": rejected}})
+    assert lines == ["greedy tokens: pd identical to static on all 3 requests both served; "
+                     "chunked identical to static on all 2 requests both served; requests a "
+                     "deadline cut short compared on the tokens both got"]
 
 
 def test_bench_compares_policies_on_the_requests_both_served(tiny_llama_dir, tmp_path):

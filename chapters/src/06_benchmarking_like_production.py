@@ -1363,7 +1363,9 @@ print(f"highest goodput without the limit: {top[0]}, budget {top[1]} "
 #
 # The CLI does the same, and writes every result with its declaration: `python -m minicb bench`
 # for one setting and several policies, `python -m minicb sweep` for a grid, the priority policy
-# included (`--preemption newest,priority`). "Replay the real arrival and length distributions"
+# included (`--preemption newest,priority`), varying only the settings the policy reads
+# (`Scheduler.reads`: `continuous` makes no chunks, so a chunk-size list runs at its first value
+# and the output says so). "Replay the real arrival and length distributions"
 # is `--workload-file`: a trace, one request per line with its arrival time, lengths and,
 # optionally, priority, tenant and deadline (`bench --save-workload` writes the traffic of any
 # run in that form), and `--max-queue-age` is the fairness limit of the table above. The sweep
