@@ -196,6 +196,16 @@ class Engine:
         return bool(self.config.batch_timeout_in_seconds
                     and getattr(self.scheduler, "waits_for_batch_timeout", False))
 
+    @property
+    def stall_limit(self) -> int:
+        """Steps in a row that may schedule nothing while work waits before a loop over
+        `step()` calls it a stall: STALL_STEPS, plus the timeout of dynamic batching counted in
+        steps (its empty steps until then are the timeout running), chapter 02."""
+        if getattr(self.scheduler, "waits_for_batch_timeout", False) \
+                and not self.config.batch_timeout_in_seconds:
+            return STALL_STEPS + int(self.config.batch_timeout)
+        return STALL_STEPS
+
     def _on_device(self) -> contextlib.AbstractContextManager:
         """Triton kernels and CUDA graphs use torch's current CUDA device: make it the
         engine's for the duration (an engine on cuda:1 beside one on cuda:0)."""
@@ -596,7 +606,7 @@ class Engine:
 
     def _check_progress(self, record: StepRecord) -> None:
         """Count steps in a row that scheduled nothing while requests wait or run; raise after
-        STALL_STEPS of them, so that no loop over `step()` (run, generate, stream, a server)
+        `stall_limit` of them, so that no loop over `step()` (run, generate, stream, a server)
         spins forever on a scheduler that never schedules (e.g. a learner's, or a setting that
         leaves no room for any chunk). Dynamic batching by seconds legitimately waits on the
         clock: those steps sleep a millisecond instead of counting."""
@@ -607,11 +617,11 @@ class Engine:
             self._sleep(0.001)
             return
         self._empty_steps += 1
-        if self._empty_steps > STALL_STEPS:
+        if self._empty_steps > self.stall_limit:
             stuck = [r.request_id for r in (*self.waiting, *self.running)][:5]
             self._empty_steps = 0
             raise RuntimeError(
-                f"policy {self.scheduler.name!r} scheduled nothing for {STALL_STEPS} steps in "
+                f"policy {self.scheduler.name!r} scheduled nothing for {self.stall_limit} steps in "
                 f"a row while requests wait or run: {stuck}. A scheduler must schedule work "
                 f"when it can; check its settings (e.g. min_chunk against the token budget)")
 

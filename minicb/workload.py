@@ -883,7 +883,7 @@ def run_workload(engine: Any, workload: Workload, progress: bool | Any = False,
             # dynamic batching by seconds waits on the clock: its empty steps are no stall
             idle = 0 if (record.members or record.finished or engine.running
                          or engine.waits_on_clock) else idle + 1
-            if idle > 100_000:
+            if idle > engine.stall_limit:
                 raise RuntimeError(f"the policy scheduled nothing for {idle} steps while "
                                    f"requests wait: {[r.request_id for r in engine.waiting][:5]}")
     finally:

@@ -538,6 +538,23 @@ class ReturnsNothing(Scheduler):
         return None
 
 
+def test_dynamic_batching_may_wait_a_step_timeout_longer_than_the_stall_limit(monkeypatch):
+    """A timeout in steps is empty steps the policy is meant to wait: with the stall limit at 50
+    and a 120-step timeout the batch forms at step 120 (both guards, the engine's and
+    run_workload's, raised at the limit), while a policy that never schedules still stops."""
+    import minicb.engine
+    from minicb.sim import CostModel, make_sim_engine
+    from minicb.workload import make_workload, run_workload
+    monkeypatch.setattr(minicb.engine, "STALL_STEPS", 50)
+    engine = make_sim_engine(CostModel(), policy="dynamic", num_pages=64, page_size=4,
+                             batch_timeout=120, max_num_seqs=4)
+    assert engine.stall_limit == 170
+    run_workload(engine, make_workload(num_requests=2, prompt_lengths="uniform:4:8",
+                                       output_lengths="uniform:2:3", seed=0))
+    assert engine.trace[120].members and not any(r.members for r in engine.trace[:120])
+    assert make_sim_engine(CostModel(), policy="pd", num_pages=64).stall_limit == 50
+
+
 def test_a_stalled_policy_raises_instead_of_spinning_and_leaves_nothing(tiny_model,
                                                                          monkeypatch):
     """LLM.generate, stream and Engine.run all stop on a scheduler that never schedules, with
