@@ -204,7 +204,8 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     add_concurrency_argument(parser)
     parser.add_argument("--cancel-fraction", type=float, default=None,
                         help="share of requests the client cancels after their first token")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None,
+                        help="the generated traffic's seed (default 0; a trace has none)")
     parser.add_argument("--num-pages", type=int, default=None)
     parser.add_argument("--page-size", type=int, default=None)
     parser.add_argument("--no-prefix-caching", action="store_true")
@@ -271,7 +272,7 @@ def build_workload(args: argparse.Namespace, rate_flag: str = "--rate") -> Workl
     wanted = {k: v for k, v in wanted.items() if v is not None}
     flag = {"rate": rate_flag}
     if getattr(args, "workload_file", None):
-        refused = [k for k in wanted if k not in ("num_requests", "seed", "cancel_after_tokens")]
+        refused = [k for k in wanted if k not in ("num_requests", "cancel_after_tokens")]
         if args.workload:
             refused.insert(0, "workload")
         if refused:
@@ -329,7 +330,10 @@ def warmup_workload(args: argparse.Namespace) -> Workload | None:
     if getattr(args, "workload_file", None):
         raise ValueError("--cache-state warm serves the same scenario with another seed first; "
                          "a replayed trace has no other seed: use --cache-state cold")
-    warmup = build_workload(argparse.Namespace(**{**vars(args), "seed": args.seed + 1}))
+    if getattr(args, "no_prefix_caching", False):
+        raise ValueError("--cache-state warm fills the prefix cache before the run; with "
+                         "--no-prefix-caching there is none, so the run would start cold")
+    warmup = build_workload(argparse.Namespace(**{**vars(args), "seed": (args.seed or 0) + 1}))
     if any(r.arrival_step is not None for r in warmup.requests):
         raise ValueError("--cache-state warm needs arrivals in seconds (or all at once), not "
                          "in steps: the measured run would start mid-way")
@@ -607,7 +611,7 @@ def declaration(args: argparse.Namespace, workload: Workload, executor: Executor
         "sampling": "greedy, ignore_eos=True, max_tokens fixed: output lengths are exact",
         "slo": slo,
         "percentiles": PERCENTILE_METHOD,
-        "seed": args.seed,
+        "seed": None if getattr(args, "workload_file", None) else args.seed or 0,
     }
     if executor.simulated:
         decl["note"] = SIMULATED_NOTE
@@ -1087,6 +1091,10 @@ def plot_results(data: dict[str, Any], path: str | Path) -> Path:
 
 def _print_extra(name: str, summary: dict[str, Any]) -> None:
     parts = []
+    if summary.get("total_tokens_per_s") is not None:
+        parts.append(f"token throughput {_fmt(summary['total_tokens_per_s'])} tok/s = prompts "
+                     f"{_fmt(summary['prompt_tokens_per_s'])} + outputs "
+                     f"{_fmt(summary['output_tokens_per_s'])}")
     if summary.get("num_steps"):  # what the steps processed (transformers' runs have none)
         parts.append(f"tokens: {summary['prefill_tokens']} prefill + "
                      f"{summary['decode_tokens']} decode, "
@@ -1408,6 +1416,11 @@ def declaration_lines(decl: dict[str, Any]) -> list[str]:
         arrivals += f" at {rate:g} req/s"
     if decl.get("burstiness") is not None:
         arrivals += f" (burstiness {decl['burstiness']:g})"
+    observed = wl.get("observed")  # a generated sample: what its arrivals deliver
+    if rate is not None and observed:
+        drawn = observed["rate_rps"]
+        arrivals += (f", drawn {drawn:.3g} req/s over {observed['arrival_span_s']:.3g} s"
+                     if drawn else ", drawn all at t=0")
     concurrency = decl.get("concurrency") or {}
     options = {k: v for k, v in (decl.get("policy_options") or {}).items()
                if v not in (None, 0) and k != "batch_timeout"}
@@ -1716,7 +1729,7 @@ def quality_check(reference: dict[str, list[int]],
 def worst_class_fields(summary: dict[str, Any]) -> dict[str, Any]:
     """A sweep row's class fairness (chapter 06): the class that met the SLO least often
     (`metrics.worst_class`; "all requests" when the workload holds one class) and its share."""
-    if summary["slo_attainment"] is None:
+    if not summary["slo"] or summary["slo_attainment"] is None:  # no SLO: nothing to meet
         return {"worst_class": None, "worst_class_attainment": None}
     name, attained = (worst_class(summary["by_class"])
                       or ("all requests", summary["slo_attainment"]))
@@ -1773,7 +1786,10 @@ def sustainable_rows(rows: list[dict[str, Any]], target: float) -> list[dict[str
         load = sustainable_load({rate: None if row["fails"] else row["slo_attainment"]
                                  for rate, row in at_rate.items()}, target)
         there = at_rate.get(load, {}) if load is not None else {}
-        found.append(({**dict(zip(names, key)), "sustainable_load_rps": load},
+        found.append(({**dict(zip(names, key)), "sustainable_load_rps": load,
+                       # every swept rate passed: the setting may sustain more than was offered
+                       "sustainable_load_is_lower_bound": load is not None
+                       and load == max(at_rate)},
                       (-(load or 0.0), -(there.get("goodput_rps") or 0.0),
                        -(there.get("output_tokens_per_s") or 0.0))))
     return [setting for setting, _ in sorted(found, key=lambda pair: pair[1])]
@@ -1824,6 +1840,10 @@ def main_sweep(argv: list[str] | None = None) -> int:
     print("\nrequirements beside the SLO (a row failing one is not chosen; 'fails' names it):")
     for name, rule in data["declaration"]["requirements"].items():
         print(f"  {name}: {rule}")
+    if not data["rows"]:
+        print("\nerror: every setting was skipped (the reasons above): none ran",
+              file=sys.stderr)
+        return 2
     if not best and not data["sustainable"]:
         print("\nno setting meets them all")
     if best and not data["sustainable"] and data["declaration"]["slo"] \
@@ -1842,10 +1862,13 @@ def main_sweep(argv: list[str] | None = None) -> int:
               "requests met the SLO, every lower rate too):")
         for r in data["sustainable"]:
             load = r["sustainable_load_rps"]
+            bound = " or more (every swept rate passed: sweep higher rates to find the limit)" \
+                if r["sustainable_load_is_lower_bound"] else ""
             print(f"  max_num_batched_tokens={r['max_num_batched_tokens']} "
                   f"max_num_seqs={r['max_num_seqs']} chunk_size={r['chunk_size']} "
                   f"preemption={r['preemption']}: "
-                  + (f"{load:g} req/s" if load is not None else "not even the lowest rate"))
+                  + (f"{load:g} req/s{bound}" if load is not None
+                     else "not even the lowest rate"))
     if args.out:
         print(f"wrote {write_json(data, args.out)}")
     return 0

@@ -440,6 +440,9 @@ def summarize(trace: Sequence[Any], records: Sequence[Any], slo: dict[str, float
     done = [r for r in records if is_completed(r)]
     span = run_span(records)
     output_tokens = sum(r.num_output_tokens for r in records)
+    # the contract's token throughput counts the input too (vLLM's "total token throughput"):
+    # the prompts that were served, i.e. that got their first token
+    prompt_tokens = sum(r.num_prompt_tokens for r in records if r.first_token_time is not None)
     end_time = trace[-1].t_end if trace else None
     end_step = trace[-1].step if trace else None
     age_s, age_steps = max_queue_age(records, end_time, end_step)
@@ -463,6 +466,9 @@ def summarize(trace: Sequence[Any], records: Sequence[Any], slo: dict[str, float
         "duration_s": span,
         "output_tokens": output_tokens,
         "output_tokens_per_s": per_s(output_tokens),
+        "prompt_tokens": prompt_tokens,
+        "prompt_tokens_per_s": per_s(prompt_tokens),
+        "total_tokens_per_s": per_s(prompt_tokens + output_tokens),
         "requests_per_s": per_s(len(done)),
         "output_tokens_per_step": output_tokens / len(sizes) if sizes else None,
         "decode_tokens_per_s": decode_tokens_per_s(trace),

@@ -361,6 +361,8 @@ def make_workload(num_requests: int = 32, prompt_lengths: Lengths | str | int = 
         "workload": name, "num_requests": n, "seed": seed,
         "arrival_process": f"gamma (shape={burstiness})" if arrival == "gamma" else arrival,
         "rate_rps": rate if arrival in ("poisson", "gamma") else None,
+        # a short sample's arrivals can come well off the rate asked for: say what was drawn
+        **({"observed": observed_arrivals(times)} if times[0] is not None else {}),
         # Poisson gaps are exponential whatever `burstiness` says (arrival_times)
         "burstiness": {"poisson": 1.0, "gamma": burstiness}.get(arrival),
         # a prompt is the shared prefix, then a drawn length of its own
@@ -645,18 +647,16 @@ def load_workload_file(path: str | Path, num_requests: int | None = None) -> Wor
         raise ValueError(f"{path}: the first arrival_s is {min(times)}, more than a day; "
                          "arrival_s is seconds after the run starts, not a clock time: "
                          "subtract the first timestamp from every arrival_s")
-    span = max(times) - min(times) if times else 0.0
-    gaps = np.diff(times) if len(times) > 2 else np.array([])
-    cv2 = float(gaps.var() / gaps.mean() ** 2) if gaps.size and gaps.mean() > 0 else None
+    observed = observed_arrivals(times) if times else {}
     declaration = {
         "workload": path.stem, "source": f"replayed from {path}", "num_requests": len(requests),
         "arrival_process": "replayed trace" + (" in steps" if not times else "")
                            + ("" if was_sorted else " (sorted by arrival: the file was not)"),
-        "rate_rps": (len(times) - 1) / span if span > 0 else None,
-        "burstiness": 1 / cv2 if cv2 else None,
+        "rate_rps": observed.get("rate_rps"),
+        "burstiness": observed.get("burstiness"),
         "burstiness_note": "observed: 1 / CV^2 of the arrival gaps (1 is Poisson-like, "
                            "smaller is burstier)",
-        "arrival_span_s": span if times else None,
+        "arrival_span_s": observed.get("arrival_span_s"),
         "prompt_lengths": _summary([r.prompt_len for r in requests]),
         "output_lengths": _summary([r.max_tokens for r in requests]),
         "priorities": sorted({r.priority for r in requests}),
@@ -668,6 +668,17 @@ def load_workload_file(path: str | Path, num_requests: int | None = None) -> Wor
         "long_request_id": long_request_id,
     }
     return Workload(path.stem, requests, declaration, long_request_id=long_request_id)
+
+
+def observed_arrivals(times: Sequence[float]) -> dict[str, float | None]:
+    """What a list of arrival times delivers (chapter 06): the rate (arrivals after the first
+    over the span from first to last; None under two distinct times), the burstiness
+    (1 / CV^2 of the gaps; None under three arrivals) and the span in seconds."""
+    span = max(times) - min(times)
+    gaps = np.diff(sorted(times)) if len(times) > 2 else np.array([])
+    cv2 = float(gaps.var() / gaps.mean() ** 2) if gaps.size and gaps.mean() > 0 else None
+    return {"rate_rps": (len(times) - 1) / span if span > 0 else None,
+            "burstiness": 1 / cv2 if cv2 else None, "arrival_span_s": span}
 
 
 def trace_row(req: WorkloadRequest, index: int = 0,

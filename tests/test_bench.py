@@ -169,6 +169,9 @@ def test_a_warm_cache_holds_the_shared_prefix_not_the_questions(tmp_path):
     (["--executor", "real", "--compare", "hf", "--reject-when-full"], "turn nobody away"),
     (["--executor", "real", "--compare", "hf", "--workload", "shared-prefix",
       "--cache-state", "warm"], "start cold"),
+    # there is no prefix cache to warm: it ran cold and was declared warm
+    (["--workload", "shared-prefix", "--cache-state", "warm", "--no-prefix-caching"],
+     "--no-prefix-caching there is none"),
 ])
 def test_bench_refuses_bad_flags(argv, message, capsys):
     assert bench.main_bench(["--executor", "sim", "--no-progress", *argv]) == 2
@@ -391,6 +394,7 @@ def test_a_saved_long_prefill_replays_with_its_dec_at_p(tmp_path, capsys):
     (["--rate", "3"], "--rate do(es) not apply to --workload-file"),
     (["--workload", "mixed-chat"], "--workload do(es) not apply to --workload-file"),
     (["--cache-state", "warm"], "no other seed"),
+    (["--seed", "7"], "--seed do(es) not apply to --workload-file"),  # ignored, yet declared
 ])
 def test_a_replayed_trace_refuses_generator_flags(tmp_path, extra, message, capsys):
     trace = tmp_path / "t.jsonl"
@@ -528,9 +532,11 @@ def test_worst_class_is_the_lowest_attainment_across_groupings():
     assert metrics.worst_class({"tenant": {"a": {"slo_attainment": None},
                                            "b": {"slo_attainment": None}}}) is None
     assert metrics.worst_class({}) is None
-    assert bench.worst_class_fields({"slo_attainment": 0.75, "by_class": {}}) == {
+    assert bench.worst_class_fields({"slo": {"ttft": 1}, "slo_attainment": 0.75,
+                                     "by_class": {}}) == {
         "worst_class": "all requests", "worst_class_attainment": 0.75}
-    assert bench.worst_class_fields({"slo_attainment": None, "by_class": classes}) == {
+    assert bench.worst_class_fields({"slo": {"ttft": 1}, "slo_attainment": None,
+                                     "by_class": classes}) == {
         "worst_class": None, "worst_class_attainment": None}
 
 
@@ -620,6 +626,33 @@ def test_sweep_varies_only_the_settings_the_policy_reads(capsys):
     assert bench.main_sweep([*SWEEP, *grid, "--policy", "static"]) == 0
     assert "note: static does not read max_num_batched_tokens, chunk_size" in \
         capsys.readouterr().out
+
+
+def test_a_sustainable_load_at_the_highest_rate_swept_is_a_lower_bound():
+    """Every swept rate passed: the setting may sustain more, so the load is flagged (it read
+    as the limit); a setting that failed a higher rate is not."""
+    rows = [{"max_num_batched_tokens": budget, "max_num_seqs": 4, "chunk_size": 64,
+             "preemption": "newest", "rate_rps": rate, "fails": [],
+             "slo_attainment": 0.5 if (budget, rate) == (64, 2) else 1.0,
+             "goodput_rps": rate, "output_tokens_per_s": 1.0}
+            for budget in (64, 512) for rate in (1, 2)]
+    found = {r["max_num_batched_tokens"]: r for r in bench.sustainable_rows(rows, 0.99)}
+    assert found[512]["sustainable_load_rps"] == 2 and found[512]["sustainable_load_is_lower_bound"]
+    assert found[64]["sustainable_load_rps"] == 1
+    assert not found[64]["sustainable_load_is_lower_bound"]
+
+
+def test_a_sweep_without_an_slo_names_no_worst_class_and_one_that_skips_all_fails(capsys):
+    """Without an SLO there is no attainment to rank classes by (the row said 100% beside an
+    SLO % of '-'); a sweep whose every setting is refused exits 2 saying so (it printed 'no
+    setting meets them all' and exited 0)."""
+    data = bench.run_sweep(bench.sweep_parser().parse_args(SWEEP))
+    assert all(r["worst_class"] is None and r["worst_class_attainment"] is None
+               for r in data["rows"])
+    with_slo = bench.run_sweep(bench.sweep_parser().parse_args([*SWEEP, "--slo-ttft", "1"]))
+    assert all(r["worst_class"] is not None for r in with_slo["rows"])
+    assert bench.main_sweep([*SWEEP, "--max-num-batched-tokens", "2"]) == 2
+    assert "every setting was skipped" in capsys.readouterr().err
 
 
 def test_cancellations_honoured_needs_the_stop_at_the_cancel_point_and_no_pages_held():

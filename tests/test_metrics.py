@@ -71,6 +71,9 @@ def test_summarize_by_hand():
     assert s["requests_per_s"] == approx(2 / 3)
     assert s["output_tokens"] == 3 + 1 + 2 + 0
     assert s["output_tokens_per_s"] == approx(6 / 3)
+    # token throughput counts the prompts served too (8 tokens each; D never got a token)
+    assert s["prompt_tokens"] == 24 and s["prompt_tokens_per_s"] == approx(24 / 3)
+    assert s["total_tokens_per_s"] == approx((24 + 6) / 3)
     # latencies over completed requests only (A and B): cancelled C and failed D left out
     assert s["ttft_s"]["p50"] == approx(1.25)
     assert s["e2e_s"]["p50"] == approx((2.5 + 1.5) / 2)
