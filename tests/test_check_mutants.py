@@ -282,6 +282,26 @@ def test_finish_steps_must_be_listed_per_request_not_in_arrival_order():
     assert "arrival_steps=[9, 1, 1]" in message and "yours says [5, 10, 15]" in message
 
 
+def test_a_static_batch_that_leaves_out_a_request_arriving_as_it_forms_is_caught():
+    """From a review: a batch formed at step s takes the requests that arrived by s, one
+    arriving at s itself included; an answer counting only those that arrived while the last
+    batch ran passed every workload."""
+    def wrong(max_tokens, arrival_steps, max_num_seqs):
+        order = sorted(range(len(max_tokens)), key=lambda i: (arrival_steps[i], i))
+        finish, last_end = [0] * len(max_tokens), 0
+        while order:
+            start = max(last_end + 1, arrival_steps[order[0]])
+            batch = [i for i in order[:max_num_seqs]
+                     if arrival_steps[i] <= max(last_end, arrival_steps[order[0]])]
+            for i in batch:
+                finish[i] = start + max_tokens[i] - 1
+                order.remove(i)
+            last_end = max(finish[i] for i in batch)
+        return finish
+
+    assert "yours says [3, 3, 6, 9]" in caught("static_finish_steps", wrong)
+
+
 # ------------------------------------------------------------------------------ schedulers
 def test_a_scheduler_returning_something_else_than_ctx_batch_is_named():
     mine = solution("05_pd_interleaving.ipynb")["MyPDScheduler"]

@@ -62,6 +62,9 @@
 # CUDA build of torch and a GPU, engines go to the GPU by default (`device="auto"`; `device="cpu"`
 # keeps them here) and the notebooks are meant to run unchanged, much faster per step, though so
 # far they have been checked on the CPU only; chapter 07 says how to install the CUDA build.
+# The stored outputs are the CPU's: on a GPU, weights default to bfloat16 (other tokens, other
+# schedules where text sets a length) and the page pool is sized from free memory, so to check a
+# notebook against them there, hide the GPU (`CUDA_VISIBLE_DEVICES= make test`).
 #
 # `make test` runs each notebook with `nbval`: cells that print schedule tables and counts start
 # with `# NBVAL_CHECK_OUTPUT` and must reproduce their stored output, apart from numbers with
@@ -214,7 +217,8 @@ print("Engine.step is defined at", f"{inspect.getsourcefile(minicb.Engine).split
 #
 # - minicb is a real engine: `LLM("smollm2-135m", policy=...)`, then `generate` or `chat`.
 # - It works in **steps**; `engine.trace` records each one as plain data, and `minicb.viz` draws
-#   it. Checked outputs in this course count steps, so they do not depend on the machine.
+#   it. Checked outputs in this course count steps, so they do not depend on which CPU runs
+#   them (a GPU defaults to bfloat16 and a larger pool: `CUDA_VISIBLE_DEVICES=` hides it).
 # - The next chapter opens v1: one request, its prefill and its decodes, and the paged KV cache
 #   underneath.
 #

@@ -93,7 +93,7 @@ print(f"(measured on: {device_description('cpu')['cpu_model']}, "
       f"{torch.get_num_threads()} torch thread(s))")
 
 # %% [markdown]
-# A prefill step of 256 tokens costs about as much as seven to twenty decode steps, depending
+# A prefill step of 256 tokens costs about as much as five to twenty decode steps, depending
 # on the machine and its load (the line above says how many here), yet produces
 # the K/V of 256 positions: per token, prefill is an order of magnitude faster than decode, and
 # its tokens/s still climbs from 16 to 256 prompt tokens. (Absolute numbers depend on the machine
@@ -159,10 +159,10 @@ print(f"decode     : {flops_decode / t_decode / 1e9:6.1f} GFLOP/s, "
 # ### The other lever: fewer bytes per weight
 #
 # If a decode step waits for 0.54 GB of weights, a step that reads fewer bytes finishes sooner.
-# `quantization="int8"` stores every projection and the output layer as int8, with one float
-# scale per output row (`minicb/model/quant.py`, weight-only quantization): about 0.13 GB per
-# step instead of 0.54. Activations stay float32 between layers; each product runs in PyTorch's
-# int8-weight kernel, which takes them in bfloat16. Same prompt, both ways:
+# `quantization="int8"` stores every projection and the output layer as int8, with one scale
+# per output row (`minicb/model/quant.py`, weight-only quantization): about 0.13 GB per step
+# instead of 0.54. Activations stay float32 between layers; each product runs in PyTorch's
+# int8-weight kernel, which takes them and the scales in bfloat16. Same prompt, both ways:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -188,8 +188,8 @@ for name, out in answers.items():
 # builds of this notebook, the stored run above among them)
 # and Hugging Face `generate` 23–24 (`python -m minicb bench
 # --policy single --compare hf --quantization int8`; the numbers are in `bench/README.md`). The
-# price is numbers, not speed: int8 weights (and the kernel's bfloat16 activations) move the
-# logits by up to about 5% of their largest value. Greedy decoding keeps float32's token wherever the best token leads the next by more than
+# price is numbers, not speed: int8 weights (with their bfloat16 scales, and the kernel's
+# bfloat16 activations) move the logits by up to about 5% of their largest value. Greedy decoding keeps float32's token wherever the best token leads the next by more than
 # int8 moves them; at the first step where two tokens were nearly tied it can pick the other one, and from
 # there the text takes another branch. The `greedy tokens agree` line above counts how many of the
 # 24 agreed in this run. Whether and where the two part depends on the prompt, the length and the

@@ -314,12 +314,14 @@ viz.step_through(static)
 # 55.6 output tokens/s where minicb's `static` produced 187.8 (`bench/README.md`), though padding
 # is only part of that gap; the rest is each library's own cost per step.
 #
-# What would the padded rows cost here? Chapter 06's step-cost model, fitted on this course's
-# CPU (`bench/cost_model_cpu.json`), prices a step from its shape: a fixed cost, so much per
-# prefill token, per decode row, per token of context read. Price the run above as minicb ran
-# it, then again with every idle slot-step computed as a padded row would be: one more decode
-# row, reading its request's context, which keeps growing since a padded row keeps producing
-# tokens nobody reads.
+# What would the padded rows cost here? Chapter 06's step-cost model (`bench/cost_model_cpu.json`)
+# prices a step from its shape: a fixed cost, so much per prefill token, per decode row, per
+# token of context read. It was fitted on one of the course's build machines on 2026-11-29 (an
+# AMD EPYC; its `source` line says so), not necessarily the one running this notebook, so its
+# seconds are not the run above's: the ratio is the result. Price the schedule minicb ran, then
+# again with every idle slot-step computed as a padded row would be: one more decode row,
+# reading its request's context, which keeps growing since a padded row keeps producing tokens
+# nobody reads.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -335,7 +337,8 @@ for rec in static.trace:
             idle_rows += 1
             idle_context += r.num_prompt_tokens + r.num_output_tokens + rec.step - r.finish_step
 padded = as_run + cpu_cost.c * idle_rows + cpu_cost.d * idle_context
-print(f"as minicb ran it: {as_run:.2f} s (modelled)")
+print(f"cost model: {cpu_cost.source}")
+print(f"the schedule minicb ran, priced by the model: {as_run:.2f} s")
 print(f"with {idle_rows} padded rows computed: {padded:.2f} s, {padded / as_run - 1:.0%} more, "
       f"for no token anyone reads")
 

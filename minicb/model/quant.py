@@ -4,9 +4,11 @@ At batch 1 a decode step reads every weight once and does two flops per weight: 
 the memory bandwidth divided by the bytes of the weights. float32 SmolLM2-135M streams
 540 MB per token; int8 weights with one float scale per output row stream a quarter of that.
 Activations stay float32 between layers; each product runs in torch's int8-weight kernel
-(`aten._weight_int8pack_mm`, bfloat16 activations in, as gpt-fast uses it), so the numbers
-differ from float32 by the int8 rounding of the weights (about 0.4% of each row's largest
-weight) plus the bfloat16 rounding of the activations.
+(`aten._weight_int8pack_mm`, bfloat16 activations and scales in, as gpt-fast uses it; its
+float32 path runs ten to thirty times slower), so the numbers differ from float32 by the int8
+rounding of the weights (half a step, 0.4% of each row's largest weight), the bfloat16 rounding
+of each row's scale (up to about as much again for the row's largest weights) and the bfloat16
+rounding of the activations.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Int8Linear(nn.Module):
-    """y = x @ (q * scale).T + bias with q int8 [out, in] and scale one per output row."""
+    """y = x @ (q * scale).T + bias with q int8 [out, in] and scale one per output row, kept
+    in bfloat16: the form the packed kernel takes."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
