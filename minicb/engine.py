@@ -229,12 +229,16 @@ class Engine:
         self.t0 = self._now()
 
     # ------------------------------------------------------------------------------ requests
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
+    def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+        """A prompt's token ids: a list of ids as given; a text through the model's tokenizer
+        with the special tokens it adds (Llama's BOS, as transformers and vLLM encode a text
+        prompt), or without them for a chat already rendered by its template, which writes
+        them itself (`add_special_tokens=False`)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt is a string but this checkpoint has no tokenizer; "
                                  "pass token ids (a list of ints) instead")
-            return list(self.tokenizer.encode(prompt, add_special_tokens=False)) \
+            return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)) \
                 if prompt else []
         if not isinstance(prompt, (list, tuple)) or \
                 any(not is_int(t) for t in prompt):

@@ -191,4 +191,5 @@ class LLM:
         return self.generate(prompts, params, use_tqdm=use_tqdm)
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        return self.engine.tokenize(render_chat(self.tokenizer, messages))
+        return self.engine.tokenize(render_chat(self.tokenizer, messages),
+                                    add_special_tokens=False)  # the template wrote them

@@ -241,8 +241,8 @@ class EngineWorker:
                 f"of {self.max_model_len} tokens can hold (no token is longer than "
                 f"{self.max_prompt_chars // self.max_model_len} characters)", field_name,
                 "context_length_exceeded")
-        try:
-            return self.engine.tokenize(prompt), field_name
+        try:  # a rendered chat holds its special tokens already; a text gets the tokenizer's
+            return self.engine.tokenize(prompt, add_special_tokens=messages is None), field_name
         except ValueError as exc:
             raise InvalidRequest(str(exc), field_name) from None
 

@@ -161,6 +161,37 @@ def test_answers_equal_generate_streaming_or_not(tiny_model):
         assert "minicb_kv_pages_used 0" in metrics and "minicb_num_requests_running 0" in metrics
 
 
+def test_a_text_prompt_gets_the_tokenizers_bos_and_a_chat_gets_only_its_templates(tiny_model):
+    """A Llama-style tokenizer adds BOS to a text (transformers' `tok(text)` and vLLM feed
+    it; minicb dropped it, so its tokens differed); a chat template writes BOS itself, so a
+    rendered chat is encoded without special tokens (one BOS, not two). LLM and server alike."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    model, info = tiny_model
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 256)}}
+    raw = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    raw.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[
+        ("<s>", 1)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>", bos_token="<s>",
+                                  eos_token="</s>")
+    tok.chat_template = "<s>{% for m in messages %}{{ m['content'] }} {% endfor %}w9"
+    bos_model = (model, dataclasses.replace(info, tokenizer=tok))
+    llm = LLM(bos_model, num_pages=256)
+    params = SamplingParams(max_tokens=2, **GREEDY)
+    assert llm.generate("w5 w6", params, use_tqdm=False)[0].prompt_token_ids == [1, 5, 6]
+    chat = [{"role": "user", "content": "w40 w41"}]
+    assert llm.apply_chat_template(chat) == [1, 40, 41, 9]
+    with serving(bos_model) as (url, _), httpx.Client(timeout=TIMEOUT) as http:
+        body = {"prompt": "w5 w6", "max_tokens": 2, **GREEDY}
+        usage = http.post(url + "/v1/completions", json=body).json()["usage"]
+        assert usage["prompt_tokens"] == 3
+        body = {"messages": chat, "max_tokens": 2, **GREEDY}
+        usage = http.post(url + "/v1/chat/completions", json=body).json()["usage"]
+        assert usage["prompt_tokens"] == 4
+
+
 def test_text_prompts_stop_strings_and_chat(word_model):
     tok = word_model[1].tokenizer
     ref = reference(word_model, ["w5 w6 w7"], 12)[0]
