@@ -18,7 +18,8 @@ its token at each position from the model's distribution with its own generator,
 number per token as without guesses, and keeps going while the draw equals the guess. Guess `d`
 is kept with probability p(d), as in speculative sampling with a guesser that puts all its mass
 on `d`, and a seeded request gives the same tokens with or without guesses, whatever shares its
-batch.
+batch. Exactly so in float32; in bfloat16 or int8 a chunk of guesses is computed with other
+rounding than one token at a time, so where two tokens nearly tie the pick can differ.
 """
 
 from __future__ import annotations

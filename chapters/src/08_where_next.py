@@ -479,7 +479,9 @@ print("one-row members:", meta.num_decodes, "| the checking members are attended
 # the model's distribution with its own random generator, one number per token as without
 # guesses, and goes on while the draw equals the guess: its tokens are exactly what they would
 # be without guesses, seed for seed, whatever shares its batch, and guess `d` is kept with
-# probability p(d), which `tests/test_speculative.py` checks over 20,000 draws.)
+# probability p(d), which `tests/test_speculative.py` checks over 20,000 draws. Exactly so in
+# float32: in bfloat16 or int8, a row computed in a chunk of guesses rounds differently from
+# the same row alone, so where two tokens nearly tie the pick can differ.)
 
 # %%
 # NBVAL_CHECK_OUTPUT
