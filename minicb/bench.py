@@ -63,6 +63,7 @@ from minicb.sim import (
     sim_model_info,
 )
 from minicb.workload import (
+    MAX_FIRST_ARRIVAL_S,
     SCENARIOS,
     Workload,
     get_workload,
@@ -292,6 +293,18 @@ def build_workload(args: argparse.Namespace, rate_flag: str = "--rate") -> Workl
         flags = ", ".join(flag.get(k, "--" + k.replace("_", "-")) for k in refused)
         raise ValueError(f"{flags} do(es) not apply to workload {name!r}")
     return get_workload(name, **wanted)
+
+
+def check_wall_clock_span(workload: Workload) -> None:
+    """Refuse traffic whose last request arrives more than a day after the first, before a real
+    run (or a server measured from the client) waits for it on the wall clock (chapter 06): a
+    tiny --rate spreads a few requests over weeks. The simulator skips idle time, so it may."""
+    times = [r.arrival_time for r in workload.requests if r.arrival_time is not None]
+    if times and max(times) - min(times) > MAX_FIRST_ARRIVAL_S:
+        span = max(times) - min(times)
+        raise ValueError(f"the last request arrives {span:,.0f} s ({span / 86400:.1f} days) "
+                         "after the first, and a real run waits for it: raise the rate, send "
+                         "fewer requests, or use --executor sim (it skips idle time)")
 
 
 def check_writable(path: str | os.PathLike | None, flag: str) -> None:
@@ -1272,6 +1285,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     device = resolve_device(args.device, args.quantization)
     progress = not args.no_progress
     executor = executor_from_args(args, device)
+    if not executor.simulated:
+        check_wall_clock_span(workload)
     executor.warm_up()
     if executor.simulated:
         print(f"[{SIMULATED_NOTE}: {executor.cost.name}]", file=sys.stderr)
@@ -1352,6 +1367,7 @@ def main_bench(argv: list[str] | None = None) -> int:
             refuse_engine_flags(parser, args)
             check_writable(args.out, "--out")
             workload, slo = build_workload(args), slo_from_args(args)
+            check_wall_clock_span(workload)
             if args.save_workload:
                 print(saved_workload_line(workload, args.save_workload))
             model = None if args.model == parser.get_default("model") else args.model
@@ -1581,6 +1597,9 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
         base.pop(key, None)
     device = resolve_device(args.device, args.quantization)
     executor = executor_from_args(args, device)
+    if not executor.simulated:
+        for workload_at_rate, _ in traffic.values():
+            check_wall_clock_span(workload_at_rate)
     executor.warm_up()
     rows = []
     skipped = []

@@ -1136,6 +1136,19 @@ def test_a_deadline_cut_request_is_compared_on_the_tokens_both_runs_gave_it():
                      "deadline cut short compared on the tokens both got"]
 
 
+def test_a_real_run_refuses_traffic_that_arrives_over_weeks(tiny_llama_dir, capsys):
+    """--rate 1e-6 spreads four requests over weeks: a real run (bench, sweep) would wait for
+    them on the wall clock, so it is refused; the simulator skips idle time and runs it."""
+    slow = ["--rate", "1e-6", "--num-requests", "4", "--no-progress", "--policy", "pd"]
+    assert bench.main_bench(["--model", str(tiny_llama_dir), *slow]) == 2
+    assert "days) after the first, and a real run waits for it" in capsys.readouterr().err
+    assert bench.main_sweep(["--model", str(tiny_llama_dir), *slow[:-2],
+                             "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
+                             "--chunk-size", "64"]) == 2
+    assert "a real run waits for it" in capsys.readouterr().err
+    assert bench.main_bench(["--executor", "sim", *slow]) == 0
+
+
 def test_bench_compares_policies_on_the_requests_both_served(tiny_llama_dir, tmp_path):
     """Two policies under --reject-when-full on a small pool: the requests either turned away
     are not reported as differing tokens."""
