@@ -190,6 +190,18 @@ def sustainable_load(attainment_by_rate: dict[float, float | None],
     return best
 
 
+def observed_arrivals(times: Sequence[float]) -> dict[str, float | None]:
+    """What a list of arrival times delivers (chapter 06; a generated workload declares it as
+    `observed`): the rate (arrivals after the first over the span from first to last; None
+    under two distinct times), the burstiness (1 / CV^2 of the gaps; None under three
+    arrivals) and the span in seconds."""
+    span = max(times) - min(times)
+    gaps = np.diff(sorted(times)) if len(times) > 2 else np.array([])
+    cv2 = float(gaps.var() / gaps.mean() ** 2) if gaps.size and gaps.mean() > 0 else None
+    return {"rate_rps": (len(times) - 1) / span if span > 0 else None,
+            "burstiness": 1 / cv2 if cv2 else None, "arrival_span_s": span}
+
+
 def run_span(records: Sequence[Any]) -> float:
     """Seconds from the first arrival to the last finish (0 if nothing finished) (chapter 05)."""
     arrivals = [r.arrival_time for r in records if r.arrival_time is not None]

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from minicb.config import is_positive_int
+from minicb.metrics import observed_arrivals
 
 DEFAULT_VOCAB_RANGE = (100, 10000)  # ordinary text tokens of the SmolLM2 vocabulary (49152)
 
@@ -668,17 +669,6 @@ def load_workload_file(path: str | Path, num_requests: int | None = None) -> Wor
         "long_request_id": long_request_id,
     }
     return Workload(path.stem, requests, declaration, long_request_id=long_request_id)
-
-
-def observed_arrivals(times: Sequence[float]) -> dict[str, float | None]:
-    """What a list of arrival times delivers (chapter 06): the rate (arrivals after the first
-    over the span from first to last; None under two distinct times), the burstiness
-    (1 / CV^2 of the gaps; None under three arrivals) and the span in seconds."""
-    span = max(times) - min(times)
-    gaps = np.diff(sorted(times)) if len(times) > 2 else np.array([])
-    cv2 = float(gaps.var() / gaps.mean() ** 2) if gaps.size and gaps.mean() > 0 else None
-    return {"rate_rps": (len(times) - 1) / span if span > 0 else None,
-            "burstiness": 1 / cv2 if cv2 else None, "arrival_span_s": span}
 
 
 def trace_row(req: WorkloadRequest, index: int = 0,
