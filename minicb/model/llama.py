@@ -65,6 +65,12 @@ class ModelConfig:
             raise ValueError(f"unsupported architecture {arch or cfg.get('model_type')!r}; "
                              f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
         name = SUPPORTED_ARCHITECTURES[arch]
+        quant = cfg.get("quantization_config")
+        if quant:  # its tensors are packed integers or fp8 plus scales, not weights to copy
+            method = quant.get("quant_method") if isinstance(quant, Mapping) else quant
+            raise ValueError(f"pre-quantized checkpoint (quant_method {method!r}): minicb "
+                             "loads float weights only; use the float (unquantized) checkpoint, "
+                             "and quantization='int8' to quantize it at load")
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r} (only 'silu')")
         if cfg.get("mlp_bias"):
@@ -268,7 +274,8 @@ class LlamaModel(nn.Module):
     @torch.no_grad()
     def load_hf_state_dict(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Copy Hugging Face tensors (names like `model.layers.0.self_attn.q_proj.weight`) into
-        this model, fusing q/k/v and gate/up. Raises KeyError naming a missing tensor."""
+        this model, fusing q/k/v and gate/up. Raises KeyError naming a missing tensor, ValueError
+        naming one that is not float (fp8, packed int) or not the shape config.json gives."""
         def get(name: str) -> torch.Tensor:
             if name not in tensors:
                 raise KeyError(f"checkpoint has no tensor {name!r}")
@@ -276,7 +283,16 @@ class LlamaModel(nn.Module):
 
         def put(param: torch.Tensor, *names: str) -> None:
             src = [get(n) for n in names]
-            param.copy_(src[0] if len(src) == 1 else torch.cat(src, dim=0))
+            for name, t in zip(names, src, strict=True):  # copy_ would cast fp8 or int silently
+                if not t.is_floating_point() or t.element_size() < 2:
+                    raise ValueError(f"tensor {name!r} is stored as {t.dtype}, a quantized "
+                                     "format minicb does not read: use a float (unquantized) "
+                                     "checkpoint")
+            src = src[0] if len(src) == 1 else torch.cat(src, dim=0)
+            if src.shape != param.shape:
+                raise ValueError(f"tensor {' + '.join(names)!r} has shape {tuple(src.shape)}, "
+                                 f"but config.json makes it {tuple(param.shape)}")
+            param.copy_(src)
 
         put(self.embed_tokens.weight, "model.embed_tokens.weight")
         put(self.norm.weight, "model.norm.weight")

@@ -1,0 +1,73 @@
+"""The loader (chapters 00/01) on checkpoints and caches it must refuse or repair: pre-quantized
+weights, config.json keys left out, stop tokens, and the converted bundled model's cache
+(permissions, leftovers, provenance, an unwritable place). Tiny random checkpoints only; the
+bundled model's conversion is replaced by a fake that writes a few bytes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tiny_models import make_tiny_checkpoint, save_random_checkpoint
+
+from minicb.model import ModelConfig, load_model
+
+
+def edit_json(path: Path, **changes) -> None:
+    """Set (or, with a value of ..., remove) keys of a JSON file."""
+    data = json.loads(path.read_text())
+    for key, value in changes.items():
+        if value is ...:
+            data.pop(key, None)
+        else:
+            data[key] = value
+    path.write_text(json.dumps(data))
+
+
+# --- F1: pre-quantized checkpoints -------------------------------------------------------------
+
+def fp8_checkpoint(path: Path) -> Path:
+    """The tiny Llama with its projections stored as float8 plus a per-tensor scale (the
+    compressed-tensors / FP8 layout)."""
+    make_tiny_checkpoint(path)
+    tensors = {}
+    for name, t in load_file(path / "model.safetensors").items():
+        if name.endswith("_proj.weight"):
+            scale = t.abs().max() / 448.0
+            tensors[name] = (t / scale).to(torch.float8_e4m3fn)
+            tensors[name.replace(".weight", ".weight_scale")] = scale.reshape(1)
+        else:
+            tensors[name] = t
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+@pytest.mark.parametrize("method", ["fp8", "gptq", "awq", "compressed-tensors",
+                                    "bitsandbytes"])
+def test_a_pre_quantized_checkpoint_is_refused(tiny_llama_dir, method):
+    cfg = json.loads((tiny_llama_dir / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": method, "bits": 4}
+    with pytest.raises(ValueError, match=f"quant_method '{method}'.*float.*quantization='int8'"):
+        ModelConfig.from_hf(cfg)
+
+
+def test_fp8_tensors_are_refused_even_without_a_quantization_config(tmp_path):
+    path = fp8_checkpoint(tmp_path / "fp8")
+    with pytest.raises(ValueError, match=r"q_proj.weight' is stored as torch.float8_e4m3fn"):
+        load_model(path, prepack=False)
+    edit_json(path / "config.json", quantization_config={"quant_method": "fp8"})
+    with pytest.raises(ValueError, match="quant_method 'fp8'"):
+        load_model(path, prepack=False)
+
+
+def test_a_tensor_of_the_wrong_shape_is_named(tiny_llama_dir, tmp_path):
+    tensors = load_file(tiny_llama_dir / "model.safetensors")
+    tensors["model.layers.1.mlp.down_proj.weight"] = torch.zeros(64, 96)
+    path = make_tiny_checkpoint(tmp_path / "bad-shape")
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"layers.1.mlp.down_proj.weight' has shape \(64, 96\), "
+                                         r"but config.json makes it \(64, 128\)"):
+        load_model(path, prepack=False)
