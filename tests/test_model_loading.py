@@ -71,3 +71,60 @@ def test_a_tensor_of_the_wrong_shape_is_named(tiny_llama_dir, tmp_path):
     with pytest.raises(ValueError, match=r"layers.1.mlp.down_proj.weight' has shape \(64, 96\), "
                                          r"but config.json makes it \(64, 128\)"):
         load_model(path, prepack=False)
+
+
+# --- F3: keys config.json leaves out take the family's transformers default ---------------------
+
+SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2,
+             initializer_range=0.2)
+
+
+def test_the_defaults_table_is_transformers_own():
+    """Each default minicb fills in is the one the installed transformers' config class has."""
+    import inspect
+
+    import transformers
+
+    from minicb.model.llama import HF_DEFAULTS
+    classes = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config",
+               "qwen3": "Qwen3Config"}
+    for family, defaults in HF_DEFAULTS.items():
+        params = inspect.signature(getattr(transformers, classes[family]).__init__).parameters
+        assert {k: params[k].default for k in defaults} == defaults, family
+
+
+def test_mistral_without_sliding_window_gets_transformers_4096_window(tmp_path):
+    """transformers reads a Mistral config.json without sliding_window as a 4096-token window:
+    over 8192 positions that is attention minicb cannot run, so it is refused; a window as long
+    as the context changes nothing and loads."""
+    from transformers import MistralConfig
+    path = save_random_checkpoint(MistralConfig(**SHAPE, max_position_embeddings=8192,
+                                                sliding_window=None), tmp_path / "mistral")
+    edit_json(path / "config.json", sliding_window=...)
+    with pytest.raises(ValueError, match="sliding_window=4096 < max_position_embeddings=8192"):
+        load_model(path, prepack=False)
+    edit_json(path / "config.json", sliding_window=8192)
+    _, info = load_model(path, prepack=False)
+    assert info.config.architecture == "mistral"
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_qwen_without_max_position_embeddings_gets_32768(tmp_path, family):
+    from transformers import AutoConfig, Qwen2Config, Qwen3Config
+    cls = Qwen2Config if family == "qwen2" else Qwen3Config
+    path = save_random_checkpoint(cls(**SHAPE, max_position_embeddings=32768), tmp_path / family)
+    edit_json(path / "config.json", max_position_embeddings=...)
+    _, info = load_model(path, prepack=False)
+    assert info.config.max_position_embeddings == 32768
+    assert AutoConfig.from_pretrained(path).max_position_embeddings == 32768
+
+
+def test_qwen3_without_head_dim_gets_128(tmp_path):
+    """Qwen3's head_dim is 128 unless config.json says otherwise, whatever hidden_size/heads
+    is (here 16): the weights are shaped for 128, and the model must be too."""
+    from transformers import Qwen3Config
+    path = save_random_checkpoint(Qwen3Config(**SHAPE), tmp_path / "qwen3")
+    edit_json(path / "config.json", head_dim=...)
+    model, info = load_model(path, prepack=False)
+    assert info.config.head_dim == 128 and model.layers[0].self_attn.head_dim == 128

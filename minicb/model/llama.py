@@ -58,13 +58,15 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, cfg: Mapping) -> ModelConfig:
-        """Build from a config.json dict; ValueError for anything this model cannot run."""
+        """Build from a config.json dict, a key it leaves out taking its family's transformers
+        default (`HF_DEFAULTS`); ValueError for anything this model cannot run."""
         archs = cfg.get("architectures") or []
         arch = archs[0] if archs else _ARCH_FROM_MODEL_TYPE.get(cfg.get("model_type"), None)
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"unsupported architecture {arch or cfg.get('model_type')!r}; "
                              f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
         name = SUPPORTED_ARCHITECTURES[arch]
+        cfg = {**HF_DEFAULTS[name], **cfg}
         quant = cfg.get("quantization_config")
         if quant:  # its tensors are packed integers or fp8 plus scales, not weights to copy
             method = quant.get("quant_method") if isinstance(quant, Mapping) else quant
@@ -75,8 +77,12 @@ class ModelConfig:
             raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r} (only 'silu')")
         if cfg.get("mlp_bias"):
             raise ValueError("unsupported: mlp_bias=True")
-        if cfg.get("use_sliding_window") or (name == "mistral" and cfg.get("sliding_window")):
-            raise ValueError(f"unsupported: sliding-window attention ({arch})")
+        window = cfg.get("sliding_window") if name == "mistral" or cfg.get("use_sliding_window") \
+            else None
+        if window and window < cfg["max_position_embeddings"]:  # a longer one changes nothing
+            raise ValueError(f"unsupported: sliding-window attention ({arch}, sliding_window="
+                             f"{window} < max_position_embeddings="
+                             f"{cfg['max_position_embeddings']})")
         # transformers >= 5 writes `rope_parameters`; older files have rope_theta + rope_scaling
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
@@ -98,10 +104,22 @@ class ModelConfig:
             attention_bias=bias or name == "qwen2",
             o_proj_bias=bias and name != "qwen2",
             qk_norm=name == "qwen3",
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            max_position_embeddings=cfg["max_position_embeddings"],
             bos_token_id=cfg.get("bos_token_id"), eos_token_id=cfg.get("eos_token_id"))
 
 
+# transformers' defaults for the config.json keys a family's file may leave out (each
+# configuration_*.py): a missing key must mean what it means to transformers, or the same file
+# runs another model here (Qwen2/3's context is 32768, Mistral attends through a window)
+HF_DEFAULTS: dict[str, dict] = {
+    "llama": {"max_position_embeddings": 2048},
+    "mistral": {"max_position_embeddings": 4096 * 32, "num_key_value_heads": 8,
+                "sliding_window": 4096, "bos_token_id": 1, "eos_token_id": 2},
+    "qwen2": {"max_position_embeddings": 32768, "num_key_value_heads": 32,
+              "sliding_window": 4096},
+    "qwen3": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "head_dim": 128,
+              "sliding_window": 4096},
+}
 _ARCH_FROM_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                          "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
