@@ -342,16 +342,16 @@ def test_smollm2_greedy_matches_hf(smollm2_dir):
 
 
 def test_eos_ids_take_generation_config_first_and_stay_below_the_vocab_size(tmp_path):
-    """generation_config.json's EOS ids (what a chat model stops on) are read as well as
-    config.json's, in that order; an id equal to the vocabulary size (256) cannot be sampled
-    and is left out like any other id past the end."""
+    """generation_config.json's EOS ids (what a chat model stops on) are the stop ids, not
+    config.json's as well (as HF generate); an id equal to the vocabulary size (256) cannot be
+    sampled and is left out like any other id past the end."""
     path = make_tiny_checkpoint(tmp_path / "two-eos")
     for name, ids in (("generation_config.json", [7, 256]), ("config.json", 2)):
         data = json.loads((path / name).read_text())
         data["eos_token_id"] = ids
         (path / name).write_text(json.dumps(data))
     _, info = load_model(path, prepack=False)
-    assert info.eos_token_ids == (7, 2)
+    assert info.eos_token_ids == (7,)
 
 
 def test_a_checkpoint_with_only_tokenizer_json_gets_its_tokenizer(tmp_path):

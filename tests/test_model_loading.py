@@ -128,3 +128,18 @@ def test_qwen3_without_head_dim_gets_128(tmp_path):
     edit_json(path / "config.json", head_dim=...)
     model, info = load_model(path, prepack=False)
     assert info.config.head_dim == 128 and model.layers[0].self_attn.head_dim == 128
+
+
+# --- F4: the stop tokens come from one source, as HF generate takes them -----------------------
+
+def test_stop_ids_are_generation_configs_else_config_jsons(tmp_path):
+    """config.json's EOS is a token a chat model may emit mid-answer: with generation_config.json
+    naming its own, only those stop (HF generate stops at 255 only, not at 5)."""
+    path = make_tiny_checkpoint(tmp_path / "eos")
+    edit_json(path / "config.json", eos_token_id=5)
+    edit_json(path / "generation_config.json", eos_token_id=[255])
+    assert load_model(path, prepack=False)[1].eos_token_ids == (255,)
+    edit_json(path / "generation_config.json", eos_token_id=...)
+    assert load_model(path, prepack=False)[1].eos_token_ids == (5,)
+    (path / "generation_config.json").unlink()
+    assert load_model(path, prepack=False)[1].eos_token_ids == (5,)

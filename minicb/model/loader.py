@@ -153,6 +153,20 @@ def _eos_ids(*sources: Any, vocab_size: int) -> tuple[int, ...]:
     return tuple(ids)
 
 
+def stop_ids(path: Path, config: ModelConfig, tokenizer: Any) -> tuple[int, ...]:
+    """The ids that end a generation (chapter 01), from one source as HF generate takes them:
+    generation_config.json's eos_token_id, else config.json's (or its family's default), else
+    the tokenizer's. A chat model's generation_config names its end-of-turn token: config.json's
+    EOS may be a token it emits mid-answer."""
+    generation = _read_json(path / "generation_config.json").get("eos_token_id")
+    for source in (generation, config.eos_token_id,
+                   tokenizer.eos_token_id if tokenizer is not None else None):
+        ids = _eos_ids(source, vocab_size=config.vocab_size)
+        if ids:
+            return ids
+    return ()
+
+
 def load_tokenizer(path: Path) -> Any:
     """The checkpoint's transformers tokenizer, or None when it has no tokenizer files."""
     if not any((path / f).is_file() for f in _TOKENIZER_FILES):
@@ -192,8 +206,7 @@ def load_model(name_or_path: str | os.PathLike, device: str | torch.device = "au
                          "oneDNN runs bf16), no quantization, and a torch built with oneDNN "
                          "(torch.backends.mkldnn.is_available())")
     name, path = resolve(name_or_path)
-    hf_config = _read_json(path / "config.json")
-    config = ModelConfig.from_hf(hf_config)
+    config = ModelConfig.from_hf(_read_json(path / "config.json"))
     with torch.device("meta"):  # no random init: every parameter is overwritten below
         model = LlamaModel(config, attention_backend=attention_backend).to(dtype)
     # uninitialised storage, as `to_empty` gives, but through torch.empty: `to_empty`'s
@@ -207,9 +220,4 @@ def load_model(name_or_path: str | os.PathLike, device: str | torch.device = "au
         prepack_model(model)
 
     tokenizer = load_tokenizer(path)
-    generation = _read_json(path / "generation_config.json")
-    eos = _eos_ids(generation.get("eos_token_id"), hf_config.get("eos_token_id"),
-                   vocab_size=config.vocab_size)
-    if not eos and tokenizer is not None:
-        eos = _eos_ids(tokenizer.eos_token_id, vocab_size=config.vocab_size)
-    return model, ModelInfo(config, tokenizer, eos, name, path)
+    return model, ModelInfo(config, tokenizer, stop_ids(path, config, tokenizer), name, path)
