@@ -143,3 +143,16 @@ def test_stop_ids_are_generation_configs_else_config_jsons(tmp_path):
     assert load_model(path, prepack=False)[1].eos_token_ids == (5,)
     (path / "generation_config.json").unlink()
     assert load_model(path, prepack=False)[1].eos_token_ids == (5,)
+
+
+# --- F8: load_model's dtype takes the engine's names ---------------------------------------------
+
+def test_load_model_takes_the_engines_dtype_names(tiny_llama_dir):
+    for name, want in (("bfloat16", torch.bfloat16), ("float16", torch.float16),
+                       ("float32", torch.float32), ("auto", torch.float32),
+                       (torch.bfloat16, torch.bfloat16)):
+        model, _ = load_model(tiny_llama_dir, device="cpu", dtype=name, prepack=False)
+        assert model.embed_tokens.weight.dtype == want, name
+    for bad in (torch.float64, "fp8", "torch.bfloat16", torch.int8):
+        with pytest.raises(ValueError, match="dtype must be one of"):
+            load_model(tiny_llama_dir, device="cpu", dtype=bad, prepack=False)

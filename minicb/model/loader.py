@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from minicb.config import QUANTIZATIONS, cache_root, resolve_device
+from minicb.config import DTYPES, QUANTIZATIONS, cache_root, resolve_device, torch_dtype
 from minicb.model.llama import LlamaModel, ModelConfig
 from minicb.model.prepack import prepack_model, prepack_possible, prepack_wanted
 from minicb.model.quant import quantize_int8
@@ -182,8 +182,19 @@ def load_tokenizer(path: Path) -> Any:
     return AutoTokenizer.from_pretrained(path)
 
 
+def weights_dtype(dtype: torch.dtype | str, device: str) -> torch.dtype:
+    """The torch dtype load_model stores weights in (chapter 01): a torch float dtype, or the
+    engine's name for one (DTYPES: "auto" is float32 on the CPU, bfloat16 on CUDA)."""
+    if isinstance(dtype, str) and dtype in DTYPES:
+        dtype = torch_dtype(dtype, device)
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype must be one of {DTYPES} or torch.float32, torch.bfloat16, "
+                         f"torch.float16, got {dtype!r}")
+    return dtype
+
+
 def load_model(name_or_path: str | os.PathLike, device: str | torch.device = "auto",
-               dtype: torch.dtype = torch.float32,
+               dtype: torch.dtype | str = torch.float32,
                attention_backend: str = "torch",
                quantization: str | None = None,
                prepack: bool | None = None) -> tuple[LlamaModel, ModelInfo]:
@@ -191,12 +202,14 @@ def load_model(name_or_path: str | os.PathLike, device: str | torch.device = "au
     int8 (see `quant.py`). `prepack`: hold CPU projections in oneDNN's layout (see
     `prepack.py`); None does so on an x86-64 CPU with oneDNN for float32, and for bfloat16
     where oneDNN runs bf16, unless `MINICB_PREPACK=0`. `device="auto"`: CUDA when torch sees
-    a GPU (and no int8 is asked), else the CPU. Raises ValueError for an unknown name, a
-    directory that is not a checkpoint, an unsupported architecture, or a prepack that cannot
-    be done."""
+    a GPU (and no int8 is asked), else the CPU. `dtype`: a torch float dtype or the engine's
+    name for one ("float32", "bfloat16", "float16", "auto"). Raises ValueError for an unknown
+    name, a directory that is not a checkpoint, an unsupported architecture or dtype, or a
+    prepack that cannot be done."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     device = resolve_device(device, quantization)
+    dtype = weights_dtype(dtype, device)
     if prepack not in (None, True, False):
         raise ValueError(f"prepack must be None, True or False, got {prepack!r}")
     if prepack is None:
