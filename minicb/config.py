@@ -95,8 +95,8 @@ def cpuinfo(*names: str) -> str | None:
 
 def cache_root() -> Path:
     """Where minicb keeps what it builds once (converted bundled models, the CPU attention
-    kernel): $MINICB_CACHE, else ~/.cache/minicb."""
-    return Path(os.environ.get("MINICB_CACHE") or Path.home() / ".cache" / "minicb")
+    kernel): $MINICB_CACHE (a leading ~ is the home directory), else ~/.cache/minicb."""
+    return Path(os.environ.get("MINICB_CACHE") or Path.home() / ".cache" / "minicb").expanduser()
 
 
 @dataclass

@@ -187,3 +187,43 @@ def test_the_hub_id_warns_once_that_it_loads_the_bundled_q4_copy(monkeypatch):
         warnings.simplefilter("error")
         loader.resolve("HuggingFaceTB/SmolLM2-135M-Instruct")  # once is enough
         loader.resolve("smollm2-135m")  # minicb's own name says what it is
+
+
+# --- the bundled model's converted cache (F5, F6, F7, F10) --------------------------------------
+
+@pytest.fixture
+def fake_bundled(tmp_path, monkeypatch):
+    """ensure_bundled over a fake GGUF, converted by a fake that writes its files 0600 as
+    save_pretrained does. Returns (cache directory, GGUF path, list of conversions made)."""
+    from minicb.model import loader
+    gguf = tmp_path / "pkg" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    gguf.parent.mkdir()
+    gguf.write_bytes(b"GGUF one release")
+    conversions: list[Path] = []
+
+    def convert(source: Path, folder: Path) -> None:
+        conversions.append(folder)
+        for name in ("config.json", "model.safetensors"):
+            (folder / name).write_text("{}")
+            (folder / name).chmod(0o600)
+
+    monkeypatch.setenv("MINICB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(loader, "_find_gguf", lambda spec: gguf)
+    monkeypatch.setattr(loader, "_convert_gguf", convert, raising=False)
+    return tmp_path / "cache", gguf, conversions
+
+
+def test_an_unwritable_cache_names_minicb_cache(fake_bundled, tmp_path, monkeypatch):
+    from minicb.model.loader import ensure_bundled
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("MINICB_CACHE", str(tmp_path / "a-file" / "cache"))
+    with pytest.raises(ValueError, match="a-file/cache .*set MINICB_CACHE to a writable dir"):
+        ensure_bundled("smollm2-135m")
+    assert fake_bundled[2] == []
+
+
+def test_minicb_cache_expands_the_home_directory(tmp_path, monkeypatch):
+    from minicb.config import cache_root
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("MINICB_CACHE", "~/models")
+    assert cache_root() == tmp_path / "models"

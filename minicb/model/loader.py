@@ -80,13 +80,33 @@ def ensure_bundled(name: str) -> Path:
     final = cache_root() / key
     if (final / "config.json").is_file():
         return final
+    gguf = _find_gguf(BUNDLED_MODELS[key])
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{key}.tmp-", dir=final.parent))
+    except OSError as exc:
+        raise ValueError(f"cannot write minicb's model cache {final.parent} ({exc}): set "
+                         "MINICB_CACHE to a writable directory") from exc
+    log.warning("minicb: converting %s once into %s", gguf.name, final)
+    try:
+        _convert_gguf(gguf, tmp)
+        tmp.chmod(0o755)
+        try:
+            os.rename(tmp, final)
+        except OSError:  # someone else finished first: keep theirs
+            if not (final / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _convert_gguf(gguf: Path, folder: Path) -> None:
+    """Dequantize a GGUF file through transformers into a float32 checkpoint (weights, config,
+    tokenizer) in `folder`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer  # slow imports, only here
     from transformers.utils import logging as hf_logging
 
-    gguf = _find_gguf(BUNDLED_MODELS[key])
-    log.warning("minicb: converting %s once into %s", gguf.name, final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{key}.tmp-", dir=final.parent))
     hf_logging.disable_progress_bar()
     try:
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
@@ -97,18 +117,10 @@ def ensure_bundled(name: str) -> Path:
             if hasattr(model.config, attr):
                 delattr(model.config, attr)
         model.hf_quantizer = None
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        tmp.chmod(0o755)
-        try:
-            os.rename(tmp, final)
-        except OSError:  # someone else finished first: keep theirs
-            if not (final / "config.json").is_file():
-                raise
+        model.save_pretrained(folder, safe_serialization=True)
+        tokenizer.save_pretrained(folder)
     finally:
         hf_logging.enable_progress_bar()
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
 
 
 def _warn_hub_alias(name: str) -> None:
