@@ -227,3 +227,17 @@ def test_minicb_cache_expands_the_home_directory(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setenv("MINICB_CACHE", "~/models")
     assert cache_root() == tmp_path / "models"
+
+
+def test_the_converted_cache_is_readable_by_other_users(fake_bundled):
+    import os
+
+    from minicb.model.loader import ensure_bundled
+    umask = os.umask(0o022)
+    try:
+        folder = ensure_bundled("smollm2-135m")
+    finally:
+        os.umask(umask)
+    assert folder.stat().st_mode & 0o777 == 0o755
+    for name in ("config.json", "model.safetensors"):
+        assert (folder / name).stat().st_mode & 0o777 == 0o644, name

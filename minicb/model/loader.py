@@ -90,7 +90,7 @@ def ensure_bundled(name: str) -> Path:
     log.warning("minicb: converting %s once into %s", gguf.name, final)
     try:
         _convert_gguf(gguf, tmp)
-        tmp.chmod(0o755)
+        _share(tmp)
         try:
             os.rename(tmp, final)
         except OSError:  # someone else finished first: keep theirs
@@ -99,6 +99,17 @@ def ensure_bundled(name: str) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def _share(folder: Path) -> None:
+    """Give a converted cache the modes a plain mkdir and open would (0o777 and 0o666 less the
+    umask): mkdtemp makes it 0700 and save_pretrained writes model.safetensors 0600, so a cache
+    shared through MINICB_CACHE (an instructor's, a Docker build's) was unreadable to others."""
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
+    for path in folder.rglob("*"):
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
 
 
 def _convert_gguf(gguf: Path, folder: Path) -> None:
