@@ -241,3 +241,40 @@ def test_the_converted_cache_is_readable_by_other_users(fake_bundled):
     assert folder.stat().st_mode & 0o777 == 0o755
     for name in ("config.json", "model.safetensors"):
         assert (folder / name).stat().st_mode & 0o777 == 0o644, name
+
+
+def test_a_killed_conversions_temporary_directory_is_removed(fake_bundled):
+    """SIGKILL skips the `finally` that removes the temporary directory: the next conversion
+    (under the lock, so no live process is writing it) deletes it."""
+    from minicb.model.loader import ensure_bundled
+    cache, _, conversions = fake_bundled
+    dead = cache / ".smollm2-135m.tmp-dead"
+    dead.mkdir(parents=True)
+    (dead / "model.safetensors").write_bytes(b"half written")
+    (cache / ".other.tmp-x").mkdir()  # another model's: not ours to judge
+    ensure_bundled("smollm2-135m")
+    assert not dead.exists() and (cache / ".other.tmp-x").is_dir() and len(conversions) == 1
+
+
+def test_concurrent_conversions_wait_for_the_first_and_use_its_result(fake_bundled):
+    """Two threads (as two processes) ask for the model while a third holds the lock: both wait,
+    the first converts, the second finds the cache under the lock and converts nothing."""
+    import fcntl
+    import threading
+    import time
+
+    from minicb.model.loader import ensure_bundled
+    cache, _, conversions = fake_bundled
+    cache.mkdir()
+    results: list[Path] = []
+    with open(cache / ".smollm2-135m.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        threads = [threading.Thread(target=lambda: results.append(ensure_bundled("smollm2-135m")))
+                   for _ in range(2)]
+        for t in threads:
+            t.start()
+        time.sleep(0.3)
+        assert conversions == [] and all(t.is_alive() for t in threads)
+    for t in threads:
+        t.join(10)
+    assert results == [cache / "smollm2-135m"] * 2 and len(conversions) == 1

@@ -10,6 +10,7 @@ transformers, into an ordinary float32 checkpoint under `$MINICB_CACHE` (default
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import logging
@@ -17,6 +18,8 @@ import os
 import shutil
 import tempfile
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,30 +78,61 @@ def _find_gguf(spec: dict[str, str]) -> Path:
 def ensure_bundled(name: str) -> Path:
     """Return the checkpoint directory of a bundled model, converting its GGUF on first use.
     The conversion writes into a temporary directory and renames it, so an interrupted run
-    never leaves a half-written cache."""
+    never leaves a half-written cache; a second process converting the same model waits for
+    the first and then uses its result."""
     key = MODEL_ALIASES[name.lower()]
     final = cache_root() / key
     if (final / "config.json").is_file():
         return final
     gguf = _find_gguf(BUNDLED_MODELS[key])
+    with _cache_lock(final.parent, key):
+        if not (final / "config.json").is_file():  # unless another process just converted it
+            _remove_leftovers(final.parent, key)
+            _convert_into(final, gguf)
+    return final
+
+
+def _unwritable(root: Path, exc: OSError) -> ValueError:
+    """The error for a cache directory this user cannot write, naming the variable to change."""
+    return ValueError(f"cannot write minicb's model cache {root} ({exc}): set MINICB_CACHE "
+                      "to a writable directory")
+
+
+@contextmanager
+def _cache_lock(root: Path, key: str) -> Iterator[None]:
+    """Hold `root/.{key}.lock` (an flock, released when its file closes, a killed process's
+    too) around a conversion: a temporary directory found under it is no live one's."""
     try:
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{key}.tmp-", dir=final.parent))
+        root.mkdir(parents=True, exist_ok=True)
+        lock = open(root / f".{key}.lock", "a")  # closed by the `with` below
     except OSError as exc:
-        raise ValueError(f"cannot write minicb's model cache {final.parent} ({exc}): set "
-                         "MINICB_CACHE to a writable directory") from exc
+        raise _unwritable(root, exc) from exc
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # blocks while another process converts
+        yield
+
+
+def _remove_leftovers(root: Path, key: str) -> None:
+    """Delete the temporary directories of conversions killed before their rename (SIGKILL, the
+    OOM killer, a closed notebook kernel): their `finally` never ran. Call under the lock."""
+    for tmp in root.glob(f".{key}.tmp-*"):
+        log.warning("minicb: removing %s, left by a conversion that was killed", tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _convert_into(final: Path, gguf: Path) -> None:
+    """Convert `gguf` into a temporary directory beside `final`, then rename it to `final`."""
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    except OSError as exc:
+        raise _unwritable(final.parent, exc) from exc
     log.warning("minicb: converting %s once into %s", gguf.name, final)
     try:
         _convert_gguf(gguf, tmp)
         _share(tmp)
-        try:
-            os.rename(tmp, final)
-        except OSError:  # someone else finished first: keep theirs
-            if not (final / "config.json").is_file():
-                raise
+        os.rename(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return final
 
 
 def _share(folder: Path) -> None:
