@@ -968,11 +968,11 @@ def test_a_slow_tokenization_holds_up_no_step(word_model):
         entered, release = threading.Event(), threading.Event()
         real = worker.engine.tokenize
 
-        def slow(prompt):
+        def slow(prompt, **options):
             if prompt == "w9 w9 w9":
                 entered.set()
                 release.wait(10)
-            return real(prompt)
+            return real(prompt, **options)
         worker.engine.tokenize = slow
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             body = {"prompt": "w9 w9 w9", "max_tokens": 2, **GREEDY}
@@ -995,8 +995,8 @@ def test_a_prompt_too_long_to_fit_is_refused_before_it_is_tokenized(word_model):
         assert limit == 5 * worker.max_model_len
         calls = []
         real = worker.engine.tokenize
-        worker.engine.tokenize = lambda prompt: (isinstance(prompt, str) and calls.append(prompt)
-                                                 or real(prompt))  # texts it was asked
+        worker.engine.tokenize = lambda prompt, **options: (
+            isinstance(prompt, str) and calls.append(prompt) or real(prompt, **options))
         for chat in (False, True):
             body = {"messages": [{"role": "user", "content": "w5 " * limit}]} if chat \
                 else {"prompt": "w5 " * limit}
