@@ -74,6 +74,44 @@ class IncrementalDecoder:
         return delta
 
 
+class StopMatcher:
+    """One request's output text, cut before the first of its stop strings (vLLM's `stop`;
+    chapter 00's `LLM` and chapter 06's server share it): the text of an `IncrementalDecoder`,
+    looked through for the stop strings as it grows. A stop string may span tokens; none counts
+    before the output has `min_tokens` tokens (vLLM). The engine stays token-level: stop strings
+    are matched where text is made."""
+
+    def __init__(self, tokenizer: Any, stop: Sequence[str] = (), min_tokens: int = 0) -> None:
+        self.decoder = IncrementalDecoder(tokenizer)
+        self.stop = tuple(stop)
+        self.min_tokens = min_tokens
+        # characters at the end that might still grow into a stop string: not final yet
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.text = ""  # decoded so far, cut before a stop string once one is found
+        self.stopped = False
+
+    def step(self, token_ids: list[int], final: bool = False) -> bool:
+        """Read the output so far (`token_ids`: all of it); True once a stop string has ended
+        it. `final`: the request has ended (an incomplete last character is given as is)."""
+        if self.stopped:
+            return True
+        searched = len(self.decoder.text)  # stop strings were looked for up to here
+        self.decoder.step(token_ids, final=final)
+        self.text = self.decoder.text
+        if self.stop and len(token_ids) >= self.min_tokens:
+            # only in the new text, and the characters before it that may begin a stop string
+            start = max(0, searched - self.hold)
+            hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+            if hits:
+                self.text, self.stopped = self.text[:min(hits)], True
+        return self.stopped
+
+    def ready(self, final: bool = False) -> int:
+        """How many characters of `text` will not change: all of them once the request has
+        ended (`final`, or a stop string), else all but the `hold` that may begin one."""
+        return len(self.text) if final or self.stopped else len(self.text) - self.hold
+
+
 class LLM:
     """`LLM(model, **engine_config)`; the engine stays reachable as `llm.engine`."""
 

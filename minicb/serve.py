@@ -38,7 +38,7 @@ from starlette.requests import ClientDisconnect
 
 from minicb.bench import add_full_cache_arguments, check_full_cache_flags
 from minicb.config import QUANTIZATIONS, is_finite_number, is_int
-from minicb.llm import IncrementalDecoder, is_conversation, render_chat
+from minicb.llm import StopMatcher, is_conversation, render_chat
 from minicb.request import FINISH_REASONS, SamplingParams
 
 # vLLM's bucket edges, in seconds
@@ -91,15 +91,9 @@ class _Stream:
 
     job: Job
     loop: asyncio.AbstractEventLoop
-    stop: tuple[str, ...]
-    decoder: IncrementalDecoder | None  # None: the model has no tokenizer
+    matcher: StopMatcher | None  # its text, cut at a stop string; None: the model has no tokenizer
     sent_tokens: int = 0
-    text: str = ""  # decoded so far (truncated at a stop string)
-    sent_text: int = 0  # characters of `text` already sent
-
-    @property
-    def hold(self) -> int:  # characters that might still grow into a stop string
-        return max((len(s) for s in self.stop), default=1) - 1
+    sent_text: int = 0  # characters of `matcher.text` already sent
 
 
 class Histogram:
@@ -430,8 +424,9 @@ class EngineWorker:
                             "requests will take, are too few; the server rejects rather than "
                             "queues, --reject-when-full); retry later")
         job = Job(rid, len(token_ids), sink[1])
-        decoder = IncrementalDecoder(self.tokenizer) if self.tokenizer is not None else None
-        self._streams[rid] = _Stream(job, sink[0], tuple(stop), decoder)
+        matcher = None if self.tokenizer is None else \
+            StopMatcher(self.tokenizer, stop, sampling.min_tokens)
+        self._streams[rid] = _Stream(job, sink[0], matcher)
         with self._lock:
             self.counters["prompt_tokens"] += len(token_ids)
         return job
@@ -524,18 +519,13 @@ class EngineWorker:
         ids = req.output_token_ids
         new_ids, s.sent_tokens = ids[s.sent_tokens:], len(ids)
         reason = req.finish_reason
-        if s.decoder is not None:
-            searched = len(s.decoder.text)  # stop strings were looked for up to here
-            s.decoder.step(ids, final=reason is not None)
-            s.text = s.decoder.text
-            if s.stop and len(ids) >= req.params.min_tokens:  # vLLM: none before min_tokens
-                # only in the new text, and the characters before it that may begin a stop
-                start = max(0, searched - s.hold)
-                hits = [i for i in (s.text.find(t, start) for t in s.stop) if i >= 0]
-                if hits:
-                    s.text, reason = s.text[:min(hits)], "stop"
-        end = len(s.text) if reason else max(s.sent_text, len(s.text) - s.hold)
-        delta, s.sent_text = s.text[s.sent_text:end], end
+        delta = ""
+        m = s.matcher
+        if m is not None:
+            if m.step(ids, final=reason is not None):
+                reason = "stop"
+            end = max(s.sent_text, m.ready(final=reason is not None))
+            delta, s.sent_text = m.text[s.sent_text:end], end
         if reason:
             self._streams.pop(s.job.request_id, None)
         if reason == "stop" and not req.is_finished:
