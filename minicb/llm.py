@@ -150,14 +150,55 @@ class LLM:
                 token_lists.append(self.engine.check_request(prompt, p))
             except ValueError as exc:
                 raise ValueError(f"prompt {i}: {exc}") from None
+            if p.stop and self.tokenizer is None:
+                raise ValueError(f"prompt {i}: stop strings need a tokenizer, and this checkpoint "
+                                 f"has none: use stop_token_ids")
         return [self.engine.add_request(token_ids, p)
                 for token_ids, p in zip(token_lists, param_list)]
+
+    def _matchers(self, ids: list[str], every: bool = False) -> dict[str, StopMatcher]:
+        """A StopMatcher for each of `ids` that has stop strings, or for each of them if
+        `every` (a stream decodes every request's text through one); none without a
+        tokenizer."""
+        if self.tokenizer is None:
+            return {}
+        reqs = [self.engine.requests[rid] for rid in ids]
+        return {r.request_id: StopMatcher(self.tokenizer, r.params.stop, r.params.min_tokens)
+                for r in reqs if every or r.params.stop}
+
+    def _match_stops(self, rids: list[str], matchers: dict[str, StopMatcher]) -> list[str]:
+        """Look for stop strings in the new text of `rids`; the ids a stop string ended now.
+        Such a request stops in the engine at once (its pages back); one its last token ended
+        by length is relabelled "stop", as the server does: the record says what the user got."""
+        stopped = []
+        for rid in rids:
+            m = matchers.get(rid)
+            if m is None or m.stopped:
+                continue
+            req = self.engine.requests[rid]
+            if m.step(req.output_token_ids, final=req.is_finished):
+                stopped.append(rid)
+                if not req.is_finished:
+                    self.engine.cancel(rid, reason="stop")
+                elif req.finish_reason == "length":
+                    req.finish_reason = "stop"
+        return stopped
+
+    def _output(self, rid: str, matchers: dict[str, StopMatcher]) -> RequestOutput:
+        """The engine's output, its text cut before a stop string that ended it (vLLM: the
+        token ids keep every token generated, the one that completed the stop string too)."""
+        out = self.engine.output(rid)
+        m = matchers.get(rid)
+        if m is not None and m.stopped:
+            out.text = m.text
+        return out
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in prompt order."""
         ids = self._add_all(prompts, params)
+        matchers = self._matchers(ids)
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
@@ -166,8 +207,11 @@ class LLM:
         try:
             while any(not self.engine.requests[rid].is_finished for rid in ids):
                 record = self.engine.step()
+                # a request a stop string ends is cancelled now; the next record lists it
+                stopped = self._match_stops(record.sampled + record.finished, matchers)
                 if bar is not None:
-                    new = [rid for rid in record.finished if rid in ids and rid not in done]
+                    new = [rid for rid in record.finished + stopped
+                           if rid in ids and rid not in done]
                     done.update(new)
                     bar.update(len(new))
         except BaseException:  # a stalled policy, Ctrl-C: leave nothing queued or allocated
@@ -177,35 +221,42 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
-        return [self.engine.output(rid) for rid in ids]
+        return [self._output(rid, matchers) for rid in ids]
 
     def stream(self, prompts: Prompt | Sequence[Prompt],
                params: SamplingParams | Sequence[SamplingParams] | None = None
                ) -> Iterator[tuple[str, list[int], str]]:
-        """Yield `(request_id, new_token_ids, text_delta)` as each step produces tokens."""
+        """Yield `(request_id, new_token_ids, text_delta)` as each step produces tokens. A
+        request's text deltas stop before its first stop string; the characters that might
+        begin one are held back until they cannot (or the request ends)."""
         ids = self._add_all(prompts, params)
         sent_tokens = {rid: 0 for rid in ids}
-        decoders = {rid: IncrementalDecoder(self.tokenizer) for rid in ids}
+        sent_text = {rid: 0 for rid in ids}
+        matchers = self._matchers(ids, every=True)
 
-        def news(rid: str) -> tuple[str, list[int], str]:
+        def news(rid: str) -> tuple[str, list[int], str] | None:
+            """What `rid` has that was not yielded yet; None if nothing."""
             req = self.engine.requests[rid]
             new = req.output_token_ids[sent_tokens[rid]:]
             sent_tokens[rid] = len(req.output_token_ids)
-            delta = "" if self.tokenizer is None else \
-                decoders[rid].step(req.output_token_ids, final=req.is_finished)
-            return rid, new, delta
+            delta, m = "", matchers.get(rid)
+            if m is not None:
+                self._match_stops([rid], matchers)
+                end = max(sent_text[rid], m.ready(final=req.is_finished))
+                delta, sent_text[rid] = m.text[sent_text[rid]:end], end
+            return (rid, new, delta) if new or delta else None
 
         try:
             while any(not self.engine.requests[rid].is_finished for rid in ids):
                 record = self.engine.step()
-                for rid in record.sampled:
-                    if rid in sent_tokens:
-                        yield news(rid)
+                for rid in dict.fromkeys(record.sampled + record.finished):
+                    if rid in sent_tokens and (item := news(rid)) is not None:
+                        yield item
             # steps another consumer ran (a second stream read in turn, a generate call) may
             # have given these requests tokens, or finished them: those tokens still go out
             for rid in ids:
-                if sent_tokens[rid] < len(self.engine.requests[rid].output_token_ids):
-                    yield news(rid)
+                if (item := news(rid)) is not None:
+                    yield item
         finally:  # a consumer that stops early cancels what it no longer reads
             for rid in ids:
                 self.engine.cancel(rid)

@@ -38,7 +38,9 @@ GREEDY_BELOW = 1e-5  # a temperature under this samples greedily
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token, and when to stop (vLLM's names; chapter 00 uses them
-    first). temperature 0 (or below 1e-5) means greedy."""
+    first). temperature 0 (or below 1e-5) means greedy. `stop`: strings that end the output
+    (not included in its text); they are matched where text is made (`LLM`, the server), so
+    the engine stays token-level and `Engine.run` alone does not look for them."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -48,6 +50,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     min_tokens: int = 0
+    stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not is_positive_int(self.max_tokens):
@@ -74,12 +77,26 @@ class SamplingParams:
         if any(not is_int(t) or t < 0 for t in stop):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {stop!r}")
         object.__setattr__(self, "stop_token_ids", stop)
+        object.__setattr__(self, "stop", stop_strings(self.stop))
 
     @property
     def greedy(self) -> bool:
         """Temperature 0 (or below 1e-5, as in vLLM: too small to sample from in float32),
         or top_k 1."""
         return self.temperature < GREEDY_BELOW or self.top_k == 1
+
+
+def stop_strings(stop: object) -> tuple[str, ...]:
+    """`SamplingParams.stop` as a tuple (chapter 00): one string is one stop string, as in
+    vLLM; None is none."""
+    if stop is None:
+        return ()
+    strings = (stop,) if isinstance(stop, str) else stop
+    if not isinstance(strings, (list, tuple)) or not all(isinstance(s, str) and s
+                                                         for s in strings):
+        raise ValueError(f"stop must be a string or a list of non-empty strings (token ids go "
+                         f"in stop_token_ids), got {stop!r:.80}")
+    return tuple(strings)
 
 
 @dataclass

@@ -397,7 +397,7 @@ class EngineWorker:
             room = max(1, min(self.max_model_len, self.capacity) - len(token_ids))
             params["max_tokens"] = min(room, self.default_max_tokens or room)
         try:
-            sampling = SamplingParams(**params)
+            sampling = SamplingParams(**params, stop=stop)
         except ValueError as exc:
             raise InvalidRequest(str(exc), str(exc).split()[0]) from None
         base = rid = request_id or uuid.uuid4().hex[:16]
@@ -425,7 +425,7 @@ class EngineWorker:
                             "queues, --reject-when-full); retry later")
         job = Job(rid, len(token_ids), sink[1])
         matcher = None if self.tokenizer is None else \
-            StopMatcher(self.tokenizer, stop, sampling.min_tokens)
+            StopMatcher(self.tokenizer, sampling.stop, sampling.min_tokens)
         self._streams[rid] = _Stream(job, sink[0], matcher)
         with self._lock:
             self.counters["prompt_tokens"] += len(token_ids)

@@ -1,0 +1,156 @@
+"""The `LLM` API (chapter 00) on the inputs users hand it: stop strings in `SamplingParams`
+(as vLLM's, matched by the same `StopMatcher` the server uses), prompts as numpy arrays or torch
+tensors, containers that are not lists, and chat's refusals.
+
+Text matters here, so most tests run the tiny Llama with test_serve's word-level tokenizer
+("w3 w17 ..."), built again below; every refusal must leave the engine empty."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from minicb import LLM, SamplingParams
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+HI = [{"role": "user", "content": "w5 w6"}]
+
+
+@pytest.fixture(scope="module")
+def word_model(tiny_model):
+    """The tiny Llama with a word-level tokenizer ("w3 w17 ...") and a chat template (as
+    tests/test_serve.py's)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    model, info = tiny_model
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 256)}}
+    raw = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>", bos_token="<s>",
+                                  eos_token="</s>")
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}w9"
+    return model, dataclasses.replace(info, tokenizer=tok)
+
+
+@pytest.fixture
+def llm(word_model):
+    return LLM(word_model, num_pages=64, check_invariants=True)
+
+
+def empty(llm) -> bool:
+    """Nothing queued, running or allocated."""
+    return not llm.engine.has_unfinished() and llm.engine.pool.num_used == 0
+
+
+def tokens_to_reach(llm, token_ids: list[int], end: int) -> int:
+    """How many of `token_ids` it takes for their text to be at least `end` characters long."""
+    for n in range(1, len(token_ids) + 1):
+        if len(llm.tokenizer.decode(token_ids[:n], skip_special_tokens=True)) >= end:
+            return n
+    raise AssertionError("the text never gets that long")
+
+
+def once(words: list[str], start: int) -> str:
+    """The first of `words[start:]` that is no part of any other word: a stop string that
+    matches in one place only."""
+    return next(w for w in words[start:] if sum(w in v for v in words) == 1)
+
+
+# ------------------------------------------------------------------------------ stop strings
+def test_sampling_params_stop_is_a_tuple_of_non_empty_strings():
+    assert SamplingParams().stop == ()
+    assert SamplingParams(stop="w1").stop == ("w1",)  # one string is one stop string (vLLM)
+    assert SamplingParams(stop=["a", "bc"]).stop == ("a", "bc")
+    assert SamplingParams(stop=("a",)).stop == ("a",)
+    assert SamplingParams(stop=None).stop == ()
+    for bad in (b"\n", [b"\n"], "", [""], ["a", ""], [3], 3, {"a"}, True):
+        with pytest.raises(ValueError, match="stop must be a string or a list of non-empty"):
+            SamplingParams(stop=bad)
+
+
+def test_generate_cuts_the_text_before_the_earliest_stop_string_and_stops_at_once(llm):
+    """vLLM: the text ends before the stop string, finish_reason "stop", the token that
+    completed it is kept; the request leaves the engine then, not at max_tokens."""
+    ref = llm.generate("w5 w6 w7", SamplingParams(max_tokens=12, **GREEDY), use_tqdm=False)[0]
+    words = ref.text.split()
+    early = once(words, 3)
+    late = once(words, words.index(early) + 1)
+    cut = ref.text.find(early)  # `late` comes first in the list, `early` in the text
+    stop_sp = SamplingParams(max_tokens=12, stop=[late, "nowhere", early], **GREEDY)
+    out, other = llm.generate(["w5 w6 w7", "w5 w6 w7"], [stop_sp, SamplingParams(
+        max_tokens=12, stop="nowhere", **GREEDY)], use_tqdm=False)
+    n = tokens_to_reach(llm, ref.token_ids, cut + len(early))
+    assert (out.text, out.finish_reason) == (ref.text[:cut], "stop")
+    assert out.token_ids == ref.token_ids[:n] and n < 12, "stopped in the engine at once"
+    assert llm.engine.requests[out.request_id].finish_reason == "stop"
+    assert (other.text, other.token_ids, other.finish_reason) == (ref.text, ref.token_ids,
+                                                                   "length")
+    assert empty(llm)
+
+
+def test_a_stop_string_may_span_tokens(llm):
+    ref = llm.generate("w5 w6 w7", SamplingParams(max_tokens=12, **GREEDY), use_tqdm=False)[0]
+    words = ref.text.split()
+    stop = f"{words[2][-1]} {words[3][:2]}"  # the end of one word and the start of the next
+    cut = ref.text.find(stop)
+    out = llm.generate("w5 w6 w7", SamplingParams(max_tokens=12, stop=stop, **GREEDY),
+                       use_tqdm=False)[0]
+    assert (out.text, out.finish_reason) == (ref.text[:cut], "stop")
+    assert out.token_ids == ref.token_ids[:tokens_to_reach(llm, ref.token_ids, cut + len(stop))]
+
+
+def test_no_stop_string_before_min_tokens(llm):
+    """As vLLM and the server: a stop string ends nothing before `min_tokens` tokens."""
+    ref = llm.generate("w5 w6 w7", SamplingParams(max_tokens=12, **GREEDY), use_tqdm=False)[0]
+    words = ref.text.split()
+    stop = words[1]
+    min_tokens = max(i for i, w in enumerate(words) if w == stop) + 2  # after its last one
+    out = llm.generate("w5 w6 w7", SamplingParams(max_tokens=12, stop=stop, min_tokens=min_tokens,
+                                                  **GREEDY), use_tqdm=False)[0]
+    assert (out.text, out.finish_reason, out.token_ids) == (ref.text, "length", ref.token_ids)
+
+
+def test_a_stop_string_in_the_last_allowed_token_is_a_stop(llm):
+    ref = llm.generate("w5 w6 w7", SamplingParams(max_tokens=2, **GREEDY), use_tqdm=False)[0]
+    first, stop = ref.text.split()
+    assert stop not in first
+    out = llm.generate("w5 w6 w7", SamplingParams(max_tokens=2, stop=[stop], **GREEDY),
+                       use_tqdm=False)[0]
+    assert (out.text, out.finish_reason, out.token_ids) == (first + " ", "stop", ref.token_ids)
+    assert llm.engine.requests[out.request_id].finish_reason == "stop"
+
+
+def test_stream_holds_back_what_may_begin_a_stop_string_and_stops_there(llm):
+    ref = llm.generate("w5 w6 w7", SamplingParams(max_tokens=12, **GREEDY), use_tqdm=False)[0]
+    words = ref.text.split()
+    stop = f"{words[2][-1]} {words[3][:2]}"  # its first character ends a word: held back
+    cut = ref.text.find(stop)
+    items = list(llm.stream("w5 w6 w7", SamplingParams(max_tokens=12, stop=stop, **GREEDY)))
+    text = "".join(delta for _, _, delta in items)
+    ids = [t for _, new, _ in items for t in new]
+    assert text == ref.text[:cut]
+    assert ids == ref.token_ids[:tokens_to_reach(llm, ref.token_ids, cut + len(stop))]
+    assert llm.engine.requests[items[0][0]].finish_reason == "stop" and empty(llm)
+    # without stop strings, the stream's text is the whole output, as before
+    plain = list(llm.stream("w5 w6 w7", SamplingParams(max_tokens=12, **GREEDY)))
+    assert "".join(delta for _, _, delta in plain) == ref.text
+
+
+def test_chat_honours_stop_strings(llm):
+    ref = llm.chat(HI, SamplingParams(max_tokens=8, **GREEDY), use_tqdm=False)[0]
+    stop = once(ref.text.split(), 4)
+    out = llm.chat(HI, SamplingParams(max_tokens=8, stop=stop, **GREEDY), use_tqdm=False)[0]
+    assert (out.text, out.finish_reason) == (ref.text[:ref.text.find(stop)], "stop")
+
+
+def test_stop_strings_without_a_tokenizer_are_refused_and_nothing_is_queued(tiny_model):
+    llm = LLM(tiny_model, num_pages=64)
+    with pytest.raises(ValueError, match="prompt 1: stop strings need a tokenizer"):
+        llm.generate([[5, 6], [7, 8]], [SamplingParams(max_tokens=3), SamplingParams(
+            max_tokens=3, stop="x")], use_tqdm=False)
+    assert not llm.engine.requests and empty(llm)
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        next(llm.stream([5, 6], SamplingParams(max_tokens=3, stop=["x"])))
+    assert not llm.engine.requests and empty(llm)
