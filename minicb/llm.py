@@ -5,11 +5,46 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from minicb.config import EngineConfig
+from minicb.config import EngineConfig, is_int
 from minicb.engine import Engine
 from minicb.request import RequestOutput, SamplingParams
 
 Prompt = str | list[int]
+
+
+def _is_array(value: object) -> bool:
+    """A numpy array or a torch tensor (anything with `ndim` and `tolist`)."""
+    return hasattr(value, "ndim") and hasattr(value, "tolist")
+
+
+def array_token_ids(array: Any) -> list:
+    """A numpy array or torch tensor of token ids as lists (chapter 00): 1-D, one prompt's ids;
+    2-D, one prompt a row."""
+    if array.ndim not in (1, 2):
+        raise ValueError(f"a prompt array must be 1-D (one prompt's token ids) or 2-D (one "
+                         f"prompt a row), got shape {tuple(array.shape)}")
+    ids = array.tolist()
+    if not all(is_int(t) for t in (ids if array.ndim == 1 else [t for row in ids for t in row])):
+        raise ValueError(f"a prompt array must hold integer token ids, got dtype {array.dtype}")
+    return ids
+
+
+def prompt_list(prompts: object) -> list:
+    """`LLM.generate`'s prompts as a list of prompts (chapter 00): one prompt (a string, a list
+    of token ids, a 1-D numpy array or torch tensor of them) is a list of one; a list of prompts
+    or a 2-D array (one prompt a row) is a list of them."""
+    if _is_array(prompts):
+        prompts = array_token_ids(prompts)
+    elif isinstance(prompts, (list, tuple)) and prompts and all(
+            _is_array(t) and t.ndim == 0 for t in prompts):
+        prompts = [t.tolist() for t in prompts]  # list(np.array([1, 2])): numpy's scalars
+    if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                    and isinstance(prompts[0], int)):
+        return [prompts]  # one prompt, as text or as token ids
+    if isinstance(prompts, (bytes, bytearray)) or not hasattr(prompts, "__iter__"):
+        raise ValueError(f"prompts must be a prompt (a string or a list of token ids) or a "
+                         f"list of prompts, got {prompts!r:.80}")
+    return [array_token_ids(p) if _is_array(p) else p for p in prompts]
 
 
 def is_conversation(messages: object) -> bool:
@@ -122,13 +157,7 @@ class LLM:
 
     def _add_all(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None) -> list[str]:
-        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
-                                        and isinstance(prompts[0], int)):
-            prompts = [prompts]  # one prompt, as text or as token ids
-        if isinstance(prompts, bytes) or not hasattr(prompts, "__iter__"):
-            raise ValueError(f"prompts must be a prompt (a string or a list of token ids) or a "
-                             f"list of prompts, got {prompts!r:.80}")
-        prompts = list(prompts)
+        prompts = prompt_list(prompts)
         if params is None:
             params = SamplingParams()
         if isinstance(params, dict):

@@ -154,3 +154,30 @@ def test_stop_strings_without_a_tokenizer_are_refused_and_nothing_is_queued(tiny
     with pytest.raises(ValueError, match="stop strings need a tokenizer"):
         next(llm.stream([5, 6], SamplingParams(max_tokens=3, stop=["x"])))
     assert not llm.engine.requests and empty(llm)
+
+
+# ------------------------------------------------------------------------------ prompt containers
+def test_a_1d_array_or_tensor_is_one_prompt_and_a_2d_one_a_list_of_prompts(tiny_model):
+    """numpy arrays and torch tensors of token ids, as `tokenizer(..., return_tensors=...)`
+    gives them: a 1-D one was read as a list of three prompts of one int each."""
+    import numpy as np
+    import torch
+    llm = LLM(tiny_model, num_pages=64)
+    sp = SamplingParams(max_tokens=4, **GREEDY)
+    ref = llm.generate([[5, 6, 7], [8, 9, 10]], sp, use_tqdm=False)
+    for one in (np.array([5, 6, 7]), torch.tensor([5, 6, 7]), np.array([5, 6, 7], np.int32),
+                list(np.array([5, 6, 7]))):
+        out = llm.generate(one, sp, use_tqdm=False)
+        assert [(o.prompt_token_ids, o.token_ids) for o in out] == [([5, 6, 7], ref[0].token_ids)]
+    for two in (np.array([[5, 6, 7], [8, 9, 10]]), torch.tensor([[5, 6, 7], [8, 9, 10]]),
+                [np.array([5, 6, 7]), torch.tensor([8, 9, 10])]):
+        out = llm.generate(two, sp, use_tqdm=False)
+        assert [o.token_ids for o in out] == [r.token_ids for r in ref]
+    assert [t for _, new, _ in llm.stream(torch.tensor([5, 6, 7]), sp) for t in new] == \
+        ref[0].token_ids
+    for bad, message in ((np.array([1.0, 2.0]), "integer token ids, got dtype float64"),
+                         (torch.ones(1, 2, 3, dtype=torch.long), r"1-D .* or 2-D .*shape"),
+                         (np.array(5), r"got shape \(\)")):
+        with pytest.raises(ValueError, match=message):
+            llm.generate(bad, sp, use_tqdm=False)
+    assert empty(llm)
