@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence, Set
 from typing import Any
 
 from minicb.config import EngineConfig, is_int
@@ -41,6 +41,9 @@ def prompt_list(prompts: object) -> list:
     if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
                                     and isinstance(prompts[0], int)):
         return [prompts]  # one prompt, as text or as token ids
+    if isinstance(prompts, (Mapping, Set)):  # a dict's keys or a set's order: not what was meant
+        raise ValueError(f"prompts must be a prompt or a list of prompts, got a "
+                         f"{type(prompts).__name__} ({prompts!r:.60}): pass a list")
     if isinstance(prompts, (bytes, bytearray)) or not hasattr(prompts, "__iter__"):
         raise ValueError(f"prompts must be a prompt (a string or a list of token ids) or a "
                          f"list of prompts, got {prompts!r:.80}")

@@ -69,10 +69,11 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}")
         if not isinstance(self.ignore_eos, bool):  # "false" is truthy: it would ignore EOS
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
-        if isinstance(self.stop_token_ids, (int, str)) or not hasattr(self.stop_token_ids,
-                                                                      "__iter__"):
+        # bytes iterate as ints (b"\n " would be ids 10 and 32): a string's bytes are no ids
+        if isinstance(self.stop_token_ids, (int, str, bytes, bytearray)) or \
+                not hasattr(self.stop_token_ids, "__iter__"):
             raise ValueError(f"stop_token_ids must be a list of token ids, got "
-                             f"{self.stop_token_ids!r}")
+                             f"{self.stop_token_ids!r} (stop strings go in stop)")
         stop = tuple(self.stop_token_ids)
         if any(not is_int(t) or t < 0 for t in stop):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {stop!r}")

@@ -181,3 +181,22 @@ def test_a_1d_array_or_tensor_is_one_prompt_and_a_2d_one_a_list_of_prompts(tiny_
         with pytest.raises(ValueError, match=message):
             llm.generate(bad, sp, use_tqdm=False)
     assert empty(llm)
+
+
+def test_a_dict_or_a_set_of_prompts_is_refused(llm):
+    """A dict iterated as its keys: generate({"w5": 1}) ran the prompt "w5"; a set has no
+    order to give the outputs in."""
+    for bad, kind in (({"w5 w6": 1}, "dict"), ({"w5 w6", "w7"}, "set"),
+                      (frozenset({"w5"}), "frozenset")):
+        with pytest.raises(ValueError, match=f"prompts must be a prompt or a list of prompts, "
+                                             f"got a {kind}"):
+            llm.generate(bad, SamplingParams(max_tokens=2), use_tqdm=False)
+    assert not llm.engine.requests and empty(llm)
+
+
+def test_stop_token_ids_refuse_bytes():
+    """b"\\n " iterated as the ids (10, 32): a string's bytes are not its tokens."""
+    for bad in (b"\n ", bytearray(b"\n")):
+        with pytest.raises(ValueError, match="stop_token_ids must be a list of token ids"):
+            SamplingParams(stop_token_ids=bad)
+    assert SamplingParams(stop_token_ids=[10, 32]).stop_token_ids == (10, 32)
