@@ -297,12 +297,15 @@ class LLM:
              params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True) -> list[RequestOutput]:
         """Apply the checkpoint's chat template to one conversation (or a list of them)."""
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this checkpoint has no chat template; use generate() with a prompt")
+        self._check_chat_template()
         if isinstance(messages, str):  # llm.chat("hi"): the string, not its first letter
             raise ValueError(f"chat() takes messages, a list of {{'role': ..., 'content': ...}}"
                              f", got the string {messages!r}: pass [{{'role': 'user', "
                              f"'content': {messages!r}}}], or call generate() with a prompt")
+        if not isinstance(messages, (list, tuple)) or not messages:  # [] would return []
+            raise ValueError(f"chat() takes a conversation (a non-empty list of {{'role': ..., "
+                             f"'content': ...}} messages) or a non-empty list of them, got "
+                             f"{messages!r:.80}")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         for conversation in conversations:
             if not is_conversation(conversation):
@@ -311,6 +314,18 @@ class LLM:
         prompts = [self.apply_chat_template(c) for c in conversations]
         return self.generate(prompts, params, use_tqdm=use_tqdm)
 
+    def _check_chat_template(self) -> None:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this checkpoint has no chat template; use generate() with a prompt")
+
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        return self.engine.tokenize(render_chat(self.tokenizer, messages),
-                                    add_special_tokens=False)  # the template wrote them
+        """The prompt token ids the checkpoint's chat template makes of one conversation, the
+        assistant's turn opened (chapter 00); ValueError if the template cannot take it."""
+        self._check_chat_template()
+        try:
+            text = render_chat(self.tokenizer, messages)
+        except Exception as exc:  # noqa: BLE001 - a template error is the caller's input
+            # (jinja's UndefinedError, a TypeError, raise_exception's TemplateError), as the
+            # server's tokenize says it
+            raise ValueError(f"cannot apply the chat template: {exc}") from None
+        return self.engine.tokenize(text, add_special_tokens=False)  # the template wrote them

@@ -200,3 +200,37 @@ def test_stop_token_ids_refuse_bytes():
         with pytest.raises(ValueError, match="stop_token_ids must be a list of token ids"):
             SamplingParams(stop_token_ids=bad)
     assert SamplingParams(stop_token_ids=[10, 32]).stop_token_ids == (10, 32)
+
+
+# ------------------------------------------------------------------------------ chat
+def test_chat_of_no_conversation_is_refused(llm):
+    """chat([]) returned [] silently; a dict (one message, not in a list) raised KeyError."""
+    for bad in ([], (), {"role": "user", "content": "w5"}, None):
+        with pytest.raises(ValueError, match="chat.. takes a conversation"):
+            llm.chat(bad, SamplingParams(max_tokens=2), use_tqdm=False)
+    assert not llm.engine.requests and empty(llm)
+
+
+def test_a_chat_template_error_is_a_value_error(llm):
+    """As the server says it: jinja's UndefinedError or a TypeError from the template, or the
+    template's own raise_exception, came out raw."""
+    saved = llm.tokenizer.chat_template
+    templates = {"{{ messages[0]['content'].upper() }}": [{"role": "user", "content": 5}],
+                 "{{ messages[0]['content'] + 1 }}": HI,
+                 "{{ raise_exception('no system role, please') }}": HI}
+    try:
+        for template, messages in templates.items():
+            llm.tokenizer.chat_template = template
+            with pytest.raises(ValueError, match="cannot apply the chat template: "):
+                llm.chat(messages, use_tqdm=False)
+            with pytest.raises(ValueError, match="cannot apply the chat template: "):
+                llm.apply_chat_template(messages)
+    finally:
+        llm.tokenizer.chat_template = saved
+    assert not llm.engine.requests and empty(llm)
+    llm.tokenizer.chat_template = None  # the fixture's tokenizer is shared: restored below
+    try:
+        with pytest.raises(ValueError, match="this checkpoint has no chat template"):
+            llm.apply_chat_template(HI)
+    finally:
+        llm.tokenizer.chat_template = saved

@@ -131,12 +131,11 @@ def test_is_conversation_needs_a_non_empty_list_or_tuple_of_messages():
 
 def test_chat_checks_every_conversation_before_queuing_any(word_model):  # noqa: F811
     """Planted: chat checked only the first conversation, so a later empty one was templated
-    and run; chat([]) indexed messages[0] (IndexError) where generate([]) returns []."""
+    and run; chat([]) indexed messages[0] (IndexError). It is now a ValueError (test_llm_api)."""
     llm = LLM(word_model, num_pages=64)
     with pytest.raises(ValueError, match=r"a conversation must be a non-empty list.*got \[\]"):
         llm.chat([HI, []], GREEDY, use_tqdm=False)
     assert not llm.engine.requests
-    assert llm.chat([], GREEDY, use_tqdm=False) == []
 
 
 def test_chat_without_a_template_says_so_and_passes_use_tqdm_on(word_model, bars):  # noqa: F811
