@@ -1379,7 +1379,12 @@ def main_bench(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-        data["declaration"]["command"] = args.command_line
+        decl = data["declaration"]
+        decl["command"] = args.command_line
+        print(workload_line(decl))
+        print(f"concurrency: {concurrency_text(decl['concurrency'])}; endpoint "
+              f"{decl['endpoint']}, model {decl['model'] or 'the server default'}, measured at "
+              f"the {decl['measured_at']}; SLO {slo or 'none'}\n")
         print(report(data["results"]))
         print_errors(data["results"])
         if args.out:
@@ -1421,22 +1426,38 @@ def _head(text: Any) -> str:
     return str(text).split(":")[0]
 
 
-def declaration_lines(decl: dict[str, Any]) -> list[str]:
-    """The benchmark contract's declaration in a few printed lines (chapter 06): arrival process,
-    burstiness and rate, lengths, concurrency, cache state, policy and its options, token
-    budget, memory limit, model, runtime and hardware, SLO. The JSON holds all of it in full."""
-    wl, cache = decl["workload"], decl.get("cache_state") or {}
-    rate = decl.get("rate_rps")
-    arrivals = str(decl.get("arrival_process"))
+def workload_line(wl: dict[str, Any]) -> str:
+    """A workload's declaration in one printed line (chapter 06): requests, arrival process,
+    rate and burstiness (and what a generated sample delivered), prompt and output lengths."""
+    rate = wl.get("rate_rps")
+    arrivals = str(wl.get("arrival_process"))
     if rate is not None:
         arrivals += f" at {rate:g} req/s"
-    if decl.get("burstiness") is not None:
-        arrivals += f" (burstiness {decl['burstiness']:g})"
+    if wl.get("burstiness") is not None:
+        arrivals += f" (burstiness {wl['burstiness']:g})"
     observed = wl.get("observed")  # a generated sample: what its arrivals deliver
     if rate is not None and observed:
         drawn = observed["rate_rps"]
         arrivals += (f", drawn {drawn:.3g} req/s over {observed['arrival_span_s']:.3g} s"
                      if drawn else ", drawn all at t=0")
+    return (f"workload {wl.get('workload')}: {wl.get('num_requests')} requests, arrivals "
+            f"{arrivals}, prompts {_lengths(wl.get('prompt_lengths'))}, outputs "
+            f"{_lengths(wl.get('output_lengths'))}")
+
+
+def concurrency_text(concurrency: dict[str, Any]) -> str:
+    """The declared loop (open, or closed with its number of users), chapter 06."""
+    loop = _head(concurrency.get("client"))
+    if concurrency.get("max_concurrency"):
+        loop += f" of {concurrency['max_concurrency']}"
+    return loop
+
+
+def declaration_lines(decl: dict[str, Any]) -> list[str]:
+    """The benchmark contract's declaration in a few printed lines (chapter 06): arrival process,
+    burstiness and rate, lengths, concurrency, cache state, policy and its options, token
+    budget, memory limit, model, runtime and hardware, SLO. The JSON holds all of it in full."""
+    cache = decl.get("cache_state") or {}
     concurrency = decl.get("concurrency") or {}
     options = {k: v for k, v in (decl.get("policy_options") or {}).items()
                if v not in (None, 0) and k != "batch_timeout"}
@@ -1444,9 +1465,6 @@ def declaration_lines(decl: dict[str, Any]) -> list[str]:
     cpu_model = lookup(decl, "device.cpu_model")
     hardware = (f"{lookup(decl, 'device.device')} ({lookup(decl, 'device.cpu_count')} CPUs"
                 + (f", {cpu_model})" if cpu_model else ")"))
-    loop = _head(concurrency.get("client"))
-    if concurrency.get("max_concurrency"):
-        loop += f" of {concurrency['max_concurrency']}"
     policies = ", ".join(decl.get("policy") or [])
     if options:
         policies += f" ({', '.join(f'{k}={v}' for k, v in options.items())})"
@@ -1455,10 +1473,9 @@ def declaration_lines(decl: dict[str, Any]) -> list[str]:
                 else f"{weights_label(decl)} weights, attention "
                      f"{decl.get('attention_backend', '?')}")
     return [
-        f"workload {wl.get('workload')}: {wl.get('num_requests')} requests, arrivals {arrivals}, "
-        f"prompts {_lengths(decl.get('prompt_lengths'))}, outputs "
-        f"{_lengths(decl.get('output_lengths'))}",
-        f"concurrency: {loop}, max_num_seqs {concurrency.get('max_num_seqs')}; cache: prefix "
+        workload_line(decl["workload"]),
+        f"concurrency: {concurrency_text(concurrency)}, max_num_seqs "
+        f"{concurrency.get('max_num_seqs')}; cache: prefix "
         f"caching {caching}, {_head(cache.get('start'))} start; policies {policies}",
         f"model {lookup(decl, 'model.name')}; executor {decl['executor']}"
         + (" -- " if decl.get("simulated") else ", ") + f"{executor}; on {hardware}",

@@ -78,6 +78,9 @@ def _load(model, device: str, dtype: torch.dtype, quantization: str | None,
     the engine's device, and keeps its own dtype under dtype="auto"; an explicit dtype must
     match it."""
     from minicb.model.loader import load_model
+    if isinstance(model, torch.nn.Module):  # str(model) would be its repr as a path
+        raise ValueError("model is a loaded module without its info: pass the pair "
+                         "load_model(...) returned, (model, info), or a name or a path")
     if not isinstance(model, tuple):
         return (*load_model(str(model), device=device, dtype=dtype, quantization=quantization),
                 dtype)

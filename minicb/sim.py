@@ -142,11 +142,21 @@ class CostModel:
                 from None
         if not isinstance(data, dict) or not any(k in data for k in FEATURES):
             raise ValueError(f"cost model {str(path)!r} holds no coefficients: {wanted}")
+        unknown = sorted(set(data) - {*FEATURES, "s", "name", "source", "assumption", "fit",
+                                      "formula", "meaning"})
+        if unknown:  # a misspelt coefficient ("E") would silently be 0
+            raise ValueError(f"cost model {str(path)!r}: unknown key(s) {unknown}: {wanted}")
         try:
-            return cls.from_dict(data)
+            model = cls.from_dict(data)
         except ValueError as exc:
             raise ValueError(f"cost model {str(path)!r}: {str(exc).removeprefix('cost model ')}")\
                 from None
+        missing = [k for k in FEATURES if k not in data]
+        if missing:
+            raise ValueError(f"cost model {str(path)!r} lacks coefficient(s) "
+                             f"{', '.join(missing)}: give each of {', '.join(FEATURES)} (0 for a "
+                             "term the model leaves out)")
+        return model
 
 
 DEFAULT_CPU_COST_MODEL = Path(__file__).resolve().parent.parent / "bench" / "cost_model_cpu.json"

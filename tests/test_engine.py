@@ -690,6 +690,15 @@ def test_a_loaded_model_on_another_device_is_refused(tiny_llama_dir):
         Engine((model, info))
 
 
+def test_a_loaded_model_without_its_info_is_refused_by_name(tiny_llama_dir):
+    """Engine(model) with the module alone, not the (model, info) pair: a ValueError saying
+    what to pass (its repr was taken for a path: OSError 'File name too long')."""
+    from minicb.model.loader import load_model
+    model, _ = load_model(tiny_llama_dir, prepack=False)
+    with pytest.raises(ValueError, match=r"pass the pair load_model\(...\) returned"):
+        Engine(model)
+
+
 def test_device_auto_is_the_cpu_here_and_follows_a_loaded_model(tiny_llama_dir, monkeypatch):
     import torch
 

@@ -585,6 +585,10 @@ def test_bench_endpoint_measures_a_running_server(tiny_model, tmp_path, capsys):
     assert result["mean_batch_size"] is None and result["dead_slot_steps"] is None
     assert result["preemptions"] == 0 and result["num_steps"] > 0  # minicb's /metrics
     assert "num_steps=" in printed
+    # the declaration is printed too, not only written with --out (a README audit)
+    assert printed.startswith("workload mixed-chat: 3 requests, arrivals") or \
+        "\nworkload mixed-chat: 3 requests, arrivals" in printed
+    assert f"concurrency: open loop; endpoint {url}" in printed
     records_only = metrics.summarize([], [])  # a summary not from bench_endpoint: no such line
     assert "/metrics" not in client.report({"x": {**records_only, "preemptions": 0}})
 
