@@ -33,6 +33,8 @@ def prompt_list(prompts: object) -> list:
     """`LLM.generate`'s prompts as a list of prompts (chapter 00): one prompt (a string, a list
     of token ids, a 1-D numpy array or torch tensor of them) is a list of one; a list of prompts
     or a 2-D array (one prompt a row) is a list of them."""
+    if _is_array(prompts) and prompts.ndim == 1:
+        return [array_token_ids(prompts)]  # one prompt, an empty one too (refused as such)
     if _is_array(prompts):
         prompts = array_token_ids(prompts)
     elif isinstance(prompts, (list, tuple)) and prompts and all(
@@ -157,6 +159,9 @@ class LLM:
                  **options) -> None:
         self.engine = Engine(model, config, **options)
         self.tokenizer = self.engine.tokenizer
+        # the stop strings of every request a generate or stream call still reads: any call's
+        # step checks them all (two streams read in turn step each other's requests)
+        self._stops: dict[str, StopMatcher] = {}
 
     def _add_all(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None) -> list[str]:
@@ -185,26 +190,26 @@ class LLM:
             if p.stop and self.tokenizer is None:
                 raise ValueError(f"prompt {i}: stop strings need a tokenizer, and this checkpoint "
                                  f"has none: use stop_token_ids")
-        return [self.engine.add_request(token_ids, p)
-                for token_ids, p in zip(token_lists, param_list)]
+        ids = [self.engine.add_request(token_ids, p)
+               for token_ids, p in zip(token_lists, param_list)]
+        for rid, p in zip(ids, param_list):
+            if p.stop:
+                self._stops[rid] = StopMatcher(self.tokenizer, p.stop, p.min_tokens)
+        return ids
 
-    def _matchers(self, ids: list[str], every: bool = False) -> dict[str, StopMatcher]:
-        """A StopMatcher for each of `ids` that has stop strings, or for each of them if
-        `every` (a stream decodes every request's text through one); none without a
-        tokenizer."""
-        if self.tokenizer is None:
-            return {}
-        reqs = [self.engine.requests[rid] for rid in ids]
-        return {r.request_id: StopMatcher(self.tokenizer, r.params.stop, r.params.min_tokens)
-                for r in reqs if every or r.params.stop}
+    def _step(self) -> tuple[Any, list[str]]:
+        """One engine step, then every live request's stop strings looked for in its new text:
+        (the step's record, the ids a stop string ended now)."""
+        record = self.engine.step()
+        return record, self._match_stops(record.sampled + record.finished)
 
-    def _match_stops(self, rids: list[str], matchers: dict[str, StopMatcher]) -> list[str]:
+    def _match_stops(self, rids: list[str]) -> list[str]:
         """Look for stop strings in the new text of `rids`; the ids a stop string ended now.
         Such a request stops in the engine at once (its pages back); one its last token ended
         by length is relabelled "stop", as the server does: the record says what the user got."""
         stopped = []
         for rid in rids:
-            m = matchers.get(rid)
+            m = self._stops.get(rid)
             if m is None or m.stopped:
                 continue
             req = self.engine.requests[rid]
@@ -216,11 +221,12 @@ class LLM:
                     req.finish_reason = "stop"
         return stopped
 
-    def _output(self, rid: str, matchers: dict[str, StopMatcher]) -> RequestOutput:
+    def _output(self, rid: str) -> RequestOutput:
         """The engine's output, its text cut before a stop string that ended it (vLLM: the
         token ids keep every token generated, the one that completed the stop string too)."""
         out = self.engine.output(rid)
-        m = matchers.get(rid)
+        self._match_stops([rid])  # in case its last tokens came in a step nobody checked
+        m = self._stops.get(rid)
         if m is not None and m.stopped:
             out.text = m.text
         return out
@@ -230,7 +236,6 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in prompt order."""
         ids = self._add_all(prompts, params)
-        matchers = self._matchers(ids)
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
@@ -238,22 +243,23 @@ class LLM:
         done: set[str] = set()
         try:
             while any(not self.engine.requests[rid].is_finished for rid in ids):
-                record = self.engine.step()
                 # a request a stop string ends is cancelled now; the next record lists it
-                stopped = self._match_stops(record.sampled + record.finished, matchers)
+                record, stopped = self._step()
                 if bar is not None:
                     new = [rid for rid in record.finished + stopped
                            if rid in ids and rid not in done]
                     done.update(new)
                     bar.update(len(new))
+            return [self._output(rid) for rid in ids]
         except BaseException:  # a stalled policy, Ctrl-C: leave nothing queued or allocated
             for rid in ids:
                 self.engine.cancel(rid)
             raise
         finally:
+            for rid in ids:
+                self._stops.pop(rid, None)
             if bar is not None:
                 bar.close()
-        return [self._output(rid, matchers) for rid in ids]
 
     def stream(self, prompts: Prompt | Sequence[Prompt],
                params: SamplingParams | Sequence[SamplingParams] | None = None
@@ -264,23 +270,28 @@ class LLM:
         ids = self._add_all(prompts, params)
         sent_tokens = {rid: 0 for rid in ids}
         sent_text = {rid: 0 for rid in ids}
-        matchers = self._matchers(ids, every=True)
+        # its text comes through a StopMatcher: the request's own if it has stop strings
+        texts = {} if self.tokenizer is None else {
+            rid: self._stops.get(rid) or StopMatcher(self.tokenizer) for rid in ids}
 
         def news(rid: str) -> tuple[str, list[int], str] | None:
             """What `rid` has that was not yielded yet; None if nothing."""
             req = self.engine.requests[rid]
             new = req.output_token_ids[sent_tokens[rid]:]
             sent_tokens[rid] = len(req.output_token_ids)
-            delta, m = "", matchers.get(rid)
+            delta, m = "", texts.get(rid)
             if m is not None:
-                self._match_stops([rid], matchers)
+                if rid in self._stops:
+                    self._match_stops([rid])
+                else:
+                    m.step(req.output_token_ids, final=req.is_finished)
                 end = max(sent_text[rid], m.ready(final=req.is_finished))
                 delta, sent_text[rid] = m.text[sent_text[rid]:end], end
             return (rid, new, delta) if new or delta else None
 
         try:
             while any(not self.engine.requests[rid].is_finished for rid in ids):
-                record = self.engine.step()
+                record, _ = self._step()
                 for rid in dict.fromkeys(record.sampled + record.finished):
                     if rid in sent_tokens and (item := news(rid)) is not None:
                         yield item
@@ -292,6 +303,7 @@ class LLM:
         finally:  # a consumer that stops early cancels what it no longer reads
             for rid in ids:
                 self.engine.cancel(rid)
+                self._stops.pop(rid, None)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -138,6 +138,31 @@ def test_stream_holds_back_what_may_begin_a_stop_string_and_stops_there(llm):
     assert "".join(delta for _, _, delta in plain) == ref.text
 
 
+def test_a_stop_string_ends_its_request_whichever_call_steps_the_engine(llm):
+    """Two streams read in turn, or a stream paused while generate runs, step each other's
+    requests: a stop string reached in another call's step still stops the request at once
+    (it ran one token past, or to max_tokens, when only its own call looked)."""
+    ref = llm.generate("w5 w6 w7", SamplingParams(max_tokens=12, **GREEDY), use_tqdm=False)[0]
+    words = ref.text.split()
+    stop = once(words, 3)
+    n = tokens_to_reach(llm, ref.token_ids, ref.text.find(stop) + len(stop))
+    sp = SamplingParams(max_tokens=12, stop=stop, **GREEDY)
+    first, second = llm.stream("w5 w6 w7", sp), llm.stream("w5 w6 w7", sp)
+    got: dict[str, list[int]] = {}
+    for a, b in zip(first, second):  # each next() runs a step for both requests
+        for rid, new, _ in (a, b):
+            got.setdefault(rid, []).extend(new)
+    for rest in (first, second):
+        for rid, new, _ in rest:
+            got.setdefault(rid, []).extend(new)
+    assert list(got.values()) == [ref.token_ids[:n]] * 2
+    paused = llm.stream("w5 w6 w7", sp)
+    rid, new, _ = next(paused)
+    llm.generate("w9", SamplingParams(max_tokens=12, **GREEDY), use_tqdm=False)
+    assert new + [t for _, more, _ in paused for t in more] == ref.token_ids[:n]
+    assert llm.engine.requests[rid].finish_reason == "stop" and empty(llm)
+
+
 def test_chat_honours_stop_strings(llm):
     ref = llm.chat(HI, SamplingParams(max_tokens=8, **GREEDY), use_tqdm=False)[0]
     stop = once(ref.text.split(), 4)
@@ -177,7 +202,10 @@ def test_a_1d_array_or_tensor_is_one_prompt_and_a_2d_one_a_list_of_prompts(tiny_
         ref[0].token_ids
     for bad, message in ((np.array([1.0, 2.0]), "integer token ids, got dtype float64"),
                          (torch.ones(1, 2, 3, dtype=torch.long), r"1-D .* or 2-D .*shape"),
-                         (np.array(5), r"got shape \(\)")):
+                         (np.array(5), r"got shape \(\)"),
+                         # an empty one is one empty prompt, not no prompt at all ([] back)
+                         (np.array([], dtype=np.int64), "prompt is empty"),
+                         (torch.tensor([], dtype=torch.long), "prompt is empty")):
         with pytest.raises(ValueError, match=message):
             llm.generate(bad, sp, use_tqdm=False)
     assert empty(llm)

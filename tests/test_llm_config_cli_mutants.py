@@ -116,7 +116,7 @@ def test_stream_sends_every_token_once_when_a_step_adds_several():
     missing. The simulated model answers SIM_TOKEN, so a prompt of them keeps every guess."""
     llm = LLM.__new__(LLM)  # an LLM over the simulated engine (LLM() loads a real model)
     llm.engine = make_sim_engine(policy="pd", num_speculative_tokens=3, check_invariants=True)
-    llm.tokenizer = llm.engine.tokenizer
+    llm.tokenizer, llm._stops = llm.engine.tokenizer, {}
     news = [new for _, new, _ in llm.stream([[SIM_TOKEN] * 8], GREEDY)]
     assert any(len(new) > 1 for new in news), "no step added several tokens"
     assert [t for new in news for t in new] == [SIM_TOKEN] * 6
