@@ -295,10 +295,17 @@ def build_workload(args: argparse.Namespace, rate_flag: str = "--rate") -> Workl
     return get_workload(name, **wanted)
 
 
-def check_wall_clock_span(workload: Workload) -> None:
+def check_wall_clock_span(*workloads: Workload | None) -> None:
     """Refuse traffic whose last request arrives more than a day after the first, before a real
     run (or a server measured from the client) waits for it on the wall clock (chapter 06): a
-    tiny --rate spreads a few requests over weeks. The simulator skips idle time, so it may."""
+    tiny --rate spreads a few requests over weeks. The simulator skips idle time, so it may.
+    Call it before a model loads; None (no warm-up traffic) passes."""
+    for workload in workloads:
+        if workload is not None:
+            _check_span(workload)
+
+
+def _check_span(workload: Workload) -> None:
     times = [r.arrival_time for r in workload.requests if r.arrival_time is not None]
     if times and max(times) - min(times) > MAX_FIRST_ARRIVAL_S:
         span = max(times) - min(times)
@@ -1284,9 +1291,9 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         print(saved_workload_line(workload, args.save_workload))
     device = resolve_device(args.device, args.quantization)
     progress = not args.no_progress
+    if args.executor != "sim":  # before the model loads
+        check_wall_clock_span(workload, warmup)
     executor = executor_from_args(args, device)
-    if not executor.simulated:
-        check_wall_clock_span(workload)
     executor.warm_up()
     if executor.simulated:
         print(f"[{SIMULATED_NOTE}: {executor.cost.name}]", file=sys.stderr)
@@ -1612,11 +1619,10 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
                                                 "priority_aging_steps": None}), workload)
     for key in ("max_num_seqs", "max_num_batched_tokens", "chunk_size"):
         base.pop(key, None)
+    if args.executor != "sim":  # before the model loads
+        check_wall_clock_span(*(w for pair in traffic.values() for w in pair))
     device = resolve_device(args.device, args.quantization)
     executor = executor_from_args(args, device)
-    if not executor.simulated:
-        for workload_at_rate, _ in traffic.values():
-            check_wall_clock_span(workload_at_rate)
     executor.warm_up()
     rows = []
     skipped = []

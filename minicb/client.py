@@ -33,6 +33,7 @@ from minicb.bench import (
     add_endpoint_arguments,
     add_slo_arguments,
     check_max_concurrency,
+    check_wall_clock_span,
     concurrency_declaration,
     slo_from_args,
     without_slo,
@@ -405,6 +406,7 @@ def main(argv: list[str] | None = None) -> int:
         slo = slo_from_args(args)
         workload = get_workload(args.workload, num_requests=args.num_requests, rate=args.rate,
                                 burstiness=args.burstiness, seed=args.seed)
+        check_wall_clock_span(workload)
         check_max_concurrency(args.max_concurrency)
         out = bench_endpoint(args.endpoint, workload, args.label, args.model, args.vocab_size,
                              args.temperature, progress=True, slo=slo, omit=args.omit_field,

@@ -39,7 +39,7 @@ from starlette.requests import ClientDisconnect
 from minicb.bench import add_full_cache_arguments, check_full_cache_flags
 from minicb.config import QUANTIZATIONS, is_finite_number, is_int
 from minicb.llm import StopMatcher, is_conversation, render_chat
-from minicb.request import FINISH_REASONS, SamplingParams
+from minicb.request import FINISH_REASONS, SamplingParams, stop_strings
 
 # vLLM's bucket edges, in seconds
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -607,14 +607,15 @@ def parse_request(body: Any, chat: bool) -> dict[str, Any]:
         else "max_tokens"
     top_k = _number(body, "top_k", 0, int, low=-1)
     stop, stop_ids = body.get("stop"), body.get("stop_token_ids")
-    stop = [stop] if isinstance(stop, str) else [] if stop is None else stop
     stop_ids = [] if stop_ids is None else stop_ids
     if not _is_token_ids(stop_ids):
         raise InvalidRequest("stop_token_ids must be a list of token ids", "stop_token_ids")
-    if stop and _is_token_ids(stop):
-        stop, stop_ids = [], stop_ids + stop  # token ids given as `stop`
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-        raise InvalidRequest("stop must be a string or a list of non-empty strings", "stop")
+    if isinstance(stop, list) and stop and _is_token_ids(stop):
+        stop, stop_ids = None, stop_ids + stop  # token ids given as `stop`
+    try:  # SamplingParams' own rule, said in the request's field name
+        stop = list(stop_strings(stop))
+    except ValueError as exc:
+        raise InvalidRequest(str(exc), "stop") from None
     ignore_eos = body.get("ignore_eos")
     ignore_eos = False if ignore_eos is None else ignore_eos  # null: not given
     if not isinstance(ignore_eos, bool):

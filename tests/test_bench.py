@@ -1147,6 +1147,19 @@ def test_a_real_run_refuses_traffic_that_arrives_over_weeks(tiny_llama_dir, caps
                              "--chunk-size", "64"]) == 2
     assert "a real run waits for it" in capsys.readouterr().err
     assert bench.main_bench(["--executor", "sim", *slow]) == 0
+    from minicb.client import main as client_main
+    assert client_main(["--endpoint", "http://127.0.0.1:9", "--rate", "1e-6",
+                        "--num-requests", "4"]) == 2  # refused before any request is sent
+    assert "a real run waits for it" in capsys.readouterr().err
+
+
+def test_the_span_is_refused_before_the_model_loads(monkeypatch, capsys):
+    """The refusal comes before the model loads (a first run converts it for minutes)."""
+    monkeypatch.setattr(bench, "executor_from_args",
+                        lambda *a: pytest.fail("the model loaded before the refusal"))
+    slow = ["--rate", "1e-6", "--num-requests", "4", "--no-progress"]
+    assert bench.main_bench(slow) == 2 and bench.main_sweep(slow) == 2
+    assert "a real run waits for it" in capsys.readouterr().err
 
 
 def test_bench_compares_policies_on_the_requests_both_served(tiny_llama_dir, tmp_path):
