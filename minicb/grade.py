@@ -634,6 +634,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.jobs < 1:
         parser.error(f"--jobs must be at least 1, got {args.jobs}")
+    if args.timeout < 1:  # 0 or less would interrupt every cell at once and kill its kernel
+        parser.error(f"--timeout must be at least 1 second, got {args.timeout}")
     if args.csv is not None and args.csv.suffix == ".ipynb":
         parser.error(f"--csv {args.csv} would overwrite a notebook: name a .csv file")
     if args.csv is not None and not (args.csv.parent.is_dir()

@@ -272,10 +272,12 @@ def test_notebooks_in_sorts_and_leaves_out_only_checkpoints_below_the_folder(tmp
     assert grade.notebooks_in([kept]) == [kept / "x.ipynb"]
 
 
-@pytest.mark.parametrize("args", [["--jobs", "0"], ["--csv", "book.ipynb"], []])
+@pytest.mark.parametrize("args", [["--jobs", "0"], ["--csv", "book.ipynb"], [],
+                                  ["--timeout", "0"], ["--timeout", "-1"]])
 def test_bad_arguments_are_refused_before_grading(tmp_path, monkeypatch, args):
-    """main: --jobs 0, a --csv file named .ipynb and a folder without a notebook stop with a
-    usage error before anything is graded (each check dropped graded or overwrote instead)."""
+    """main: --jobs 0, a --csv file named .ipynb, a folder without a notebook and a --timeout
+    under 1 s stop with a usage error before anything is graded (each check dropped graded or
+    overwrote instead; --timeout 0 killed the kernel of any cell running a few seconds)."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(grade, "grade_notebook", lambda *a, **kw: pytest.fail("graded"))
     notebook = tmp_path / "x.ipynb"
