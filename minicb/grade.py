@@ -603,6 +603,15 @@ def _grade_or_why(path: Path, timeout: int, restore: bool,
         return f"cannot grade {path}: {type(exc).__name__}: {exc}"
 
 
+def _json_entries(reports: list[GradeReport], failures: dict[str, str],
+                  notebooks: list[Path]) -> list[dict[str, Any]]:
+    """`--json`'s entries in the order given: a report's `to_dict`, or `{"notebook", "error"}`
+    for a notebook that could not be graded (a script must not lose it unnoticed)."""
+    entries = {r.notebook: r.to_dict() for r in reports}
+    entries.update({name: {"notebook": name, "error": why} for name, why in failures.items()})
+    return [entries[str(p)] for p in notebooks if str(p) in entries]
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m minicb grade NOTEBOOK [NOTEBOOK ...] [--json] [--csv FILE] [--jobs N]
     [--timeout S] [--no-restore] [--source PATH]`."""
@@ -613,7 +622,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="notebooks, or folders: every .ipynb below one (a class's "
                              "submissions), checkpoints left out")
     parser.add_argument("--json", action="store_true",
-                        help="print a JSON object (a list of them for several notebooks)")
+                        help="print a JSON object (a list of them for several notebooks); one "
+                             "that could not be graded is {\"notebook\": ..., \"error\": ...}")
     parser.add_argument("--csv", type=Path, metavar="FILE",
                         help="also write a gradebook: one row per notebook, a column per "
                              "exercise, rows for notebooks that could not be graded")
@@ -682,7 +692,7 @@ def main(argv: list[str] | None = None) -> int:
                 failures[str(path)] = "not graded: the run was interrupted (Ctrl-C)"
         print(f"interrupted: {len(reports)} notebook(s) graded", file=sys.stderr)
     if args.json:
-        data = [r.to_dict() for r in reports]
+        data = _json_entries(reports, failures, args.notebooks)
         one = len(args.notebooks) == 1  # a list whenever several were asked for
         print(json.dumps(data[0] if one and data else data, indent=1, ensure_ascii=False))
     elif len(reports) > 1:

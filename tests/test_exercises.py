@@ -1099,14 +1099,19 @@ def test_a_cell_that_swallows_the_interrupt_is_killed_and_the_rest_still_graded(
 
 def test_malformed_tags_and_batches_do_not_stop_the_grader(tmp_path, capsys):
     """A hand-edited notebook may hold `"tags": null`; a notebook that cannot be graded is
-    reported and the others still are; --json gives a list whenever several were asked."""
+    reported and the others still are; --json gives a list whenever several were asked, with
+    an entry saying why for each notebook that could not be graded (they were left out)."""
     assert exercises.cell_tags({"metadata": {"tags": None}}) == []
     assert exercises.cell_tags({"metadata": None}) == []
     assert exercises.cell_tags({"metadata": {"tags": ["check", 3]}}) == ["check"]
     bad = tmp_path / "bad.ipynb"
     bad.write_text("{not json")
     assert grade.main(["--json", str(bad), str(tmp_path / "missing.ipynb")]) == 2
-    assert json.loads(capsys.readouterr().out) == []
+    data = json.loads(capsys.readouterr().out)
+    assert [e["notebook"] for e in data] == [str(bad), str(tmp_path / "missing.ipynb")]
+    assert all(set(e) == {"notebook", "error"} and "cannot read" in e["error"] for e in data)
+    assert grade.main(["--json", str(bad)]) == 2  # one notebook: the object itself
+    assert json.loads(capsys.readouterr().out)["error"].startswith(f"cannot read {bad}")
 
 
 def test_the_gradebook_has_a_row_per_notebook_and_a_column_per_exercise():
@@ -1504,7 +1509,7 @@ def test_a_notebook_of_unknown_source_is_refused(tmp_path, capsys):
         grade.grade_notebook(path)
     assert grade.main([str(path), "--json"]) == 2
     captured = capsys.readouterr()
-    assert captured.out.strip() in ("", "[]")
+    assert json.loads(captured.out)["notebook"] == str(path)
     assert "cannot tell which exercise notebook" in captured.err and "--source" in captured.err
     missing = tmp_path / "nowhere.ipynb"
     with pytest.raises(grade.GradeError, match="cannot read the source"):
@@ -1870,7 +1875,8 @@ def test_json_is_a_list_whenever_several_notebooks_were_asked_for(tmp_path, monk
     monkeypatch.setattr(grade, "execute", fake_execute({}))
     assert grade.main(["--json", str(path), str(tmp_path / "missing.ipynb")]) == 2
     data = json.loads(capsys.readouterr().out)
-    assert isinstance(data, list) and [d["score"] for d in data] == [2]
+    assert isinstance(data, list) and [d.get("score") for d in data] == [2, None]
+    assert data[1]["error"].startswith("cannot read")  # the ungradable one is there, saying why
 
 
 def test_a_file_holding_its_own_exercises_keeps_its_name_even_when_outweighed():
