@@ -25,9 +25,10 @@ raises the bar, it is no sandbox: the learner's code runs in the same kernel bef
 and can still patch the engine the checks drive, or IPython itself.
 
 A class's submissions are graded in one call: `--jobs N` grades N notebooks at a time (each in
-its own process and kernel), `--csv FILE` writes a gradebook with one row per notebook (points
-per exercise, the total, the first line of each failure) including a row for every notebook
-that could not be graded, so nobody drops out of the spreadsheet unnoticed.
+its own process and kernel; a notebook whose process dies, out of memory say, is reported as not
+graded and the others are still graded), `--csv FILE` writes a gradebook with one row per
+notebook (points per exercise, the total, the first line of each failure) including a row for
+every notebook that could not be graded, so nobody drops out of the spreadsheet unnoticed.
 
 The original notebook is never modified. Exit status: 0 when every notebook was graded (whatever
 the score), 2 when a notebook could not be read, its exercise source could not be identified
@@ -37,7 +38,6 @@ or its kernel ran no cell, 130 when the run was interrupted (Ctrl-C).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import csv
 import functools
 import json
@@ -51,7 +51,9 @@ import sys
 import tempfile
 import threading
 import time
-from concurrent.futures import ProcessPoolExecutor
+from collections.abc import Callable, Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -82,6 +84,7 @@ MAX_SOCKET_PREFIX = 90  # bytes; Linux allows 107 in a Unix socket's path, macOS
 MAX_CELL_OUTPUT = 1_000_000  # characters of output kept per cell; errors and marks always
 MAX_RESTARTS = 2  # fresh kernels after a killed one; each costs a re-run and 2 timeouts
 STOPPED = "execution stopped: "  # a note saying the notebook's last run did not reach its end
+WORKER_DIED = "the grading process died (out of memory?)"  # a --jobs worker killed under it
 
 
 class GradeError(ValueError):
@@ -603,6 +606,60 @@ def _grade_or_why(path: Path, timeout: int, restore: bool,
         return f"cannot grade {path}: {type(exc).__name__}: {exc}"
 
 
+def _in_workers(grade_one: Callable[[Path], GradeReport | str], notebooks: list[Path],
+                jobs: int) -> Iterator[GradeReport | str]:
+    """`grade_one` of each notebook in the order given, `jobs` at a time in worker processes.
+    A worker that dies (out of memory, a crash) breaks its pool and fails every notebook the
+    pool was grading: those are graded again one at a time, and one whose worker dies alone is
+    `cannot grade ...: WORKER_DIED`; a fresh pool grades the rest."""
+    results: dict[int, GradeReport | str] = {}
+    queue, suspects, shown = list(range(len(notebooks))), [], 0
+    while queue or suspects:
+        alone = bool(suspects)  # the culprit is among them: one at a time finds it
+        for i, result in _pool_run(grade_one, notebooks, suspects if alone else queue,
+                                   1 if alone else jobs):
+            if result is None and not alone:
+                suspects.append(i)
+                continue
+            results[i] = f"cannot grade {notebooks[i]}: {WORKER_DIED}" if result is None \
+                else result
+            while shown in results:
+                yield results.pop(shown)
+                shown += 1
+
+
+def _pool_run(grade_one: Callable[[Path], GradeReport | str], notebooks: list[Path],
+              batch: list[int], width: int) -> Iterator[tuple[int, GradeReport | str | None]]:
+    """(index, result) of the notebooks at the indices in `batch` as they finish, `width` at a
+    time in a fresh pool; None when the pool broke under it. Indices are taken from `batch` as
+    they are submitted, and none after the pool broke: the rest stay there for the next pool."""
+    # Separate processes, not threads: each grading drives its own kernel client and its own
+    # timers; "spawn" because a forked child would inherit the parent's.
+    pool = ProcessPoolExecutor(min(width, len(batch)), initializer=_ignore_interrupts,
+                               mp_context=multiprocessing.get_context("spawn"))
+    running: dict[Future, int] = {}
+    broken = finished = False
+    try:
+        while running or (batch and not broken):
+            while batch and not broken and len(running) < width:
+                try:
+                    running[pool.submit(grade_one, notebooks[batch[0]])] = batch[0]
+                    batch.pop(0)
+                except BrokenProcessPool:
+                    broken = True
+            done, _ = wait(running, return_when=FIRST_COMPLETED)
+            for future in done:
+                index = running.pop(future)
+                try:
+                    result = future.result()
+                except BrokenProcessPool:
+                    broken, result = True, None
+                yield index, result
+        finished = True
+    finally:  # interrupted: no waiting for the workers (the caller kills them)
+        pool.shutdown(wait=finished, cancel_futures=True)
+
+
 def _json_entries(reports: list[GradeReport], failures: dict[str, str],
                   notebooks: list[Path]) -> list[dict[str, Any]]:
     """`--json`'s entries in the order given: a report's `to_dict`, or `{"notebook", "error"}`
@@ -659,32 +716,22 @@ def main(argv: list[str] | None = None) -> int:
                                   restore=not args.no_restore, source=args.source)
     reports, failures = [], {}
     interrupted = False
-    with contextlib.ExitStack() as stack:
-        pool = None
-        if args.jobs > 1 and len(args.notebooks) > 1:
-            # Separate processes, not threads: each grading drives its own kernel client and
-            # its own timers; "spawn" because a forked child would inherit the parent's.
-            pool = stack.enter_context(ProcessPoolExecutor(
-                min(args.jobs, len(args.notebooks)), initializer=_ignore_interrupts,
-                mp_context=multiprocessing.get_context("spawn")))
-            results = pool.map(grade_one, args.notebooks)  # in the order given, as they finish
-        else:
-            results = map(grade_one, args.notebooks)
-        try:
-            for path, result in zip(args.notebooks, results):
-                if isinstance(result, str):
-                    print(f"error: {result}", file=sys.stderr)
-                    failures[str(path)] = result
-                    continue
-                reports.append(result)
-                if not args.json:
-                    print(format_report(result), flush=True)
-        except KeyboardInterrupt:  # Ctrl-C: stop now, keep what was graded
-            interrupted = True
-            if pool is not None:
-                pool.shutdown(wait=False, cancel_futures=True)
-                for worker in multiprocessing.active_children():
-                    worker.kill()  # its kernel exits with it (ipykernel polls its parent)
+    parallel = args.jobs > 1 and len(args.notebooks) > 1
+    results = (_in_workers(grade_one, args.notebooks, args.jobs) if parallel
+               else map(grade_one, args.notebooks))
+    try:
+        for path, result in zip(args.notebooks, results):
+            if isinstance(result, str):
+                print(f"error: {result}", file=sys.stderr)
+                failures[str(path)] = result
+                continue
+            reports.append(result)
+            if not args.json:
+                print(format_report(result), flush=True)
+    except KeyboardInterrupt:  # Ctrl-C: stop now, keep what was graded
+        interrupted = True
+        for worker in multiprocessing.active_children():
+            worker.kill()  # its kernel exits with it (ipykernel polls its parent)
     if interrupted:
         graded = {r.notebook for r in reports} | set(failures)
         for path in args.notebooks:
