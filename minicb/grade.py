@@ -8,7 +8,8 @@ error; a failed one reports the error its check cell raised (a `CheckFailed` exp
 the `NotImplementedError` of an untouched stub), or the first error among the exercise's own
 cells when the check never got that far. A cell that ignores the timeout's interrupt has its
 kernel killed, and the notebook runs again in a fresh kernel with that cell raising
-`TimeoutError`, so one endless loop does not cost the exercises after it.
+`TimeoutError`, so one endless loop does not cost the exercises after it; a cell whose kernel
+dies under it (a segfault, out of memory) is replaced the same way by one raising `RuntimeError`.
 
 Check cells are restored from the exercise's source before the run: `--source PATH`, else
 `exercises/source/<same file name>`, else the source the notebook's content names (its
@@ -84,6 +85,7 @@ MAX_SOCKET_PREFIX = 90  # bytes; Linux allows 107 in a Unix socket's path, macOS
 MAX_CELL_OUTPUT = 1_000_000  # characters of output kept per cell; errors and marks always
 MAX_RESTARTS = 2  # fresh kernels after a killed one; each costs a re-run and 2 timeouts
 STOPPED = "execution stopped: "  # a note saying the notebook's last run did not reach its end
+KERNEL_DIED = "was running when its kernel died (out of memory? a crash?)"
 WORKER_DIED = "the grading process died (out of memory?)"  # a --jobs worker killed under it
 
 
@@ -285,7 +287,9 @@ def execute(nb: nbformat.NotebookNode, workdir: Path, timeout: int) -> list[str]
     interrupt) has its kernel killed. The notebook is then run again from the top in a fresh
     kernel with that cell replaced by one raising `TimeoutError`, so the exercises after it
     are still graded (at most MAX_RESTARTS times; after that the cells before it are graded).
-    A note starting with STOPPED means the last run did not reach the end."""
+    A cell whose kernel died under it (a segfault, the out-of-memory killer, `os._exit`) is
+    replaced the same way by one raising `RuntimeError`. A note starting with STOPPED means
+    the last run did not reach the end."""
     notes: list[str] = []
     while True:
         killed_at, why = _run_kernel(nb, workdir, timeout)
@@ -296,10 +300,13 @@ def execute(nb: nbformat.NotebookNode, workdir: Path, timeout: int) -> list[str]
             why = f"{_describe_cell(cell, killed_at)} {why}"
         if killed_at is None or len(notes) == MAX_RESTARTS:
             return notes + [STOPPED + why]
+        error = ("RuntimeError('minicb grade: the kernel died while this cell ran (out of "
+                 "memory?)')" if why.endswith(KERNEL_DIED) else
+                 f"TimeoutError('minicb grade: this cell ignored the interrupt at {timeout} s "
+                 "and its kernel was killed')")
         notes.append(f"{why}; the notebook was run again in a fresh kernel with that cell "
-                     "raising TimeoutError")
-        cell.source = (f"raise TimeoutError('minicb grade: this cell ignored the interrupt at "
-                       f"{timeout} s and its kernel was killed')")
+                     f"raising {error.split('(')[0]}")
+        cell.source = f"raise {error}"
         for other in nb.cells:
             if other.cell_type == "code":
                 other.outputs, other.execution_count = [], None
@@ -319,6 +326,8 @@ def _run_kernel(nb: nbformat.NotebookNode, workdir: Path, timeout: int
                 ) -> tuple[int | None, str | None]:
     """One run of the notebook in a fresh kernel: (index of the cell whose kernel was killed,
     why the run stopped), both None when it ran to its end."""
+    from nbclient.exceptions import DeadKernelError
+
     config = kernel_config(workdir)
     # the grader's own Python, whatever kernel the learner's notebook names
     client = _capped_client()(nb, timeout=timeout, kernel_name="python3", allow_errors=True,
@@ -351,6 +360,8 @@ def _run_kernel(nb: nbformat.NotebookNode, workdir: Path, timeout: int
         if killed:
             index = killed[0] if 0 <= killed[0] < len(nb.cells) else None
             return index, f"ignored the interrupt at {timeout} s and its kernel was killed"
+        if isinstance(exc, DeadKernelError) and 0 <= running[0] < len(nb.cells):
+            return running[0], KERNEL_DIED
         return None, f"{type(exc).__name__}: {str(exc).strip()[:300]}"
     finally:
         for pending in timer:

@@ -38,3 +38,17 @@ def test_a_dead_worker_fails_only_its_notebook_and_the_gradebook_is_written(tmp_
     assert data[1]["error"] == f"cannot grade {paths[1]}: {grade.WORKER_DIED}"
     with open(book, newline="", encoding="utf-8-sig") as f:
         assert [r["error"] for r in csv.DictReader(f)] == ["", data[1]["error"], ""]
+
+
+@pytest.mark.slow
+def test_a_kernel_that_dies_costs_only_its_own_cell(tmp_path):
+    """A cell whose kernel dies (a segfault, the out-of-memory killer; here os._exit) stopped
+    the run: every later exercise scored 0. Now the notebook runs again with that cell raising
+    an error that says so, and a note names the cell."""
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(s) for s in (
+        "print('a')", "import os\nos._exit(9)", "print('c')")])
+    notes = grade.execute(nb, tmp_path, timeout=20)
+    assert notes == [f"cell 2 ('import os') {grade.KERNEL_DIED}; the notebook was run again in "
+                     "a fresh kernel with that cell raising RuntimeError"]
+    assert "the kernel died while this cell ran (out of memory?)" in grade._error_of(nb.cells[1])
+    assert [o.get("text") for o in nb.cells[2].outputs] == ["c\n"]
