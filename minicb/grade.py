@@ -16,7 +16,9 @@ Check cells are restored from the exercise's source before the run: `--source PA
 `exercise:`/`check:` tags, its `check.<name>(...)` calls, its unchanged cells). A notebook
 whose source cannot be identified is refused, never graded on its own check cells. Every
 exercise of the source is reported: editing a check cell changes nothing, a check cell that
-lost its tag is found again by its cell id, and a deleted one scores that exercise 0.
+lost its tag is found again by its cell id, its text or its lone `check.<name>(` call, a pasted
+copy keeping the tag keeps its code as an ordinary cell before the check, and a deleted one is
+put back after the exercise's own cell (the exercise scores 0 only when that is gone too).
 `--no-restore` grades the notebook as it is (its own check cells, which prove nothing).
 
 Each restored check cell first loads a fresh copy of `minicb.check` from its file (so an earlier
@@ -217,34 +219,128 @@ def _own_exercises(source: Path) -> set[str]:
 def restore_checks(nb: nbformat.NotebookNode, source: nbformat.NotebookNode
                    ) -> tuple[list[tuple[str, float]], list[str]]:
     """Put the source's check cells back into `nb` (by exercise name). Returns the exercises
-    the source defines, with their points, and notes on what was changed."""
+    the source defines, with their points, and notes on what was changed. A check cell is the
+    cell tagged `check:<name>`, else (its tag lost) the untagged one with its cell id, its text
+    or only its `check.<name>(` call; a deleted one is put back after the exercise's own cell,
+    and is missing only when that cell cannot be found either."""
     notes: list[str] = []
     expected = []
-    learner = {name: i for i, name, _ in check_cells(nb)}
-    tagged = set(learner.values())
-    by_id = {c.get("id"): i for i, c in enumerate(nb.cells)
-             if c.get("id") and c.cell_type == "code" and i not in tagged}
+    claimed: set[int] = set()  # id() of the cells already standing for a check
     for i, name, points in check_cells(source):
         expected.append((name, points))
-        original = source.cells[i].source
-        if name not in learner and source.cells[i].get("id") in by_id:
-            learner[name] = by_id.pop(source.cells[i].get("id"))
-            notes.append(f"check cell of {name!r} had lost its tag: found by its cell id, "
-                         "restored from the source")
-            nb.cells[learner[name]].source = original
-        if name not in learner:
-            notes.append(f"check cell of {name!r} is missing: that exercise scores 0")
-            continue
-        cell = nb.cells[learner[name]]
-        if cell.source != original:
+        check = source.cells[i]
+        cell = _tagged_check(nb, name, check, notes)
+        if cell is None:
+            cell = (_untagged_check(nb, name, check, claimed, notes)
+                    or _put_back(nb, name, source, check, notes))
+            if cell is None:
+                notes.append(f"check cell of {name!r} is missing: that exercise scores 0")
+                continue
+        elif cell.source != check.source:
             notes.append(f"check cell of {name!r} was edited: restored from the source")
-            cell.source = original
-        tags = [t for t in cell_tags(cell)
-                if not POINTS_TAG.match(t) and not CHECK_TAG.match(t)]
-        tags += [t for t in cell_tags(source.cells[i])
-                 if POINTS_TAG.match(t) or CHECK_TAG.match(t)]
+        claimed.add(id(cell))
+        cell.source = check.source
+        tags = [t for t in cell_tags(cell) if not POINTS_TAG.match(t) and not CHECK_TAG.match(t)]
+        tags += [t for t in cell_tags(check) if POINTS_TAG.match(t) or CHECK_TAG.match(t)]
         cell.setdefault("metadata", {})["tags"] = tags
     return expected, notes
+
+
+def _check_name(cell: nbformat.NotebookNode) -> str | None:
+    """The exercise a code cell is tagged the check cell of (as `check_cells` reads it)."""
+    names = [m["name"] for t in cell_tags(cell) for m in [CHECK_TAG.match(t)] if m]
+    return names[-1] if names and cell.cell_type == "code" else None
+
+
+def _same_text(cell: nbformat.NotebookNode, check: nbformat.NotebookNode) -> bool:
+    return cell.source.strip() == check.source.strip()
+
+
+def _index(nb: nbformat.NotebookNode, cell: nbformat.NotebookNode) -> int:
+    # by identity: two copies of a cell compare equal
+    return next(k for k, c in enumerate(nb.cells) if c is cell)
+
+
+def _tagged_check(nb: nbformat.NotebookNode, name: str, check: nbformat.NotebookNode,
+                  notes: list[str]) -> nbformat.NotebookNode | None:
+    """The cell tagged `check:<name>`. Of several (JupyterLab keeps the tags of a pasted copy,
+    where a learner may write an answer), the one with the source's id, else its text, else
+    the last; the others lose the tag, an exact copy of the check is dropped, and the check
+    moves after any that holds other code."""
+    tagged = [c for c in nb.cells if _check_name(c) == name]
+    if not tagged:
+        return None
+    chosen = next((c for c in tagged if check.get("id") and c.get("id") == check.get("id")),
+                  None) or next((c for c in tagged if _same_text(c, check)), tagged[-1])
+    others = [c for c in tagged if c is not chosen]
+    for cell in others:
+        cell.metadata["tags"] = [t for t in cell_tags(cell)
+                                 if not POINTS_TAG.match(t) and not CHECK_TAG.match(t)]
+        if _same_text(cell, check):
+            del nb.cells[_index(nb, cell)]
+    kept = [c for c in others if not _same_text(c, check)]
+    if kept:
+        notes.append(f"check cell of {name!r} was pasted again: the copies' code is kept as "
+                     "ordinary cells, the check runs after them")
+        last = max(_index(nb, c) for c in kept)
+        if last > _index(nb, chosen):
+            nb.cells.insert(last + 1, chosen)
+            del nb.cells[_index(nb, chosen)]  # the first of the two: the old place
+    return chosen
+
+
+def _untagged_check(nb: nbformat.NotebookNode, name: str, check: nbformat.NotebookNode,
+                    claimed: set[int], notes: list[str]) -> nbformat.NotebookNode | None:
+    """A check cell that lost its tag (an editor that drops tags, a retyped cell): the free
+    untagged code cell with the source's cell id, else its text, else nothing but
+    `check.<name>(...)` calls (a cell holding other code may hold an answer: never that)."""
+    free = [c for c in nb.cells if c.cell_type == "code" and id(c) not in claimed
+            and not any(t.startswith("check:") for t in cell_tags(c))]
+    ways = (("its cell id", lambda c: bool(check.get("id")) and c.get("id") == check.get("id")),
+            ("its text", lambda c: _same_text(c, check)),
+            (f"its check.{name}( call", lambda c: _only_checks(c, name)))
+    for how, matches in ways:
+        if cell := next((c for c in free if matches(c)), None):
+            notes.append(f"check cell of {name!r} had lost its tag: found by {how}, restored "
+                         "from the source")
+            return cell
+    return None
+
+
+def _only_checks(cell: nbformat.NotebookNode, name: str) -> bool:
+    """Whether a cell calls `check.<name>(` and holds nothing but `check.` lines and comments."""
+    lines = [ln.strip() for ln in cell.source.splitlines()
+             if ln.strip() and not ln.strip().startswith("#")]
+    return f"check.{name}(" in cell.source and all(ln.startswith("check.") for ln in lines)
+
+
+def _put_back(nb: nbformat.NotebookNode, name: str, source: nbformat.NotebookNode,
+              check: nbformat.NotebookNode, notes: list[str]) -> nbformat.NotebookNode | None:
+    """A new check cell in `nb` after the last cell calling `check.<name>(` among other code
+    (an answer merged into the check cell), else after the exercise's own cell (tagged
+    `exercise:<name>`, else with the source's cell id, else starting with its first line);
+    None when there is neither."""
+    stub = next((c for c in reversed(source.cells) if f"exercise:{name}" in cell_tags(c)),
+                nbformat.v4.new_code_cell(""))
+    first = _first_line(stub)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    caller = next((c for c in reversed(code) if f"check.{name}(" in c.source
+                   and not any(t.startswith("check:") for t in cell_tags(c))), None)
+    own = next((c for c in reversed(code) if f"exercise:{name}" in cell_tags(c)), None) \
+        or next((c for c in code if stub.get("id") and c.get("id") == stub.get("id")), None) \
+        or next((c for c in code if first and _first_line(c) == first), None)
+    if (anchor := caller or own) is None:
+        return None
+    cell = nbformat.v4.new_code_cell(check.source)
+    nb.cells.insert(_index(nb, anchor) + 1, cell)
+    where = "the cell calling it" if caller else "the exercise's own cell"
+    notes.append(f"check cell of {name!r} was not found: put back after {where}, restored "
+                 "from the source")
+    return cell
+
+
+def _first_line(cell: nbformat.NotebookNode) -> str:
+    return next((line.strip() for line in cell.source.splitlines() if line.strip()), "")
 
 
 def guard_checks(nb: nbformat.NotebookNode, nonce: str) -> None:
@@ -505,11 +601,9 @@ def _first_setup_error(nb: nbformat.NotebookNode, check_indices: set[int]) -> li
     """A note naming the first error before the first check cell (an import typo in the setup
     cell, say): later cells then fail for want of what it should have defined."""
     for i, cell in enumerate(nb.cells[:min(check_indices, default=0)]):
-        if cell.cell_type == "code" and (error := _error_of(cell)):
-            first_line = next((line.strip() for line in cell.source.splitlines()
-                               if line.strip()), "")
-            return [f"cell {i + 1} ({first_line[:60]!r}) raised {error.splitlines()[0]}; the "
-                    "cells after it ran without whatever it should have defined"]
+        if cell.cell_type == "code" and _check_name(cell) is None and (error := _error_of(cell)):
+            return [f"{_describe_cell(cell, i)} raised {error.splitlines()[0]}; the cells after "
+                    "it ran without whatever it should have defined"]
     return []
 
 

@@ -1060,9 +1060,10 @@ def test_grader_restores_checks_and_survives_endless_loops(tmp_path, capsys):
     # a timeout of a few seconds can interrupt the import cell on a loaded machine
     assert grade.main([str(path), "--timeout", "15", "--source", str(source)]) == 0
     out = capsys.readouterr().out
-    assert "✓ page_pool" in out and "✓ quantize_int8" in out and "total: 2/4" in out
+    assert "✓ page_pool" in out and "✓ quantize_int8" in out and "total: 3/4" in out
     assert "check cell of 'page_pool' was edited: restored from the source" in out
-    assert "prefix_hashes" in out and "its check cell is missing" in out
+    assert "✓ prefix_hashes" in out and "check cell of 'prefix_hashes' was not found: put " \
+        "back after the exercise's own cell" in out  # deleted: it earns nothing by that
     assert "KeyboardInterrupt" in out and "longer than 15 s" in out
     assert grade.main([str(tmp_path / "missing.ipynb")]) == 2
 
@@ -1435,29 +1436,34 @@ def test_a_notebook_is_identified_by_its_content():
 
 def test_restore_checks_puts_the_sources_check_cells_back():
     """In memory, no kernel: an edited check cell gets the source's text back, an untagged
-    one is found by its id, a deleted one is reported missing."""
+    one is found by its id, a deleted one is put back after its exercise's cell, and one
+    deleted with that cell is reported missing."""
     source = nbformat.read(ROOT / "exercises" / "source" / EXPECTED[0], as_version=4)
     nb = nbformat.read(ROOT / "solutions" / EXPECTED[0], as_version=4)
     checks = tagged(source, "check")
-    first, second, third, *_ = checks
+    first, second, third, fourth = checks
     nb.cells[checks[first]].source = "print('✓ passed')"
     nb.cells[checks[second]].metadata["tags"] = []
     nb.cells[checks[second]].source = "pass"
+    del nb.cells[checks[fourth]], nb.cells[checks[fourth] - 1]  # check and stub
     del nb.cells[checks[third]]
     expected, notes = grade.restore_checks(nb, source)
     assert [name for name, _ in expected] == list(checks)
     restored = {name: nb.cells[i].source for i, name, _ in grade.check_cells(nb)}
     assert restored[first] == source.cells[checks[first]].source
     assert restored[second] == source.cells[checks[second]].source
-    assert third not in restored
-    assert f"check cell of {third!r} is missing: that exercise scores 0" in notes
+    assert restored[third] == source.cells[checks[third]].source
+    at = {name: i for i, name, _ in grade.check_cells(nb)}
+    assert tagged(nb, "exercise")[third] == at[third] - 1
+    assert fourth not in restored
+    assert f"check cell of {fourth!r} is missing: that exercise scores 0" in notes
 
 
 def test_a_check_cell_retagged_as_another_exercise_serves_only_that_one():
     """A learner re-tags the first check cell as the second exercise's and deletes the
     second's: that cell is the second exercise's check (restored), and the first exercise's
-    check is missing. Finding the first by its cell id as well would make one cell stand for
-    two exercises (a survivor of the fourth mutation review)."""
+    check is put back after its own cell. Finding the first by its cell id as well would make
+    one cell stand for two exercises (a survivor of the fourth mutation review)."""
     source = nbformat.read(ROOT / "exercises" / "source" / EXPECTED[0], as_version=4)
     nb = nbformat.read(ROOT / "solutions" / EXPECTED[0], as_version=4)
     checks = tagged(source, "check")
@@ -1466,8 +1472,10 @@ def test_a_check_cell_retagged_as_another_exercise_serves_only_that_one():
     del nb.cells[checks[second]]
     _, notes = grade.restore_checks(nb, source)
     restored = {name: i for i, name, _ in grade.check_cells(nb)}
-    assert first not in restored and f"check cell of {first!r} is missing: that exercise " \
-        "scores 0" in notes
+    assert restored[first] != restored[second]
+    assert restored[first] == tagged(nb, "exercise")[first] + 1
+    assert f"check cell of {first!r} was not found: put back after the exercise's own cell, " \
+        "restored from the source" in notes
     assert nb.cells[restored[second]].source == source.cells[checks[second]].source
 
 
@@ -1538,25 +1546,25 @@ def test_a_renamed_tampered_submission_scores_zero(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_a_removed_check_tag_does_not_drop_the_exercise(tmp_path):
-    """Untagged check cells are found by their cell id and restored; one that lost both its
-    tag and its id is reported missing (0 points), never left out of the report."""
+    """Untagged check cells are found by their cell id and restored; one that lost its tag,
+    its id and its text is put back after its exercise's cell, never left out of the report."""
     nb = untagged(nbformat.read(ROOT / "solutions" / EXPECTED[1], as_version=4))
     source = nbformat.read(ROOT / "exercises" / "source" / EXPECTED[1], as_version=4)
     checks = tagged(source, "check")
     first, second = checks  # static_batch, static_finish_steps
     nb.cells[checks[first]].source = "print('✓ passed')"  # untagged and edited: restored
-    nb.cells[checks[second]]["id"] = "mine"  # untagged, new id: cannot be found
+    nb.cells[checks[second]]["id"] = "mine"  # untagged, new id, new text: cannot be found
+    nb.cells[checks[second]].source = "pass"
     path = tmp_path / "carol.ipynb"
     nbformat.write(nb, path)
     report = grade.grade_notebook(path)
     by_name = {e.name: e for e in report.exercises}
     assert list(by_name) == [first, second], grade.format_report(report)
-    assert by_name[first].passed
-    assert not by_name[second].passed and by_name[second].points == 0
-    assert by_name[second].message == "its check cell is missing"
+    assert by_name[first].passed and by_name[second].passed
     assert f"check cell of {first!r} had lost its tag: found by its cell id, restored from " \
            "the source" in report.notes
-    assert f"check cell of {second!r} is missing: that exercise scores 0" in report.notes
+    assert f"check cell of {second!r} was not found: put back after the exercise's own cell, " \
+           "restored from the source" in report.notes
 
 
 @pytest.mark.slow

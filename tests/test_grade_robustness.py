@@ -12,6 +12,20 @@ import nbformat
 import pytest
 
 from minicb import grade
+from minicb.exercises import ROOT, cell_tags
+
+PAGED = "01_paged_kv.ipynb"  # page_pool, prefix_hashes, match_prefix, quantize_int8
+
+
+def paged() -> tuple[nbformat.NotebookNode, nbformat.NotebookNode]:
+    """(exercise 01's notebook, its source): only what the student copy has too."""
+    return (nbformat.read(ROOT / "exercises" / PAGED, as_version=4),
+            nbformat.read(grade.SOURCES / PAGED, as_version=4))
+
+
+def checks_of(nb) -> dict[str, int]:
+    """{exercise: index} of the check cells, once restored."""
+    return {name: i for i, name, _ in grade.check_cells(nb)}
 
 
 def write(path, *sources: str):
@@ -52,3 +66,87 @@ def test_a_kernel_that_dies_costs_only_its_own_cell(tmp_path):
                      "a fresh kernel with that cell raising RuntimeError"]
     assert "the kernel died while this cell ran (out of memory?)" in grade._error_of(nb.cells[1])
     assert [o.get("text") for o in nb.cells[2].outputs] == ["c\n"]
+
+
+def test_check_cells_without_tags_or_ids_are_found_by_their_text():
+    """An editor that drops tags and cell ids, or a check cell deleted and retyped (new id, no
+    tag), scored 0: the check counted as missing. It is found by its text, or by a cell of
+    nothing but its `check.<name>(` call; a cell holding other code beside the call is never
+    taken for it (it may hold the answer)."""
+    nb, source = paged()
+    for cell in nb.cells:
+        cell.metadata.pop("tags", None)
+        cell.pop("id", None)
+    at = {name: i for i, name, _ in grade.check_cells(source)}
+    nb.cells[at["prefix_hashes"]].source = "# mine\ncheck.prefix_hashes(my_prompt_page_hashes) "
+    nb.cells[at["match_prefix"]].source = ("my_match_prefix = my_match_prefix\n"
+                                           + nb.cells[at["match_prefix"]].source)
+    expected, notes = grade.restore_checks(nb, source)
+    assert list(checks_of(nb)) == [name for name, _ in expected]
+    assert "check cell of 'page_pool' had lost its tag: found by its text, restored from the " \
+        "source" in notes
+    assert "check cell of 'prefix_hashes' had lost its tag: found by its check.prefix_hashes( " \
+        "call, restored from the source" in notes
+    mixed = next(c for c in nb.cells if c.source.startswith("my_match_prefix = "))
+    assert "match_prefix" not in [grade._check_name(c) for c in nb.cells if c is mixed]
+    assert checks_of(nb)["match_prefix"] == grade._index(nb, mixed) + 1  # put back after it
+    for name, i in checks_of(nb).items():
+        assert nb.cells[i].source == source.cells[at[name]].source
+
+
+def test_a_deleted_check_cell_is_put_back_after_its_exercise_cell():
+    """A deleted check cell scored its exercise 0 whatever the answer: it is put back after
+    the exercise's own cell (found by tag, id or first line), so deleting earns nothing and
+    costs nothing."""
+    nb, source = paged()
+    for cell in nb.cells:
+        cell.metadata.pop("tags", None)
+        cell.pop("id", None)
+    nb.cells = [c for c in nb.cells if not c.source.startswith("check.")]
+    expected, notes = grade.restore_checks(nb, source)
+    assert list(checks_of(nb)) == [name for name, _ in expected]
+    first = {name: grade._first_line(source.cells[i - 1]) for i, name, _ in
+             grade.check_cells(source)}
+    for name, i in checks_of(nb).items():
+        assert grade._first_line(nb.cells[i - 1]) == first[name]
+        assert f"check cell of {name!r} was not found: put back after the exercise's own " \
+            "cell, restored from the source" in notes
+
+
+def test_an_answer_in_a_pasted_copy_of_a_check_cell_is_kept():
+    """JupyterLab keeps the tags of a pasted cell: a learner's answer written in a copy of the
+    check cell (after the original) was overwritten by the check, and the original ran the
+    grader's check on the stub. The cell with the source's id is the check; the copy keeps its
+    code as an ordinary cell and the check runs after it; an exact copy of the check goes."""
+    nb, source = paged()
+    at = checks_of(nb)
+    answer = nbformat.v4.new_code_cell("class MyPagePool:  # my answer\n    pass",
+                                       metadata={"tags": ["check:page_pool", "points:1"]})
+    copy = nbformat.v4.new_code_cell(nb.cells[at["match_prefix"]].source,
+                                     metadata={"tags": ["check:match_prefix"]})
+    nb.cells.insert(at["page_pool"] + 1, answer)
+    nb.cells.insert(at["match_prefix"] + 2, copy)
+    count = len(nb.cells)
+    _, notes = grade.restore_checks(nb, source)
+    assert len(nb.cells) == count - 1  # the exact copy dropped
+    where = grade._index(nb, answer)
+    assert cell_tags(answer) == [] and answer.source.endswith("pass")
+    assert checks_of(nb)["page_pool"] == where + 1
+    assert nb.cells[where + 1].source == "check.page_pool(MyPagePool)"
+    assert "check cell of 'page_pool' was pasted again: the copies' code is kept as ordinary " \
+        "cells, the check runs after them" in notes
+    assert sum(grade._check_name(c) == "match_prefix" for c in nb.cells) == 1
+
+
+def test_a_setup_error_note_skips_check_cells_and_names_cells_as_learners_see_them():
+    """_first_setup_error quoted a check cell's first line, the grader's own GUARD import,
+    as if it were the learner's setup; check cells are left out of it."""
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell(grade.GUARD + "check.a(f)", metadata={"tags": ["check:b"]}),
+        nbformat.v4.new_code_cell("import nump as np"),
+        nbformat.v4.new_code_cell("check.a(f)", metadata={"tags": ["check:a"]})])
+    for cell in nb.cells[:2]:
+        cell.outputs = [nbformat.v4.new_output("error", ename="E", evalue="x", traceback=[])]
+    assert grade._first_setup_error(nb, {2}) == [
+        "cell 2 ('import nump as np') raised E: x; the cells after it ran without whatever it "
+        "should have defined"]
