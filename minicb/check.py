@@ -286,16 +286,25 @@ def _page_pool_sequence(cls: type, seed: int, name: str) -> None:
     history: list[str] = []
     counter = iter(range(10_000))
 
-    def where() -> str:
+    def where() -> str:  # after the reason: a gradebook shows a failure's first line only
         recent = "\n    ".join(history[-6:])
-        return (f"pool of {num_pages} pages (random sequence {seed}); the last operations:"
-                f"\n    {recent}\n  ")
+        return (f"\n  (a pool of {num_pages} pages, random sequence {seed}; the last "
+                f"operations:\n    {recent})")
+
+    def fail(text: str) -> None:
+        _fail(name, text + where())
+
+    def call(what: str, fn: Callable, *args: Any) -> Any:
+        try:
+            return _call(name, what, fn, *args)
+        except CheckFailed as exc:
+            raise CheckFailed(f"{exc}{where()}") from exc
 
     def verify() -> None:
         counts = list(mine.ref_count)
         if len(counts) != num_pages:
-            _fail(name, f"{where()}ref_count has {len(counts)} entries, expected one per page "
-                        f"({num_pages}).")
+            fail(f"ref_count has {len(counts)} entries, expected one per page "
+                 f"({num_pages}).")
         for p in range(num_pages):
             who = _holders(tables, p)
             want = ref.ref_count[to_ref[p]] if who else 0
@@ -304,18 +313,18 @@ def _page_pool_sequence(cls: type, seed: int, name: str) -> None:
                 verdict = ("a reference was forgotten: each page table that holds a page "
                            "counts once" if counts[p] < want else
                            "a reference was not dropped (or was counted twice)")
-                _fail(name, f"{where()}page {p} is {held}, so its ref count should be {want} "
-                            f"(as in minicb's PagePool), but yours is {counts[p]}: {verdict}.")
+                fail(f"page {p} is {held}, so its ref count should be {want} "
+                     f"(as in minicb's PagePool), but yours is {counts[p]}: {verdict}.")
         if _num_free(mine) != ref.num_free:
-            _fail(name, f"{where()}num_free should be {ref.num_free} (the pages with ref count "
-                        f"0) but yours is {_num_free(mine)}.")
+            fail(f"num_free should be {ref.num_free} (the pages with ref count "
+                 f"0) but yours is {_num_free(mine)}.")
         free_list = getattr(mine, "free", None)
         if isinstance(free_list, Iterable) and not callable(free_list):  # if it is a list
             for p in map(_as_int, list(free_list)):
                 if isinstance(p, int) and _holders(tables, p):
-                    _fail(name, f"{where()}page {p} is on your free list but "
-                                f"{', '.join(map(repr, _holders(tables, p)))} still holds it "
-                                f"(its ref count should be {ref.ref_count[to_ref[p]]}).")
+                    fail(f"page {p} is on your free list but "
+                         f"{', '.join(map(repr, _holders(tables, p)))} still holds it "
+                         f"(its ref count should be {ref.ref_count[to_ref[p]]}).")
 
     def pool_state() -> tuple[list, Any]:
         return list(mine.ref_count), _num_free(mine)
@@ -333,13 +342,13 @@ def _page_pool_sequence(cls: type, seed: int, name: str) -> None:
         except MemoryError:
             history.append(f"allocate({n}) {purpose} -> MemoryError")
             if not should_fail:
-                _fail(name, f"{where()}allocate({n}) with {ref.num_free} free pages must "
-                            f"succeed, but yours raised MemoryError.")
+                fail(f"allocate({n}) with {ref.num_free} free pages must "
+                     f"succeed, but yours raised MemoryError.")
             if pool_state() != before:  # checked here: verify() would blame a later release
-                _fail(name, f"{where()}allocate({n}) raised MemoryError, rightly ("
-                            f"{ref.num_free} free), but it changed the pool first "
-                            f"{change_since(before)}. allocate must be all or nothing: when it "
-                            "cannot give all the pages it must give none and change nothing.")
+                fail(f"allocate({n}) raised MemoryError, rightly ("
+                     f"{ref.num_free} free), but it changed the pool first "
+                     f"{change_since(before)}. allocate must be all or nothing: when it "
+                     "cannot give all the pages it must give none and change nothing.")
             verify()
             return None
         except NotImplementedError:
@@ -347,28 +356,27 @@ def _page_pool_sequence(cls: type, seed: int, name: str) -> None:
         except Exception as exc:
             history.append(f"allocate({n}) {purpose} -> {type(exc).__name__}")
             if should_fail:
-                _fail(name, f"{where()}allocate({n}) with only {ref.num_free} free pages must "
-                            f"raise MemoryError, but yours raised {type(exc).__name__}: {exc}.")
-            raise CheckFailed(f"[{name}] {where()}allocate({n}) with {ref.num_free} free "
-                              f"pages raised {type(exc).__name__}: {exc}{_line_of(exc)}"
-                              ) from exc
+                fail(f"allocate({n}) with only {ref.num_free} free pages must "
+                     f"raise MemoryError, but yours raised {type(exc).__name__}: {exc}.")
+            raise CheckFailed(f"[{name}] allocate({n}) with {ref.num_free} free pages raised "
+                              f"{type(exc).__name__}: {exc}{_line_of(exc)}{where()}") from exc
         history.append(f"allocate({n}) {purpose} -> {_short(got)}")
         if should_fail:
-            _fail(name, f"{where()}allocate({n}) with only {ref.num_free} free pages must raise "
-                        f"MemoryError and take nothing (all or nothing), but yours returned "
-                        f"{_short(got)}.")
+            fail(f"allocate({n}) with only {ref.num_free} free pages must raise "
+                 f"MemoryError and take nothing (all or nothing), but yours returned "
+                 f"{_short(got)}.")
         got = [_as_int(p) for p in got]  # numpy integers are page ids too
         if len(got) != n or len(set(got)) != n:
-            _fail(name, f"{where()}allocate({n}) must return {n} different pages; yours "
-                        f"returned {_short(got)}.")
+            fail(f"allocate({n}) must return {n} different pages; yours "
+                 f"returned {_short(got)}.")
         for p in got:
             if not isinstance(p, int) or not 0 <= p < num_pages:
-                _fail(name, f"{where()}allocate({n}) returned {p!r}, not a page id in "
-                            f"0..{num_pages - 1}.")
+                fail(f"allocate({n}) returned {p!r}, not a page id in "
+                     f"0..{num_pages - 1}.")
             if _holders(tables, p):
-                _fail(name, f"{where()}allocate({n}) handed out page {p}, which "
-                            f"{', '.join(map(repr, _holders(tables, p)))} still holds: only "
-                            f"pages with ref count 0 may be allocated.")
+                fail(f"allocate({n}) handed out page {p}, which "
+                     f"{', '.join(map(repr, _holders(tables, p)))} still holds: only "
+                     f"pages with ref count 0 may be allocated.")
         for p, q in zip(got, ref.allocate(n)):
             to_ref[p] = q
         return got
@@ -380,29 +388,29 @@ def _page_pool_sequence(cls: type, seed: int, name: str) -> None:
         except ValueError:
             history.append(f"{text} -> ValueError")
             if pool_state() != before:  # here: verify() would blame a forgotten reference
-                _fail(name, f"{where()}{text} raised ValueError, rightly, but changed the pool "
-                            f"first {change_since(before)}: check before you change anything, "
-                            "so that a refused call leaves the pool as it was.")
+                fail(f"{text} raised ValueError, rightly, but changed the pool "
+                     f"first {change_since(before)}: check before you change anything, "
+                     "so that a refused call leaves the pool as it was.")
             return
         except NotImplementedError:
             raise
         except Exception as exc:
-            _fail(name, f"{where()}{text} must raise ValueError ({rule}), but yours raised "
-                        f"{type(exc).__name__}: {exc}.")
+            fail(f"{text} must raise ValueError ({rule}), but yours raised "
+                 f"{type(exc).__name__}: {exc}.")
         history.append(text)
-        _fail(name, f"{where()}{text} must raise ValueError ({rule}), but yours did not.")
+        fail(f"{text} must raise ValueError ({rule}), but yours did not.")
 
     def release(rid: str) -> None:
         pages = tables.pop(rid)
         history.append(f"release({pages}) as request {rid!r} finished")
-        _call(name, f"{where()}release({pages})", mine.release, pages)
+        call(f"release({pages})", mine.release, pages)
         ref.release([to_ref[p] for p in pages])
         verify()
 
     # edge cases first
     got = allocate(0, "(nothing)")
     if got != []:
-        _fail(name, f"{where()}allocate(0) must return [], yours returned {_short(got)}.")
+        fail(f"allocate(0) must return [], yours returned {_short(got)}.")
     verify()
     expect_value_error(lambda: mine.release([0]), "release([0]) of a free page",
                        "a page cannot be released more often than it was taken")
@@ -428,7 +436,7 @@ def _page_pool_sequence(cls: type, seed: int, name: str) -> None:
             rid = f"r{next(counter)}"
             history.append(f"share({pages}) for new request {rid!r} (a prefix hit on "
                            f"the first {_pages(k)} of request {donor!r})")
-            _call(name, f"{where()}share({pages})", mine.share, pages)
+            call(f"share({pages})", mine.share, pages)
             ref.share([to_ref[p] for p in pages])
             tables[rid] = list(pages)
         elif op < 0.75:  # a request grows by one page
@@ -466,9 +474,9 @@ def _page_pool_sequence(cls: type, seed: int, name: str) -> None:
     for rid in list(tables):  # finally everyone finishes: the pool must be whole again
         release(rid)
     if any(mine.ref_count):
-        _fail(name, f"{where()}every request finished, yet pages "
-                    f"{[p for p in range(num_pages) if mine.ref_count[p]]} still have "
-                    f"references: they leaked.")
+        fail(f"every request finished, yet pages "
+             f"{[p for p in range(num_pages) if mine.ref_count[p]]} still have "
+             f"references: they leaked.")
 
 
 def _prompts(rng: random.Random, n: int, page_size: int) -> list[list[int]]:
