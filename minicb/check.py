@@ -298,7 +298,7 @@ def _page_pool_sequence(cls: type, seed: int, name: str) -> None:
         try:
             return _call(name, what, fn, *args)
         except CheckFailed as exc:
-            raise CheckFailed(f"{exc}{where()}") from exc
+            raise CheckFailed(f"{exc}{where()}") from exc.__cause__ or exc  # theirs, not ours
 
     def verify() -> None:
         counts = list(mine.ref_count)
