@@ -69,6 +69,9 @@ from minicb.exercises import ROOT, cell_tags
 CHECK_TAG = re.compile(r"^check:(?P<name>[\w.-]+)$")
 POINTS_TAG = re.compile(r"^points:(?P<points>\d+(\.\d+)?)$")
 CHECK_CALL = re.compile(r"\bcheck\.(?P<name>\w+)\(")
+# a line installing packages, as a magic or a shell escape: never run by the grader
+INSTALL = re.compile(r"^(?P<indent>[ \t]*)(?P<line>[%!]{1,2}[ \t]*(?:pip3?|conda|mamba|"
+                     r"micromamba|uv[ \t]+pip|python3?[ \t]+-m[ \t]+pip)\b.*)$", re.M)
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 MAX_MESSAGE = 1200
 SOURCES = ROOT / "exercises" / "source"
@@ -352,6 +355,26 @@ def guard_checks(nb: nbformat.NotebookNode, nonce: str) -> None:
                        + f"\nprint({mark!r})\n")
 
 
+def skip_installs(nb: nbformat.NotebookNode) -> list[str]:
+    """Replace every package-install line (`%pip`, `!pip`, `%conda`, `!conda`, ...) by a print
+    saying it was skipped: it would install into the grader's own environment. Returns a note
+    naming the cells, if any."""
+    cells = []
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type == "code" and INSTALL.search(cell.source):
+            cell.source = INSTALL.sub(lambda m: f"{m['indent']}print({_skipped(m['line'])!r})",
+                                      cell.source)
+            cells.append(str(i + 1))
+    if not cells:
+        return []
+    return [f"package installs skipped in cell{'s' * (len(cells) > 1)} {', '.join(cells)} "
+            "(they would run in the grader's own environment)"]
+
+
+def _skipped(line: str) -> str:
+    return f"minicb grade: skipped {line.strip()} (no installs while grading)"
+
+
 def _printed(cell: nbformat.NotebookNode, text: str) -> bool:
     return any(out.get("output_type") == "stream" and text in str(out.get("text", ""))
                for out in cell.get("outputs", []))
@@ -541,6 +564,7 @@ def grade_notebook(path: str | Path, timeout: int = 300, restore: bool = True,
         report.notes.extend(notes)
         nonce = secrets.token_hex(8)
         guard_checks(nb, nonce)
+    report.notes.extend(skip_installs(nb))
     for cell in nb.cells:
         if cell.cell_type == "code":
             cell.outputs, cell.execution_count = [], None

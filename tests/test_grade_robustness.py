@@ -150,3 +150,21 @@ def test_a_setup_error_note_skips_check_cells_and_names_cells_as_learners_see_th
     assert grade._first_setup_error(nb, {2}) == [
         "cell 2 ('import nump as np') raised E: x; the cells after it ran without whatever it "
         "should have defined"]
+
+
+def test_package_installs_never_run_in_the_graders_environment(tmp_path, monkeypatch):
+    """`%pip install ...` in a submission ran against the grader's own environment (its
+    .venv): install lines become prints saying they were skipped, with a note."""
+    path = write(tmp_path / "a.ipynb", "%pip install torch==1.0\nx = 1",
+                 "if x:\n    !pip show torch\n    !conda install numpy", "print('%pip') # !pip")
+    ran = []
+    monkeypatch.setattr(grade, "execute", lambda nb, *_: ran.extend(
+        c.source for c in nb.cells) or [])
+    report = grade.grade_notebook(path, restore=False)
+    assert ran == ["print('minicb grade: skipped %pip install torch==1.0 (no installs while "
+                   "grading)')\nx = 1",
+                   "if x:\n    print('minicb grade: skipped !pip show torch (no installs while "
+                   "grading)')\n    print('minicb grade: skipped !conda install numpy (no "
+                   "installs while grading)')", "print('%pip') # !pip"]
+    assert report.notes == ["package installs skipped in cells 1, 2 (they would run in the "
+                            "grader's own environment)"]
