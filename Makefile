@@ -76,17 +76,25 @@ grade: $(STAMP)
 ## a copy of the committed course for students: without solutions/, the exercise sources (they
 ## hold the answers; the stubs take their place, so the grader still restores check cells) and
 ## the exercises' tests (and the tests built on them). STUDENT=path to put it elsewhere.
+## It refuses stale exercise notebooks (generated ones that differ from their sources or from HEAD).
 STUDENT ?= dist/minicb-student
+OUT = $(abspath $(STUDENT))# absolute, no trailing slash: `dir/` made no tarball
+# none, / , the repository or a folder above it: the rm -rf below would take the course with it
+UNSAFE_OUT = $(or $(if $(OUT),,none),$(filter /,$(OUT)),$(filter $(OUT) $(OUT)/%,$(CURDIR)))
 student-release:
-	rm -rf $(STUDENT) $(STUDENT).tar.gz && mkdir -p $(STUDENT)
-	git archive HEAD | tar -x -C $(STUDENT)
-	rm -rf $(STUDENT)/solutions $(STUDENT)/exercises/source $(STUDENT)/tests/test_exercises.py
-	cd $(STUDENT)/tests && rm -f $$(grep -lE '^(from|import) test_exercises' *.py)
-	mkdir $(STUDENT)/exercises/source
-	for f in $(STUDENT)/exercises/*.ipynb; do \
-		sed 's#](\.\./#](../../#g' "$$f" > $(STUDENT)/exercises/source/$$(basename "$$f"); done
-	tar -czf $(STUDENT).tar.gz -C $(dir $(STUDENT)) $(notdir $(STUDENT))
-	@echo "$(STUDENT)/ and $(STUDENT).tar.gz: HEAD without the answers"
+	$(if $(UNSAFE_OUT),$(error STUDENT='$(STUDENT)' is this repository or a folder above it: \
+		name a new folder, e.g. STUDENT=dist/minicb-student))
+	$(BIN)/python -m minicb.exercises check
+	git diff --quiet HEAD -- exercises || { echo "commit exercises/ first: HEAD ships" >&2; exit 2; }
+	rm -rf $(OUT) $(OUT).tar.gz && mkdir -p $(OUT)
+	git archive HEAD | tar -x -C $(OUT)
+	rm -rf $(OUT)/solutions $(OUT)/exercises/source $(OUT)/tests/test_exercises.py
+	cd $(OUT)/tests && rm -f $$(grep -lE '^(from|import) test_exercises' *.py)
+	mkdir $(OUT)/exercises/source
+	for f in $(OUT)/exercises/*.ipynb; do \
+		sed 's#](\.\./#](../../#g' "$$f" > $(OUT)/exercises/source/$$(basename "$$f"); done
+	tar -czf $(OUT).tar.gz -C $(dir $(OUT)) $(notdir $(OUT))
+	@echo "$(OUT)/ and $(OUT).tar.gz: HEAD without the answers"
 
 lint: $(STAMP)
 	$(BIN)/ruff check minicb tests bench

@@ -132,9 +132,33 @@ def student_copy(tmp_path: Path) -> Path:
             not (ROOT / ".git").exists():
         pytest.skip("needs git, make and a git checkout")
     copy = tmp_path / "minicb-student"
-    subprocess.run(["make", "-s", "student-release", f"STUDENT={copy}"], cwd=ROOT, check=True,
+    subprocess.run(["make", "-s", "student-release", f"STUDENT={copy}",
+                    f"BIN={Path(sys.executable).parent}"], cwd=ROOT, check=True,
                    capture_output=True)
     return copy
+
+
+def release_plan(student: str) -> subprocess.CompletedProcess:
+    """`make -n student-release STUDENT=student`: the commands it would run, none run."""
+    if shutil.which("make") is None:
+        pytest.skip("needs make")
+    return subprocess.run(["make", "-n", "student-release", f"STUDENT={student}"], cwd=ROOT,
+                          capture_output=True, text=True)
+
+
+def test_student_release_takes_a_trailing_slash_and_refuses_the_repository(tmp_path):
+    """STUDENT=dir/ made no tarball (`tar -C dir/ ''`); STUDENT=. or a folder above the
+    repository would have been rm -rf'd. And the exercises are checked before anything ships."""
+    plan = release_plan(f"{tmp_path}/stu/")
+    assert plan.returncode == 0, plan.stderr
+    lines = plan.stdout.splitlines()
+    assert f"tar -czf {tmp_path}/stu.tar.gz -C {tmp_path}/ stu" in lines
+    check = next(i for i, line in enumerate(lines) if "-m minicb.exercises check" in line)
+    assert check < next(i for i, line in enumerate(lines) if line.startswith("rm -rf"))
+    for unsafe in (".", "..", str(ROOT) + "/", "/", ""):
+        plan = release_plan(unsafe)
+        assert plan.returncode != 0 and "rm -rf" not in plan.stdout
+        assert "is this repository or a folder above it" in plan.stderr
 
 
 def code_of(path: Path) -> str:
