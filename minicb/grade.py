@@ -471,8 +471,9 @@ def _run_kernel(nb: nbformat.NotebookNode, workdir: Path, timeout: int
         timer[0].start()
 
     client.on_cell_execute = arm
-    old_path = os.environ.get("PYTHONPATH")
+    old_path, old_ipython = os.environ.get("PYTHONPATH"), os.environ.get("IPYTHONDIR")
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), old_path) if p)
+    os.environ["IPYTHONDIR"] = str(_ipython_dir(workdir))
     try:
         client.execute()
     except Exception as exc:  # the kernel died, was killed or would not start: grade what ran
@@ -485,15 +486,47 @@ def _run_kernel(nb: nbformat.NotebookNode, workdir: Path, timeout: int
     finally:
         for pending in timer:
             pending.cancel()
-        if old_path is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = old_path
+        for key, value in (("PYTHONPATH", old_path), ("IPYTHONDIR", old_ipython)):
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
         if getattr(client, "_async_cleanup_kernel_future", None) is not None:
             # nbclient took the grader's Ctrl-C (or SIGTERM) and shut the kernel down: the
             # notebook did not fail, the run was stopped. Stop grading instead of scoring it 0.
             raise KeyboardInterrupt("grading interrupted")
     return None, None
+
+
+# Run by the kernel at its start (an IPython startup file): each cell's printed text is cut in
+# the kernel a little past MAX_CELL_OUTPUT, so one print of 200 MB never reaches the grader
+# whole (it cost 1 GB there); the grader's client then cuts it to MAX_CELL_OUTPUT with a note.
+CAP_STARTUP = """\
+import sys as _minicb_sys
+_minicb_sent = [0]
+def _minicb_cap(stream, limit={limit}):
+    write = stream.write
+    def capped(text):
+        if {mark!r} in str(text):  # the grader's check marks always pass
+            return write(text)
+        room = limit - _minicb_sent[0]
+        _minicb_sent[0] += len(text)
+        return write(text[:max(room, 0)]) if room < len(text) else write(text)
+    stream.write = capped
+for _minicb_stream in (_minicb_sys.stdout, _minicb_sys.stderr):
+    _minicb_cap(_minicb_stream)
+get_ipython().events.register("pre_run_cell", lambda *_: _minicb_sent.__setitem__(0, 0))
+del _minicb_stream, _minicb_cap
+"""
+
+
+def _ipython_dir(workdir: Path) -> Path:
+    """An IPython folder for the grader's kernels whose startup file caps printed output."""
+    startup = workdir / "ipython" / "profile_default" / "startup"
+    startup.mkdir(parents=True, exist_ok=True)
+    (startup / "00-minicb-grade-cap.py").write_text(CAP_STARTUP.format(
+        limit=MAX_CELL_OUTPUT + 10_000, mark=MARK.split("{")[0]))
+    return workdir / "ipython"
 
 
 def _capped_client() -> type:

@@ -129,10 +129,10 @@ class FakeTimer:
 
 
 def test_a_cell_is_killed_twice_its_timeout_after_it_started_and_pythonpath_restored(
-        monkeypatch):
+        monkeypatch, tmp_path):
     """_run_kernel's watchdog fires at 2 * timeout + 5 s (a timeout, an interrupt, and as long
     again; `timeout + 5` killed a cell the interrupt was about to stop); its kill names the
-    running cell, and the grader's PYTHONPATH is undone afterwards."""
+    running cell, and the grader's PYTHONPATH and IPYTHONDIR are undone afterwards."""
     killed = []
 
     class Client:
@@ -150,11 +150,13 @@ def test_a_cell_is_killed_twice_its_timeout_after_it_started_and_pythonpath_rest
     monkeypatch.setattr(threading, "Timer", FakeTimer)
     monkeypatch.setattr(grade, "_capped_client", lambda: Client)
     monkeypatch.setenv("PYTHONPATH", "elsewhere")
+    monkeypatch.delenv("IPYTHONDIR", raising=False)
     nb = nbformat.v4.new_notebook(cells=[code(), code()])
-    assert grade._run_kernel(nb, Path("w"), 7) == (
+    assert grade._run_kernel(nb, tmp_path, 7) == (
         1, "ignored the interrupt at 7 s and its kernel was killed")
     assert [t.interval for t in FakeTimer.made] == [19] and FakeTimer.made[0].cancelled
     assert killed and os.environ["PYTHONPATH"] == "elsewhere"
+    assert "IPYTHONDIR" not in os.environ
 
 
 def test_the_check_mark_is_kept_past_the_output_cap():

@@ -168,3 +168,27 @@ def test_package_installs_never_run_in_the_graders_environment(tmp_path, monkeyp
                    "installs while grading)')", "print('%pip') # !pip"]
     assert report.notes == ["package installs skipped in cells 1, 2 (they would run in the "
                             "grader's own environment)"]
+
+
+@pytest.mark.slow
+def test_one_huge_print_is_cut_in_the_kernel(tmp_path, monkeypatch):
+    """The output cap trimmed a message only once the grader had received it whole: one print
+    of 200 MB cost the grader 1 GB. The kernel now cuts each cell's printed text a little past
+    the cap (check marks always pass), and the grader's own cap and note follow as before."""
+    from nbclient import NotebookClient
+
+    monkeypatch.setattr(grade, "MAX_CELL_OUTPUT", 1000)
+    sizes = []
+    output = NotebookClient.output
+    monkeypatch.setattr(NotebookClient, "output", lambda self, outs, msg, *a: sizes.append(
+        len(str(msg["content"].get("text", "")))) or output(self, outs, msg, *a))
+    mark = grade.MARK.format(nonce="n", name="a")
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(s) for s in (
+        "print('x' * 5_000_000)", f"print('y' * 50_000)\nprint({mark!r})", "print('after')")])
+    assert grade.execute(nb, tmp_path, timeout=20) == []
+    assert max(sizes) < 20_000
+    first = "".join(o.get("text", "") for o in nb.cells[0].outputs)
+    assert first.startswith("x" * 1000) and "output past 1,000 characters dropped" in first
+    second = "".join(o.get("text", "") for o in nb.cells[1].outputs)
+    assert second == "y" * 11_000 + mark  # cut in the kernel, the mark kept
+    assert [o.get("text") for o in nb.cells[2].outputs] == ["after\n"]  # a fresh count
