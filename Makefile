@@ -81,7 +81,7 @@ STUDENT ?= dist/minicb-student
 OUT = $(abspath $(STUDENT))# absolute, no trailing slash: `dir/` made no tarball
 # none, / , the repository or a folder above it: the rm -rf below would take the course with it
 UNSAFE_OUT = $(or $(if $(OUT),,none),$(filter /,$(OUT)),$(filter $(OUT) $(OUT)/%,$(CURDIR)))
-student-release:
+student-release: $(STAMP)
 	$(if $(UNSAFE_OUT),$(error STUDENT='$(STUDENT)' is this repository or a folder above it: \
 		name a new folder, e.g. STUDENT=dist/minicb-student))
 	$(BIN)/python -m minicb.exercises check
