@@ -3,6 +3,7 @@
   tiny_llama_dir, tiny_qwen2_dir, tiny_qwen3_dir   random tiny HF checkpoints (no tokenizer)
   tiny_checkpoint                                  factory: tiny_checkpoint(arch, tie=False)
   smollm2_dir                                      the bundled model's converted cache directory
+  tiny_model, word_model                           the tiny Llama loaded; with a word tokenizer
 """
 
 from __future__ import annotations
@@ -68,6 +69,25 @@ def tiny_model(tiny_llama_dir):
     """A loaded `(model, info)` pair of the tiny Llama, shared by every engine test."""
     from minicb.model.loader import load_model
     return load_model(str(tiny_llama_dir))
+
+
+@pytest.fixture(scope="session")
+def word_model(tiny_model):
+    """The tiny Llama with a word-level tokenizer ("w3 w17 ...") and a chat template: text
+    for the server's and LLM's tests (test_serve, test_llm_api)."""
+    import dataclasses
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    model, info = tiny_model
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 256)}}
+    raw = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>", bos_token="<s>",
+                                  eos_token="</s>")
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}w9"
+    return model, dataclasses.replace(info, tokenizer=tok)
 
 
 @pytest.fixture

@@ -7,31 +7,12 @@ Text matters here, so most tests run the tiny Llama with test_serve's word-level
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 from minicb import LLM, SamplingParams
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 HI = [{"role": "user", "content": "w5 w6"}]
-
-
-@pytest.fixture(scope="module")
-def word_model(tiny_model):
-    """The tiny Llama with a word-level tokenizer ("w3 w17 ...") and a chat template (as
-    tests/test_serve.py's)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    model, info = tiny_model
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 256)}}
-    raw = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>", bos_token="<s>",
-                                  eos_token="</s>")
-    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}w9"
-    return model, dataclasses.replace(info, tokenizer=tok)
 
 
 @pytest.fixture

@@ -46,22 +46,6 @@ def hold_adds(worker) -> tuple[threading.Event, threading.Event]:
 
 
 @pytest.fixture(scope="module")
-def word_model(tiny_model):
-    """The tiny Llama with a word-level tokenizer ("w3 w17 ...") and a chat template."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    model, info = tiny_model
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 256)}}
-    raw = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>", bos_token="<s>",
-                                  eos_token="</s>")
-    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}w9"
-    return model, dataclasses.replace(info, tokenizer=tok)
-
-
-@pytest.fixture(scope="module")
 def byte_model(tiny_model):
     """The tiny Llama with a byte-level tokenizer: token i is byte i, so its outputs decode to
     multi-byte characters split across tokens, and to broken UTF-8."""
