@@ -1389,9 +1389,9 @@ def main_bench(argv: list[str] | None = None) -> int:
         decl = data["declaration"]
         decl["command"] = args.command_line
         print(workload_line(decl))
-        print(f"concurrency: {concurrency_text(decl['concurrency'])}; endpoint "
-              f"{decl['endpoint']}, model {decl['model'] or 'the server default'}, measured at "
-              f"the {decl['measured_at']}; SLO {slo or 'none'}\n")
+        print(f"concurrency: {concurrency_text(decl.get('concurrency') or {})}; endpoint "
+              f"{decl.get('endpoint')}, model {decl.get('model') or 'the server default'}, "
+              f"measured at the {decl.get('measured_at')}; SLO {slo or 'none'}\n")
         print(report(data["results"]))
         print_errors(data["results"])
         if args.out:
@@ -1480,7 +1480,10 @@ def declaration_lines(decl: dict[str, Any]) -> list[str]:
                 else f"{weights_label(decl)} weights, attention "
                      f"{decl.get('attention_backend', '?')}")
     return [
-        workload_line(decl["workload"]),
+        # the run's own declaration of arrivals and lengths, else its workload's
+        workload_line({**decl["workload"], **{k: decl[k] for k in (
+            "arrival_process", "rate_rps", "burstiness", "prompt_lengths", "output_lengths")
+            if k in decl}}),
         f"concurrency: {concurrency_text(concurrency)}, max_num_seqs "
         f"{concurrency.get('max_num_seqs')}; cache: prefix "
         f"caching {caching}, {_head(cache.get('start'))} start; policies {policies}",

@@ -13,7 +13,6 @@ import dataclasses
 import io
 
 import pytest
-from test_serve import word_model  # noqa: F401 - a fixture
 
 import minicb
 import minicb.config
@@ -129,7 +128,7 @@ def test_is_conversation_needs_a_non_empty_list_or_tuple_of_messages():
     assert is_conversation(tuple(HI)) and is_conversation(HI)
 
 
-def test_chat_checks_every_conversation_before_queuing_any(word_model):  # noqa: F811
+def test_chat_checks_every_conversation_before_queuing_any(word_model):
     """Planted: chat checked only the first conversation, so a later empty one was templated
     and run; chat([]) indexed messages[0] (IndexError). It is now a ValueError (test_llm_api)."""
     llm = LLM(word_model, num_pages=64)
@@ -138,7 +137,7 @@ def test_chat_checks_every_conversation_before_queuing_any(word_model):  # noqa:
     assert not llm.engine.requests
 
 
-def test_chat_without_a_template_says_so_and_passes_use_tqdm_on(word_model, bars):  # noqa: F811
+def test_chat_without_a_template_says_so_and_passes_use_tqdm_on(word_model, bars):
     """Planted: the check for a tokenizer without a chat template was dropped (transformers'
     own error, not ours); chat did not pass `use_tqdm` on to generate (a bar always drew)."""
     llm = LLM(word_model, num_pages=64)
@@ -282,7 +281,7 @@ def test_main_reads_sys_argv_without_the_program_name(monkeypatch, capsys):
     assert main() == 0 and "usage:" in capsys.readouterr().out
 
 
-def test_demo_defaults_greedy_pd_and_no_progress_bar(word_model, monkeypatch, capsys):  # noqa: F811
+def test_demo_defaults_greedy_pd_and_no_progress_bar(word_model, monkeypatch, capsys):
     """Planted: demo's --max-tokens default 64 (not 48), temperature left at its default (not
     greedy), --policy default "continuous", chat called without use_tqdm=False (a bar over the
     answers), answers printed unstripped. Runs the whole demo on the tiny Llama with a

@@ -26,7 +26,6 @@ from test_serve import (
     serving,
     sse_chunks,
     wait_idle,
-    word_model,  # noqa: F401 - a fixture
 )
 
 from minicb.client import bench_endpoint, completions_url, models_url, run_client
@@ -317,7 +316,7 @@ def test_parse_request_defaults_batches_and_merges_stop_ids():
 
 
 # ------------------------------------------------------------------------------ chat and stop
-def test_chat_without_max_tokens_fills_the_pool_and_has_chat_ids(word_model):  # noqa: F811
+def test_chat_without_max_tokens_fills_the_pool_and_has_chat_ids(word_model):
     """Planted: chat's default max_tokens ignored the page pool (max_model_len minus the
     prompt: a request that can never fit, refused); a chat answer's id began "cmpl-", not
     "chatcmpl-"."""
@@ -339,7 +338,7 @@ def test_chat_without_max_tokens_fills_the_pool_and_has_chat_ids(word_model):  #
 
 
 @pytest.fixture(scope="module")
-def word_text(word_model):  # noqa: F811
+def word_text(word_model):
     """The greedy answer to "w5 w6 w7": (text, words)."""
     ref = reference(word_model, ["w5 w6 w7"], 12)[0]
     return ref.text, ref.text.split()
@@ -355,7 +354,7 @@ def _complete(http, url, body):
             (streamed, chunks[-1]["choices"][0]["finish_reason"])]
 
 
-def test_a_stop_string_across_two_tokens_stops_and_is_never_streamed(word_model,  # noqa: F811
+def test_a_stop_string_across_two_tokens_stops_and_is_never_streamed(word_model,
                                                                       word_text):
     """Planted: the stop-string search began at the new text only (`start = searched`), so a
     stop string across two tokens was missed; the stream sent text that might begin a stop
@@ -372,7 +371,7 @@ def test_a_stop_string_across_two_tokens_stops_and_is_never_streamed(word_model,
 
 
 def test_overlapping_stop_strings_cut_at_the_first_and_min_tokens_counts_its_own(
-        word_model, word_text):  # noqa: F811
+        word_model, word_text):
     """Planted: the text was cut at the last stop string found in a step (`max(hits)`), not
     the first; a stop string in the token that reaches min_tokens was ignored (`>` for
     `>=`: vLLM looks from min_tokens on)."""
