@@ -47,6 +47,7 @@ from minicb.metrics import (
     check_slo,
     format_table,
     lookup,
+    observed_arrivals,
     resource_use,
     summarize,
     sustainable_load,
@@ -301,17 +302,13 @@ def check_wall_clock_span(*workloads: Workload | None) -> None:
     tiny --rate spreads a few requests over weeks. The simulator skips idle time, so it may.
     Call it before a model loads; None (no warm-up traffic) passes."""
     for workload in workloads:
-        if workload is not None:
-            _check_span(workload)
-
-
-def _check_span(workload: Workload) -> None:
-    times = [r.arrival_time for r in workload.requests if r.arrival_time is not None]
-    if times and max(times) - min(times) > MAX_FIRST_ARRIVAL_S:
-        span = max(times) - min(times)
-        raise ValueError(f"the last request arrives {span:,.0f} s ({span / 86400:.1f} days) "
-                         "after the first, and a real run waits for it: raise the rate, send "
-                         "fewer requests, or use --executor sim (it skips idle time)")
+        times = [r.arrival_time for r in (workload.requests if workload else [])
+                 if r.arrival_time is not None]
+        span = observed_arrivals(times)["arrival_span_s"] if times else 0.0
+        if span > MAX_FIRST_ARRIVAL_S:
+            raise ValueError(f"the last request arrives {span:,.0f} s ({span / 86400:.1f} days) "
+                             "after the first, and a real run waits for it: raise the rate, "
+                             "send fewer requests, or use --executor sim (it skips idle time)")
 
 
 def check_writable(path: str | os.PathLike | None, flag: str) -> None:
@@ -1566,11 +1563,14 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
     sustainable load too (chapter 06). --priority-aging-steps applies to the priority rows."""
     check_writable(args.out, "--out")
     set_threads(args.threads)
-    lists = unread_settings_once(args.policy, bool(args.num_speculative_tokens), {
-        "max_num_batched_tokens": _int_list(args.max_num_batched_tokens,
-                                            "--max-num-batched-tokens"),
-        "max_num_seqs": _int_list(args.max_num_seqs, "--max-num-seqs"),
-        "chunk_size": _int_list(args.chunk_size, "--chunk-size")})
+    reads = settings_read(args.policy, bool(args.num_speculative_tokens))
+    lists = {"max_num_batched_tokens": _int_list(args.max_num_batched_tokens,
+                                                 "--max-num-batched-tokens"),
+             "max_num_seqs": _int_list(args.max_num_seqs, "--max-num-seqs"),
+             "chunk_size": _int_list(args.chunk_size, "--chunk-size")}
+    # a setting the policy does not read runs at its first value: varying it would run the
+    # same schedule again and rank copies of one row
+    lists = {name: values if name in reads else values[:1] for name, values in lists.items()}
     budgets, seqs, chunks = (lists[k] for k in ("max_num_batched_tokens", "max_num_seqs",
                                                 "chunk_size"))
     preemptions = _preemptions(args.preemption)
@@ -1692,8 +1692,7 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
                                 varied="per row: every combination of the lists")
     decl["concurrency"]["max_num_seqs"] = seqs
     decl["policy_options"].update(preemption=preemptions, priority_aging_steps=aging)
-    unread = [k for k in lists if k not in settings_read(args.policy,
-                                                         bool(args.num_speculative_tokens))]
+    unread = [k for k in lists if k not in reads]
     if unread:
         decl["not_varied"] = (f"{args.policy} does not read {', '.join(unread)}: each runs at "
                               "the first value given only (other values give the same rows)")
@@ -1721,14 +1720,6 @@ def settings_read(policy: str, speculating: bool) -> tuple[str, ...]:
     if speculating and "max_num_batched_tokens" not in reads:
         reads = (*reads, "max_num_batched_tokens")
     return reads
-
-
-def unread_settings_once(policy: str, speculating: bool,
-                         lists: dict[str, list[int]]) -> dict[str, list[int]]:
-    """A sweep's value lists with each setting `policy` does not read cut to its first value
-    (chapter 06): varying it would run the same schedule again and rank copies of one row."""
-    reads = settings_read(policy, speculating)
-    return {name: values if name in reads else values[:1] for name, values in lists.items()}
 
 
 def ranked(rows: list[dict[str, Any]], by: str = "goodput_rps") -> list[dict[str, Any]]:
