@@ -301,7 +301,7 @@ def test_unsupported_architecture_is_refused(tiny_llama_dir, tmp_path):
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "yarn"),
     ({"hidden_act": "gelu"}, "gelu"),
     ({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True,
-      "sliding_window": 1024}, "sliding"),
+      "sliding_window": 1024, "max_window_layers": 0}, "sliding"),
 ])
 def test_unsupported_config_is_refused(tiny_llama_dir, change, match):
     cfg = json.loads((tiny_llama_dir / "config.json").read_text()) | change

@@ -110,6 +110,36 @@ def test_mistral_without_sliding_window_gets_transformers_4096_window(tmp_path):
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_qwen_sliding_window_counts_only_the_layers_that_use_it(tmp_path, family):
+    """use_sliding_window with max_window_layers = num_hidden_layers: no layer attends
+    through the window, transformers runs full attention, and so must minicb
+    (same greedy tokens well past the 4-token window). From layer 1 on, or marked in
+    layer_types, the window is used and refused, naming the layers."""
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3Config
+
+    from minicb import LLM, SamplingParams
+    cls = Qwen2Config if family == "qwen2" else Qwen3Config
+    path = save_random_checkpoint(cls(**SHAPE, head_dim=16, max_position_embeddings=64,
+                                      use_sliding_window=True, sliding_window=4,
+                                      max_window_layers=2), tmp_path / family)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompt = [5, 9, 14, 3, 7, 11, 20, 8]
+    ids = torch.tensor([prompt])
+    expect = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                         max_new_tokens=8, eos_token_id=None, pad_token_id=0)[0, 8:].tolist()
+    out = LLM(load_model(path, prepack=False)).generate(
+        [prompt], SamplingParams(max_tokens=8, ignore_eos=True, temperature=0))
+    assert out[0].token_ids == expect
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.pop("layer_types", None)  # transformers writes it; a hand-made file may not
+    with pytest.raises(ValueError, match=r"sliding_window=4 < .*in layers \[1\]"):
+        ModelConfig.from_hf(cfg | {"max_window_layers": 1})
+    with pytest.raises(ValueError, match=r"in layers \[0\]"):
+        ModelConfig.from_hf(cfg | {"layer_types": ["sliding_attention", "full_attention"]})
+    assert ModelConfig.from_hf(cfg | {"use_sliding_window": False, "max_window_layers": 0})
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
 def test_qwen_without_max_position_embeddings_gets_32768(tmp_path, family):
     from transformers import AutoConfig, Qwen2Config, Qwen3Config
     cls = Qwen2Config if family == "qwen2" else Qwen3Config

@@ -77,12 +77,12 @@ class ModelConfig:
             raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r} (only 'silu')")
         if cfg.get("mlp_bias"):
             raise ValueError("unsupported: mlp_bias=True")
-        window = cfg.get("sliding_window") if name == "mistral" or cfg.get("use_sliding_window") \
-            else None
-        if window and window < cfg["max_position_embeddings"]:  # a longer one changes nothing
+        window = cfg.get("sliding_window")
+        windowed = windowed_layers(name, cfg)
+        if windowed and window < cfg["max_position_embeddings"]:  # a longer one changes nothing
             raise ValueError(f"unsupported: sliding-window attention ({arch}, sliding_window="
                              f"{window} < max_position_embeddings="
-                             f"{cfg['max_position_embeddings']})")
+                             f"{cfg['max_position_embeddings']}, in layers {windowed})")
         # transformers >= 5 writes `rope_parameters`; older files have rope_theta + rope_scaling
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
@@ -108,6 +108,25 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"), eos_token_id=cfg.get("eos_token_id"))
 
 
+def windowed_layers(family: str, cfg: Mapping) -> list[int]:
+    """The layers transformers runs with sliding-window attention for this config.json (with
+    its family's defaults filled in): every Mistral layer when a window is set; for Qwen2/3
+    none unless `use_sliding_window`, then those `layer_types` marks "sliding_attention", else
+    the layers from `max_window_layers` on (a file that sets the switch with
+    max_window_layers = num_hidden_layers runs full attention everywhere)."""
+    layers = range(cfg["num_hidden_layers"])
+    if not cfg.get("sliding_window") or family == "llama":
+        return []
+    if family == "mistral":
+        return list(layers)
+    if not cfg.get("use_sliding_window"):
+        return []
+    types = cfg.get("layer_types")
+    if types:
+        return [i for i in layers if types[i] == "sliding_attention"]
+    return [i for i in layers if i >= cfg["max_window_layers"]]
+
+
 # transformers' defaults for the config.json keys a family's file may leave out (each
 # configuration_*.py): a missing key must mean what it means to transformers, or the same file
 # runs another model here (Qwen2/3's context is 32768, Mistral attends through a window)
@@ -116,9 +135,9 @@ HF_DEFAULTS: dict[str, dict] = {
     "mistral": {"max_position_embeddings": 4096 * 32, "num_key_value_heads": 8,
                 "sliding_window": 4096, "bos_token_id": 1, "eos_token_id": 2},
     "qwen2": {"max_position_embeddings": 32768, "num_key_value_heads": 32,
-              "sliding_window": 4096},
+              "sliding_window": 4096, "max_window_layers": 28},
     "qwen3": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "head_dim": 128,
-              "sliding_window": 4096},
+              "sliding_window": 4096, "max_window_layers": 28},
 }
 _ARCH_FROM_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                          "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
