@@ -336,6 +336,7 @@ class Engine:
             unclaimed = self._pages_unclaimed(need)
             claimed = self._unclaimed[2]
             if claimed is not None:  # cached pages a waiting request will share: not twice
+                claimed = set(claimed)  # a copy: a rejected arrival claims nothing
                 need = self._pages_to_admit(req, claimed)
             if need > unclaimed:
                 self._finish(req, "rejected")  # its step's record lists it as finished
@@ -447,6 +448,23 @@ class Engine:
             return
         self._finish(req, reason)
         self._finished_between_steps.append(req.request_id)  # the next StepRecord lists it
+
+    def stop_at(self, request_id: str, num_output_tokens: int) -> None:
+        """A caller's stop string ended the request at output token `num_output_tokens` (chapter
+        00's `LLM`, chapter 06's server): it finishes "stop" now, or is relabelled so if its
+        last step ended it by length; tokens after that one, guesses the same step kept
+        (chapter 08), are dropped, as if it had stopped there."""
+        req = self.requests[str(request_id)]
+        if not 0 < num_output_tokens <= len(req.output_token_ids):
+            raise ValueError(f"num_output_tokens must be 1..{len(req.output_token_ids)}, got "
+                             f"{num_output_tokens}")
+        m = req.metrics
+        for kept in (req.output_token_ids, m.token_times, m.token_steps):
+            del kept[num_output_tokens:]
+        if not req.is_finished:
+            self.cancel(request_id, reason="stop")
+        elif req.finish_reason == "length":  # its last token: say what the caller got
+            req.finish_reason = "stop"
 
     def forget(self, request_id: str) -> None:
         """Drop a finished request's record (a long-running server calls this to bound

@@ -117,9 +117,10 @@ class IncrementalDecoder:
 class StopMatcher:
     """One request's output text, cut before the first of its stop strings (vLLM's `stop`;
     chapter 00's `LLM` and chapter 06's server share it): the text of an `IncrementalDecoder`,
-    looked through for the stop strings as it grows. A stop string may span tokens; none counts
-    before the output has `min_tokens` tokens (vLLM). The engine stays token-level: stop strings
-    are matched where text is made."""
+    looked through for the stop strings as it grows, one token at a time (a step that keeps
+    guesses, chapter 08, brings several). A stop string may span tokens; none counts before the
+    output has `min_tokens` tokens (vLLM). The engine stays token-level: stop strings are
+    matched where text is made, and `num_tokens` says which token completed one."""
 
     def __init__(self, tokenizer: Any, stop: Sequence[str] = (), min_tokens: int = 0) -> None:
         self.decoder = IncrementalDecoder(tokenizer)
@@ -128,23 +129,30 @@ class StopMatcher:
         # characters at the end that might still grow into a stop string: not final yet
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.text = ""  # decoded so far, cut before a stop string once one is found
+        self.num_tokens = 0  # output tokens read: once stopped, up to the one that completed it
         self.stopped = False
 
     def step(self, token_ids: list[int], final: bool = False) -> bool:
         """Read the output so far (`token_ids`: all of it); True once a stop string has ended
         it. `final`: the request has ended (an incomplete last character is given as is)."""
-        if self.stopped:
-            return True
+        while not self.stopped and self.num_tokens < len(token_ids) - 1:
+            self.num_tokens += 1
+            self._read(token_ids[:self.num_tokens], final=False)
+        if not self.stopped:  # the last token; or none new, when the end flushes a character
+            self.num_tokens = len(token_ids)
+            self._read(token_ids, final)
+        return self.stopped
+
+    def _read(self, token_ids: list[int], final: bool) -> None:
         searched = len(self.decoder.text)  # stop strings were looked for up to here
         self.decoder.step(token_ids, final=final)
         self.text = self.decoder.text
         if self.stop and len(token_ids) >= self.min_tokens:
-            # only in the new text, and the characters before it that may begin a stop string
-            start = max(0, searched - self.hold)
-            hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+            # a match must end in the new text: one in the text before min_tokens counts not
+            hits = [i for i in (self.text.find(s, max(0, searched - len(s) + 1))
+                                for s in self.stop) if i >= 0]
             if hits:
                 self.text, self.stopped = self.text[:min(hits)], True
-        return self.stopped
 
     def ready(self, final: bool = False) -> int:
         """How many characters of `text` will not change: all of them once the request has
@@ -215,17 +223,15 @@ class LLM:
             req = self.engine.requests[rid]
             if m.step(req.output_token_ids, final=req.is_finished):
                 stopped.append(rid)
-                if not req.is_finished:
-                    self.engine.cancel(rid, reason="stop")
-                elif req.finish_reason == "length":
-                    req.finish_reason = "stop"
+                self.engine.stop_at(rid, m.num_tokens)
         return stopped
 
     def _output(self, rid: str) -> RequestOutput:
         """The engine's output, its text cut before a stop string that ended it (vLLM: the
-        token ids keep every token generated, the one that completed the stop string too)."""
-        out = self.engine.output(rid)
+        token ids end with the token that completed the stop string: those a step with guesses
+        kept after it, chapter 08, are dropped)."""
         self._match_stops([rid])  # in case its last tokens came in a step nobody checked
+        out = self.engine.output(rid)
         m = self._stops.get(rid)
         if m is not None and m.stopped:
             out.text = m.text
@@ -277,16 +283,16 @@ class LLM:
         def news(rid: str) -> tuple[str, list[int], str] | None:
             """What `rid` has that was not yielded yet; None if nothing."""
             req = self.engine.requests[rid]
-            new = req.output_token_ids[sent_tokens[rid]:]
-            sent_tokens[rid] = len(req.output_token_ids)
             delta, m = "", texts.get(rid)
             if m is not None:
                 if rid in self._stops:
-                    self._match_stops([rid])
+                    self._match_stops([rid])  # first: a stop string drops the tokens after it
                 else:
                     m.step(req.output_token_ids, final=req.is_finished)
                 end = max(sent_text[rid], m.ready(final=req.is_finished))
                 delta, sent_text[rid] = m.text[sent_text[rid]:end], end
+            new = req.output_token_ids[sent_tokens[rid]:]
+            sent_tokens[rid] = len(req.output_token_ids)
             return (rid, new, delta) if new or delta else None
 
         try:

@@ -515,23 +515,23 @@ class EngineWorker:
     def _emit(self, s: _Stream) -> Event:
         """The event that brings a request its new tokens and text; stops it at a stop
         string."""
-        req = self.engine.requests[s.job.request_id]
-        ids = req.output_token_ids
-        new_ids, s.sent_tokens = ids[s.sent_tokens:], len(ids)
+        rid = s.job.request_id
+        req = self.engine.requests[rid]
         reason = req.finish_reason
         delta = ""
         m = s.matcher
         if m is not None:
-            if m.step(ids, final=reason is not None):
+            if m.step(req.output_token_ids, final=reason is not None):
                 reason = "stop"
             end = max(s.sent_text, m.ready(final=reason is not None))
             delta, s.sent_text = m.text[s.sent_text:end], end
         if reason:
-            self._streams.pop(s.job.request_id, None)
-        if reason == "stop" and not req.is_finished:
-            self._cancel(s.job.request_id, "stop")  # a stop string: the engine stops now
-        elif reason == "stop" and req.finish_reason == "length":
-            req.finish_reason = "stop"  # in its last token: the record says what the client got
+            self._streams.pop(rid, None)
+        if m is not None and m.stopped:
+            self._cancel(rid, "stop")  # a stop string: the engine stops now (if it runs still)
+            self.engine.stop_at(rid, m.num_tokens)  # and drops tokens after the stop string's
+        ids = req.output_token_ids
+        new_ids, s.sent_tokens = ids[s.sent_tokens:], len(ids)
         return Event(new_ids, delta, reason, req.error)
 
     def _send(self, s: _Stream, event: Event) -> None:

@@ -454,6 +454,24 @@ def test_reject_counts_cached_pages_two_arrivals_share_once():
     assert not any(rec.preempted for rec in engine.trace)
 
 
+def test_a_rejected_arrival_claims_no_cached_pages():
+    """A request rejected at arrival shares nothing: the cached pages it would have reused
+    are still charged to the next arrival that reuses them. 8 available: "fresh" takes 3;
+    "big" (4 cached pages + 3 new) would make 10 and is rejected; "copy" (4 cached + 1) makes
+    8; a 2-page "last" would make 10 and is rejected. (Once "big" kept its claim on the cached
+    pages, "copy" was charged 1 page, and "last" was accepted into a full cache.)"""
+    engine, p, shared = after_a_cached_prompt()
+    engine.add_request([7] * 20, p, request_id="fresh")
+    engine.add_request(shared[:32] + [9] * 17, p, request_id="big")
+    engine.add_request(shared[:33], p, request_id="copy")
+    engine.add_request([8] * 9, p, request_id="last")
+    engine.run()
+    assert [engine.requests[r].finish_reason for r in ("fresh", "big", "copy", "last")] \
+        == ["length", "rejected", "length", "rejected"]
+    assert not any(rec.preempted for rec in engine.trace)
+    assert engine.requests["copy"].num_cached_tokens == 32
+
+
 def test_reject_counts_what_the_waiting_queue_will_take():
     """One slot: the second request waits for the slot with its pages promised, so a third
     that would fit the free pages alone is rejected."""

@@ -8,6 +8,7 @@ Text matters here, so most tests run the tiny Llama with test_serve's word-level
 from __future__ import annotations
 
 import pytest
+from tiny_models import guessable_model
 
 from minicb import LLM, SamplingParams
 
@@ -91,6 +92,67 @@ def test_no_stop_string_before_min_tokens(llm):
     out = llm.generate("w5 w6 w7", SamplingParams(max_tokens=12, stop=stop, min_tokens=min_tokens,
                                                   **GREEDY), use_tqdm=False)[0]
     assert (out.text, out.finish_reason, out.token_ids) == (ref.text, "length", ref.token_ids)
+
+
+@pytest.mark.parametrize("also", [(), ("a stop string longer than the whole output",)])
+def test_no_stop_string_before_min_tokens_whatever_else_is_listed(llm, also):
+    """A stop string counts only if it ends in text the output made from `min_tokens` on: a
+    longer one listed beside it once widened every string's look-back into the text before
+    min_tokens, and the short one matched there."""
+    ref = llm.generate("w5 w6 w7", SamplingParams(max_tokens=12, **GREEDY), use_tqdm=False)[0]
+    words = ref.text.split()
+    stop = once(words, 0)
+    min_tokens = words.index(stop) + 2  # the token after it reaches min_tokens
+    out = llm.generate("w5 w6 w7", SamplingParams(max_tokens=12, stop=[stop, *also],
+                                                  min_tokens=min_tokens, **GREEDY),
+                       use_tqdm=False)[0]
+    assert (out.text, out.finish_reason, out.token_ids) == (ref.text, "length", ref.token_ids)
+
+
+def guessing_llm(word_model, k: int) -> LLM:
+    """An `LLM` whose `k` guesses are all right (tiny_models.guessable_model): the simulated
+    model, always "w100", with the word tokenizer."""
+    model, clock = guessable_model(word_model[1].tokenizer)
+    return LLM(model, clock=clock, device="cpu", attention_backend="torch",
+               num_speculative_tokens=k, check_invariants=True)
+
+
+@pytest.mark.parametrize("read", ["generate", "stream"])
+def test_a_stop_string_completed_among_kept_guesses_ends_the_tokens_there(word_model, read):
+    """Chapter 08: a step with kept guesses brings several tokens; the one that completes a
+    stop string ends the output, its ids and timings too, as if no guess had come after it
+    (they once kept the step's later tokens: 5 ids for a stop string done at the 2nd)."""
+    sp = SamplingParams(max_tokens=12, stop="w100 w100", **GREEDY)
+    outs = {}
+    for k in (0, 3):
+        llm = guessing_llm(word_model, k)
+        if read == "generate":
+            out = llm.generate([100] * 8, sp, use_tqdm=False)[0]
+            rid, ids, text = out.request_id, out.token_ids, out.text
+        else:
+            items = list(llm.stream([100] * 8, sp))
+            rid, ids = items[0][0], [t for _, new, _ in items for t in new]
+            text = "".join(delta for _, _, delta in items)
+        req = llm.engine.requests[rid]
+        outs[k] = ids, text, req.finish_reason, len(req.metrics.token_times), \
+            len(req.metrics.token_steps)
+        assert empty(llm)
+    assert outs[3] == outs[0] == ([100, 100], "", "stop", 2, 2)
+
+
+def test_stop_at_drops_the_tokens_after_and_refuses_a_bad_count(word_model):
+    llm = guessing_llm(word_model, 3)
+    rid = llm.engine.add_request([100] * 8, SamplingParams(max_tokens=12, **GREEDY))
+    llm.engine.step(), llm.engine.step()  # 1 token, then 4 more
+    req = llm.engine.requests[rid]
+    assert len(req.output_token_ids) == 5
+    for bad in (0, 6):
+        with pytest.raises(ValueError, match="num_output_tokens must be 1..5"):
+            llm.engine.stop_at(rid, bad)
+    llm.engine.stop_at(rid, 3)
+    assert (req.output_token_ids, req.metrics.token_steps, req.finish_reason) == \
+        ([100] * 3, [1, 2, 2], "stop")
+    assert empty(llm)
 
 
 def test_a_stop_string_in_the_last_allowed_token_is_a_stop(llm):

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from tiny_models import guessable_model
 
 from minicb import LLM, Engine, SamplingParams, bench, client, metrics
 from minicb.client import bench_endpoint, completions_url, run_client
@@ -493,6 +494,30 @@ def test_a_speculating_server_streams_the_same_tokens(tiny_model):
                 http.stream("POST", url + "/v1/completions", json=body) as r:
             streamed[k] = [t for c in sse_chunks(r) for t in c["choices"][0].get("token_ids", [])]
     assert streamed[3] == streamed[0] and len(streamed[0]) == 24
+
+
+def test_a_stop_string_completed_among_kept_guesses_ends_the_stream_there(word_model):
+    """A step with kept guesses brings 4 tokens at once; the stop string "w100 w100" is done
+    at the output's 2nd: the client gets 2 token ids, the engine's record keeps 2 (it once
+    sent and kept all 5 the first two steps made)."""
+    model, clock = guessable_model(word_model[1].tokenizer)
+    engine = Engine(model, clock=clock, device="cpu", attention_backend="torch", policy="pd",
+                    num_speculative_tokens=3, check_invariants=True)
+    body = {"prompt": [100] * 8, "max_tokens": 12, "stop": ["w100 w100"], "stream": True,
+            **GREEDY}
+    with ServerThread(create_app(engine, "sim")) as url, httpx.Client(timeout=TIMEOUT) as http:
+        with http.stream("POST", url + "/v1/completions", json=body,
+                         headers={"X-Request-Id": "spec"}) as r:
+            chunks = [c["choices"][0] for c in sse_chunks(r)]
+        text = http.get(url + "/metrics").text
+    assert [t for c in chunks for t in c.get("token_ids", [])] == [100, 100]
+    assert "".join(c["text"] for c in chunks) == ""
+    assert chunks[-1]["finish_reason"] == "stop"
+    req = engine.requests["spec"]
+    assert (req.output_token_ids, req.finish_reason, len(req.metrics.token_times)) == \
+        ([100, 100], "stop", 2)
+    assert 'minicb_requests_total{finish_reason="stop"} 1' in text
+    assert engine.pool.num_used == 0
 
 
 def test_engine_faults_fail_the_request_not_the_server(tiny_model):

@@ -89,3 +89,15 @@ def run_beside_single(engine, reference, jobs: list[tuple]) -> list[str]:
     for i, r in zip(ids, ref_ids):
         assert engine.requests[i].output_token_ids == reference.requests[r].output_token_ids
     return ids
+
+
+def guessable_model(tokenizer) -> tuple[tuple, object]:
+    """The simulated model (always token 100) with `tokenizer` (test_serve's word tokenizer:
+    "w100"), for an engine whose guesses (chapter 08) are all right, so each decode step
+    brings k + 1 tokens: ((model, info), clock), to pass as `Engine(model, clock=clock)`."""
+    import dataclasses
+
+    from minicb.sim import CostModel, SimClock, SimModel, sim_model_info
+    clock = SimClock()
+    info = dataclasses.replace(sim_model_info(256), tokenizer=tokenizer)
+    return (SimModel(CostModel(a=0.01), clock, 256), info), clock
