@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import itertools
 import time
+import warnings
 import weakref
 from collections import Counter, deque
 
@@ -55,14 +57,26 @@ class InvariantError(AssertionError):
 
 def default_num_pages(model_config, config: EngineConfig, dtype: torch.dtype) -> int:
     """1024 pages on the CPU; on CUDA, what `gpu_memory_utilization` of the free memory holds
-    once the weights are loaded (as vLLM sizes its KV cache)."""
+    once the weights are loaded (as vLLM sizes its KV cache), but no more than every slot at
+    the model's longest context needs (chapter 07)."""
     if not str(config.device).startswith("cuda"):
         return 1024
+    # an earlier engine's pool, dropped, still sits in torch's cache, which the driver counts
+    # as used: each engine made in turn in one process would get a tenth of the one before
+    gc.collect()
+    torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info(torch.device(config.device))
     per_page = page_bytes(model_config.num_layers, config.page_size, model_config.num_kv_heads,
                           model_config.head_dim, dtype)
     budget = free * config.gpu_memory_utilization - 512 * 2**20  # headroom for activations
-    return max(16, int(budget // per_page))
+    enough = config.max_num_seqs * -(-model_config.max_position_embeddings // config.page_size)
+    num_pages = max(16, min(enough, int(budget // per_page)))
+    if num_pages * config.page_size < model_config.max_position_embeddings:
+        warnings.warn(f"the KV cache gets {num_pages} pages ({num_pages * config.page_size} "
+                      f"tokens) of {free / 2**30:.1f} GiB free GPU memory, less than one "
+                      f"{model_config.max_position_embeddings}-token context: free GPU memory "
+                      f"(another engine still held?) or pass num_pages", stacklevel=3)
+    return num_pages
 
 
 def _auto_device(model, quantization: str | None) -> str:

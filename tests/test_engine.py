@@ -629,20 +629,30 @@ def test_cuda_page_pool_is_sized_from_free_memory(monkeypatch):
 
     from minicb.config import EngineConfig
     from minicb.engine import default_num_pages
-    smollm2 = SimpleNamespace(num_layers=30, num_kv_heads=3, head_dim=64)
+    smollm2 = SimpleNamespace(num_layers=30, num_kv_heads=3, head_dim=64,
+                              max_position_embeddings=8192)
     asked = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # two GPUs, as far as
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)     # the config can tell
     monkeypatch.setattr(torch.cuda, "mem_get_info",
                         lambda device=None: asked.append(device) or (10 * 2**30, 80 * 2**30))
-    config = EngineConfig.from_kwargs(device="cuda:1", page_size=16, gpu_memory_utilization=0.5)
+    # torch's cache is emptied first: a dropped engine's pool must count as free
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: asked.append("emptied"))
+    config = EngineConfig.from_kwargs(device="cuda:1", page_size=16, gpu_memory_utilization=0.5,
+                                      max_num_seqs=64)  # 64 x 8192 tokens: no cap below
     page_bytes = 2 * 30 * 16 * 3 * 64 * 2  # 360 KiB per 16-token page in bfloat16
     assert default_num_pages(smollm2, config, torch.bfloat16) == (
         (5 * 2**30 - 512 * 2**20) // page_bytes) == 13107
-    assert asked == [torch.device("cuda:1")]  # the engine's own GPU, not device 0
+    assert asked == ["emptied", torch.device("cuda:1")]  # the engine's own GPU, not device 0
     assert default_num_pages(smollm2, config, torch.float32) == 13107 // 2  # 4-byte KV
     tiny = dict(config.__dict__, gpu_memory_utilization=0.01)  # less than the headroom
-    assert default_num_pages(smollm2, EngineConfig.from_kwargs(**tiny), torch.bfloat16) == 16
+    with pytest.warns(UserWarning, match=r"16 pages \(256 tokens\) of 10.0 GiB free GPU memory"
+                                         r", less than one 8192-token context"):
+        assert default_num_pages(smollm2, EngineConfig.from_kwargs(**tiny),
+                                 torch.bfloat16) == 16
+    # no more than every slot at the longest context needs: 4 x 8192 / 16
+    few = dict(config.__dict__, max_num_seqs=4)
+    assert default_num_pages(smollm2, EngineConfig.from_kwargs(**few), torch.bfloat16) == 2048
     cpu = EngineConfig.from_kwargs(device="cpu")
     assert default_num_pages(smollm2, cpu, torch.float32) == 1024
 
