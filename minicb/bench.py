@@ -1063,10 +1063,14 @@ def _json_default(value: Any) -> Any:
 
 
 def write_json(data: dict[str, Any], path: str | Path) -> Path:
-    """Write a results dict as indented JSON (numpy numbers become plain ones) (chapter 06)."""
+    """Write a results dict as indented JSON (numpy numbers become plain ones) (chapter 06).
+    The file appears whole or not at all: a run stopped while writing (a time limit) leaves
+    the previous file, never a truncated one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2, default=_json_default) + "\n")
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(data, indent=2, default=_json_default) + "\n")
+    os.replace(partial, path)
     return path
 
 

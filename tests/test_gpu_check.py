@@ -12,6 +12,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -253,18 +254,53 @@ def test_an_error_in_the_decode_stage_is_reported_and_later_stages_run(gpu_check
 def test_a_timed_out_subprocess_logs_text_not_bytes(gpu_check, monkeypatch, tmp_path):
     """After a timeout, TimeoutExpired.stdout is bytes even with text=True."""
     def timeout(cmd, **kwargs):
+        if hasattr(kwargs.get("stdout"), "write"):  # the tests' log: pytest writes it as it goes
+            kwargs["stdout"].write("collected 40 items\n....")
         raise subprocess.TimeoutExpired(cmd, 5, output=b"collected 40 items\n....",
                                         stderr=b"a warning")
 
     monkeypatch.setattr(gpu_check.subprocess, "run", timeout)
     log = tmp_path / "tests.log"
     assert gpu_check.run_tests("cpu", timeout=5, log=log) == "timed out after 5 s"
-    assert "collected 40 items\n...." in log.read_text() and "b'" not in log.read_text()
+    assert log.read_text() == "collected 40 items\n....\ntimed out after 5 s\n"
     out = gpu_check.run_bench("cpu", "m", tmp_path / "b.json", timeout=5, smoke=True)
     assert "collected 40 items\n....a warning" in out and "b'" not in out
     reason, output = gpu_check.triton_preflight("cuda", timeout=5)
     assert reason == "the pre-flight kernel timed out after 5 s"
     assert output.startswith("collected 40 items") and "b'" not in output
+
+
+def test_the_deadline_counts_from_when_the_shell_script_started(gpu_check, monkeypatch,
+                                                               tmp_path):
+    """gpu_check.sh exports its start time: 400 s spent before main (torch's import, CUDA's
+    start-up) leave the stages 55 s of the 455, not 455 (the clock once started after the
+    import), and the table says 400 s have gone."""
+    monkeypatch.setenv("MINICB_GPU_CHECK_START", str(time.time() - 400))
+    table, calls = run_main(
+        gpu_check, monkeypatch, tmp_path,
+        triton_preflight=lambda *a, **kw: (None, "triton pre-flight: ok"),
+        run_tests=lambda *a, **kw: "12 passed in 3.0s",
+        time_decode=lambda *a, **kw: {"rows": [], "moved": 1e6, "ref_sec": 2e-3},
+        bench_model=lambda *a, **kw: ("a-model", "a model"),
+        time_fusion=lambda *a, **kw: {"error": "not measured here"},
+        run_bench=lambda *a, **kw: "the benchmark's report")
+    assert calls["run_tests"][0][1]["timeout"] == 60  # the least it gives the tests
+    assert calls["run_bench"][0][1]["timeout"] < 55
+    elapsed = int(table.rsplit("Whole check so far: ", 1)[1].split(" s.")[0])
+    assert 400 <= elapsed < 455
+
+
+def test_a_results_file_cut_short_still_renders_a_table(gpu_check, tmp_path):
+    """The benchmark writes its JSON whole or not at all (write_json); a file cut short anyway
+    gives a row saying so, not a crash that loses the table."""
+    from minicb.bench import write_json
+    out = tmp_path / "bench.json"
+    out.write_text('{"results": {"pd": {"output_tokens_per_s": 12')
+    [row] = gpu_check.bench_rows(out)
+    assert row.startswith("| engine benchmark | results file unreadable (")
+    write_json({"results": {}}, out)
+    assert json.loads(out.read_text()) == {"results": {}}
+    assert [p.name for p in tmp_path.iterdir()] == ["bench.json"]  # no .partial left behind
 
 
 # what the device machine runs: minicb from the checkout, this script, the kernel tests
