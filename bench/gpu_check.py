@@ -251,10 +251,10 @@ def time_decode(spec: dict, device: str, iters: int, sweep: bool = True,
         return dict(rows=[], moved=moved, ref_sec=ref_sec)
     from minicb.attention import triton_ops as tops
     ref = torch_ref.attend(q, k_cache, v_cache, meta, scale).float()
-    defaults = (tops.BLOCK_N, tops.NUM_WARPS, tops.NUM_STAGES)
+    defaults = tops.DECODE_TILES
     rows = []
     for block_n, warps, stages in [defaults] + [c for c in SWEEP if c != defaults]:
-        tops.BLOCK_N, tops.NUM_WARPS, tops.NUM_STAGES = block_n, warps, stages
+        tops.DECODE_TILES = block_n, warps, stages
         try:
             out = tops.attend(q, k_cache, v_cache, meta, scale)
             err = (out.float() - ref).abs().max().item()
@@ -272,7 +272,7 @@ def time_decode(spec: dict, device: str, iters: int, sweep: bool = True,
             rows.append(dict(config=(block_n, warps, stages), sec=float("nan"), err=repr(exc)))
         if device == "cpu" or not sweep:
             break  # the interpreter's timing says nothing; one config proves the path works
-    tops.BLOCK_N, tops.NUM_WARPS, tops.NUM_STAGES = defaults
+    tops.DECODE_TILES = defaults
     return dict(rows=rows, moved=moved, ref_sec=ref_sec)
 
 

@@ -72,9 +72,8 @@ def test_contexts_longer_than_several_key_blocks():
     """The running softmax rescales its sum across key blocks: contexts of two and three
     blocks (decode and prefill rows), so a kernel that skipped the rescale would be wrong."""
     members = [(300, 1), (200, 40), (0, 290), (5, 1)]
-    key_block = max(16, tops.FLOAT32_KEY_BLOCK // max(16, HEAD_DIM))  # float32, as here
-    if DEVICE == "cuda":
-        key_block = tops.BLOCK_N
+    # float32 here, on the CPU and on CUDA alike: the kernel's float32 key block
+    key_block = max(16, tops.FLOAT32_KEY_BLOCK // max(16, triton.next_power_of_2(HEAD_DIM)))
     assert max(c + n for c, n in members) > 2 * key_block
     q, k, v, k_cache, v_cache, meta = make_case(members, 16, 4, seed=3)
     tops.store_kv(k, v, k_cache, v_cache, meta)
@@ -82,6 +81,30 @@ def test_contexts_longer_than_several_key_blocks():
     out = torch.full_like(expected, float("nan"))
     tops.attend(q, k_cache, v_cache, meta, HEAD_DIM ** -0.5, out=out)
     assert_close(out, expected)
+
+
+def test_decode_and_prefill_tiles_are_set_apart(monkeypatch):
+    """gpu_check.py sweeps the decode tile only; a decode tile it tries must not reach the
+    prefill launch ((128, 4, 2) gives a prefill tile 145 KiB of shared memory, more than sm_86
+    or sm_89 have). The launch options a GPU would get, read off a stand-in kernel; float32
+    keeps its own key block and 8 prefill warps."""
+    launches = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **options: launches.append(options)
+
+    monkeypatch.setattr(tops, "_paged_attention_kernel", Kernel())
+    monkeypatch.setattr(tops, "_interpreted", lambda: False)  # as compiled for a GPU
+    monkeypatch.setattr(tops, "_check_device", lambda t: None)
+    monkeypatch.setattr(tops, "DECODE_TILES", (128, 8, 3))
+    for dtype in (torch.bfloat16, torch.float32):
+        q, _, _, k_cache, v_cache, meta = make_case([(20, 1), (0, 30)], 16, 4, dtype=dtype)
+        tops.attend(q, k_cache, v_cache, meta, 0.25)
+    key_block = max(16, tops.FLOAT32_KEY_BLOCK // max(16, triton.next_power_of_2(HEAD_DIM)))
+    got = [(o["BLOCK_N"], o["num_warps"], o["num_stages"], o["DECODE"]) for o in launches]
+    assert got == [(128, 8, 3, True), (*tops.PREFILL_TILES, False),
+                   (key_block, 8, 3, True), (key_block, 8, tops.PREFILL_TILES[2], False)]
 
 
 def test_non_power_of_two_group_and_head_dim():

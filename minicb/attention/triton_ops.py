@@ -309,9 +309,13 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 
 # Tile shapes. tl.dot needs every side >= 16 on GPUs, so a decode tile is padded to 16 rows
 # (GROUP query heads of one query fill part of it: wasted compute, but decode is bound by
-# reading K/V, not by arithmetic). Prefill tiles hold 64 rows. `gpu_check.py` may override these.
-DECODE_BLOCK_M, PREFILL_BLOCK_M, BLOCK_N = 16, 64, 64
-NUM_WARPS, NUM_STAGES = 4, 2
+# reading K/V, not by arithmetic). Prefill tiles hold 64 rows.
+DECODE_BLOCK_M, PREFILL_BLOCK_M = 16, 64
+# (BLOCK_N keys, num_warps, num_stages) of each kind of tile, for 16-bit inputs. Apart because
+# `gpu_check.py` sweeps (and overrides) the decode tile only: a decode winner such as
+# (128, 4, 2) would give a 64-row prefill tile 145 KiB of shared memory, more than sm_86 or
+# sm_89 have (about 100 KiB)
+DECODE_TILES, PREFILL_TILES = (64, 4, 2), (64, 4, 2)
 # Float32 tiles multiply on the FMA units, not the tensor cores ("ieee" precision), and hold q,
 # k, scores and the accumulator in registers: with the tiles above ptxas spills 14-29 KB per
 # thread in a prefill tile on sm_90 and a few hundred bytes in a decode tile on sm_80. Key
@@ -353,13 +357,16 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     fp32 = q.dtype == torch.float32
     block_d = max(16, triton.next_power_of_2(head_dim))
     common = dict(HEAD_DIM=head_dim, PAGE_SIZE=meta.page_size, GROUP=group, BLOCK_D=block_d,
-                  BLOCK_N=max(16, FLOAT32_KEY_BLOCK // block_d) if fp32 else BLOCK_N,
                   DOT_PRECISION=precision)
-    decode_options = prefill_options = {}
+    fp32_key_block = max(16, FLOAT32_KEY_BLOCK // block_d)
+    (decode_n, decode_warps, decode_stages), (prefill_n, prefill_warps, prefill_stages) = (
+        DECODE_TILES, PREFILL_TILES)
+    decode_options = dict(BLOCK_N=fp32_key_block if fp32 else decode_n)
+    prefill_options = dict(BLOCK_N=fp32_key_block if fp32 else prefill_n)
     if not _interpreted():  # compiled for a GPU (the interpreter takes no launch options)
-        decode_options = dict(num_warps=NUM_WARPS, num_stages=NUM_STAGES)
-        prefill_options = dict(decode_options,
-                               num_warps=FLOAT32_PREFILL_NUM_WARPS if fp32 else NUM_WARPS)
+        decode_options.update(num_warps=decode_warps, num_stages=decode_stages)
+        prefill_options.update(num_warps=FLOAT32_PREFILL_NUM_WARPS if fp32 else prefill_warps,
+                               num_stages=prefill_stages)
     args = [q, k_cache, v_cache, out, meta.query_start_loc, meta.context_lens, meta.page_tables]
     strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
