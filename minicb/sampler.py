@@ -1,5 +1,7 @@
 """Turning logits into tokens (chapter 01): greedy, temperature, top-k, top-p, and a per-request
-seed so that the same seed gives the same tokens whatever else shares the batch."""
+seed so that the same seed gives the same tokens whatever else shares the batch, up to the
+rounding the batch changes (chapter 03): a draw that lands within a rounding error of the line
+between two tokens can go either way."""
 
 from __future__ import annotations
 

@@ -18,8 +18,11 @@ its token at each position from the model's distribution with its own generator,
 number per token as without guesses, and keeps going while the draw equals the guess. Guess `d`
 is kept with probability p(d), as in speculative sampling with a guesser that puts all its mass
 on `d`, and a seeded request gives the same tokens with or without guesses, whatever shares its
-batch. Exactly so in float32; in bfloat16 or int8 a chunk of guesses is computed with other
-rounding than one token at a time, so where two tokens nearly tie the pick can differ.
+batch. Exactly so in float32 with the same attention for a chunk as for one token (the torch
+reference); the default CPU backend's C decode kernel rounds otherwise than the reference that
+computes chunks (about 5e-6 apart in float32), and bfloat16 or int8 more so, so where two
+tokens nearly tie, or a seeded draw lands that close to the line between two, the pick can
+differ.
 """
 
 from __future__ import annotations
