@@ -615,7 +615,8 @@ def decode_rows(state: dict) -> list[str]:
 def swap_row(swap: dict | None) -> str:
     """The table row of the swap copy's cost per page, against the h100-like assumption."""
     what = ("| swap, one page copied between the pool and host memory (PagePool.swap_out "
-            "and swap_in, averaged)")
+            "and swap_in, averaged; with the gather and scatter of scattered pages around the "
+            "copy: what the engine pays, not the bus alone)")
     if swap is None:
         return f"{what} | not reached |"
     if "error" in swap:
