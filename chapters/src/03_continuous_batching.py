@@ -132,9 +132,10 @@ for name in ("step", "arrived", "members", "sampled", "finished", "waiting", "pa
 
 # %% [markdown]
 # Read it phase by phase. **Schedule**: R4 `arrived` this step; R2 and R3 are decoding, so each
-# advances 1 token past the 37 already in its cache (`start`: an 8-token prompt and 29 tokens
-# sampled so far); R4 is admitted into the free slot 0 with its 8-token prompt, from `start` 0
-# (a prefix-cache hit or an earlier chunk would start it later). **Forward**: one
+# advances 1 token past the 37 already in its cache (`start`: the 8-token prompt and the first 29
+# of the 30 tokens sampled so far, one per step in steps 1–30; the 30th has no K/V yet, and this
+# step's 1 token feeds it); R4 is admitted into the free slot 0 with its 8-token prompt, from
+# `start` 0 (a prefix-cache hit or an earlier chunk would start it later). **Forward**: one
 # pass over 1 + 1 + 8 = 10 tokens. **Sample**: all three members got a token (`sampled`), R4 its
 # first. **Reclaim**: nobody `finished`; nobody is `waiting`. `page_tables` shows each running
 # request's pages after the step: R2 and R3 hold three pages each, R4 got one.
@@ -508,7 +509,7 @@ for workload, policy in sorted(runs, key=lambda k: WORKLOADS.index(k[0])):
 # request in the batch. Continuous batching saves whole *steps*: for the varied workload, 16 of
 # them, and with them 16 times the fixed part. The per-request part is paid for every token under
 # either policy. How much of the 1.5x gain in steps survives in seconds depends on the split
-# (the fit's prediction is rough: it runs a sixth to a third below the measured seconds, since
+# (the fit's prediction is rough: it runs some 15 to 30% below the measured seconds, since
 # it is fitted to decode-only steps while a run also holds its prefill steps and the engine's
 # work around each forward; but it gets the ordering and the size of the gap about right).
 # At these small batches the fixed part dominates (the fit above: tens of milliseconds a step
