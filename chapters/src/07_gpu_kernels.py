@@ -286,9 +286,10 @@ print("same greedy tokens with the Triton kernels as with the torch reference:",
 # underneath.
 #
 # **bfloat16.** `dtype="auto"` is float32 on the CPU (exact parity with the reference; bf16 speed
-# there depends on the CPU: about float32's on the AMD EPYC build machine; on an Intel Xeon with AMX
-# 1.3–1.5× faster with the default C decode kernel, 1.5–1.8× with the PyTorch reference,
-# `bench/README.md`) and bfloat16 on CUDA: half the bytes for weights and KV
+# there depends on the CPU, and the course's build machine was one CPU or another depending on
+# the day: on an AMD EPYC without AMX, measured 2026-11-29, about float32's; on an Intel Xeon with
+# AMX, measured 2026-12-01, 1.3–1.5× faster with the default C decode kernel, 1.5–1.8× with the
+# PyTorch reference; `bench/README.md`) and bfloat16 on CUDA: half the bytes for weights and KV
 # cache, and tensor-core matrix products. The kernels accumulate in float32 whatever the input
 # dtype; `tl.dot` on float32 inputs uses exact IEEE precision (no TF32) so that float32 results
 # match the reference.

@@ -379,9 +379,11 @@ tokens = {backend: [o.token_ids for o in LLM("smollm2-135m", attention_backend=b
 print("same greedy tokens from both backends:", tokens["torch"] == tokens[KERNEL])
 
 # %% [markdown]
-# **Measure.** On the Intel Xeon build machine (2 cores, both threads), with 32 requests
-# decoding over contexts of 16–600 tokens, attention took 60–125 ms of each decode step with the
-# reference (copy plus attention; it swung with the machine's memory traffic across three runs) and
+# **Measure.** On an Intel Xeon with AMX, the course's build machine on 2026-12-01 (2 cores, both
+# threads; on other days it was an AMD EPYC, as for one of chapter 07's bf16 figures, measured
+# 2026-11-29), with 32 requests decoding over contexts of 16–600 tokens, attention took 60–125 ms
+# of each decode step with the reference (copy plus attention; it swung with the machine's memory
+# traffic across three runs) and
 # 35–47 ms with the kernel. On the standard mixed-chat benchmark (32 requests arriving at once,
 # prompts of 16–512 tokens, outputs of 8–256, greedy, `ignore_eos`), run with each backend in turn,
 # `pd` made 104.8 and 113.2 output tokens/s with the reference and 127.1 and 132.7 with the kernel
