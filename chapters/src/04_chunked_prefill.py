@@ -125,7 +125,10 @@ for rid in ("short-0", "short-1", "short-2"):
 # attention. On a GPU the same thing happens at a larger scale: a 32k-token prompt prefilled in
 # one step stalls every decode on that GPU for a second or more with an 8B model.
 #
-# The timeline (x axis in steps) hides the problem; the same steps drawn in seconds show it:
+# The timeline (x axis in steps) hides the problem; the same steps drawn in seconds show it.
+# Step 1 stands tall too, for another reason: a new engine's first forward pays one-off costs
+# (memory touched for the first time, first calls into the math library's kernels). Read it as
+# warm-up, not as the price of its 48 prompt tokens; step 4 is the one to look at.
 
 # %%
 viz.plot_timeline(cont, title="continuous: the long prompt is prefilled in one step (step 4)")
@@ -233,8 +236,8 @@ fig = plot_step_seconds({"continuous": cont, "chunked (128)": chunked},
 # the running decodes for long any more: problem one is solved. The prefill work is the same 800
 # prompt tokens, but not the same seconds: the seven chunk steps together take longer than the
 # one big step (a quarter more in this run), since every step pays the fixed costs of a forward
-# again and each chunk's queries also read the K/V of the chunks before it. (The chunked run's
-# very first step may show up tall too: a new engine's first forward pays one-off costs.)
+# again and each chunk's queries also read the K/V of the chunks before it. (Step 1 is tall in
+# both runs: the warm-up of a new engine, section 1.)
 #
 # ## 3. Problem two: prefill-first starves the decodes
 #
@@ -317,12 +320,23 @@ viz.compare({"continuous": cont, "chunked, prefill-first": chunked})
 # budget and always lets the first waiting prompt in (else a prompt longer than the budget could
 # never run), so a step may exceed the line by that prompt and by the decodes riding along.
 # Chunked prefill stays under it, but every step is either all prefill or all decode, never both.
-# (The dashed line is the chunked run's budget, 128; the continuous run had the default 256, and
-# its 803-token step exceeds that too.)
+# (Each panel draws its own run's budget: the continuous run had the default 256, the chunked
+# run 128.)
 
 # %%
-viz.compare({"continuous": cont, "chunked, prefill-first": chunked}, kind="budget",
-            max_num_batched_tokens=128)
+viz.compare({"continuous": cont, "chunked, prefill-first": chunked}, kind="budget")
+
+# %% [markdown]
+# Three decode tokens are too thin to see on an axis that reaches past 800. Zoom into the bottom
+# of the same picture: under `continuous` the blue is there in every step from 2 on, step 4
+# included; under `chunked` it disappears for steps 4–10.
+
+# %%
+fig = viz.compare({"continuous": cont, "chunked, prefill-first": chunked}, kind="budget")
+for ax in fig.axes:
+    ax.set_ylim(0, 8)
+fig.suptitle("the same, y axis cut at 8 tokens: the decode tokens of every step", fontsize=16)
+fig
 
 # %% [markdown]
 # Step through the chunked run: at steps 4–10 the batch holds only `long`'s chunk while the
