@@ -298,7 +298,11 @@ print("same greedy tokens with the Triton kernels as with the torch reference:",
 # `gpu_memory_utilization` of the GPU's *total* memory, minus the weights and a profiled
 # activation peak): after the weights are loaded, minicb takes `gpu_memory_utilization` (0.9) of
 # the *free* memory, minus 512 MiB of headroom for activations, divided by the bytes of one page
-# across all layers.
+# across all layers. Two details matter in practice. PyTorch keeps freed GPU memory in its own
+# cache, which the driver still counts as used, so the cache is emptied first: otherwise each
+# engine made in turn in one notebook would get about a tenth of the one before. And the pool
+# never takes more than `max_num_seqs` full-length contexts could fill; when it cannot hold even
+# one, a warning says so.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -316,11 +320,18 @@ print(f"SmolLM2-135M: {cfg.num_layers} layers x {cfg.num_kv_heads} kv heads x {c
 for free_gib in (20, 75):  # e.g. a 24 GB card, an 80 GB H100, after loading the weights
     pages = int((free_gib * 2**30 * 0.9 - 512 * 2**20) // bytes_per_page)
     print(f"{free_gib} GiB free -> {pages:,} pages = {pages * 16 / 1e6:.1f} M tokens of KV cache")
+for slots in (16, 256):
+    cap = slots * cfg.max_position_embeddings // 16
+    print(f"max_num_seqs={slots}: {slots} contexts of {cfg.max_position_embeddings:,} tokens "
+          f"fill at most {cap:,} pages ({cap * 16 / 1e6:.2f} M tokens)")
 
 # %% [markdown]
 # On the CPU the default is 1,024 pages (16,384 tokens), plenty for these notebooks. On a GPU
-# the pool holds hundreds of thousands to millions of tokens for this small model, and it
-# decides how many requests can run at once (chapter 06's preemption is the pool running out).
+# free memory would hold hundreds of thousands to millions of tokens for this small model; the
+# default pool stops at what `max_num_seqs` full contexts can fill (131,072 tokens with the
+# default 16 slots, 2.1 M with 256), so raise `max_num_seqs` (or pass `num_pages`) to use more.
+# The pool decides how many requests can run at once (chapter 06's preemption is the pool
+# running out).
 #
 # **CUDA graphs for decode steps.** A decode step of a small model on a GPU is a few hundred
 # short kernel launches (30 layers × norms, projections, rotary embedding, the two attention
