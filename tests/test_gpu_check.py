@@ -276,14 +276,7 @@ def test_the_deadline_counts_from_when_the_shell_script_started(gpu_check, monke
     start-up) leave the stages 55 s of the 455, not 455 (the clock once started after the
     import), and the table says 400 s have gone."""
     monkeypatch.setenv("MINICB_GPU_CHECK_START", str(time.time() - 400))
-    table, calls = run_main(
-        gpu_check, monkeypatch, tmp_path,
-        triton_preflight=lambda *a, **kw: (None, "triton pre-flight: ok"),
-        run_tests=lambda *a, **kw: "12 passed in 3.0s",
-        time_decode=lambda *a, **kw: {"rows": [], "moved": 1e6, "ref_sec": 2e-3},
-        bench_model=lambda *a, **kw: ("a-model", "a model"),
-        time_fusion=lambda *a, **kw: {"error": "not measured here"},
-        run_bench=lambda *a, **kw: "the benchmark's report")
+    table, calls = run_main(gpu_check, monkeypatch, tmp_path, **QUICK_STAGES)
     assert calls["run_tests"][0][1]["timeout"] == 60  # the least it gives the tests
     assert calls["run_bench"][0][1]["timeout"] < 55
     elapsed = int(table.rsplit("Whole check so far: ", 1)[1].split(" s.")[0])
