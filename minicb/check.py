@@ -781,7 +781,8 @@ def _finish_cases(seed: int) -> list[tuple[list[int], list[int], int]]:
              ([1], [1], 1), ([5, 1, 3], [1, 1, 1], 1), ([4, 4], [1, 9], 2),
              ([6, 2, 9, 3, 5], [1, 2, 2, 4, 20], 2),
              ([5, 5, 5], [9, 1, 1], 1), ([3, 6, 2, 4], [4, 1, 4, 1], 2),  # not in list order
-             ([3, 3, 3, 3], [1, 1, 2, 4], 2)]  # one arrives at the very step the batch forms
+             ([3, 3, 3, 3], [1, 1, 2, 4], 2),  # one arrives at the very step the batch forms
+             ([10, 3, 3], [1, 5, 2], 1)]  # both wait for R1's slot: R3 came first, goes first
     for k in range(8):
         n = rng.randint(2, 7)
         arrivals = [rng.randint(1, 25) for _ in range(n)]

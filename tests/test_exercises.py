@@ -778,6 +778,28 @@ def test_finish_steps_of_requests_listed_out_of_arrival_order():
         assert "sort the indices by (arrival_steps[i], i)" in message
 
 
+def test_finish_steps_admitting_the_arrived_in_list_order_are_caught():
+    def scanning(policy):  # a learner review: takes whoever has arrived, in list order
+        def fn(max_tokens, arrivals, max_num_seqs):
+            finish, running, step = [None] * len(max_tokens), [], 0
+            while None in finish:
+                step += 1
+                if policy == "continuous" or all(finish[i] < step for i in running):
+                    running = [i for i in running if finish[i] >= step]
+                    for i, a in enumerate(arrivals):
+                        if finish[i] is None and a <= step and len(running) < max_num_seqs:
+                            finish[i] = step + max_tokens[i] - 1
+                            running.append(i)
+            return finish
+        return fn
+
+    for policy in ("static", "continuous"):  # the engine: R3 came at step 2, before R2
+        assert check._finish_steps_real(policy, [10, 3, 3], [1, 5, 2], 1) == [10, 16, 13]
+        message = caught(f"{policy}_finish_steps", scanning(policy))
+        assert "arrival_steps=[1, 5, 2]" in message and "yours says [10, 13, 16]" in message
+        assert "sort the indices by (arrival_steps[i], i)" in message
+
+
 def test_scheduler_stalls_and_refusals_name_their_cause():
     message = caught("continuous_scheduler", continuous_like(alone=False))
     assert "'long' (100 tokens) waits" in message
