@@ -1181,6 +1181,9 @@ CONTINUOUS_WORKLOADS = [
              [("d0", 8, 10, 1), ("d1", 8, 10, 1), ("d2", 8, 10, 1), ("x", 30, 3, 3),
               ("y", 32, 3, 3)],
              {"max_num_seqs": 8, "max_num_batched_tokens": 64}),
+    CheckWorkload("exact-fit", "two 32-token prompts fill a 64-token budget exactly: both join "
+             "(a prompt fits when the step's prefill tokens stay <= the budget)",
+             [("a", 32, 3, 1), ("b", 32, 3, 1)], {"max_num_batched_tokens": 64}),
 ]
 CONTINUOUS_RULES = (
     "Continuous batching, as minicb does it: first every running decode gets one token "
@@ -1192,7 +1195,7 @@ CONTINUOUS_RULES = (
 
 
 def continuous_scheduler(cls: Any) -> bool:
-    """Exercise 3.2: a continuous-batching `Scheduler` subclass, run for real on eight small
+    """Exercise 3.2: a continuous-batching `Scheduler` subclass, run for real on nine small
     workloads and compared step by step with minicb's ContinuousScheduler."""
     return _check_scheduler(cls, "continuous", "continuous_scheduler", CONTINUOUS_WORKLOADS,
                             CONTINUOUS_RULES, decodes_first=True)

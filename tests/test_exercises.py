@@ -700,7 +700,7 @@ def test_chunked_scheduler_budget_bugs_are_caught():
 
 
 def continuous_like(decodes_first=True, stop_at_misfit=True, alone=True, preempting=True,
-                    schedules=True, decodes_count=False):
+                    schedules=True, decodes_count=False, off_by_one=False):
     """Exercise 3.2's scheduler, with one of its rules broken on demand."""
     from minicb.scheduler import Scheduler
 
@@ -725,7 +725,8 @@ def continuous_like(decodes_first=True, stop_at_misfit=True, alone=True, preempt
             for req in list(ctx.waiting):
                 if ctx.batch.preempted:
                     break
-                if (tokens or not alone) and tokens + req.num_tokens > budget:
+                total = tokens + req.num_tokens
+                if (tokens or not alone) and (total >= budget if off_by_one else total > budget):
                     if stop_at_misfit:
                         break
                     continue
@@ -751,6 +752,9 @@ def test_continuous_scheduler_queue_order_and_decodes_first_are_checked():
     message = caught("continuous_scheduler", continuous_like(decodes_count=True))
     assert "'decodes-beside-prompts'" in message and "[d0 decode, d1 decode, d2 decode, x " \
         "prefill 30] (33 tokens)" in message
+    # off by one: a prompt that fills the budget exactly left for the next step (a learner review)
+    message = caught("continuous_scheduler", continuous_like(off_by_one=True))
+    assert "'exact-fit'" in message and "yours ran [a prefill 32] (32 tokens)" in message
 
 
 def test_finish_steps_of_requests_listed_out_of_arrival_order():
