@@ -1324,42 +1324,50 @@ _PD_TRACES: list[tuple[str, list[StepRecord], list[RequestRecord], str]] = []
 
 def pd_traces() -> list[tuple[str, list[StepRecord], list[RequestRecord], str]]:
     """(label, trace, request records, long request id) from real runs on the tiny model:
-    the long-prefill workload under four policies, and a few edge cases. Made once."""
+    the long-prefill workload under four policies, and a few edge cases. Made once. A variant
+    is (workload, policy, steps to stop after or None, step after which 'long' is cancelled
+    or None)."""
     if _PD_TRACES:
         return _PD_TRACES
     base = CHUNKED_WORKLOADS[0]
     variants = [
-        (base, "pd", None), (base, "chunked", None), (base, "continuous", None),
-        (replace(base, options={**base.options, "max_num_seqs": 2}), "static", None),
+        (base, "pd", None, None), (base, "chunked", None, None),
+        (base, "continuous", None, None),
+        (replace(base, options={**base.options, "max_num_seqs": 2}), "static", None, None),
         (replace(base, name="long-first", about="the long prompt arrives before the shorts",
                  requests=[("long", 90, 3, 1), ("short-0", 8, 10, 2), ("short-1", 8, 6, 4)]),
-         "pd", None),
+         "pd", None, None),
         (replace(base, name="late-short", about="one short request arrives during the long "
                  "prefill, one finished before it began",
                  requests=[("early", 8, 2, 1), ("short-0", 8, 20, 1), ("long", 120, 3, 4),
-                           ("late", 8, 5, 5)]), "pd", None),
+                           ("late", 8, 5, 5)]), "pd", None, None),
         # short_P's boundaries: the request that decides the answer sits on or just past one
         (replace(base, name="alive-edges", about="one short request finishes the step the "
                  "long one arrives, one arrives the step its prefill ends and finishes last of "
                  "those alive with it, one arrives a step later and finishes later still",
                  requests=[("edge-finish", 8, 3, 1), ("short-0", 8, 6, 1), ("long", 90, 3, 3),
-                           ("edge-arrive", 8, 12, 5), ("after", 8, 14, 6)]), "pd", None),
+                           ("edge-arrive", 8, 12, 5), ("after", 8, 14, 6)]), "pd", None, None),
         (replace(base, name="finish-edge", about="the only short request alive with the long "
                  "one finishes the step it arrives; another finished before",
                  requests=[("early", 8, 1, 1), ("edge-finish", 8, 3, 1), ("long", 90, 3, 3)]),
-         "pd", None),
+         "pd", None, None),
         (replace(base, name="none-alive", about="one request finished before the long one "
                  "arrived, one arrives after its prefill",
                  requests=[("early", 8, 2, 1), ("long", 90, 3, 4), ("after", 8, 10, 9)]),
-         "pd", None),
+         "pd", None, None),
         (replace(base, name="alone", about="the long prompt alone",
-                 requests=[("long", 70, 3, 2)]), "chunked", None),
-        (base, "pd", 4),  # cut short: the long prefill never finishes
-        (base, "chunked", 8),
+                 requests=[("long", 70, 3, 2)]), "chunked", None, None),
+        (base, "pd", 4, None),  # cut short: the long prefill never finishes
+        (base, "chunked", 8, None),
+        # the window ends at the long request's finish_step: one arriving after it is not alive
+        (replace(base, name="cancelled", about="the long request is cancelled mid-prefill; one "
+                 "short request decodes through it, one arrives after it and finishes last",
+                 requests=[("short-0", 8, 8, 1), ("long", 100, 3, 3), ("after", 8, 12, 6)]),
+         "pd", None, 4),
     ]
-    for wl, policy, cut in variants:
+    for wl, policy, cut, cancel in variants:
         engine = _run(POLICY_CLASSES[policy], wl, "reference", learner=False).engine \
-            if cut is None else None
+            if cut is None and cancel is None else None
         if engine is None:
             engine = _engine(policy, **{"max_num_seqs": 4, "max_num_batched_tokens": 64,
                                         "chunk_size": 64, **wl.options})
@@ -1367,8 +1375,12 @@ def pd_traces() -> list[tuple[str, list[StepRecord], list[RequestRecord], str]]:
                 engine.add_request(wl.prompt(i, n), SamplingParams(max_tokens=m, **GREEDY_EXACT),
                                    request_id=rid, arrival_step=a)
             with _OneThread():
+                if cancel:
+                    engine.run(max_steps=cancel)
+                    engine.cancel("long")
                 engine.run(max_steps=cut)
-        label = f"{wl.name} under {policy!r}" + (f", stopped after {cut} steps" if cut else "")
+        label = f"{wl.name} under {policy!r}" + (f", stopped after {cut} steps" if cut else "") \
+            + (f", 'long' cancelled after step {cancel}" if cancel else "")
         _PD_TRACES.append((label, list(engine.trace), engine.request_records(), "long"))
     return _PD_TRACES
 
@@ -1383,8 +1395,12 @@ def _check_long_metric(fn: Callable, key: str, name: str, rule: str,
         if got == want and (got is None) == (want is None):
             continue
         long = next(r for r in records if r.request_id == long_id)
-        facts = (f"the long request arrived at step {long.arrival_step}, its prefill finished "
-                 f"at step {long.first_token_step}, the trace has {len(trace)} steps")
+        ended = f"its prefill finished at step {long.first_token_step}" \
+            if long.first_token_step is not None else \
+            f"it ended ({long.finish_reason}) at step {long.finish_step} before its first token" \
+            if long.finish_step is not None else "its prefill never finished"
+        facts = (f"the long request arrived at step {long.arrival_step}, {ended}, the trace has "
+                 f"{len(trace)} steps")
         more = explain(trace, records, long) if explain else ""
         _fail(name, f"trace of {label} ({facts}): expected {want!r}, got {_short(got)}.{more} "
                     f"{rule}")
@@ -1395,19 +1411,20 @@ def _check_long_metric(fn: Callable, key: str, name: str, rule: str,
 def dec_at_p(fn: Callable[[list[StepRecord], list[RequestRecord], str], int]) -> bool:
     """Exercise 5.2: `fn(trace, records, long_id)` is dec@P: decode tokens produced by the
     other requests while the long prompt's prefill is unfinished (from its arrival step to
-    the step its first token came out, both included; to the end of the trace if it never
-    did)."""
+    the step its first token came out, both included; without one, to its finish_step if it
+    ended, else to the end of the trace)."""
     return _check_long_metric(
         fn, "dec_at_p", "dec_at_p",
         "dec@P counts the members of kind 'decode' of every other request in the steps from the "
-        "long request's arrival_step to its first_token_step, both included (to the last step "
-        "of the trace if its prefill never finished).")
+        "long request's arrival_step to its first_token_step, both included (without one: to "
+        "its finish_step if it ended, cancelled or failed, else to the last step of the trace).")
 
 
 def _who_is_alive(trace: list[StepRecord], records: list[RequestRecord],
                   long: RequestRecord) -> str:
     """Which other requests count as alive with the long one, and why the rest do not."""
-    end = long.first_token_step if long.first_token_step is not None else trace[-1].step
+    end = next((s for s in (long.first_token_step, long.finish_step) if s is not None),
+               trace[-1].step)
     counted, left_out = [], []
     for r in records:
         if r is long:
@@ -1432,9 +1449,9 @@ def short_p(fn: Callable[[list[StepRecord], list[RequestRecord], str], int | Non
         fn, "short_p_steps", "short_p",
         "short_P (steps) = last finish_step among the short requests - the long request's "
         "arrival_step + 1. The short requests are the other requests alive with the long one: "
-        "they arrived no later than the end of its prefill window (its first_token_step, or the "
-        "last step) and had not finished before it arrived. 0 if there are none; None if one of "
-        "them has not finished.", explain=_who_is_alive)
+        "they arrived no later than the end of its prefill window (its first_token_step; without "
+        "one its finish_step, else the last step) and had not finished before it arrived. 0 if "
+        "there are none; None if one of them has not finished.", explain=_who_is_alive)
 
 
 # ============================================================================ 06 latency, goodput

@@ -607,7 +607,8 @@ def short_p_selecting(alive):
     """short_P computed over the other requests for which `alive(r, long, window_end)`."""
     def fn(trace, records, long_id):
         long = next(r for r in records if r.request_id == long_id)
-        end = long.first_token_step if long.first_token_step is not None else trace[-1].step
+        end = next((s for s in (long.first_token_step, long.finish_step) if s is not None),
+                   trace[-1].step)
         shorts = [r for r in records if r is not long and alive(r, long, end)]
         if not shorts:
             return 0
@@ -652,6 +653,44 @@ def test_short_p_is_tested_on_both_bounds_of_alive():
     assert traces["finish-edge"]["edge-finish"].finish_step == \
         traces["finish-edge"]["long"].arrival_step
     assert none["early"].finish_step < none["long"].arrival_step < none["after"].arrival_step
+    cancelled = traces["cancelled"]
+    assert cancelled["long"].first_token_step is None and cancelled["long"].finish_reason == \
+        "cancelled" and cancelled["long"].finish_step < cancelled["after"].arrival_step
+    assert cancelled["after"].finish_step > cancelled["short-0"].finish_step
+
+
+def test_a_cancelled_long_requests_window_ends_at_its_finish_step():
+    def window_end(with_finish_step):  # a learner review: the solutions ended it at the trace's
+        def end(trace, long):
+            steps = (long.first_token_step, long.finish_step) if with_finish_step \
+                else (long.first_token_step,)
+            return next((s for s in steps if s is not None), trace[-1].step)
+        return end
+
+    def short_p(end):
+        def fn(trace, records, long_id):
+            long = next(r for r in records if r.request_id == long_id)
+            shorts = [r for r in records if r is not long and r.arrival_step <= end(trace, long)
+                      and (r.finish_step is None or r.finish_step >= long.arrival_step)]
+            if any(r.finish_step is None for r in shorts):
+                return None
+            return max((r.finish_step - long.arrival_step + 1 for r in shorts), default=0)
+        return fn
+
+    def dec_at_p(end):
+        def fn(trace, records, long_id):
+            long = next(r for r in records if r.request_id == long_id)
+            return sum(m.kind == "decode" and m.request_id != long_id for rec in trace
+                       if long.arrival_step <= rec.step <= end(trace, long) for m in rec.members)
+        return fn
+
+    for name, fn in ("short_p", short_p), ("dec_at_p", dec_at_p):
+        assert getattr(check, name)(fn(window_end(True)))
+        message = caught(name, fn(window_end(False)))
+        assert "trace of cancelled under 'pd'" in message
+        assert "it ended (cancelled) at step 4 before its first token" in message
+        if name == "short_p":
+            assert "after (arrived at step 6, after the window ended at step 4)" in message
 
 
 def test_chunked_scheduler_budget_bugs_are_caught():
