@@ -856,6 +856,11 @@ class Engine:
         if self.enforce_budget and batch.num_tokens > cfg.max_num_batched_tokens:
             raise SchedulerError(f"step {self.step_count}: {batch.num_tokens} tokens exceed "
                                  f"max_num_batched_tokens={cfg.max_num_batched_tokens}")
+        for req, n in batch.items:  # after the budget, which a long whole prompt hears of first
+            if self.enforce_budget and req.is_prefill and n > cfg.chunk_size:
+                raise SchedulerError(f"step {self.step_count}, request {req.request_id!r}: a "
+                                     f"prefill chunk of {n} tokens exceeds "
+                                     f"chunk_size={cfg.chunk_size}")
 
     def _broken_rule(self, req: Request, rid: str, n: int, seen: set[str]) -> str | None:
         """The first rule that scheduling `n` tokens of `req` breaks, or None."""
@@ -909,16 +914,11 @@ class Engine:
             raise InvariantError(f"step {step}: running requests share or lack slots: {slots}")
         if record is None:
             return
-        cfg = self.config
         for m in record.members:
             guessed = record.speculated.get(m.request_id, (0, 0))[0]
             if m.kind == "decode" and m.num_tokens != 1 + guessed:
                 raise InvariantError(f"step {step}: request {m.request_id!r}: decode advanced "
                                      f"{m.num_tokens} tokens, not 1 + {guessed} guessed")
-            if self.enforce_budget and m.kind == "prefill" \
-                    and m.num_tokens > cfg.chunk_size:
-                raise InvariantError(f"step {step}: request {m.request_id!r}: chunk of "
-                                     f"{m.num_tokens} tokens exceeds chunk_size={cfg.chunk_size}")
         if getattr(self.scheduler, "decodes_every_step", False):
             scheduled = {m.request_id for m in record.members}
             skipped = [r.request_id for r in self.running if r.request_id not in scheduled

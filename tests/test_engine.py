@@ -312,6 +312,11 @@ def test_a_learner_scheduler_runs_and_bad_batches_are_refused(tiny_model):
     engine.add_request([1] * 20, GREEDY)
     with pytest.raises(SchedulerError, match="exceed max_num_batched_tokens=8"):
         engine.step()
+    # chunk_size too, before the forward, with the invariant checks off (they were its only test)
+    engine = Engine(tiny_model, policy=OverBudget(), chunk_size=8, num_pages=64)
+    engine.add_request([1] * 20, GREEDY)
+    with pytest.raises(SchedulerError, match="a prefill chunk of 20 tokens exceeds chunk_size=8"):
+        engine.step()
     engine = Engine(tiny_model, policy=Unreserved(), num_pages=64)
     engine.add_request([1] * 40, GREEDY)
     with pytest.raises(SchedulerError, match="need more pages"):
