@@ -700,6 +700,14 @@ def compare(traces: dict[str, Any], kind: str = "timeline", **options: Any) -> F
             top = max(ax.get_ylim()[1] for ax in axes[:, 0])
             for ax in axes[:, 0]:
                 ax.set_ylim(0, top)
+        lines = [text for text in handles if text.startswith("max_num_batched_tokens")]
+        if len(lines) > 1:  # runs with their own budgets: one legend entry, each in its title
+            handles["max_num_batched_tokens (each panel's title gives it)"] = handles[lines[0]]
+            for text in lines:
+                del handles[text]
+            for ax in axes[:, 0]:
+                ax.set_title(f"{ax.get_title(loc='left')}; max_num_batched_tokens "
+                             f"{ax.minicb_data.budget}", loc="left")
         _legend(axes[0, 0], list(handles.values()), list(handles))
     fig.minicb_data = out
     return fig

@@ -208,6 +208,29 @@ def test_compare_draws_one_legend_for_every_panel(static, continuous):
     assert fig.axes[0].get_ylim()[1] >= 800
 
 
+def test_compared_runs_with_their_own_budgets_each_name_theirs():
+    """Chapter 04 compares a continuous run (budget 256) with a chunked one (128): one legend
+    entry for the dashed lines, and each panel's title says its budget (the legend listed
+    both values beside two identical dashed lines, with no way to tell which was whose)."""
+    from minicb.request import SamplingParams
+    from minicb.sim import make_sim_engine
+    runs = {}
+    for name, budget in (("wide", 256), ("narrow", 128)):
+        engine = make_sim_engine(policy="pd", max_num_batched_tokens=budget, chunk_size=budget)
+        engine.add_request([5] * 300, SamplingParams(max_tokens=3, ignore_eos=True))
+        engine.run()
+        runs[name] = engine
+    fig = viz.compare(runs, kind="budget")
+    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert [x for x in labels if x.startswith("max_num")] == [
+        "max_num_batched_tokens (each panel's title gives it)"]
+    assert [ax.get_title(loc="left").rsplit("; ", 1)[1] for ax in fig.axes] == [
+        "max_num_batched_tokens 256", "max_num_batched_tokens 128"]
+    same = viz.compare({"a": runs["wide"], "b": runs["wide"]}, kind="budget")
+    assert "max_num_batched_tokens = 256" in [t.get_text() for t in
+                                              same.axes[0].get_legend().get_texts()]
+
+
 def test_request_colours_are_not_state_colours_and_legible_at_scale():
     states = {viz.STYLE[s][0].lower() for s in viz.STATES} | {"#d55e00"}
     assert not states & {c.lower() for c in viz.REQUEST_COLOURS}
