@@ -320,8 +320,8 @@ viz.compare({"continuous": cont, "chunked, prefill-first": chunked})
 # budget and always lets the first waiting prompt in (else a prompt longer than the budget could
 # never run), so a step may exceed the line by that prompt and by the decodes riding along.
 # Chunked prefill stays under it, but every step is either all prefill or all decode, never both.
-# (Each panel draws its own run's budget: the continuous run had the default 256, the chunked
-# run 128.)
+# (Each panel draws its own run's budget, and its title names it: the continuous run had the
+# default 256, the chunked run 128.)
 
 # %%
 viz.compare({"continuous": cont, "chunked, prefill-first": chunked}, kind="budget")
