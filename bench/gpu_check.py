@@ -31,6 +31,7 @@ import importlib.util
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -205,9 +206,11 @@ def run_tests(device: str, timeout: int, log: Path) -> str:
             sink.write(f"\ntimed out after {timeout} s\n")
             return f"timed out after {timeout} s"
     output = log.read_text()
-    lines = [ln for ln in output.strip().splitlines() if ln.strip()]
     print(output[-5000:])
-    return lines[-1].strip("= ") if lines else f"pytest exit {res.returncode}, no output"
+    # pytest's summary line: stderr shares the log, and a message at exit may come after it
+    summaries = re.findall(r"^=*\s*(\d+ (?:passed|failed|errors?|skipped|deselected)\b.*?)=*$",
+                           output, re.MULTILINE)
+    return summaries[-1].strip() if summaries else f"pytest exit {res.returncode}, no summary"
 
 
 def decode_case(spec: dict, device: str, dtype):
@@ -421,6 +424,16 @@ def versions() -> str:
     return ", ".join(found)
 
 
+def seconds_since_start(stamp: str | None) -> float:
+    """Seconds since gpu_check.sh started (its MINICB_GPU_CHECK_START, Unix seconds); 0 for a
+    missing or unreadable stamp, or one from the future or over an hour old (left over)."""
+    try:
+        since = time.time() - float(stamp or "")
+    except ValueError:
+        return 0.0
+    return since if 0.0 <= since <= 3600 else 0.0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cpu-smoke", action="store_true",
@@ -436,8 +449,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     # the clock starts when gpu_check.sh started (it exports the time): importing torch and
     # CUDA's start-up count against the deadline too
-    t_start = time.perf_counter() - max(0.0, time.time() - float(
-        os.environ.get("MINICB_GPU_CHECK_START") or time.time()))
+    t_start = time.perf_counter() - seconds_since_start(os.environ.get("MINICB_GPU_CHECK_START"))
     if args.cpu_smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton_ops is imported
     else:
@@ -546,6 +558,7 @@ def main(argv: list[str] | None = None) -> int:
                 state["fusion"] = {"error": f"{type(exc).__name__}: {exc}"}
         save()
         if not args.skip_bench:
+            bench_json.unlink(missing_ok=True)  # an earlier run's today: not this run's numbers
             state["bench_out"] = run_bench(device, model, bench_json,
                                            timeout=max(30, min(200, left() - 5)),
                                            smoke=args.cpu_smoke,

@@ -1068,9 +1068,14 @@ def write_json(data: dict[str, Any], path: str | Path) -> Path:
     the previous file, never a truncated one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(data, indent=2, default=_json_default) + "\n")
-    os.replace(partial, path)
+    text = json.dumps(data, indent=2, default=_json_default) + "\n"
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")  # one per writing process
+    try:
+        partial.write_text(text)  # with the umask's permissions, unlike tempfile's 0600
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
     return path
 
 

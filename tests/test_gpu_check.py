@@ -283,7 +283,43 @@ def test_the_deadline_counts_from_when_the_shell_script_started(gpu_check, monke
     assert 400 <= elapsed < 455
 
 
-def test_a_results_file_cut_short_still_renders_a_table(gpu_check, tmp_path):
+def test_the_tests_summary_is_pytests_line_not_what_stderr_printed_after(gpu_check,
+                                                                       monkeypatch, tmp_path):
+    """stderr shares the log: a message at exit after pytest's summary is not the result."""
+    def pytest_run(cmd, **kwargs):
+        kwargs["stdout"].write("....\n=== 40 passed, 2 skipped in 12.3s ===\n"
+                               "RuntimeError: CUDA driver shutting down\n")
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(gpu_check.subprocess, "run", pytest_run)
+    assert gpu_check.run_tests("cpu", 5, tmp_path / "t.log") == "40 passed, 2 skipped in 12.3s"
+    monkeypatch.setattr(gpu_check.subprocess, "run", lambda cmd, **kw: (
+        kw["stdout"].write("ImportError: no module named x\n"), subprocess.CompletedProcess(
+            cmd, 4))[1])
+    assert gpu_check.run_tests("cpu", 5, tmp_path / "t.log") == "pytest exit 4, no summary"
+
+
+def test_a_bad_or_stale_start_stamp_counts_from_now(gpu_check):
+    """`date +%s.%N` prints "…N" where %N is unknown (BSD); a stamp inherited from an earlier
+    run, or one from the future, is not this run's start."""
+    now = time.time()
+    assert 99 < gpu_check.seconds_since_start(str(now - 100)) < 110
+    for stamp in (None, "", "1733000000.N", str(now - 7200), str(now + 60)):
+        assert gpu_check.seconds_since_start(stamp) == 0.0
+
+
+def test_an_earlier_runs_benchmark_file_is_not_reported_as_this_runs(gpu_check, monkeypatch,
+                                                                      tmp_path):
+    """A benchmark that dies before writing leaves no file; today's file from an earlier run
+    must not fill the table with its numbers."""
+    import datetime
+    old = tmp_path / f"gpu-bench-{datetime.date.today().isoformat()}.json"
+    old.write_text(json.dumps({"results": {"pd": {"output_tokens_per_s": 999.0}}}))
+    table, _ = run_main(gpu_check, monkeypatch, tmp_path, **QUICK_STAGES)
+    assert "999" not in table and "| engine benchmark | no results file" in table
+
+
+def test_a_results_file_cut_short_still_renders_a_table(gpu_check, tmp_path, monkeypatch):
     """The benchmark writes its JSON whole or not at all (write_json); a file cut short anyway
     gives a row saying so, not a crash that loses the table."""
     from minicb.bench import write_json
@@ -294,6 +330,19 @@ def test_a_results_file_cut_short_still_renders_a_table(gpu_check, tmp_path):
     write_json({"results": {}}, out)
     assert json.loads(out.read_text()) == {"results": {}}
     assert [p.name for p in tmp_path.iterdir()] == ["bench.json"]  # no .partial left behind
+    full = type(out)  # a write that fails part-way (a full disk): the old file, no leftover
+    original = full.write_text
+
+    def disk_full(self, text, *args, **kwargs):
+        original(self, text[:10])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(full, "write_text", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        write_json({"results": {"pd": {}}}, out)
+    monkeypatch.undo()
+    assert json.loads(out.read_text()) == {"results": {}}
+    assert [p.name for p in tmp_path.iterdir()] == ["bench.json"]
 
 
 # what the device machine runs: minicb from the checkout, this script, the kernel tests
