@@ -468,8 +468,11 @@ class Engine:
         00's `LLM`, chapter 06's server): it finishes "stop" now, or is relabelled so if its
         last step ended it by length; tokens after that one, guesses the same step kept
         (chapter 08), are dropped, as if it had stopped there."""
-        req = self.requests[str(request_id)]
-        if not 0 < num_output_tokens <= len(req.output_token_ids):
+        req = self.requests.get(str(request_id))
+        if req is None:
+            raise ValueError(f"cannot stop unknown request_id {request_id!r}")
+        if isinstance(num_output_tokens, bool) or not isinstance(num_output_tokens, int) or \
+                not 0 < num_output_tokens <= len(req.output_token_ids):
             raise ValueError(f"num_output_tokens must be 1..{len(req.output_token_ids)}, got "
                              f"{num_output_tokens}")
         m = req.metrics

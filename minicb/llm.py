@@ -91,11 +91,13 @@ class IncrementalDecoder:
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
-    def step(self, token_ids: list[int], final: bool = False) -> str:
-        """Read the output so far (`token_ids`: all of it); returns the text it adds. `final`:
-        the request has ended, so an incomplete last character is given as it stands."""
-        self.ids += [t for t in token_ids[self.num_seen:] if t not in self.special]
-        self.num_seen = max(self.num_seen, len(token_ids))
+    def step(self, token_ids: list[int], final: bool = False, upto: int | None = None) -> str:
+        """Read the output so far (`token_ids`: all of it, or its first `upto`); returns the
+        text it adds. `final`: the request has ended, so an incomplete last character is given
+        as it stands."""
+        end = len(token_ids) if upto is None else upto
+        self.ids += [t for t in token_ids[self.num_seen:end] if t not in self.special]
+        self.num_seen = max(self.num_seen, end)
         ids = self.ids
         if self.read_offset >= len(ids) and not final:
             return ""
@@ -120,7 +122,8 @@ class StopMatcher:
     looked through for the stop strings as it grows, one token at a time (a step that keeps
     guesses, chapter 08, brings several). A stop string may span tokens; none counts before the
     output has `min_tokens` tokens (vLLM). The engine stays token-level: stop strings are
-    matched where text is made, and `num_tokens` says which token completed one."""
+    matched where text is made, and `num_tokens` says at which token one showed: the one that
+    completed it, or the next when that one's text waited for the rest of a character."""
 
     def __init__(self, tokenizer: Any, stop: Sequence[str] = (), min_tokens: int = 0) -> None:
         self.decoder = IncrementalDecoder(tokenizer)
@@ -135,19 +138,20 @@ class StopMatcher:
     def step(self, token_ids: list[int], final: bool = False) -> bool:
         """Read the output so far (`token_ids`: all of it); True once a stop string has ended
         it. `final`: the request has ended (an incomplete last character is given as is)."""
-        while not self.stopped and self.num_tokens < len(token_ids) - 1:
+        while self.stop and not self.stopped and self.num_tokens < len(token_ids) - 1:
             self.num_tokens += 1
-            self._read(token_ids[:self.num_tokens], final=False)
+            self._read(token_ids, self.num_tokens, final=False)
         if not self.stopped:  # the last token; or none new, when the end flushes a character
             self.num_tokens = len(token_ids)
-            self._read(token_ids, final)
+            self._read(token_ids, self.num_tokens, final)
         return self.stopped
 
-    def _read(self, token_ids: list[int], final: bool) -> None:
+    def _read(self, token_ids: list[int], upto: int, final: bool) -> None:
+        """Read the first `upto` tokens (one more than before); look for a stop string."""
         searched = len(self.decoder.text)  # stop strings were looked for up to here
-        self.decoder.step(token_ids, final=final)
+        self.decoder.step(token_ids, final=final, upto=upto)
         self.text = self.decoder.text
-        if self.stop and len(token_ids) >= self.min_tokens:
+        if self.stop and upto >= self.min_tokens:
             # a match must end in the new text: one in the text before min_tokens counts not
             hits = [i for i in (self.text.find(s, max(0, searched - len(s) + 1))
                                 for s in self.stop) if i >= 0]
@@ -228,7 +232,7 @@ class LLM:
 
     def _output(self, rid: str) -> RequestOutput:
         """The engine's output, its text cut before a stop string that ended it (vLLM: the
-        token ids end with the token that completed the stop string: those a step with guesses
+        token ids end with the token at which the stop string showed: those a step with guesses
         kept after it, chapter 08, are dropped)."""
         self._match_stops([rid])  # in case its last tokens came in a step nobody checked
         out = self.engine.output(rid)

@@ -529,7 +529,10 @@ class EngineWorker:
             self._streams.pop(rid, None)
         if m is not None and m.stopped:
             self._cancel(rid, "stop")  # a stop string: the engine stops now (if it runs still)
+            dropped = len(req.output_token_ids) - m.num_tokens
             self.engine.stop_at(rid, m.num_tokens)  # and drops tokens after the stop string's
+            with self._lock:  # counted by _count, never delivered: /metrics sums what clients got
+                self.counters["generation_tokens"] -= dropped
         ids = req.output_token_ids
         new_ids, s.sent_tokens = ids[s.sent_tokens:], len(ids)
         return Event(new_ids, delta, reason, req.error)

@@ -146,9 +146,11 @@ def test_stop_at_drops_the_tokens_after_and_refuses_a_bad_count(word_model):
     llm.engine.step(), llm.engine.step()  # 1 token, then 4 more
     req = llm.engine.requests[rid]
     assert len(req.output_token_ids) == 5
-    for bad in (0, 6):
+    for bad in (0, 6, 2.0, True):
         with pytest.raises(ValueError, match="num_output_tokens must be 1..5"):
             llm.engine.stop_at(rid, bad)
+    with pytest.raises(ValueError, match="cannot stop unknown request_id 'nobody'"):
+        llm.engine.stop_at("nobody", 1)
     llm.engine.stop_at(rid, 3)
     assert (req.output_token_ids, req.metrics.token_steps, req.finish_reason) == \
         ([100] * 3, [1, 2, 2], "stop")
@@ -305,3 +307,21 @@ def test_a_chat_template_error_is_a_value_error(llm):
             llm.apply_chat_template(HI)
     finally:
         llm.tokenizer.chat_template = saved
+
+
+def test_text_without_stop_strings_is_read_in_one_decode_per_call(llm):
+    """A matcher without stop strings (every stream's) reads a step's tokens in one decode,
+    however many: one per token would copy the output so far for each (quadratic on a long
+    output read late). With stop strings it reads them one at a time, without copies."""
+    from minicb.llm import StopMatcher
+    ids = llm.generate("w5 w6 w7", SamplingParams(max_tokens=40, **GREEDY),
+                       use_tqdm=False)[0].token_ids
+    for stop, calls in (((), 1), (("nowhere",), 40)):
+        m = StopMatcher(llm.tokenizer, stop)
+        seen = []
+        original = m.decoder.step
+        m.decoder.step = lambda token_ids, final=False, upto=None, seen=seen, original=original: (
+            seen.append((token_ids is ids, upto)), original(token_ids, final, upto))[1]
+        assert not m.step(ids, final=True)
+        assert len(seen) == calls and all(same for same, _ in seen)  # never a sliced copy
+        assert m.text == llm.tokenizer.decode(ids, skip_special_tokens=True)

@@ -517,6 +517,7 @@ def test_a_stop_string_completed_among_kept_guesses_ends_the_stream_there(word_m
     assert (req.output_token_ids, req.finish_reason, len(req.metrics.token_times)) == \
         ([100, 100], "stop", 2)
     assert 'minicb_requests_total{finish_reason="stop"} 1' in text
+    assert "minicb_generation_tokens_total 2" in text  # not the 5 the two steps made
     assert engine.pool.num_used == 0
 
 
