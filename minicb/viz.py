@@ -706,8 +706,9 @@ def compare(traces: dict[str, Any], kind: str = "timeline", **options: Any) -> F
             for text in lines:
                 del handles[text]
             for ax in axes[:, 0]:
-                ax.set_title(f"{ax.get_title(loc='left')}; max_num_batched_tokens "
-                             f"{ax.minicb_data.budget}", loc="left")
+                if ax.minicb_data.budget:  # a bare trace may not know its budget
+                    ax.set_title(f"{ax.get_title(loc='left')}; max_num_batched_tokens "
+                                 f"{ax.minicb_data.budget}", loc="left")
         _legend(axes[0, 0], list(handles.values()), list(handles))
     fig.minicb_data = out
     return fig

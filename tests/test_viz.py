@@ -226,6 +226,9 @@ def test_compared_runs_with_their_own_budgets_each_name_theirs():
         "max_num_batched_tokens (each panel's title gives it)"]
     assert [ax.get_title(loc="left").rsplit("; ", 1)[1] for ax in fig.axes] == [
         "max_num_batched_tokens 256", "max_num_batched_tokens 128"]
+    unknown = viz.compare({"wide": runs["wide"], "narrow": runs["narrow"],
+                           "bare": list(runs["wide"].trace)}, kind="budget")
+    assert "None" not in unknown.axes[2].get_title(loc="left")  # a bare trace: budget unknown
     same = viz.compare({"a": runs["wide"], "b": runs["wide"]}, kind="budget")
     assert "max_num_batched_tokens = 256" in [t.get_text() for t in
                                               same.axes[0].get_legend().get_texts()]

@@ -300,7 +300,9 @@ print("same greedy tokens with the Triton kernels as with the torch reference:",
 # the *free* memory, minus 512 MiB of headroom for activations, divided by the bytes of one page
 # across all layers. Two details matter in practice. PyTorch keeps freed GPU memory in its own
 # cache, which the driver still counts as used, so the cache is emptied first: otherwise each
-# engine made in turn in one notebook would get about a tenth of the one before. And the pool
+# engine made in turn in one notebook would get about a tenth of the one before. (That frees
+# only a dropped engine's pool: `llm = LLM(...)` run again builds the new engine while `llm`
+# still holds the old one, so `del llm` first, or pass `num_pages`.) And the pool
 # never takes more than `max_num_seqs` full-length contexts could fill; when it cannot hold even
 # one, a warning says so.
 
