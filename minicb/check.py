@@ -1250,6 +1250,11 @@ PD_WORKLOADS = [
              [(f"p{i}", 30, 24, 1) for i in range(4)],
              {"max_num_seqs": 4, "max_num_batched_tokens": 48, "chunk_size": 32,
               "num_pages": 8}),
+    CheckWorkload("pages-mid-prefill", "a prompt is being chunked when the decodes need the "
+             "last pages: the decodes take them first",
+             [("r0", 34, 16, 7), ("r1", 5, 21, 5), ("r2", 52, 15, 4)],
+             {"max_num_seqs": 4, "max_num_batched_tokens": 16, "chunk_size": 32,
+              "num_pages": 5}),
 ]
 PD_RULES = (
     "PD interleaving, as in the chapter's pseudo-code: budget = max_num_batched_tokens; every "
@@ -1457,7 +1462,8 @@ def short_p(fn: Callable[[list[StepRecord], list[RequestRecord], str], int | Non
 # ============================================================================ 06 latency, goodput
 def _records(seed: int, n: int = 12) -> list[RequestRecord]:
     """Random request records with consistent timestamps (seconds), some cancelled, some
-    failed, some with a single output token."""
+    failed, some with a single output token. As the engine's: every one released, at its
+    finish unless a static batch held it (`returned_whole`)."""
     rng = random.Random(seed)
     out = []
     for i in range(n):
@@ -1466,7 +1472,8 @@ def _records(seed: int, n: int = 12) -> list[RequestRecord]:
         kind = rng.random()
         if kind < 0.1:  # cancelled while waiting
             out.append(RequestRecord(f"r{i}", rng.randint(4, 64), 0, "cancelled", arrival, None,
-                                     None, arrival + 1.0, [], 1, None, None, 5, []))
+                                     None, arrival + 1.0, [], 1, None, None, 5, [],
+                                     released_time=arrival + 1.0))
             continue
         n_out = 1 if kind < 0.25 else rng.randint(2, 30)
         t = first_scheduled + round(rng.uniform(0.01, 0.8), 3)
@@ -1478,7 +1485,7 @@ def _records(seed: int, n: int = 12) -> list[RequestRecord]:
                                               rng.choice(["stop", "length"]))
         record = RequestRecord(f"r{i}", rng.randint(4, 64), n_out, reason, arrival,
                                first_scheduled, times[0], times[-1], times, 1, 1, 1, 2,
-                               list(range(1, n_out + 1)))
+                               list(range(1, n_out + 1)), released_time=times[-1])
         if reason in metrics.COMPLETED and rng.random() < 0.3:  # returned whole by a static
             held = rng.random() < 0.7  # batch: held for a slower member, or the slowest itself
             record = replace(record, returned_whole=True, released_time=times[-1] + (

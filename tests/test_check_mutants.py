@@ -15,6 +15,7 @@ from test_exercises import caught, solution
 
 from minicb import check
 from minicb.kv_cache import page_hash, prompt_page_hashes
+from minicb.request import Status
 
 
 # ------------------------------------------------------------------------------ 1.1 page pool
@@ -560,3 +561,38 @@ def test_verify_greedy_hint_only_when_that_mistake_explains_every_case():
 
     message = caught("verify_greedy", keeps_at_most_two)
     assert message.endswith("expected [1, 2, 3, 4], got [1, 2, 3].")  # no hint: none fits
+
+
+def test_pd_scheduler_that_gives_prefill_the_pages_first_is_caught():
+    """Found by a learner review: the budget split right, but the chunk reserves its pages
+    before the decodes do; a decode then loses its page and is preempted. It passed the four
+    workloads (none had a prompt mid-prefill when pages ran out): 'pages-mid-prefill' does."""
+    from minicb.scheduler import Scheduler, schedule_prefill_chunks
+
+    class PagesToPrefillFirst(Scheduler):
+        name = "my-pd"
+
+        def schedule(self, ctx):
+            decoding = [r for r in self.decoding(ctx) if r.status is Status.RUNNING]
+            schedule_prefill_chunks(ctx, ctx.config.max_num_batched_tokens - len(decoding),
+                                    min_chunk=ctx.config.min_chunk)
+            self.schedule_decodes(ctx)
+            return ctx.batch
+
+    assert "workload 'pages-mid-prefill'" in caught("pd_scheduler", PagesToPrefillFirst)
+
+
+def test_latencies_that_take_ttft_from_any_released_time_are_caught():
+    """Found by a learner review: the engine sets released_time on every finished request
+    (at its finish unless a static batch held it), so TTFT must follow `returned_whole`; one
+    that switched to the release whenever released_time was set passed the checks, and gave
+    E2E as TTFT on every real record."""
+    latencies = solution("06_benchmarking.ipynb")["latencies"]
+
+    def ttft_from_released(record):
+        values = latencies(record)
+        if record.released_time is not None and record.first_token_time is not None:
+            values["ttft"] = record.released_time - record.arrival_time
+        return values
+
+    assert "ttft" in caught("latencies", ttft_from_released)
