@@ -102,11 +102,15 @@ def test_simulated_schedule_equals_real_schedule(tiny_model, policy, options):
     dict(max_preemptions=1, num_pages=16),
     dict(max_preemptions=0),
     dict(preemption="fair"),
+    dict(preemption_mode="swap"),
+    dict(preemption_mode="swap", num_swap_pages=4),
+    dict(reject_when_full=True),
 ])
 def test_simulated_schedule_equals_real_schedule_for_chapter_06_knobs(tiny_model, options):
-    """Chapters 05 and 06 run min_chunk, the preemption orders and the bound on preemption loss
-    on the simulated executor only, and call its schedules exact: they are, step by step, with
-    a pool small enough to preempt and priorities and tenants that differ."""
+    """Chapters 05 and 06 run min_chunk, the preemption orders, the bound on preemption loss,
+    swap and reject on the simulated executor only, and call its schedules exact: they are,
+    step by step, with a pool small enough to preempt and priorities and tenants that
+    differ."""
     workload = small_mixed(seed=5, n=10)
     for i, request in enumerate(workload.requests):
         request.priority = i % 3
@@ -120,7 +124,9 @@ def test_simulated_schedule_equals_real_schedule_for_chapter_06_knobs(tiny_model
     assert schedule(sim.trace) == schedule(real.trace)
     default = make_sim_engine(TRUE, vocab=tiny_model[1].config.vocab_size,
                               **dict(options, min_chunk=1, preemption="newest",
-                                     priority_aging_steps=None, max_preemptions=None))
+                                     priority_aging_steps=None, max_preemptions=None,
+                                     preemption_mode="recompute", num_swap_pages=None,
+                                     reject_when_full=False))
     run_workload(default, workload)
     assert schedule(sim.trace) != schedule(default.trace)  # the knob changed the schedule
 

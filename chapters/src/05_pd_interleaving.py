@@ -106,7 +106,8 @@ def toy_run(requests, step_fn, **knobs):
     steps, step = [], 0
     while any(made[r] < requests[r][1] for r in requests):
         step += 1
-        alive = [r for r in requests if requests[r][2] <= step and made[r] < requests[r][1]]
+        alive = [r for r in sorted(requests, key=lambda r: requests[r][2])  # by arrival
+                 if requests[r][2] <= step and made[r] < requests[r][1]]
         batch = step_fn([r for r in alive if left[r] == 0],
                         [(r, left[r]) for r in alive if left[r] > 0], **knobs)
         for rid, n in batch:
@@ -321,12 +322,12 @@ print("slot mapping of the decode rows:", meta.slot_mapping[:3].tolist(),
 # "Alive with it" needs one decision: a short request that arrives long after L's prefill, while
 # L is still decoding, did not share the window L could disrupt, and counting it would make
 # short_P grow with L's output length rather than with how L was prefilled. minicb counts the
-# short requests that arrived **before L's prefill window ended** and had not finished before L
-# arrived. (Here all three chats qualify.) One more difference from the seed's wording: the seed
-# counts the decode tokens of the other *short* requests in dec@P; minicb counts every other
-# request's, which is the same number in every scenario of this course, where the others are
-# all short chats. Chapter 04 computed dec@P by hand; short_P by hand is
-# a few lines more:
+# short requests that arrived **no later than the step L's prefill window ended** and had not
+# finished before L arrived. (Here all three chats qualify.) One more difference from the seed's
+# wording: the seed counts the decode tokens of the other *short* requests in dec@P; minicb
+# counts every other request's, which is the same number in every scenario of this course, where
+# the others are all short chats. Chapter 04 computed dec@P by hand; short_P by hand is a few
+# lines more:
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -499,8 +500,8 @@ print(format_table(results, columns))
 # Rule 3 of the seed: if after the decodes the budget left cannot hold a minimal chunk, defer the
 # chunk. Why bother? A chunk of 3 tokens rides in a step that reads the weights anyway for the
 # decodes, but each chunk attends over the prompt's whole prefix again, so many tiny chunks read
-# the same K/V many times (and once the decodes are gone, a step would pay the weights for 3
-# tokens). `min_chunk` sets the smallest chunk worth running.
+# the same K/V many times and spread one prompt's prefill over many steps. `min_chunk` sets the
+# smallest chunk worth running.
 #
 # An extreme case makes it visible: nine chats with one-token prompts decoding, 8 to 32 tokens
 # each, and a budget of only 12 tokens, so 3 tokens are left per step while all nine decode. A
@@ -508,8 +509,8 @@ print(format_table(results, columns))
 # `min_chunk`; the simulated executor, which chapter 06 uses for the same knob at scale, gives
 # the same schedule (schedules depend only on token counts; `tests/test_sim.py` checks it step
 # by step for every policy and knob the course simulates, `min_chunk`, the priority and fair
-# orders and `max_preemptions` included; deadlines count seconds, so they follow each
-# executor's own clock).
+# orders, `max_preemptions`, swap and reject included; deadlines count seconds, so they follow
+# each executor's own clock).
 
 # %%
 # NBVAL_CHECK_OUTPUT

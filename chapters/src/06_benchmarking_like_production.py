@@ -1107,7 +1107,7 @@ for label, workload, mode, aging in (("FCFS", mixed_lengths, "newest", None),
           + f"{s['ttft_s']['p50']:>9.3f}{s['max_queue_age_s']:>15.2f}")
 
 # %% [markdown]
-# Short prompts first cuts the short buckets' TTFT p99 by three to four times (1.17 s to 0.28 s
+# Short prompts first cuts the short buckets' TTFT p99 by 3.6 to 4.2 times (1.17 s to 0.28 s
 # for the shortest) and the median over all requests from 0.57 s to 0.08 s, and the longest
 # prompts pay: their p99 nearly triples (1.18 s to 3.29 s) and so does the oldest wait (1.19 s
 # to 3.16 s). Aging every 25 steps gives much of it back to them (p99 1.71 s, oldest wait
@@ -1366,7 +1366,7 @@ print(f"highest goodput without the limit: {top[0]}, budget {top[1]} "
 
 # %% [markdown]
 # Past saturation the order is the knob that matters most. Short prompts first serves 72–77% of
-# the requests within the SLO against 53–55% under FCFS, and goodput rises from about 10–11 to
+# the requests within the SLO against 52.5–54.5% under FCFS, and goodput rises from about 10–11 to
 # 14–15 requests/s, because each short request that jumps the queue is one more request served
 # in time. It gets there by starving the long prompts: the oldest wait passes 3 s and the worst
 # bucket's TTFT p99 with it. Aging buys the fairness back (oldest wait 1.5–1.6 s, FCFS's
@@ -1482,11 +1482,11 @@ print(f"best: {pick['preemption']}, budget {pick['max_num_batched_tokens']} "
 # - FCFS is fair to arrival order, not to size: short prompts' TTFT p99 matched long prompts'.
 #   Priority without a bound starves: the batch job waited 119 steps against 19 under FCFS;
 #   `priority_aging_steps` bounds it (39 steps with 20). Watch max queue age. Prompt length as
-#   the priority cuts the short prompts' TTFT p99 three- to fourfold and nearly triples the
+#   the priority cuts the short prompts' TTFT p99 about fourfold and nearly triples the
 #   longest ones'; aging gives much of that back.
 # - Tune by sweeping your own traffic, under the fairness limits too: here the 512–2048 budgets
-#   were within 2% of each other, 128 and 256 far behind, and fewer than 64 slots let the queue
-#   (and max queue age) grow without bound. The sustainable load within TTFT, ITL and E2E
+#   were within about 2% of each other (18.3–18.7 req/s), 128 and 256 far behind, and fewer
+#   than 64 slots let the queue (and max queue age) grow without bound. The sustainable load within TTFT, ITL and E2E
 #   limits together was 18 requests/s where short runs suggested 20. Never copy the answer from another machine: the
 #   CPU's cost model picks a 128-token budget (tied on the SLO with 256, ahead on the worst
 #   gap) where the H100-like one picked 512, whose worst gaps on the CPU are five times longer. Past saturation the priority order mattered most:
