@@ -596,3 +596,84 @@ def test_latencies_that_take_ttft_from_any_released_time_are_caught():
         return values
 
     assert "ttft" in caught("latencies", ttft_from_released)
+
+
+# --- holes a review found in exercises 1, 3, 4 and 7 (each wrong answer passed the check) -----
+def test_schedulers_that_schedule_more_than_admit_made_room_for_are_caught():
+    """3.2 and 4.2: `ctx.admit` returns fewer tokens than asked when the prompt's first pages
+    are cached (prefix caching is on by default); a scheduler that schedules what it asked for
+    made the real engine refuse its batch ("asks to advance 50 tokens but has 2 left"), yet
+    the checks' prompts never shared a page. 'prefix-hit' shares 48 tokens."""
+    from minicb.scheduler import Scheduler
+    next_chunk = solution("04_chunked_prefill.ipynb")["next_chunk"]
+
+    class WholePromptsIgnoringAdmit(Scheduler):
+        name, whole_prompts = "continuous", True
+
+        def schedule(self, ctx):
+            self.schedule_decodes(ctx)
+            prefill = 0
+            while ctx.waiting and not ctx.batch.preempted:
+                req = ctx.waiting[0]
+                if prefill and prefill + req.num_tokens > ctx.config.max_num_batched_tokens:
+                    break
+                if not ctx.admit(req, req.num_tokens):
+                    break
+                ctx.schedule(req, req.num_tokens)
+                prefill += req.num_tokens
+            return ctx.batch
+
+    class ChunksIgnoringAdmit(Scheduler):
+        name = "my-chunked"
+
+        def schedule(self, ctx):
+            budget, chunk = ctx.config.max_num_batched_tokens, ctx.config.chunk_size
+            for req in self.prefilling(ctx):
+                n = next_chunk(req.num_remaining, chunk, budget)
+                if n and ctx.reserve(req, n):
+                    ctx.schedule(req, n)
+                    budget -= n
+            while ctx.waiting and budget > 0:
+                req = ctx.waiting[0]
+                want = min(chunk, budget, req.num_tokens)
+                if not ctx.admit(req, want):
+                    break
+                ctx.schedule(req, want)
+                budget -= want
+            if not ctx.batch.items:
+                self.schedule_decodes(ctx)
+            return ctx.batch
+
+    for exercise, cls in (("continuous_scheduler", WholePromptsIgnoringAdmit),
+                          ("chunked_scheduler", ChunksIgnoringAdmit)):
+        message = caught(exercise, cls)
+        assert "workload 'prefix-hit'" in message and "has 2 left to compute" in message
+
+
+def test_quantize_int8_that_overwrites_the_callers_weight_is_caught():
+    def in_place(weight):
+        scale = (weight.abs().amax(dim=1) / 127).clamp(min=1e-12)
+        return weight.div_(scale[:, None]).round_().clamp_(-127, 127).to(torch.int8), scale
+
+    assert "changed the weight it was given" in caught("quantize_int8", in_place)
+
+
+def test_page_pool_refusing_allocate_zero_when_full_is_caught():
+    base = solution("01_paged_kv.ipynb")["MyPagePool"]
+
+    class ZeroRefusedWhenFull(base):
+        def allocate(self, n):
+            if not self.free:
+                raise MemoryError("no page free")
+            return super().allocate(n)
+
+    assert "allocate(0)" in caught("page_pool", ZeroRefusedWhenFull)
+
+
+def test_paged_attention_that_ignores_its_scale_argument_is_caught():
+    reference = solution("07_paged_attention.ipynb")["paged_attention"]
+
+    def own_scale(q, k_cache, v_cache, page_table, num_computed, scale):
+        return reference(q, k_cache, v_cache, page_table, num_computed, q.shape[-1] ** -0.5)
+
+    assert "random case 1" in caught("paged_attention", own_scale)
