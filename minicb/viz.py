@@ -41,6 +41,7 @@ from matplotlib.patches import Patch, Rectangle
 from matplotlib.patheffects import withStroke
 from matplotlib.ticker import MaxNLocator
 
+from minicb.config import is_finite_number
 from minicb.trace import Member, StepRecord
 
 # ---------------------------------------------------------------------------------- style
@@ -650,11 +651,18 @@ def plot_budget(trace: Any, max_num_batched_tokens: int | None = None, ax: Axes 
 
 
 # -------------------------------------------------------------------------------- compare
-def compare(traces: dict[str, Any], kind: str = "timeline", **options: Any) -> Figure:
+def compare(traces: dict[str, Any], kind: str = "timeline", *, ymax: float | None = None,
+            **options: Any) -> Figure:
     """The same workload under several policies, one panel each, stacked on one shared step
     axis (chapter 03: static vs continuous). `kind`: timeline, slots, pages or budget;
     `options` go to that plot (e.g. `max_num_batched_tokens`). Request rows line up across
-    timeline panels. Data: {name: data} at `fig.minicb_data`."""
+    timeline panels. `ymax` cuts a pages or budget picture's y axis there, to show what a tall
+    bar dwarfs (chapters 04-05: the decode tokens beside a prefill). Data: {name: data} at
+    `fig.minicb_data`."""
+    if ymax is not None and (kind not in ("pages", "budget") or not is_finite_number(ymax)
+                             or ymax <= 0):
+        raise ValueError(f"ymax cuts a pages or budget picture's y axis: a number > 0 with "
+                         f"kind='pages' or 'budget', got ymax={ymax!r} with kind={kind!r}")
     plots = {"timeline": plot_timeline, "slots": plot_slots, "pages": plot_pages,
              "budget": plot_budget}
     if kind not in plots:
@@ -697,9 +705,12 @@ def compare(traces: dict[str, Any], kind: str = "timeline", **options: Any) -> F
         last = max(d.last_step for d in datas.values())
         axes[0, 0].set_xlim(0, max(last, 1) + 0.5)
         if kind in ("pages", "budget"):  # one y scale, so a spike is as tall in every panel
-            top = max(ax.get_ylim()[1] for ax in axes[:, 0])
+            top = ymax if ymax is not None else max(ax.get_ylim()[1] for ax in axes[:, 0])
             for ax in axes[:, 0]:
                 ax.set_ylim(0, top)
+        if ymax is not None:
+            unit = "tokens" if kind == "budget" else "pages"
+            fig.suptitle(f"y axis cut at {ymax:g} {unit}: what the tall bars dwarf", fontsize=16)
         lines = [text for text in handles if text.startswith("max_num_batched_tokens")]
         if len(lines) > 1:  # runs with their own budgets: one legend entry, each in its title
             handles["max_num_batched_tokens (each panel's title gives it)"] = handles[lines[0]]

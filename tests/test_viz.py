@@ -234,6 +234,19 @@ def test_compared_runs_with_their_own_budgets_each_name_theirs():
                                               same.axes[0].get_legend().get_texts()]
 
 
+def test_compare_cuts_the_y_axis_to_show_what_a_tall_bar_dwarfs():
+    """Chapters 04-05 zoom the budget picture to see three decode tokens beside an 800-token
+    prefill: `ymax` cuts every panel there and says so; only pages and budget have a y scale
+    to cut."""
+    big = [record(1, [("a", "prefill", 800, 0)]), record(2, [("a", "decode", 1, 0)])]
+    fig = viz.compare({"big": big, "also": big}, kind="budget", ymax=8)
+    assert [ax.get_ylim() for ax in fig.axes] == [(0.0, 8.0), (0.0, 8.0)]
+    assert fig._suptitle.get_text().startswith("y axis cut at 8 tokens")
+    for bad, kind in ((8, "timeline"), (0, "budget"), (float("nan"), "pages"), ("8", "budget")):
+        with pytest.raises(ValueError, match="ymax cuts a pages or budget picture's y axis"):
+            viz.compare({"big": big}, kind=kind, ymax=bad)
+
+
 def test_request_colours_are_not_state_colours_and_legible_at_scale():
     states = {viz.STYLE[s][0].lower() for s in viz.STATES} | {"#d55e00"}
     assert not states & {c.lower() for c in viz.REQUEST_COLOURS}

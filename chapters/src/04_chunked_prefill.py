@@ -332,11 +332,7 @@ viz.compare({"continuous": cont, "chunked, prefill-first": chunked}, kind="budge
 # included; under `chunked` it disappears for steps 4–10.
 
 # %%
-fig = viz.compare({"continuous": cont, "chunked, prefill-first": chunked}, kind="budget")
-for ax in fig.axes:
-    ax.set_ylim(0, 8)
-fig.suptitle("the same, y axis cut at 8 tokens: the decode tokens of every step", fontsize=16)
-fig
+viz.compare({"continuous": cont, "chunked, prefill-first": chunked}, kind="budget", ymax=8)
 
 # %% [markdown]
 # Step through the chunked run: at steps 4–10 the batch holds only `long`'s chunk while the

@@ -225,11 +225,8 @@ viz.compare({"chunked (prefill-first)": chunked, "pd (decode-first)": pd}, kind=
 # on), it never does.
 
 # %%
-fig = viz.compare({"chunked (prefill-first)": chunked, "pd (decode-first)": pd}, kind="budget")
-for ax in fig.axes:
-    ax.set_ylim(0, 8)
-fig.suptitle("the same, y axis cut at 8 tokens: the decode tokens of every step", fontsize=16)
-fig
+viz.compare({"chunked (prefill-first)": chunked, "pd (decode-first)": pd}, kind="budget",
+            ymax=8)
 
 # %% [markdown]
 # ## 3. One mixed step, as the model sees it
