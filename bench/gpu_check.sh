@@ -33,6 +33,7 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1  # nothing is downloaded; fail fa
 if ! command -v cc >/dev/null && ! command -v gcc >/dev/null && ! command -v clang >/dev/null; then
   echo "warning: no C compiler (cc, gcc or clang) on PATH: Triton cannot build its launchers"
 fi
-# 470 s leaves the 8-minute budget a margin for start-up; each stage has its own timeout too.
+# 470 s leaves the 8-minute budget a margin for start-up; the kernel tests and the benchmark
+# have their own timeouts too, the in-process stages rely on this one.
 # SIGTERM at 470 s lets gpu_check.py write its table; SIGKILL 10 s later if it cannot
 exec timeout -k 10 470 "$PY" bench/gpu_check.py "$@"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Optional step before the GPU check: copy pytest and the pure-Python packages it imports into
 # build/gpu-vendor/ (git-ignored), so a GPU machine without pytest still runs the kernel tests.
-# The device run must then carry the folder: run with carry ["build/gpu-vendor"]. gpu_check.sh
+# The GPU machine then needs the folder: copy the repository with build/gpu-vendor/. gpu_check.sh
 # puts it on PYTHONPATH only when the machine's python3 cannot import pytest itself.
 #
 # From the course's .venv: pytest, _pytest, py.py, pluggy, iniconfig, pygments and packaging

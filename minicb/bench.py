@@ -616,8 +616,9 @@ def declaration(args: argparse.Namespace, workload: Workload, executor: Executor
                              f"{'s' if cfg.batch_timeout_in_seconds else 'steps'} (dynamic)"},
         "token_budget": {"max_num_batched_tokens": cfg.max_num_batched_tokens,
                          "chunk_size": cfg.chunk_size, "min_chunk": cfg.min_chunk},
-        "memory_limit": {"num_pages": num_pages or "engine default (1024 on the CPU, sized "
-                                                   "from free memory on CUDA)",
+        "memory_limit": {"num_pages": num_pages or "engine default (1024 on the CPU; on CUDA "
+                                                   "sized from free memory, at most max_num_seqs "
+                                                   "full contexts)",
                          "page_size": cfg.page_size, "kv_tokens": kv_tokens},
         "model": executor.describe(),
         "attention_backend": ("simulated" if executor.simulated

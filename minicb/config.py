@@ -103,7 +103,8 @@ def cache_root() -> Path:
 class EngineConfig:
     policy: str = "pd"
     page_size: int = 16
-    num_pages: int | None = None  # None: 1024 on the CPU, sized from free memory on CUDA
+    num_pages: int | None = None  # None: 1024 on the CPU; on CUDA sized from free memory, at
+    # most max_num_seqs full-length contexts
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 256
     chunk_size: int = 256

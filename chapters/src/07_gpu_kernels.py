@@ -251,7 +251,7 @@ results, seconds, graph_batches = {}, {}, []
 for backend in ("torch", "triton"):
     engine = Engine(model, policy="pd", attention_backend=backend, device=DEVICE,
                     max_num_batched_tokens=16, chunk_size=16,
-                    num_pages=64)  # on a GPU the default takes 90% of free memory: two engines
+                    num_pages=64)  # the GPU default: max_num_seqs full contexts, far too many
     if backend == "triton":
         if engine.graph_runner is None:  # on the CPU: the graph runner's buffers, no capture
             engine.graph_runner = engine.make_graph_runner(capture=False)
@@ -446,7 +446,8 @@ print("\n".join(gpu_md.read_text().splitlines()[:6]))
 # `device="auto"`, the default of `LLM`, `Engine` and `load_model`, puts the engine on the GPU;
 # `attention_backend="auto"` picks these Triton kernels; `dtype="auto"` picks bfloat16 for a
 # model the engine loads itself (a model from `load_model` keeps the float32 it was loaded in
-# unless you pass `dtype=torch.bfloat16`); and the page pool fills the free memory. Make the examples
+# unless you pass `dtype=torch.bfloat16`); and the page pool is sized from free memory, up to
+# `max_num_seqs` full-length contexts (raise `max_num_seqs` or pass `num_pages` for more). Make the examples
 # bigger where the chapters say so (an 8,000-token prompt in chapter 04's workload, which
 # chapter 05 reuses, thousands of
 # requests in chapter 06), and point `LLM(...)` at a larger local checkpoint (Llama, Qwen2,
@@ -457,7 +458,7 @@ print("\n".join(gpu_md.read_text().splitlines()[:6]))
 #
 # ```bash
 # bench/gpu_check.sh                # kernel tests on the GPU, copy bandwidth, decode attention, the engine benchmark
-# bench/gpu_check.sh --skip-bench   # kernels only
+# bench/gpu_check.sh --skip-bench   # everything but the engine benchmark
 # .venv/bin/python bench/gpu_check.py --cpu-smoke   # the same script at toy sizes in the interpreter
 # ```
 #

@@ -20,8 +20,9 @@
   PyTorch launches 6-8 kernels per RMSNorm (float cast, square, mean, add, rsqrt, multiply,
   cast, scale) and 14 for RoPE on q and k (halves times cos and sin, differences, concatenation);
   here each is one launch. A small model's decode step on a GPU is hundreds of such tiny
-  kernels, each costing a few microseconds whatever its size, so their number rather than their
-  work sets the step time (`bench/gpu_check.py` measures the step both ways). In 16-bit dtypes
+  kernels, each expected to cost a few microseconds whatever its size, so their number rather
+  than their work should set the step time (unmeasured; `bench/gpu_check.py` measures the step
+  both ways). In 16-bit dtypes
   RoPE here rounds once, from float32, where PyTorch rounds after every operation: the same
   values to within a rounding step, not bit for bit; in float32 they agree to 1e-5.
 
@@ -313,8 +314,9 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 DECODE_BLOCK_M, PREFILL_BLOCK_M = 16, 64
 # (BLOCK_N keys, num_warps, num_stages) of each kind of tile, for 16-bit inputs. Apart because
 # `gpu_check.py` sweeps (and overrides) the decode tile only: a decode winner such as
-# (128, 4, 2) would give a 64-row prefill tile 145 KiB of shared memory, more than sm_86 or
-# sm_89 have (about 100 KiB)
+# (128, 4, 2) would give a 64-row prefill tile at head_dim 128 145 KiB of shared memory on
+# sm_90, and on sm_86/89 (about 100 KiB) 96 KiB with 188 bytes spilled inside the key loop
+# (`bench/compile_check.py --arch 86`)
 DECODE_TILES, PREFILL_TILES = (64, 4, 2), (64, 4, 2)
 # Float32 tiles multiply on the FMA units, not the tensor cores ("ieee" precision), and hold q,
 # k, scores and the accumulator in registers: with the tiles above ptxas spills 14-29 KB per
