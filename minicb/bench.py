@@ -926,13 +926,16 @@ def hf_static(model: Any, workload: Workload, batch_size: int, device: str = "cp
 def hf_generate_batch(model: Any, workload: Workload, max_num_seqs: int,
                       max_batch_tokens: int, device: str = "cpu",
                       progress: bool = True, setup: dict | None = None,
-                      tokens: dict[str, list[int]] | None = None) -> list[Any]:
+                      tokens: dict[str, list[int]] | None = None,
+                      cb_options: dict[str, Any] | None = None) -> list[Any]:
     """The same requests through transformers' own continuous batching (chapter 06), the
     engine behind `model.generate_batch`: its manager, so each request keeps its own
     max_new_tokens and is sent at its arrival time. Greedy, no EOS (eos_token_id=-1).
     Token times come from the manager's `record_timestamps`. Returns RequestRecords; `setup`,
     if given, receives what transformers chose (attention, CUDA graphs, async batching);
-    `tokens`, each request's output token ids."""
+    `tokens`, each request's output token ids; `cb_options`, more ContinuousBatchingConfig
+    fields (`use_cuda_graph=True` for `--hf-cuda-graphs`), refused if this transformers
+    has no such field."""
     from transformers import ContinuousBatchingConfig, GenerationConfig
     from transformers.generation.continuous_batching.utils import WorkloadHints
 
@@ -949,10 +952,13 @@ def hf_generate_batch(model: Any, workload: Workload, max_num_seqs: int,
     page = 16
     # transformers renamed block_size to page_size after 5.17 (a GPU image may hold the older)
     names = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
+    unknown = sorted(set(cb_options or {}) - names)
+    if unknown:
+        raise ValueError(f"this transformers' ContinuousBatchingConfig has no {unknown}")
     cb = ContinuousBatchingConfig(**{"page_size" if "page_size" in names else "block_size": page},
                                   num_blocks=total_tokens // page + 2 * len(prompts) + 8,
                                   max_batch_tokens=max_batch_tokens,
-                                  max_requests_per_batch=max_num_seqs)
+                                  max_requests_per_batch=max_num_seqs, **(cb_options or {}))
     hints = WorkloadHints(max_prompt_length=max(len(p) for p in prompts),
                           max_generated_length=longest, num_requests=len(prompts))
     ids_of = {}
@@ -1217,6 +1223,10 @@ def bench_parser() -> argparse.ArgumentParser:
     parser.add_argument("--compare", choices=("hf",), default=None,
                         help="hf: also run the requests through transformers' generate "
                              "(static batches) and generate_batch")
+    parser.add_argument("--hf-cuda-graphs", action="store_true",
+                        help="with --compare hf: ask generate_batch's manager for CUDA graphs "
+                             "on both its paths (transformers turns them off without "
+                             "flash-attn; this forces them on, as a stronger baseline)")
     parser.add_argument("--plot", default=None, help="write a PNG figure here")
     parser.add_argument("--save-workload", default=None, metavar="PATH",
                         help="write the requests this run sends as a trace (JSON Lines; CSV if "
@@ -1237,7 +1247,7 @@ ENGINE_FLAGS = {"policy": "--policy", "max_num_seqs": "--max-num-seqs",
                 "batch_timeout": "--batch-timeout", "cache_state": "--cache-state",
                 "executor": "--executor", "cost_model": "--cost-model", "device": "--device",
                 "quantization": "--quantization", "dtype": "--dtype", "threads": "--threads",
-                "compare": "--compare", "plot": "--plot"}
+                "compare": "--compare", "hf_cuda_graphs": "--hf-cuda-graphs", "plot": "--plot"}
 
 
 def refuse_engine_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -1290,6 +1300,9 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     workload, warmup = build_workload(args), warmup_workload(args)
     if args.compare == "hf":
         refuse_unequal_hf_comparison(args, workload)
+    elif getattr(args, "hf_cuda_graphs", False):
+        raise ValueError("--hf-cuda-graphs sets up transformers' generate_batch: it needs "
+                         "--compare hf")
     slo = slo_from_args(args)
     options = engine_options(args, workload)
     for policy in policies:  # a bad flag fails now, not after the policies before it ran
@@ -1345,7 +1358,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                                                          progress, hf_tokens["hf-static"])),
                          ("hf-generate-batch", lambda: hf_generate_batch(
                              hf, workload, batch, budget, device, progress, hf_setup,
-                             hf_tokens["hf-generate-batch"]))):
+                             hf_tokens["hf-generate-batch"],
+                             {"use_cuda_graph": True} if args.hf_cuda_graphs else None))):
             try:
                 results[name] = without_slo(summarize_records([], fn(), slo), slo)
                 results[name]["same_tokens_as"] = same_tokens(reference, hf_tokens[name],

@@ -1072,6 +1072,32 @@ def test_compare_hf_runs_transformers_with_minicbs_settings(tiny_llama_dir, monk
     assert data["declaration"]["compare"]["dtype"] == "bfloat16"
 
 
+def test_hf_cuda_graphs_asks_transformers_manager_for_graphs(tiny_llama_dir, monkeypatch):
+    """--hf-cuda-graphs reaches ContinuousBatchingConfig; without --compare hf it is refused,
+    and a field this transformers lacks is named, not passed on."""
+    seen = {}
+    monkeypatch.setattr(bench, "_hf_model", lambda path, device, dtype: "hf")
+    monkeypatch.setattr(bench, "hf_static", lambda *a, **kw: [])
+    monkeypatch.setattr(bench, "hf_generate_batch",
+                        lambda *a, **kw: seen.update(cb_options=a[8] if len(a) > 8 else None)
+                        or [])
+    flags = ["--model", str(tiny_llama_dir), "--policy", "pd", *TINY]
+    bench.run_bench(bench.bench_parser().parse_args(flags + ["--compare", "hf",
+                                                             "--hf-cuda-graphs"]))
+    assert seen == {"cb_options": {"use_cuda_graph": True}}
+    bench.run_bench(bench.bench_parser().parse_args(flags + ["--compare", "hf"]))
+    assert seen == {"cb_options": None}
+    with pytest.raises(ValueError, match="--hf-cuda-graphs .* needs --compare hf"):
+        bench.run_bench(bench.bench_parser().parse_args(flags + ["--hf-cuda-graphs"]))
+    monkeypatch.undo()  # the real transformers from here on
+    from minicb.workload import Workload, WorkloadRequest
+    hf = bench._hf_model(tiny_llama_dir, "cpu", torch.float32)
+    workload = Workload("one", [WorkloadRequest(prompt_len=8, max_tokens=2)])
+    with pytest.raises(ValueError, match=r"no \['no_such_field'\]"):
+        bench.hf_generate_batch(hf, workload, 2, 64, progress=False,
+                                cb_options={"no_such_field": 1})
+
+
 def test_the_printed_batch1_ratio_is_minicb_over_hf(tmp_path, capsys):
     out = tmp_path / "sim.json"
     assert bench.main_bench(["--executor", "sim", "--num-requests", "2", "--policy", "single",
