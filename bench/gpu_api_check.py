@@ -201,6 +201,7 @@ def api_checks(tiny: Path, shapes: str, device: str, record) -> None:
 
     def pools_in_turn():
         sizes, dtypes = [], []
+        before = allocated_mib(device)
         for _ in range(2):
             llm = LLM(shapes, device=device, trace_snapshots=False)
             sizes.append(llm.engine.pool.num_pages)
@@ -208,10 +209,44 @@ def api_checks(tiny: Path, shapes: str, device: str, record) -> None:
             del llm
             gc.collect()
         ok = sizes[0] == sizes[1] and (device != "cuda" or dtypes[0] == "bfloat16")
-        held = torch.cuda.memory_allocated() / 2**20 if device == "cuda" else 0.0
         return ok, (f"default pools {sizes[0]} and {sizes[1]} pages, KV {dtypes[0]}; "
-                    f"{held:.0f} MiB still allocated after both were dropped")
+                    f"{before:.0f} MiB allocated before the first, {allocated_mib(device):.0f} "
+                    f"after both were dropped; largest live tensors on the device: "
+                    f"{largest_live_tensors(device)}")
     check("default pool and dtype, engines built in turn", pools_in_turn)
+
+
+def allocated_mib(device: str) -> float:
+    import torch
+    return torch.cuda.memory_allocated() / 2**20 if device == "cuda" else 0.0
+
+
+def largest_live_tensors(device: str, top: int = 4) -> str:
+    """The largest tensors on `device` the garbage collector can see, with what holds them
+    (the type of a referrer that is not a list, dict or frame): who keeps memory after an engine
+    is dropped."""
+    import gc
+    import warnings
+
+    import torch
+    found = []
+    with warnings.catch_warnings():  # isinstance on some modules' lazy attributes warns
+        warnings.simplefilter("ignore")
+        for obj in gc.get_objects():
+            try:
+                if isinstance(obj, torch.Tensor) and obj.device.type == device:
+                    found.append(obj)
+            except Exception:  # objects that fail isinstance or .device: not ours
+                continue
+    found.sort(key=lambda t: t.numel() * t.element_size(), reverse=True)
+    described = []
+    for tensor in found[:top]:
+        holders = {type(r).__name__ for r in gc.get_referrers(tensor)
+                   if not isinstance(r, (list, dict)) and type(r).__name__ != "frame"}
+        described.append(f"{tuple(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')} "
+                         f"{tensor.numel() * tensor.element_size() / 2**20:.0f} MiB "
+                         f"(held by {', '.join(sorted(holders)) or 'a dict or list'})")
+    return "; ".join(described) or "none"
 
 
 def _params():
