@@ -345,8 +345,9 @@ def test_a_results_file_cut_short_still_renders_a_table(gpu_check, tmp_path, mon
     assert [p.name for p in tmp_path.iterdir()] == ["bench.json"]
 
 
-# what the device machine runs: minicb from the checkout, this script, the kernel tests
-RUNS_ON_THE_DEVICE = sorted([*ROOT.glob("minicb/**/*.py"), SCRIPT, ROOT / "tests" / "conftest.py",
+# what the device machine runs: minicb from the checkout, the two scripts, the kernel tests
+RUNS_ON_THE_DEVICE = sorted([*ROOT.glob("minicb/**/*.py"), SCRIPT,
+                             SCRIPT.with_name("gpu_api_check.py"), ROOT / "tests" / "conftest.py",
                              ROOT / "tests" / "paged_cases.py", ROOT / "tests" / "tiny_models.py",
                              ROOT / "tests" / "test_triton.py"])
 NEWER_THAN_310 = {("datetime", "UTC"), ("typing", "Self"), ("enum", "StrEnum"),
@@ -506,3 +507,35 @@ def test_the_time_limits_sigterm_still_writes_the_table(tmp_path):
     text = next(tmp_path.glob("gpu-results-*.md")).read_text()
     assert "**The check was stopped by signal 15 after" in text
     assert "| Triton pre-flight (one trivial kernel compiled and launched) | ok |" in text
+
+
+# --- the second check, bench/gpu_api_check.py --------------------------------------------------
+@pytest.mark.slow
+def test_the_api_check_smoke_passes_every_check_and_times_the_swap_parts(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    res = subprocess.run([sys.executable, str(SCRIPT.with_name("gpu_api_check.py")),
+                          "--cpu-smoke", "--skip-bench", "--out-dir", str(tmp_path)],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    report = next(tmp_path.glob("gpu-api-*.md")).read_text()
+    rows = [line for line in report.splitlines() if line.startswith("| ") and
+            line.split("|")[2].strip() in ("pass", "**FAIL**")]
+    assert len(rows) == 9 and all("| pass |" in row for row in rows), report
+    assert "page by page (the engine's way) |" in report
+    assert re.search(r"\| PagePool.swap_out \+ swap_in: .* \| [\d.]+ \| [\d.]+ \|", report)
+
+
+def test_the_api_report_marks_a_failed_check_and_unreached_stages(gpu_check):
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import gpu_api_check
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    state = {"checks": [("one", True, "fine"), ("two", False, "raised X: a | b")],
+             "t0": time.perf_counter(), "policies": "table"}
+    report = gpu_api_check.render("2026-01-01", "a GPU", state)
+    assert "| one | pass | fine |" in report
+    assert "| two | **FAIL** | raised X: a \\| b |" in report
+    assert report.count("(not reached)") == 2  # the HF run and the swap parts
+    ok, detail = gpu_api_check.same([[1, 2], [3]], [[1, 2], [4]])
+    assert not ok and detail == "1 of 2 differ (first: #[1])"
