@@ -627,7 +627,9 @@ print("same tokens:", batch_runs[0] == batch_runs[4])
 # with a chunk in most busy steps, the graphs rarely help. vLLM captures "piecewise" graphs: the
 # parts of the forward whose shapes depend only on the token count (projections, MLP, norms)
 # are captured for padded token counts, and attention, whose shape depends on the members, runs
-# eagerly between them. Measure ITL before and after with `bench/gpu_check.sh`.
+# eagerly between them. On an H200 (chapter 07) pd's 363 steps on mixed-chat averaged 4.6 ms
+# against 2.1 ms for static's, nearly all replayed decode graphs. Measure ITL before and after
+# with `bench/gpu_check.sh`.
 #
 # **Prefix-aware scheduling** (`scheduler.py`). SGLang's `lpm` orders the waiting queue by the
 # longest cached prefix, so requests that share a system prompt run while its pages are still

@@ -20,9 +20,9 @@
   PyTorch launches 6-8 kernels per RMSNorm (float cast, square, mean, add, rsqrt, multiply,
   cast, scale) and 14 for RoPE on q and k (halves times cos and sin, differences, concatenation);
   here each is one launch. A small model's decode step on a GPU is hundreds of such tiny
-  kernels, each expected to cost a few microseconds whatever its size, so their number rather
-  than their work should set the step time (unmeasured; `bench/gpu_check.py` measures the step
-  both ways). In 16-bit dtypes
+  kernels, each costing a few microseconds whatever its size, so their number rather than their
+  work sets the step time: on an H200 a captured SmolLM2 step of 16 rows took 1,520 µs with
+  these (399 kernels) and 3,191 µs with PyTorch's (1,216; bench/GPU.md). In 16-bit dtypes
   RoPE here rounds once, from float32, where PyTorch rounds after every operation: the same
   values to within a rounding step, not bit for bit; in float32 they agree to 1e-5.
 
