@@ -211,6 +211,9 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-pages", type=int, default=None)
     parser.add_argument("--page-size", type=int, default=None)
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--no-cuda-graphs", action="store_true",
+                        help="run decode-only steps eagerly on CUDA too (use_cuda_graphs=False): "
+                             "what the graphs save (chapter 07)")
     parser.add_argument("--preemption", default=None,
                         help="the priority policy: who waits first and who is preempted first "
                              f"when pages run out: {', '.join(PREEMPTIONS)} (default newest: "
@@ -531,6 +534,8 @@ def engine_options(args: argparse.Namespace, workload: Workload) -> dict[str, An
                            getattr(args, "num_swap_pages", None))
     if getattr(args, "no_prefix_caching", False):
         options["enable_prefix_caching"] = False
+    if getattr(args, "no_cuda_graphs", False):
+        options["use_cuda_graphs"] = False
     if getattr(args, "reject_when_full", False):
         options["reject_when_full"] = True
     preemption = getattr(args, "preemption", None)
@@ -624,6 +629,7 @@ def declaration(args: argparse.Namespace, workload: Workload, executor: Executor
         "attention_backend": ("simulated" if executor.simulated
                               else engine.attention_backend if engine is not None
                               else resolve_backend(cfg.attention_backend, executor.device)),
+        "cuda_graphs": cfg.use_cuda_graphs,  # decode-only steps, CUDA + Triton only (chapter 07)
         "runtime": runtime_versions(),
         "device": device_description(executor.device),
         "sampling": "greedy, ignore_eos=True, max_tokens fixed: output lengths are exact",
@@ -1238,7 +1244,8 @@ def bench_parser() -> argparse.ArgumentParser:
 ENGINE_FLAGS = {"policy": "--policy", "max_num_seqs": "--max-num-seqs",
                 "max_num_batched_tokens": "--max-num-batched-tokens", "chunk_size": "--chunk-size",
                 "min_chunk": "--min-chunk", "num_pages": "--num-pages", "page_size": "--page-size",
-                "no_prefix_caching": "--no-prefix-caching", "preemption": "--preemption",
+                "no_prefix_caching": "--no-prefix-caching", "no_cuda_graphs": "--no-cuda-graphs",
+                "preemption": "--preemption",
                 "priority_aging_steps": "--priority-aging-steps",
                 "max_preemptions": "--max-preemptions",
                 "preemption_mode": "--preemption-mode", "num_swap_pages": "--num-swap-pages",
@@ -1499,7 +1506,8 @@ def declaration_lines(decl: dict[str, Any]) -> list[str]:
     caching = "on" if cache.get("prefix_caching") else "off"
     executor = ("SIMULATED, not measured" if decl.get("simulated")
                 else f"{weights_label(decl)} weights, attention "
-                     f"{decl.get('attention_backend', '?')}")
+                     f"{decl.get('attention_backend', '?')}"
+                     + (", CUDA graphs off" if decl.get("cuda_graphs") is False else ""))
     return [
         # the run's own declaration of arrivals and lengths, else its workload's
         workload_line({**decl["workload"], **{k: decl[k] for k in (

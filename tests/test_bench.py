@@ -1098,6 +1098,18 @@ def test_hf_cuda_graphs_asks_transformers_manager_for_graphs(tiny_llama_dir, mon
                                 cb_options={"no_such_field": 1})
 
 
+def test_no_cuda_graphs_reaches_the_engine_and_the_declaration(tiny_llama_dir, capsys):
+    args = bench.bench_parser().parse_args(["--model", str(tiny_llama_dir), "--policy", "pd",
+                                            "--no-cuda-graphs", "--no-progress", *TINY])
+    assert bench.engine_options(args, bench.build_workload(args))["use_cuda_graphs"] is False
+    data = bench.run_bench(args)
+    assert data["declaration"]["cuda_graphs"] is False
+    bench.print_report(data)
+    assert ", CUDA graphs off" in capsys.readouterr().out
+    default = bench.bench_parser().parse_args(["--model", str(tiny_llama_dir), *TINY])
+    assert "use_cuda_graphs" not in bench.engine_options(default, bench.build_workload(default))
+
+
 def test_the_printed_batch1_ratio_is_minicb_over_hf(tmp_path, capsys):
     out = tmp_path / "sim.json"
     assert bench.main_bench(["--executor", "sim", "--num-requests", "2", "--policy", "single",
