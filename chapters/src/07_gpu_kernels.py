@@ -557,7 +557,10 @@ print("\n".join(gpu_md.read_text().splitlines()[:6]))
 # `attention_backend="auto"` picks these Triton kernels; `dtype="auto"` picks bfloat16 for a
 # model the engine loads itself (a model from `load_model` keeps the float32 it was loaded in
 # unless you pass `dtype=torch.bfloat16`); and the page pool is sized from free memory, up to
-# `max_num_seqs` full-length contexts (raise `max_num_seqs` or pass `num_pages` for more). Make the examples
+# `max_num_seqs` full-length contexts (raise `max_num_seqs` or pass `num_pages` for more). The
+# token budget is not sized for you: the default 256 was chosen for a CPU, and section 6's
+# measurements say to give a GPU more (`max_num_batched_tokens=2048, chunk_size=2048` there;
+# vLLM's defaults are in the thousands too). Make the examples
 # bigger where the chapters say so (an 8,000-token prompt in chapter 04's workload, which
 # chapter 05 reuses, thousands of
 # requests in chapter 06), and point `LLM(...)` at a larger local checkpoint (Llama, Qwen2,
