@@ -78,7 +78,8 @@ def same(a: list[list[int]], b: list[list[int]]) -> tuple[bool, str]:
     differ = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
     ok = not differ and len(a) == len(b)
     return ok, (f"{len(a)} of {len(a)} requests identical" if ok
-                else f"{len(differ)} of {len(a)} differ (first: #{differ[:3]})")
+                else f"{len(differ)} of {len(a)} differ (#{', #'.join(map(str, differ[:3]))}"
+                     f"{', ...' if len(differ) > 3 else ''})")
 
 
 def api_checks(tiny: Path, shapes: str, device: str, record) -> None:

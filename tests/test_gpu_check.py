@@ -538,4 +538,5 @@ def test_the_api_report_marks_a_failed_check_and_unreached_stages(gpu_check):
     assert "| two | **FAIL** | raised X: a \\| b |" in report
     assert report.count("(not reached)") == 2  # the HF run and the swap parts
     ok, detail = gpu_api_check.same([[1, 2], [3]], [[1, 2], [4]])
-    assert not ok and detail == "1 of 2 differ (first: #[1])"
+    assert not ok and detail == "1 of 2 differ (#1)"
+    assert gpu_api_check.same([[0]] * 5, [[1]] * 5)[1] == "5 of 5 differ (#0, #1, #2, ...)"
