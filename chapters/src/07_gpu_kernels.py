@@ -462,8 +462,8 @@ for line in measured:
 #   That flatters minicb, so a second check
 #   (`bench/gpu_api_check.sh`, `bench/gpu-api-2026-12-04.md`) forced transformers' CUDA graphs on
 #   (`bench --compare hf --hf-cuda-graphs`): 776 output tok/s against pd's 3,233, **4.2×**, still
-#   over the 2× target. The same pd run measured 2,475–3,233 tok/s across the three runs that
-#   day: host-bound timings on a shared machine vary by that much.
+#   over the 2× target. The same default pd run gave 2,210–3,233 tok/s across the four runs
+#   that day: host-bound timings on a shared machine vary by that much, so compare within a run.
 #
 # The second check also ran every policy on the same workload and GPU (and the engine's API:
 # greedy tokens equal to the CPU's with and without graphs, seeded sampling, speculation, the
