@@ -2,8 +2,8 @@
 
 A decode-only step of B requests launches the same kernels every time; only the numbers in its
 inputs change. Capturing the forward once per batch-size bucket (1, 2, 4, … 64) and replaying it
-removes the per-kernel launch cost that dominates small decode batches on a GPU (on an H200, a
-SmolLM2 decode step of up to 16 rows: about 23 ms eager, 2-3 ms replayed;
+removes the per-kernel launch cost expected to dominate small decode batches on a GPU (on an
+H200, a SmolLM2 decode step of up to 16 rows took about 23 ms eager and 2.1-2.3 ms replayed;
 bench/gpu-settings-2026-12-04.md). A step of B
 requests runs in the smallest bucket >= B: rows past B are padding (slot -1, so nothing is
 stored; context 0, so attention returns zeros) and their logits are dropped.

@@ -535,10 +535,11 @@ viz.compare({"static": runs["varied", "static"][0],
 # useful work) and the **shape of tail latency** (a short request's completion no longer depends
 # on the longest output in its batch; it starts as soon as any slot frees up).
 #
-# On a GPU everything here grows: a decode step of dozens of requests costs little more than a
-# step of one while reading the weights dominates (on an H200, SmolLM2's decode steps of 16
-# requests took 2.0 ms against 1.6 ms for one: the TPOT of static and single in chapter 07's
-# second GPU check; larger batches were not measured), so
+# On a GPU everything here grows: a decode step of many requests costs little more than a step
+# of one (on an H200, SmolLM2's static batches, 16 slots with 8.7 requests live on average, took
+# 2.0 ms a decode step against 1.6 ms for one request: the TPOT of static and single in chapter
+# 07's second GPU check; for a model that small the step is a few hundred tiny kernels, for a
+# large one reading the weights, which was not measured), so
 # the gap between a full batch and a half-dead one is worth far more than on two CPU cores, and
 # real servers keep hundreds of requests in flight.
 #

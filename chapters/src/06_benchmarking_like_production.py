@@ -748,9 +748,9 @@ for limit in (None, 2, 1, 0):
 #
 # The same eight growing requests in 24 pages, every answer (simulated: the steps are exact;
 # the time is the cost model's, once for the H100-like preset, where a page swapped each way
-# is assumed to cost 42 µs over PCIe (on an H200, chapter 07's GPU check measured the copy itself
-# at 39–40 µs, and the engine's whole swap path at 100–125 µs with the host memory work around
-# it), and once for this CPU's fitted model, where it costs what `sim.measure_swap_cost`
+# is assumed to cost 42 µs over PCIe (on an H200, chapter 07's GPU checks measured the copy
+# itself at 38.5–40.4 µs, and the engine's whole swap path at 88–143 µs with the host memory work
+# around it), and once for this CPU's fitted model, where it costs what `sim.measure_swap_cost`
 # measured on this machine when it was fitted, 0.14 ms (the page-by-page copies of 2026-12-04
 # take 78–97 µs here); `python -m minicb profile` measures it with the rest of the fit):
 

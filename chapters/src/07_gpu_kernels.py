@@ -420,7 +420,7 @@ print("(a measured copy runs below the nominal figure, so the real target allows
 
 # %% [markdown]
 # **What one H200 measured.** The prepared check ran once on a lent NVIDIA H200 (2026-12-04,
-# torch 2.11 with CUDA 13.0, Triton 3.6, transformers 5.17) in 190 s, and wrote
+# torch 2.11 with CUDA 13.0, Triton 3.6, transformers 5.17) in 177 s, and wrote
 # `bench/gpu-results-2026-12-04.md`. The machine had no network and so no bundled SmolLM2
 # weights: the benchmark ran a checkpoint of SmolLM2-135M's exact shapes with random weights
 # (greedy, EOS ignored: both engines produce exactly the same number of tokens). This cell
@@ -451,19 +451,20 @@ for line in measured:
 # - **Decode attention: 96% of the copy bandwidth** (133 µs for the 538 MB of K/V, where the
 #   copy moved 4.2 TB/s; the target was 50%, and the torch reference reaches 26%). Tile shapes
 #   from the sweep did not beat the default `(64, 4, 2)`. At SmolLM2's own heads (3 kv heads of
-#   64: 192 programs instead of 512, 100 MB) the same kernel reaches 39%: too few programs to
-#   keep 132 multiprocessors streaming. A small model's decode attention is not where its time
-#   goes.
+#   64: 192 programs instead of 512, 100 MB) the same kernel reaches 39%, at 61 µs a call about
+#   as short as a launch (why it reaches less was not profiled). A small model's decode
+#   attention is not where its time goes.
 # - **Fusion pays 2.10×** on the captured decode step: at this size the step is the sum of a
 #   few hundred tiny kernels (3.8 µs each on average fused, 2.6 µs unfused), so cutting their
 #   number cuts the time.
 # - **`pd` against Hugging Face: 24×** `generate_batch` as transformers sets it up by default
-#   (without flash-attn it picks `paged|sdpa` and turns its CUDA graphs off: 118 ms per token).
+#   (flash-attn is not installed there, and transformers then picks `paged|sdpa` with its CUDA
+#   graphs off: 119 ms per token).
 #   That flatters minicb, so a second check
 #   (`bench/gpu_api_check.sh`, `bench/gpu-api-2026-12-04.md`) forced transformers' CUDA graphs on
 #   (`bench --compare hf --hf-cuda-graphs`): 776 output tok/s against pd's 3,233, **4.2×**, still
-#   over the 2× target. The same default pd run gave 2,210–3,233 tok/s across the four runs
-#   that day: host-bound timings on a shared machine vary by that much, so compare within a run.
+#   over the 2× target. The same default pd run gave 2,210–3,233 tok/s across the three runs
+#   that benchmarked it that day, so compare within a run.
 #
 # The second check also ran every policy on the same workload and GPU (and the engine's API:
 # greedy tokens equal to the CPU's with and without graphs, seeded sampling, speculation, the
@@ -512,11 +513,11 @@ for name, label in (("default", "16 slots, budget 256"), ("nographs", "  CUDA gr
 
 # %% [markdown]
 # - **CUDA graphs are a 10× on decode here.** Off, a decode step of up to 16 rows takes about
-#   23 ms (some 400 kernels launched one by one from Python); replayed, 2–3 ms. An eager step of
-#   a small model is set by launching, not by the GPU's work; transformers' default run above
-#   paid that on every step.
-# - **The token budget was chosen for a CPU.** At 256 tokens pd splits each prompt into chunks
-#   that each cost an eager step; at 2,048 pd has 17 mixed steps instead of 41 and gives the
+#   23 ms (some 400 kernels launched one by one from Python); replayed, 2.1–2.3 ms. That fits
+#   an eager step of a small model being set by launching rather than by the GPU's work (not
+#   profiled); transformers' default run above ran every step eagerly.
+# - **The token budget was chosen for a CPU.** At 256 tokens pd splits prompts longer than 256
+#   into chunks, each in an eager step; at 2,048 pd has 17 mixed steps instead of 41 and gives the
 #   most tokens per second of the three (4,222, 1.9× its own default, ahead of static's 3,870)
 #   and the best TTFT (0.080 s median). Chapters 04 and 05 reason about a step whose cost grows
 #   with its tokens, which a CPU has; on a GPU a small model's step costs mostly whether it
@@ -525,8 +526,9 @@ for name, label in (("default", "16 slots, budget 256"), ("nographs", "  CUDA gr
 #   (5,967 against pd's 5,335), while pd keeps TTFT p99 at 0.156 s against static's 0.698:
 #   chapter 02's trade of throughput against latency, on a GPU.
 #
-# The default runs differ from the table above by 10–15% (static 3,578 against 4,091): host-bound
-# timings on a shared machine vary that much from run to run, so compare within one run.
+# The default runs differ from the table above by 12–32% (static 3,578 against 4,091, continuous
+# 2,435 against 3,214) with nothing changed but the hour (why was not measured): compare within
+# one run.
 # Larger models, budgets and traffic over time were not measured on the GPU.
 #
 # `bench/GPU.md` keeps what was measured and what was not:
@@ -567,7 +569,7 @@ print("\n".join(gpu_md.read_text().splitlines()[:6]))
 # Qwen3).
 #
 # The prepared GPU check is budgeted at 8 minutes (the script stops itself at 470 s; on the H200
-# it took 190 s) and writes `bench/gpu-results-<date>.md`; the second check, under 6 minutes
+# it took 177 s) and writes `bench/gpu-results-<date>.md`; the second check, under 6 minutes
 # (111 s there), writes `bench/gpu-api-<date>.md`:
 #
 # ```bash

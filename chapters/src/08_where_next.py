@@ -623,13 +623,15 @@ print("same tokens:", batch_runs[0] == batch_runs[4])
 # Each idea below names the part of minicb it changes. They are ordered roughly by size.
 #
 # **CUDA graphs for mixed steps** (`cuda_graphs.py`, `engine.py`). minicb replays decode-only
-# steps from CUDA graphs (chapter 07); any step with a prefill chunk runs eagerly, so under `pd`,
-# with a chunk in most busy steps, the graphs rarely help. vLLM captures "piecewise" graphs: the
+# steps from CUDA graphs (chapter 07); any step with a prefill chunk runs eagerly, so under `pd`
+# every step that admits work pays the eager cost. vLLM captures "piecewise" graphs: the
 # parts of the forward whose shapes depend only on the token count (projections, MLP, norms)
 # are captured for padded token counts, and attention, whose shape depends on the members, runs
-# eagerly between them. On an H200 (chapter 07) pd's 363 steps on mixed-chat averaged 4.6 ms
-# against 2.1 ms for static's, nearly all replayed decode graphs. Measure ITL before and after
-# with `bench/gpu_check.sh`.
+# eagerly between them. On an H200 (chapter 07) the decode graphs already made pd's mixed-chat
+# run 4.6× faster (2,210 against 479 output tok/s without them), yet its 363 steps still
+# averaged 4.6 ms against 2.1 ms for static's, nearly all replayed decode graphs: the eager
+# steps with prefill chunks are what is left. Measure ITL before and after with
+# `bench --no-cuda-graphs` and `bench/gpu_check.sh`.
 #
 # **Prefix-aware scheduling** (`scheduler.py`). SGLang's `lpm` orders the waiting queue by the
 # longest cached prefix, so requests that share a system prompt run while its pages are still
