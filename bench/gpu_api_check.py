@@ -2,7 +2,8 @@
 baseline, and where a swapped page's time goes (chapter 07, bench/GPU.md).
 
 `bench/gpu_check.sh` measures the kernels and one benchmark. This script, run after it on the
-same machine (`bench/gpu_api_check.sh`, under 6 minutes), checks what the kernel tests do not
+same machine (`bench/gpu_api_check.sh`, about 4 minutes on an H200, stopped at 560 s), checks
+what the kernel tests do not
 reach on a GPU and what its first run raised:
 
 1. the API on CUDA, each check recorded as pass/FAIL with what it saw (a check that raises is a
@@ -17,7 +18,9 @@ reach on a GPU and what its first run raised:
    looks like there);
 3. `bench --policy pd --compare hf --hf-cuda-graphs`: transformers' generate_batch with its
    CUDA graphs forced on (it turns them off without flash-attn);
-4. the swap copy's parts for the page the h100-like cost model assumes: gather on the GPU, the
+4. static, continuous and pd under the settings a GPU changes (bench/gpu-settings-2026-12-04.md):
+   the defaults, CUDA graphs off, a 2,048-token budget, and that with 32 slots;
+5. the swap copy's parts for the page the h100-like cost model assumes: gather on the GPU, the
    copy to page-locked memory, the scatter into the swap store (page by page, as the engine
    does, and as one indexed assignment, as it did before), and back, each timed alone.
 
@@ -41,6 +44,11 @@ import gpu_check  # noqa: E402  (beside this file)
 
 ROOT = gpu_check.ROOT
 POLICIES = "single,static,dynamic,continuous,chunked,pd"
+SETTINGS = [("defaults: 16 slots, token budget 256", []),
+            ("CUDA graphs off", ["--no-cuda-graphs"]),
+            ("token budget 2048", ["--max-num-batched-tokens", "2048", "--chunk-size", "2048"]),
+            ("32 slots, token budget 2048", ["--max-num-seqs", "32", "--max-num-batched-tokens",
+                                             "2048", "--chunk-size", "2048"])]
 SWAP_PAGES = 32
 
 
@@ -339,9 +347,10 @@ def render(date: str, header: str, state: dict) -> str:
     if not state["checks"]:
         lines.append("| (not reached) | | |")
     for title, key in (("2. Every policy on mixed-chat", "policies"),
-                       ("3. pd vs transformers with CUDA graphs forced on", "hf_graphs")):
+                       ("3. pd vs transformers with CUDA graphs forced on", "hf_graphs"),
+                       ("4. Settings: CUDA graphs and the token budget", "settings")):
         lines += ["", f"## {title}", "", "```", state.get(key) or "(not reached)", "```"]
-    lines += ["", "## 4. A swapped page's time, part by part", ""]
+    lines += ["", "## 5. A swapped page's time, part by part", ""]
     page_bytes = state.get("swap_page_bytes")
     if state.get("swap"):
         lines += [f"{SWAP_PAGES} scattered pages of {page_bytes / 2**10:.0f} KiB (Llama-3-8B "
@@ -362,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="toy sizes on the CPU in the Triton interpreter, to test this script")
     parser.add_argument("--out-dir", default=None)
     parser.add_argument("--skip-bench", action="store_true",
-                        help="stages 1 and 4 only (no benchmark subprocesses)")
+                        help="stages 1 and 5 only (no benchmark subprocesses)")
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
     if args.cpu_smoke:
@@ -408,6 +417,13 @@ def main(argv: list[str] | None = None) -> int:
                                              "--hf-cuda-graphs"], 170)
         print(state["hf_graphs"])
         write()
+        runs = []
+        for label, flags in SETTINGS:
+            runs.append(f"### {label}\n" + run_cli(
+                base + ["--policy", "static,continuous,pd", *flags], 100))
+            print(runs[-1])
+            state["settings"] = "\n\n".join(runs)
+            write()
     try:
         from minicb.kv_cache import page_bytes
         page = gpu_check.SMOKE_SWAP_PAGE if args.cpu_smoke else gpu_check.SWAP_PAGE

@@ -511,17 +511,20 @@ def test_the_time_limits_sigterm_still_writes_the_table(tmp_path):
 
 # --- the second check, bench/gpu_api_check.py --------------------------------------------------
 @pytest.mark.slow
-def test_the_api_check_smoke_passes_every_check_and_times_the_swap_parts(tmp_path):
+def test_the_api_check_smoke_passes_every_check_and_runs_every_stage(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     res = subprocess.run([sys.executable, str(SCRIPT.with_name("gpu_api_check.py")),
-                          "--cpu-smoke", "--skip-bench", "--out-dir", str(tmp_path)],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+                          "--cpu-smoke", "--out-dir", str(tmp_path)],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     report = next(tmp_path.glob("gpu-api-*.md")).read_text()
     rows = [line for line in report.splitlines() if line.startswith("| ") and
             line.split("|")[2].strip() in ("pass", "**FAIL**")]
     assert len(rows) == 9 and all("| pass |" in row for row in rows), report
     assert "page by page (the engine's way) |" in report
+    # every benchmark ran and finished: the policies, HF with graphs, the four settings
+    assert report.count("(exit 0)") == 6 and "(not reached)" not in report, report
+    assert report.count("### ") == 4 and ", CUDA graphs off" in report
     assert re.search(r"\| PagePool.swap_out \+ swap_in: .* \| [\d.]+ \| [\d.]+ \|", report)
 
 
@@ -536,7 +539,7 @@ def test_the_api_report_marks_a_failed_check_and_unreached_stages(gpu_check):
     report = gpu_api_check.render("2026-01-01", "a GPU", state)
     assert "| one | pass | fine |" in report
     assert "| two | **FAIL** | raised X: a \\| b |" in report
-    assert report.count("(not reached)") == 2  # the HF run and the swap parts
+    assert report.count("(not reached)") == 3  # the HF run, the settings and the swap parts
     ok, detail = gpu_api_check.same([[1, 2], [3]], [[1, 2], [4]])
     assert not ok and detail == "1 of 2 differ (#1)"
     assert gpu_api_check.same([[0]] * 5, [[1]] * 5)[1] == "5 of 5 differ (#0, #1, #2, ...)"
