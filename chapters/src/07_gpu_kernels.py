@@ -452,8 +452,9 @@ for line in measured:
 #   copy moved 4.2 TB/s; the target was 50%, and the torch reference reaches 26%). Tile shapes
 #   from the sweep did not beat the default `(64, 4, 2)`. At SmolLM2's own heads (3 kv heads of
 #   64: 192 programs instead of 512, 100 MB) the same kernel reaches 39%, at 61 µs a call about
-#   as short as a launch (why it reaches less was not profiled). A small model's decode
-#   attention is not where its time goes.
+#   as short as a launch (why it reaches less was not profiled). For a model this small the
+#   decode step's time is more likely in its count of kernels than in attention's bandwidth
+#   (the next point; not profiled either).
 # - **Fusion pays 2.10×** on the captured decode step: at this size the step is the sum of a
 #   few hundred tiny kernels (3.8 µs each on average fused, 2.6 µs unfused), so cutting their
 #   number cuts the time.
