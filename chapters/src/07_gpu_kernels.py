@@ -513,6 +513,32 @@ for name, label in (("default", "16 slots, budget 256"), ("nographs", "  CUDA gr
         label = ""
 
 # %% [markdown]
+# The same numbers as a picture (for a projector): tokens per second and the median wait for the
+# first token, one group of bars per setting.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+import matplotlib.pyplot as plt
+
+settings = {"default\n(16, 256)": "default", "graphs off": "nographs",
+            "budget 2048": "budget2048", "32 slots,\nbudget 2048": "seqs32"}
+runs = {label: json.loads((bench_dir / "results" / f"gpu-h200-2026-12-04-{name}.json")
+                          .read_text())["results"] for label, name in settings.items()}
+fig, (ax_tput, ax_ttft) = plt.subplots(1, 2, figsize=(12, 4.2), layout="constrained")
+for i, policy in enumerate(("static", "continuous", "pd")):
+    x = [j + (i - 1) * 0.27 for j in range(len(runs))]
+    ax_tput.bar(x, [r[policy]["output_tokens_per_s"] for r in runs.values()], 0.27, label=policy)
+    ax_ttft.bar(x, [r[policy]["ttft_s"]["p50"] for r in runs.values()], 0.27, label=policy)
+for ax, title in ((ax_tput, "output tokens / s (higher is better)"),
+                  (ax_ttft, "TTFT p50, s (lower is better; log scale)")):
+    ax.set_xticks(range(len(runs)), list(runs))
+    ax.set_title(title)
+ax_ttft.set_yscale("log")
+ax_tput.legend()
+fig.suptitle("SmolLM2-135M shapes on an H200, mixed-chat, 2026-12-04 (measured)")
+plt.show()
+
+# %% [markdown]
 # - **CUDA graphs are a 10× on decode here.** Off, a decode step of up to 16 rows takes about
 #   23 ms (some 400 kernels launched one by one from Python); replayed, 2.1–2.3 ms. That fits
 #   an eager step of a small model being set by launching rather than by the GPU's work (not
