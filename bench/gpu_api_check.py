@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -96,7 +95,7 @@ def api_checks(tiny: Path, shapes: str, device: str, record) -> None:
 
     import torch
 
-    from minicb import LLM
+    from minicb import LLM, SamplingParams
 
     small = dict(policy="pd", max_num_seqs=8, max_num_batched_tokens=64, chunk_size=64,
                  num_pages=256, trace_snapshots=False)
@@ -156,8 +155,8 @@ def api_checks(tiny: Path, shapes: str, device: str, record) -> None:
     def prefix_hit():
         llm = LLM(str(tiny), device=device, dtype="float32", **small)
         long = prompts(1, seed=2)[0] * 3
-        first = llm.generate([long], _params())[0]
-        second = llm.generate([long], _params())[0]
+        params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+        first, second = (llm.generate([long], params)[0] for _ in range(2))
         ok = second.num_cached_tokens > 0 and first.token_ids == second.token_ids
         tokens = "equal" if first.token_ids == second.token_ids else "DIFFER"
         return ok, (f"second run: {second.num_cached_tokens} of {len(long)} prompt tokens "
@@ -259,30 +258,19 @@ def largest_live_tensors(device: str, top: int = 4) -> str:
     return "; ".join(described) or "none"
 
 
-def _params():
-    from minicb import SamplingParams
-    return SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-
-
 def run_cli(cmd: list[str], timeout: int) -> str:
-    shown = " ".join(["python"] + cmd[1:])
-    try:
-        res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as exc:
-        out = gpu_check._text(exc.stdout) + gpu_check._text(exc.stderr)
-        return f"$ {shown}\ntimed out after {timeout} s\n{out[-3000:]}"
-    return f"$ {shown}  (exit {res.returncode})\n{(res.stdout + res.stderr)[-5000:]}"
+    return gpu_check.run_logged(cmd, timeout, " ".join(["python"] + cmd[1:]), tail=5000)
 
 
-def swap_parts(device: str, smoke: bool) -> list[tuple[str, float]]:
-    """Stage 4: seconds for each part of swapping SWAP_PAGES scattered pages out and back, as
-    PagePool.swap_out/swap_in do them, each timed alone (median of 9), and their sum."""
+def swap_parts(device: str) -> tuple[int, list[tuple[str, float]]]:
+    """Stage 5: (the page's bytes, rows): seconds for each part of swapping SWAP_PAGES
+    scattered pages out and back, as PagePool.swap_out/swap_in do them, each timed alone
+    (median of 9), their sum, and the engine's whole path (gpu_check's swap row, doubled)."""
     import numpy as np
     import torch
 
     from minicb.kv_cache import PagePool
-    page = gpu_check.SMOKE_SWAP_PAGE if smoke else gpu_check.SWAP_PAGE
-    dtype = torch.float32 if smoke else torch.bfloat16
+    page, dtype = gpu_check.swap_page(device)
     n = SWAP_PAGES
     pool = PagePool(2 * n, page["page_size"], page["num_layers"], page["num_kv_heads"],
                     page["head_dim"], dtype, device, num_swap_pages=2 * n)
@@ -328,13 +316,10 @@ def swap_parts(device: str, smoke: bool) -> list[tuple[str, float]]:
     out = [(name, median(fn) / n) for name, fn in parts]
     out.append(("sum of the parts the engine runs: a page out and back in",
                 sum(s for name, s in out if "before" not in name)))
-
-    def engine_path():
-        pool.swap_out(list(zip(dev_pages, host_pages)))
-        pool.swap_in(list(zip(host_pages, dev_pages)))
+    engine = gpu_check.time_swap(device)  # seconds per page copied, out or in
     out.append(("PagePool.swap_out + swap_in: a page out and back in (gpu_check's swap row "
-                "is half of this)", median(engine_path) / n))
-    return out
+                "is half of this)", 2 * engine["sec"]))
+    return engine["bytes"], out
 
 
 def render(date: str, header: str, state: dict) -> str:
@@ -425,11 +410,7 @@ def main(argv: list[str] | None = None) -> int:
             state["settings"] = "\n\n".join(runs)
             write()
     try:
-        from minicb.kv_cache import page_bytes
-        page = gpu_check.SMOKE_SWAP_PAGE if args.cpu_smoke else gpu_check.SWAP_PAGE
-        state["swap_page_bytes"] = page_bytes(
-            **page, dtype=torch.float32 if args.cpu_smoke else torch.bfloat16)
-        state["swap"] = swap_parts(device, args.cpu_smoke)
+        state["swap_page_bytes"], state["swap"] = swap_parts(device)
     except Exception as exc:
         state["swap_error"] = f"failed: {type(exc).__name__}: {exc}"
         traceback.print_exc()

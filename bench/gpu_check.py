@@ -123,15 +123,19 @@ def copy_bandwidth(device: str, nbytes: int) -> float:
     return 2 * nbytes / timed(lambda: dst.copy_(src), device, 20)
 
 
+def swap_page(device: str) -> tuple[dict, object]:
+    """(the page's shape, its dtype) for swap timings: on CUDA the page the h100-like preset
+    assumes in bf16, elsewhere (the smoke run) a toy page in float32."""
+    import torch
+    return (SWAP_PAGE, torch.bfloat16) if device == "cuda" else (SMOKE_SWAP_PAGE, torch.float32)
+
+
 def time_swap(device: str) -> dict:
     """Seconds per page swapped to host memory and back (the cost model's `s`, chapter 06),
     for the page the h100-like preset assumes, through the engine's own PagePool copies."""
-    import torch
-
     from minicb.kv_cache import page_bytes
     from minicb.sim import PRESETS, measure_swap_cost
-    page = SWAP_PAGE if device == "cuda" else SMOKE_SWAP_PAGE
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    page, dtype = swap_page(device)
     sec = measure_swap_cost(**page, dtype=dtype, device=device)
     return {"sec": sec, "bytes": page_bytes(**page, dtype=dtype),
             "assumed": PRESETS["h100-like"].s}
@@ -353,13 +357,20 @@ def run_bench(device: str, model: str, out: Path, timeout: int, smoke: bool,
         env["MINICB_ATTENTION"] = backend
     shown = ("MINICB_ATTENTION=torch " if backend == "torch" else "") + " ".join(
         ["python"] + cmd[1:])
+    return run_logged(cmd, timeout, shown, env=env)
+
+
+def run_logged(cmd: list[str], timeout: int, shown: str, env: dict | None = None,
+               tail: int = 4000) -> str:
+    """A command's report for the table's log: "$ shown  (exit N)" and the last `tail`
+    characters it printed, or what it printed before `timeout` seconds ran out."""
     try:
         res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
                              timeout=timeout)
     except subprocess.TimeoutExpired as exc:
         output = _text(exc.stdout) + _text(exc.stderr)
         return f"$ {shown}\ntimed out after {timeout} s\n{output[-3000:]}"
-    return f"$ {shown}  (exit {res.returncode})\n{(res.stdout + res.stderr)[-4000:]}"
+    return f"$ {shown}  (exit {res.returncode})\n{(res.stdout + res.stderr)[-tail:]}"
 
 
 def bench_rows(out: Path) -> list[str]:
