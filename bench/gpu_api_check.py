@@ -2,9 +2,9 @@
 baseline, and where a swapped page's time goes (chapter 07, bench/GPU.md).
 
 `bench/gpu_check.sh` measures the kernels and one benchmark. This script, run after it on the
-same machine (`bench/gpu_api_check.sh`, about 4 minutes on an H200, stopped at 560 s), checks
-what the kernel tests do not
-reach on a GPU and what its first run raised:
+same machine (`bench/gpu_api_check.sh`; expected to take about 4 minutes on an H200 from its
+stages' times there, stopped at 560 s), checks what the kernel tests do not reach on a GPU and
+what its first run raised:
 
 1. the API on CUDA, each check recorded as pass/FAIL with what it saw (a check that raises is a
    FAIL; the rest still run): greedy tokens of the Triton backend with CUDA graphs equal the CPU

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The second GPU check (bench/gpu_api_check.py): the API on CUDA, every policy, transformers
-# with CUDA graphs, settings (graphs off, larger budgets), a swapped page part by part; about
-# 4 minutes on an H200, stopped at 560 s. Run after bench/gpu_check.sh on the same machine. Options pass through (--out-dir DIR, --skip-bench).
+# with CUDA graphs, settings (graphs off, larger budgets), a swapped page part by part; expected
+# to take about 4 minutes on an H200 (its stages' times there), stopped at 560 s. Run after
+# bench/gpu_check.sh on the same machine. Options pass through (--out-dir DIR, --skip-bench).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=python3

@@ -596,8 +596,8 @@ print("\n".join(gpu_md.read_text().splitlines()[:6]))
 # Qwen3).
 #
 # The prepared GPU check is budgeted at 8 minutes (the script stops itself at 470 s; on the H200
-# it took 177 s) and writes `bench/gpu-results-<date>.md`; the second check, about 4 minutes
-# there (it stops itself at 560 s), writes `bench/gpu-api-<date>.md`:
+# it took 177 s) and writes `bench/gpu-results-<date>.md`; the second check, expected to take about 4
+# minutes there (its stages' times; it stops itself at 560 s), writes `bench/gpu-api-<date>.md`:
 #
 # ```bash
 # bench/gpu_check.sh                # kernel tests on the GPU, copy bandwidth, decode attention, the engine benchmark
