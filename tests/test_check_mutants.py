@@ -1,4 +1,4 @@
-"""More planted bugs for `minicb.check`, found by a mutation review of check.py.
+"""More planted bugs for `minicb.course.check`, found by a mutation review of check.py.
 
 Each test breaks a reference answer in one plausible way and asserts that the check fails it
 with the message that names the cause, or that an answer which is right in a way the reference
@@ -13,7 +13,7 @@ import pytest
 import torch
 from test_exercises import caught, solution
 
-from minicb import check
+from minicb.course import check
 from minicb.kv_cache import page_hash, prompt_page_hashes
 from minicb.request import Status
 
@@ -449,7 +449,7 @@ def test_an_untouched_stub_raises_its_own_not_implemented_error():
 def test_short_p_hint_counts_a_request_arriving_at_the_last_step_of_a_cut_trace():
     from dataclasses import replace
 
-    from minicb import metrics
+    from minicb.benchmark import metrics
 
     label, trace, records, long_id = next(t for t in check.pd_traces()
                                           if "stopped after 4 steps" in t[0])
@@ -464,7 +464,7 @@ def test_short_p_hint_counts_a_request_arriving_at_the_last_step_of_a_cut_trace(
     assert f"at-end (arrived at step {last}," in alive
     assert f"after (arrived at step {last + 1}, after the window ended at step {last})" in \
         not_alive
-    # as in minicb.metrics: the unfinished request at the window's end makes short_P None
+    # as in minicb.benchmark.metrics: the unfinished request at the window's end makes short_P None
     assert metrics.long_prefill_metrics(trace, [*records, at_end], long_id)[
         "short_p_steps"] is None
 

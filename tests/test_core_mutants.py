@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 
 from minicb import SamplingParams
+from minicb.benchmark.sim import make_sim_engine
 from minicb.engine import SchedulerError
 from minicb.scheduler import Scheduler
-from minicb.sim import make_sim_engine
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -365,7 +365,7 @@ def test_a_timed_arrival_counts_from_the_step_it_joined():
     -1 and every ttft/e2e in steps one short. Now a timed arrival scheduled the step it arrives
     is 0 steps in the queue and has its first token in its first step (steps count inclusive),
     as a request added between steps has."""
-    from minicb import metrics
+    from minicb.benchmark import metrics
     engine = make_sim_engine(policy="pd")
     params = SamplingParams(max_tokens=3, ignore_eos=True)
     engine.add_request([5] * 8, params, request_id="now")

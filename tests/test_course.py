@@ -153,7 +153,7 @@ def test_student_release_takes_a_trailing_slash_and_refuses_the_repository(tmp_p
     assert plan.returncode == 0, plan.stderr
     lines = plan.stdout.splitlines()
     assert f"tar -czf {tmp_path}/stu.tar.gz -C {tmp_path}/ stu" in lines
-    check = next(i for i, line in enumerate(lines) if "-m minicb.exercises check" in line)
+    check = next(i for i, line in enumerate(lines) if "-m minicb.course.exercises check" in line)
     assert check < next(i for i, line in enumerate(lines) if line.startswith("rm -rf"))
     for unsafe in (".", "..", str(ROOT) + "/", "/", ""):
         plan = release_plan(unsafe)
@@ -231,7 +231,7 @@ def test_a_student_resets_an_exercise_in_the_student_copy(tmp_path):
     notebook = copy / "exercises" / "02_static_batching.ipynb"
     fresh = notebook.read_text()
     notebook.write_text(fresh.replace("NotImplementedError", "half done"))
-    done = subprocess.run([sys.executable, "-m", "minicb.exercises", "reset",
+    done = subprocess.run([sys.executable, "-m", "minicb.course.exercises", "reset",
                            "exercises/02_static_batching.ipynb"], cwd=copy,
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr

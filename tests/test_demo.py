@@ -76,11 +76,11 @@ def test_a_command_imports_only_its_module_and_names_a_missing_dependency(capsys
     probe = ("import contextlib, io, sys\nfrom minicb.__main__ import main\n"
              "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
              "    main(['sweep', '--help'])\n"
-             "print(sorted(m for m in ('minicb.bench', 'minicb.grade', 'minicb.serve', "
-             "'nbformat', 'fastapi') if m in sys.modules))")
+             "print(sorted(m for m in ('minicb.benchmark.bench', 'minicb.course.grade', "
+             "'minicb.serving.server', 'nbformat', 'fastapi') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                          check=False)
-    assert out.stdout.strip() == "['minicb.bench']", out.stdout[-300:] + out.stderr[-300:]
+    assert out.stdout.strip() == "['minicb.benchmark.bench']", out.stdout[-300:] + out.stderr[-300:]
 
     def missing(name):
         raise ImportError("No module named 'fastapi'", name="fastapi")

@@ -113,7 +113,7 @@ def test_top_p_keeps_only_the_nucleus():
 
 
 def test_forget_drops_a_request_everywhere_even_its_tenants_service():
-    from minicb.sim import make_sim_engine
+    from minicb.benchmark.sim import make_sim_engine
     engine = make_sim_engine(policy="pd", preemption="fair")
     for rid, tenant in (("a", "x"), ("b", "x"), ("c", "y")):
         engine.add_request([1, 2, 3], SamplingParams(max_tokens=3, temperature=0.0,
@@ -426,8 +426,8 @@ def test_bad_engine_config(kwargs, field):
 def test_a_scheduler_instance_serves_one_engine():
     """A static batch kept by the instance would hand the first engine's requests (and their
     slots) to the second: two running requests shared slot 0 before this was refused."""
+    from minicb.benchmark.sim import make_sim_engine
     from minicb.scheduler import StaticScheduler
-    from minicb.sim import make_sim_engine
     shared = StaticScheduler()
     first = make_sim_engine(policy=shared, max_num_seqs=3)
     for i in range(5):
@@ -548,8 +548,8 @@ def test_dynamic_batching_may_wait_a_step_timeout_longer_than_the_stall_limit(mo
     and a 120-step timeout the batch forms at step 120 (both guards, the engine's and
     run_workload's, raised at the limit), while a policy that never schedules still stops."""
     import minicb.engine
-    from minicb.sim import CostModel, make_sim_engine
-    from minicb.workload import make_workload, run_workload
+    from minicb.benchmark.sim import CostModel, make_sim_engine
+    from minicb.benchmark.workload import make_workload, run_workload
     monkeypatch.setattr(minicb.engine, "STALL_STEPS", 50)
     engine = make_sim_engine(CostModel(), policy="dynamic", num_pages=64, page_size=4,
                              batch_timeout=120, max_num_seqs=4)
@@ -673,7 +673,7 @@ def test_evicted_prefix_pages_are_counted_in_the_trace(tiny_model):
     engine.run()
     evicted = [rec.pages_evicted for rec in engine.trace]
     assert sum(evicted) == engine.pool.num_evicted > 0
-    from minicb import metrics
+    from minicb.benchmark import metrics
     assert metrics.summarize(engine.trace, engine.request_records())["evicted_pages"] == \
         sum(evicted)
 

@@ -1,7 +1,7 @@
 """Exercises, solutions and the autograder (exercises for chapters 01-08).
 
 Fast tests: the generated notebooks match their sources; the generator's stubs; every exercise
-pairs a stub, a check cell and a `minicb.check` function; the reference solutions pass their
+pairs a stub, a check cell and a `minicb.course.check` function; the reference solutions pass their
 checks in-process; planted bugs are caught with a message that names the problem.
 Slow tests execute notebooks: every solution grades 100% in under a minute, every untouched
 exercise notebook grades 0 with a NotImplementedError message per exercise, and the grader
@@ -23,8 +23,9 @@ import numpy as np
 import pytest
 import torch
 
-from minicb import check, exercises, grade, kv_cache
-from minicb.exercises import ROOT, MarkerError, cell_tags, generate, solution_code, stub_code
+from minicb import kv_cache
+from minicb.course import check, exercises, grade
+from minicb.course.exercises import ROOT, MarkerError, cell_tags, generate, solution_code, stub_code
 from minicb.model import quant
 
 SOURCES = sorted((ROOT / "exercises" / "source").glob("*.ipynb"))
@@ -46,7 +47,7 @@ def test_every_chapter_01_to_06_has_an_exercise_notebook():
 
 
 def test_generated_notebooks_match_their_sources():
-    assert exercises.stale() == [], "run `python -m minicb.exercises build` and commit"
+    assert exercises.stale() == [], "run `python -m minicb.course.exercises build` and commit"
     assert exercises.main(["check"]) == 0
 
 
@@ -156,7 +157,7 @@ def test_notebook_structure():
         assert list(stubs) == list(checks), f"{src.name}: each exercise needs stub + check"
         for name, index in checks.items():
             assert stubs[name] < index
-            assert callable(getattr(check, name, None)), f"minicb.check.{name} missing"
+            assert callable(getattr(check, name, None)), f"minicb.course.check.{name} missing"
             assert f"check.{name}(" in source.cells[index].source
             assert ex.cells[index].source == sol.cells[index].source \
                 == source.cells[index].source
@@ -1096,7 +1097,7 @@ def test_untouched_exercise_notebook_grades_zero_with_a_message_each(name, capsy
 def test_a_broken_setup_cell_is_named_and_costs_only_what_needs_it(tmp_path, capsys):
     """Found by a teacher's review: a typo in the first cell (`import numpyy`) used to zero
     every exercise with "'NoneType' object has no attribute '__dict__'", because the fresh
-    minicb.check the grader loads was not in sys.modules for its dataclasses. Now an exercise
+    minicb.course.check the grader loads was not in sys.modules for its dataclasses. Now an exercise
     that needs nothing from that cell still scores, and a note names the cell that broke."""
     nb = nbformat.read(ROOT / "solutions" / EXPECTED[0], as_version=4)
     setup = next(c for c in nb.cells if c.cell_type == "code")
@@ -1368,8 +1369,9 @@ def test_minicbs_own_function_is_not_an_answer():
 def _minicbs_own_behind_a_lambda():
     """A wrong 'answer' per function exercise: minicb's own version, called from a lambda or a
     subclass (handing over the function itself was refused before; a wrapper passed)."""
-    from minicb import SamplingParams, metrics
+    from minicb import SamplingParams
     from minicb.attention import build_metadata, torch_ref
+    from minicb.benchmark import metrics
     from minicb.speculative import NgramIndex, verify
 
     class InheritedPool(kv_cache.PagePool):
@@ -1414,7 +1416,7 @@ def test_minicbs_building_blocks_of_6_1_and_6_2_are_not_an_answer():
     """Found by an audit: goodput from `metrics.meets_slo` over `metrics.run_span`, and TTFT and
     E2E from `metrics.first_token_seen` and `metrics.released`, passed: those helpers are the
     whole of exercises 6.2 and 6.1."""
-    from minicb import metrics
+    from minicb.benchmark import metrics
 
     def goodput(records, slo):
         span = metrics.run_span(records)
@@ -1639,7 +1641,7 @@ def test_a_removed_check_tag_does_not_drop_the_exercise(tmp_path):
 @pytest.mark.slow
 def test_an_earlier_cell_cannot_patch_the_checks_away(tmp_path):
     """A cell that replaces `check.pd_scheduler` changes nothing (the check cell loads a fresh
-    minicb.check), and one that silences errors scores 0 (the check never printed its mark);
+    minicb.course.check), and one that silences errors scores 0 (the check never printed its mark);
     the same patches leave a solution notebook at full marks."""
     for folder, full in (("exercises", False), ("solutions", True)):
         nb = nbformat.read(ROOT / folder / EXPECTED[4], as_version=4)
@@ -1648,7 +1650,7 @@ def test_an_earlier_cell_cannot_patch_the_checks_away(tmp_path):
             "get_ipython().set_custom_exc((Exception,), lambda *a, **k: None)"))
         nb.cells.insert(stubs["pd_scheduler"], nbformat.v4.new_code_cell(
             'setattr(check, "pd_scheduler", lambda *a, **k: None)\n'
-            "import minicb.check\nminicb.check.pd_scheduler = check.pd_scheduler"))
+            "import minicb.course.check\nminicb.check.pd_scheduler = check.pd_scheduler"))
         path = tmp_path / EXPECTED[4]
         nbformat.write(nb, path)
         report = grade.grade_notebook(path)
@@ -1668,7 +1670,7 @@ def test_static_batch_reference_matches_the_engines_first_batch():
     import random
 
     from minicb import Engine, SamplingParams
-    from minicb.check import _reference_static_batch, tiny_model
+    from minicb.course.check import _reference_static_batch, tiny_model
 
     rng = random.Random(5)
     for _ in range(12):
@@ -1689,7 +1691,7 @@ def test_static_batch_reference_matches_the_engines_first_batch():
 def test_paged_attention_mistakes_are_named():
     """Each typical mistake fails with its own hint; the hints' variants are built by the
     check itself, so this also proves the variant without a mistake is minicb's attention."""
-    from minicb.check import _attention_variant
+    from minicb.course.check import _attention_variant
 
     correct = solution("07_paged_attention.ipynb")["paged_attention"]
     assert check.paged_attention(lambda *a: _attention_variant(*a)) is True
@@ -1745,7 +1747,7 @@ def test_prompt_lookup_and_verification_mistakes_are_named():
     right); the variant without a mistake is minicb's propose_ngram on 3,000 sequences."""
     import random
 
-    from minicb.check import _lookup_variant
+    from minicb.course.check import _lookup_variant
     from minicb.speculative import propose_ngram
 
     rng = random.Random(0)
@@ -1797,7 +1799,7 @@ def test_prompt_lookup_and_verification_mistakes_are_named():
     verify = solution("08_speculative_decoding.ipynb")["verify_greedy"]
     assert "never yields fewer than one token" in caught(
         "verify_greedy", lambda d, t: verify(d, t)[:-1])
-    from minicb.check import _verify_variant
+    from minicb.course.check import _verify_variant
     assert "Stop at the first guess" in caught(
         "verify_greedy", lambda d, t: _verify_variant(d, t, "no stop"))
     assert "target[accepted], not the last row's" in caught(
@@ -2002,7 +2004,7 @@ def test_best_setting_mistakes_are_named():
     """Exercise 6.4: the usual slips each get their own message: quality None taken as a
     failure, a queue age at the limit taken as over it, no tie-break, no fairness at all, an
     index instead of the row, and minicb's own function behind a lambda."""
-    from minicb import bench
+    from minicb.benchmark import bench
     mine = solution("06_benchmarking.ipynb")["best_setting"]
 
     def keep(rule):
@@ -2050,7 +2052,7 @@ def test_swap_break_even_mistakes_are_named():
     """Exercise 6.5: each slip the hints name is caught with its hint (planted through the
     check's own variants, and once written out by hand); minicb's own function is refused; a
     non-number is named; a float32 answer gets the float32 note."""
-    from minicb import sim
+    from minicb.benchmark import sim
     for mistake, hint in check._BREAK_EVEN_HINTS.items():
         def planted(cost, n, cached, page_size, chunk_size, mistake=mistake):
             return check._break_even_variant(cost, n, cached, page_size, chunk_size, mistake)

@@ -8,12 +8,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from minicb import metrics
+from minicb.benchmark import metrics
+from minicb.benchmark.sim import CostModel, make_sim_engine
 from minicb.config import POLICIES, EngineConfig
 from minicb.kv_cache import PagePool
 from minicb.request import Request, SamplingParams, Status
 from minicb.scheduler import Scheduler, SchedulerContext
-from minicb.sim import CostModel, make_sim_engine
 from tests.tiny_models import random_jobs, run_beside_single
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -524,7 +524,7 @@ def test_stats_show_the_swap_space_only_when_there_is_one():
 def test_measured_swap_cost_is_a_plausible_copy_time():
     """Seconds per page of a SmolLM2-shaped page (30 layers, 3 KV heads of 64, 16 tokens in
     float32: 737 KB): between 1 microsecond (740 GB/s) and 10 ms (74 MB/s)."""
-    from minicb.sim import measure_swap_cost
+    from minicb.benchmark.sim import measure_swap_cost
     assert 1e-6 < measure_swap_cost(30, 3, 64, num_pages=8, repeats=3) < 1e-2
 
 
@@ -538,7 +538,7 @@ def test_step_features_follow_each_members_context(mode, num_swap_pages, prefix)
     starts at that hit (`Member.start`), which the trace's counts alone cannot tell."""
     import numpy as np
 
-    from minicb.sim import step_features
+    from minicb.benchmark.sim import step_features
     cost = CostModel(a=0.01, b=1e-4, c=1e-4, d=1e-6, e=1e-8)
     engine = make_sim_engine(cost, policy="pd", num_pages=8, page_size=4, max_num_seqs=4,
                              preemption_mode=mode, num_swap_pages=num_swap_pages,
@@ -579,7 +579,7 @@ def test_pictures_tell_a_swap_from_a_recompute():
     """The timeline marks a swapped victim with "v" (its K/V went to host memory) and a
     recomputed one with "x"; a swapped victim comes back decoding, a recomputed one prefills
     its tokens again."""
-    from minicb import viz
+    from minicb.course import viz
     texts = {}
     for mode in ("recompute", "swap"):
         e = make_sim_engine(policy="pd", num_pages=6, page_size=4, max_num_seqs=3,

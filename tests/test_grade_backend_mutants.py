@@ -1,4 +1,4 @@
-"""Planted-bug tests from a mutation review of minicb/grade.py, cuda_graphs.py,
+"""Planted-bug tests from a mutation review of minicb/course/grade.py, cuda_graphs.py,
 attention/__init__.py and exercises.py: each test fails on the bug its docstring names and
 passes on the real code. No kernel runs: `grade.execute` and nbclient's client are stood in for.
 They read only exercises/ and `grade.SOURCES`, which the student copy has too."""
@@ -15,8 +15,8 @@ from types import SimpleNamespace
 import nbformat
 import pytest
 
-from minicb import exercises, grade
-from minicb.exercises import ROOT, MarkerError, cell_tags, generate, stub_code
+from minicb.course import exercises, grade
+from minicb.course.exercises import ROOT, MarkerError, cell_tags, generate, stub_code
 
 PAGED = "01_paged_kv.ipynb"  # page_pool, prefix_hashes, match_prefix, quantize_int8
 

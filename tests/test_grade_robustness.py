@@ -11,8 +11,8 @@ import json
 import nbformat
 import pytest
 
-from minicb import grade
-from minicb.exercises import ROOT, cell_tags
+from minicb.course import grade
+from minicb.course.exercises import ROOT, cell_tags
 
 PAGED = "01_paged_kv.ipynb"  # page_pool, prefix_hashes, match_prefix, quantize_int8
 

@@ -78,7 +78,7 @@ def test_stop_token_ids_from_any_iterable_are_kept_as_a_tuple():
     tuple it built: params from a list were unhashable and unequal to the same from a tuple,
     and stop tokens given as a generator were used up by the check (the request never
     stopped)."""
-    from minicb.sim import make_sim_engine
+    from minicb.benchmark.sim import make_sim_engine
     a, b = SamplingParams(stop_token_ids=[5, 7]), SamplingParams(stop_token_ids=(5, 7))
     assert a == b and hash(a) == hash(b) and a.stop_token_ids == (5, 7)
     engine = make_sim_engine(policy="pd", check_invariants=True)
@@ -93,7 +93,7 @@ def test_a_prompts_last_single_token_is_still_prefill():
     """`Request.is_prefill` dropped `not self.output_token_ids or`: a one-token prompt, and the
     last one-token chunk of a longer prompt, were traced as decode rows (no prefill tokens
     counted, and the first token attributed to a decode step)."""
-    from minicb.sim import make_sim_engine
+    from minicb.benchmark.sim import make_sim_engine
     engine = make_sim_engine(policy="chunked", chunk_size=4, max_num_seqs=2,
                              max_num_batched_tokens=4, check_invariants=True)
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)

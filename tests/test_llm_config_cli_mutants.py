@@ -18,9 +18,9 @@ import minicb
 import minicb.config
 from minicb import LLM, EngineConfig, SamplingParams
 from minicb.__main__ import DEMO_QUESTIONS, main
+from minicb.benchmark.sim import SIM_TOKEN, make_sim_engine
 from minicb.config import cache_root, cpuinfo, resolve_device
 from minicb.llm import IncrementalDecoder, is_conversation
-from minicb.sim import SIM_TOKEN, make_sim_engine
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 HI = [{"role": "user", "content": "w5 w6"}]

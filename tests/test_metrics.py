@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from minicb import metrics
+from minicb.benchmark import metrics
 from minicb.trace import Member, RequestRecord, StepRecord
 
 

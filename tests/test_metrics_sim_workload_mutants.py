@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from test_metrics import rec, step
 
-from minicb import metrics
-from minicb.sim import CostModel, fit_cost_model, make_sim_engine
-from minicb.workload import (
+from minicb.benchmark import metrics
+from minicb.benchmark.sim import CostModel, fit_cost_model, make_sim_engine
+from minicb.benchmark.workload import (
     Lengths,
     Workload,
     WorkloadRequest,

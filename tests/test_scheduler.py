@@ -8,7 +8,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tiny_models import random_jobs, run_beside_single
 
-from minicb import SamplingParams, metrics
+from minicb import SamplingParams
+from minicb.benchmark import metrics
 from minicb.config import POLICIES
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -318,7 +319,7 @@ def test_deadline_preemption_picks_the_most_slack(make_engine):
 
 
 def test_deadline_order_is_earliest_first():
-    from minicb.sim import make_sim_engine
+    from minicb.benchmark.sim import make_sim_engine
     order = {}
     for mode in ("newest", "deadline"):
         engine = make_sim_engine(policy="continuous", max_num_seqs=1, preemption=mode)
@@ -335,8 +336,8 @@ def test_a_missed_deadline_ends_the_request_and_frees_its_pages():
     """One slot, three 20-token requests at once (simulated clock). Measured without deadlines
     first; then the second must finish before the first does (it expires waiting, nothing done)
     and the third, which then runs second, halfway through that run (it expires running)."""
-    from minicb import metrics
-    from minicb.sim import make_sim_engine
+    from minicb.benchmark import metrics
+    from minicb.benchmark.sim import make_sim_engine
 
     def run(deadlines):
         engine = make_sim_engine(policy="pd", max_num_seqs=1, check_invariants=True)
@@ -364,8 +365,8 @@ def test_a_missed_deadline_ends_the_request_and_frees_its_pages():
 def test_no_step_looks_for_expired_deadlines_when_no_request_has_one(monkeypatch):
     """Without deadlines a step does not scan the queue for them (10,000 waiting requests made
     that scan most of a simulated run); once one request has a deadline, steps check again."""
+    from minicb.benchmark.sim import make_sim_engine
     from minicb.request import Request
-    from minicb.sim import make_sim_engine
     checked = []
     monkeypatch.setattr(Request, "deadline_time", property(
         lambda r: checked.append(r.request_id) or float("inf")))
@@ -388,7 +389,7 @@ def test_no_step_looks_for_expired_deadlines_when_no_request_has_one(monkeypatch
 def test_fair_order_serves_the_least_served_tenant_first():
     """One slot. Tenant a sends four requests, then tenant b one, all at once: first come first
     served makes b wait for all of a's; "fair" runs b's as soon as a has been served once."""
-    from minicb.sim import make_sim_engine
+    from minicb.benchmark.sim import make_sim_engine
     order = {}
     for mode in ("newest", "fair"):
         engine = make_sim_engine(policy="continuous", max_num_seqs=1, preemption=mode)
@@ -439,7 +440,7 @@ def test_deadlines_hold_under_any_workload(jobs, policy, preemption, num_pages):
     queue order: a request that leaves for its deadline had passed it when its last step
     began; one that completes began its last step before the deadline; each tenant's service is
     the tokens its requests computed; every page comes back; invariants hold every step."""
-    from minicb.sim import make_sim_engine
+    from minicb.benchmark.sim import make_sim_engine
     engine = make_sim_engine(policy=policy, max_num_seqs=3, max_num_batched_tokens=32,
                              chunk_size=16, page_size=4, num_pages=num_pages,
                              preemption=preemption, check_invariants=True)
@@ -472,7 +473,7 @@ def test_a_static_batch_returns_when_its_last_member_leaves_early(leave):
     """A finishes at step 2 and is held (a static batch returns whole); B, the last running
     member, leaves at step 3 by its deadline or a cancel: A is returned then, not when the
     next batch (C) ends."""
-    from minicb.sim import make_sim_engine
+    from minicb.benchmark.sim import make_sim_engine
     engine = make_sim_engine(policy="static", max_num_seqs=2, check_invariants=True)
     engine.add_request([1] * 8, SamplingParams(max_tokens=2, **GREEDY), request_id="A")
     engine.add_request([2] * 8, SamplingParams(max_tokens=400, **GREEDY), request_id="B",
@@ -495,7 +496,7 @@ def test_a_static_batch_returns_when_its_last_member_leaves_early(leave):
 def test_a_preempted_request_waits_behind_more_urgent_ones(mode):
     """The victim of preemption rejoins the queue by its rank, not at the front: a more urgent
     request that arrives after the preemption is admitted before the victim comes back."""
-    from minicb.sim import make_sim_engine
+    from minicb.benchmark.sim import make_sim_engine
     engine = make_sim_engine(policy="continuous", max_num_seqs=3, page_size=4, num_pages=9,
                              preemption=mode, enable_prefix_caching=False,
                              check_invariants=True)
@@ -520,7 +521,7 @@ def test_a_preempted_request_goes_back_to_the_front_of_the_queue(preemption):
     """The victim is scheduled again no later than D, which was waiting before it; under
     "priority" all four share one priority, and the victim, the earlier arrival, still goes
     first (first come first served among equal ranks)."""
-    from minicb.sim import make_sim_engine
+    from minicb.benchmark.sim import make_sim_engine
     e = make_sim_engine(policy="continuous", max_num_seqs=3, page_size=4, num_pages=6,
                         enable_prefix_caching=False, check_invariants=True,
                         preemption=preemption)
@@ -540,7 +541,7 @@ def test_a_preempted_request_goes_back_to_the_front_of_the_queue(preemption):
 
 def test_exactly_enough_pages_never_preempt():
     """8 prompt + 8 output tokens in pages of 4: the 4 pages of the pool are enough."""
-    from minicb.sim import make_sim_engine
+    from minicb.benchmark.sim import make_sim_engine
     e = make_sim_engine(policy="continuous", page_size=4, num_pages=4,
                         enable_prefix_caching=False, check_invariants=True)
     e.add_request([1] * 8, SamplingParams(max_tokens=8, **GREEDY), request_id="A")
@@ -550,7 +551,7 @@ def test_exactly_enough_pages_never_preempt():
 
 def test_prompts_that_fill_the_budget_exactly_join_together():
     """Continuous batching: two 32-token prompts under a 64-token budget run in step 1."""
-    from minicb.sim import make_sim_engine
+    from minicb.benchmark.sim import make_sim_engine
     e = make_sim_engine(policy="continuous", max_num_seqs=4, max_num_batched_tokens=64)
     for rid in ("a", "b", "c"):
         e.add_request([7] * 32, SamplingParams(max_tokens=2, **GREEDY), request_id=rid)
@@ -563,7 +564,7 @@ def test_prompts_that_fill_the_budget_exactly_join_together():
 def test_equal_rank_waits_first_come_first_served(preemption, added):
     """Two requests of the same rank behind a running one: the earlier arrival goes first,
     whichever was added first."""
-    from minicb.sim import make_sim_engine
+    from minicb.benchmark.sim import make_sim_engine
     e = make_sim_engine(policy="continuous", max_num_seqs=1, preemption=preemption)
     e.add_request([1] * 4, SamplingParams(max_tokens=3, **GREEDY), request_id="running")
     arrivals = [("first", 2), ("second", 3)]
@@ -591,7 +592,7 @@ def test_preemption_counts_the_work_it_throws_away_and_the_work_redone():
     what the first admission found (nothing, for these distinct prompts), and
     num_recomputed_tokens counts only what was computed again: every token scheduled beyond the
     first computation of each position (the request's final cache length)."""
-    from minicb.sim import make_sim_engine
+    from minicb.benchmark.sim import make_sim_engine
     e = make_sim_engine(policy="continuous", max_num_seqs=4, page_size=4, num_pages=9,
                         check_invariants=True)
     for i in range(4):
@@ -623,8 +624,8 @@ def test_preemption_counts_the_work_it_throws_away_and_the_work_redone():
 
 # --- from a second mutation review: each test fails on the planted bug it names ---
 def test_a_deadline_counts_from_the_arrival():
-    from minicb.sim import make_sim_engine
-    from minicb.workload import Workload, WorkloadRequest, run_workload
+    from minicb.benchmark.sim import make_sim_engine
+    from minicb.benchmark.workload import Workload, WorkloadRequest, run_workload
     engine = make_sim_engine("h100-like", policy="continuous")
     w = Workload("w", [WorkloadRequest(prompt_len=8, max_tokens=4, arrival_time=1.0,
                                        deadline=0.5, request_id="late-comer")])
@@ -643,7 +644,7 @@ def test_max_preemptions_bounds_each_requests_loss(jobs, policy, preemption, lim
     """Twenty pages of 4 tokens for three slots: preemption is common without a bound. With
     one, no request is preempted more than `max_preemptions` times, so none throws away more
     than that many lifetimes of work; every request still completes and every page returns."""
-    from minicb.sim import make_sim_engine
+    from minicb.benchmark.sim import make_sim_engine
     engine = make_sim_engine(policy=policy, max_num_seqs=3, max_num_batched_tokens=32,
                              chunk_size=16, page_size=4, num_pages=20, preemption=preemption,
                              max_preemptions=limit, check_invariants=True)

@@ -22,12 +22,21 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from tiny_models import guessable_model
 
-from minicb import LLM, Engine, SamplingParams, bench, client, metrics
-from minicb.client import bench_endpoint, completions_url, run_client
+from minicb import LLM, Engine, SamplingParams
+from minicb.benchmark import bench, metrics
+from minicb.benchmark.sim import make_sim_engine
+from minicb.benchmark.workload import make_workload
 from minicb.llm import IncrementalDecoder
-from minicb.serve import EngineWorker, Histogram, ServerThread, create_app, main, parse_request
-from minicb.sim import make_sim_engine
-from minicb.workload import make_workload
+from minicb.serving import client
+from minicb.serving.client import bench_endpoint, completions_url, run_client
+from minicb.serving.server import (
+    EngineWorker,
+    Histogram,
+    ServerThread,
+    create_app,
+    main,
+    parse_request,
+)
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 TIMEOUT = httpx.Timeout(20.0)
@@ -470,7 +479,7 @@ def test_metrics_count_every_token_of_a_step_that_kept_guesses():
     """The simulated model always predicts T, so every guess of a prompt of T's is kept: 25
     tokens in 7 steps. /metrics counts 25 generated tokens and one gap per step that delivered
     (found by review: it counted 7, and the gaps inside a step as 0)."""
-    from minicb.sim import make_sim_engine
+    from minicb.benchmark.sim import make_sim_engine
     engine = make_sim_engine(policy="pd", num_speculative_tokens=3)
     t = engine.model.token
     app = create_app(engine, "sim")
@@ -544,7 +553,7 @@ def test_engine_faults_fail_the_request_not_the_server(tiny_model):
 
 
 def test_client_cli_writes_the_results_schema(tiny_model, tmp_path, capsys):
-    from minicb.client import main as client_main
+    from minicb.serving.client import main as client_main
 
     out = tmp_path / "results.json"
     with serving(tiny_model, max_num_seqs=8) as (url, _):
@@ -565,7 +574,7 @@ def test_the_client_sends_a_traces_tenant_priority_and_deadline(tiny_model):
     `priority`, `deadline`): the engine holds them, and a deadline too short to meet comes
     back as finish_reason "deadline". A request without them sends none of the three. A numpy
     priority is sent as an int (it was not JSON, and the whole run raised)."""
-    from minicb.workload import Workload, WorkloadRequest
+    from minicb.benchmark.workload import Workload, WorkloadRequest
     workload = Workload("t", [
         WorkloadRequest(prompt_len=6, max_tokens=40, request_id="late", tenant="team-a",
                         priority=np.int64(2), deadline=1e-6),  # numpy's, as a trace gives
@@ -580,7 +589,7 @@ def test_the_client_sends_a_traces_tenant_priority_and_deadline(tiny_model):
 
 
 def test_bench_endpoint_measures_a_running_server(tiny_model, tmp_path, capsys):
-    from minicb.bench import main_bench
+    from minicb.benchmark.bench import main_bench
 
     out = tmp_path / "endpoint.json"
     with serving(tiny_model, max_num_seqs=8) as (url, _):
@@ -606,7 +615,7 @@ def test_bench_endpoint_measures_a_running_server(tiny_model, tmp_path, capsys):
 def test_bench_endpoint_without_a_server_says_so(capsys):
     """A learner who forgot to start the server gets one line naming the endpoint and what to
     do, exit code 2, from both command lines; not a traceback."""
-    from minicb.client import main as client_main
+    from minicb.serving.client import main as client_main
     with socket.socket() as sock:  # a port nobody listens on once closed
         sock.bind(("127.0.0.1", 0))
         url = f"http://127.0.0.1:{sock.getsockname()[1]}"
@@ -620,7 +629,7 @@ def test_bench_endpoint_without_a_server_says_so(capsys):
 def test_bench_endpoint_says_why_the_server_refused_the_warm_up(shared_server, capsys):
     """A wrong --model (404) or prompt ids past a small vocabulary (400, no --vocab-size) was
     a RuntimeError traceback from both command lines: one line, exit code 2."""
-    from minicb.client import main as client_main
+    from minicb.serving.client import main as client_main
     one = ["--endpoint", shared_server, "--num-requests", "1"]
     assert bench.main_bench([*one, "--no-progress", "--model", "gpt-9"]) == 2
     assert "error: the warm-up request failed (404)" in capsys.readouterr().err
@@ -1099,7 +1108,7 @@ def test_chat_honours_max_completion_tokens(word_model):
 def test_serve_cli_max_queue_0_means_no_limit_and_the_served_name(tiny_llama_dir, monkeypatch):
     import uvicorn
 
-    from minicb.serve import main as serve_main
+    from minicb.serving.server import main as serve_main
     apps = []
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: apps.append(app))
     assert serve_main(["--model", str(tiny_llama_dir), "--device", "cpu", "--max-queue", "0",
@@ -1129,7 +1138,7 @@ def test_serve_cli_refuses_a_negative_max_queue_and_an_unknown_log_level(tiny_ll
 def test_an_event_stream_runs_on_close_when_the_send_fails():
     """ASGI spec 2.4 servers report a client gone as an OSError from `send`: the stream must
     still cancel its request."""
-    from minicb.serve import _EventStream
+    from minicb.serving.server import _EventStream
     closed = []
 
     async def body():
@@ -1206,8 +1215,8 @@ def test_a_refusal_is_reported_in_the_servers_words_and_omit_field_avoids_it(cap
     the failed request's reason comes back in the summary and on stderr with the way out, and
     `omit` leaves the field off so every request completes. A field name not among the trace's
     is refused before anything is sent."""
-    from minicb.client import describe_errors
-    from minicb.workload import Workload, WorkloadRequest
+    from minicb.benchmark.workload import Workload, WorkloadRequest
+    from minicb.serving.client import describe_errors
     app, sent = FastAPI(), []
 
     @app.post("/v1/completions")
@@ -1257,7 +1266,7 @@ def test_the_client_stamps_every_token_the_last_one_too(tiny_model):
 
 
 def test_client_cli_and_bench_endpoint_apply_the_slo_and_rate(tiny_model, tmp_path):
-    from minicb.client import main as client_main
+    from minicb.serving.client import main as client_main
     out, out2 = tmp_path / "client.json", tmp_path / "bench.json"
     with serving(tiny_model, max_num_seqs=8) as (url, _):
         assert client_main(["--endpoint", url, "--num-requests", "3", "--rate", "50",

@@ -1,5 +1,5 @@
-"""Planted-bug tests from a mutation review of minicb/serve.py (the OpenAI-compatible server) and
-minicb/client.py (the benchmark client): each test fails on the bug its docstring names and
+"""Planted-bug tests from a mutation review of minicb/serving/server.py (the server) and
+minicb/serving/client.py (the benchmark client): each test fails on the bug its docstring names and
 passes on the real code.
 
 Servers run on the simulated engine where they can (no tokenizer, always answers one token, fast)
@@ -28,10 +28,16 @@ from test_serve import (
     wait_idle,
 )
 
-from minicb.client import bench_endpoint, completions_url, models_url, run_client
-from minicb.serve import EngineWorker, InvalidRequest, ServerThread, create_app, parse_request
-from minicb.sim import SIM_TOKEN, make_sim_engine
-from minicb.workload import Workload, WorkloadRequest
+from minicb.benchmark.sim import SIM_TOKEN, make_sim_engine
+from minicb.benchmark.workload import Workload, WorkloadRequest
+from minicb.serving.client import bench_endpoint, completions_url, models_url, run_client
+from minicb.serving.server import (
+    EngineWorker,
+    InvalidRequest,
+    ServerThread,
+    create_app,
+    parse_request,
+)
 
 T = SIM_TOKEN  # the simulated model's only answer: a prompt of T's keeps every guess
 

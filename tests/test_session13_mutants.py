@@ -12,9 +12,9 @@ import types
 import pytest
 from test_bench import SWEEP
 
-from minicb import bench
-from minicb.sim import CostModel, make_sim_engine
-from minicb.workload import Workload, WorkloadRequest, load_workload_file, run_workload
+from minicb.benchmark import bench
+from minicb.benchmark.sim import CostModel, make_sim_engine
+from minicb.benchmark.workload import Workload, WorkloadRequest, load_workload_file, run_workload
 
 
 def _cancelled(**ids: str) -> Workload:
@@ -132,8 +132,8 @@ def test_a_server_answering_404_at_the_endpoint_is_named_not_a_traceback():
     """bench_endpoint caught only a refused connection (httpx.ConnectError), not an error
     status: a wrong port or path (something else answering 404) raised httpx's traceback
     instead of the one line naming the endpoint."""
-    from minicb.client import bench_endpoint
-    from minicb.workload import get_workload
+    from minicb.benchmark.workload import get_workload
+    from minicb.serving.client import bench_endpoint
 
     class NotFound(http.server.BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 (the http.server name)

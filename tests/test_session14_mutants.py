@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 from test_metrics import approx, rec
 
-from minicb import bench, metrics
+from minicb.benchmark import bench, metrics
 
 
 def test_class_slo_attainment_counts_failed_requests_as_summarize_does():
@@ -155,7 +155,7 @@ def test_a_servers_error_is_its_message_or_the_start_of_its_body():
     """_server_error read `error.get("message")` whatever `error` was (a server that sends
     `{"error": "text"}` lost its words to the raw body) and kept a whole non-JSON body (an HTML
     error page of any length as one "reason")."""
-    from minicb.client import _server_error
+    from minicb.serving.client import _server_error
     assert _server_error(400, '{"error": {"message": "too long"}}') == "HTTP 400: too long"
     assert _server_error(503, '{"error": "overloaded"}') == "HTTP 503: overloaded"
     page = "<html>" + "x" * 1000 + "</html>"
@@ -166,7 +166,7 @@ def test_describe_errors_plurals_and_hints_only_for_a_trace_field():
     """describe_errors said "2 request failed" (`n > 2` for `n > 1`), and suggested
     --omit-field for any failure (the check for a trace field's name dropped), a server fault
     included."""
-    from minicb.client import describe_errors
+    from minicb.serving.client import describe_errors
     text = describe_errors({"error_reasons": {"HTTP 500: boom": 2, "HTTP 400: x": 1}})
     assert text.splitlines() == ["error: 2 requests failed: HTTP 500: boom",
                                  "error: 1 request failed: HTTP 400: x"]
@@ -196,9 +196,9 @@ def test_failures_keep_their_reason_in_the_stream_and_on_the_wire(capsys):
     import asyncio
     import socket
 
-    from minicb.client import error_reasons, run_client
-    from minicb.serve import ServerThread
-    from minicb.workload import Workload, WorkloadRequest
+    from minicb.benchmark.workload import Workload, WorkloadRequest
+    from minicb.serving.client import error_reasons, run_client
+    from minicb.serving.server import ServerThread
 
     workload = Workload("t", [WorkloadRequest(prompt_len=4, max_tokens=2)] * 2)
     with ServerThread(_app(['{"error": {"message": "boom"}}'])) as url:
@@ -227,7 +227,7 @@ def test_bench_endpoint_leaves_every_engine_only_field_null(capsys):
     lost it (dead_slot_steps and mean_batch_size, or cached_prompt_tokens, dropped): a server
     with a prefix cache read as caching nothing. The model named by --model is sent on, not
     replaced by the server's first (it was dropped: this server has no /v1/models)."""
-    from minicb.serve import ServerThread
+    from minicb.serving.server import ServerThread
 
     chunks = [json.dumps({"choices": [{"text": "a", "finish_reason": why}]})
               for why in (None, "length")]
@@ -235,8 +235,8 @@ def test_bench_endpoint_leaves_every_engine_only_field_null(capsys):
         out = bench.main_bench(["--endpoint", url, "--model", "mine", "--num-requests", "2",
                                 "--output-lengths", "fixed:2", "--no-progress"])
         assert out == 0, capsys.readouterr().err
-        from minicb.client import bench_endpoint
-        from minicb.workload import make_workload
+        from minicb.benchmark.workload import make_workload
+        from minicb.serving.client import bench_endpoint
         data = bench_endpoint(url, make_workload(2, output_lengths="fixed:2"), label="x",
                               model="mine")
     summary = data["results"]["x"]
@@ -247,7 +247,7 @@ def test_bench_endpoint_leaves_every_engine_only_field_null(capsys):
 def test_error_reasons_count_only_failed_requests():
     """error_reasons counted every request that did not end by length (`!= "length"` for
     `== "error"`): stopped, cancelled and late requests became "unknown" failures."""
-    from minicb.client import error_reasons
+    from minicb.serving.client import error_reasons
     records = [rec(f"r{i}", 2, why) for i, why in enumerate(("stop", "cancelled", "deadline",
                                                              "length"))]
     records += [replace(rec("e1", 0, "error"), error="HTTP 400: no"), rec("e2", 0, "error")]
@@ -264,7 +264,7 @@ def test_a_trace_longer_than_a_day_that_starts_near_zero_loads(tmp_path):
     """The clock-time guard looked at the last arrival (`max(times)` for `min(times)`): a
     trace recorded over more than a day, offsets from its start, was refused as epoch
     seconds. The guard's edge is a first arrival of more than a day: a day exactly loads."""
-    from minicb.workload import load_workload_file
+    from minicb.benchmark.workload import load_workload_file
     long = load_workload_file(_trace(tmp_path / "long.jsonl", [0.0, 90_000.0]))
     assert [r.arrival_time for r in long.requests] == [0.0, 90_000.0]
     assert load_workload_file(_trace(tmp_path / "day.jsonl", [86_400.0, 86_401.0])).requests
@@ -276,7 +276,12 @@ def test_loading_a_long_csv_cell_leaves_the_csv_field_limit_as_it_was(tmp_path):
     """load_workload_file raised the csv module's process-wide field size limit for a long
     prompt cell and kept it raised (the restore in `finally` dropped), for every later csv
     reader in the process."""
-    from minicb.workload import Workload, WorkloadRequest, load_workload_file, save_workload_file
+    from minicb.benchmark.workload import (
+        Workload,
+        WorkloadRequest,
+        load_workload_file,
+        save_workload_file,
+    )
     before = csv.field_size_limit()
     w = Workload("long", [WorkloadRequest(prompt_token_ids=[12345] * 30_000, max_tokens=2)], {})
     load_workload_file(save_workload_file(w, tmp_path / "long.csv"))
@@ -287,7 +292,7 @@ def test_only_a_bad_first_line_suggests_the_trace_is_csv(tmp_path):
     """The "a CSV trace's name must end in .csv" hint is for a file whose first line is not
     JSON; it came with a bad line anywhere (`first = False` dropped), where the file is JSON
     Lines with one broken line."""
-    from minicb.workload import load_workload_file
+    from minicb.benchmark.workload import load_workload_file
     path = tmp_path / "t.jsonl"
     path.write_text('{"arrival_s": 0, "prompt_tokens": 3, "output_tokens": 2}\n{"arrival_s": 1,\n')
     with pytest.raises(ValueError, match=r"line 2: not JSON") as info:
@@ -298,7 +303,7 @@ def test_only_a_bad_first_line_suggests_the_trace_is_csv(tmp_path):
 def test_a_missing_cpu_cost_model_says_where_cpu_reads_it(tmp_path, monkeypatch):
     """--cost-model cpu with no fitted file was told "'cpu' is neither a preset ... nor a JSON
     file" (its own branch dropped), which does not say which file it looked for."""
-    from minicb import sim
+    from minicb.benchmark import sim
     missing = tmp_path / "bench" / "cost_model_cpu.json"
     monkeypatch.setattr(sim, "DEFAULT_CPU_COST_MODEL", missing)
     with pytest.raises(ValueError, match=r"cost model 'cpu' reads .*cost_model_cpu\.json.*"
@@ -311,8 +316,8 @@ def test_an_unreadable_cost_model_or_trace_names_its_path(tmp_path, monkeypatch)
     PermissionError traceback (the `except OSError` dropped) instead of one line naming it."""
     import pathlib
 
-    from minicb.sim import CostModel
-    from minicb.workload import load_workload_file
+    from minicb.benchmark.sim import CostModel
+    from minicb.benchmark.workload import load_workload_file
     cost, trace = tmp_path / "cm.json", _trace(tmp_path / "t.jsonl", [0.0])
     cost.write_text('{"a": 0.01}')
 

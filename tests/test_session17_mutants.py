@@ -22,10 +22,13 @@ from test_serve_client_mutants import _chunk, _fake, metric_values  # noqa: E402
 from test_viz import record  # noqa: E402
 from test_viz_mutants import legend_texts  # noqa: E402
 
-from minicb import SamplingParams, bench, client, viz  # noqa: E402
-from minicb.serve import EngineWorker, ServerThread, main  # noqa: E402
-from minicb.sim import make_sim_engine  # noqa: E402
-from minicb.workload import Workload, WorkloadRequest  # noqa: E402
+from minicb import SamplingParams  # noqa: E402
+from minicb.benchmark import bench
+from minicb.benchmark.sim import make_sim_engine  # noqa: E402
+from minicb.benchmark.workload import Workload, WorkloadRequest  # noqa: E402
+from minicb.course import viz
+from minicb.serving import client
+from minicb.serving.server import EngineWorker, ServerThread, main  # noqa: E402
 
 
 def drive(engine, worker, added=None):
@@ -217,7 +220,7 @@ def test_bytes_are_neither_a_prompt_nor_params(llm):  # noqa: F811
 def test_a_bad_trace_line_gives_the_json_error_without_its_column_of_line_1(tmp_path):
     """Planted: the JSON error given whole (`exc` for `exc.msg`): "line 2: not JSON (Expecting
     value: line 1 column 1 (char 0))" names two different lines."""
-    from minicb.workload import load_workload_file
+    from minicb.benchmark.workload import load_workload_file
     path = tmp_path / "bad.jsonl"
     path.write_text('{"arrival_s": 0, "prompt_tokens": 3, "output_tokens": 4}\nnope\n')
     with pytest.raises(ValueError) as info:

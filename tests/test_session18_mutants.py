@@ -12,14 +12,16 @@ from collections import deque
 import pytest
 import torch
 
-from minicb import bench, client, metrics, sim, viz
+from minicb.benchmark import bench, metrics, sim
+from minicb.benchmark.sim import CostModel, make_sim_engine
 from minicb.config import EngineConfig
+from minicb.course import viz
 from minicb.engine import InvariantError
 from minicb.kv_cache import PagePool
 from minicb.request import Request, SamplingParams, Status
 from minicb.scheduler import ScheduledBatch, SchedulerContext
-from minicb.serve import EngineWorker
-from minicb.sim import CostModel, make_sim_engine
+from minicb.serving import client
+from minicb.serving.server import EngineWorker
 from minicb.trace import StepRecord
 
 NO_EOS = dict(ignore_eos=True)

@@ -9,9 +9,8 @@ import numpy as np
 import pytest
 from test_metrics import rec, step
 
-from minicb import metrics
-from minicb.engine import Engine
-from minicb.sim import (
+from minicb.benchmark import metrics
+from minicb.benchmark.sim import (
     PRESETS,
     CostModel,
     SimClock,
@@ -21,7 +20,14 @@ from minicb.sim import (
     step_features,
     swap_break_even,
 )
-from minicb.workload import Workload, WorkloadRequest, get_workload, make_workload, run_workload
+from minicb.benchmark.workload import (
+    Workload,
+    WorkloadRequest,
+    get_workload,
+    make_workload,
+    run_workload,
+)
+from minicb.engine import Engine
 
 TRUE = CostModel(a=2e-3, b=3e-5, c=1e-4, d=2e-7, e=1e-9, name="true")
 
@@ -235,7 +241,7 @@ def test_thousands_of_requests_without_snapshots_give_the_same_results():
 
 # --- from a second mutation review: each test fails on the planted bug it names ---
 def test_nonnegative_fit_drops_the_most_negative_coefficient():
-    from minicb.sim import _nonnegative_lstsq
+    from minicb.benchmark.sim import _nonnegative_lstsq
     x = np.array([[1.0, 0.0], [1.0, 1.0], [1.0, 2.0]])
     coef = _nonnegative_lstsq(x, np.array([2.0, 1.0, 0.0]))  # unconstrained: [2, -1]
     assert coef == pytest.approx([1.0, 0.0])

@@ -12,10 +12,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tiny_models import run_beside_single
 
-from minicb import metrics
+from minicb.benchmark import metrics
+from minicb.benchmark.sim import make_sim_engine
 from minicb.config import POLICIES
 from minicb.request import SamplingParams
-from minicb.sim import make_sim_engine
 from minicb.speculative import NgramIndex, propose_ngram, verify
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -250,7 +250,7 @@ def test_speculation_never_changes_greedy_tokens(make_engine, policy, workload, 
 def test_guesses_stay_within_the_token_budget_beside_a_prefill():
     """Three decodes guessing 4 tokens each while a 40-token prompt is chunked in: every step,
     guesses included, stays within max_num_batched_tokens."""
-    from minicb.sim import make_sim_engine
+    from minicb.benchmark.sim import make_sim_engine
     e = make_sim_engine(policy="pd", max_num_seqs=4, max_num_batched_tokens=16, chunk_size=8,
                         num_speculative_tokens=4, check_invariants=True)
     token = e.model.token

@@ -241,7 +241,8 @@ def test_swap_on_the_device_returns_the_tokens_of_a_roomy_pool(tiny_llama_dir):
     """Swap through the kernels on the test device (on a GPU: device pages copied to host
     memory and back, decode steps replayed as CUDA graphs over the same pool): a pool too small
     for three requests swaps, discards nothing, and returns the tokens a roomy pool gives."""
-    from minicb import LLM, SamplingParams, metrics
+    from minicb import LLM, SamplingParams
+    from minicb.benchmark import metrics
     prompts = [[(5 * i + j) % 90 + 3 for j in range(20)] for i in range(3)]
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     kw = dict(policy="pd", page_size=16, max_num_seqs=3, attention_backend="triton",

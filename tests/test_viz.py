@@ -1,4 +1,4 @@
-"""minicb.viz (chapters 02-05): the data behind every picture matches the trace, the text
+"""minicb.course.viz (chapters 02-05): the data behind every picture matches the trace, the text
 timeline has the right characters, and the step-through widget follows its slider."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from matplotlib.collections import PathCollection, PolyCollection  # noqa: E402
 from matplotlib.colors import to_hex  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-from minicb import viz  # noqa: E402
+from minicb.course import viz  # noqa: E402
 from minicb.trace import Member, StepRecord  # noqa: E402
 
 
@@ -212,8 +212,8 @@ def test_compared_runs_with_their_own_budgets_each_name_theirs():
     """Chapter 04 compares a continuous run (budget 256) with a chunked one (128): one legend
     entry for the dashed lines, and each panel's title says its budget (the legend listed
     both values beside two identical dashed lines, with no way to tell which was whose)."""
+    from minicb.benchmark.sim import make_sim_engine
     from minicb.request import SamplingParams
-    from minicb.sim import make_sim_engine
     runs = {}
     for name, budget in (("wide", 256), ("narrow", 128)):
         engine = make_sim_engine(policy="pd", max_num_batched_tokens=budget, chunk_size=budget)
@@ -263,7 +263,7 @@ def test_request_colours_are_not_state_colours_and_legible_at_scale():
 
 
 def test_pictures_of_a_simulated_run_say_so():
-    from minicb.sim import make_sim_engine
+    from minicb.benchmark.sim import make_sim_engine
     engine = make_sim_engine(policy="pd", max_num_seqs=2)
     engine.add_request([1] * 20, max_tokens_params())
     engine.run()
@@ -305,8 +305,8 @@ def test_render_text_compresses_to_width(static):
 def test_a_life_shorter_than_a_column_still_shows_its_work():
     """Six steps a column: a request prefilled at step 50 and finished at step 51 shows its
     prefill, then its finish (the mark alone once overwrote the only column it computed in)."""
+    from minicb.benchmark.sim import make_sim_engine
     from minicb.request import SamplingParams
-    from minicb.sim import make_sim_engine
     e = make_sim_engine(policy="continuous", max_num_seqs=2)
     greedy = dict(temperature=0.0, ignore_eos=True)
     e.add_request([1] * 8, SamplingParams(max_tokens=300, **greedy), request_id="long")

@@ -1,4 +1,4 @@
-"""Planted-bug tests from a mutation review of minicb/viz.py: each test fails on the bug its
+"""Planted-bug tests from a mutation review of minicb/course/viz.py: each test fails on the bug its
 docstring names and passes on the real code."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from matplotlib.colors import to_hex  # noqa: E402
 from matplotlib.patches import Rectangle  # noqa: E402
 from test_viz import boxes, record  # noqa: E402
 
-from minicb import viz  # noqa: E402
+from minicb.course import viz  # noqa: E402
 
 
 def stalled_trace():

@@ -8,10 +8,9 @@ import time
 import numpy as np
 import pytest
 
-from minicb import metrics
-from minicb.engine import Engine
-from minicb.sim import CostModel, SimClock, SimModel, make_sim_engine, sim_model_info
-from minicb.workload import (
+from minicb.benchmark import metrics
+from minicb.benchmark.sim import CostModel, SimClock, SimModel, make_sim_engine, sim_model_info
+from minicb.benchmark.workload import (
     Lengths,
     Workload,
     WorkloadRequest,
@@ -25,6 +24,7 @@ from minicb.workload import (
     save_workload_file,
     submit,
 )
+from minicb.engine import Engine
 
 
 # --------------------------------------------------------------------------- reproducibility
@@ -319,7 +319,7 @@ def test_uniform_lengths_include_both_ends():
 
 
 def test_shared_prefix_is_the_same_for_every_seed():
-    from minicb.workload import shared_prefix
+    from minicb.benchmark.workload import shared_prefix
     a, b = shared_prefix(4, seed=0, prefix_len=32), shared_prefix(4, seed=1, prefix_len=32)
     assert a.requests[0].prompt_token_ids[:32] == b.requests[3].prompt_token_ids[:32]
     assert a.requests[0].prompt_token_ids[32:] != b.requests[0].prompt_token_ids[32:]
@@ -534,7 +534,7 @@ def test_a_generated_workload_declares_the_rate_its_arrivals_deliver(tmp_path):
     """A short Poisson sample comes off the rate asked for (200 requests at 20/s arrive at
     22.8/s with seed 2): the declaration keeps the rate asked for and adds what was drawn, the
     same numbers a replay of the saved trace declares; arrivals drawn all at once say so."""
-    from minicb.workload import load_workload_file, save_workload_file
+    from minicb.benchmark.workload import load_workload_file, save_workload_file
     w = make_workload(200, arrival="poisson", rate=20, seed=2)
     times = [r.arrival_time for r in w.requests]
     observed = w.declaration["observed"]

@@ -97,7 +97,7 @@ def guessable_model(tokenizer) -> tuple[tuple, object]:
     brings k + 1 tokens: ((model, info), clock), to pass as `Engine(model, clock=clock)`."""
     import dataclasses
 
-    from minicb.sim import CostModel, SimClock, SimModel, sim_model_info
+    from minicb.benchmark.sim import CostModel, SimClock, SimModel, sim_model_info
     clock = SimClock()
     info = dataclasses.replace(sim_model_info(256), tokenizer=tokenizer)
     return (SimModel(CostModel(a=0.01), clock, 256), info), clock

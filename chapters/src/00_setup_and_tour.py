@@ -140,7 +140,7 @@ print(f"seconds       : time to first token {m.first_token_time - m.arrival_time
 # Now four questions at once. The engine advances in **steps**; each step runs the model once
 # over a batch of requests. `llm.engine.trace` holds one `StepRecord` per step: who was in the
 # batch, what each member did (prefill its prompt, or decode one token), who finished. Every
-# picture in the course is drawn from that plain data by `minicb.viz`.
+# picture in the course is drawn from that plain data by `minicb.course.viz`.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -161,7 +161,7 @@ print(f"{tokens} tokens in {elapsed:.1f} s = {tokens / elapsed:.1f} tokens/s "
 
 # %%
 %matplotlib inline
-from minicb import viz
+from minicb.course import viz
 
 viz.plot_timeline(llm.engine.trace, title="four chat requests under continuous batching")
 
@@ -194,8 +194,8 @@ print(viz.render_text(llm.engine.trace, width=90))
 # | `minicb/scheduler.py` | one class per policy: single, static, dynamic, continuous, chunked, pd | 02–05 |
 # | `minicb/engine.py` | `Engine.step()`: schedule → forward → sample → reclaim | 03 |
 # | `minicb/trace.py` | `StepRecord`, `Member`: what every picture and metric reads | 02–06 |
-# | `minicb/viz.py` | timelines, slots, pages, token budget, the step-through widget | 02–05 |
-# | `minicb/workload.py`, `minicb/metrics.py`, `minicb/bench.py` | workloads, latency metrics, the benchmark | 05, 06 |
+# | `minicb/course/viz.py` | timelines, slots, pages, token budget, the step-through widget | 02–05 |
+# | `minicb/benchmark/workload.py`, `minicb/benchmark/metrics.py`, `minicb/benchmark/bench.py` | workloads, latency metrics, the benchmark | 05, 06 |
 #
 # The rules between them are strict: schedulers decide from requests, token counts and pages and
 # never touch a tensor; the model sees one flat batch of tokens and never a request; `viz` reads
@@ -216,7 +216,7 @@ print("Engine.step is defined at", f"{inspect.getsourcefile(minicb.Engine).split
 # ## Recap
 #
 # - minicb is a real engine: `LLM("smollm2-135m", policy=...)`, then `generate` or `chat`.
-# - It works in **steps**; `engine.trace` records each one as plain data, and `minicb.viz` draws
+# - It works in **steps**; `engine.trace` records each one as plain data, and `minicb.course.viz` draws
 #   it. Checked outputs in this course count steps, so they do not depend on which CPU runs
 #   them (a GPU defaults to bfloat16 and a larger pool: `CUDA_VISIBLE_DEVICES=` hides it).
 # - The next chapter opens v1: one request, its prefill and its decodes, and the paged KV cache

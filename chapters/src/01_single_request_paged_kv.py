@@ -25,7 +25,8 @@ import time
 
 import numpy as np
 
-from minicb import LLM, SamplingParams, viz
+from minicb import LLM, SamplingParams
+from minicb.course import viz
 from minicb.model.loader import load_model
 
 t0 = time.perf_counter()
@@ -55,8 +56,8 @@ print(f"loaded in {time.perf_counter() - t0:.1f} s")
 # NBVAL_IGNORE_OUTPUT
 import torch
 
-from minicb.bench import device_description
-from minicb.workload import random_prompt
+from minicb.benchmark.bench import device_description
+from minicb.benchmark.workload import random_prompt
 
 llm = LLM(model, policy="single", enable_prefix_caching=False)
 engine = llm.engine

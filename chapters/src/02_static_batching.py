@@ -24,9 +24,10 @@ import time
 
 import numpy as np
 
-from minicb import LLM, SamplingParams, viz
+from minicb import LLM, SamplingParams
+from minicb.course import viz
 from minicb.model.loader import load_model
-from minicb.workload import random_prompt
+from minicb.benchmark.workload import random_prompt
 
 model = load_model("smollm2-135m")  # loaded once, shared by every engine below
 
@@ -177,13 +178,13 @@ for rid, (start, finish, end) in toy.items():
 
 # %% [markdown]
 # Now the real thing: minicb's `static` policy (`StaticScheduler` in `minicb/scheduler.py`) on
-# SmolLM2, three slots (`max_num_seqs=3`), and the same example from `minicb.workload`
+# SmolLM2, three slots (`max_num_seqs=3`), and the same example from `minicb.benchmark.workload`
 # (8-token prompts). This is the slowest run of the chapter: 260 steps, 10–20 s on two CPU cores
 # (the cell prints its own time).
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-from minicb.workload import run_workload, seed_r1_r4
+from minicb.benchmark.workload import run_workload, seed_r1_r4
 
 workload = seed_r1_r4(r4_output=60)
 static = LLM(model, policy="static", max_num_seqs=3).engine
@@ -216,7 +217,7 @@ print("same as the toy loop:", engine_view == toy)
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minicb import metrics
+from minicb.benchmark import metrics
 
 busy = sum(m.num_tokens > 0 for rec in static.trace[:200] for m in rec.members)
 print(f"dead slot-steps in the whole run: {metrics.dead_slot_steps(static.trace)}")
@@ -325,7 +326,7 @@ viz.step_through(static)
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minicb.sim import CostModel, step_features
+from minicb.benchmark.sim import CostModel, step_features
 
 cpu_cost = CostModel.load("cpu")
 as_run = cpu_cost.predict_features(step_features(static.trace, records.values())).sum()

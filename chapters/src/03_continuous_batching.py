@@ -33,9 +33,11 @@ import time
 
 import numpy as np
 
-from minicb import LLM, SamplingParams, metrics, viz
+from minicb import LLM, SamplingParams
+from minicb.benchmark import metrics
+from minicb.course import viz
 from minicb.model.loader import load_model
-from minicb.workload import Workload, WorkloadRequest, random_prompt, run_workload, seed_r1_r4
+from minicb.benchmark.workload import Workload, WorkloadRequest, random_prompt, run_workload, seed_r1_r4
 
 model = load_model("smollm2-135m")  # loaded once, shared by every engine below
 
@@ -454,7 +456,7 @@ for workload in WORKLOADS:
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minicb.sim import make_sim_engine
+from minicb.benchmark.sim import make_sim_engine
 
 seed_scale = Workload("10-vs-1k", [
     WorkloadRequest(prompt_len=16, max_tokens=10 if i % 2 else 1000, arrival_step=1,

@@ -24,11 +24,11 @@ import time
 import matplotlib.pyplot as plt
 import numpy as np
 
-from minicb import viz
+from minicb.course import viz
 from minicb.engine import Engine
-from minicb.metrics import long_prefill_metrics
+from minicb.benchmark.metrics import long_prefill_metrics
 from minicb.model.loader import load_model
-from minicb.workload import get_workload, run_workload
+from minicb.benchmark.workload import get_workload, run_workload
 
 viz.use_course_style()  # projector-sized fonts for this chapter's own plots too
 
@@ -37,7 +37,7 @@ model = load_model("smollm2-135m")  # (weights, info), loaded once and shared by
 # %% [markdown]
 # ## The scenario: three chats and one long document
 #
-# `minicb.workload` has the chapter's scenario ready: `long-prefill`. Three short requests
+# `minicb.benchmark.workload` has the chapter's scenario ready: `long-prefill`. Three short requests
 # (16-token prompts, 24 output tokens each) start at step 1 and are decoding by step 2. At step 4
 # a long prompt arrives, a document of 800 tokens that wants 4 output tokens. The seed talks about
 # 2,000 tokens; 800 keeps the CPU run short and shows the same thing (on a GPU, try 8,000).
@@ -277,7 +277,7 @@ for name, engine in (("continuous", cont), ("chunked", chunked)):
     print(f"{name:<11} prefill window {steps} step(s), dec@P = {tokens}")
 
 # %% [markdown]
-# `minicb.metrics.long_prefill_metrics` computes the same numbers, and the seed's second metric
+# `minicb.benchmark.metrics.long_prefill_metrics` computes the same numbers, and the seed's second metric
 # with them: **short_P**, the steps from the long prompt's arrival until the last short request
 # has finished (chapter 05 compares policies by both):
 
@@ -348,13 +348,13 @@ viz.step_through(chunked)
 # ## 4. The two knobs, at a glance
 #
 # The scheduler's decisions depend only on token counts, never on the model's outputs
-# (greedy, `ignore_eos`, fixed `max_tokens`). So the **simulated executor** (`minicb.sim`: the
+# (greedy, `ignore_eos`, fixed `max_tokens`). So the **simulated executor** (`minicb.benchmark.sim`: the
 # real engine and scheduler with a fake model that costs no computation, chapter 06) produces the
 # very same schedule, in milliseconds. First the proof on this workload:
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minicb.sim import make_sim_engine
+from minicb.benchmark.sim import make_sim_engine
 
 
 def schedule(engine):
@@ -372,7 +372,7 @@ print("simulated schedule == real schedule:", schedule(sim) == schedule(chunked)
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minicb.workload import Workload, WorkloadRequest
+from minicb.benchmark.workload import Workload, WorkloadRequest
 
 two_long = Workload("two-long", [WorkloadRequest(prompt_len=500, max_tokens=2, request_id="A"),
                                  WorkloadRequest(prompt_len=300, max_tokens=2, request_id="B")])

@@ -28,11 +28,11 @@ import time
 
 import numpy as np
 
-from minicb import viz
+from minicb.course import viz
 from minicb.engine import Engine
-from minicb.metrics import long_prefill_metrics, max_itl
+from minicb.benchmark.metrics import long_prefill_metrics, max_itl
 from minicb.model.loader import load_model
-from minicb.workload import get_workload, run_workload
+from minicb.benchmark.workload import get_workload, run_workload
 
 model = load_model("smollm2-135m")  # (weights, info), loaded once and shared by every engine
 
@@ -440,7 +440,7 @@ print(f"pd / chunked output tokens/s: {tokens_per_s['pd'] / tokens_per_s['chunke
 # One long prompt is an anecdote. For a distribution, run 200 requests with Poisson arrivals at
 # 10 requests/s, lognormal prompt lengths (median 256 tokens, a tail to 6,000) and outputs of
 # 16–256 tokens. Thousands of steps of the real model would take too long on a CPU, so this uses
-# minicb's **simulated executor** (`minicb.sim`, chapter 06): the real engine, scheduler and
+# minicb's **simulated executor** (`minicb.benchmark.sim`, chapter 06): the real engine, scheduler and
 # pages, with a fake model whose step time comes from a cost model. The `h100-like` cost model
 # is an **assumption** (an 8B model on one H100, from published peak figures), not a
 # measurement: these are simulated seconds. The table uses three measures chapter 06 defines
@@ -449,9 +449,9 @@ print(f"pd / chunked output tokens/s: {tokens_per_s['pd'] / tokens_per_s['chunke
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minicb.metrics import format_table, summarize
-from minicb.sim import make_sim_engine
-from minicb.workload import make_workload
+from minicb.benchmark.metrics import format_table, summarize
+from minicb.benchmark.sim import make_sim_engine
+from minicb.benchmark.workload import make_workload
 
 results = {}
 for rate in (10, 30):
@@ -511,7 +511,7 @@ print(format_table(results, columns))
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minicb.workload import Workload, WorkloadRequest
+from minicb.benchmark.workload import Workload, WorkloadRequest
 
 chats = [WorkloadRequest(prompt_len=1, max_tokens=n, arrival_step=1, request_id=f"s{i}")
          for i, n in enumerate(range(8, 33, 3))]

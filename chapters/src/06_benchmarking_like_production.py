@@ -12,7 +12,7 @@
 # - generate arrivals all at once, as a Poisson process, or bursty (gamma gaps with a
 #   burstiness factor), and say why the burstiness changes the result;
 # - compute p50/p95/p99 of queue time, TTFT, ITL, TPOT and end-to-end latency, and goodput
-#   at an SLO, by hand and with `minicb.metrics`;
+#   at an SLO, by hand and with `minicb.benchmark.metrics`;
 # - explain what the engine does when the KV cache is full (抢占 preemption and recompute, or
 #   swap, reserve, reject) and count what it costs (preemptions, discarded and recomputed
 #   tokens, evicted prefix pages, swapped pages, rejections) and who pays it, and bound it per
@@ -38,11 +38,12 @@ import time
 import matplotlib.pyplot as plt
 import numpy as np
 
-from minicb import metrics, viz
+from minicb.benchmark import metrics
+from minicb.course import viz
 from minicb.engine import Engine
 from minicb.model.loader import load_model
-from minicb.sim import make_sim_engine
-from minicb.workload import Workload, WorkloadRequest, arrival_times, make_workload, run_workload
+from minicb.benchmark.sim import make_sim_engine
+from minicb.benchmark.workload import Workload, WorkloadRequest, arrival_times, make_workload, run_workload
 
 model = load_model("smollm2-135m")  # (weights, info), loaded once and shared by every engine
 viz.use_course_style()  # projector-sized fonts for this chapter's own plots too
@@ -50,7 +51,7 @@ viz.use_course_style()  # projector-sized fonts for this chapter's own plots too
 # %% [markdown]
 # ## 1. Arrival processes and burstiness
 #
-# Three ways requests can arrive (`minicb.workload.arrival_times`):
+# Three ways requests can arrive (`minicb.benchmark.workload.arrival_times`):
 #
 # - **all at once**: an offline batch; every request is in the queue at time 0;
 # - **Poisson** at `rate` requests/s: independent users, exponential gaps with mean 1/rate;
@@ -95,7 +96,7 @@ fig.suptitle(f"the same mean rate ({rate:.0f} requests/s), three arrival process
 #
 # ## 2. Percentiles of queue, TTFT, ITL, TPOT and E2E
 #
-# Per request (the definitions are in `minicb/metrics.py`):
+# Per request (the definitions are in `minicb/benchmark/metrics.py`):
 #
 # | metric | definition |
 # |---|---|
@@ -142,7 +143,7 @@ for row in metrics.per_request(records):
 
 # %% [markdown]
 # Percentiles by hand with numpy (linear interpolation between the two nearest ranks, numpy's
-# default; with 8 requests p99 is almost the maximum), then `minicb.metrics.summarize`, which
+# default; with 8 requests p99 is almost the maximum), then `minicb.benchmark.metrics.summarize`, which
 # computes every number of the contract from the trace and the request records:
 
 # %%
@@ -165,7 +166,7 @@ for name, values in mine.items():
 
 # %%
 # NBVAL_CHECK_OUTPUT
-print("by hand == minicb.metrics.summarize:",
+print("by hand == minicb.benchmark.metrics.summarize:",
       all(np.allclose(mine[k], [summary[k][p] for p in ("p50", "p95", "p99")]) for k in mine))
 print("percentile method:", summary["percentile_method"])
 
@@ -179,7 +180,7 @@ print("percentile method:", summary["percentile_method"])
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-from minicb.bench import device_description, runtime_versions
+from minicb.benchmark.bench import device_description, runtime_versions
 
 declaration = {
     "workload": small.declaration,
@@ -219,7 +220,7 @@ for policy, engine in runs.items():
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minicb.bench import output_tokens, same_tokens
+from minicb.benchmark.bench import output_tokens, same_tokens
 
 reference = output_tokens(runs["static"])
 for policy, engine in list(runs.items())[1:]:
@@ -324,8 +325,8 @@ for policy, budget in (("static", {}), ("continuous", {}),
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minicb.bench import warm_prefix_cache
-from minicb.workload import shared_prefix
+from minicb.benchmark.bench import warm_prefix_cache
+from minicb.benchmark.workload import shared_prefix
 
 for state in ("cold", "warm"):
     e = make_sim_engine("h100-like", policy="pd", max_num_seqs=32, num_pages=4000,
@@ -345,14 +346,14 @@ for state in ("cold", "warm"):
 # service-level objective (SLO), here TTFT ≤ 0.5 s and TPOT ≤ 25 ms.
 #
 # To see goodput move we need many requests at several rates, so from here on this chapter uses
-# the **simulated executor** (`minicb.sim`): the real engine, scheduler, page pool and trace,
+# the **simulated executor** (`minicb.benchmark.sim`): the real engine, scheduler, page pool and trace,
 # with a fake model whose step time comes from a cost model instead of computation. The
 # `h100-like` cost model is an **assumption** (a Llama-3-8B-class model in bf16 on one H100, from
 # published peak figures), not a measurement; every number it produces is **simulated**.
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minicb.sim import CostModel
+from minicb.benchmark.sim import CostModel
 
 cost = CostModel.load("h100-like")
 print(cost.source)
@@ -451,7 +452,7 @@ ax.legend();
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minicb.sim import CostModel
+from minicb.benchmark.sim import CostModel
 
 typical = traffic(20)
 context = round(np.mean([r.prompt_len for r in typical])  # halfway through an answer
@@ -756,7 +757,7 @@ for limit in (None, 2, 1, 0):
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minicb.sim import CostModel
+from minicb.benchmark.sim import CostModel
 
 answers = [("preempt, recompute", {}), ("preempt, swap", {"preemption_mode": "swap"}),
            ("swap, 8 host pages", {"preemption_mode": "swap", "num_swap_pages": 8}),
@@ -1394,7 +1395,7 @@ print(f"highest goodput without the limit: {top[0]}, budget {top[1]} "
 import json
 import sys
 
-from minicb.workload import save_workload_file
+from minicb.benchmark.workload import save_workload_file
 
 trace = save_workload_file(overload_by_size, "/tmp/minicb-by-size.jsonl")
 first = json.loads(trace.read_text().splitlines()[0])
@@ -1426,7 +1427,7 @@ print("CLI replay == the table above:",
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minicb import bench
+from minicb.benchmark import bench
 
 args = bench.sweep_parser().parse_args([
     "--executor", "sim", "--workload-file", str(trace), "--preemption", "newest,priority",

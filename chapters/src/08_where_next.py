@@ -134,7 +134,7 @@ import json
 import httpx
 
 from minicb import LLM
-from minicb.serve import ServerThread, create_app
+from minicb.serving.server import ServerThread, create_app
 
 llm = LLM("smollm2-135m", policy="pd", max_num_seqs=8, max_num_batched_tokens=128)
 server = ServerThread(create_app(llm, model_name="smollm2-135m"))
@@ -170,7 +170,7 @@ with httpx.stream("POST", url + "/v1/completions", timeout=120, json={
 # %% [markdown]
 # ## 3. Benchmarking a server from the client
 #
-# `minicb.client` sends a workload (the same arrival processes and length distributions as
+# `minicb.serving.client` sends a workload (the same arrival processes and length distributions as
 # chapter 06) as streamed `/v1/completions` calls with token-id prompts, `ignore_eos` and a fixed
 # `max_tokens`, so output lengths are exact on minicb, vLLM and SGLang alike. TTFT is timed when
 # the first token's chunk arrives, ITL between chunks: what a user sees, network and server
@@ -179,9 +179,9 @@ with httpx.stream("POST", url + "/v1/completions", timeout=120, json={
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-from minicb import metrics
-from minicb.client import report, run_client
-from minicb.workload import make_workload
+from minicb.benchmark import metrics
+from minicb.serving.client import report, run_client
+from minicb.benchmark.workload import make_workload
 
 demo = make_workload(6, prompt_lengths="uniform:16:64", output_lengths="uniform:8:24",
                      arrival="poisson", rate=3, seed=0, name="client-demo")
@@ -194,9 +194,9 @@ print(report({"minicb pd (client side)": summary}))  # the table, then p50/p95/p
 #
 # ```bash
 # python -m minicb serve --model smollm2-135m --policy pd --port 8000 &
-# python -m minicb.client --endpoint http://127.0.0.1:8000 --workload mixed-chat --rate 2 --out minicb.json
+# python -m minicb.serving.client --endpoint http://127.0.0.1:8000 --workload mixed-chat --rate 2 --out minicb.json
 # vllm serve MODEL --port 8001 ... &
-# python -m minicb.client --endpoint http://127.0.0.1:8001 --workload mixed-chat --rate 2 --out vllm.json
+# python -m minicb.serving.client --endpoint http://127.0.0.1:8001 --workload mixed-chat --rate 2 --out vllm.json
 # ```
 #
 # Same workload, same client, same metrics: the comparison the benchmark contract asks for.
@@ -239,7 +239,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from minicb import LLM, SamplingParams
 from minicb.attention import cpu_kernel
-from minicb.workload import random_prompt
+from minicb.benchmark.workload import random_prompt
 
 
 @contextmanager
@@ -516,7 +516,7 @@ for guesses in ([3, 4, 5], [3, 4, 7], [9, 4, 7]):
 # NBVAL_IGNORE_OUTPUT
 import time
 
-from minicb import metrics
+from minicb.benchmark import metrics
 
 tasks = {
     "copy": "Copy this list exactly, one item per line: apples, pears, plums, cherries, grapes, "
@@ -689,7 +689,7 @@ print("same tokens:", batch_runs[0] == batch_runs[4])
 # - minicb's knobs map onto vLLM's and SGLang's nearly one for one: the token budget, the running
 #   batch limit, the chunk size, prefix caching, the page size, the memory fraction, preemption
 #   and priority. The behaviour behind them differs in details; check the version you run.
-# - `python -m minicb serve` puts the engine behind the OpenAI API; `python -m minicb.client`
+# - `python -m minicb serve` puts the engine behind the OpenAI API; `python -m minicb.serving.client`
 #   measures any such server from the user's side with the benchmark contract's metrics.
 # - A next step is a loop: profile, find the waste (here a copy of every context per layer),
 #   build the fix (a C kernel over the pages), test it against the reference, measure.

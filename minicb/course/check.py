@@ -13,8 +13,8 @@ with minicb's own scheduler for the same policy. The engine refuses impossible b
 `CheckFailed` that names the workload and the step.
 
 The references are minicb's own code: `PagePool`, `prompt_page_hashes`, the schedulers in
-`minicb.scheduler`, `minicb.metrics` and `minicb.model.quant.quantize_rows`. This module depends
-on the core and nothing in the core depends on it.
+`minicb.scheduler`, `minicb.benchmark.metrics` and `minicb.model.quant.quantize_rows`. This
+module depends on the core and nothing in the core depends on it.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from minicb import metrics
+from minicb.benchmark import metrics
 from minicb.kv_cache import PagePool, page_hash, prompt_page_hashes
 from minicb.model.quant import quantize_rows
 from minicb.request import SamplingParams, Status
@@ -76,7 +76,7 @@ def _call(exercise: str, what: str, fn: Callable, *args: Any) -> Any:
                           f"{_line_of(exc)}") from exc
 
 
-_LIBRARIES = (str(Path(__file__).resolve().parent), sysconfig.get_paths()["stdlib"],
+_LIBRARIES = (str(Path(__file__).resolve().parents[1]), sysconfig.get_paths()["stdlib"],
               sysconfig.get_paths()["purelib"])
 
 
@@ -113,10 +113,10 @@ def _references(exercise: str) -> tuple[Callable, ...]:
     from minicb.kv_cache import PrefixIndex
     from minicb.speculative import NgramIndex, propose_ngram, verify
     if exercise == "best_setting":
-        from minicb import bench  # only here: bench imports the whole benchmark
+        from minicb.benchmark import bench  # only here: bench imports the whole benchmark
         return (bench.best_setting, bench.requirement_failures, bench.ranked)
     if exercise == "swap_break_even":
-        from minicb import sim
+        from minicb.benchmark import sim
         return (sim.swap_break_even, sim.recompute_seconds)
     return tuple({
         "page_pool": [PagePool.allocate, PagePool.share, PagePool.release],
@@ -1432,7 +1432,7 @@ def _check_long_metric(fn: Callable, key: str, name: str, rule: str,
         _fail(name, f"trace of {label} ({facts}): expected {want!r}, got {_short(got)}.{more} "
                     f"{rule}")
     return _passed(name, f"{len(traces)} traces (pd, chunked, continuous, static and edge cases) "
-                         "agree with minicb.metrics")
+                         "agree with minicb.benchmark.metrics")
 
 
 def dec_at_p(fn: Callable[[list[StepRecord], list[RequestRecord], str], int]) -> bool:
@@ -1536,7 +1536,7 @@ def _float32(got: Any, want: Any) -> str:
 
 def latencies(fn: Callable[[RequestRecord], dict[str, float | None]]) -> bool:
     """Exercise 6.1: `fn(record)` returns {"queue", "ttft", "tpot", "e2e"} in seconds for one
-    request record, None where a value is undefined, like minicb.metrics."""
+    request record, None where a value is undefined, like minicb.benchmark.metrics."""
     name = "latencies"
     refs = {"queue": metrics.queue_time, "ttft": metrics.ttft, "tpot": metrics.tpot,
             "e2e": metrics.e2e}
@@ -1566,7 +1566,7 @@ def latencies(fn: Callable[[RequestRecord], dict[str, float | None]]) -> bool:
                 _fail(name, f"record {rec.request_id} ({shown}): {key} should be {want!r} "
                             f"({meaning[key]}), yours is {got[key]!r}.{_float32(got[key], want)}")
     return _passed(name, f"{len(records)} request records give the same queue time, TTFT, TPOT "
-                         "and E2E as minicb.metrics")
+                         "and E2E as minicb.benchmark.metrics")
 
 
 def _num_meeting(records: Sequence[RequestRecord], slo: dict[str, float]) -> int:
@@ -1635,7 +1635,8 @@ def goodput(fn: Callable[[list[RequestRecord], dict[str, float]], float | None])
                     f"({len(met)} requests meet the SLO: {met[:8]}{'...' if len(met) > 8 else ''}"
                     f"; span {span:.3f} s from first arrival to last finish), got "
                     f"{_short(got)}.{why}")
-    return _passed(name, f"{len(cases)} sets of records give the same goodput as minicb.metrics")
+    return _passed(name, f"{len(cases)} sets of records give the same goodput as "
+                         "minicb.benchmark.metrics")
 
 
 def _reference_per_tenant(records: Sequence[RequestRecord]) -> dict[Any, dict[str, Any]]:
@@ -1705,7 +1706,7 @@ def per_tenant(fn: Callable[[list[RequestRecord]], dict[Any, dict[str, Any]]]) -
                     _fail(name, f"{label}: tenant {tenant!r}: {key} should be {value!r}, yours "
                                 f"is {_short(mine[key])}.{why}")
     return _passed(name, f"{len(cases)} sets of records give the same per-tenant table as "
-                         "minicb.metrics")
+                         "minicb.benchmark.metrics")
 
 
 def _sweep_rows(rng: random.Random, count: int) -> list[dict[str, Any]]:
@@ -1728,7 +1729,7 @@ def _setting(row: dict[str, Any]) -> str:
 
 
 def _why_it_fails(row: dict[str, Any], max_queue_age: float | None) -> str:
-    from minicb import bench
+    from minicb.benchmark import bench
     age = row["max_queue_age_s"]
     reasons = {"fairness": f"its oldest request waited {age} s, over the limit of "
                            f"{max_queue_age} s" if age is not None else
@@ -1748,7 +1749,7 @@ def best_setting(fn: Callable[[list[dict[str, Any]], float | None], dict[str, An
     not False (None: not checked), and with a `max_queue_age` a known max_queue_age_s at most
     that), the one with the highest goodput_rps, ties to the most output_tokens_per_s (then
     the first); the row itself, or None when no row qualifies."""
-    from minicb import bench
+    from minicb.benchmark import bench
     name = "best_setting"
     rng = random.Random(64)
     cases: list[tuple[str, list[dict[str, Any]], float | None]] = [("no rows", [], None)]
@@ -1865,11 +1866,12 @@ _BREAK_EVEN_HINTS = {
 def swap_break_even(fn: Callable[[Any, int, int, int, int], float]) -> bool:
     """Exercise 6.5: `fn(cost, num_computed, num_cached, page_size, chunk_size)` is the copy
     cost per page (seconds) at which swapping a preempted request costs what recomputing it
-    does, like `minicb.sim.swap_break_even`: recompute prefills tokens num_cached..num_computed
-    again in chunks of at most chunk_size, a chunk of L tokens ending at context `end` costing
+    does, like `minicb.benchmark.sim.swap_break_even`: recompute prefills tokens
+    num_cached..num_computed again in chunks of at most chunk_size, a chunk of L tokens ending at
+    context `end` costing
     b*L + d*end + e*L*end; swap copies ceil(num_computed / page_size) pages out and all but the
     num_cached // page_size still cached back in."""
-    from minicb.sim import PRESETS, CostModel
+    from minicb.benchmark.sim import PRESETS, CostModel
     name = "swap_break_even"
     rng = random.Random(65)
     # coefficients far apart, so that each mistake changes the answer
@@ -1911,7 +1913,7 @@ def swap_break_even(fn: Callable[[Any, int, int, int, int], float]) -> bool:
         _fail(name, f"{shown}: expected {want!r} s per page, got {got!r}."
                     f"{why or _float32(float(got), want)}")
     return _passed(name, f"{len(cases)} victims give the same break-even copy cost as "
-                         "minicb.sim.swap_break_even")
+                         "minicb.benchmark.sim.swap_break_even")
 
 
 # ============================================================================ paged attention (07)

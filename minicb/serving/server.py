@@ -36,7 +36,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.requests import ClientDisconnect
 
-from minicb.bench import add_full_cache_arguments, check_full_cache_flags
+from minicb.benchmark.bench import add_full_cache_arguments, check_full_cache_flags
 from minicb.config import QUANTIZATIONS, is_finite_number, is_int
 from minicb.llm import StopMatcher, is_conversation, render_chat
 from minicb.request import FINISH_REASONS, SamplingParams, stop_strings

@@ -9,21 +9,22 @@ mark the reference answer with nbgrader-style markers:
         ...the answer...
         ### END SOLUTION
 
-`python -m minicb.exercises build` writes two notebooks from every source:
+`python -m minicb.course.exercises build` writes two notebooks from every source:
 
     exercises/NN_name.ipynb   each marked region becomes its `# HINT:` comment (if any) and
                               `raise NotImplementedError("...")` naming what to write
     solutions/NN_name.ipynb   the markers are removed, the answer stays
 
 Both are written without outputs, with the source's cell ids, so the output is a pure function
-of the source (the tests regenerate it and compare). `python -m minicb.exercises check` exits 1
-if the committed notebooks differ from what the sources generate. A markdown cell may mark a
+of the source (the tests regenerate it and compare). `python -m minicb.course.exercises check`
+exits 1 if the committed notebooks differ from what the sources generate. A markdown cell may mark a
 written answer the same way; the exercise version shows `*Write your answer here.*`.
 
 Cell tags tie an exercise together: its stub cell carries `exercise:<name>` (the name goes into
 the NotImplementedError message), its check cell `check:<name>` and optionally `points:<n>`
-(default 1); `minicb.grade` scores a notebook by its check cells, and `minicb.check.<name>` is
-the function the check cell calls. Only cell tags survive generation; other cell metadata and
+(default 1); `minicb.course.grade` scores a notebook by its check cells, and
+`minicb.course.check.<name>` is the function the check cell calls. Only cell tags survive
+generation; other cell metadata and
 all outputs are dropped. Markdown links out of the folder (`../../chapters/...`) are written
 relative to the source's folder, so they work where a teacher edits them, and rewritten for
 the generated notebooks one folder up.
@@ -46,7 +47,7 @@ END = "### END SOLUTION"
 HINT = re.compile(r"^\s*#\s*HINT\b")
 DEF = re.compile(r"^(?P<indent>\s*)(?:async\s+)?def\s+(?P<name>\w+)")
 CLASS = re.compile(r"^(?P<indent>\s*)class\s+(?P<name>\w+)")
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MARKDOWN_STUB = "*Write your answer here.*"
 
 
@@ -278,9 +279,9 @@ def stale(root: Path = ROOT) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m minicb.exercises build|check|reset NOTEBOOK...`."""
+    """`python -m minicb.course.exercises build|check|reset NOTEBOOK...`."""
     parser = argparse.ArgumentParser(
-        prog="python -m minicb.exercises",
+        prog="python -m minicb.course.exercises",
         description="Generate exercise and solution notebooks (build, check), or put a fresh "
                     "copy of exercise notebooks in place (reset; the old one is kept in "
                     "exercises/.backup/).")
@@ -306,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         bad = stale(args.root)
         if bad:
-            print("out of date (run `python -m minicb.exercises build`):\n  "
+            print("out of date (run `python -m minicb.course.exercises build`):\n  "
                   + "\n  ".join(bad), file=sys.stderr)
             return 1
         print("exercises/ and solutions/ match their sources")

@@ -81,7 +81,8 @@ def use_course_style() -> None:
 
 
 def _simulated(trace: Any) -> bool:
-    """True for a run of the simulated executor (an Engine whose model is `minicb.sim`'s)."""
+    """True for a run of the simulated executor (an Engine whose model is
+    `minicb.benchmark.sim`'s)."""
     info = getattr(getattr(trace, "engine", trace), "info", None)
     return getattr(info, "name", None) == "simulated"
 

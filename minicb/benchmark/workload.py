@@ -34,8 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from minicb.benchmark.metrics import observed_arrivals
 from minicb.config import is_positive_int
-from minicb.metrics import observed_arrivals
 
 DEFAULT_VOCAB_RANGE = (100, 10000)  # ordinary text tokens of the SmolLM2 vocabulary (49152)
 

@@ -21,8 +21,8 @@ copy keeping the tag keeps its code as an ordinary cell before the check, and a 
 put back after the exercise's own cell (the exercise scores 0 only when that is gone too).
 `--no-restore` grades the notebook as it is (its own check cells, which prove nothing).
 
-Each restored check cell first loads a fresh copy of `minicb.check` from its file (so an earlier
-cell that replaced `check.<name>` or rebound `check` changes nothing) and ends by printing a
+Each restored check cell first loads a fresh copy of `minicb.course.check` from its file (so an
+earlier cell that replaced `check.<name>` or rebound `check` changes nothing) and ends by printing a
 mark that changes with every run; an exercise passes only when that mark was printed. This
 raises the bar, it is no sandbox: the learner's code runs in the same kernel before the checks
 and can still patch the engine the checks drive, or IPython itself.
@@ -64,7 +64,7 @@ from typing import Any
 import nbformat
 from traitlets.config import Config
 
-from minicb.exercises import ROOT, cell_tags
+from minicb.course.exercises import ROOT, cell_tags
 
 CHECK_TAG = re.compile(r"^check:(?P<name>[\w.-]+)$")
 POINTS_TAG = re.compile(r"^points:(?P<points>\d+(\.\d+)?)$")
@@ -76,12 +76,13 @@ ANSI = re.compile(r"\x1b\[[0-9;]*m")
 MAX_MESSAGE = 1200
 SOURCES = ROOT / "exercises" / "source"
 CHECK_MODULE = Path(__file__).resolve().with_name("check.py")
-# Put before every restored check cell: `check` is a fresh module loaded from minicb/check.py.
+# Put before every restored check cell: `check` is a fresh module loaded from
+# minicb/course/check.py.
 GUARD = """\
-import importlib.util as _minicb_grade_util  # added by minicb grade: a fresh minicb.check
-_minicb_grade_spec = _minicb_grade_util.spec_from_file_location("minicb.check", {path!r})
+import importlib.util as _minicb_grade_util  # added by minicb grade: a fresh minicb.course.check
+_minicb_grade_spec = _minicb_grade_util.spec_from_file_location("minicb.course.check", {path!r})
 check = _minicb_grade_util.module_from_spec(_minicb_grade_spec)
-__import__("sys").modules["minicb.check"] = check  # its dataclasses look their module up
+__import__("sys").modules["minicb.course.check"] = check  # its dataclasses look their module up
 _minicb_grade_spec.loader.exec_module(check)
 """
 STUB_ERROR = "NotImplementedError: write "  # what an untouched stub raises
@@ -347,7 +348,7 @@ def _first_line(cell: nbformat.NotebookNode) -> str:
 
 
 def guard_checks(nb: nbformat.NotebookNode, nonce: str) -> None:
-    """Wrap every check cell: a fresh `minicb.check` first, the grader's mark last."""
+    """Wrap every check cell: a fresh `minicb.course.check` first, the grader's mark last."""
     for i, name, _ in check_cells(nb):
         cell = nb.cells[i]
         mark = MARK.format(nonce=nonce, name=name)

@@ -1,14 +1,16 @@
 """The benchmark client (chapters 06 and 08): send a workload to any OpenAI-compatible server and
 measure what a user sees.
 
-    python -m minicb.client --endpoint http://127.0.0.1:8000 --workload mixed-chat --rate 2
+    python -m minicb.serving.client --endpoint http://127.0.0.1:8000 --workload mixed-chat --rate 2
 
 Each request leaves at its arrival time (the same arrival processes and length distributions as
-`minicb.workload`) as a streamed `/v1/completions` call with token-id prompts, `ignore_eos` and a
-fixed `max_tokens`, so output lengths are exact on minicb, vLLM and SGLang alike. Times are taken
+`minicb.benchmark.workload`) as a streamed `/v1/completions` call with token-id prompts,
+`ignore_eos` and a fixed `max_tokens`, so output lengths are exact on minicb, vLLM and SGLang
+alike. Times are taken
 where the user sits: TTFT when the first token's chunk arrives, ITL between chunks, E2E at the
-end of the stream. Each request becomes a `RequestRecord` (the plain data `minicb.metrics` reads),
-with times in seconds since the run started; queue time and steps are invisible from outside,
+end of the stream. Each request becomes a `RequestRecord` (the plain data
+`minicb.benchmark.metrics` reads), with times in seconds since the run started; queue time and
+steps are invisible from outside,
 so they are left empty."""
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ from typing import Any
 
 import httpx
 
-from minicb import metrics
-from minicb.bench import (
+from minicb.benchmark import metrics
+from minicb.benchmark.bench import (
     SENT_FIELDS,
     add_concurrency_argument,
     add_endpoint_arguments,
@@ -332,8 +334,9 @@ def bench_endpoint(endpoint: str, workload: Any, label: str | None = None,
                    max_concurrency: int | None = None) -> dict[str, Any]:
     """Run `workload` against a server; returns `{"declaration", "results": {label: summary},
     "records"}` in the results schema of `python -m minicb bench` (chapter 06). The summary is
-    `minicb.metrics.summarize` over the client's records (no trace: step metrics are None, and so
-    is the queue age, which the client cannot see, and so are the fields in `ENGINE_ONLY`:
+    `minicb.benchmark.metrics.summarize` over the client's records (no trace: step metrics are
+    None, and so is the queue age, which the client cannot see, and so are the fields in
+    `ENGINE_ONLY`:
     preemptions, steps, evictions, swapped pages, except those the server's /metrics counts
     (`SERVER_COUNTERS`: their growth over the run, named in `from_server_metrics`); without an
     SLO no goodput, as in bench), with `error_reasons`: each failed request's reason in the
@@ -382,11 +385,12 @@ def bench_endpoint(endpoint: str, workload: Any, label: str | None = None,
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m minicb.client --endpoint URL`: a workload against any OpenAI-compatible
+    """`python -m minicb.serving.client --endpoint URL`: a workload against any OpenAI-compatible
     server, metrics measured at the client."""
-    from minicb.workload import get_workload
+    from minicb.benchmark.workload import get_workload
 
-    parser = argparse.ArgumentParser(prog="python -m minicb.client", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m minicb.serving.client",
+                                     description=main.__doc__)
     parser.add_argument("--endpoint", required=True, help="e.g. http://127.0.0.1:8000")
     parser.add_argument("--workload", default="mixed-chat")
     parser.add_argument("--num-requests", type=int, default=None)

@@ -159,7 +159,7 @@ class CostModel:
         return model
 
 
-DEFAULT_CPU_COST_MODEL = Path(__file__).resolve().parent.parent / "bench" / "cost_model_cpu.json"
+DEFAULT_CPU_COST_MODEL = Path(__file__).resolve().parents[2] / "bench" / "cost_model_cpu.json"
 
 # An ASSUMPTION, not a measurement: a Llama-3-8B-class model in bf16 on one H100 SXM, from
 # published peak figures (3.35 TB/s HBM, ~989 TFLOPS dense bf16) with assumed efficiencies:

@@ -28,19 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from minicb.attention import resolve_backend
-from minicb.config import (
-    POLICIES,
-    PREEMPTION_MODES,
-    PREEMPTIONS,
-    QUANTIZATIONS,
-    EngineConfig,
-    cpuinfo,
-    is_finite_number,
-    is_positive_int,
-    resolve_device,
-    torch_dtype,
-)
-from minicb.metrics import (
+from minicb.benchmark.metrics import (
     LATENCY_COLUMNS,
     PERCENTILE_METHOD,
     TABLE_COLUMNS,
@@ -53,8 +41,7 @@ from minicb.metrics import (
     sustainable_load,
     worst_class,
 )
-from minicb.scheduler import POLICY_CLASSES
-from minicb.sim import (
+from minicb.benchmark.sim import (
     DEFAULT_CPU_COST_MODEL,
     CostModel,
     SimClock,
@@ -63,7 +50,7 @@ from minicb.sim import (
     measure_swap_cost,
     sim_model_info,
 )
-from minicb.workload import (
+from minicb.benchmark.workload import (
     MAX_FIRST_ARRIVAL_S,
     SCENARIOS,
     Workload,
@@ -74,6 +61,19 @@ from minicb.workload import (
     run_workload,
     save_workload_file,
 )
+from minicb.config import (
+    POLICIES,
+    PREEMPTION_MODES,
+    PREEMPTIONS,
+    QUANTIZATIONS,
+    EngineConfig,
+    cpuinfo,
+    is_finite_number,
+    is_positive_int,
+    resolve_device,
+    torch_dtype,
+)
+from minicb.scheduler import POLICY_CLASSES
 
 RESULT_KEYS = ("output_tokens_per_s", "requests_per_s", "ttft_s", "itl_s", "max_itl_s", "tpot_s",
                "e2e_s", "queue_s", "goodput_rps", "dec_at_p", "short_p_steps", "short_p_s",
@@ -1351,7 +1351,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     engine = None
     free_device_memory(device)
     if args.compare == "hf":
-        from minicb.metrics import summarize as summarize_records
+        from minicb.benchmark.metrics import summarize as summarize_records
         if getattr(args, "out", None):  # minicb's results survive a baseline that is killed
             data["declaration"]["compare"] = "hf: running (this file is rewritten when done)"
             write_json(data, args.out)
@@ -1397,7 +1397,7 @@ def main_bench(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.command_line = _command_line("bench", argv)
     if args.endpoint:  # any OpenAI-compatible server, measured from the client side
-        from minicb.client import bench_endpoint, print_errors, report
+        from minicb.serving.client import bench_endpoint, print_errors, report
         try:
             refuse_engine_flags(parser, args)
             check_writable(args.out, "--out")
