@@ -276,7 +276,8 @@ def fake_venv(tmp_path: Path, cuda: bool | None = None, pip_fails: bool = False)
         'fi\nexit 0\n')
     (venv / "bin" / "pip").write_text(
         f'#!/bin/sh\necho "pip $*" >> {log}\n'
-        f'if [ "$3" = "-r" ]; then cat "$4" >> {log}; fi\nexit {1 if pip_fails else 0}\n')
+        f'if [ "$3" = "-r" ]; then cat "$4" >> {log}; fi\n'
+        f'if [ "$5" = "-r" ]; then cat "$6" >> {log}; fi\nexit {1 if pip_fails else 0}\n')
     for tool in ("python", "pip"):
         (venv / "bin" / tool).chmod(0o755)
     return venv
@@ -290,15 +291,15 @@ def make(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("cuda", [True, False])
 def test_make_keeps_a_cuda_torch_and_pins_the_rest(tmp_path, cuda):
-    """`make`'s install step on a .venv that already holds a CUDA build of torch (README,
-    "Running on a GPU") installs every pin but torch's and triton's; on a CPU torch, all of
-    them."""
+    """`make`'s install step on a .venv that already holds a CUDA build of torch (the GPU
+    install) installs every pin of both requirement files but torch's and triton's; on a CPU
+    torch, all of them."""
     venv = fake_venv(tmp_path, cuda)
     done = make("setup", f"VENV={venv}")
     assert done.returncode == 0, done.stdout + done.stderr
     assert (venv / ".installed").exists()
     installed = (tmp_path / "pip.log").read_text()
-    pins = (ROOT / "requirements.txt").read_text()
+    pins = (ROOT / "requirements.txt").read_text() + (ROOT / "requirements-dev.txt").read_text()
     assert "transformers==" in installed and "nbval==" in installed
     assert ("torch==" in installed) is not cuda and ("triton==" in installed) is not cuda
     assert ("keeping .venv's CUDA build" in done.stdout) is cuda
