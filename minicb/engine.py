@@ -34,7 +34,7 @@ from minicb.config import (
 )
 from minicb.kv_cache import PagePool, page_bytes, prompt_page_hashes
 from minicb.request import Request, RequestOutput, SamplingParams, Status
-from minicb.sampler import make_generator, sample
+from minicb.sampler import TokenCounts, make_generator, sample, top_logprobs
 from minicb.scheduler import (
     ScheduledBatch,
     Scheduler,
@@ -476,7 +476,7 @@ class Engine:
             raise ValueError(f"num_output_tokens must be 1..{len(req.output_token_ids)}, got "
                              f"{num_output_tokens}")
         m = req.metrics
-        for kept in (req.output_token_ids, m.token_times, m.token_steps):
+        for kept in (req.output_token_ids, req.output_logprobs, m.token_times, m.token_steps):
             del kept[num_output_tokens:]
         if not req.is_finished:
             self.cancel(request_id, reason="stop")
@@ -678,8 +678,9 @@ class Engine:
             left = req.params.max_tokens - len(req.output_token_ids) - 1  # after this token
             k = min(cfg.num_speculative_tokens, room, left)
             if k < 1 or num_tokens != 1 or req.is_prefill \
-                    or len(req.output_token_ids) < req.params.min_tokens:  # bans: one at a time
-                continue
+                    or len(req.output_token_ids) < req.params.min_tokens \
+                    or req.params.penalised or req.params.logprobs is not None:
+                continue  # bans, penalties and logprobs are computed one token at a time
             if req.ngram_index is None:
                 req.ngram_index = NgramIndex(cfg.prompt_lookup_max, cfg.prompt_lookup_min)
             draft = req.ngram_index.propose(req.all_token_ids, k)
@@ -697,16 +698,31 @@ class Engine:
         """The new tokens of each request: one sampled token, or for a request with guesses,
         the ones the model keeps and one of its own (`speculative.verify`)."""
         generators = [self._generators[r.request_id] for r in reqs]
+        for r in reqs:  # the penalties' counts, from here on kept as tokens are appended
+            if r.params.penalised and r.token_counts is None:
+                r.token_counts = TokenCounts(r.prompt_token_ids, r.output_token_ids,
+                                             logits.shape[-1], logits.device)
         if not drafts:  # one logit row each
-            return [[t] for t in sample(logits, [r.params for r in reqs], generators,
-                                        [self._banned_tokens(r) for r in reqs])]
-        out, row = [], 0
-        for req, generator in zip(reqs, generators):
-            draft = drafts.get(req.request_id, [])
-            rows = logits[row:row + len(draft) + 1]
-            out.append(verify(rows, draft, req.params, generator) if draft else
-                       sample(rows, [req.params], [generator], [self._banned_tokens(req)]))
-            row += len(draft) + 1
+            out = [[t] for t in sample(logits, [r.params for r in reqs], generators,
+                                       [self._banned_tokens(r) for r in reqs],
+                                       [r.token_counts for r in reqs])]
+            last = list(range(len(reqs)))
+        else:
+            out, last, row = [], [], 0
+            for req, generator in zip(reqs, generators):
+                draft = drafts.get(req.request_id, [])
+                rows = logits[row:row + len(draft) + 1]
+                out.append(verify(rows, draft, req.params, generator) if draft else
+                           sample(rows, [req.params], [generator], [self._banned_tokens(req)],
+                                  [req.token_counts]))
+                row += len(draft) + 1
+                last.append(row - 1)
+        asked = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+        if asked:  # nothing to compute when no request asked (never one with guesses)
+            for i, pairs in zip(asked, top_logprobs(
+                    logits[[last[i] for i in asked]], [out[i][0] for i in asked],
+                    [reqs[i].params.logprobs for i in asked])):
+                reqs[i].output_logprobs.append(pairs)
         return out
 
     def _forward(self, items: list[tuple[Request, int]], drafts: dict[str, list[int]]
@@ -768,26 +784,24 @@ class Engine:
 
     def _append_token(self, req: Request, token: int, now: float) -> None:
         req.output_token_ids.append(token)
+        if req.token_counts is not None:
+            req.token_counts.add(token)
         req.metrics.token_times.append(now)
         req.metrics.token_steps.append(self.step_count)
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
             req.metrics.first_token_step = self.step_count
 
-    @staticmethod
-    def _stop_tokens(req: Request) -> list[int]:
-        return [*req.params.stop_token_ids, *(() if req.params.ignore_eos else req.eos_token_ids)]
-
     def _banned_tokens(self, req: Request) -> list[int]:
         """Tokens the next sample must not be: the stop and EOS tokens while the request has
         fewer than `min_tokens` outputs (vLLM's meaning: they are not generated, not kept)."""
-        return self._stop_tokens(req) if len(req.output_token_ids) < req.params.min_tokens else []
+        return list(req.stop_tokens) if len(req.output_token_ids) < req.params.min_tokens else []
 
-    @classmethod
-    def _stop_reason(cls, req: Request) -> str | None:
+    @staticmethod
+    def _stop_reason(req: Request) -> str | None:
         if not req.output_token_ids or req.is_prefill:
             return None
-        if req.output_token_ids[-1] in cls._stop_tokens(req):
+        if req.output_token_ids[-1] in req.stop_tokens:
             return "stop"
         if len(req.output_token_ids) >= req.params.max_tokens:
             return "length"
@@ -817,7 +831,8 @@ class Engine:
         req.status = Status.FINISHED
         req.finish_reason = reason
         self._num_with_deadline -= req.deadline is not None
-        req.ngram_index = None  # a few tuples per token: not kept for every finished request
+        # a few tuples per token, two vocabulary rows: not kept for every finished request
+        req.ngram_index = req.token_counts = None
         req.metrics.finish_time = self.clock()
         req.metrics.finish_step = self.step_count
         if was_running and self.scheduler.holds_finished_slots and reason in ("stop", "length"):
@@ -952,7 +967,8 @@ class Engine:
             text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
         return RequestOutput(req.request_id, list(req.prompt_token_ids),
                              list(req.output_token_ids), text, req.finish_reason,
-                             req.num_cached_tokens, req.metrics, req.error, req.num_preemptions)
+                             req.num_cached_tokens, req.metrics, req.error, req.num_preemptions,
+                             None if req.params.logprobs is None else list(req.output_logprobs))
 
     def run(self, max_steps: int | None = None) -> list[RequestOutput]:
         """Step until every request has finished (or `max_steps`); outputs of the requests that

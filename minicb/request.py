@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from functools import cached_property
+from itertools import islice
 from typing import Any
 
 from minicb.config import is_finite_number, is_int, is_positive_int
@@ -33,6 +35,9 @@ class Status(enum.Enum):
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error", "deadline", "rejected")
 GREEDY_BELOW = 1e-5  # a temperature under this samples greedily
+MAX_TOKENS = 2**24  # past any model's context: a larger max_tokens is a mistake, not a wish
+MAX_STOP_TOKEN_IDS = 1024  # a longer list is an attack or a bug, not a stop rule
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit (vLLM's default max_logprobs is 20 too)
 
 
 @dataclass(frozen=True)
@@ -40,7 +45,12 @@ class SamplingParams:
     """How to pick each next token, and when to stop (vLLM's names; chapter 00 uses them
     first). temperature 0 (or below 1e-5) means greedy. `stop`: strings that end the output
     (not included in its text); they are matched where text is made (`LLM`, the server), so
-    the engine stays token-level and `Engine.run` alone does not look for them."""
+    the engine stays token-level and `Engine.run` alone does not look for them.
+
+    Penalties (vLLM's, `sampler.penalise`): presence and frequency in [-2, 2], repetition in
+    [0.01, 100] (vLLM: any > 0; outside, the penalised logits can leave float32's range).
+    `logprobs`: how many top tokens' logprobs each output token reports (at most 20, as
+    OpenAI allows; vLLM's limit is a server setting); None: none."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -51,10 +61,15 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     stop: tuple[str, ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        if not is_positive_int(self.max_tokens):
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not is_positive_int(self.max_tokens) or self.max_tokens > MAX_TOKENS:
+            raise ValueError(f"max_tokens must be an integer in [1, {MAX_TOKENS}], got "
+                             f"{self.max_tokens!r:.40}")
         if not is_finite_number(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not is_int(self.top_k) or self.top_k < 0:
@@ -74,17 +89,34 @@ class SamplingParams:
                 not hasattr(self.stop_token_ids, "__iter__"):
             raise ValueError(f"stop_token_ids must be a list of token ids, got "
                              f"{self.stop_token_ids!r} (stop strings go in stop)")
-        stop = tuple(self.stop_token_ids)
+        stop = tuple(islice(self.stop_token_ids, MAX_STOP_TOKEN_IDS + 1))
+        if len(stop) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids")
         if any(not is_int(t) or t < 0 for t in stop):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {stop!r}")
+            raise ValueError(f"stop_token_ids must be non-negative integers, got {stop!r:.80}")
         object.__setattr__(self, "stop_token_ids", stop)
         object.__setattr__(self, "stop", stop_strings(self.stop))
+        for name, low, high in (("presence_penalty", -2, 2), ("frequency_penalty", -2, 2),
+                                ("repetition_penalty", 0.01, 100)):
+            value = getattr(self, name)
+            if not is_finite_number(value) or not low <= value <= high:
+                raise ValueError(f"{name} must be a number in [{low}, {high}], got {value!r:.40}")
+        if self.logprobs is not None and (not is_int(self.logprobs)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got "
+                             f"{self.logprobs!r:.40}")
 
     @property
     def greedy(self) -> bool:
         """Temperature 0 (or below 1e-5, as in vLLM: too small to sample from in float32),
         or top_k 1."""
         return self.temperature < GREEDY_BELOW or self.top_k == 1
+
+    @property
+    def penalised(self) -> bool:
+        """A penalty is set: sampling needs the request's token counts (`sampler.TokenCounts`)."""
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)
 
 
 def stop_strings(stop: object) -> tuple[str, ...]:
@@ -156,6 +188,15 @@ class Request:
     num_scheduled_tokens: int = 0  # tokens computed for it, recomputation included: its service
     returned_whole: bool = False  # its response reached the user all at once, at the release
     ngram_index: Any = None  # speculative decoding's lookup over its tokens (chapter 08)
+    token_counts: Any = None  # the penalties' counts (sampler.TokenCounts) while it runs
+    output_logprobs: list[dict[int, float]] = field(default_factory=list)  # params.logprobs
+
+    @cached_property
+    def stop_tokens(self) -> frozenset[int]:
+        """The tokens that end it: its stop_token_ids and, unless ignore_eos, its end-of-sequence
+        tokens (a set built once: every step looks a token up in it)."""
+        p = self.params
+        return frozenset((*p.stop_token_ids, *(() if p.ignore_eos else self.eos_token_ids)))
 
     @property
     def deadline_time(self) -> float:
@@ -219,6 +260,10 @@ class RequestOutput:
     metrics: RequestMetrics
     error: str | None = None
     num_preemptions: int = 0
+    # per output token, when SamplingParams.logprobs is set: the top `logprobs` token ids in
+    # rank order, then the sampled token if not among them -> the model's raw log-softmax
+    # (before bans, penalties, temperature, top-k and top-p: vLLM's default "raw_logprobs")
+    logprobs: list[dict[int, float]] | None = None
 
     @property
     def finished(self) -> bool:

@@ -1,7 +1,8 @@
 """Turning logits into tokens (chapter 01): greedy, temperature, top-k, top-p, and a per-request
 seed so that the same seed gives the same tokens whatever else shares the batch, up to the
 rounding the batch changes (chapter 03): a draw that lands within a rounding error of the line
-between two tokens can go either way."""
+between two tokens can go either way. Before any of them, vLLM's presence, frequency and
+repetition penalties; beside them, the logprobs a request asks for."""
 
 from __future__ import annotations
 
@@ -35,22 +36,75 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return logits
 
 
+class TokenCounts:
+    """A request's history as the penalties read it: which tokens its prompt holds and how
+    often each token occurs in its output, as rows [vocab] on the logits' device. Made at its
+    first penalised sample, then counted one token at a time (`add`), never rescanned."""
+
+    def __init__(self, prompt: list[int], output: list[int], vocab: int,
+                 device: torch.device) -> None:
+        def bins(ids: list[int]) -> torch.Tensor:
+            return torch.bincount(torch.tensor(ids, dtype=torch.long), minlength=vocab)
+        self.in_prompt = (bins(prompt) > 0).to(device)
+        self.output = bins(output).float().to(device)
+
+    def add(self, token: int) -> None:
+        self.output[token] += 1
+
+
+def penalise(logits: torch.Tensor, params: SamplingParams, counts: TokenCounts) -> torch.Tensor:
+    """vLLM's penalties on one row of logits [vocab], in its order: `repetition_penalty`
+    divides the positive logit of every token in the prompt or the output and multiplies a
+    negative one; `frequency_penalty` times its count in the output is subtracted from each
+    token's logit, and `presence_penalty` from that of every token the output holds."""
+    in_output = counts.output > 0
+    rep = torch.where(counts.in_prompt | in_output, float(params.repetition_penalty), 1.0)
+    logits = torch.where(logits > 0, logits / rep, logits * rep)
+    return (logits - float(params.frequency_penalty) * counts.output
+            - float(params.presence_penalty) * in_output)
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None],
-           banned: list[list[int]] | None = None) -> list[int]:
+           banned: list[list[int]] | None = None,
+           counts: list[TokenCounts | None] | None = None) -> list[int]:
     """One token per row of `logits` [N, vocab] (float32), row i under params[i], never one of
-    banned[i] (the stop and end-of-sequence tokens of a request short of its `min_tokens`)."""
+    banned[i] (the stop and end-of-sequence tokens of a request short of its `min_tokens`),
+    penalised by counts[i] (None: no penalty). `logits` itself is left as it came."""
     logits = logits.float()
-    if banned and any(banned):
+    if (banned and any(banned)) or (counts and any(c is not None for c in counts)):
         logits = logits.clone()
-        for i, ids in enumerate(banned):
+    for i, ids in enumerate(banned or ()):
+        if ids:
             banned_ids = torch.tensor(ids, dtype=torch.long, device=logits.device)
             row = logits[i].index_fill(0, banned_ids, float("-inf"))
             if torch.isfinite(row).any():  # else nothing else could follow: keep the row
                 logits[i] = row
+    for i, c in enumerate(counts or ()):
+        if c is not None:  # after the bans, as vLLM: a banned token stays at -inf
+            logits[i] = penalise(logits[i], params[i], c)
     greedy = torch.argmax(logits, dim=-1).tolist()
     return [greedy[i] if p.greedy else draw(probabilities(logits[i], p), generators[i])
             for i, p in enumerate(params)]
+
+
+def top_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]
+                 ) -> list[dict[int, float]]:
+    """Per row of `logits` [N, vocab], the log-probabilities of its ks[i] most likely tokens in
+    rank order, then of tokens[i] (the one sampled) if it is not among them. They come from the
+    model's raw log-softmax, before bans, penalties, temperature, top-k and top-p: vLLM's
+    default (`logprobs_mode="raw_logprobs"`), so a request's logprobs do not depend on how it
+    samples. One copy to the host for the whole batch."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    top = torch.topk(logprobs, max(ks), dim=-1)
+    chosen = logprobs.gather(-1, torch.tensor(tokens, device=logits.device)[:, None])
+    table = torch.cat([top.indices.double(), top.values.double(), chosen.double()], -1).tolist()
+    width, out = max(ks), []
+    for row, token, k in zip(table, tokens, ks):
+        pairs = dict(zip(map(int, row[:k]), row[width:width + k]))
+        pairs.setdefault(token, row[-1])
+        out.append(pairs)
+    return out
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

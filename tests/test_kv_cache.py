@@ -169,3 +169,37 @@ def test_the_pool_is_zeros_each_layer_its_own_and_unused_pages_cost_no_memory():
     assert resident_mib() - before < 100
     big.k[0][:16] = 1.0  # the first pages written become resident; the rest stay unmapped
     assert resident_mib() - before < 100 and float(big.k[0][:16].sum()) == 16 * 16 * 4 * 64
+
+
+def test_a_page_already_indexed_is_not_indexed_again_under_other_tokens():
+    """A page the index holds keeps its first prompt's hash: registering it again under a
+    second prompt's tokens does nothing (else that prompt would hit pages holding another
+    prompt's K/V), and once the page is evicted neither prompt hits it."""
+    pool = PagePool(4, 2)
+    table = pool.allocate(2)
+    pool.register_prompt_pages([1, 2, 3, 4], table, 4)
+    pool.register_prompt_pages([5, 6, 7, 8], table, 4)  # the same pages: already taken
+    assert pool.match_prefix([5, 6, 7, 8, 0]) == []
+    assert pool.match_prefix([1, 2, 3, 4, 0]) == table
+    pool.release(table)
+    fresh = pool.allocate(4)  # every page, the two cached ones evicted
+    assert pool.match_prefix([1, 2, 3, 4, 0]) == [] and pool.match_prefix([5, 6, 7, 8, 0]) == []
+    pool.check([fresh])
+
+
+def test_after_a_reset_every_page_allocated_leaves_none_available():
+    """`reset_prefix_cache` takes the pages off the LRU list as it frees them: once the index
+    holds pages again, no page counts as available twice (an allocation would otherwise
+    "evict" a page some request uses)."""
+    pool = PagePool(4, 2)
+    table = pool.allocate(2)
+    pool.register_prompt_pages([1, 2, 3, 4], table, 4)
+    pool.release(table)
+    pool.reset_prefix_cache()
+    assert (pool.num_free, pool.num_cached) == (4, 0)
+    every = pool.allocate(4)
+    pool.register_prompt_pages([5, 6, 7, 8], every, 4)  # the index is not empty again
+    assert (pool.num_available, pool.num_used) == (0, 4)
+    with pytest.raises(MemoryError):
+        pool.allocate(1)
+    pool.check([every])
