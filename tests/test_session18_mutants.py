@@ -21,7 +21,7 @@ from minicb.kv_cache import PagePool
 from minicb.request import Request, SamplingParams, Status
 from minicb.scheduler import ScheduledBatch, SchedulerContext
 from minicb.serving import client
-from minicb.serving.server import EngineWorker
+from minicb.serving.worker import EngineWorker
 from minicb.trace import StepRecord
 
 NO_EOS = dict(ignore_eos=True)
@@ -280,15 +280,16 @@ def test_the_servers_swap_counters_grow_each_way_as_the_steps_copy():
     seen = []
     while engine.has_unfinished():
         rec = engine.step()
-        before = (worker.counters["swapped_out_pages"], worker.counters["swapped_in_pages"])
+        before = (worker.stats.value("kv_pages_swapped_out"),
+                  worker.stats.value("kv_pages_swapped_in"))
         worker._count(rec)
         worker._retire(rec)
-        grew = (worker.counters["swapped_out_pages"] - before[0],
-                worker.counters["swapped_in_pages"] - before[1])
+        grew = (worker.stats.value("kv_pages_swapped_out") - before[0],
+                worker.stats.value("kv_pages_swapped_in") - before[1])
         if grew != (0, 0):
             seen.append(grew)
     assert seen == [(2, 0), (0, 2)]
-    assert worker.snapshot["swap_pages_free"] == 2
+    assert worker.stats.value("kv_swap_pages_free") == 2
 
 
 # ------------------------------------------------------------------------------ client

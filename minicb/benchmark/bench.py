@@ -61,9 +61,9 @@ from minicb.benchmark.workload import (
     run_workload,
     save_workload_file,
 )
+from minicb.cli import add_full_cache_arguments, check_full_cache_flags
 from minicb.config import (
     POLICIES,
-    PREEMPTION_MODES,
     PREEMPTIONS,
     QUANTIZATIONS,
     EngineConfig,
@@ -147,35 +147,6 @@ def add_concurrency_argument(parser: argparse.ArgumentParser) -> None:
                         help="close the loop, as vLLM's bench serve does: at most N requests "
                              "unfinished at once; one that comes due while N are is sent "
                              "when one finishes, and arrives then (default: open loop)")
-
-
-def add_full_cache_arguments(parser: argparse.ArgumentParser) -> None:
-    """Two answers to a full KV cache beside preemption (chapter 06): swap a victim's K/V out
-    instead of recomputing it, and reject an arrival the cache cannot take (bench, sweep,
-    serve)."""
-    parser.add_argument("--preemption-mode", choices=PREEMPTION_MODES, default=None,
-                        help="what a preempted request's K/V becomes: recompute (default: "
-                             "freed, computed again when it returns) or swap (copied to host "
-                             "memory and back; recomputed when the swap space is full)")
-    parser.add_argument("--num-swap-pages", type=int, default=None, metavar="N",
-                        help="with --preemption-mode swap: host pages of swap space (default: "
-                             "as many as the KV pool has)")
-    parser.add_argument("--reject-when-full", action="store_true",
-                        help="a request that arrives when the free KV pages, less what the "
-                             "waiting prompts will take, cannot hold its prompt finishes at "
-                             "once as rejected (the server answers 503) instead of waiting")
-
-
-def check_full_cache_flags(preemption_mode: str | None, num_swap_pages: int | None) -> None:
-    """Refuse --num-swap-pages below 1 or without --preemption-mode swap, naming the flags
-    (the engine's own message names its options) (chapter 06)."""
-    if num_swap_pages is None:
-        return
-    if num_swap_pages < 1:
-        raise ValueError(f"--num-swap-pages must be >= 1, got {num_swap_pages}")
-    if preemption_mode != "swap":
-        raise ValueError("--num-swap-pages sizes the swap space: it needs --preemption-mode "
-                         "swap")
 
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:

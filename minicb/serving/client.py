@@ -91,14 +91,14 @@ ENGINE_ONLY = ("num_steps", "preemptions", "discarded_tokens", "recomputed_token
 
 # counters a server's Prometheus /metrics may have -> the summary field their growth over a run
 # fills (minicb's own, and vLLM's preemptions); the rest of ENGINE_ONLY stays None
-SERVER_COUNTERS = {"minicb_steps_total": "num_steps",
-                   "minicb_num_preemptions_total": "preemptions",
+SERVER_COUNTERS = {"minicb:steps_total": "num_steps",
+                   "minicb:num_preemptions_total": "preemptions",
                    "vllm:num_preemptions_total": "preemptions",
-                   "minicb_preemption_discarded_tokens_total": "discarded_tokens",
-                   "minicb_preemption_recomputed_tokens_total": "recomputed_tokens",
-                   "minicb_kv_pages_evicted_total": "evicted_pages",
-                   "minicb_kv_pages_swapped_out_total": "swapped_out_pages",
-                   "minicb_kv_pages_swapped_in_total": "swapped_in_pages"}
+                   "minicb:preemption_discarded_tokens_total": "discarded_tokens",
+                   "minicb:preemption_recomputed_tokens_total": "recomputed_tokens",
+                   "minicb:kv_pages_evicted_total": "evicted_pages",
+                   "minicb:kv_pages_swapped_out_total": "swapped_out_pages",
+                   "minicb:kv_pages_swapped_in_total": "swapped_in_pages"}
 
 
 def server_counters(endpoint: str) -> dict[str, float]:
