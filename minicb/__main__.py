@@ -80,8 +80,8 @@ COMMANDS_HELP = {
 # each command's module is imported only when that command runs: `grade` alone (nbformat's
 # schema validators) took longer to import than a whole `bench --help` should take
 COMMANDS = {"bench": ("minicb.benchmark.bench", "main_bench"),
-            "sweep": ("minicb.benchmark.bench", "main_sweep"),
-            "profile": ("minicb.benchmark.bench", "main_profile"),
+            "sweep": ("minicb.benchmark.sweep", "main_sweep"),
+            "profile": ("minicb.benchmark.profile", "main_profile"),
             "serve": ("minicb.serving.server", "main"), "grade": ("minicb.course.grade", "main")}
 
 

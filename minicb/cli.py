@@ -10,7 +10,13 @@ from minicb.config import PREEMPTION_MODES
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """argparse's help with every flag's default, and descriptions as written."""
+    """argparse's help with every flag's default (unless its help already says what the default
+    is), and descriptions as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
 
 
 def parser(prog: str, description: str | None) -> argparse.ArgumentParser:

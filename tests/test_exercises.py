@@ -2004,7 +2004,7 @@ def test_best_setting_mistakes_are_named():
     """Exercise 6.4: the usual slips each get their own message: quality None taken as a
     failure, a queue age at the limit taken as over it, no tie-break, no fairness at all, an
     index instead of the row, and minicb's own function behind a lambda."""
-    from minicb.benchmark import bench
+    from minicb.benchmark import sweep
     mine = solution("06_benchmarking.ipynb")["best_setting"]
 
     def keep(rule):
@@ -2045,7 +2045,7 @@ def test_best_setting_mistakes_are_named():
         "best_setting", lambda rows, lim=None: (rows.index(mine(rows, lim))
                                                 if mine(rows, lim) is not None else None))
     assert "ran minicb's own best_setting" in caught(
-        "best_setting", lambda rows, lim=None: bench.best_setting(rows, lim))
+        "best_setting", lambda rows, lim=None: sweep.best_setting(rows, lim))
 
 
 def test_swap_break_even_mistakes_are_named():

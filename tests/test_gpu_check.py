@@ -322,7 +322,7 @@ def test_an_earlier_runs_benchmark_file_is_not_reported_as_this_runs(gpu_check, 
 def test_a_results_file_cut_short_still_renders_a_table(gpu_check, tmp_path, monkeypatch):
     """The benchmark writes its JSON whole or not at all (write_json); a file cut short anyway
     gives a row saying so, not a crash that loses the table."""
-    from minicb.benchmark.bench import write_json
+    from minicb.benchmark.runs import write_json
     out = tmp_path / "bench.json"
     out.write_text('{"results": {"pd": {"output_tokens_per_s": 12')
     [row] = gpu_check.bench_rows(out)

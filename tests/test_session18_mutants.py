@@ -12,7 +12,7 @@ from collections import deque
 import pytest
 import torch
 
-from minicb.benchmark import bench, metrics, sim
+from minicb.benchmark import bench, metrics, runs, sim
 from minicb.benchmark.sim import CostModel, make_sim_engine
 from minicb.config import EngineConfig
 from minicb.course import viz
@@ -267,7 +267,7 @@ def test_a_recompute_declaration_names_no_swap_space_and_the_schema_needs_reject
                              "--out", str(out)]) == 0
     options = json.loads(out.read_text())["declaration"]["policy_options"]
     assert (options["preemption_mode"], options["num_swap_pages"]) == ("recompute", None)
-    assert "pd.rejected" in bench.results_schema_ok({"declaration": {}, "results": {"pd": {}}})
+    assert "pd.rejected" in runs.results_schema_ok({"declaration": {}, "results": {"pd": {}}})
 
 
 # ------------------------------------------------------------------------------ serve

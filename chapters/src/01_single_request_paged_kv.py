@@ -56,7 +56,7 @@ print(f"loaded in {time.perf_counter() - t0:.1f} s")
 # NBVAL_IGNORE_OUTPUT
 import torch
 
-from minicb.benchmark.bench import device_description
+from minicb.benchmark.runs import device_description
 from minicb.benchmark.workload import random_prompt
 
 llm = LLM(model, policy="single", enable_prefix_caching=False)

@@ -180,7 +180,7 @@ print("percentile method:", summary["percentile_method"])
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-from minicb.benchmark.bench import device_description, runtime_versions
+from minicb.benchmark.runs import device_description, runtime_versions
 
 declaration = {
     "workload": small.declaration,
@@ -220,7 +220,7 @@ for policy, engine in runs.items():
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minicb.benchmark.bench import output_tokens, same_tokens
+from minicb.benchmark.runs import output_tokens, same_tokens
 
 reference = output_tokens(runs["static"])
 for policy, engine in list(runs.items())[1:]:
@@ -325,7 +325,7 @@ for policy, budget in (("static", {}), ("continuous", {}),
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minicb.benchmark.bench import warm_prefix_cache
+from minicb.benchmark.runs import warm_prefix_cache
 from minicb.benchmark.workload import shared_prefix
 
 for state in ("cold", "warm"):
@@ -1427,14 +1427,14 @@ print("CLI replay == the table above:",
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minicb.benchmark import bench
+from minicb.benchmark.sweep import run_sweep, sweep_parser
 
-args = bench.sweep_parser().parse_args([
+args = sweep_parser().parse_args([
     "--executor", "sim", "--workload-file", str(trace), "--preemption", "newest,priority",
     "--max-num-batched-tokens", "512,1024", "--max-num-seqs", "64", "--chunk-size", "1024",
     "--num-pages", "40000", "--slo-ttft", "0.5", "--slo-tpot", "0.025",
     "--min-class-attainment", "0.45", "--no-progress"])
-class_sweep = bench.run_sweep(args)
+class_sweep = run_sweep(args)
 print(f"{'order':<10}{'budget':>7}{'goodput':>9}{'worst class':>22}{'its SLO met':>12}  fails")
 for row in class_sweep["rows"]:
     print(f"{row['preemption']:<10}{row['max_num_batched_tokens']:>7}{row['goodput_rps']:>9.2f}"

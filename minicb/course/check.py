@@ -113,8 +113,8 @@ def _references(exercise: str) -> tuple[Callable, ...]:
     from minicb.kv_cache import PrefixIndex
     from minicb.speculative import NgramIndex, propose_ngram, verify
     if exercise == "best_setting":
-        from minicb.benchmark import bench  # only here: bench imports the whole benchmark
-        return (bench.best_setting, bench.requirement_failures, bench.ranked)
+        from minicb.benchmark import sweep  # only here: sweep imports the whole benchmark
+        return (sweep.best_setting, sweep.requirement_failures, sweep.ranked)
     if exercise == "swap_break_even":
         from minicb.benchmark import sim
         return (sim.swap_break_even, sim.recompute_seconds)
@@ -1729,7 +1729,7 @@ def _setting(row: dict[str, Any]) -> str:
 
 
 def _why_it_fails(row: dict[str, Any], max_queue_age: float | None) -> str:
-    from minicb.benchmark import bench
+    from minicb.benchmark import sweep
     age = row["max_queue_age_s"]
     reasons = {"fairness": f"its oldest request waited {age} s, over the limit of "
                            f"{max_queue_age} s" if age is not None else
@@ -1739,7 +1739,7 @@ def _why_it_fails(row: dict[str, Any], max_queue_age: float | None) -> str:
                "cancellation": "cancellations_honoured is False",
                "quality": "same_tokens is False: its greedy tokens differ from each request's "
                           "served alone"}
-    return "; ".join(reasons[n] for n in bench.requirement_failures(row, max_queue_age))
+    return "; ".join(reasons[n] for n in sweep.requirement_failures(row, max_queue_age))
 
 
 def best_setting(fn: Callable[[list[dict[str, Any]], float | None], dict[str, Any] | None]
@@ -1749,7 +1749,7 @@ def best_setting(fn: Callable[[list[dict[str, Any]], float | None], dict[str, An
     not False (None: not checked), and with a `max_queue_age` a known max_queue_age_s at most
     that), the one with the highest goodput_rps, ties to the most output_tokens_per_s (then
     the first); the row itself, or None when no row qualifies."""
-    from minicb.benchmark import bench
+    from minicb.benchmark import sweep
     name = "best_setting"
     rng = random.Random(64)
     cases: list[tuple[str, list[dict[str, Any]], float | None]] = [("no rows", [], None)]
@@ -1782,7 +1782,7 @@ def best_setting(fn: Callable[[list[dict[str, Any]], float | None], dict[str, An
         cases.append((f"random sweep {i}", _sweep_rows(rng, rng.randint(1, 12)),
                       rng.choice([None, None, 0.5, 1.0, 2.0])))
     for label, rows, limit in cases:
-        want = bench.best_setting(rows, limit)
+        want = sweep.best_setting(rows, limit)
         got = _call(name, f"{label}: fn({len(rows)} rows, max_queue_age={limit})", fn,
                     copy.deepcopy(rows), limit)
         if got == want:
@@ -1791,7 +1791,7 @@ def best_setting(fn: Callable[[list[dict[str, Any]], float | None], dict[str, An
         if got is not None and got not in rows:
             _fail(name, f"{where}: return one of the rows (the dict itself) or None; yours "
                         f"returned {_short(got)}.")
-        if got is not None and bench.requirement_failures(got, limit):
+        if got is not None and sweep.requirement_failures(got, limit):
             _fail(name, f"{where}: you picked {_setting(got)}, which fails a requirement: "
                         f"{_why_it_fails(got, limit)}.")
         if want is None:

@@ -1,26 +1,22 @@
-"""The benchmark client (chapters 06 and 08): send a workload to any OpenAI-compatible server and
-measure what a user sees.
+"""The benchmark client (chapters 06 and 08): send a workload to any OpenAI-compatible server
+and measure what a user sees. `python -m minicb bench serve` (`minicb.benchmark.serve`) is its
+command line.
 
-    python -m minicb.serving.client --endpoint http://127.0.0.1:8000 --workload mixed-chat --rate 2
-
-Each request leaves at its arrival time (the same arrival processes and length distributions as
-`minicb.benchmark.workload`) as a streamed `/v1/completions` call with token-id prompts,
-`ignore_eos` and a fixed `max_tokens`, so output lengths are exact on minicb, vLLM and SGLang
-alike. Times are taken
-where the user sits: TTFT when the first token's chunk arrives, ITL between chunks, E2E at the
-end of the stream. Each request becomes a `RequestRecord` (the plain data
-`minicb.benchmark.metrics` reads), with times in seconds since the run started; queue time and
-steps are invisible from outside,
-so they are left empty."""
+Each request leaves at its arrival time (the arrival processes and length distributions of
+`minicb.benchmark.workload`) as a streamed call: to `/v1/completions` with token-id prompts, or
+to `/v1/chat/completions` with the prompt as text, with `ignore_eos` and a fixed `max_tokens`, so
+output lengths are exact on minicb, vLLM and SGLang alike. Times are taken where the user sits:
+TTFT when the first token's chunk arrives, ITL between chunks, E2E at the end of the stream.
+Each request becomes a `RequestRecord` (the plain data `minicb.benchmark.metrics` reads), with
+times in seconds since the run started; queue time and steps are invisible from outside, so
+they are left empty."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
 import re
-import sys
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -29,17 +25,7 @@ from typing import Any
 import httpx
 
 from minicb.benchmark import metrics
-from minicb.benchmark.bench import (
-    SENT_FIELDS,
-    add_concurrency_argument,
-    add_endpoint_arguments,
-    add_slo_arguments,
-    check_max_concurrency,
-    check_wall_clock_span,
-    concurrency_declaration,
-    slo_from_args,
-    without_slo,
-)
+from minicb.benchmark.runs import concurrency_declaration, without_slo
 from minicb.config import is_positive_int
 from minicb.trace import RequestRecord
 
@@ -81,6 +67,11 @@ def report(results: dict[str, dict[str, Any]]) -> str:
     return text
 
 
+# what a replayed trace adds to each request it sends (chapter 06); not workload.TRACE_FIELDS,
+# the columns of a trace file
+SENT_FIELDS = ("user", "priority", "deadline")
+
+
 # summary fields only the engine's trace can fill: None from the client's side
 ENGINE_ONLY = ("num_steps", "preemptions", "discarded_tokens", "recomputed_tokens",
                "evicted_pages", "swapped_out_pages", "swapped_in_pages", "dead_slot_steps",
@@ -104,7 +95,7 @@ SERVER_COUNTERS = {"minicb:steps_total": "num_steps",
 def server_counters(endpoint: str) -> dict[str, float]:
     """The `SERVER_COUNTERS` fields a server's `/metrics` shows now, each summed over its label
     sets; {} from a server without a Prometheus /metrics."""
-    url = httpx.URL(completions_url(endpoint)).copy_with(path="/metrics", query=None)
+    url = httpx.URL(endpoint).copy_with(path="/metrics", query=None)
     try:
         response = httpx.get(url, timeout=10.0)
         response.raise_for_status()
@@ -124,17 +115,19 @@ def server_counters(endpoint: str) -> dict[str, float]:
     return values
 
 
-def completions_url(endpoint: str) -> str:
-    """`http://host:port`, `.../v1` or `.../v1/completions` -> the completions URL."""
+def completions_url(endpoint: str, chat: bool = False) -> str:
+    """`http://host:port`, `.../v1` or a full URL ending in `/completions` -> the URL of the
+    completions (or chat completions) endpoint."""
     url = endpoint.rstrip("/")
     if url.endswith("/completions"):
         return url
-    return url + ("/completions" if url.endswith("/v1") else "/v1/completions")
+    path = "/chat/completions" if chat else "/completions"
+    return url + (path if url.endswith("/v1") else "/v1" + path)
 
 
 def models_url(endpoint: str) -> str:
-    """The server's model list, beside its completions URL."""
-    return completions_url(endpoint).rsplit("/completions", 1)[0] + "/models"
+    """The server's model list, on the same host."""
+    return str(httpx.URL(endpoint).copy_with(path="/v1/models", query=None))
 
 
 class WarmupFailed(RuntimeError):
@@ -175,12 +168,6 @@ def error_reasons(records: Sequence[RequestRecord]) -> dict[str, int]:
     return dict(Counter(r.error or "unknown" for r in records if r.finish_reason == "error"))
 
 
-def print_errors(results: dict[str, dict[str, Any]]) -> None:
-    """`describe_errors` of a client run's result on stderr, if any request failed."""
-    if problems := describe_errors(next(iter(results.values()), {})):
-        print(problems, file=sys.stderr)
-
-
 def describe_errors(summary: dict[str, Any]) -> str:
     """One line per reason a request failed (empty when none did), for the CLIs' stderr."""
     reasons = summary.get("error_reasons") or {}
@@ -196,17 +183,17 @@ def _prompt(req: Any, index: int, vocab_size: int | None) -> list[int]:
 
 
 async def _one(client: httpx.AsyncClient, url: str, payload: dict, request_id: str,
-               arrival: float, cancel_after: int | None, t0: float,
+               arrival: float, cancel_after: int | None, t0: float, prompt_len: int,
                slots: Any = None) -> RequestRecord:
     """Send one request at `arrival` seconds after `t0`, or later when it must wait for one of
     the client's `slots` (a closed loop), and time its stream from when it was sent."""
     await asyncio.sleep(max(0.0, t0 + arrival - time.perf_counter()))
     async with slots or contextlib.nullcontext():
-        return await _send(client, url, payload, request_id, cancel_after, t0)
+        return await _send(client, url, payload, request_id, cancel_after, t0, prompt_len)
 
 
 async def _send(client: httpx.AsyncClient, url: str, payload: dict, request_id: str,
-                cancel_after: int | None, t0: float) -> RequestRecord:
+                cancel_after: int | None, t0: float, prompt_len: int) -> RequestRecord:
     sent = time.perf_counter() - t0
     token_times: list[float] = []
     num_tokens, finish, usage, error = 0, None, None, None
@@ -247,17 +234,19 @@ async def _send(client: httpx.AsyncClient, url: str, payload: dict, request_id: 
     if usage and finish not in ("cancelled", "error"):
         num_tokens = usage.get("completion_tokens", num_tokens)
     return RequestRecord(
-        request_id, (usage or {}).get("prompt_tokens", len(payload["prompt"])), num_tokens,
+        request_id, (usage or {}).get("prompt_tokens", prompt_len), num_tokens,
         {"abort": "cancelled"}.get(finish, finish), sent, None,
         token_times[0] if token_times else None, end, token_times, None, None, None, None, [],
         error=error)
 
 
 async def run_client(endpoint: str, workload_requests: Sequence[Any], model: str | None = None,
-                     temperature: float = 0.0, vocab_size: int | None = None,
+                     temperature: float | None = 0.0, vocab_size: int | None = None,
                      timeout: float = 600.0, progress: bool = False,
                      warmup: bool = True, omit: Sequence[str] = (),
-                     max_concurrency: int | None = None) -> list[RequestRecord]:
+                     max_concurrency: int | None = None, texts: Sequence[str] | None = None,
+                     ignore_eos: bool = True, extra: dict[str, Any] | None = None,
+                     headers: dict[str, str] | None = None) -> list[RequestRecord]:
     """Send every request (a `WorkloadRequest` or anything with `prompt_token_ids`,
     `max_tokens`, `arrival_time`, `cancel_after_tokens`, `request_id`; a trace's `tenant`,
     `priority` and `deadline` go as `user`, `priority` and `deadline`) at its arrival time,
@@ -269,7 +258,10 @@ async def run_client(endpoint: str, workload_requests: Sequence[Any], model: str
     send (`"priority"` for a vLLM server started without `--scheduling-policy priority`, which
     refuses a non-zero one). `max_concurrency=N`: a closed loop, as vLLM's `bench serve
     --max-concurrency`: at most N requests in flight; a request due while N are waits for one
-    to finish, and its times count from when it is sent."""
+    to finish, and its times count from when it is sent. `texts`: each request's prompt as
+    text, sent as one user message to the chat endpoint (`endpoint` may name either endpoint in
+    full). `temperature` None: not sent (the server's default); `extra`: more request fields;
+    `headers`: sent with every request (an API key)."""
     unknown = set(omit) - set(SENT_FIELDS)
     if unknown:
         raise ValueError(f"omit: unknown field(s) {sorted(unknown)}; choose from {SENT_FIELDS}")
@@ -279,17 +271,23 @@ async def run_client(endpoint: str, workload_requests: Sequence[Any], model: str
         raise ValueError(f"max_concurrency must be a positive integer, got {max_concurrency!r}")
     # a closed loop's slots; FIFO, so requests are sent in the order they came due
     slots = None if max_concurrency is None else asyncio.Semaphore(max_concurrency)
-    url = completions_url(endpoint)
+    chat = texts is not None
+    url = completions_url(endpoint, chat)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10.0),
-                                 limits=limits) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10.0), limits=limits,
+                                 headers=headers) as client:
         if model is None:
             listing = await client.get(models_url(endpoint))
             listing.raise_for_status()
             model = listing.json()["data"][0]["id"]
+        def prompt(i: int, req: Any) -> dict[str, Any]:
+            if chat:
+                return {"messages": [{"role": "user", "content": texts[i]}]}
+            return {"prompt": _prompt(req, i, vocab_size)}
+
         if warmup and workload_requests:
-            probe = {"model": model, "prompt": _prompt(workload_requests[0], 0, vocab_size)[:8],
-                     "max_tokens": 2, "temperature": 0.0, "stream": True}
+            probe = {"model": model, **prompt(0, workload_requests[0]), "max_tokens": 2,
+                     "temperature": 0.0, "stream": True}
             async with client.stream("POST", url, json=probe) as resp:
                 body = (await resp.aread()).decode(errors="replace")
             if resp.status_code != 200:
@@ -301,19 +299,24 @@ async def run_client(endpoint: str, workload_requests: Sequence[Any], model: str
         t0 = time.perf_counter()
 
         async def one(i: int, req: Any) -> RequestRecord:
-            payload = {"model": model, "prompt": _prompt(req, i, vocab_size),
-                       "max_tokens": req.max_tokens, "temperature": temperature,
-                       "ignore_eos": True, "stream": True,
-                       "stream_options": {"include_usage": True}}
-            if temperature > 0:
-                payload["seed"] = i
+            payload = {"model": model, **prompt(i, req),
+                       "max_completion_tokens" if chat else "max_tokens": req.max_tokens,
+                       "stream": True, "stream_options": {"include_usage": True},
+                       **(extra or {})}
+            if ignore_eos:
+                payload["ignore_eos"] = True
+            if temperature is not None:
+                payload["temperature"] = temperature
+                if temperature > 0:
+                    payload["seed"] = i
             for field, value in (("user", getattr(req, "tenant", None)),  # only when a trace
                                  ("priority", getattr(req, "priority", 0) or None),  # gave one
                                  ("deadline", getattr(req, "deadline", None))):
                 if value is not None and field not in omit:
                     payload[field] = value
             record = await _one(client, url, payload, req.request_id or f"req-{i}",
-                                req.arrival_time or 0.0, req.cancel_after_tokens, t0, slots)
+                                req.arrival_time or 0.0, req.cancel_after_tokens, t0,
+                                req.prompt_len, slots)
             if bar is not None:
                 bar.update(1)
             return record
@@ -331,7 +334,7 @@ def bench_endpoint(endpoint: str, workload: Any, label: str | None = None,
                    temperature: float = 0.0, progress: bool = False,
                    slo: dict[str, float] | None = None,
                    omit: Sequence[str] = (),
-                   max_concurrency: int | None = None) -> dict[str, Any]:
+                   max_concurrency: int | None = None, **send: Any) -> dict[str, Any]:
     """Run `workload` against a server; returns `{"declaration", "results": {label: summary},
     "records"}` in the results schema of `python -m minicb bench` (chapter 06). The summary is
     `minicb.benchmark.metrics.summarize` over the client's records (no trace: step metrics are
@@ -341,24 +344,26 @@ def bench_endpoint(endpoint: str, workload: Any, label: str | None = None,
     (`SERVER_COUNTERS`: their growth over the run, named in `from_server_metrics`); without an
     SLO no goodput, as in bench), with `error_reasons`: each failed request's reason in the
     server's words, and how many (a 503 cache_full is no failure: `rejected` counts it).
-    `omit`: trace fields not to send, as in `run_client`."""
+    `omit`, `send`: as in `run_client` (`texts`: the chat endpoint)."""
     try:
         if model is None:
-            listing = httpx.get(models_url(endpoint), timeout=10.0)
+            listing = httpx.get(models_url(endpoint), timeout=10.0,
+                                headers=send.get("headers"))
             listing.raise_for_status()
             model = listing.json()["data"][0]["id"]
         before = server_counters(endpoint)
         records = asyncio.run(run_client(endpoint, workload.requests, model=model,
                                          temperature=temperature, vocab_size=vocab_size,
                                          progress=progress, omit=omit,
-                                         max_concurrency=max_concurrency))
+                                         max_concurrency=max_concurrency, **send))
         after = server_counters(endpoint)
     except (httpx.TransportError, httpx.HTTPStatusError) as exc:
         raise unreachable(endpoint, exc) from None
     except WarmupFailed as exc:  # the server's answer to what we sent: a one-line error
         raise ValueError(str(exc)) from None
     declaration = {**workload.declaration, "endpoint": endpoint, "model": model,
-                   "measured_at": "client (streamed /v1/completions)",
+                   "measured_at": "client (streamed "
+                                  f"{completions_url(endpoint, 'texts' in send)})",
                    "temperature": temperature, "omitted_fields": sorted(omit),
                    "concurrency": concurrency_declaration(max_concurrency),
                    "httpx": httpx.__version__}
@@ -382,50 +387,3 @@ def bench_endpoint(endpoint: str, workload: Any, label: str | None = None,
                                          "would count too")
     return {"declaration": declaration, "results": {label or endpoint: summary},
             "records": [r.__dict__ for r in records]}
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m minicb.serving.client --endpoint URL`: a workload against any OpenAI-compatible
-    server, metrics measured at the client."""
-    from minicb.benchmark.workload import get_workload
-
-    parser = argparse.ArgumentParser(prog="python -m minicb.serving.client",
-                                     description=main.__doc__)
-    parser.add_argument("--endpoint", required=True, help="e.g. http://127.0.0.1:8000")
-    parser.add_argument("--workload", default="mixed-chat")
-    parser.add_argument("--num-requests", type=int, default=None)
-    parser.add_argument("--rate", type=float, default=None, help="requests/s (default: all "
-                        "at once)")
-    parser.add_argument("--burstiness", type=float, default=None)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--model", default=None, help="default: the server's first model")
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--label", default=None, help="the results key (default: endpoint)")
-    add_endpoint_arguments(parser)
-    add_concurrency_argument(parser)
-    add_slo_arguments(parser)
-    parser.add_argument("--out", default=None, help="write results JSON here")
-    args = parser.parse_args(argv)
-    try:
-        slo = slo_from_args(args)
-        workload = get_workload(args.workload, num_requests=args.num_requests, rate=args.rate,
-                                burstiness=args.burstiness, seed=args.seed)
-        check_wall_clock_span(workload)
-        check_max_concurrency(args.max_concurrency)
-        out = bench_endpoint(args.endpoint, workload, args.label, args.model, args.vocab_size,
-                             args.temperature, progress=True, slo=slo, omit=args.omit_field,
-                             max_concurrency=args.max_concurrency)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(report(out["results"]))
-    print_errors(out["results"])
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
-        print(f"wrote {args.out}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
