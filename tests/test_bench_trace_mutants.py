@@ -9,10 +9,18 @@ import types
 import pytest
 from test_bench import SWEEP, TINY, priority_trace
 
-from minicb.benchmark import bench, metrics
+from minicb.benchmark import bench, flags, hf, metrics, profile, report, runs, sweep
 from minicb.benchmark.workload import Workload, load_workload_file, save_workload_file
 
 OK = '{"arrival_s": 0, "prompt_tokens": 3, "output_tokens": 4}\n'
+
+def patch(monkeypatch, name: str, value) -> None:
+    """Replace `name` in every benchmark module that looks it up (bench, sweep and profile
+    import the shared steps by name)."""
+    for module in (bench, flags, hf, profile, report, runs, sweep):
+        if hasattr(module, name):
+            monkeypatch.setattr(module, name, value)
+
 
 
 def write(tmp_path, text: str, name: str = "t.jsonl"):
@@ -105,11 +113,11 @@ def test_preemption_lists_are_checked_and_deduplicated(tmp_path, capsys):
     assert bench.main_bench(["--executor", "sim", "--num-requests", "2", "--no-progress",
                              "--preemption", ","]) == 2
     assert "--preemption takes newest" in capsys.readouterr().err
-    args = bench.sweep_parser().parse_args(
+    args = sweep.sweep_parser().parse_args(
         ["--executor", "sim", "--num-requests", "2", "--max-num-batched-tokens", "64",
          "--max-num-seqs", "4", "--chunk-size", "64", "--preemption", "newest, newest",
          "--no-progress"])
-    assert [r["preemption"] for r in bench.run_sweep(args)["rows"]] == ["newest"]
+    assert [r["preemption"] for r in sweep.run_sweep(args)["rows"]] == ["newest"]
 
 
 def test_bench_gives_the_engine_its_priority_aging(tmp_path):
@@ -127,13 +135,13 @@ def test_bench_gives_the_engine_its_priority_aging(tmp_path):
 def test_sweep_ages_the_priority_rows_only(tmp_path, monkeypatch):
     """Catches sweep dropping --priority-aging-steps from the priority rows' options (the
     declaration names it from the flag, so only the engines' options show it)."""
-    seen, real = {}, bench.run_policy
+    seen, real = {}, runs.run_policy
 
     def spy(executor, policy, workload, options, *args, **kwargs):
         seen[options["preemption"]] = options.get("priority_aging_steps")
         return real(executor, policy, workload, options, *args, **kwargs)
-    monkeypatch.setattr(bench, "run_policy", spy)
-    assert bench.main_sweep(["--executor", "sim", "--workload-file", priority_trace(tmp_path),
+    patch(monkeypatch, "run_policy", spy)
+    assert sweep.main_sweep(["--executor", "sim", "--workload-file", priority_trace(tmp_path),
                              "--policy", "continuous", "--max-num-batched-tokens", "64",
                              "--max-num-seqs", "1", "--chunk-size", "64", "--preemption",
                              "newest,priority", "--priority-aging-steps", "50",
@@ -145,13 +153,13 @@ def test_the_fairness_limit_admits_a_setting_that_waited_exactly_that_long(capsy
     """Catches `max_queue_age_s < limit` for `<=` ("waited no longer"), and --max-queue-age 0
     accepted (the check is `> 0`)."""
     grid = [*SWEEP, "--slo-ttft", "0.5"]
-    top = bench.run_sweep(bench.sweep_parser().parse_args(grid))["rows"][0]
+    top = sweep.run_sweep(sweep.sweep_parser().parse_args(grid))["rows"][0]
     limit = top["max_queue_age_s"]
     assert limit > 0
-    fair = bench.run_sweep(bench.sweep_parser().parse_args([*grid, "--max-queue-age",
+    fair = sweep.run_sweep(sweep.sweep_parser().parse_args([*grid, "--max-queue-age",
                                                             repr(limit)]))
     assert fair["best"] == top
-    assert bench.main_sweep([*grid, "--max-queue-age", "0"]) == 2
+    assert sweep.main_sweep([*grid, "--max-queue-age", "0"]) == 2
     assert "--max-queue-age must be" in capsys.readouterr().err
 
 
@@ -183,14 +191,14 @@ def test_output_tokens_are_each_requests_generated_ids():
     check could never see a difference)."""
     engine = types.SimpleNamespace(requests={"a": types.SimpleNamespace(
         prompt_token_ids=[1, 2], output_token_ids=[7, 8, 9])})
-    assert bench.output_tokens(engine) == {"a": [7, 8, 9]}
+    assert runs.output_tokens(engine) == {"a": [7, 8, 9]}
 
 
 def test_a_request_missing_from_a_run_counts_as_differing():
     """Catches same_tokens skipping requests the compared run lacks (a transformers run that
     lost one) and counting `requests` from that run instead of the reference."""
     ref = {"a": [1], "b": [2]}
-    assert bench.same_tokens(ref, {"a": [1]}, "static") == {
+    assert runs.same_tokens(ref, {"a": [1]}, "static") == {
         "policy": "static", "checked": True, "requests": 2, "differing_requests": ["b"]}
 
 
@@ -198,8 +206,8 @@ def test_quality_lines_show_five_differing_ids_then_dots():
     """Catches the list of differing requests cut at another length than the five it
     promises before ', ...'."""
     ref = {f"r{i}": [i] for i in range(7)}
-    results = {"static": {}, "pd": {"same_tokens_as": bench.same_tokens(ref, {}, "static")}}
-    assert bench.quality_lines(results) == [
+    results = {"static": {}, "pd": {"same_tokens_as": runs.same_tokens(ref, {}, "static")}}
+    assert report.quality_lines(results) == [
         "greedy tokens: pd differs from static on 7 of 7 (r0, r1, r2, r3, r4, ...)"]
 
 
@@ -207,7 +215,7 @@ def test_every_policy_is_compared_with_the_first(tiny_llama_dir, monkeypatch):
     """Catches the reference tokens replaced by each policy's in turn (continuous compared
     with pd, not static). The policies' tokens are faked: static's differ from the others'."""
     runs = iter([{"r": [0]}, {"r": [1]}, {"r": [1]}])
-    monkeypatch.setattr(bench, "output_tokens", lambda engine: next(runs))
+    patch(monkeypatch, "output_tokens", lambda engine: next(runs))
     args = bench.bench_parser().parse_args(["--model", str(tiny_llama_dir), "--policy",
                                             "static,pd,continuous", *TINY])
     results = bench.run_bench(args)["results"]
@@ -218,26 +226,26 @@ def test_every_policy_is_compared_with_the_first(tiny_llama_dir, monkeypatch):
 def test_transformers_rows_give_no_goodput_without_an_slo(tiny_llama_dir, monkeypatch):
     """Catches bench's hf-static and hf-generate-batch rows reporting completed requests/s as
     goodput when no SLO was given (transformers' runs are stubbed)."""
-    monkeypatch.setattr(bench, "_hf_model", lambda path, device, dtype: "hf")
-    monkeypatch.setattr(bench, "hf_static", lambda *a, **kw: [])
-    monkeypatch.setattr(bench, "hf_generate_batch", lambda *a, **kw: [])
+    patch(monkeypatch, "hf_model", lambda path, device, dtype: "hf")
+    patch(monkeypatch, "hf_static", lambda *a, **kw: [])
+    patch(monkeypatch, "hf_generate_batch", lambda *a, **kw: [])
     args = bench.bench_parser().parse_args(["--model", str(tiny_llama_dir), "--policy", "pd",
                                             "--compare", "hf", *TINY])
     results = bench.run_bench(args)["results"]
     for name in ("hf-static", "hf-generate-batch"):
         assert results[name]["goodput_rps"] is None, name
-        assert results[name]["goodput_note"] == bench.NO_SLO_NOTE
+        assert results[name]["goodput_note"] == runs.NO_SLO_NOTE
 
 
 def test_hf_static_tokens_are_each_requests_own_length(tiny_llama_dir):
     """Catches hf_static's tokens cut at the batch's longest output, not the request's own
     (the shorter request then differs from minicb's in the quality line)."""
     from minicb.benchmark.workload import WorkloadRequest
-    model = bench._hf_model(tiny_llama_dir, "cpu", __import__("torch").float32)
+    model = hf.hf_model(tiny_llama_dir, "cpu", __import__("torch").float32)
     workload = Workload("two", [WorkloadRequest(prompt_len=8, max_tokens=n, request_id=f"r{n}")
                                 for n in (3, 9)])
     tokens: dict[str, list[int]] = {}
-    bench.hf_static(model, workload, batch_size=2, progress=False, tokens=tokens)
+    hf.hf_static(model, workload, batch_size=2, progress=False, tokens=tokens)
     assert {rid: len(ids) for rid, ids in tokens.items()} == {"r3": 3, "r9": 9}
 
 
@@ -251,7 +259,7 @@ def test_the_report_prints_the_no_slo_note_and_each_token_count(tmp_path, capsys
     printed = capsys.readouterr().out
     pd = json.loads(out.read_text())["results"]["pd"]
     assert pd["prefill_tokens"] != pd["decode_tokens"]
-    assert f"goodput: - ({bench.NO_SLO_NOTE})" in printed
+    assert f"goodput: - ({runs.NO_SLO_NOTE})" in printed
     assert f"tokens: {pd['prefill_tokens']} prefill + {pd['decode_tokens']} decode, " in printed
 
 

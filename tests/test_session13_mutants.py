@@ -12,9 +12,18 @@ import types
 import pytest
 from test_bench import SWEEP
 
-from minicb.benchmark import bench
+from minicb.benchmark import bench, flags, hf, profile, report, runs, sweep
 from minicb.benchmark.sim import CostModel, make_sim_engine
 from minicb.benchmark.workload import Workload, WorkloadRequest, load_workload_file, run_workload
+
+
+def patch(monkeypatch, name: str, value) -> None:
+    """Replace `name` in every benchmark module that looks it up (bench, sweep and profile
+    import the shared steps by name)."""
+    for module in (bench, flags, hf, profile, report, runs, sweep):
+        if hasattr(module, name):
+            monkeypatch.setattr(module, name, value)
+
 
 
 def _cancelled(**ids: str) -> Workload:
@@ -35,9 +44,9 @@ def test_a_request_stopped_late_with_exactly_its_cancel_point_tokens_is_not_hono
     token, computing nothing it returned, would pass."""
     workload = _cancelled()
     engine = _run(workload)
-    assert bench.cancellations_honoured(engine, workload)
+    assert runs.cancellations_honoured(engine, workload)
     engine.requests["req-1"].metrics.finish_step += 1  # its cancel came a step late
-    assert not bench.cancellations_honoured(engine, workload)
+    assert not runs.cancellations_honoured(engine, workload)
 
 
 def test_cancellations_are_checked_under_a_traces_own_request_ids():
@@ -48,23 +57,23 @@ def test_cancellations_are_checked_under_a_traces_own_request_ids():
                              for r in named.requests])
     engine = _run(late)
     assert set(engine.requests) == {"alice", "bob", "carol"} and engine.pool.num_used == 0
-    assert not bench.cancellations_honoured(engine, named)  # 5 tokens where 3 were wanted
+    assert not runs.cancellations_honoured(engine, named)  # 5 tokens where 3 were wanted
 
 
 def test_the_quality_reference_is_each_request_served_alone_to_its_full_length(monkeypatch):
     """reference_tokens ran another policy than `single` (batched with others, not alone), or
     kept the cancel points (a reference cut short at each request's cancel point)."""
     policies = []
-    real = bench.run_policy
+    real = runs.run_policy
 
     def spy(executor, policy, *args, **kwargs):
         policies.append(policy)
         return real(executor, policy, *args, **kwargs)
-    monkeypatch.setattr(bench, "run_policy", spy)
+    patch(monkeypatch, "run_policy", spy)
     workload = Workload("w", [WorkloadRequest(prompt_len=12, max_tokens=6, cancel_after_tokens=2,
                                               arrival_time=0.01 * i, deadline=30.0)
                               for i in range(3)])
-    reference = bench.reference_tokens(bench.Executor("sim", cost=CostModel()), workload,
+    reference = sweep.reference_tokens(runs.Executor("sim", cost=CostModel()), workload,
                                        {"num_pages": 64, "page_size": 4})
     assert policies == ["single"]
     assert sorted(reference) == ["req-0", "req-1", "req-2"]
@@ -75,23 +84,23 @@ def test_a_sweep_without_an_slo_ranks_and_picks_by_completed_requests(monkeypatc
     """run_sweep ranked by goodput_rps whatever the SLO (`ranked_by` fixed): goodput is null
     without one, so the rows and the best fell back to tokens/s, not completed requests/s."""
     asked = []
-    real = bench.ranked
+    real = sweep.ranked
 
     def spy(rows, by="goodput_rps"):
         asked.append(by)
         return real(rows, by)
-    monkeypatch.setattr(bench, "ranked", spy)
-    bench.run_sweep(bench.sweep_parser().parse_args(SWEEP))
+    patch(monkeypatch, "ranked", spy)
+    sweep.run_sweep(sweep.sweep_parser().parse_args(SWEEP))
     assert asked and set(asked) == {"requests_per_s"}
     asked.clear()
-    bench.run_sweep(bench.sweep_parser().parse_args([*SWEEP, "--slo-ttft", "0.5"]))
+    sweep.run_sweep(sweep.sweep_parser().parse_args([*SWEEP, "--slo-ttft", "0.5"]))
     assert asked and set(asked) == {"goodput_rps"}
 
 
 def test_a_sweep_rows_requests_per_s_counts_every_completed_request():
     """The row's requests_per_s was the summary's goodput (a wrong key): with an SLO some
     requests miss, so completed requests/s exceeds goodput."""
-    data = bench.run_sweep(bench.sweep_parser().parse_args([*SWEEP, "--slo-ttft", "0.05"]))
+    data = sweep.run_sweep(sweep.sweep_parser().parse_args([*SWEEP, "--slo-ttft", "0.05"]))
     assert all(r["requests_per_s"] >= r["goodput_rps"] for r in data["rows"])
     assert any(r["requests_per_s"] > r["goodput_rps"] for r in data["rows"])
 
@@ -103,7 +112,7 @@ def test_a_zero_or_infinite_slo_names_its_flag(value):
     instead of the flag --slo-ttft."""
     args = types.SimpleNamespace(slo_ttft=value, slo_itl=None, slo_tpot=None, slo_e2e=None)
     with pytest.raises(ValueError, match="^--slo-ttft must be a positive number"):
-        bench.slo_from_args(args)
+        flags.slo_from_args(args)
 
 
 def test_a_csv_trace_may_say_long_prefill_0_on_every_other_request(tmp_path):

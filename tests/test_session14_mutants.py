@@ -12,7 +12,16 @@ from dataclasses import replace
 import pytest
 from test_metrics import approx, rec
 
-from minicb.benchmark import bench, metrics
+from minicb.benchmark import bench, flags, hf, metrics, profile, report, runs, sweep
+
+
+def patch(monkeypatch, name: str, value) -> None:
+    """Replace `name` in every benchmark module that looks it up (bench, sweep and profile
+    import the shared steps by name)."""
+    for module in (bench, flags, hf, profile, report, runs, sweep):
+        if hasattr(module, name):
+            monkeypatch.setattr(module, name, value)
+
 
 
 def test_class_slo_attainment_counts_failed_requests_as_summarize_does():
@@ -36,10 +45,10 @@ def test_check_writable_leaves_an_existing_file_as_it_was(tmp_path):
     had any, and for good if it then failed."""
     old = tmp_path / "results.json"
     old.write_text('{"kept": true}')
-    bench.check_writable(old, "--out")
+    flags.check_writable(old, "--out")
     assert old.read_text() == '{"kept": true}'
     new = tmp_path / "sub" / "new.json"
-    bench.check_writable(new, "--out")
+    flags.check_writable(new, "--out")
     assert not new.exists()
 
 
@@ -87,7 +96,7 @@ def test_every_engine_flag_is_refused_with_endpoint():
 def test_print_extra_names_evictions_without_recomputation(capsys):
     """The memory-pressure line showed only when work was recomputed (`or evicted_pages`
     dropped): cached pages evicted with no preemption went unreported."""
-    bench._print_extra("pd", {"discarded_tokens": 0, "recomputed_tokens": 0,
+    report._print_extra("pd", {"discarded_tokens": 0, "recomputed_tokens": 0,
                               "evicted_pages": 5})
     assert "pd: work lost to preemption=0 tokens (0 computed again), cached pages evicted=5" in \
         capsys.readouterr().out
@@ -105,7 +114,7 @@ def test_sweep_over_rates_has_no_best_when_no_setting_sustains_any_rate(tmp_path
     """With --rates, best was the top of the sustainable list even when its load was None (the
     `is not None` filter dropped): a setting that met the SLO target at no rate was named
     best."""
-    data = bench.run_sweep(bench.sweep_parser().parse_args(
+    data = sweep.run_sweep(sweep.sweep_parser().parse_args(
         ["--executor", "sim", "--workload", "mixed-chat", "--num-requests", "8", "--rates",
          "5,10", "--max-num-batched-tokens", "64,512", "--max-num-seqs", "8", "--chunk-size",
          "64", "--slo-ttft", "1e-9", "--no-progress"]))
@@ -119,8 +128,8 @@ def test_profile_checks_out_before_profiling(tmp_path, capsys, monkeypatch):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     ran = []
-    monkeypatch.setattr(bench, "run_profile", lambda *a, **k: ran.append(a) or 1 / 0)
-    assert bench.main_profile(["--out", str(blocker / "cm.json"), "--no-progress"]) == 2
+    patch(monkeypatch, "run_profile", lambda *a, **k: ran.append(a) or 1 / 0)
+    assert profile.main_profile(["--out", str(blocker / "cm.json"), "--no-progress"]) == 2
     assert f"--out {blocker / 'cm.json'}: cannot write there" in capsys.readouterr().err
     assert ran == []
 
@@ -145,7 +154,7 @@ def test_the_hf_baseline_is_warmed_up_by_one_short_greedy_generate(monkeypatch):
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
                         lambda *a, **k: Fake())
-    model = bench._hf_model("some/path", "cpu", torch.float32)
+    model = hf.hf_model("some/path", "cpu", torch.float32)
     assert isinstance(model, Fake) and len(calls) == 1
     shape, kw = calls[0]
     assert shape[0] == 1 and kw["do_sample"] is False and kw["max_new_tokens"] <= 4

@@ -23,7 +23,7 @@ from test_viz import record  # noqa: E402
 from test_viz_mutants import legend_texts  # noqa: E402
 
 from minicb import SamplingParams  # noqa: E402
-from minicb.benchmark import bench
+from minicb.benchmark import report
 from minicb.benchmark.sim import make_sim_engine  # noqa: E402
 from minicb.benchmark.workload import Workload, WorkloadRequest  # noqa: E402
 from minicb.course import viz
@@ -152,11 +152,11 @@ def test_the_declared_lengths_and_hardware_in_their_short_form():
             "model": {"name": "m"}, "prompt_lengths": {"kind": "fixed", "value": 8},
             "output_lengths": {"low": 1, "high": 2},
             "device": {"device": "cpu", "cpu_count": 2, "cpu_model": "Test CPU 9000"}}
-    text = "\n".join(bench.declaration_lines(decl))
+    text = "\n".join(report.declaration_lines(decl))
     assert "prompts kind=fixed value=8, outputs 1-2\n" in text
     assert "on cpu (2 CPUs, Test CPU 9000)" in text
     decl["device"]["cpu_model"] = None
-    assert "on cpu (2 CPUs)\n" in "\n".join(bench.declaration_lines(decl))
+    assert "on cpu (2 CPUs)\n" in "\n".join(report.declaration_lines(decl))
 
 
 # ------------------------------------------------------------------------------ viz.py
