@@ -29,7 +29,7 @@ from pydantic import (
 
 MAX_N = 16  # choices per request: each is a sequence in the engine
 MAX_LOGPROBS = 20  # OpenAI's bound on top_logprobs
-MAX_STOP_TOKEN_IDS = 256  # each is checked once per request; the sampler compares every step
+MAX_STOP_TOKEN_IDS = 1024  # as SamplingParams bounds them
 
 
 def _utf8(text: str) -> str:
