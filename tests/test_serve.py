@@ -25,7 +25,8 @@ from pydantic import ValidationError
 from tiny_models import guessable_model
 
 from minicb import LLM, Engine, SamplingParams
-from minicb.benchmark import bench, metrics
+from minicb.benchmark import metrics
+from minicb.benchmark.serve import serve_parser
 from minicb.benchmark.sim import make_sim_engine
 from minicb.benchmark.workload import make_workload
 from minicb.llm import IncrementalDecoder
@@ -346,6 +347,11 @@ def shared_server(tiny_model):
     ({"prompt": [5, 6], "temperature": 10**400}, 400, "temperature"),
     ({"prompt": [5, 6], "max_tokens": "many"}, 400, "max_tokens"),
     ({"prompt": [5, 6], "n": 17}, 400, "n"),
+    (b'{"prompt": [5, 6], "max_tokens": 1e30}', 400, "max_tokens"),  # not the prompt's fault
+    ({"prompt": [5, 6], "max_tokens": 10**30}, 400, "max_tokens"),
+    ({"prompt": [5, 6], "stop_token_ids": [5] * 1025}, 400, "stop_token_ids"),  # bounded
+    ({"prompt": [5, 6], "logit_bias": {"5": 1}}, 400, "logit_bias"),  # not implemented
+    ({"prompt": [5, 6], "temprature": 0}, 400, "temprature"),  # no one's field
     ({"prompt": [5, 6], "n": 2}, 200, None),
     ({"prompt": [5, 6], "stop": [3]}, 200, None),  # token ids given as `stop`
     ({"prompt": [5, 6], "stop": "w1"}, 400, "stop"),  # no tokenizer, no stop strings
@@ -376,6 +382,39 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(shared_serv
             assert err["type"] == "invalid_request_error" or status == 404
         ok = http.post(url + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 2})
         assert ok.status_code == 200 and len(ok.json()["choices"][0]["token_ids"]) == 2
+
+
+def test_a_lone_surrogate_is_refused_naming_its_field(word_model):
+    """A JSON string may hold a lone surrogate, which no tokenizer can encode: a 400 naming
+    the prompt or the messages, not a 500 from the tokenizer."""
+    app = create_app(Engine(word_model, policy="pd", num_pages=64), "tiny")
+    with ServerThread(app) as url, httpx.Client(timeout=TIMEOUT) as http:
+        for path, body, param in (
+                ("/v1/completions", b'{"prompt": "w5 \\ud800 w6"}', "prompt"),
+                ("/v1/chat/completions",
+                 b'{"messages": [{"role": "user", "content": "w5 \\ud800"}]}', "messages")):
+            r = http.post(url + path, content=body, headers={"content-type": "application/json"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+            assert "surrogate" in r.json()["error"]["message"]
+
+
+def test_an_oversized_body_is_refused_before_it_is_read(tiny_model):
+    """A body over --max-request-bytes gets a 413: by its Content-Length at once, or by the
+    bytes counted as a body without one streams in; /health answers all the while."""
+    app = create_app(Engine(tiny_model, policy="pd", num_pages=64), "tiny",
+                     max_request_bytes=1000)
+    body = json.dumps({"prompt": [5] * 400}).encode()  # 1,210 bytes
+
+    def chunks():  # no Content-Length: sent chunked
+        yield body[:600]
+        yield body[600:]
+    with ServerThread(app) as url, httpx.Client(timeout=TIMEOUT) as http:
+        for content in (body, chunks()):
+            r = http.post(url + "/v1/completions", content=content)
+            assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+            assert http.get(url + "/health").json() == {"status": "ok"}
+        ok = http.post(url + "/v1/completions", json={"prompt": [5] * 100, "max_tokens": 2})
+        assert ok.status_code == 200
 
 
 def test_the_schema_names_the_field():
@@ -573,23 +612,6 @@ def test_engine_faults_fail_the_request_not_the_server(tiny_model):
         assert values['minicb:request_success_total{finished_reason="error"}'] == 2
 
 
-def test_client_cli_writes_the_results_schema(tiny_model, tmp_path, capsys):
-    from minicb.serving.client import main as client_main
-
-    out = tmp_path / "results.json"
-    with serving(tiny_model, max_num_seqs=8) as (url, _):
-        assert client_main(["--endpoint", url, "--workload", "mixed-chat", "--num-requests", "4",
-                            "--vocab-size", "256", "--slo-ttft", "5", "--out", str(out)]) == 0
-    saved = json.loads(out.read_text())
-    assert saved["declaration"]["workload"] == "mixed-chat"
-    assert saved["declaration"]["model"] == "tiny"
-    result = saved["results"][url]
-    assert result["num_requests"] == result["completed"] == 4 and result["errors"] == 0
-    for key in ("ttft_s", "itl_s", "tpot_s", "e2e_s"):
-        assert result[key]["p50"] > 0
-    assert "TTFT p50" in capsys.readouterr().out
-
-
 def test_the_client_sends_a_traces_tenant_priority_and_deadline(tiny_model):
     """A replayed trace's tenant, priority and deadline reach the server (as `user`,
     `priority`, `deadline`): the engine holds them, and a deadline too short to meet comes
@@ -609,55 +631,19 @@ def test_the_client_sends_a_traces_tenant_priority_and_deadline(tiny_model):
     assert seen["late"] == ("team-a", 2, 1e-6) and seen["plain"] == (None, 0, None)
 
 
-def test_bench_endpoint_measures_a_running_server(tiny_model, tmp_path, capsys):
-    from minicb.benchmark.bench import main_bench
-
-    out = tmp_path / "endpoint.json"
+def test_bench_endpoint_measures_a_running_server(tiny_model):
+    """The client's summary: what only the server's engine knows is unknown (None), not 0,
+    unless its /metrics counts it (steps, preemptions)."""
     with serving(tiny_model, max_num_seqs=8) as (url, _):
-        assert main_bench(["--endpoint", url, "--workload", "mixed-chat", "--num-requests", "3",
-                           "--vocab-size", "256", "--out", str(out)]) == 0
-    result = next(iter(json.loads(out.read_text())["results"].values()))
+        data = bench_endpoint(url, make_workload(3, prompt_lengths="uniform:8:32",
+                                                 output_lengths="fixed:4"), vocab_size=256)
+    result = data["results"][url]
     assert result["completed"] == 3 and result["ttft_s"]["p50"] > 0
-    printed = capsys.readouterr().out  # the contract's p50/p95/p99, not only p50/p99
-    assert "latency percentiles (s)" in printed and "TTFT p95" in printed
-    assert "E2E p95" in printed and "queue p95" not in printed  # queue time is not seen here
-    # what only the server's engine knows is unknown here, not 0, unless its /metrics says
     assert result["mean_batch_size"] is None and result["dead_slot_steps"] is None
     assert result["preemptions"] == 0 and result["num_steps"] > 0  # minicb's /metrics
-    assert "num_steps=" in printed
-    # the declaration is printed too, not only written with --out (a README audit)
-    assert printed.startswith("workload mixed-chat: 3 requests, arrivals") or \
-        "\nworkload mixed-chat: 3 requests, arrivals" in printed
-    assert f"concurrency: open loop; endpoint {url}" in printed
+    assert "num_steps=" in client.report(data["results"])
     records_only = metrics.summarize([], [])  # a summary not from bench_endpoint: no such line
     assert "/metrics" not in client.report({"x": {**records_only, "preemptions": 0}})
-
-
-def test_bench_endpoint_without_a_server_says_so(capsys):
-    """A learner who forgot to start the server gets one line naming the endpoint and what to
-    do, exit code 2, from both command lines; not a traceback."""
-    from minicb.serving.client import main as client_main
-    with socket.socket() as sock:  # a port nobody listens on once closed
-        sock.bind(("127.0.0.1", 0))
-        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    for argv in (["--model", "x"], []):  # the warm-up request, and the model listing
-        assert client_main(["--endpoint", url, "--num-requests", "1", *argv]) == 2
-        assert f"cannot reach {url}" in capsys.readouterr().err
-    assert bench.main_bench(["--endpoint", url, "--num-requests", "1", "--no-progress"]) == 2
-    assert "is the server running?" in capsys.readouterr().err
-
-
-def test_bench_endpoint_says_why_the_server_refused_the_warm_up(shared_server, capsys):
-    """A wrong --model (404) or prompt ids past a small vocabulary (400, no --vocab-size) was
-    a RuntimeError traceback from both command lines: one line, exit code 2."""
-    from minicb.serving.client import main as client_main
-    one = ["--endpoint", shared_server, "--num-requests", "1"]
-    assert bench.main_bench([*one, "--no-progress", "--model", "gpt-9"]) == 2
-    assert "error: the warm-up request failed (404)" in capsys.readouterr().err
-    assert client_main(one) == 2  # mixed-chat's ids are not below the tiny model's 256
-    assert "error: the warm-up request failed (400)" in capsys.readouterr().err
-    assert client_main([*one, "--vocab-size", "-5"]) == 2
-    assert "vocab_size must be a positive integer, got -5" in capsys.readouterr().err
 
 
 def test_a_submitter_that_stops_waiting_harms_no_one(tiny_model):
@@ -1260,10 +1246,9 @@ def test_a_refusal_is_reported_in_the_servers_words_and_omit_field_avoids_it(cap
     assert describe_errors(omitted["results"]["x"]) == ""
     quota = describe_errors({"error_reasons": {"HTTP 429: too many users": 2}})
     assert quota == "error: 2 requests failed: HTTP 429: too many users"  # no field named
-    parsed = bench.bench_parser().parse_args(["--endpoint", url, "--omit-field", "priority"])
-    assert parsed.omit_field == ["priority"]
+    assert serve_parser().parse_args(["--omit-field", "priority"]).omit_field == ["priority"]
     with pytest.raises(SystemExit):
-        bench.bench_parser().parse_args(["--endpoint", url, "--omit-field", "tenant"])
+        serve_parser().parse_args(["--omit-field", "tenant"])
     assert "invalid choice" in capsys.readouterr().err
 
 
@@ -1275,22 +1260,6 @@ def test_the_client_stamps_every_token_the_last_one_too(tiny_model):
     for r in records:
         assert r.num_output_tokens == len(r.token_times) == 5
         assert r.token_times[-1] <= r.finish_time
-
-
-def test_client_cli_and_bench_endpoint_apply_the_slo_and_rate(tiny_model, tmp_path):
-    from minicb.serving.client import main as client_main
-    out, out2 = tmp_path / "client.json", tmp_path / "bench.json"
-    with serving(tiny_model, max_num_seqs=8) as (url, _):
-        assert client_main(["--endpoint", url, "--num-requests", "3", "--rate", "50",
-                            "--vocab-size", "256", "--slo-ttft", "1e-9", "--out", str(out)]) == 0
-        assert bench.main_bench(["--endpoint", url, "--num-requests", "3", "--vocab-size",
-                                 "256", "--slo-ttft", "1e-9", "--out", str(out2),
-                                 "--no-progress"]) == 0
-    saved = json.loads(out.read_text())
-    assert saved["declaration"]["rate_rps"] == 50.0
-    for result in (saved["results"][url], json.loads(out2.read_text())["results"][url]):
-        assert result["slo"] == {"ttft": 1e-9} and result["slo_met"] == 0
-        assert result["completed"] == 3 and result["goodput_rps"] == 0
 
 
 # --- the full-cache answers beside preemption (chapter 06): reject (503), swap -----------------

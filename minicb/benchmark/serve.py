@@ -113,8 +113,8 @@ def goodput_slo(pairs: list[str] | None) -> dict[str, float]:
     """`["ttft:500", "tpot:50"]` (vLLM's --goodput, milliseconds) -> minicb's SLO in seconds."""
     slo = {}
     for pair in pairs or ():
-        key, _, value = pair.partition(":")
-        if key not in GOODPUT_KEYS:
+        key, colon, value = pair.partition(":")
+        if key not in GOODPUT_KEYS or not colon:
             raise ValueError(f"--goodput takes KEY:MILLISECONDS with KEY among "
                              f"{', '.join(GOODPUT_KEYS)}, got {pair!r}")
         try:
