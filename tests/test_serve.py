@@ -27,12 +27,19 @@ from tiny_models import guessable_model
 from minicb import LLM, Engine, SamplingParams
 from minicb.benchmark import metrics
 from minicb.benchmark.serve import serve_parser
-from minicb.benchmark.sim import make_sim_engine
-from minicb.benchmark.workload import make_workload
+from minicb.benchmark.sim import SIM_TOKEN, make_sim_engine
+from minicb.benchmark.workload import Workload, WorkloadRequest, make_workload
 from minicb.llm import IncrementalDecoder
 from minicb.serving import client
-from minicb.serving.client import bench_endpoint, completions_url, run_client
-from minicb.serving.protocol import ChatCompletionRequest, CompletionRequest, sampling_params
+from minicb.serving.client import bench_endpoint, completions_url, models_url, run_client
+from minicb.serving.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    logprobs_wanted,
+    sampling_params,
+    stop_text,
+    validation_error,
+)
 from minicb.serving.server import ServerThread, create_app, main
 from minicb.serving.worker import EngineWorker
 
@@ -1401,3 +1408,474 @@ def test_serve_cli_passes_the_full_cache_answers_to_the_engine(tiny_llama_dir, m
         with pytest.raises(SystemExit) as exit_info:
             main([*base, *argv])
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------- the simulated engine
+T = SIM_TOKEN  # the simulated model's only answer: a prompt of T's keeps every guess
+
+
+@contextmanager
+def sim_server(max_queue=64, **options):
+    """A server on the simulated engine; yields (url, worker, engine, http)."""
+    engine = make_sim_engine(policy="pd", **options)
+    app = create_app(engine, "sim", max_queue=max_queue)
+    with ServerThread(app) as url, httpx.Client(timeout=TIMEOUT) as http:
+        yield url, app.state.worker, engine, http
+
+
+# ------------------------------------------------------------------------------ /metrics
+def test_metrics_gauges_show_their_own_stat_and_counters_are_typed_counter():
+    """Each gauge shows its own engine count (the free pages are the free list, not total
+    minus used); every counter is typed counter; every finish reason shows from the start."""
+    worker = EngineWorker(make_sim_engine(policy="pd"))  # never started
+    worker.stats.set_gauges(dict(num_waiting=1, num_running=2, pages_used=3, pages_free=4,
+                                 pages_cached=5, pages_total=12, swap_pages_free=6,
+                                 swap_pages_total=7), 0.0)
+    text = worker.metrics_text().decode()
+    values = metric_values(text)
+    kinds = {f.name: f.type for f in text_string_to_metric_families(text)}
+    for name, value in (("num_requests_waiting", 1), ("num_requests_running", 2),
+                        ("kv_pages_used", 3), ("kv_pages_free", 4), ("kv_pages_cached", 5),
+                        ("kv_pages_total", 12), ("kv_swap_pages_free", 6),
+                        ("kv_swap_pages_total", 7), ("kv_cache_usage_perc", 0.25)):
+        assert values[f"minicb:{name}"] == value and kinds[f"minicb:{name}"] == "gauge"
+    for name in ("num_preemptions", "prompt_tokens", "generation_tokens", "steps",
+                 "request_success", "preemption_discarded_tokens",
+                 "preemption_recomputed_tokens", "kv_pages_evicted", "kv_pages_swapped_out",
+                 "kv_pages_swapped_in", "prefix_cache_queries", "prefix_cache_hits"):
+        assert kinds[f"minicb:{name}"] == "counter"
+    for reason in ("stop", "length", "cancelled", "error", "deadline", "rejected"):
+        assert finished(text, reason) == 0
+    assert 'model_name="sim"' not in text and 'model_name="minicb"' in text
+
+
+def test_metrics_count_prompt_tokens_steps_and_the_whole_gap_of_a_speculative_step():
+    """prompt_tokens counts tokens, steps counts steps, and the gap of a step that kept
+    guesses is measured from the previous delivery, not from the step's own tokens."""
+    with sim_server(num_speculative_tokens=3) as (url, worker, engine, http):
+        for prompt in ([T] * 8, [T] * 5):
+            body = {"prompt": prompt, "max_tokens": 25, **GREEDY}
+            assert http.post(url + "/v1/completions", json=body).status_code == 200
+        wait_idle(worker)
+        steps, records = worker.call(lambda e: (len(e.trace), e.request_records())).result(10)
+        values = metric_values(http.get(url + "/metrics").text)
+    assert values["minicb:prompt_tokens_total"] == 13
+    assert values["minicb:steps_total"] == steps > 0
+    assert values["minicb:generation_tokens_total"] == 50
+    gaps = sum(r.token_times[-1] - r.first_token_time for r in records)  # deliveries' gaps
+    assert gaps > 0
+    assert values["minicb:inter_token_latency_seconds_sum"] == pytest.approx(gaps)
+
+
+# ------------------------------------------------------------------------------ responses
+def test_a_speculative_stream_reports_usage_in_tokens_and_openai_chunk_fields():
+    """The streamed usage counts tokens, not chunks (a step that kept guesses delivers
+    several); with include_usage every chunk before the usage chunk has `"usage": null`; a
+    completion's object is "text_completion"."""
+    body = {"prompt": [T] * 8, "max_tokens": 25, "stream": True,
+            "stream_options": {"include_usage": True}, **GREEDY}
+    with sim_server(num_speculative_tokens=3) as (url, _, _, http):
+        with http.stream("POST", url + "/v1/completions", json=body) as r:
+            chunks = sse_chunks(r)
+        plain = http.post(url + "/v1/completions", json={**body, "stream": False}).json()
+    *streamed, last = chunks
+    assert sum(len(c["choices"][0]["token_ids"]) for c in streamed) == 25 > len(streamed)
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 25
+    assert all("usage" in c and c["usage"] is None for c in streamed)
+    for out in (*chunks, plain):
+        assert out["object"] == "text_completion" and out["id"].startswith("cmpl-")
+
+
+def test_a_request_the_engine_cancels_while_its_client_listens_ends_with_abort():
+    """A request cancelled in the engine (here through worker.call) while another keeps the
+    engine stepping ends with finish_reason "abort", as vLLM says it."""
+    async def run(url, worker):
+        async with httpx.AsyncClient(timeout=TIMEOUT) as http:
+            body = {"prompt": [5, 6, 7], "max_tokens": 5000, "stream": True, **GREEDY}
+            async with http.stream("POST", url + "/v1/completions", json=body,
+                                   headers={"X-Request-Id": "keeper"}) as keeper, \
+                    http.stream("POST", url + "/v1/completions", json=body,
+                                headers={"X-Request-Id": "victim"}) as victim:
+                lines = victim.aiter_lines()
+                while not (await lines.__anext__()).startswith("data: {"):
+                    pass
+                worker.call(lambda e: e.cancel("victim"))
+                events = [json.loads(line[6:]) async for line in lines
+                          if line.startswith("data: {")]
+                await keeper.aclose()
+            return events
+
+    with sim_server() as (url, worker, _, _):
+        events = asyncio.run(asyncio.wait_for(run(url, worker), 30))
+        wait_idle(worker)
+    assert events[-1]["choices"][0]["finish_reason"] == "abort"
+
+
+def test_the_only_request_cancelled_in_the_engine_ends_its_stream_at_once():
+    """A request cancelled through worker.call while no other request runs ends its stream at
+    once: no step comes to tell it, so the worker does; also when the command forgets it."""
+    def cancel(engine, rid, then):
+        engine.cancel(rid)
+        for method in then:
+            getattr(engine, method)(rid)
+
+    async def run(url, worker, then):
+        async with httpx.AsyncClient(timeout=TIMEOUT) as http:
+            body = {"prompt": [5, 6, 7], "max_tokens": 5000, "stream": True, **GREEDY}
+            rid = f"only{len(then)}"
+            async with http.stream("POST", url + "/v1/completions", json=body,
+                                   headers={"X-Request-Id": rid}) as only:
+                lines = only.aiter_lines()
+                while not (await lines.__anext__()).startswith("data: {"):
+                    pass
+                worker.call(lambda e: cancel(e, rid, then))
+                return [json.loads(line[6:]) async for line in lines
+                        if line.startswith("data: {")]
+
+    with sim_server() as (url, worker, _, http):
+        events = asyncio.run(asyncio.wait_for(run(url, worker, ()), 10))
+        wait_idle(worker)
+        assert worker.call(lambda e: (e.requests["only0"].finish_reason, e.stats()["pages_used"])
+                           ).result(10) == ("cancelled", 0)
+        # a command that also forgets it: the stream still ends, and the server goes on
+        events_forgotten = asyncio.run(asyncio.wait_for(run(url, worker, ("forget",)), 10))
+        wait_idle(worker)
+        assert worker.last_error is None
+    assert events[-1]["choices"][0]["finish_reason"] == "abort"
+    assert events_forgotten[-1]["choices"][0]["finish_reason"] == "abort"
+
+
+def test_a_full_queue_says_when_to_retry_and_a_server_fault_is_a_500():
+    """A full queue answers 429 with Retry-After; an unexpected exception in a handler is a
+    500 server_error naming it."""
+    with sim_server(max_queue=0) as (url, worker, _, http):  # 0 waiting allowed: all refused
+        r = http.post(url + "/v1/completions", json={"prompt": [T], "max_tokens": 2})
+        assert r.status_code == 429 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["type"] == "rate_limit_error"
+
+        async def broken(*args, **kwargs):
+            raise RuntimeError("a bug")
+        worker.submit = broken
+        r = http.post(url + "/v1/completions", json={"prompt": [T], "max_tokens": 2})
+    assert r.status_code == 500
+    assert r.json()["error"]["type"] == "server_error"
+    assert r.json()["error"]["message"] == "RuntimeError: a bug"
+
+
+def test_health_models_and_chat_without_a_template():
+    """/health answers 503 once the engine thread has stopped; /v1/models lists
+    max_model_len; a chat request to a model without a chat template is refused with the hint
+    to use /v1/completions."""
+    with sim_server() as (url, worker, _, http):
+        assert http.get(url + "/v1/models").json()["data"][0]["max_model_len"] == 8192
+        r = http.post(url + "/v1/chat/completions",
+                      json={"messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+        assert "use /v1/completions" in r.json()["error"]["message"]
+        assert http.get(url + "/health").status_code == 200
+        worker.stop()
+        r = http.get(url + "/health")
+        assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
+
+
+def test_a_prompt_that_cannot_fit_is_context_length_exceeded():
+    """A prompt beyond the context is refused with OpenAI's code context_length_exceeded."""
+    with sim_server() as (url, _, _, http):
+        r = http.post(url + "/v1/completions", json={"prompt": [T] * 8190, "max_tokens": 16})
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "prompt"
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_finished_and_disconnected_requests_leave_no_stream_behind():
+    """A finished or cancelled request's stream bookkeeping is dropped: a long-running
+    server's `_streams` does not grow with every request."""
+    with sim_server() as (url, worker, _, http):
+        assert http.post(url + "/v1/completions",
+                         json={"prompt": [T], "max_tokens": 3}).status_code == 200
+        with http.stream("POST", url + "/v1/completions",
+                         json={"prompt": [T], "max_tokens": 5000, "stream": True}) as r:
+            lines = r.iter_lines()
+            while not next(lines).startswith("data: {"):
+                pass
+        deadline = time.monotonic() + 10
+        while worker.call(lambda e: bool(worker._streams) or e.has_unfinished()).result(10):
+            assert time.monotonic() < deadline, worker._streams
+            time.sleep(0.01)
+
+
+def test_a_submit_cancelled_while_the_engine_adds_it_is_cancelled_in_a_live_loop():
+    """A submit whose caller stops waiting while the engine adds it cancels the request it
+    leaves behind, even while the caller's event loop stays open (a server's does)."""
+    worker = EngineWorker(make_sim_engine(policy="pd"))
+
+    async def main():
+        adding, release = hold_adds(worker)
+        task = asyncio.create_task(worker.submit([T, T], dict(max_tokens=3000, **GREEDY),
+                                                 request_id="late"))
+        await asyncio.get_running_loop().run_in_executor(None, adding.wait, 10)
+        task.cancel()  # while the engine thread adds it
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        del worker._add
+        release.set()
+        deadline = time.monotonic() + 10
+        while True:  # the loop stays open while the engine finishes the request
+            reason = await asyncio.wrap_future(worker.call(
+                lambda e: e.requests["late"].finish_reason if "late" in e.requests else None))
+            if reason is not None or time.monotonic() > deadline:
+                return reason
+            await asyncio.sleep(0.01)
+
+    try:
+        reason = asyncio.run(asyncio.wait_for(main(), 30))
+    finally:
+        worker.stop()
+    assert reason == "cancelled"
+
+
+# ------------------------------------------------------------------------------ the schema
+@pytest.mark.parametrize("body, param", [
+    ({"n": 0}, "n"),
+    ({"stream": "yes"}, "stream"),
+    ({"stream_options": "usage"}, "stream_options"),
+    ({"temperature": 2.5}, "temperature"),
+    ({"top_k": -2}, "top_k"),
+    ({"stop": [""]}, "stop"),
+    ({"stop": ["w5", ""]}, "stop"),
+    ({"ignore_eos": "yes"}, "ignore_eos"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"prompt": [True, 5]}, "prompt"),
+])
+def test_the_schema_refuses_each_bad_field(body, param):
+    """Each bad value is refused naming its field: n below 1, a stream or ignore_eos that is
+    not a boolean, stream_options not an object, a temperature above 2, a top_k below -1, an
+    empty stop string (it would match at once), logprobs above 20, a boolean as a token id."""
+    with pytest.raises(ValidationError) as info:
+        CompletionRequest.model_validate({"prompt": [5, 6], **body})
+    assert validation_error(info.value.errors())[1] == param
+
+
+def test_logprobs_0_asks_for_the_chosen_tokens_and_false_or_null_for_none():
+    """OpenAI's logprobs=0 returns the chosen tokens' logprobs (0 == False, yet it asks);
+    chat's logprobs=false or null asks for none."""
+    assert logprobs_wanted(CompletionRequest(prompt=[5], logprobs=0), chat=False) == 0
+    assert logprobs_wanted(CompletionRequest(prompt=[5]), chat=False) is None
+    for absent in (None, False):
+        chat = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}],
+                                     logprobs=absent, top_logprobs=3)
+        assert logprobs_wanted(chat, chat=True) is None
+
+
+def test_the_schema_defaults_batches_of_one_and_merges_stop_ids():
+    """/v1/completions defaults max_tokens to 16 (OpenAI's); chat leaves it to the room left;
+    a batch of one prompt (["..."] or [[ids]]) is that prompt; token ids given as `stop` join
+    stop_token_ids."""
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    assert sampling_params(CompletionRequest(prompt=[5]), chat=False)["max_tokens"] == 16
+    assert sampling_params(ChatCompletionRequest(**chat), chat=True)["max_tokens"] is None
+    assert sampling_params(ChatCompletionRequest(**chat, max_tokens=7),
+                           chat=True)["max_tokens"] == 7
+    assert CompletionRequest(prompt=[[5, 6]]).prompt == [5, 6]
+    assert CompletionRequest(prompt=["w5 w6"]).prompt == "w5 w6"
+    req = CompletionRequest(prompt=[5], stop=[3], stop_token_ids=[7])
+    assert sampling_params(req, chat=False)["stop_token_ids"] == (7, 3) and stop_text(req) == ()
+
+
+# ------------------------------------------------------------------------------ chat and stop
+def test_chat_without_max_tokens_fills_the_pool_and_has_chat_ids(word_model):
+    """A chat without max_tokens may take the room the page pool leaves (not max_model_len
+    minus the prompt, which could never fit); a chat answer's id begins "chatcmpl-"."""
+    body = {"messages": [{"role": "user", "content": "w40 w41"}], **GREEDY}
+    with serving(word_model, num_pages=4) as (url, worker), \
+            httpx.Client(timeout=TIMEOUT) as http:
+        capacity = worker.capacity
+        out = http.post(url + "/v1/chat/completions", json=body).json()
+        with http.stream("POST", url + "/v1/chat/completions",
+                         json={**body, "max_tokens": 2, "stream": True}) as r:
+            chunks = sse_chunks(r)
+    assert capacity == 64 < worker.max_model_len
+    usage = out["usage"]
+    assert usage["completion_tokens"] == capacity - usage["prompt_tokens"]
+    assert out["choices"][0]["finish_reason"] == "length"
+    assert out["id"].startswith("chatcmpl-")
+    assert all(c["id"].startswith("chatcmpl-") and c["object"] == "chat.completion.chunk"
+               for c in chunks)
+
+
+@pytest.fixture(scope="module")
+def word_text(word_model):
+    """The greedy answer to "w5 w6 w7": (text, words)."""
+    ref = reference(word_model, ["w5 w6 w7"], 12)[0]
+    return ref.text, ref.text.split()
+
+
+def _complete(http, url, body):
+    """(text, finish_reason) of a request, not streamed and streamed."""
+    out = http.post(url + "/v1/completions", json=body).json()["choices"][0]
+    with http.stream("POST", url + "/v1/completions", json={**body, "stream": True}) as r:
+        chunks = sse_chunks(r)
+    streamed = "".join(c["choices"][0]["text"] for c in chunks)
+    return [(out["text"], out["finish_reason"]),
+            (streamed, chunks[-1]["choices"][0]["finish_reason"])]
+
+
+def test_a_stop_string_across_two_tokens_stops_and_is_never_streamed(word_model,
+                                                                      word_text):
+    """A stop string across two tokens stops the answer, and no part of it is streamed: text
+    that might begin a stop string is held back until it is known not to."""
+    text, words = word_text
+    stop = f"{words[3][-1]} {words[4]}"  # the last character of one word, then the next word
+    at = text.find(stop)
+    assert at == text.find(f"{words[3]} {words[4]}") + len(words[3]) - 1
+    body = {"prompt": "w5 w6 w7", "max_tokens": 12, "stop": [stop], **GREEDY}
+    with serving(word_model) as (url, _), httpx.Client(timeout=TIMEOUT) as http:
+        answers = _complete(http, url, body)
+    assert answers == [(text[:at], "stop")] * 2
+
+
+def test_overlapping_stop_strings_cut_at_the_first_and_min_tokens_counts_its_own(
+        word_model, word_text):
+    """Overlapping stop strings cut the text at the first; a stop string in the token that
+    reaches min_tokens counts (vLLM looks from min_tokens on)."""
+    text, words = word_text
+    k = next(i for i, w in enumerate(words)  # a word whose tail is first found in it
+             if i >= 2 and text.find(w[1:]) == text.find(w) + 1)
+    at = text.find(words[k])
+    # a word found once in the text, even inside another word: only its own token can stop
+    j = max(i for i in range(1, len(words)) if text.count(words[i]) == 1)
+    stop_at = text.find(words[j])
+    with serving(word_model) as (url, _), httpx.Client(timeout=TIMEOUT) as http:
+        both = _complete(http, url, {"prompt": "w5 w6 w7", "max_tokens": 12,
+                                     "stop": [words[k][1:], words[k]], **GREEDY})
+        exact = _complete(http, url, {"prompt": "w5 w6 w7", "max_tokens": 12,
+                                      "stop": [words[j]], "min_tokens": j + 1, **GREEDY})
+    assert both == [(text[:at], "stop")] * 2
+    assert exact == [(text[:stop_at], "stop")] * 2
+
+
+# ------------------------------------------------------------------------------ the client
+def _fake(*chunks, delay_after=None, seen=None, refuse=None):
+    """A completions server that streams `chunks` (dicts, or raw SSE data strings) to every
+    request, sleeping `delay_after` seconds before its final [DONE]; records each body in
+    `seen`; answers 400 to a body for which `refuse(body)` holds."""
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await request.json()
+        if seen is not None:
+            seen.append(body)
+        if refuse is not None and refuse(body):
+            return JSONResponse({"error": {"message": "no"}}, 400)
+
+        async def stream():
+            for c in chunks:
+                yield c if isinstance(c, str) and c.startswith("data:") else \
+                    f"data: {c if isinstance(c, str) else json.dumps(c)}\n\n"
+            if delay_after:
+                await asyncio.sleep(delay_after)
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(stream(), media_type="text/event-stream")
+    return app
+
+
+def _chunk(ids, finish=None, **extra):
+    return {"choices": [{"index": 0, "text": "", "token_ids": ids, "finish_reason": finish}],
+            **extra}
+
+
+def _run(app, requests, **kw):
+    with ServerThread(app) as url:
+        return asyncio.run(asyncio.wait_for(run_client(url, requests, model="m",
+                                                       warmup=kw.pop("warmup", False), **kw),
+                                            30))
+
+
+ONE = [WorkloadRequest(prompt_len=4, max_tokens=4)]
+
+
+def test_the_client_counts_tokens_of_multi_token_chunks_and_stamps_only_chunks_with_tokens():
+    """A chunk counts as many tokens as its token_ids hold (a speculating server's kept
+    guesses); a chunk without tokens (the finish) gets no token time, so no false gap."""
+    records = _run(_fake(_chunk([1, 2, 3]), _chunk([4]), _chunk([], "length")), ONE)
+    r = records[0]
+    assert (r.num_output_tokens, len(r.token_times), r.finish_reason) == (4, 2, "length")
+
+
+def test_the_client_maps_abort_and_survives_a_bad_chunk():
+    """A server's finish_reason "abort" (vLLM's) is recorded as "cancelled"; a chunk that is
+    not JSON fails that request, not the whole run."""
+    aborted = _run(_fake(_chunk([1]), _chunk([2], "abort")), ONE)
+    assert aborted[0].finish_reason == "cancelled"
+    broken = _run(_fake(_chunk([1]), "{not json"), ONE)
+    assert broken[0].finish_reason == "error"
+    assert broken[0].error.startswith("JSONDecodeError")
+
+
+def test_the_client_reads_data_lines_without_a_space():
+    """SSE allows "data:" with no space after it: those lines are read too."""
+    chunks = [f"data:{json.dumps(_chunk([1]))}\n\n",
+              f"data:{json.dumps(_chunk([2], 'length'))}\n\n"]
+    records = _run(_fake(*chunks), ONE)
+    assert (records[0].num_output_tokens, records[0].finish_reason) == (2, "length")
+
+
+def test_the_client_ends_e2e_at_the_end_of_the_stream():
+    """E2E ends when the stream ends: the usage chunk and [DONE] come after the last token,
+    and a user waits for them."""
+    usage = {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 1,
+                                      "total_tokens": 5}}
+    r = _run(_fake(_chunk([1], "length"), usage, delay_after=0.3), ONE)[0]
+    assert r.finish_time - r.token_times[-1] >= 0.25
+
+
+def test_the_client_sends_the_sampling_fields_and_keeps_the_servers_counts():
+    """The client sends its temperature, a seed per request when sampling, and
+    stream_options.include_usage; folds prompt ids below vocab_size; records the server's
+    usage.prompt_tokens, not its own prompt length."""
+    seen = []
+    usage = {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 1,
+                                      "total_tokens": 10}}
+    requests = [WorkloadRequest(prompt_len=40, max_tokens=1) for _ in range(2)]
+    records = _run(_fake(_chunk([1], "length"), usage, seen=seen), requests,
+                   temperature=0.7, vocab_size=50)
+    assert sorted(b["seed"] for b in seen) == [0, 1]  # sent concurrently: in either order
+    for body in seen:
+        i = body["seed"]
+        req = requests[i]
+        assert body["temperature"] == 0.7 and body["ignore_eos"] is True
+        assert body["stream_options"] == {"include_usage": True}
+        assert body["prompt"] == [t % 50 for t in req.token_ids(i)]
+        assert max(req.token_ids(i)) >= 50  # the fold did something
+    assert [r.num_prompt_tokens for r in records] == [9, 9]
+
+
+def test_the_client_waits_for_each_arrival_and_a_failed_warm_up_stops_it():
+    """Each request leaves at its arrival time; a failed warm-up request raises before
+    anything is measured."""
+    requests = [WorkloadRequest(prompt_len=4, max_tokens=1, arrival_time=t) for t in (0, 0.3)]
+    records = _run(_fake(_chunk([1], "length")), requests)
+    assert records[1].arrival_time >= 0.29  # seconds since the run started
+    with pytest.raises(RuntimeError, match="warm-up request failed"):
+        _run(_fake(_chunk([1], "length"), refuse=lambda body: True), requests, warmup=True)
+
+
+def test_bench_endpoint_reports_no_queue_age_when_requests_failed():
+    """The client sees no queue time: a request that failed before its first token must not
+    count its whole E2E as a queue wait."""
+    refuse = lambda body: body["max_tokens"] != 2  # noqa: E731 - the warm-up probe passes
+    workload = Workload("t", [WorkloadRequest(prompt_len=4, max_tokens=3)] * 2)
+    with ServerThread(_fake(_chunk([1], "length"), refuse=refuse)) as url:
+        summary = bench_endpoint(url, workload, label="x", model="m")["results"]["x"]
+    assert summary["errors"] == 2
+    assert summary["max_queue_age_s"] is None and summary["max_queue_age_steps"] is None
+
+
+def test_completion_and_model_urls_from_any_endpoint_form():
+    """Any form of a server's URL gives its completions, chat and models URLs."""
+    for endpoint in ("http://h:1", "http://h:1/", "http://h:1/v1", "http://h:1/v1/",
+                     "http://h:1/v1/completions"):
+        assert completions_url(endpoint) == "http://h:1/v1/completions"
+        assert models_url(endpoint) == "http://h:1/v1/models"
+    assert completions_url("http://h:1", chat=True) == "http://h:1/v1/chat/completions"
