@@ -9,6 +9,7 @@ import types
 import pytest
 import torch
 
+from minicb.__main__ import main
 from minicb.benchmark import bench, flags, hf, metrics, profile, report, runs, sweep
 from minicb.benchmark.sim import CostModel, make_sim_engine
 from minicb.benchmark.workload import Workload, get_workload, run_workload
@@ -350,16 +351,6 @@ def test_the_report_shows_fairness_per_tenant_and_prompt_length(tmp_path, capsys
         assert (f"{label}     {row['completed']}/{row['requests']}    "
                 f"{row['ttft_p50_s']:>7.3f} {row['ttft_p99_s']:>7.3f}") in printed
     assert "pd by prompt tokens" in printed and "pd by priority" not in printed
-
-
-def test_bench_endpoint_refuses_engine_flags(capsys):
-    """With --endpoint the server's engine runs: a flag that would set minicb's own is refused
-    by name (before any connection), not accepted and ignored."""
-    for extra, flag in ((["--policy", "static"], "--policy"), (["--num-pages", "8"], "--num-pages"),
-                        (["--executor", "sim"], "--executor"), (["--compare", "hf"], "--compare"),
-                        (["--cache-state", "warm", "--threads", "1"], "--cache-state, --threads")):
-        assert bench.main_bench(["--endpoint", "http://127.0.0.1:9", *extra]) == 2
-        assert f"drop {flag} (set them where the server starts" in capsys.readouterr().err
 
 
 def test_bench_saves_its_workload_and_replays_it(tmp_path, capsys):
@@ -1084,8 +1075,8 @@ def test_hf_cuda_graphs_asks_transformers_manager_for_graphs(tiny_llama_dir, mon
     seen = {}
     patch(monkeypatch, "hf_model", lambda path, device, dtype: "hf")
     patch(monkeypatch, "hf_static", lambda *a, **kw: [])
-    patch(monkeypatch, "hf_generate_batch", lambda *a, **kw: seen.update(cb_options=a[8] if len(a) > 8 else None)
-                        or [])
+    patch(monkeypatch, "hf_generate_batch",
+          lambda *a, **kw: seen.update(cb_options=a[8] if len(a) > 8 else None) or [])
     flags = ["--model", str(tiny_llama_dir), "--policy", "pd", *TINY]
     bench.run_bench(bench.bench_parser().parse_args(flags + ["--compare", "hf",
                                                              "--hf-cuda-graphs"]))
@@ -1190,15 +1181,15 @@ def test_a_real_run_refuses_traffic_that_arrives_over_weeks(tiny_llama_dir, caps
                              "--chunk-size", "64"]) == 2
     assert "a real run waits for it" in capsys.readouterr().err
     assert bench.main_bench(["--executor", "sim", *slow]) == 0
-    from minicb.serving.client import main as client_main
-    assert client_main(["--endpoint", "http://127.0.0.1:9", "--rate", "1e-6",
-                        "--num-requests", "4"]) == 2  # refused before any request is sent
+    assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--request-rate", "1e-6",
+                 "--num-prompts", "4"]) == 2  # refused before any request is sent
     assert "a real run waits for it" in capsys.readouterr().err
 
 
 def test_the_span_is_refused_before_the_model_loads(monkeypatch, capsys):
     """The refusal comes before the model loads (a first run converts it for minutes)."""
-    patch(monkeypatch, "executor_from_args", lambda *a: pytest.fail("the model loaded before the refusal"))
+    patch(monkeypatch, "executor_from_args",
+          lambda *a: pytest.fail("the model loaded before the refusal"))
     slow = ["--rate", "1e-6", "--num-requests", "4", "--no-progress"]
     assert bench.main_bench(slow) == 2 and sweep.main_sweep(slow) == 2
     assert "a real run waits for it" in capsys.readouterr().err
@@ -1323,14 +1314,6 @@ def test_bad_full_cache_flags_are_named_before_anything_runs(main, extra, messag
         main(["--executor", "sim", "--preemption-mode", "lifo"])
     assert exit_info.value.code == 2
     assert "argument --preemption-mode: invalid choice: 'lifo'" in capsys.readouterr().err
-
-
-def test_bench_endpoint_refuses_the_full_cache_flags(capsys):
-    """They set up minicb's own engine: a server measured with --endpoint has its own."""
-    assert bench.main_bench(["--endpoint", "http://127.0.0.1:9", "--preemption-mode", "swap",
-                             "--num-swap-pages", "4", "--reject-when-full"]) == 2
-    assert ("drop --preemption-mode, --num-swap-pages, --reject-when-full (set them where the "
-            "server starts") in capsys.readouterr().err
 
 
 def test_sweep_passes_the_full_cache_flags_and_its_rows_count_them(tmp_path, monkeypatch):

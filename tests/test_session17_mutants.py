@@ -18,7 +18,7 @@ from fastapi.responses import Response  # noqa: E402
 from matplotlib.colors import to_hex  # noqa: E402
 from matplotlib.patches import Rectangle  # noqa: E402
 from test_engine import GREEDY, llm  # noqa: E402, F401 - a fixture
-from test_serve_client_mutants import _chunk, _fake, metric_values  # noqa: E402
+from test_serve import _chunk, _fake, metric_values  # noqa: E402
 from test_viz import record  # noqa: E402
 from test_viz_mutants import legend_texts  # noqa: E402
 
@@ -28,7 +28,8 @@ from minicb.benchmark.sim import make_sim_engine  # noqa: E402
 from minicb.benchmark.workload import Workload, WorkloadRequest  # noqa: E402
 from minicb.course import viz
 from minicb.serving import client
-from minicb.serving.server import EngineWorker, ServerThread, main  # noqa: E402
+from minicb.serving.server import ServerThread, main  # noqa: E402
+from minicb.serving.worker import EngineWorker  # noqa: E402
 
 
 def drive(engine, worker, added=None):
@@ -62,7 +63,7 @@ def test_oldest_wait_is_the_oldest_unscheduled_request_and_preempted_ones_do_not
         assert worker.oldest_waiting_s == pytest.approx(expected), rec.step
         if "b" in rec.waiting and len(unscheduled) == 2:
             checked += 1
-            shown = metric_values(worker.metrics_text("sim"))["minicb_oldest_waiting_seconds"]
+            shown = metric_values(worker.metrics_text())["minicb:oldest_waiting_seconds"]
             assert shown == pytest.approx(worker.oldest_waiting_s)
     assert checked > 5 and engine.requests["b"].num_preemptions == 1
 
@@ -76,7 +77,7 @@ def test_evicted_pages_count_every_page_a_step_evicts():
     engine.add_request([7] * 64, params, request_id="a")  # leaves 4 cached prompt pages
     engine.add_request(list(range(100, 180)), params, request_id="b")  # 5 pages, 2 free
     evicted = [rec.pages_evicted for rec in drive(engine, worker)]
-    assert max(evicted) >= 2 and worker.counters["evicted_pages"] == sum(evicted)
+    assert max(evicted) >= 2 and worker.stats.value("kv_pages_evicted") == sum(evicted)
 
 
 def test_serve_accepts_every_log_level_uvicorn_knows(capsys):
