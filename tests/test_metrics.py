@@ -416,3 +416,22 @@ def test_resource_use_counts_steps_that_ran_against_pool_and_budget():
         "kv_pool_use_mean": approx(0.5), "kv_pool_use_peak": approx(0.75),
         "token_budget_use_mean": approx(10 / 16)}
     assert metrics.resource_use(trace[1:2], 8, 16)["kv_pool_use_peak"] is None
+
+
+def test_tokens_delivered_together_make_one_gap():
+    """Tokens stamped with the same time (guesses kept in one step) arrived together: one
+    gap, not zero gaps that would pull a speculative run's ITL p50 towards 0."""
+    r = rec("A", 5, first=1.0, finish=3.0, times=[1.0, 2.0, 2.0, 2.0, 3.0])
+    assert metrics.itls(r) == [1.0, 1.0]
+    assert metrics.summarize([], [r])["itl_s"]["p50"] == 1.0
+
+
+def test_a_request_that_did_not_complete_never_meets_the_slo():
+    """Only a completed request can meet an SLO: a cancelled or failed one with fast tokens
+    does not."""
+    fast = dict(arrival=0.0, sched=0.0, first=0.1, finish=0.2, times=[0.1, 0.2])
+    slo = {"ttft": 1.0, "e2e": 1.0}
+    assert metrics.meets_slo(rec("ok", 2, **fast), slo)
+    for reason in ("cancelled", "error", "deadline", None):
+        assert not metrics.meets_slo(rec("x", 2, reason=reason, **fast), slo)
+        assert not metrics.meets_slo(rec("x", 2, reason=reason, **fast), None)

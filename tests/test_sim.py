@@ -320,3 +320,41 @@ def test_swap_break_even_refuses_impossible_victims():
     with pytest.raises(ValueError, match="multiple of page_size 16, got 20"):
         swap_break_even(cost, 40, 20, 16, 8)
     assert swap_break_even(cost, 32, 32, 16, 8) == 0.0  # everything cached: nothing to redo
+
+
+def _sim_run():
+    engine = make_sim_engine(TRUE, policy="pd", max_num_seqs=6, max_num_batched_tokens=96,
+                             chunk_size=64)
+    run_workload(engine, make_workload(24, prompt_lengths="uniform:4:200",
+                                       output_lengths="uniform:1:40", seed=9))
+    return engine
+
+
+def test_a_fit_that_skips_warm_up_steps_keeps_each_step_with_its_own_features():
+    """Skipping warm-up steps drops their durations and their feature rows together: each
+    duration stays paired with its own step's shape."""
+    engine = _sim_run()
+    fit = fit_cost_model(engine.trace, engine.request_records(), target="forward", skip=3)
+    assert np.allclose(fit.coefficients, TRUE.coefficients, rtol=1e-5, atol=1e-12)
+    assert fit.fit["r2"] == pytest.approx(1.0)
+
+
+def test_the_fit_target_picks_whole_step_time_or_forward_time():
+    """target='duration' fits the whole step's time, target='forward' the forward's (steps
+    with host time tell them apart)."""
+    shapes = [[("A", "prefill", 10, 0)], [("A", "decode", 1, 0)],
+              [("A", "decode", 1, 0), ("B", "prefill", 30, 1)],
+              [("A", "decode", 1, 0), ("B", "decode", 1, 1)],
+              [("B", "decode", 1, 1), ("C", "prefill", 7, 0)],
+              [("B", "decode", 1, 1), ("C", "decode", 1, 0)],
+              [("D", "prefill", 50, 2)]]
+    trace, t = [], 0.0
+    for i, members in enumerate(shapes, start=1):
+        forward = 1e-3 + 1e-5 * sum(m[2] for m in members)
+        trace.append(step(i, members, t, t + 3 * forward, t_forward=forward))
+        t += 3 * forward
+    whole = fit_cost_model(trace, target="duration", use=("a", "b", "c"))
+    model = fit_cost_model(trace, target="forward", use=("a", "b", "c"))
+    assert whole.fit["total_s"] == pytest.approx(t)
+    assert model.fit["total_s"] == pytest.approx(t / 3)
+    assert np.allclose(whole.coefficients, 3 * model.coefficients, rtol=1e-6, atol=1e-12)

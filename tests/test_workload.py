@@ -19,6 +19,7 @@ from minicb.benchmark.workload import (
     get_workload,
     load_workload_file,
     make_workload,
+    poisson_gaps,
     replay_flags,
     run_workload,
     save_workload_file,
@@ -548,3 +549,67 @@ def test_a_generated_workload_declares_the_rate_its_arrivals_deliver(tmp_path):
     assert clumped.declaration["observed"]["rate_rps"] is None
     assert "observed" not in make_workload(4, arrival="steps", arrival_steps=[1, 2, 3, 4]
                                            ).declaration
+
+
+def test_poisson_gaps_have_mean_one_over_the_rate():
+    """Poisson gaps average 1/rate seconds (gamma gaps of shape 1)."""
+    gaps = poisson_gaps(20_000, 8.0, np.random.default_rng(3))
+    assert gaps.mean() == pytest.approx(1 / 8, rel=0.05)
+    assert np.array_equal(gaps, gamma_gaps(20_000, 8.0, 1.0, np.random.default_rng(3)))
+
+
+def test_poisson_arrivals_ignore_burstiness():
+    """A Poisson process ignores the burstiness it is given: its gaps are exponential, as its
+    declaration (Poisson, burstiness 1.0) says."""
+    plain = arrival_times(200, "poisson", rate=4.0, rng=np.random.default_rng(1))
+    bursty = arrival_times(200, "poisson", rate=4.0, burstiness=0.25,
+                           rng=np.random.default_rng(1))
+    assert plain == bursty
+    w = make_workload(50, prompt_lengths=4, output_lengths=2, arrival="poisson", rate=4.0,
+                      burstiness=0.25, seed=2)
+    assert [r.arrival_time for r in w.requests] == arrival_times(
+        50, "poisson", rate=4.0, rng=np.random.default_rng([2, 2]))  # arrivals: own stream
+    assert w.declaration["burstiness"] == 1.0
+
+
+def test_lognormal_lengths_round_to_the_nearest_token():
+    """A lognormal length is rounded to the nearest token, not truncated (a median of 10.7
+    draws 11)."""
+    assert Lengths.lognormal(10.7, 0.0).sample(3, np.random.default_rng(0)) == [11, 11, 11]
+    assert Lengths.lognormal(10.2, 0.0).sample(2, np.random.default_rng(0)) == [10, 10]
+    assert Lengths.parse("lognormal:0.2:0:3:9").sample(2, np.random.default_rng(0)) == [3, 3]
+    assert Lengths.parse("lognormal:50:0:3:9").sample(2, np.random.default_rng(0)) == [9, 9]
+
+
+def test_the_cancelled_requests_follow_the_seed():
+    """Which requests are cancelled follows the workload's seed: the same seed cancels the
+    same ones, another seed others."""
+    def cancelled(seed):
+        w = make_workload(40, prompt_lengths=4, output_lengths=2, seed=seed,
+                          cancel_fraction=0.5, cancel_after_tokens=1)
+        return {i for i, r in enumerate(w.requests) if r.cancel_after_tokens is not None}
+    assert len(cancelled(0)) == 20 and cancelled(3) == cancelled(3)
+    assert len({frozenset(cancelled(seed)) for seed in range(4)}) == 4
+
+
+def test_num_requests_keeps_the_earliest_arrivals_of_an_unsorted_trace(tmp_path):
+    """num_requests keeps the earliest arrivals of a trace, whatever the order of its
+    lines."""
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(f'{{"arrival_s": {t}, "prompt_tokens": 4, "output_tokens": 2}}\n'
+                            for t in (3.0, 1.0, 2.0, 0.5)))
+    w = load_workload_file(path, num_requests=2)
+    assert [r.arrival_time for r in w.requests] == [0.5, 1.0]
+    assert [r.request_id for r in w.requests] == ["req-3", "req-1"]  # named by file line
+
+
+def test_a_request_arriving_exactly_at_the_clock_joins_the_next_step():
+    """A request whose arrival time equals the engine clock joins that step: B, arriving at
+    2.0 s, runs in the step that starts at 2.0 s."""
+    engine = make_sim_engine(CostModel(a=1.0), policy="continuous", max_num_seqs=4)
+    run_workload(engine, Workload("t", [
+        WorkloadRequest(prompt_len=4, max_tokens=6, arrival_time=0.0, request_id="A"),
+        WorkloadRequest(prompt_len=4, max_tokens=2, arrival_time=2.0, request_id="B")]))
+    b = {r.request_id: r for r in engine.request_records()}["B"]
+    assert (b.first_scheduled_step, b.first_scheduled_time, b.first_token_time) == (3, 2.0, 3.0)
+    assert metrics.queue_time(b) == 0.0
