@@ -6,8 +6,6 @@ on loopback; answers are compared with `LLM.generate` on the same model."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import httpx
 import openai
 import pytest
@@ -15,9 +13,6 @@ import pytest
 from minicb import LLM, Engine, SamplingParams
 from minicb.serving.server import ServerThread, create_app
 
-PENALTIES = "presence_penalty" in {f.name for f in dataclasses.fields(SamplingParams)}
-needs_penalties = pytest.mark.skipif(not PENALTIES, reason="the engine's sampler has no "
-                                     "penalties or logprobs yet (SamplingParams lacks them)")
 PROMPT = " ".join(f"w{i}" for i in range(10, 50))  # 40 tokens: two full pages of 16
 
 
@@ -84,7 +79,6 @@ def test_n_choices_share_the_prompts_pages(server):
     assert worker.stats.value("prefix_cache_hits") - before == 32  # two pages of 16
 
 
-@needs_penalties
 def test_logprobs_in_both_formats(server):
     """Completions: a logprob per token and the top ones; chat: the same in chat's shape."""
     client, _, _ = server
@@ -102,7 +96,6 @@ def test_logprobs_in_both_formats(server):
     assert content[0].top_logprobs[0].logprob >= content[0].top_logprobs[1].logprob
 
 
-@needs_penalties
 def test_a_penalty_changes_the_text(server):
     """A strong frequency penalty keeps greedy decoding from repeating itself."""
     client, _, _ = server

@@ -27,9 +27,9 @@ from pydantic import (
     field_validator,
 )
 
+from minicb.request import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
+
 MAX_N = 16  # choices per request: each is a sequence in the engine
-MAX_LOGPROBS = 20  # OpenAI's bound on top_logprobs
-MAX_STOP_TOKEN_IDS = 1024  # as SamplingParams bounds them
 
 
 def _utf8(text: str) -> str:

@@ -334,10 +334,6 @@ class EngineWorker:
 
     def _sampling(self, params: dict[str, Any], stop: tuple[str, ...]) -> SamplingParams:
         """SamplingParams of a request; InvalidRequest naming the field it refuses."""
-        known = {f.name for f in dataclasses.fields(SamplingParams)}
-        for name in params:
-            if name not in known:  # an engine without that sampler feature
-                raise InvalidRequest(f"{name} is not supported by this engine's sampler", name)
         try:
             return SamplingParams(**params, stop=stop)
         except ValueError as exc:
