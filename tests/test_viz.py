@@ -3,6 +3,9 @@ timeline has the right characters, and the step-through widget follows its slide
 
 from __future__ import annotations
 
+import re
+import warnings
+
 import matplotlib
 
 matplotlib.use("Agg")
@@ -13,6 +16,7 @@ import pytest  # noqa: E402
 from matplotlib.collections import PathCollection, PolyCollection  # noqa: E402
 from matplotlib.colors import to_hex  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.patches import Rectangle  # noqa: E402
 
 from minicb.course import viz  # noqa: E402
 from minicb.trace import Member, StepRecord  # noqa: E402
@@ -170,7 +174,7 @@ def test_budget_stacks_tokens():
     assert (data.decode, data.prefill, data.total, data.budget) == (
         [0, 1, 2], [30, 24, 0], [30, 25, 2], 32)
     ax = fig.axes[0]
-    decode, prefill = ax.containers
+    decode, prefill, lane = ax.containers
     assert [r.get_height() for r in decode] == [0, 1, 2]
     assert [(r.get_y(), r.get_height()) for r in prefill] == [(0, 30), (1, 24), (2, 0)]
     assert any(line.get_ydata()[0] == 32 for line in ax.lines)
@@ -240,7 +244,7 @@ def test_compare_cuts_the_y_axis_to_show_what_a_tall_bar_dwarfs():
     to cut."""
     big = [record(1, [("a", "prefill", 800, 0)]), record(2, [("a", "decode", 1, 0)])]
     fig = viz.compare({"big": big, "also": big}, kind="budget", ymax=8)
-    assert [ax.get_ylim() for ax in fig.axes] == [(0.0, 8.0), (0.0, 8.0)]
+    assert [ax.get_ylim()[1] for ax in fig.axes] == [8.0, 8.0]
     assert fig._suptitle.get_text().startswith("y axis cut at 8 tokens")
     for bad, kind in ((8, "timeline"), (0, "budget"), (float("nan"), "pages"), ("8", "budget")):
         with pytest.raises(ValueError, match="ymax cuts a pages or budget picture's y axis"):
@@ -399,9 +403,9 @@ def test_a_trace_without_snapshots_says_what_it_cannot_draw(make_engine):
 
 # ---------------------------------------------------------- where things are drawn (review)
 def test_timeline_bars_and_marks_sit_on_their_steps(static):
-    """Step k is the cell [k-1, k]: each run's bar starts at its first step - 1, the ">" at
-    arrival - 1, the finish bar "|" at x = the finish step, and the first request is the top
-    row (the widths alone were checked before)."""
+    """Step k is the cell [k-1, k]: each run's bar starts at its first step - 1, the ">" sits
+    inside its arrival step's cell (x = arrival - 0.5: R4's reads 31, clear of R1's finish at
+    30), the finish bar "|" at x = the finish step, and the first request is the top row."""
     fig = viz.plot_timeline(static)
     data, ax = fig.minicb_data, fig.axes[0]
     drawn = bars(ax)
@@ -410,7 +414,7 @@ def test_timeline_bars_and_marks_sit_on_their_steps(static):
         assert starts == [first - 1 for first, _, _ in data.runs(rid)], rid
     (arrows,) = [c for c in ax.collections if isinstance(c, PathCollection)]
     assert sorted(map(tuple, arrows.get_offsets().tolist())) == sorted(
-        (data.arrivals[r] - 1, row) for row, r in enumerate(data.requests))
+        (data.arrivals[r] - 0.5, row) for row, r in enumerate(data.requests))
     finishes = sorted((line.get_xdata()[0], round(sum(line.get_ydata()) / 2))
                       for line in ax.lines)
     assert finishes == sorted((data.finishes[r], row) for row, r in enumerate(data.requests))
@@ -469,7 +473,7 @@ def test_page_map_puts_page_p_at_row_start_plus_column():
 def test_budget_bars_sit_on_their_steps_and_the_budget_line_is_in_view():
     trace = [record(1, [("a", "prefill", 4, 0)]), record(2, [("a", "decode", 1, 0)])]
     ax = viz.plot_budget(trace, 32).axes[0]
-    decode, prefill = ax.containers
+    decode, prefill, lane = ax.containers
     assert [(r.get_x(), r.get_width()) for r in prefill] == [(0.0, 1.0), (1.0, 1.0)]
     assert ax.get_ylim()[1] > 32  # the max_num_batched_tokens line is not cut off
 
@@ -548,3 +552,469 @@ def test_request_colours_stay_apart_for_colour_blind_viewers():
     colours = viz.REQUEST_COLOURS
     assert min(distance(a, b) for i, a in enumerate(colours) for b in colours[i + 1:]) >= 12
     assert min(distance(a, s) for a in colours for s in states) >= 12
+
+
+# ------------------------------------------------------------- every picture, in detail
+def stalled_trace():
+    """a stalled at step 2, b preempted at step 2 (then waits), c takes b's slot 1."""
+    return [record(1, [("a", "prefill", 8, 0), ("b", "prefill", 8, 1)],
+                   page_tables={"a": [0], "b": [1]}),
+            record(2, [("c", "prefill", 8, 1)], waiting=["b"], preempted=["b"],
+                   page_tables={"a": [0], "c": [1]}, arrived=["c"]),
+            record(3, [("a", "decode", 1, 0)], waiting=["b"], finished=["a"],
+                   page_tables={"c": [1]})]
+
+
+def polys(ax):
+    """(face, hatch, alpha, row, x0, x1, height) of every broken_barh bar."""
+    return [(face, coll.get_hatch(), coll.get_alpha(), round((y0 + y1) / 2), round(x0, 6),
+             round(x1, 6), y1 - y0) for coll, face, x0, y0, x1, y1 in boxes(ax)]
+
+
+def legend_texts(ax):
+    return [t.get_text() for t in ax.get_legend().get_texts()]
+
+
+def state_bars(ax, data):
+    """{state: [(hatch, height)]} of the timeline's bars, matched to the runs they draw."""
+    drawn = polys(ax)
+    out: dict[str, list] = {}
+    for row, rid in enumerate(data.requests):
+        for first, _, state in data.runs(rid):
+            (bar,) = [b for b in drawn if b[3] == row and b[4] == first - 1]
+            out.setdefault(state, []).append((bar[1], bar[6]))
+    return out
+
+
+# ------------------------------------------------------------------------------ timeline
+def test_timeline_states_differ_by_hatch_or_height(static):
+    """The two white states (idle, stalled) have different hatches and waiting bars are lower than
+    computing bars, so every state survives greyscale."""
+    fig = viz.plot_timeline(static)
+    idle = state_bars(fig.axes[0], fig.minicb_data)
+    fig = viz.plot_timeline(stalled_trace())
+    stalled = state_bars(fig.axes[0], fig.minicb_data)
+    assert {h for h, _ in idle["idle"]} and {h for h, _ in stalled["stalled"]}
+    assert not {h for h, _ in idle["idle"]} & {h for h, _ in stalled["stalled"]}
+    assert None not in {h for h, _ in idle["idle"] + stalled["stalled"]}
+    computing = [height for h, height in stalled["prefill"] + idle["decode"]]
+    assert max(height for _, height in stalled["waiting"] + idle["waiting"]) < min(computing)
+
+
+def test_timeline_preemption_mark_sits_in_its_step_in_vermillion():
+    """A preemption's X sits in the middle of its step (b, row 1, preempted at step 2: (1.5, 1)),
+    in the legend's vermillion."""
+    ax = viz.plot_timeline(stalled_trace()).axes[0]
+    (marks,) = [c for c in ax.collections if isinstance(c, PathCollection)
+                and c.get_zorder() == 4]
+    assert marks.get_offsets().tolist() == [[1.5, 1.0]]
+    (handle,) = [h for h, t in zip(ax.get_legend().legend_handles, legend_texts(ax))
+                 if t == "preempted"]
+    assert to_hex(marks.get_facecolors()[0]) == to_hex(handle.get_markerfacecolor()) \
+        == "#d55e00"
+
+
+def test_thirty_requests_keep_their_marks_and_labels():
+    """Thirty rows still show every arrival ">" and every request id."""
+    trace = [record(1, [(f"r{i}", "prefill", 4, i) for i in range(30)], total=64)]
+    ax = viz.plot_timeline(trace).axes[0]
+    (arrows,) = [c for c in ax.collections if isinstance(c, PathCollection)]
+    assert len(arrows.get_offsets()) == 30
+    assert [t.get_text() for t in ax.get_yticklabels()] == [f"r{i}" for i in range(30)]
+
+
+def test_step_axis_shows_the_last_step_whole(continuous):
+    """Every step picture shows the last step's cell [199, 200] whole."""
+    for plot in (viz.plot_timeline, viz.plot_slots, viz.plot_pages, viz.plot_budget):
+        assert plot(continuous).axes[0].get_xlim()[1] >= 200, plot.__name__
+
+
+def test_timeline_legend_lists_only_states_drawn(static, continuous):
+    """The legend lists only the states drawn: continuous batching has no idle slot and nothing
+    stalled; static batching's legend has the idle slot."""
+    labels = legend_texts(viz.plot_timeline(continuous).axes[0])
+    assert viz.STYLE["idle"][4] not in labels and viz.STYLE["stalled"][4] not in labels
+    assert "prefill" in labels and "decode" in labels
+    assert viz.STYLE["idle"][4] in legend_texts(viz.plot_timeline(static).axes[0])
+
+
+def test_every_picture_takes_its_title(continuous):
+    """Every picture takes `title=`."""
+    for plot in (viz.plot_timeline, viz.plot_slots, viz.plot_pages, viz.plot_budget,
+                 viz.plot_page_map):
+        assert plot(continuous, title="my run").axes[0].get_title() == "my run", plot.__name__
+
+
+def test_rows_keep_trace_order_and_last_step_counts_skipped_steps():
+    """Requests arriving at one step keep the trace's order (not sorted by id), and the last step
+    is the last record's step, counting the steps the engine skipped."""
+    trace = [record(1, [("zed", "prefill", 4, 0), ("amy", "prefill", 4, 1)]),
+             record(5, [("bob", "prefill", 4, 0)], arrived=["bob"])]
+    data = viz.timeline_data(trace)
+    assert data.requests == ["zed", "amy", "bob"] and data.last_step == 5
+
+
+# ---------------------------------------------------------------------------------- slots
+def test_slot_colours_match_the_page_map(continuous):
+    """Request i is `request_colour(i)` in the slot picture, as in the page map."""
+    fig = viz.plot_slots(continuous)
+    data, drawn = fig.minicb_data, polys(fig.axes[0])
+    for slot, rid, a, _ in data.runs:
+        faces = {f for f, _, _, row, x0, _, _ in drawn if row == data.slots.index(slot)
+                 and x0 == a - 1}
+        assert faces == {viz.request_colour(data.requests.index(rid)).lower()}, rid
+    page_map = viz.plot_page_map(continuous, 31)
+    faces = {to_hex(p.get_facecolor()) for p in page_map.axes[0].patches
+             if isinstance(p, Rectangle) and p.get_hatch() is None}
+    assert viz.request_colour(data.requests.index("R4")).lower() in faces
+
+
+def test_slot_tenancies_outlined_labelled_and_faded_when_idle(static):
+    """Hatched slot bars are fainter than computing ones; each tenancy is outlined over its whole
+    span and labelled at its centre."""
+    fig = viz.plot_slots(static)
+    data, ax = fig.minicb_data, fig.axes[0]
+    drawn = polys(ax)
+    hatched = {alpha for _, hatch, alpha, *_ in drawn if hatch}
+    plain = {alpha for _, hatch, alpha, *_ in drawn if not hatch}
+    assert hatched and plain and max(hatched) < min(plain)
+    outlines = sorted((round(p.get_x()), round(p.get_y() + p.get_height() / 2),
+                       round(p.get_width())) for p in ax.patches
+                      if isinstance(p, Rectangle) and not p.get_fill())
+    row = {s: i for i, s in enumerate(data.slots)}
+    assert outlines == sorted((a - 1, row[s], b - a + 1) for s, _, a, b in data.runs)
+    label_x = {t.get_text(): t.get_position() for t in ax.texts}
+    for s, rid, a, b in data.runs:
+        assert label_x[rid] == pytest.approx(((a - 1 + b) / 2, row[s])), rid
+
+
+def test_slot_picture_marks_preemption_and_puts_slot_0_on_top():
+    """A preempted request's X sits in its slot's row, in the middle of the preempting step (b, slot
+    1 until step 1, preempted at step 2), and slot 0 is the top row."""
+    ax = viz.plot_slots(stalled_trace()).axes[0]
+    (marks,) = [c for c in ax.collections if isinstance(c, PathCollection)]
+    assert marks.get_offsets().tolist() == [[1.5, 1.0]]
+    assert "preempted" in legend_texts(ax)
+    bottom, top = ax.get_ylim()
+    assert top < bottom  # slot 0 at the top
+
+
+def test_slot_legend_names_the_hatches_drawn(static, continuous):
+    """The slot legend names exactly the hatches drawn (idle, stalled)."""
+    idle, stalled = "idle (finished, slot held)", "running, not scheduled"
+    labels = legend_texts(viz.plot_slots(static).axes[0])
+    assert idle in labels and stalled not in labels
+    labels = legend_texts(viz.plot_slots(stalled_trace()).axes[0])
+    assert stalled in labels and idle not in labels
+    labels = legend_texts(viz.plot_slots(continuous).axes[0])
+    assert idle not in labels and stalled not in labels
+
+
+def test_a_preempted_request_gives_up_its_slot():
+    """A preempted request gives up its slot: a, preempted at step 2 and back in the page tables
+    at step 3 without being scheduled, holds no slot."""
+    trace = [record(1, [("a", "prefill", 4, 0)], page_tables={"a": [0]}),
+             record(2, [("b", "prefill", 4, 1)], preempted=["a"], waiting=["a"],
+                    page_tables={"b": [1]}, arrived=["b"]),
+             record(3, [("b", "decode", 1, 1)], page_tables={"a": [0], "b": [1]})]
+    assert viz.slot_data(trace).owners == {0: {1: "a"}, 1: {2: "b", 3: "b"}}
+
+
+# ---------------------------------------------------------------------------------- pages
+def test_page_pool_colours_pool_line_and_scale():
+    """Cached pages have their own colour, the dashed pool line sits at the pool size, and the y
+    scale shows the whole pool."""
+    trace = [record(1, used=1, cached=1, total=8), record(2, used=2, cached=1, total=8)]
+    ax = viz.plot_pages(trace).axes[0]
+    used, cached = ax.patches[:2]
+    assert to_hex(used.get_facecolor()) == viz.STYLE["decode"][0].lower()
+    assert to_hex(cached.get_facecolor()) == viz.CACHED.lower()
+    (pool,) = [line for line in ax.lines if line.get_linestyle() == "--"]
+    assert list(pool.get_ydata()) == [8, 8]
+    assert ax.get_ylim()[1] > 8
+
+
+def test_page_map_grid_legend_and_colours():
+    """The page map shows the highest page id when the pool size is unknown, colours a shared page
+    by the first table holding it, counts each request's pages in the legend, honours
+    `columns=`, puts page 0 at the top, and writes labels legibly on black and yellow."""
+    ax = viz.plot_page_map([record(1, page_tables={"a": [0, 5]}, total=0)]).axes[0]
+    assert {"0", "5"} <= {t.get_text() for t in ax.texts}
+    assert ax.minicb_data.num_shown == 6
+    rec = record(7, [("a", "decode", 1, 0), ("b", "decode", 1, 1)],
+                 page_tables={"a": [0, 1, 2], "b": [0, 1, 5]}, total=8)
+    ax = viz.plot_page_map([rec], columns=4).axes[0]
+    assert {"a (3 pages)", "b (3 pages)"} <= set(legend_texts(ax))
+    assert ax.get_xlim() == (0, 4)
+    bottom, top = ax.get_ylim()
+    assert (bottom, top) == (2, 0)  # two rows, page 0's at the top
+    (page0,) = [p for p in ax.patches if isinstance(p, Rectangle)
+                and p.get_x() == pytest.approx(0.05) and p.get_y() == pytest.approx(0.05)]
+    assert to_hex(page0.get_facecolor()) == viz.request_colour(0).lower()  # a's colour
+    four = record(1, [(f"r{i}", "prefill", 4, i) for i in range(4)],
+                  page_tables={f"r{i}": [i] for i in range(4)}, total=4)
+    colours = {t.get_text(): t.get_color() for t in viz.plot_page_map([four]).axes[0].texts}
+    assert viz.request_colour(3) == "#000000" and colours["3"] == "white"
+    assert viz.request_colour(2) == "#F0E442" and colours["2"] == "black"
+
+
+def test_page_map_gives_every_request_on_it_its_own_colour():
+    """Requests 0 and 8 share a colour everywhere else; on a map that shows only those two, each
+    gets its own (and the legend lists both, since two fit)."""
+    first = record(1, [(f"r{i}", "prefill", 4, i) for i in range(9)],
+                   page_tables={f"r{i}": [i] for i in range(9)}, total=9)
+    last = record(2, [("r0", "decode", 1, 0), ("r8", "decode", 1, 8)],
+                  page_tables={"r0": [0], "r8": [8]}, total=9)
+    assert viz.request_colour(0) == viz.request_colour(8)
+    ax = viz.plot_page_map([first, last]).axes[0]
+    faces = [to_hex(p.get_facecolor()) for p in ax.patches if isinstance(p, Rectangle)]
+    assert faces[0] != faces[8] and faces[0] in {viz.request_colour(i).lower() for i in (0, 1)}
+    assert {"r0 (1 page)", "r8 (1 page)"} <= set(legend_texts(ax))
+    ax = viz.plot_page_map([first, record(2, page_tables={"r3": [3]}, total=9)]).axes[0]
+    (r3,) = [p for p in ax.patches if isinstance(p, Rectangle) and p.get_x() == pytest.approx(3.05)]
+    assert to_hex(r3.get_facecolor()) == viz.request_colour(3).lower()  # the timeline's colour
+
+
+# --------------------------------------------------------------------------------- budget
+def test_budget_colours_and_legend_order():
+    """Decode bars are decode blue, prefill bars prefill orange, and the budget line comes last in
+    the legend."""
+    trace = [record(1, [("a", "prefill", 30, 0)]),
+             record(2, [("a", "decode", 1, 0), ("b", "prefill", 24, 1)])]
+    ax = viz.plot_budget(trace, 32).axes[0]
+    decode, prefill, lane = ax.containers
+    assert {to_hex(r.get_facecolor()) for r in decode + lane} == {viz.STYLE["decode"][0].lower()}
+    assert {to_hex(r.get_facecolor()) for r in prefill} == {viz.STYLE["prefill"][0].lower()}
+    assert legend_texts(ax) == ["decode tokens", "prefill tokens",
+                                "max_num_batched_tokens = 32"]
+
+
+def test_empty_trace_and_single_record_draw():
+    """An empty trace draws an empty picture, and a single StepRecord is a one-step trace."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # matplotlib: empty axes, no legend
+        for plot in (viz.plot_timeline, viz.plot_slots, viz.plot_pages, viz.plot_budget):
+            assert plot([]).axes[0].get_xlim()[1] > 0, plot.__name__
+    rec = record(3, [("a", "prefill", 4, 0)], page_tables={"a": [0]})
+    assert viz.timeline_data(rec).cells == {"a": {3: "prefill"}}
+    assert viz.budget_data(rec).prefill == [4]
+
+
+# ------------------------------------------------------------------------------- compare
+def test_compare_draws_the_picture_asked_for(static, continuous):
+    """`compare(kind=...)` draws the picture of that kind in every panel."""
+    kinds = {"timeline": viz.TimelineData, "slots": viz.SlotsData, "pages": viz.PagesData,
+             "budget": viz.BudgetData}
+    for kind, cls in kinds.items():
+        fig = viz.compare({"static": static, "continuous": continuous}, kind=kind)
+        assert all(isinstance(d, cls) for d in fig.minicb_data.values()), kind
+
+
+def test_compare_rows_from_every_panel_and_step_label_at_the_bottom():
+    """Compared timelines take their rows from every panel (a request only a later panel has is
+    a row), and only the bottom panel carries the step label."""
+    a = [record(1, [("y", "prefill", 4, 0)], finished=["y"])]
+    b = [record(1, [("x", "prefill", 4, 0)], finished=["x"]),
+         record(2, [("y", "prefill", 4, 0)], arrived=["y"], finished=["y"])]
+    top, bottom = viz.compare({"a": a, "b": b}).axes
+    assert [t.get_text() for t in top.get_yticklabels()] == ["y", "x"]
+    assert top.get_xlabel() == "" and bottom.get_xlabel() == viz.STEP_AXIS
+
+
+# ---------------------------------------------------------------------------------- text
+def ruler(text):
+    """(value, column) of the header's step labels and the rule's "|" columns."""
+    lines = text.splitlines()
+    labels = [(int(m.group()), m.start()) for m in re.finditer(r"\d+", lines[0][6:])]
+    return labels, [i for i, ch in enumerate(lines[1][6:]) if ch == "|"]
+
+
+def steps(n):
+    return [record(k, [("a", "prefill" if k == 1 else "decode", 1, 0)],
+                   finished=["a"] if k == n else ()) for k in range(1, n + 1)]
+
+
+def test_render_text_ruler(static):
+    """At one step a column, label v sits in column v with a "|" under it, every 10 steps, the last
+    step labelled, and no "1 column = 1 steps" note."""
+    text = viz.render_text(static, width=300)
+    labels, rule = ruler(text)
+    assert labels == [(v, v) for v in range(0, 261, 10)]
+    assert rule == [v for v, _ in labels]
+    assert "column =" not in text
+    labels, rule = ruler(viz.render_text(steps(97), width=300))
+    assert [v for v, _ in labels] == list(range(0, 91, 10)) + [97] and rule[-1] == 97
+
+
+def test_render_text_uses_every_column_before_compressing():
+    """93 steps and the "|" column fill the 94 columns of width 100 exactly, one step a
+    column."""
+    text = viz.render_text(steps(93), width=100)
+    row = text.splitlines()[2][6:]
+    assert row == "▓" + "█" * 92 + "|" and "column =" not in text
+    assert max(len(line) for line in text.splitlines()) <= 100
+
+
+# ---------------------------------------------------------------------------- step-through
+def test_step_state_and_its_html(continuous):
+    """The step state counts decode and prefill tokens and used and cached pages apart, the table's
+    tokens column shows tokens, and `finished:` lists only the finished (continuous step 31:
+    2 decode tokens and R4's 20-token prefill in slot 0)."""
+    rec = continuous[30]
+    assert rec.pages_used != rec.pages_cached
+    w = viz.step_through(continuous, picture=False)
+    s = w.show(31)
+    assert (s.num_decode_tokens, s.num_prefill_tokens) == (2, 20)
+    assert (s.pages_used, s.pages_cached) == (rec.pages_used, rec.pages_cached)
+    html = w.info.value
+    assert "scheduled 2 decode + 20 prefill tokens" in html
+    assert f"{rec.pages_used} used, {rec.pages_cached} cached of 64" in html
+    rows = [re.findall(r"<td[^>]*>(.*?)</td>", tr) for tr in re.findall(r"<tr>(.*?)</tr>", html)]
+    assert ["<b>R4</b>", "prefill", "20", "0"] in rows
+    w.show(30)
+    assert "finished: R1" in w.info.value and "preempted:" not in w.info.value
+
+
+def test_html_underlines_only_shared_pages_and_lists_preemptions():
+    """The step's HTML underlines only shared pages and lists preemptions as preemptions."""
+    trace = [record(1, [("a", "decode", 1, 0), ("b", "decode", 1, 1)],
+                    page_tables={"a": [0, 1], "b": [0, 2]}, preempted=["c"])]
+    html = viz.step_through(trace, picture=False).info.value
+    assert "<u>0</u>" in html and "<u>1</u>" not in html and "<u>2</u>" not in html
+    assert "preempted: c" in html and "finished:" not in html
+
+
+def test_step_through_cursor_line_in_the_middle_of_the_step(continuous):
+    """The step-through cursor line sits in the middle of its step (x = k - 0.5)."""
+    w = viz.step_through(continuous)
+    w.show(30)
+    (cursor,) = [line for line in w._figure.axes[0].lines if line.get_linestyle() == "--"]
+    assert list(cursor.get_xdata()) == [29.5, 29.5]
+
+
+# ---------------------------------------------------------------------------------- misc
+def test_request_colours_cycle_through_all_eight():
+    """Request colours use all eight before repeating."""
+    n = len(viz.REQUEST_COLOURS)
+    assert len({viz.request_colour(i) for i in range(n)}) == n
+    assert viz.request_colour(n) == viz.request_colour(0)
+
+
+def test_a_trace_partly_without_snapshots_warns():
+    """A trace with any record lacking snapshots warns."""
+    trace = [record(1, [("a", "prefill", 4, 0)], page_tables={"a": [0]}),
+             record(2, [("a", "decode", 1, 0)], snapshots=False)]
+    with pytest.warns(UserWarning, match="trace_snapshots=False"):
+        viz.timeline_data(trace)
+
+
+def test_budget_lane_shows_decode_tokens_at_full_scale():
+    """Three decode tokens beside an 800-token prefill fill the decode lane, whose scale is
+    the most decode tokens of any step; compared runs share one lane scale and one upper
+    scale, so chunked's missing decodes and pd's present ones show without a zoom."""
+    trace = [record(1, [("a", "decode", 1, 0), ("b", "decode", 1, 1), ("c", "decode", 1, 2),
+                        ("long", "prefill", 800, 3)]),
+             record(2, [("long", "prefill", 100, 3)])]
+    ax = viz.plot_budget(trace, 128).axes[0]
+    *_, lane = ax.containers
+    bottom = ax.get_ylim()[0]
+    heights = [r.get_height() for r in lane]
+    assert heights[0] == pytest.approx(-bottom * viz.LANE / (viz.LANE + 0.06)) and heights[1] == 0
+    assert all(r.get_y() == pytest.approx(bottom) for r in lane)
+    few = [record(1, [("a", "decode", 1, 0)])]
+    fig = viz.compare({"three": trace, "one": few}, kind="budget")
+    tops = [max(r.get_height() for r in ax.containers[-1]) for ax in fig.axes]
+    assert tops[0] == pytest.approx(3 * tops[1])  # one lane scale: 3 decodes against 1
+    assert fig.axes[0].get_ylim() == fig.axes[1].get_ylim()
+
+
+# ------------------------------------------------------------------------ attention mask
+@pytest.fixture(scope="module")
+def mixed_run():
+    """pd on the simulated executor: three chats decode while a 40-token prompt is prefilled
+    in 13-token chunks beside them (budget 16, pages of 8)."""
+    from minicb.benchmark.sim import make_sim_engine
+    from minicb.benchmark.workload import Workload, WorkloadRequest, run_workload
+    chats = [WorkloadRequest(prompt_len=8, max_tokens=12, arrival_step=1, request_id=f"chat-{i}")
+             for i in range(3)]
+    long = WorkloadRequest(prompt_len=40, max_tokens=2, arrival_step=3, request_id="long")
+    engine = make_sim_engine(policy="pd", max_num_seqs=4, max_num_batched_tokens=16,
+                             chunk_size=16, page_size=8)
+    run_workload(engine, Workload("mask", chats + [long]))
+    return engine
+
+
+def test_attention_mask_blocks_are_the_steps_attention_metadata(mixed_run):
+    """Step 4 is [3, 1] decode rows and a [1, 13] chunk: the mask's row blocks are the
+    metadata's query_start_loc, its column blocks the context lengths, each row reads its own
+    request's keys up to its own position (a decode row its whole context, a chunk row its
+    cached prefix and itself causally), and page boundaries fall every page_size keys."""
+    import numpy as np
+
+    from minicb.attention import build_metadata
+    rec = mixed_run.trace[3]
+    kinds = [(m.kind, m.num_tokens) for m in rec.members]
+    assert kinds == [("decode", 1)] * 3 + [("prefill", 13)]
+    data = viz.attention_mask_data(mixed_run, step=4)
+    meta = build_metadata([rec.page_tables[m.request_id] for m in rec.members],
+                          [m.start for m in rec.members], [m.num_tokens for m in rec.members],
+                          page_size=8)
+    assert data.page_size == 8
+    assert data.query_start_loc == meta.query_start_loc.tolist()
+    assert data.context_lens == meta.context_lens_list
+    expected = np.zeros_like(data.mask)
+    for b, m in zip(data.blocks, rec.members):
+        assert (b.request_id, b.pages) == (m.request_id, rec.page_tables[m.request_id])
+        for i in range(m.num_tokens):
+            position = m.start + i
+            expected[b.row_start + i, b.col_start:b.col_start + m.start] = 1
+            expected[b.row_start + i, b.col_start + m.start:b.col_start + position + 1] = 2
+        assert data.page_edges(b) == list(range(b.col_start + 8, b.col_end, 8))
+    assert (data.mask == expected).all()
+    assert (data.mask > 0).sum() == sum(m.start + i + 1 for m in rec.members
+                                        for i in range(m.num_tokens))
+
+
+def test_attention_mask_is_what_the_reference_attention_computes(mixed_run):
+    """Dense softmax attention over the keys each row's mask allows, gathered from the pages,
+    equals the torch reference's paged attention for the same step."""
+    import torch
+
+    from minicb.attention import build_metadata, torch_ref
+    rec = mixed_run.trace[3]
+    data = viz.attention_mask_data(mixed_run, step=4)
+    gen = torch.Generator().manual_seed(0)
+    num_pages, kv_heads, head_dim = 16, 1, 4
+    k_cache = torch.randn(num_pages, 8, kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_pages, 8, kv_heads, head_dim, generator=gen)
+    meta = build_metadata([b.pages for b in data.blocks], [b.start for b in data.blocks],
+                          [b.num_tokens for b in data.blocks], page_size=8)
+    q = torch.randn(rec.num_tokens, kv_heads, head_dim, generator=gen)
+    paged = torch_ref.attend(q, k_cache, v_cache, meta, 0.5)
+    slots = [b.pages[p // 8] * 8 + p % 8 for b in data.blocks
+             for p in range(b.col_end - b.col_start)]
+    keys = k_cache.view(-1, head_dim)[slots]
+    values = v_cache.view(-1, head_dim)[slots]
+    scores = (q[:, 0] @ keys.T * 0.5).masked_fill(torch.from_numpy(data.mask == 0), -torch.inf)
+    dense = torch.softmax(scores, dim=-1) @ values
+    assert torch.allclose(dense, paged[:, 0], atol=1e-5)
+
+
+def test_attention_mask_picture_labels_each_request_and_its_pages(mixed_run):
+    """One y label per member (its id, kind and query count), one x label per member (its
+    keys), a dotted line per page boundary, and the page ids above the wide blocks."""
+    fig = viz.plot_attention_mask(mixed_run, step=4)
+    ax, data = fig.axes[0], fig.minicb_data
+    assert [t.get_text() for t in ax.get_yticklabels()] == [
+        "chat-0: decode, 1 query", "chat-1: decode, 1 query", "chat-2: decode, 1 query",
+        "long: prefill, 13 queries"]
+    assert [t.get_text() for t in ax.get_xticklabels()] == [
+        f"{b.request_id}\n{b.col_end - b.col_start} keys" for b in data.blocks]
+    dotted = [line for line in ax.lines if line.get_linestyle() == ":"]
+    assert len(dotted) == sum(len(data.page_edges(b)) for b in data.blocks)
+    assert {"6", "7", "8", "9"} <= {t.get_text() for t in ax.texts}  # long's pages
+    assert "step 4: 16 query tokens" in ax.get_title()
+    with pytest.raises(ValueError, match="step 99 is not in the trace"):
+        viz.attention_mask_data(mixed_run, step=99)
+    with pytest.raises(ValueError, match="no `start` per member"):
+        viz.attention_mask_data([record(1, [("a", "decode", 1, 0)])])

@@ -63,6 +63,7 @@ STYLE = {  # state -> (face colour, hatch, edge colour, bar height, legend label
 REQUEST_COLOURS = ["#CC79A7", "#009E73", "#F0E442", "#000000", "#332288", "#882255", "#117733",
                    "#999933"]
 CACHED = "#56B4E9"  # sky blue: lighter than decode's blue in greyscale too
+LANE = 0.3  # the budget picture's decode lane, as a share of its upper scale
 STEP_AXIS = "step  (step k is the cell from k−1 to k)"
 GLYPHS = {PREFILL: "▓", DECODE: "█", IDLE: "░", STALLED: "-", WAITING: "·"}
 RC = {"font.size": 14, "axes.titlesize": 16, "axes.labelsize": 15, "xtick.labelsize": 13,
@@ -245,7 +246,7 @@ def _draw_timeline(ax: Axes, data: TimelineData, requests: list[str], legend: bo
                            hatch=hatch, linewidth=0.8 if hatch else 0)
             present.add(state)
     marks = []
-    arrivals = [(data.arrivals[r] - 1, row[r]) for r in data.requests]
+    arrivals = [(data.arrivals[r] - 0.5, row[r]) for r in data.requests]  # in its cell
     if arrivals and len(requests) <= 80:  # beyond, the marks would hide the rows
         ax.scatter(*zip(*arrivals), marker=">", s=70 * fit ** 2, color="black", zorder=3,
                    clip_on=False)
@@ -622,24 +623,42 @@ def budget_data(trace: Any, max_num_batched_tokens: int | None = None) -> Budget
 
 
 def plot_budget(trace: Any, max_num_batched_tokens: int | None = None, ax: Axes | None = None,
-                *, title: str | None = None, legend: bool = True) -> Figure:
+                *, title: str | None = None, legend: bool = True, ymax: float | None = None,
+                decode_max: int | None = None) -> Figure:
     """Tokens per step (chapters 04-05): decode tokens stacked under prefill tokens, against
-    the `max_num_batched_tokens` line, so PD interleaving's "decodes first, then one chunk"
-    shows. Taken from the engine's config when an Engine is passed. Data: `BudgetData`."""
+    the `max_num_batched_tokens` line, and below them a lane of the decode tokens alone at
+    their own scale (0 to `decode_max`), so three decodes beside an 800-token prefill still
+    show. `ymax` cuts the upper scale. The budget is taken from the engine's config when an
+    Engine is passed. Data: `BudgetData`."""
     data = budget_data(trace, max_num_batched_tokens)
+    top = ymax if ymax is not None else max(data.total + [data.budget or 0, 1]) * 1.1
+    lane_top = decode_max if decode_max is not None else max(data.decode + [1])
     x = [k - 0.5 for k in data.steps]
     edges = {"edgecolor": "white", "linewidth": 0.6} if len(data.steps) <= 150 else \
         {"linewidth": 0}  # separate bars can be counted; hundreds would turn white
     with _style():
-        ax = _axes(ax, (13, 4.5))
-        ax.bar(x, data.decode, width=1.0, color="#0072B2", label="decode tokens", **edges)
-        ax.bar(x, data.prefill, width=1.0, bottom=data.decode, color="#E69F00",
+        ax = _axes(ax, (13, 5.0))
+        ax.bar(x, data.decode, width=1.0, color=STYLE[DECODE][0], label="decode tokens",
+               **edges)
+        ax.bar(x, data.prefill, width=1.0, bottom=data.decode, color=STYLE[PREFILL][0],
                label="prefill tokens", **edges)
         if data.budget:
             ax.axhline(data.budget, color="black", ls="--", lw=2, zorder=0,
                        label=f"max_num_batched_tokens = {data.budget}")
+        # the decode lane, below the axis: the decode tokens alone, scaled to the lane
+        lane, gap = LANE * top, 0.06 * top
+        base = -(gap + lane)
+        ax.bar(x, [d / lane_top * lane for d in data.decode], width=1.0, bottom=base,
+               color=STYLE[DECODE][0], **edges)
+        ax.axhspan(base, -gap, color="#F2F2F2", zorder=0, lw=0)
+        ax.axhline(0, color="black", lw=0.8)
+        ax.text(0.005, -gap - 0.1 * lane, f"decode tokens alone (0 to {lane_top})",
+                transform=ax.get_yaxis_transform(), va="top", fontsize=12,
+                path_effects=[withStroke(linewidth=3, foreground="white")])
+        ticks = [t for t in MaxNLocator(nbins=5, integer=True).tick_values(0, top) if t <= top]
+        ax.set_yticks([base, -gap] + ticks, ["0", str(lane_top)] + [f"{t:g}" for t in ticks])
         ax.set_xlim(0, max(data.steps, default=1) + 0.5)
-        ax.set_ylim(0, max(data.total + [data.budget or 0, 1]) * 1.1)
+        ax.set_ylim(base, top)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel(STEP_AXIS)
         ax.set_ylabel("tokens in the step")
@@ -648,6 +667,144 @@ def plot_budget(trace: Any, max_num_batched_tokens: int | None = None, ax: Axes 
             handles, labels = ax.get_legend_handles_labels()
             order = sorted(range(len(labels)), key=lambda i: labels[i].startswith("max_"))
             _legend(ax, [handles[i] for i in order], [labels[i] for i in order])
+    return _attach(ax, data)
+
+
+# ------------------------------------------------------------------------ attention mask
+@dataclass
+class MaskBlock:
+    """One member of the step's flat batch: its query rows [row_start, row_end) of the batch,
+    its key columns [col_start, col_end) (its context after the step, positions 0 to
+    `start + num_tokens - 1`), and its page table (empty when the trace has none for it)."""
+
+    request_id: str
+    kind: str
+    start: int
+    num_tokens: int
+    row_start: int
+    row_end: int
+    col_start: int
+    col_end: int
+    pages: list[int]
+
+
+@dataclass
+class AttentionMaskData:
+    """What `plot_attention_mask` draws for one step. `mask[i][j]`: 0 where query row i does
+    not attend to key column j (another request's key, or a later position), 1 where it reads
+    a key cached by an earlier step, 2 where it reads a key written by this step."""
+
+    step: int
+    page_size: int
+    blocks: list[MaskBlock]
+    mask: Any  # numpy array [query rows, key columns] of 0, 1, 2
+
+    @property
+    def query_start_loc(self) -> list[int]:
+        return [0] + [b.row_end for b in self.blocks]
+
+    @property
+    def context_lens(self) -> list[int]:
+        return [b.col_end - b.col_start for b in self.blocks]
+
+    def page_edges(self, block: MaskBlock) -> list[int]:
+        """Key columns where one of the block's pages ends and the next begins."""
+        return list(range(block.col_start + self.page_size, block.col_end, self.page_size))
+
+
+def attention_mask_data(trace: Any, step: int | None = None, page_size: int | None = None
+                        ) -> AttentionMaskData:
+    """The mask one step's attention computes (chapter 05), from the trace alone: members in
+    batch order (the engine's flat batch), each attending causally over its own context."""
+    import numpy as np
+
+    rec = _record_at(_records(trace), step)
+    if page_size is None:
+        config = getattr(getattr(trace, "engine", trace), "config", None)
+        page_size = getattr(config, "page_size", None)
+    if page_size is None:
+        from minicb.config import EngineConfig
+        page_size = EngineConfig().page_size
+    members = [m for m in rec.members if m.num_tokens > 0]
+    if any(m.start is None for m in members):
+        raise ValueError("this trace has no `start` per member (a trace made by hand): the "
+                         "mask needs each member's cached tokens; record it with the engine")
+    blocks, row, col = [], 0, 0
+    for m in members:
+        context = m.start + m.num_tokens
+        blocks.append(MaskBlock(m.request_id, m.kind, m.start, m.num_tokens, row,
+                                row + m.num_tokens, col, col + context,
+                                list(rec.page_tables.get(m.request_id, []))))
+        row, col = row + m.num_tokens, col + context
+    mask = np.zeros((row, col), dtype=np.int8)
+    for b in blocks:
+        for i in range(b.num_tokens):
+            position = b.start + i  # the query's position in its own sequence
+            mask[b.row_start + i, b.col_start:b.col_start + b.start] = 1
+            mask[b.row_start + i, b.col_start + b.start:b.col_start + position + 1] = 2
+    return AttentionMaskData(rec.step, page_size, blocks, mask)
+
+
+def plot_attention_mask(trace: Any, step: int | None = None, ax: Axes | None = None, *,
+                        page_size: int | None = None, title: str | None = None,
+                        legend: bool = True) -> Figure:
+    """One step's flat batch as the mask its attention computes (chapter 05): query tokens
+    down, key positions across, one block per request. A decode row reads its whole cached
+    context; a prefill chunk reads its cached prefix and, causally, itself. Dotted lines mark
+    page boundaries, and each page's id is written above it when the trace has the page
+    table. Data: `AttentionMaskData`."""
+    import numpy as np
+
+    data = attention_mask_data(trace, step, page_size)
+    colours = {kind: matplotlib.colors.to_rgb(STYLE[kind][0]) for kind in (DECODE, PREFILL)}
+    image = np.ones(data.mask.shape + (3,))
+    for b in data.blocks:
+        rgb = np.array(colours.get(b.kind, colours[DECODE]))
+        rows = slice(b.row_start, b.row_end)
+        block = data.mask[rows]
+        tint = 1 - 0.45 * (1 - rgb)  # a lighter shade: keys read from earlier steps' pages
+        image[rows][block == 1] = tint
+        image[rows][block == 2] = rgb
+    rows, cols = data.mask.shape
+    with _style():
+        ax = _axes(ax, (13, min(9.0, 2.5 + 0.06 * rows + 0.3 * len(data.blocks))))
+        ax.imshow(image, aspect="auto", interpolation="nearest",
+                  extent=(0, max(cols, 1), max(rows, 1), 0))
+        for b in data.blocks:
+            ax.add_patch(Rectangle((b.col_start, b.row_start), b.col_end - b.col_start,
+                                   b.row_end - b.row_start, fill=False, lw=1.2,
+                                   edgecolor="black"))
+            for edge in data.page_edges(b):
+                ax.plot([edge, edge], [b.row_start, b.row_end], color="black", lw=0.8, ls=":")
+            if b.pages and (b.col_end - b.col_start) / max(cols, 1) > 0.06:
+                for i, page in enumerate(b.pages[:math.ceil((b.col_end - b.col_start)
+                                                            / data.page_size)]):
+                    left = b.col_start + i * data.page_size
+                    ax.text((left + min(left + data.page_size, b.col_end)) / 2, -0.01 * rows,
+                            str(page), ha="center", va="bottom", fontsize=10, clip_on=False)
+        ax.set_yticks([(b.row_start + b.row_end) / 2 for b in data.blocks],
+                      [f"{b.request_id}: {b.kind}, {b.num_tokens} "
+                       f"quer{'y' if b.num_tokens == 1 else 'ies'}" for b in data.blocks])
+        ax.set_xticks([(b.col_start + b.col_end) / 2 for b in data.blocks],
+                      [f"{b.request_id}\n{b.col_end - b.col_start} keys" for b in data.blocks])
+        ax.set_xlim(0, max(cols, 1))
+        ax.set_ylim(max(rows, 1), 0)
+        ax.set_xlabel("key positions, grouped by request (dotted: page boundaries)")
+        ax.set_ylabel("query tokens of the flat batch")
+        ax.set_title(_titled(title or f"step {data.step}: {rows} query tokens, one forward",
+                             trace), pad=22)
+        if legend:
+            handles = [Patch(facecolor=colours[DECODE], label="decode row: its key this step"),
+                       Patch(facecolor=1 - 0.45 * (1 - np.array(colours[DECODE])),
+                             label="decode row: cached context"),
+                       Patch(facecolor=colours[PREFILL], label="chunk: causal over itself"),
+                       Patch(facecolor=1 - 0.45 * (1 - np.array(colours[PREFILL])),
+                             label="chunk: cached prefix"),
+                       Patch(facecolor="white", edgecolor="black", label="masked")]
+            kinds = {b.kind for b in data.blocks}
+            _legend(ax, [h for h in handles if h.get_label() == "masked"
+                         or h.get_label().startswith("decode") and DECODE in kinds
+                         or h.get_label().startswith("chunk") and PREFILL in kinds])
     return _attach(ax, data)
 
 
@@ -680,6 +837,11 @@ def compare(traces: dict[str, Any], kind: str = "timeline", *, ymax: float | Non
         heights = [3.0] * len(traces)
     out: dict[str, Any] = {}
     handles: dict[str, Any] = {}  # one legend for every panel: a state only a lower panel has
+    if kind == "budget":  # one upper scale and one decode lane scale for every panel
+        budgets = [budget_data(t, options.get("max_num_batched_tokens")) for t in traces.values()]
+        options = {**options, "decode_max": max(max(b.decode + [1]) for b in budgets),
+                   "ymax": ymax if ymax is not None else max(
+                       max(b.total + [b.budget or 0, 1]) for b in budgets) * 1.1}
     with _style():
         fig = Figure(figsize=(13, min(16.0, sum(heights) + 0.6)), layout="constrained")
         axes = fig.subplots(len(traces), 1, sharex=True, height_ratios=heights, squeeze=False)
@@ -705,7 +867,7 @@ def compare(traces: dict[str, Any], kind: str = "timeline", *, ymax: float | Non
                 ax.set_xlabel("")
         last = max(d.last_step for d in datas.values())
         axes[0, 0].set_xlim(0, max(last, 1) + 0.5)
-        if kind in ("pages", "budget"):  # one y scale, so a spike is as tall in every panel
+        if kind == "pages":  # one y scale, so a spike is as tall in every panel
             top = ymax if ymax is not None else max(ax.get_ylim()[1] for ax in axes[:, 0])
             for ax in axes[:, 0]:
                 ax.set_ylim(0, top)
