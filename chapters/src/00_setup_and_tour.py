@@ -1,27 +1,19 @@
 # %% [markdown]
 # # 00 · Setup and a tour of minicb
 #
-# This course grows **minicb**, a small but real LLM inference engine: it loads a real checkpoint,
-# keeps the KV cache in fixed-size pages, and schedules many requests at once. The chapters follow
-# one text, the chapter *Continuous Batching 与 Chunked Prefill*, from a single request at a time
-# (v1) to 连续批处理 continuous batching, Chunked Prefill and PD 交错 prefill/decode
-# interleaving (v2).
+# This course grows **minicb**, a small but real LLM inference engine.
+# It loads a real checkpoint, keeps the KV cache in fixed-size pages, and schedules many requests at once.
 #
-# Two words the chapters use for their sources. **The seed** is that chapter text (written in
-# Chinese): "seed §2.3" means its section 2.3, and a passage the course relies on is quoted in the
-# chapter with a translation, so you never need the text itself. It has nothing to do with the
-# `seed=` of a random workload. **The benchmark contract** is a second text, the rules for
-# measuring a serving engine the way production traffic would: arrival processes, percentiles,
-# goodput at an SLO, preemption and cancellation. Chapter 06 follows it.
-#
-# Chinese words in the course are the sources' own: a term is given in Chinese where the sources
-# use Chinese (页池 page pool, 队头阻塞 head-of-line blocking, 抢占 preemption) and in English
-# where they do (Prefill, Decode, Chunked Prefill, Iteration-level Scheduling, Goodput).
+# The chapters follow one text, the chapter *Continuous Batching 与 Chunked Prefill* (written in Chinese).
+# The course calls it **the seed**: "seed §2.3" means its section 2.3.
+# It goes from one request at a time (v1) to 连续批处理 continuous batching, Chunked Prefill and PD 交错 prefill/decode interleaving (v2).
+# A second text, **the benchmark contract**, sets the rules for measuring an engine; chapter 06 follows it.
+# Where the sources use Chinese terms, the course gives them beside the English (页池 page pool, 抢占 preemption).
 #
 # **After this chapter you will be able to**
 #
-# - open and run the course (`make lab`, `make test`) and say what each chapter adds;
-# - load the default model and get an answer through minicb with `LLM.chat`;
+# - run the course (`make lab`, `make test`) and say what each chapter adds;
+# - get an answer from the default model through minicb with `LLM.chat`;
 # - read a first timeline picture: which request ran at which engine step;
 # - find your way around the engine's source, one concept per module.
 
@@ -30,19 +22,17 @@
 #
 # | chapter | seed section | what you build or measure |
 # |---|---|---|
-# | **00** setup and tour | | the default model answering through minicb, a first timeline |
-# | **01** single request, paged KV | v1, 2.1 | Prefill vs Decode measured; pages, the 页池 page pool, page tables, the 前缀索引 prefix index, int8 and prepacked weights |
-# | **02** static batching | 1.1, 1.2, 2.2 | v1 under concurrency; 静态批处理 static batching and request-level dynamic batching; the R1/R2/R3 example and its dead slots; a steady stream whose queue keeps growing |
-# | **03** continuous batching | 1.3, 2.3, 2.5 | Iteration-level Scheduling, the four phases of a step, R4 taking R1's 槽位 slot at step 31, which workloads gain |
-# | **04** chunked prefill | 2.4, 3 (problem one, two) | a long prompt blocking every decode; chunks; prefill-first still starving decodes |
-# | **05** PD interleaving | 3 | the decode-first token budget, mixed `[B_dec, 1]` + `[1, N_chunk]` batches, dec@P and short_P |
-# | **06** benchmarking like production | the benchmark contract | arrival processes, percentiles, goodput at an SLO, how long a run must be, every answer to a full cache (wait, reserve, evict, preempt and recompute, swap, reject) and a bound on preemption loss, cancellation, fairness, priority, deadlines and tenants, a sweep and a replayed trace |
-# | **07** GPU kernels | | paged attention, the KV store, fused RMSNorm and RoPE in Triton, checked on the CPU in Triton's interpreter |
-# | **08** where next | | minicb's knobs beside vLLM's and SGLang's, serving, a C decode-attention kernel built and measured, speculative decoding by prompt lookup |
+# | **00** setup and tour | | the default model answering, a first timeline |
+# | **01** single request, paged KV | v1, 2.1 | Prefill vs Decode, the 页池 page pool, page tables, the 前缀索引 prefix index |
+# | **02** static batching | 1.1, 1.2, 2.2 | v1 under load; 静态批处理 static batching and its dead slots (R1/R2/R3) |
+# | **03** continuous batching | 1.3, 2.3, 2.5 | the four phases of a step; R4 takes R1's 槽位 slot at step 31 |
+# | **04** chunked prefill | 2.4, 3 | a long prompt blocks every decode; chunks; prefill-first still stalls decodes |
+# | **05** PD interleaving | 3 | the decode-first budget, the mixed batch as an attention mask, dec@P and short_P |
+# | **06** benchmarking like production | the contract | arrivals, percentiles, goodput, a full cache, fairness, sweeps |
+# | **07** GPU kernels | | paged attention and the KV store in Triton, checked on the CPU |
+# | **08** where next | | vLLM and SGLang knobs, serving, CPU speed, speculative decoding |
 #
-# Each chapter imports the engine from the `minicb` package; none pastes engine code. Where a
-# chapter builds an idea by hand first (a toy page allocator, a toy batch loop), a cell then checks
-# that minicb gives the same answer.
+# Each chapter imports the engine from the `minicb` package; none pastes engine code.
 
 # %% [markdown]
 # ## How to run it
@@ -50,36 +40,25 @@
 # From the repository root:
 #
 # ```bash
-# make lab    # creates .venv on first use, installs everything, opens this notebook in JupyterLab
-# make test   # the whole test suite, including every chapter executed by nbval
-# make demo   # a few chat prompts answered with continuous batching, printed with a timeline
+# make lab    # creates .venv, installs everything, opens this notebook in JupyterLab
+# make test   # the whole test suite, every chapter executed by nbval
+# make demo   # a few chat prompts answered with continuous batching
 # ```
 #
-# Every chapter runs top to bottom in at most three minutes on two CPU cores (most in under two)
-# with the default model, SmolLM2-135M-Instruct (135 M parameters, float32 on the CPU; its
-# package ships the weights quantized to 4 bits, Q4_1 GGUF, which minicb dequantizes once, so its
-# answers differ a little from the original weights'). With a
-# CUDA build of torch and a GPU, engines go to the GPU by default (`device="auto"`; `device="cpu"`
-# keeps them here) and the notebooks are meant to run unchanged, much faster per step, though so
-# far they have been checked on the CPU only; chapter 07 says how to install the CUDA build.
-# The stored outputs are the CPU's: on a GPU, weights default to bfloat16 (other tokens, other
-# schedules where text sets a length) and the page pool is sized from free memory, so to check a
-# notebook against them there, hide the GPU (`CUDA_VISIBLE_DEVICES= make test`).
+# Every chapter runs in a few minutes on two CPU cores.
+# The default model is SmolLM2-135M-Instruct, in float32 on the CPU.
+# Its package ships 4-bit weights (Q4_1 GGUF), which minicb dequantizes once.
+# On a GPU the engine defaults to bfloat16; [docs/gpu.md](../docs/gpu.md) says how to run there.
 #
-# `make test` runs each notebook with `nbval`: cells that print schedule tables and counts start
-# with `# NBVAL_CHECK_OUTPUT` and must reproduce their stored output, apart from numbers with
-# time, rate or percent units, which `tests/sanitize.cfg` masks. That is possible
-# because a schedule is counted in **engine steps**, not seconds, and greedy sampling with fixed
-# output lengths makes it independent of the generated text. Wall-clock numbers and generated text
-# are marked `# NBVAL_IGNORE_OUTPUT`.
+# `make test` checks stored outputs: a cell marked `# NBVAL_CHECK_OUTPUT` must print the same again.
+# That works because a schedule is counted in **engine steps**, not seconds.
+# Cells that print seconds or generated text are marked `# NBVAL_IGNORE_OUTPUT`.
 
 # %% [markdown]
 # ## The default model answers a question
 #
-# `LLM` is a vLLM-style façade: the name of the bundled model (or a local Hugging Face checkpoint
-# directory) plus engine options. The very first load converts the bundled GGUF file into a
-# float32 checkpoint once (about a minute); after that it loads in one to two seconds (the
-# weights read from the cache and prepacked, and transformers imported for the tokenizer).
+# `LLM` is a vLLM-style façade: a model name (or a local Hugging Face checkpoint directory) plus engine options.
+# The first load converts the bundled GGUF file once; later loads read the cache.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -92,7 +71,7 @@ llm = LLM("smollm2-135m", policy="continuous", max_num_seqs=4)
 print(f"loaded in {time.perf_counter() - t0:.1f} s")
 
 # %% [markdown]
-# The engine keeps what it loaded: the model's shape, its tokenizer and the end-of-sequence ids.
+# The engine keeps what it loaded: the model's shape, its tokenizer and its end-of-sequence ids.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -106,8 +85,8 @@ print(f"policy={llm.engine.config.policy}, page_size={llm.engine.config.page_siz
       f"num_pages={llm.engine.pool.num_pages}, max_num_seqs={llm.engine.config.max_num_seqs}")
 
 # %% [markdown]
-# `LLM.chat` applies the checkpoint's chat template and generates. `temperature=0.0` is greedy
-# decoding: the same prompt always gives the same tokens.
+# `LLM.chat` applies the chat template and generates.
+# `temperature=0.0` is greedy decoding: the same prompt always gives the same tokens.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -120,9 +99,8 @@ print(f"{len(out.token_ids)} tokens, finish_reason={out.finish_reason!r}, "
       f"{time.perf_counter() - t0:.2f} s")
 
 # %% [markdown]
-# An output carries more than text: the prompt and output token ids, why it stopped (`"stop"`
-# at an end-of-sequence token, `"length"` at `max_tokens`), and its milestones, both as engine
-# step numbers and as wall-clock seconds.
+# An output carries the prompt and output token ids and why it stopped (`"stop"` or `"length"`).
+# It also carries its milestones, as engine steps and as seconds.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -137,10 +115,9 @@ print(f"seconds       : time to first token {m.first_token_time - m.arrival_time
 # %% [markdown]
 # ## A first timeline
 #
-# Now four questions at once. The engine advances in **steps**; each step runs the model once
-# over a batch of requests. `llm.engine.trace` holds one `StepRecord` per step: who was in the
-# batch, what each member did (prefill its prompt, or decode one token), who finished. Every
-# picture in the course is drawn from that plain data by `minicb.course.viz`.
+# Now four questions at once. The engine advances in **steps**: each step runs the model once over a batch.
+# `llm.engine.trace` holds one `StepRecord` per step: who was in the batch and what each did.
+# Every picture in the course is drawn from that plain data by `minicb.course.viz`.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -166,13 +143,11 @@ from minicb.course import viz
 viz.plot_timeline(llm.engine.trace, title="four chat requests under continuous batching")
 
 # %% [markdown]
-# Read it row by row. Each request starts with one orange **prefill** cell: its whole prompt
-# (a few dozen tokens of chat template and question) goes through the model in one step and
-# yields the first output token. Then come blue **decode** cells, one token per step, until
-# the black bar where it finishes (an end-of-sequence token or `max_tokens`). All four run side
-# by side: one forward per step serves the whole batch. Which request stops first depends on
-# what the model writes, so the exact shape can differ on another machine; the later chapters
-# fix output lengths (`ignore_eos=True`) whenever a schedule is checked.
+# Read it row by row. Each request starts with one orange **prefill** cell: its whole prompt in one step.
+# Then come blue **decode** cells, one token per step, until the black bar where it finishes.
+# All four run side by side: one forward per step serves the whole batch.
+# Which request stops first depends on what the model writes.
+# Later chapters fix output lengths (`ignore_eos=True`) whenever a schedule is checked.
 #
 # The same trace also prints as text, the way the seed draws its timelines:
 
@@ -183,23 +158,20 @@ print(viz.render_text(llm.engine.trace, width=90))
 # %% [markdown]
 # ## Where the code lives
 #
-# One concept per module; the chapter column says where each is explained.
-#
 # | module | what it holds | chapter |
 # |---|---|---|
-# | `minicb/config.py` | `EngineConfig`: every knob (policy, page_size, num_pages, max_num_seqs, max_num_batched_tokens, chunk_size…) | all |
-# | `minicb/request.py` | `Request` (WAITING → RUNNING → FINISHED), `SamplingParams`, `RequestOutput` | 01 |
+# | `minicb/config.py` | `EngineConfig`: every knob | all |
+# | `minicb/request.py` | `Request` (WAITING → RUNNING → FINISHED), `SamplingParams` | 01 |
 # | `minicb/kv_cache.py` | `PagePool` (pages, free list, ref counts) and `PrefixIndex` | 01 |
-# | `minicb/model/`, `minicb/attention/` | the Llama-family model over the paged cache; attention backends (the PyTorch reference, Triton kernels for GPUs, a C kernel for CPUs) | 01, 07, 08 |
+# | `minicb/model/`, `minicb/attention/` | the model over the paged cache; attention backends | 01, 07, 08 |
 # | `minicb/scheduler.py` | one class per policy: single, static, dynamic, continuous, chunked, pd | 02–05 |
 # | `minicb/engine.py` | `Engine.step()`: schedule → forward → sample → reclaim | 03 |
 # | `minicb/trace.py` | `StepRecord`, `Member`: what every picture and metric reads | 02–06 |
-# | `minicb/course/viz.py` | timelines, slots, pages, token budget, the step-through widget | 02–05 |
-# | `minicb/benchmark/workload.py`, `minicb/benchmark/metrics.py`, `minicb/benchmark/bench.py` | workloads, latency metrics, the benchmark | 05, 06 |
+# | `minicb/course/viz.py` | timelines, slots, pages, token budget, attention mask | 02–05 |
+# | `minicb/benchmark/` | workloads, latency metrics, the simulator, the benchmark | 05, 06 |
 #
-# The rules between them are strict: schedulers decide from requests, token counts and pages and
-# never touch a tensor; the model sees one flat batch of tokens and never a request; `viz` reads
-# traces and the engine never draws. You can open any of these files next to a chapter.
+# Schedulers decide from requests, token counts and pages; they never touch a tensor.
+# The model sees one flat batch of tokens and never a request. `viz` reads traces; the engine never draws.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -207,24 +179,18 @@ import inspect
 
 import minicb
 
-root = inspect.getfile(minicb).rsplit("/", 1)[0]
-print("minicb is imported from", root)
-print("Engine.step is defined at", f"{inspect.getsourcefile(minicb.Engine).split('/minicb/')[-1]}"
-      f":{inspect.getsourcelines(minicb.Engine.step)[1]}")
+print("minicb is imported from", inspect.getfile(minicb).rsplit("/", 1)[0])
+print("Engine.step is defined in", inspect.getsourcefile(minicb.Engine).split("/minicb/")[-1])
 
 # %% [markdown]
 # ## Recap
 #
 # - minicb is a real engine: `LLM("smollm2-135m", policy=...)`, then `generate` or `chat`.
-# - It works in **steps**; `engine.trace` records each one as plain data, and `minicb.course.viz` draws
-#   it. Checked outputs in this course count steps, so they do not depend on which CPU runs
-#   them (a GPU defaults to bfloat16 and a larger pool: `CUDA_VISIBLE_DEVICES=` hides it).
-# - The next chapter opens v1: one request, its prefill and its decodes, and the paged KV cache
-#   underneath.
+# - It works in **steps**. `engine.trace` records each one as plain data, and `minicb.course.viz` draws it.
+# - Checked outputs count steps, so they do not depend on the machine.
+# - Next, chapter 01 opens v1: one request, its prefill and decodes, over a paged KV cache.
 #
-# **Exercises:** none for this chapter; the graded exercises start after chapter 01, with
-# [`exercises/01_paged_kv.ipynb`](../exercises/01_paged_kv.ipynb).
+# **Exercises:** none for this chapter; they start with [`exercises/01_paged_kv.ipynb`](../exercises/01_paged_kv.ipynb).
 #
-# **Try this (not graded):** ask the model questions of your own in the cells above, read the
-# text timeline by hand to find which request finished first and at which step, then check your
-# answer against `llm.engine.trace` (each `StepRecord` lists the ids that `finished` at it).
+# **Try this (not graded):** ask questions of your own above.
+# Find in the text timeline which request finished first, then check it in `llm.engine.trace`.
