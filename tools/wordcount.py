@@ -17,7 +17,7 @@ from nb import parse  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TOTAL, PER_CHAPTER, PER_SENTENCE = 16_000, 3_000, 40
-SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z`*(\"'\[])|(?<=[。！？])")
+SENTENCE_END = re.compile(r"(?<=[.!?])(?:\*\*|[\"')\]])?\s+(?=[A-Za-z0-9`*(\"'\[])|(?<=[。！？])")
 
 
 def markdown_cells(source: Path) -> list[str]:
@@ -41,7 +41,8 @@ def prose(cell: str) -> str:
 def sentences(cell: str) -> list[str]:
     out = []
     for paragraph in re.split(r"\n\s*\n", prose(cell)):
-        out += [s for s in SENTENCE_END.split(" ".join(paragraph.split())) if s.strip()]
+        text = " ".join(paragraph.split()).replace("e.g.", "eg").replace("i.e.", "ie")
+        out += [s for s in SENTENCE_END.split(text) if s.strip()]
     return out
 
 
