@@ -919,7 +919,7 @@ def test_budget_lane_shows_decode_tokens_at_full_scale():
     *_, lane = ax.containers
     bottom = ax.get_ylim()[0]
     heights = [r.get_height() for r in lane]
-    assert heights[0] == pytest.approx(-bottom * viz.LANE / (viz.LANE + 0.06)) and heights[1] == 0
+    assert heights[0] == pytest.approx(-bottom * viz.LANE / (viz.LANE + 0.1)) and heights[1] == 0
     assert all(r.get_y() == pytest.approx(bottom) for r in lane)
     few = [record(1, [("a", "decode", 1, 0)])]
     fig = viz.compare({"three": trace, "one": few}, kind="budget")

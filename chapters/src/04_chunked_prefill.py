@@ -1,20 +1,15 @@
 # %% [markdown]
 # # 04 · Chunked prefill
 #
-# Chapter 03 ended with continuous batching admitting a new request's **whole prompt** in one
-# step. With chat-sized prompts that is harmless. With a long prompt it is not: the seed's
-# section 3 names two problems, and this chapter measures both on the real model.
+# Chapter 03's continuous batching admits a new request's **whole prompt** in one step.
+# With chat-sized prompts that is harmless; with a long prompt it is not.
+# The seed's section 3 names two problems, and this chapter measures both on the real model.
 #
 # **After this chapter you will be able to**
 #
-# - measure **问题一, problem one**: one long prompt prefilled in a single step stretches that
-#   step, and every running decode waits for it (队头阻塞 head-of-line blocking, now caused by a
-#   prefill instead of a long decode);
-# - cut a prompt into chunks under the two knobs `chunk_size` and `max_num_batched_tokens` (the
-#   per-step token budget, the seed's token 预算), predict the chunks by hand and read them off
-#   the budget picture;
-# - compute **dec@P** from a trace by hand and show **问题二, problem two**: a prefill-first
-#   scheduler with chunks still stops every decode for the whole prefill window (dec@P = 0).
+# - measure **问题一, problem one**: one long prompt in a single step stretches it, and every running decode waits (队头阻塞 head-of-line blocking);
+# - cut a prompt into chunks under `chunk_size` and `max_num_batched_tokens` (the step's token 预算 budget), and predict them by hand;
+# - compute **dec@P** from a trace and show **问题二, problem two**: a prefill-first scheduler with chunks still stops every decode (dec@P = 0).
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -37,12 +32,10 @@ model = load_model("smollm2-135m")  # (weights, info), loaded once and shared by
 # %% [markdown]
 # ## The scenario: three chats and one long document
 #
-# `minicb.benchmark.workload` has the chapter's scenario ready: `long-prefill`. Three short requests
-# (16-token prompts, 24 output tokens each) start at step 1 and are decoding by step 2. At step 4
-# a long prompt arrives, a document of 800 tokens that wants 4 output tokens. The seed talks about
-# 2,000 tokens; 800 keeps the CPU run short and shows the same thing (on a GPU, try 8,000).
-# Sampling is greedy with `ignore_eos`, so every request produces exactly its `max_tokens`
-# and the schedule never depends on the generated text.
+# The `long-prefill` workload: three short requests (16-token prompts, 24 output tokens) start at step 1.
+# At step 4 a document of 800 tokens arrives and wants 4 output tokens.
+# The seed talks about 2,000 tokens; 800 keeps the CPU run short and shows the same thing.
+# Sampling is greedy with `ignore_eos`, so every schedule is exact.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -51,11 +44,8 @@ workload = get_workload("long-prefill", long_prompt_len=800, num_short=3, short_
 for key, value in workload.declaration.items():
     print(f"{key:>22}: {value}")
 
-
 # %% [markdown]
-# A small helper prints a schedule, one line per step: who was in the batch and what each
-# member did. `long[128]` is a prefill chunk of 128 tokens of `long`; a bare name is one decode
-# token. It only reads `engine.trace`, the plain list of `StepRecord`s every picture is drawn from.
+# A helper prints a schedule, one line per step. `long[128]` is a 128-token prefill chunk of `long`; a bare name is one decode token.
 
 # %%
 def label(m):
@@ -68,12 +58,10 @@ def show_steps(engine, steps=None):
         if steps is None or rec.step in steps:
             print(f"{rec.step:>4} {rec.num_tokens:>6}  " + " ".join(map(label, rec.members)))
 
-
 # %% [markdown]
 # ## 1. Problem one: the whole prompt in one step
 #
-# Continuous batching (`policy="continuous"`, chapter 03) gives every running decode one token,
-# then admits waiting requests with their whole prompt.
+# Continuous batching gives every running decode one token, then admits waiting requests with their whole prompt.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -87,7 +75,7 @@ print(f"continuous: {len(cont.trace)} steps in {time.perf_counter() - t0:.1f} s"
 show_steps(cont, range(1, 9))
 
 # %% [markdown]
-# Counted in steps, nothing looks wrong: at step 4 the three decodes each still got their token.
+# Counted in steps, nothing looks wrong: at step 4 the three decodes still got their token.
 # But step 4 is one forward over 803 tokens. Time it against the decode steps around it:
 
 # %%
@@ -104,11 +92,10 @@ print(f"median decode-only step:                {np.median(decode_only) * 1000:.
 print(f"the long step costs {secs[3] / np.median(decode_only):.0f} decode steps")
 
 # %% [markdown]
-# That one step lasts as long as twenty or more decode steps, and the three chats wait the
-# whole time for their next token. A user streaming one of those answers sees it freeze. This is the
-# seed's 问题一: "单步迭代的耗时因此被显著拉长。在这一整步迭代期间，所有已经在运行中的 Decode
-# 请求都无法得到推进" (the single iteration is stretched, and for its whole length no running
-# decode advances). The inter-token latency (ITL) of the short requests shows it directly:
+# The last line says how many decode steps that one step cost. For all of it, the three chats wait for their next token.
+# A user streaming one of those answers sees it freeze.
+# The seed's 问题一: "在这一整步迭代期间，所有已经在运行中的 Decode 请求都无法得到推进" (for the whole step, no running decode advances).
+# The chats' longest gap between two tokens (inter-token latency, ITL) shows it:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -121,14 +108,10 @@ for rid in ("short-0", "short-1", "short-2"):
     print(f"{rid}: longest gap between two tokens {worst_gap(cont, rid) * 1000:.0f} ms")
 
 # %% [markdown]
-# Prefill costs grow with the prompt: about linearly in the matrix products and quadratically in
-# attention. On a GPU the same thing happens at a larger scale: a 32k-token prompt prefilled in
-# one step stalls every decode on that GPU for a second or more with an 8B model.
+# Prefill cost grows with the prompt: linearly in the matrix products, quadratically in attention.
 #
-# The timeline (x axis in steps) hides the problem; the same steps drawn in seconds show it.
-# Step 1 stands tall too, for another reason: a new engine's first forward pays one-off costs
-# (memory touched for the first time, first calls into the math library's kernels). Read it as
-# warm-up, not as the price of its 48 prompt tokens; step 4 is the one to look at.
+# The timeline (x axis in steps) hides the problem; the same steps in seconds show it.
+# Step 1 stands tall too: a new engine's first forward pays one-off warm-up costs. Step 4 is the one to look at.
 
 # %%
 viz.plot_timeline(cont, title="continuous: the long prompt is prefilled in one step (step 4)")
@@ -154,24 +137,15 @@ fig = plot_step_seconds({"continuous": cont}, "wall-clock time of each step")
 # %% [markdown]
 # ## 2. Chunks
 #
-# The fix for problem one is to cut the prompt into pieces and prefill one piece per step, so no
-# step grows beyond a fixed number of tokens. Two knobs bound a step (`max_num_batched_tokens`
-# is vLLM's name; vLLM calls the per-request cap `long_prefill_token_threshold`; SGLang has no
-# per-request cap: its `chunked_prefill_size` is the prefill tokens of the whole step, shared by
-# every prompt in it, so with one long prompt it is that prompt's chunk; chapter 08):
+# The fix for problem one: cut the prompt into pieces and prefill one piece per step.
+# Two knobs bound a step (vLLM's names; chapter 08 maps them to SGLang's):
 #
 # - `chunk_size`: at most this many prompt tokens of **one** request per step;
-# - `max_num_batched_tokens`: at most this many tokens in the **whole** step, prefill and decode
-#   together: the step's token budget.
+# - `max_num_batched_tokens`: at most this many tokens in the **whole** step: the token budget.
 #
-# A chunk is therefore `min(chunk_size, budget left, tokens left)`. The seed adds one rule,
-# 预算不足时推迟 (defer when the budget is short): if what is left of the step's budget cannot hold
-# a minimum chunk, the chunk waits for a later step instead of running as a sliver whose fixed
-# cost outweighs its work. minicb calls that minimum `min_chunk` (`EngineConfig`, default 1, so it
-# never fires unless you set it) and defers a chunk smaller than `min(min_chunk, tokens left)`: a
-# prompt's last few tokens still run when they finish it. Only the `pd` policy applies it: the
-# rule starts to matter in chapter 05, where decodes take their share of the budget first; this
-# chapter's `chunked` policy ignores it. On plain numbers, without it:
+# A chunk is `min(chunk_size, budget left, tokens left)`.
+# The seed adds a rule, 预算不足时推迟 (defer when the budget is short). minicb calls its threshold `min_chunk`; chapter 05 uses it.
+# On plain numbers:
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -187,10 +161,9 @@ def chunks(prompt_len, chunk_size, budget):
 print(chunks(800, chunk_size=128, budget=128))
 
 # %% [markdown]
-# minicb's `chunked` policy (`ChunkedScheduler` in `minicb/scheduler.py`) does exactly this.
-# Each chunk writes its K/V into the request's pages, and the next chunk's queries attend to
-# every earlier page: the attention backends take a chunk that starts anywhere in the prompt,
-# even in the middle of a page. Only the last chunk produces logits and a first token.
+# minicb's `chunked` policy (`ChunkedScheduler`) does exactly this.
+# Each chunk writes its K/V into the request's pages; the next chunk's queries attend to every earlier page.
+# Only the last chunk produces logits and a first token.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -210,10 +183,8 @@ print("same tokens as the one-step prefill:",
       chunked.requests["long"].output_token_ids == cont.requests["long"].output_token_ids)
 
 # %% [markdown]
-# Chunking changes the order of the work, not the result: the long request's four greedy tokens
-# are the ones the one-step prefill produced. (Bit for bit here, in float32 on the CPU. In
-# bfloat16 on a GPU the chunked and one-pass attention add their terms in another order, and a
-# near-tie between two tokens can flip; chapter 07.) Now the step times:
+# Chunking changes the order of the work, not the result: the long request's greedy tokens are unchanged.
+# Now the step times:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -232,12 +203,9 @@ fig = plot_step_seconds({"continuous": cont, "chunked (128)": chunked},
                         "wall-clock time of each step: one big step, or seven bounded ones")
 
 # %% [markdown]
-# Each 128-token chunk step is several times shorter than the 803-token step, so no step holds
-# the running decodes for long any more: problem one is solved. The prefill work is the same 800
-# prompt tokens, but not the same seconds: the seven chunk steps together take longer than the
-# one big step (a quarter more in this run), since every step pays the fixed costs of a forward
-# again and each chunk's queries also read the K/V of the chunks before it. (Step 1 is tall in
-# both runs: the warm-up of a new engine, section 1.)
+# Each chunk step is several times shorter than the 803-token step, so problem one is solved.
+# The prefill work is the same 800 tokens, but the seven chunk steps together take longer than the one big step.
+# Every step pays a forward's fixed cost again, and each chunk re-reads the K/V of the chunks before it.
 #
 # ## 3. Problem two: prefill-first starves the decodes
 #
@@ -248,19 +216,13 @@ fig = plot_step_seconds({"continuous": cont, "chunked (128)": chunked},
 show_steps(chunked, range(1, 13))
 
 # %% [markdown]
-# From step 4 to step 10 only `long` runs. The three chats hold their pages and their slots but
-# get no tokens: `ChunkedScheduler` is **prefill-first**; while any prefill chunk can run (a
-# waiting prompt with a free slot and pages, or a prompt already half done), only prefill chunks
-# get the budget, even when the last chunk leaves most of it unused (step 10: 32
-# of 128), and decodes run only in steps with no prefill at all. This
-# is the seed's 问题二: "系统仍然会连续许多步只执行 Prefill 块 … 用户侧观察到的是已经开始的生成突然
-# 卡住不动" (the system runs only prefill chunks for many steps in a row … the user sees a
-# generation that had started suddenly freeze).
+# From step 4 to step 10 only `long` runs. The chats hold their pages and slots but get no tokens.
+# `ChunkedScheduler` is **prefill-first**: while any prefill chunk can run, only prefill chunks get the budget.
+# Even the last chunk, 32 tokens of 128, leaves the rest unused.
+# This is the seed's 问题二: "系统仍然会连续许多步只执行 Prefill 块…已经开始的生成突然卡住不动" (only prefill chunks for many steps; a started generation freezes).
 #
-# The seed measures it with **dec@P**: the number of decode tokens the *other* requests produce
-# while the long request's prefill is unfinished. The prefill window runs from the step the long
-# prompt arrives to the step its last chunk runs (the step that yields its first token). By hand,
-# from the trace and the request records:
+# The seed measures it with **dec@P**: decode tokens the *other* requests produce while the long prefill is unfinished.
+# The window runs from the long prompt's arrival to the step of its last chunk. By hand, from the trace:
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -277,9 +239,7 @@ for name, engine in (("continuous", cont), ("chunked", chunked)):
     print(f"{name:<11} prefill window {steps} step(s), dec@P = {tokens}")
 
 # %% [markdown]
-# `minicb.benchmark.metrics.long_prefill_metrics` computes the same numbers, and the seed's second metric
-# with them: **short_P**, the steps from the long prompt's arrival until the last short request
-# has finished (chapter 05 compares policies by both):
+# `metrics.long_prefill_metrics` computes the same numbers, and the seed's second metric: **short_P**, the steps from the long prompt's arrival until the last short request finishes.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -291,11 +251,9 @@ for name, engine in (("continuous", cont), ("chunked", chunked)):
           f"short_P = {m['short_p_steps']} steps")
 
 # %% [markdown]
-# dec@P = 0 under `chunked`. Continuous batching got 3 (one token for each chat, in its one
-# enormous step). short_P grows by seven steps (21 to 28): the chats lose every step of the
-# seven-step window, where under `continuous` they still decoded in its one step. In seconds the two are the same failure: during the prefill window the chats produced
-# (almost) nothing, and their longest wait between two tokens is the whole window (under
-# `chunked`, with one decode step more):
+# dec@P = 0 under `chunked`. Continuous batching got 3, one token per chat in its one enormous step.
+# short_P grows by seven steps (21 to 28): the chats lose every step of the window.
+# In seconds the two are the same failure: the chats' longest gap is the whole window.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -307,38 +265,23 @@ for name, engine in (("continuous", cont), ("chunked", chunked)):
           f"a chat's longest gap between two tokens {gap * 1000:.0f} ms")
 
 # %% [markdown]
-# The two runs side by side, on one step axis. Dotted cells are requests that are running (they
-# hold pages and a slot) but were not scheduled in that step: the stalled chats.
+# The two runs side by side. Dotted cells are requests that hold pages and a slot but were not scheduled: the stalled chats.
 
 # %%
 viz.compare({"continuous": cont, "chunked, prefill-first": chunked})
 
 # %% [markdown]
-# The **token budget picture** makes the policy visible. Each bar is one step: blue decode tokens
-# under orange prefill tokens, against the `max_num_batched_tokens` line. Continuous batching
-# shoots through the line at step 4: a whole-prompt policy counts only prompt tokens against the
-# budget and always lets the first waiting prompt in (else a prompt longer than the budget could
-# never run), so a step may exceed the line by that prompt and by the decodes riding along.
-# Chunked prefill stays under it, but every step is either all prefill or all decode, never both.
-# (Each panel draws its own run's budget, and its title names it: the continuous run had the
-# default 256, the chunked run 128.)
+# The **token budget picture** makes the policy visible. Each bar is one step: blue decode tokens under orange prefill tokens, against the budget line.
+# The lane below the axis shows the decode tokens alone, at their own scale.
+# Continuous batching shoots through the line at step 4: it always lets the first waiting prompt in whole.
+# Chunked prefill stays under the line, but its decode lane is empty for steps 4–10.
 
 # %%
 viz.compare({"continuous": cont, "chunked, prefill-first": chunked}, kind="budget")
 
 # %% [markdown]
-# Three decode tokens are too thin to see on an axis that reaches past 800. Zoom into the bottom
-# of the same picture: under `continuous` the blue is there in every step from 2 on, step 4
-# included; under `chunked` it disappears for steps 4–10.
-
-# %%
-viz.compare({"continuous": cont, "chunked, prefill-first": chunked}, kind="budget", ymax=8)
-
-# %% [markdown]
-# Step through the chunked run: at steps 4–10 the batch holds only `long`'s chunk while the
-# three chats sit in `running` with their page tables intact. Watch `long`'s page table grow by
-# 8 pages (128 tokens / 16 per page) per step, and the last, 32-token chunk at step 10 yield its
-# first token.
+# Step through the chunked run: at steps 4–10 the batch holds only `long`'s chunk.
+# `long`'s page table grows by 8 pages (128 tokens) a step.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -347,10 +290,9 @@ viz.step_through(chunked)
 # %% [markdown]
 # ## 4. The two knobs, at a glance
 #
-# The scheduler's decisions depend only on token counts, never on the model's outputs
-# (greedy, `ignore_eos`, fixed `max_tokens`). So the **simulated executor** (`minicb.benchmark.sim`: the
-# real engine and scheduler with a fake model that costs no computation, chapter 06) produces the
-# very same schedule, in milliseconds. First the proof on this workload:
+# A schedule depends only on token counts, never on the model's outputs.
+# So the **simulated executor** (`minicb.benchmark.sim`: the real engine and scheduler with a stand-in model, chapter 06) gives the very same schedule, in milliseconds.
+# First the proof on this workload:
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -367,8 +309,7 @@ run_workload(sim, workload)
 print("simulated schedule == real schedule:", schedule(sim) == schedule(chunked))
 
 # %% [markdown]
-# Now two long prompts, A (500 tokens) and B (300), arrive together. How do `chunk_size` and
-# `max_num_batched_tokens` split them?
+# Two long prompts, A (500 tokens) and B (300), arrive together. How do the two knobs split them?
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -388,37 +329,20 @@ for chunk_size, budget in ((128, 128), (512, 128), (64, 128), (128, 256)):
 # %% [markdown]
 # Read the four lines:
 #
-# - `128/128`: one request's chunk fills the budget; A goes first (first come, first served),
-#   and B starts in the step where A's last 116 tokens leave 12 tokens of budget: exactly the
-#   sliver the seed's defer rule is for (`min_chunk`, section 2); `chunked` runs it anyway.
-# - `512/128`: the budget is the binding limit; same schedule.
-# - `64/128`: each request's chunk is capped at 64, so A and B share every step until B is done;
-#   A then finishes alone in 64-token steps (the last one 52): 8 steps, the last three half
-#   empty.
-# - `128/256`: both advance 128 tokens per step; the prefill is done in 4 steps instead of 7,
-#   the first two of those steps carry twice the tokens (256), the last two what is left.
+# - `128/128`: A goes first. B starts in the step where A's last 116 tokens leave 12 tokens of budget: the sliver `min_chunk` would defer.
+# - `512/128`: the budget binds; same schedule.
+# - `64/128`: A and B share every step until B is done.
+# - `128/256`: both advance 128 tokens a step; the prefill takes 4 steps instead of 7.
 #
-# The budget sets the longest step (problem one). Once decodes share every step with the chunks
-# (`pd`, chapter 05), that also bounds the worst gap between a chat's tokens; under prefill-first
-# `chunked` it does not, since the chats wait out the whole prefill window (section 3). A larger
-# budget makes prefill more efficient (bigger matrix products)
-# but makes those steps longer. On a GPU the sweet spot is much higher than here: budgets of
-# 2,048 to 8,192 tokens are common, because a GPU step costs nearly the same for 1 token or
-# a few hundred (chapter 06 sweeps it).
+# The budget sets the longest step (problem one).
+# A larger budget makes prefill more efficient (bigger matrix products) but each step longer.
+# On a GPU the sweet spot is much higher: budgets of thousands of tokens are common (chapter 06 sweeps it).
 #
 # ## Recap
 #
-# - **Problem one** (问题一): a long prompt prefilled in one step makes that step some twenty or
-#   more decode steps long (21 in this CPU run); every running decode waits (head-of-line blocking by a prefill).
-# - **Chunked prefill** bounds each step: chunks of `min(chunk_size, budget left,
-#   tokens left)`. 800 tokens at 128 per step are `[128] * 6 + [32]`; the output tokens do not
-#   change.
-# - **Problem two** (问题二): with a prefill-first policy the decodes still stop for the whole
-#   prefill window, now 7 steps instead of one long step: dec@P = 0.
-# - What is missing is putting decodes and a prefill chunk **in the same step**. That is PD
-#   interleaving, chapter 05.
+# - **Problem one** (问题一): a long prompt in one step makes that step many decode steps long, and every running decode waits.
+# - **Chunked prefill** bounds each step with chunks of `min(chunk_size, budget left, tokens left)`: 800 tokens at 128 a step are `[128] * 6 + [32]`.
+# - **Problem two** (问题二): under prefill-first the decodes still stop for the whole window: dec@P = 0.
+# - What is missing is decodes and a prefill chunk **in the same step**: PD interleaving, chapter 05.
 #
-# **Exercises:** [`exercises/04_chunked_prefill.ipynb`](../exercises/04_chunked_prefill.ipynb):
-# write `next_chunk` (the rule of section 2, `min_chunk` included), then a
-# prefill-first chunked scheduler of your own as a `minicb.Scheduler` subclass; the check runs it in
-# the real engine against minicb's `chunked` schedule, and you measure problem two with it.
+# **Exercises:** [`exercises/04_chunked_prefill.ipynb`](../exercises/04_chunked_prefill.ipynb): write `next_chunk` (with `min_chunk`), then a prefill-first chunked scheduler; the check runs it against minicb's `chunked`.

@@ -1,24 +1,16 @@
 # %% [markdown]
 # # 05 · PD interleaving (PD 交错)
 #
-# Chapter 04 left the running chats frozen for seven steps while a long prompt was prefilled
-# chunk by chunk: dec@P = 0. The seed's cure is to put decodes and a prefill chunk **in the same
-# step**, with decodes served first: **PD 交错, prefill-decode interleaving**. The research name
-# for the same idea is SARATHI's **decode-maximal batch** with chunked prefill (Agrawal et al.,
-# 2023, [arXiv:2308.16369](https://arxiv.org/abs/2308.16369)): fill each step with every running
-# decode, then top it up with one prefill chunk. The benchmark contract adds that engines still
-# differ in how they do it (vLLM's chunked prefill and SGLang's mixed chunks are chapter 08's
-# comparison), so a policy's name says less than its measured schedule.
+# Chapter 04 left the running chats frozen for seven steps while a long prompt was prefilled: dec@P = 0.
+# The seed's cure puts decodes and a prefill chunk **in the same step**, decodes first: **PD 交错, prefill-decode interleaving**.
+# The research name is SARATHI's **decode-maximal batch** ([arXiv:2308.16369](https://arxiv.org/abs/2308.16369)).
 #
 # **After this chapter you will be able to**
 #
-# - write the seed's PD pseudo-code as a ten-line function over plain lists, run a whole workload
-#   with it, and check that minicb's `PDScheduler` produces the same schedule on the real model;
-# - read one mixed step as the model sees it: `[B_dec, 1]` decode rows and a `[1, N_chunk]`
-#   prefill chunk flattened into one token batch (query lengths, context lengths, slot mapping);
-# - measure **dec@P** and **short_P** for prefill-first chunking and for PD interleaving, in
-#   steps and in seconds;
-# - explain why total throughput moves much less than latency does, and what `min_chunk` trades.
+# - write the seed's PD pseudo-code as a ten-line function over plain lists, and check minicb's `PDScheduler` against it;
+# - read one mixed step as the model sees it: `[B_dec, 1]` decode rows and a `[1, N_chunk]` chunk in one flat batch, drawn as an attention mask;
+# - measure **dec@P** and **short_P** for prefill-first and for PD interleaving;
+# - explain why total throughput moves much less than latency, and what `min_chunk` trades.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -37,9 +29,7 @@ from minicb.benchmark.workload import get_workload, run_workload
 model = load_model("smollm2-135m")  # (weights, info), loaded once and shared by every engine
 
 # %% [markdown]
-# The workload is chapter 04's: three chats (16-token prompts, 24 output tokens each) start at
-# step 1; an 800-token prompt arrives at step 4 and wants 4 tokens. Greedy with `ignore_eos`, so
-# every schedule below is exact and repeatable.
+# The workload is chapter 04's: three chats start at step 1; an 800-token prompt arrives at step 4. Greedy with `ignore_eos`.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -54,12 +44,9 @@ print(requests)
 #
 # The seed's step has three rules:
 #
-# 1. **优先保障 Decode, decodes first**: every running request that is decoding gets one token of
-#    the budget, so all of them advance however heavy the prefill pressure.
-# 2. **剩余预算用于一个 Prefill Chunk, the rest goes to a prefill chunk**: from
-#    `max_num_batched_tokens` minus the decode tokens, take the next chunk of a waiting prompt.
-# 3. **预算不足时推迟, too little budget: defer**: if what is left cannot hold a minimal chunk
-#    (`min_chunk`), the chunk waits for a later step.
+# 1. **优先保障 Decode, decodes first**: every running decode gets one token of the budget.
+# 2. **剩余预算用于一个 Prefill Chunk, the rest to a prefill chunk**: take the next chunk from what is left.
+# 3. **预算不足时推迟, too little budget: defer**: a chunk smaller than `min_chunk` waits for a later step.
 #
 # ```
 # for each iteration:
@@ -71,10 +58,8 @@ print(requests)
 #         if next_chunk.size > 0: schedule(next_chunk)
 # ```
 #
-# The same in Python, over plain lists. The one change from the seed: after the first chunk the
-# loop keeps taking chunks from the next waiting prompts while budget is left (minicb and vLLM
-# both do this). `one_chunk=True` keeps the seed's letter, one chunk a step; the next cells show
-# what the difference costs on this workload.
+# The same in Python. One change from the seed: after the first chunk the loop keeps taking chunks while budget is left, as minicb and vLLM do.
+# `one_chunk=True` keeps the seed's letter.
 
 # %%
 def pd_step(decoding, prefilling, budget, chunk_size, min_chunk=1, one_chunk=False):
@@ -92,11 +77,8 @@ def pd_step(decoding, prefilling, budget, chunk_size, min_chunk=1, one_chunk=Fal
             break
     return batch
 
-
 # %% [markdown]
-# A whole run is that step in a loop. A request's prompt tokens go down with each chunk; the step
-# that finishes its prompt also samples its first token; after that it decodes one token a step
-# until it has `max_tokens`.
+# A whole run is that step in a loop. The step that finishes a prompt samples its first token; then the request decodes one token a step.
 
 # %%
 def toy_run(requests, step_fn, **knobs):
@@ -125,13 +107,10 @@ for step, batch in enumerate(toy[:11], start=1):
     print(step, batch)
 
 # %% [markdown]
-# At steps 4–9 the batch is three decodes plus a 125-token chunk: 3 + 125 = 128, the whole
-# budget. Step 10 takes the last 50 prompt tokens and gives `long` its first token, and from
-# step 11 `long` decodes with the others.
+# At steps 4–9 the batch is three decodes plus a 125-token chunk: 3 + 125 = 128, the whole budget.
+# Step 10 takes the last 50 prompt tokens and gives `long` its first token.
 #
-# The seed's letter, one chunk a step, differs at step 1: the three chats arrive together, and
-# their 16-token prompts would fit in one step's budget, but each step takes only the front
-# prompt's chunk.
+# The seed's letter, one chunk a step, differs at step 1: the three chats' prompts would fit together, but it takes one.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -141,22 +120,15 @@ for step, batch in enumerate(literal[:4], start=1):
 print(f"one chunk a step: {len(literal)} steps; chunks while budget lasts: {len(toy)} steps")
 
 # %% [markdown]
-# The chats start one step apart and every later step shifts with them, so the run takes two
-# steps more. Taking chunks while the budget lasts costs nothing in a step that has room, which
-# is why minicb and vLLM do it; with a single waiting prompt the two loops agree.
+# The chats start one step apart, so the run takes two steps more. With a single waiting prompt the two loops agree.
 #
 # ## 2. minicb's PDScheduler
 #
-# minicb's `pd` policy is the same rules, written against the engine's scheduling context
-# (`ctx`): `schedule_decodes` gives every running decode one token (preempting if pages run
-# out, chapter 06), and `schedule_prefill_chunks` spends the rest on chunks, skipping a chunk
-# smaller than `min_chunk` (for a new prompt, `ctx.admit(..., min_tokens=min_chunk)` refuses it
-# after counting its prefix-cache hit). One case the seed's pseudo-code never meets: running
-# prompts, half prefilled, can hold every page while each waits for a page for its next chunk.
-# With no decode left to finish and free one, nothing would ever run again (a property test
-# found such a workload), so `schedule_prefill_chunks` then preempts the newest to let the oldest
-# go on (the newest under the default first-come-first-served order; chapter 06's other orders
-# pick the victim by their own rank).
+# minicb's `pd` policy is the same rules, written against the engine's scheduling context (`ctx`).
+# `schedule_decodes` gives every running decode one token (preempting if pages run out, chapter 06).
+# `schedule_prefill_chunks` spends the rest on chunks, skipping one smaller than `min_chunk`.
+# One case the pseudo-code never meets: half-prefilled prompts can hold every page while each waits for one more.
+# Then `schedule_prefill_chunks` preempts the newest so the oldest can go on.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -166,8 +138,7 @@ print(inspect.getsource(minicb.scheduler.PDScheduler))
 print(inspect.getsource(minicb.scheduler.schedule_prefill_chunks))
 
 # %% [markdown]
-# Run it on the real model, and the prefill-first `chunked` policy of chapter 04 beside it with
-# the same knobs:
+# Run it on the real model, with chapter 04's prefill-first `chunked` beside it:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -181,9 +152,8 @@ for policy in ("chunked", "pd"):
     print(f"{policy:<8} {len(engines[policy].trace)} steps in {seconds[policy]:.1f} s")
 chunked, pd = engines["chunked"], engines["pd"]
 
-
 # %% [markdown]
-# The real schedule, step by step, and the comparison with the toy:
+# The real schedule, and the comparison with the toy:
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -206,38 +176,25 @@ print("same output tokens as chunked:",
           for r in requests))
 
 # %% [markdown]
-# The two policies side by side: under `pd` the three chats never stop (no dotted cells), and the
-# long prompt still finishes its prefill at step 10.
+# Under `pd` the three chats never stop (no dotted cells), and the long prompt still finishes its prefill at step 10.
 
 # %%
 viz.compare({"chunked (prefill-first)": chunked, "pd (decode-first)": pd})
 
 # %% [markdown]
-# The token budget picture shows the mix: every step from 4 to 9 is three decode tokens (blue)
-# plus a 125-token chunk (orange), exactly at the `max_num_batched_tokens` line.
+# The token budget picture shows the mix: steps 4 to 9 are three decode tokens plus a 125-token chunk, at the budget line.
+# The decode lane below stays full under `pd`; under `chunked` it is empty for steps 4–10.
 
 # %%
 viz.compare({"chunked (prefill-first)": chunked, "pd (decode-first)": pd}, kind="budget")
 
 # %% [markdown]
-# Three decode tokens are a thin line under 128. Zoom into the bottom of the same picture: under
-# `chunked` the blue disappears for steps 4–10; under `pd`, once the chats are decoding (step 2
-# on), it never does.
-
-# %%
-viz.compare({"chunked (prefill-first)": chunked, "pd (decode-first)": pd}, kind="budget",
-            ymax=8)
-
-# %% [markdown]
 # ## 3. One mixed step, as the model sees it
 #
-# The seed: "同一个 batch 中同时包含 [B_dec, 1] 的 Decode 序列和 [1, N_chunk] 的 Prefill 序列，两者在一次
-# forward 中并行完成" (one batch holds decode sequences of shape [B_dec, 1] and a prefill
-# sequence of shape [1, N_chunk], done together in one forward). The model never sees requests:
-# it sees one flat batch of tokens plus `AttentionMetadata` saying which rows belong to whom.
+# The seed: "同一个 batch 中同时包含 [B_dec, 1] 的 Decode 序列和 [1, N_chunk] 的 Prefill 序列，两者在一次 forward 中并行完成" (one batch holds decode sequences [B_dec, 1] and a prefill sequence [1, N_chunk], done in one forward).
+# The model never sees requests: it sees one flat batch of tokens plus `AttentionMetadata`.
 #
-# A standard PyTorch forward pre-hook lets us read the model's input without touching the
-# engine. Run the same workload again under `pd` and keep the input of step 5:
+# A PyTorch forward pre-hook reads the model's input without touching the engine. Run the workload again and keep step 5's input:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -273,19 +230,13 @@ print("logits rows              :", captured["logits_indices"].tolist())
 # %% [markdown]
 # Read it as the seed's shapes:
 #
-# - `[B_dec, 1]`: three decode members with one query each (rows 0, 1, 2), at position 19 of a
-#   20-token context (16 prompt tokens plus 4 generated; the newest token is the one being
-#   computed now).
-# - `[1, N_chunk]`: one prefill member with 125 queries (rows 3–127), positions 125–249: the
-#   second chunk, attending causally to the first chunk's pages and to itself.
-# - Every linear layer (QKV, MLP) runs **once** on the 128 × 576 activation matrix, whatever
-#   the members are; only attention looks at the metadata to keep members apart.
-# - Logits are computed for 3 rows only: the decodes. The chunk is not the prompt's last, so it
-#   samples nothing.
+# - `[B_dec, 1]`: three decode members, one query each (rows 0–2), at position 19 of a 20-token context.
+# - `[1, N_chunk]`: one prefill member with 125 queries (rows 3–127), positions 125–249: the second chunk.
+# - Every linear layer runs **once** on the 128 × 576 activations; only attention looks at the metadata.
+# - Logits are computed for the 3 decode rows only: this chunk is not the prompt's last.
 #
-# The engine builds that metadata with `minicb.attention.build_metadata` from each member's page
-# table, tokens already computed and tokens to compute this step. All three can be recovered
-# from the trace, so rebuild it and compare:
+# The engine builds that metadata with `build_metadata` from each member's page table, cached tokens and new tokens.
+# All three are in the trace, so rebuild it and compare:
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -306,25 +257,42 @@ print("slot mapping of the decode rows:", meta.slot_mapping[:3].tolist(),
       "(page * 16 + offset of position 19)")
 
 # %% [markdown]
+# What attention computes from that metadata is a mask: which query row reads which key.
+# A 128 × 310 mask is hard to see, so draw the same kind of step at a small size.
+# Three chats with 8-token prompts decode while a 40-token prompt arrives at step 3; the budget is 16 and pages hold 8 tokens:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from minicb.benchmark.workload import Workload, WorkloadRequest
+
+chats = [WorkloadRequest(prompt_len=8, max_tokens=12, arrival_step=1, request_id=f"chat-{i}")
+         for i in range(3)]
+small = Workload("small-mixed-step", chats + [WorkloadRequest(prompt_len=40, max_tokens=2,
+                                                              arrival_step=3, request_id="doc")])
+little = Engine(model, policy="pd", max_num_seqs=4, max_num_batched_tokens=16, chunk_size=16,
+                page_size=8)
+run_workload(little, small)
+step4 = little.trace[3]
+print("step 4:", [(m.request_id, m.kind, m.start, m.num_tokens) for m in step4.members])
+
+# %%
+viz.plot_attention_mask(little, step=4)
+
+# %% [markdown]
+# Rows are the flat batch's query tokens; columns are each request's keys, grouped by request.
+# Each decode row reads its whole cached context (light blue) and the key it writes this step (dark blue).
+# The chunk's 13 rows read the 13-token prefix cached by the previous step (light orange), then themselves causally: the triangle.
+# Everything white is masked: no request reads another's keys. Dotted lines are page boundaries, with page ids on top.
+#
 # ## 4. dec@P and short_P
 #
 # The seed defines two metrics for a long prompt L:
 #
-# - **dec@P**: decode tokens the other requests produce while L's prefill is unfinished (from
-#   L's arrival to the step of its last chunk). Higher is better: decodes kept flowing.
-# - **short_P**: "从长请求进入系统排队起，到所有与之同时存在的短请求全部完成" (from L's arrival until
-#   every short request alive with it has finished). Lower is better: the chats were not
-#   dragged out by L.
+# - **dec@P**: decode tokens the other requests produce while L's prefill is unfinished. Higher is better.
+# - **short_P**: "从长请求进入系统排队起，到所有与之同时存在的短请求全部完成" (from L's arrival until every short request alive with it has finished). Lower is better.
 #
-# "Alive with it" needs one decision: a short request that arrives long after L's prefill, while
-# L is still decoding, did not share the window L could disrupt, and counting it would make
-# short_P grow with L's output length rather than with how L was prefilled. minicb counts the
-# short requests that arrived **no later than the step L's prefill window ended** and had not
-# finished before L arrived. (Here all three chats qualify.) One more difference from the seed's
-# wording: the seed counts the decode tokens of the other *short* requests in dec@P; minicb
-# counts every other request's, which is the same number in every scenario of this course, where
-# the others are all short chats. Chapter 04 computed dec@P by hand; short_P by hand is a few
-# lines more:
+# minicb counts as "alive with it" the short requests that arrived no later than the end of L's prefill window and were unfinished when L arrived.
+# Chapter 04 computed dec@P by hand; short_P by hand is a few lines more:
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -347,12 +315,10 @@ for policy, engine in engines.items():
           f"{long.first_token_step - long.arrival_step + 1:>7}{len(engine.trace):>6}")
 
 # %% [markdown]
-# PD interleaving takes dec@P from 0 to 21 (three chats × seven steps) and short_P from 28 steps
-# to 21, and the long prompt pays nothing for it: its first token still comes in its 7th step,
-# because three decode tokens in a 128-token budget cost it only 3 tokens of chunk per step
-# (125-token chunks instead of 128, still seven chunks).
+# PD interleaving takes dec@P from 0 to 21 (three chats × seven steps) and short_P from 28 steps to 21.
+# The long prompt pays nothing: its first token still comes in its 7th step, with 125-token chunks instead of 128.
 #
-# In seconds (these numbers depend on the machine and its load; compare them within one run):
+# In seconds (they move with the machine's load; compare within one run):
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -363,14 +329,10 @@ for policy, engine in engines.items():
           f"   short_P {m['short_p_s']:5.2f} s   worst gap between two chat tokens {itl:.2f} s")
 
 # %% [markdown]
-# Under `chunked` the chats' worst gap between two tokens is the whole prefill window and one
-# decode step more; under `pd` it is one mixed step. The window itself is usually a little longer in seconds under `pd`:
-# each of its seven steps also carries three decode rows, and the long prompt's first token
-# arrives that much later. That is the price of decode-first, and here it is small.
-
-# What step counts cannot see: chapter 04's problem one. Plain `continuous` prefills the whole
-# 800-token prompt in one step, which also carries the chats' decodes. Its short_P is 21 steps,
-# the same as `pd`'s, and its dec@P is 3: every decode a one-step window can hold, none missed.
+# Under `chunked` the chats' worst gap is the whole prefill window; under `pd` it is one mixed step.
+#
+# Step counts cannot see chapter 04's problem one. Plain `continuous` prefills the whole prompt in one step.
+# Its short_P matches `pd`'s and its dec@P is 3, every decode its one-step window can hold.
 # Only seconds show the stall, in the chats' worst gap:
 
 # %%
@@ -384,15 +346,12 @@ for policy, engine in (("continuous", whole), ("pd", pd)):
           f"{m['short_p_s']:.2f} s   worst gap between two chat tokens {itl:.2f} s")
 
 # %% [markdown]
-# The same short_P in steps and no decode missed, but one chat token waited for an 800-token
-# forward. Read dec@P and short_P beside a latency in seconds (max ITL here; chapter 06's ITL
-# percentiles at scale): a step count weighs a 3-token step and an 800-token step alike.
+# Read dec@P and short_P beside a latency in seconds: a step count weighs a 3-token step and an 800-token step alike.
 #
 # ## 5. Why total throughput moves less than latency
 #
-# The seed warns: "从总吞吐量（tokens/s）的角度看，PD 交错与纯 Prefill‑first 策略往往非常接近" (in total
-# tokens/s, PD interleaving and prefill-first are usually very close). Both policies compute
-# exactly the same tokens; PD only changes **when**:
+# The seed: "从总吞吐量（tokens/s）的角度看，PD 交错与纯 Prefill‑first 策略往往非常接近" (in tokens/s, PD and prefill-first are usually very close).
+# Both compute exactly the same tokens; PD only changes **when**:
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -414,38 +373,15 @@ for policy, engine in engines.items():
 print(f"pd / chunked output tokens/s: {tokens_per_s['pd'] / tokens_per_s['chunked']:.2f}x")
 
 # %% [markdown]
-# Same prefill tokens, same decode tokens. PD needs 7 fewer steps (24 against 31), because the
-# chats' decodes ride along in the prefill steps instead of running in steps of their own. In
-# seconds the saving is smaller than the step count: the seven steps PD saves are cheap ones, a few
-# decode rows each, and its mixed steps cost a little more than chunk-only steps. The ratio printed
-# last above is PD's gain in output tokens/s in this run, from 23% fewer steps; it changes from run
-# to run, and on a shared machine a few percent of it is noise. How much the saved steps
-# count depends on load: below saturation both policies simply keep up with the arrivals, so their
-# tokens/s are the same (the simulation below: 1,259 against 1,260 at 10 requests/s); at saturation
-# the saved steps show again (13% more there). The seed also notes that it can go the other way:
-# mixing shapes in one step can cost extra kernel launches or padding, so PD's total can even be
-# slightly lower. The simulation cannot show that: its cost model has no term for mixing, so a
-# mixed step costs what its tokens and rows cost. On the real model, compare the prefill
-# windows printed in section 4: the seven chunks of the same 800-token prompt took longer under
-# `pd`, by the cost of the
-# decode rows riding with them. Either way the change in throughput is modest; the change in the chats' experience
-# (dec@P, short_P, the worst inter-token gap) is large.
-#
-# That is why the seed says to judge PD by latency: "应优先观察 dec@P 和 short_P 这类延迟分布指标，
-# 总吞吐量仅作为辅助参考" (look at latency metrics such as dec@P and short_P first; total throughput
-# is only a secondary reference).
+# Same prefill and decode tokens. PD needs 7 fewer steps (24 against 31): the chats' decodes ride along in the prefill steps.
+# In seconds the gain is smaller than in steps: the saved steps were cheap decode-only ones. The last ratio printed above is this run's.
+# The seed adds that mixing shapes can even cost a little. Judge PD by latency: "应优先观察 dec@P 和 short_P 这类延迟分布指标" (look at dec@P and short_P first).
 #
 # ### At scale (simulated)
 #
-# One long prompt is an anecdote. For a distribution, run 200 requests with Poisson arrivals at
-# 10 requests/s, lognormal prompt lengths (median 256 tokens, a tail to 6,000) and outputs of
-# 16–256 tokens. Thousands of steps of the real model would take too long on a CPU, so this uses
-# minicb's **simulated executor** (`minicb.benchmark.sim`, chapter 06): the real engine, scheduler and
-# pages, with a fake model whose step time comes from a cost model. The `h100-like` cost model
-# is an **assumption** (an 8B model on one H100, from published peak figures), not a
-# measurement: these are simulated seconds. The table uses three measures chapter 06 defines
-# properly: **TTFT**, the time from a request's arrival to its first token; **ITL**, each gap
-# between two of a request's tokens; **TPOT**, a request's mean gap after its first token.
+# One long prompt is an anecdote. For a distribution: 200 requests, Poisson arrivals at 10 and 30 requests/s, lognormal prompts (median 256 tokens).
+# This uses the **simulated executor** with the `h100-like` cost model, an **assumption** from published peak figures: the seconds are simulated.
+# The table uses three measures chapter 06 defines: **TTFT** (arrival to first token), **ITL** (each gap between tokens) and **TPOT** (a request's mean gap).
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -471,43 +407,20 @@ print("SIMULATED (h100-like cost model, an assumption); seconds")
 print(format_table(results, columns))
 
 # %% [markdown]
-# At 10 requests/s the engine is below saturation, and a policy's throughput is just the arrival
-# rate (the requests are simply served): the two rows show the same output tokens/s, 1,259
-# against 1,260, and TTFT nearly so. The tails are what differ. Under prefill-first, a decode
-# caught behind a train of 512-token chunks waits several steps for its next token, so ITL p99
-# is 45 ms against PD's 22 ms, and TPOT p99 16 ms against 12 ms.
+# At 10 requests/s the engine keeps up, so both policies deliver the arrival rate: the same output tokens/s.
+# The tails differ: under prefill-first a decode caught behind a train of 512-token chunks waits several steps.
 #
-# **Pooled ITL hides the worst of it.** `ITL p99` pools every gap of every request: about 26,000
-# gaps here, so a stall that hits each chat once or twice sits far below the 99th percentile.
-# `max ITL` is each request's *worst* gap, the longest its user watched the output freeze, with
-# percentiles over requests (`metrics.max_itl`). Under prefill-first one chat in a hundred
-# froze for 570 ms or more; under PD 99 chats in 100 froze for at most 24 ms, one mixed step. That is
-# dec@P's lesson at scale, and it is what an interactive SLO (service-level objective: a limit every request should meet;
-# chapter 06 counts goodput against it) should bound: `slo={"itl": 0.1}`
-# (`--slo-itl` on the command line) counts a request as good only if its worst gap is at most
-# 100 ms.
+# **Pooled ITL hides the worst of it.** `ITL p99` pools every gap of every request, so a stall hitting each chat once sits below the 99th percentile.
+# `max ITL` is each request's *worst* gap: how long its user watched the output freeze.
+# Compare its p99 across the two policies above. An interactive SLO should bound it: `slo={"itl": 0.1}` (`--slo-itl`).
 #
-# At 30 requests/s (the same 200 requests, arriving three times as fast) the engine saturates,
-# and PD also finishes more tokens per second: 3,010 against 2,660 (13% more), in 703 steps
-# instead of 895, because it fills the fixed cost of each
-# prefill step with decode rows where prefill-first runs decode-only steps of its own.
+# At 30 requests/s the engine saturates, and PD also finishes more tokens per second, in fewer steps.
 #
 # ## 6. `min_chunk`: when the leftover budget is too small
 #
-# Rule 3 of the seed: if after the decodes the budget left cannot hold a minimal chunk, defer the
-# chunk. Why bother? A chunk of 3 tokens rides in a step that reads the weights anyway for the
-# decodes, but each chunk attends over the prompt's whole prefix again, so many tiny chunks read
-# the same K/V many times and spread one prompt's prefill over many steps. `min_chunk` sets the
-# smallest chunk worth running.
-#
-# An extreme case makes it visible: nine chats with one-token prompts decoding, 8 to 32 tokens
-# each, and a budget of only 12 tokens, so 3 tokens are left per step while all nine decode. A
-# 48-token prompt arrives at step 2. This runs on the real model, 32 small steps for each
-# `min_chunk`; the simulated executor, which chapter 06 uses for the same knob at scale, gives
-# the same schedule (schedules depend only on token counts; `tests/test_sim.py` checks it step
-# by step for every policy and knob the course simulates, `min_chunk`, the priority and fair
-# orders, `max_preemptions`, swap and reject included; deadlines count seconds, so they follow
-# each executor's own clock).
+# Why defer a tiny chunk? Each chunk re-reads the prompt's whole prefix, so many tiny chunks read the same K/V many times.
+# An extreme case: nine chats decoding, a budget of 12 tokens (3 left per step), and a 48-token prompt arriving at step 2.
+# This runs on the real model; the simulated executor gives the same schedules:
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -536,17 +449,13 @@ for min_chunk in (1, 4, 8):
 print("the simulated executor's schedules are the same:", all(same_as_sim))
 
 # %% [markdown]
-# With `min_chunk=1` the prompt trickles in 3 to 5 tokens at a time from the step it arrives:
-# 13 chunks. With `min_chunk=4` it waits until one chat has finished and leaves 4 tokens; with 8,
-# until five have. Fewer, larger chunks, at the price of a later first token for the long prompt
-# (13, 17, 25 steps). The decodes are never the ones deferred: that is the point of decode-first.
-# minicb's default is `min_chunk=1`, the seed's pseudo-code (`if next_chunk.size > 0`).
+# With `min_chunk=1` the prompt trickles in a few tokens at a time: 13 chunks.
+# With 4 it waits until one chat finishes; with 8, until five have. Fewer, larger chunks cost a later first token (13, 17, 25 steps).
+# The decodes are never deferred: that is the point of decode-first. minicb's default is `min_chunk=1`, the seed's pseudo-code.
 #
 # ## 7. Step through it
 #
-# Steps 4–9 of the real `pd` run: the batch panel lists three decodes and one 125-token chunk;
-# `long`'s page table grows by about 8 pages a step while the chats' tables grow by one page
-# every 16 tokens.
+# Steps 4–9 of the real `pd` run: three decodes and one 125-token chunk, `long`'s page table growing 8 pages a step.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -555,22 +464,10 @@ viz.step_through(pd)
 # %% [markdown]
 # ## Recap
 #
-# - **PD 交错** is a token budget spent in a fixed order: one token for every running decode
-#   first, then prefill chunks with what is left, and a chunk smaller than `min_chunk` waits.
-#   Ten lines on plain lists reproduce minicb's `PDScheduler` step for step.
-# - A mixed step is one flat batch: `[B_dec, 1]` decode rows then `[1, N_chunk]` chunk rows,
-#   kept apart only inside attention by `query_start_loc`, context lengths and page tables.
-# - On the long-prompt scenario: dec@P 0 → 21, short_P 28 → 21 steps, the long prompt's first
-#   token unchanged at 7 steps; same prefill and decode tokens, 7 fewer steps.
-# - Total throughput moves much less than latency: the same tokens are computed, and PD saves
-#   only decode-only steps (in the small run here a gain in tokens/s smaller than its 23% fewer
-#   steps suggest, the ratio printed in section 5; none below saturation in the simulation, 13%
-#   at saturation). Judge a scheduler by dec@P, short_P and tail
-#   inter-token latency, then by tokens/s.
-# - Chapter 06 turns this into a benchmark: arrival processes, percentiles, goodput at an SLO,
-#   and what happens when the KV cache fills up.
+# - **PD 交错** spends the token budget in a fixed order: one token for every running decode, then prefill chunks, deferring any smaller than `min_chunk`.
+# - A mixed step is one flat batch: `[B_dec, 1]` decode rows then `[1, N_chunk]` chunk rows. Only attention keeps them apart, as the mask shows.
+# - On the long-prompt scenario: dec@P 0 → 21, short_P 28 → 21 steps, the long prompt's first token unchanged.
+# - Total throughput moves much less than latency: the same tokens are computed. Judge a scheduler by dec@P, short_P and tail ITL first.
+# - Chapter 06 turns this into a benchmark.
 #
-# **Exercises:** [`exercises/05_pd_interleaving.ipynb`](../exercises/05_pd_interleaving.ipynb): turn
-# the seed's pseudo-code into a `Scheduler` subclass and run it in the real engine beside
-# prefill-first (the check compares it with minicb's `pd`, step by step), then write `dec_at_p` and
-# `short_p` from a trace and check the chapter's claim with your own numbers.
+# **Exercises:** [`exercises/05_pd_interleaving.ipynb`](../exercises/05_pd_interleaving.ipynb): turn the pseudo-code into a `Scheduler` subclass (checked step by step against `pd`), then write `dec_at_p` and `short_p` from a trace.

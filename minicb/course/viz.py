@@ -646,15 +646,15 @@ def plot_budget(trace: Any, max_num_batched_tokens: int | None = None, ax: Axes 
             ax.axhline(data.budget, color="black", ls="--", lw=2, zorder=0,
                        label=f"max_num_batched_tokens = {data.budget}")
         # the decode lane, below the axis: the decode tokens alone, scaled to the lane
-        lane, gap = LANE * top, 0.06 * top
+        lane, gap = LANE * top, 0.1 * top
         base = -(gap + lane)
         ax.bar(x, [d / lane_top * lane for d in data.decode], width=1.0, bottom=base,
                color=STYLE[DECODE][0], **edges)
         ax.axhspan(base, -gap, color="#F2F2F2", zorder=0, lw=0)
         ax.axhline(0, color="black", lw=0.8)
-        ax.text(0.005, -gap - 0.1 * lane, f"decode tokens alone (0 to {lane_top})",
-                transform=ax.get_yaxis_transform(), va="top", fontsize=12,
-                path_effects=[withStroke(linewidth=3, foreground="white")])
+        ax.text(1.01, base + lane / 2, f"decode tokens\nalone (0 to {lane_top})",
+                transform=ax.get_yaxis_transform(), va="center", ha="left", fontsize=12,
+                color=STYLE[DECODE][0], clip_on=False)
         ticks = [t for t in MaxNLocator(nbins=5, integer=True).tick_values(0, top) if t <= top]
         ax.set_yticks([base, -gap] + ticks, ["0", str(lane_top)] + [f"{t:g}" for t in ticks])
         ax.set_xlim(0, max(data.steps, default=1) + 0.5)
