@@ -1,25 +1,17 @@
 # %% [markdown]
 # # 08 · Where next: from minicb to vLLM, SGLang and beyond one machine
 #
-# minicb is small on purpose, but its knobs are the ones production engines expose, under nearly
-# the same names. This last chapter maps them, serves minicb over the OpenAI API and measures it
-# from the client side, builds two next steps (a CPU attention kernel, speculative decoding by
-# prompt lookup) from profile to measurement, and lists what a learner can build next.
+# minicb is small on purpose, but its knobs are the ones production engines expose, under nearly the same names.
+# This chapter maps them, serves minicb over the OpenAI API, and makes a CPU step faster three ways.
+# Then it builds speculative decoding by prompt lookup, and lists what to build next.
 #
 # **After this chapter you will be able to**
 #
-# - translate a minicb configuration into vLLM and SGLang settings (`max_num_batched_tokens`,
-#   `max_num_seqs`, `enable_chunked_prefill`, `long_prefill_token_threshold`, prefix caching,
-#   preemption; SGLang's `chunked_prefill_size`, `max_running_requests`, `schedule_policy`) and
-#   say where the analogy stops;
-# - start minicb's OpenAI-compatible server, call it, and benchmark it with the same client you
-#   would point at vLLM or SGLang;
-# - follow one next step from profile to kernel: find where a CPU decode step spends its time,
-#   and check a C attention kernel that reads the pages in place against the reference;
-# - run steps that yield several tokens per request (speculative decoding by prompt lookup),
-#   check that greedy text does not change, and measure when the guesses pay;
-# - pick a next project (better speculative guesses, disaggregated prefill/decode, tensor
-#   parallelism, CUDA graphs for mixed steps…) and say which part of minicb it touches.
+# - translate a minicb configuration into vLLM and SGLang settings, and say where the analogy stops;
+# - start minicb's OpenAI-compatible server, call it, and benchmark it from the client;
+# - say what int8 weights, prepacked weights and a C attention kernel do to a CPU decode step, and check each against the reference;
+# - run steps that yield several tokens per request, check that greedy text does not change, and measure when guesses pay;
+# - pick a next project and say which part of minicb it touches.
 
 # %% [markdown]
 # ## 1. The knobs, side by side
@@ -38,44 +30,29 @@ for f in fields(EngineConfig):
         print(f"{f.name:<24} {getattr(defaults, f.name)!r}")
 
 # %% [markdown]
-# And their counterparts (vLLM names are its engine arguments, as in `LLM(...)` or `vllm serve
-# --max-num-seqs`; SGLang names are its server arguments, as in `--chunked-prefill-size`):
+# And their counterparts (vLLM's engine arguments; SGLang's server arguments):
 #
 # | minicb | vLLM | SGLang | what it bounds |
 # |---|---|---|---|
-# | `max_num_batched_tokens` | `max_num_batched_tokens` | `chunked_prefill_size`: the prefill tokens of one step, shared by all its prompts (a mixed step's decodes count against it too); `max_prefill_tokens` is a looser cap of the same kind | tokens per step: the token budget (ch. 04–05) |
+# | `max_num_batched_tokens` | `max_num_batched_tokens` | `chunked_prefill_size` (a step's prefill tokens) | tokens per step (ch. 04–05) |
 # | `max_num_seqs` | `max_num_seqs` | `max_running_requests` | requests in the running batch (ch. 03) |
-# | `chunk_size` | `long_prefill_token_threshold` (caps one request's prefill tokens per step) | (none per request: a long prompt's chunk is what is left of `chunked_prefill_size`) | one request's chunk (ch. 04) |
-# | `policy="chunked"` / `"pd"` vs `"continuous"` | `enable_chunked_prefill` (on by default in the V1 engine, which serves running requests before admitting new ones, close to `pd`) | chunked prefill on unless `chunked_prefill_size=-1`; `enable_mixed_chunk` mixes a chunk with decodes in one batch, like `pd` | whether prompts are cut, and whether decodes share the step (ch. 04–05) |
-# | `min_chunk` | (none: any leftover budget is used) | (none) | the smallest chunk worth running (ch. 05) |
-# | `enable_prefix_caching` | `enable_prefix_caching` | radix cache, on unless `disable_radix_cache` | reuse of cached prompt pages (ch. 01) |
+# | `chunk_size` | `long_prefill_token_threshold` | (none per request) | one request's chunk (ch. 04) |
+# | `policy="chunked"` / `"pd"` | `enable_chunked_prefill` (V1 serves running requests first, close to `pd`) | `enable_mixed_chunk` mixes a chunk with decodes | whether prompts are cut and share steps with decodes (ch. 04–05) |
+# | `min_chunk` | (none) | (none) | the smallest chunk worth running (ch. 05) |
+# | `enable_prefix_caching` | `enable_prefix_caching` | radix cache | reuse of cached prompt pages (ch. 01) |
 # | `page_size` | `block_size` | `page_size` | tokens per KV page (ch. 01) |
-# | `num_pages` / `gpu_memory_utilization` | `gpu_memory_utilization`, `num_gpu_blocks_override` | `mem_fraction_static` | the size of the KV pool (ch. 07) |
-# | `preemption="newest"` (recompute) | preemption by recompute (V1; the older engine also had `preemption_mode="swap"`) | retracting decode requests, recomputed later | what happens when pages run out (ch. 06) |
-# | `max_preemptions` | (none) | (none) | how often one request may be preempted; 0 reserves each request's whole life (ch. 06) |
-# | `preemption_mode="swap"`, `num_swap_pages` | `preemption_mode="swap"` with `swap_space` (GiB) in the older engine; V1 recomputes | (none: retracted requests are recomputed) | a victim's K/V copied to host memory and back instead of recomputed; its prompt pages still cached are shared on return, not copied (ch. 06) |
-# | `reject_when_full` | (none) | (none) | turn an arrival away (HTTP 503) when the free pages cannot take its prompt (ch. 06) |
-# | `preemption="priority"`, `priority=` per request | `scheduling_policy="priority"`, `priority=` per request | `--enable-priority-scheduling` with `priority` per request; `schedule_policy` (`fcfs`, `lpm` longest prefix match, …) orders the queue | who waits and who is preempted (ch. 06) |
-# | `num_speculative_tokens`, `prompt_lookup_max`, `prompt_lookup_min` (section 5) | `speculative_config={"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": …, "prompt_lookup_min": …}` | n-gram speculation (see its docs for the flags) | guessed tokens a decode step may check (ch. 08) |
-# | `use_cuda_graphs` (decode-only steps, buckets of 1–64 requests) | on unless `enforce_eager`; capture sizes configurable, mixed steps too | on unless `disable_cuda_graph`; `cuda_graph_max_bs` | steps replayed as CUDA graphs (ch. 07) |
+# | `num_pages` / `gpu_memory_utilization` | `gpu_memory_utilization` | `mem_fraction_static` | the KV pool's size (ch. 07) |
+# | `preemption`, `max_preemptions`, `preemption_mode`, `reject_when_full` | recompute (V1); priority scheduling | retraction, recomputed later | what happens when pages run out (ch. 06) |
+# | `num_speculative_tokens`, `prompt_lookup_max/min` | `speculative_config={"method": "ngram", ...}` | n-gram speculation | guessed tokens a step may check (section 5) |
+# | `use_cuda_graphs` | on unless `enforce_eager` | on unless `disable_cuda_graph` | steps replayed as CUDA graphs (ch. 07) |
 #
 # Where the analogy stops:
 #
-# - vLLM's V1 scheduler has no separate prefill and decode phases: it walks the running requests
-#   (decodes and half-done prompts alike), gives each what it still needs capped by
-#   `long_prefill_token_threshold` and the remaining budget, then admits waiting requests. With
-#   one long prompt that is minicb's `pd` step. vLLM's older V0 engine could cap how many prompts
-#   are half-prefilled at once (`max_num_partial_prefills`); V1, like minicb, lets any number
-#   continue.
-# - SGLang plans prefill batches and decode batches separately by default, a prefill-first
-#   design close to minicb's `chunked`; `enable_mixed_chunk` puts decodes into the chunk's batch.
-#   Its `lpm` policy orders the queue by longest cached prefix, something minicb's FCFS queue
-#   does not do.
-# - Defaults differ a lot: vLLM's budget is in the thousands of tokens and `max_num_seqs` in the
-#   hundreds on a GPU, sized for the hardware. The contract of chapter 06 applies: sweep your own
-#   traffic, never copy a configuration.
+# - vLLM's V1 scheduler has no separate prefill and decode phases. With one long prompt its step is minicb's `pd` step.
+# - SGLang plans prefill and decode batches apart by default, close to `chunked`. Its `lpm` policy orders the queue by longest cached prefix.
+# - Defaults differ a lot: on a GPU vLLM's budget is in the thousands. Sweep your own traffic (chapter 06).
 #
-# As code: a minicb configuration written out as the nearest vLLM and SGLang flags.
+# As code, a configuration written out as the nearest flags:
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -114,18 +91,13 @@ print("vllm serve MODEL", " ".join(as_vllm(mine)))
 print("python -m sglang.launch_server --model-path MODEL", " ".join(as_sglang(mine)))
 
 # %% [markdown]
-# Check the flags against the version you run (`vllm serve --help`, `python -m
-# sglang.launch_server --help`): both projects rename and add options between releases.
+# Check the flags against the version you run: both projects rename options between releases.
 #
 # ## 2. Serving minicb over the OpenAI API
 #
-# An engine is used through a server, and a benchmark should be measured where the user sits: at
-# the client. `python -m minicb serve --model smollm2-135m --policy pd --port 8000` starts an
-# OpenAI-compatible server (`/v1/completions`, `/v1/chat/completions`, streamed or not,
-# `/v1/models`, `/health`, `/metrics`). One engine thread owns the engine; every HTTP request
-# from every client joins the same running batch, so continuous batching happens across clients.
-#
-# Here the same server runs inside the notebook, on a free local port:
+# `python -m minicb serve --model smollm2-135m --policy pd --port 8000` starts an OpenAI-compatible server.
+# One engine thread owns the engine, and every HTTP request joins the same running batch.
+# [docs/serving.md](../docs/serving.md) lists the endpoints. Here the server runs inside the notebook:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -142,8 +114,7 @@ url = server.__enter__()  # `with ServerThread(...) as url:` in a script
 print(url, httpx.get(url + "/v1/models").json())
 
 # %% [markdown]
-# A chat completion, exactly as an OpenAI client sends it (the `openai` Python package works
-# too, with `base_url=url + "/v1"`):
+# A chat completion, as an OpenAI client sends it (the `openai` package works too, with `base_url=url + "/v1"`):
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -170,12 +141,8 @@ with httpx.stream("POST", url + "/v1/completions", timeout=120, json={
 # %% [markdown]
 # ## 3. Benchmarking a server from the client
 #
-# `minicb.serving.client` sends a workload (the same arrival processes and length distributions as
-# chapter 06) as streamed `/v1/completions` calls with token-id prompts, `ignore_eos` and a fixed
-# `max_tokens`, so output lengths are exact on minicb, vLLM and SGLang alike. TTFT is timed when
-# the first token's chunk arrives, ITL between chunks: what a user sees, network and server
-# included. Six requests, Poisson at 3 requests/s (in a script, `bench_endpoint(url, workload)`
-# does this and adds the declaration):
+# `minicb.serving.client` sends a chapter-06 workload as streamed `/v1/completions` calls with fixed output lengths.
+# It times TTFT and ITL where the user sits, network and server included. Six requests, Poisson at 3 requests/s:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -195,19 +162,10 @@ print(report({"minicb pd (client side)": summary}))  # the table, then p50/p95/p
 # ```bash
 # python -m minicb serve --model smollm2-135m --policy pd --port 8000 &
 # python -m minicb.serving.client --endpoint http://127.0.0.1:8000 --workload mixed-chat --rate 2 --out minicb.json
-# vllm serve MODEL --port 8001 ... &
-# python -m minicb.serving.client --endpoint http://127.0.0.1:8001 --workload mixed-chat --rate 2 --out vllm.json
 # ```
 #
-# Same workload, same client, same metrics: the comparison the benchmark contract asks for.
-# (These send in an open loop, each request at its arrival time; `--max-concurrency N` makes N
-# users who each wait for their answer, as vLLM's `bench serve --max-concurrency` does. Give
-# both servers the same one, and declare it: chapter 06 shows a closed loop hiding an overload.)
-# The server also exports Prometheus metrics at `/metrics` (its latency histograms use vLLM's
-# bucket edges), among them what the contract asks to watch when the KV cache runs full:
-# preemptions, the work they lost and how much was computed again, evicted prefix pages, pages
-# swapped to host memory and back (`--preemption-mode swap`), requests rejected with a 503
-# (`--reject-when-full`), and the queue age:
+# Point the same client at vLLM or SGLang: same workload, same metrics.
+# The server also exports Prometheus metrics at `/metrics`, among them what a full cache costs:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -217,15 +175,88 @@ print("\n".join(line for line in text.splitlines()
 server.__exit__(None, None, None)
 
 # %% [markdown]
-# ## 4. A next step, built: attention that reads the pages where they lie
+# ## 4. Faster CPU steps: fewer bytes, a better layout, pages read in place
 #
-# Here is one next step, done, so you can see the shape of the work: profile, find the waste,
-# write the kernel, test it against the reference, measure.
+# A decode step reads every weight for one token per request (chapter 01). Three things in minicb make that step cheaper on a CPU.
+# [docs/benchmarks.md](../docs/benchmarks.md) points at the committed measurements; the cells below measure this machine.
 #
-# **Profile.** After the CPU changes of this course (prepacked projections, chapter 01; decode
-# rows in sorted groups), a decode step with the torch reference spends only about half its time
-# in matrix products. Profile five decode steps of 16 requests, once with the torch reference
-# and once with the `cpu` backend this section is about:
+# **Fewer bytes per weight.** `quantization="int8"` stores every projection as int8 with one scale per output row (`minicb/model/quant.py`).
+# A step reads about a quarter of the bytes. The price is numbers: greedy decoding can take another branch at a near-tie.
+# Same prompt, both ways:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+import numpy as np
+
+from minicb import LLM, SamplingParams
+from minicb.benchmark.workload import random_prompt
+from minicb.model.loader import load_model
+
+model = load_model("smollm2-135m")  # float32; prepacked on an x86-64 CPU (below)
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+model_int8 = load_model("smollm2-135m", quantization="int8")
+question = [{"role": "user", "content": "Write a haiku about the sea."}]
+greedy = SamplingParams(max_tokens=24, temperature=0.0)
+answers = {}
+for name, pair in (("float32", model), ("int8", model_int8)):
+    chat_llm = LLM(pair, policy="single", enable_prefix_caching=False)
+    chat_llm.chat(question, greedy, use_tqdm=False)  # warm-up
+    answers[name] = chat_llm.chat(question, greedy, use_tqdm=False)[0]
+    t = float(np.median([r.t_forward for r in chat_llm.engine.trace[-23:]]))
+    print(f"{name:<8} decode {t * 1e3:5.1f} ms/token = {1 / t:5.1f} tokens/s")
+same = next((i for i, (a, b) in enumerate(zip(answers["float32"].token_ids,
+                                               answers["int8"].token_ids)) if a != b), 24)
+print(f"greedy tokens agree for the first {same} of 24")
+for name, out in answers.items():
+    print(f"{name:<8} {out.text!r}")
+
+# %% [markdown]
+# The printed lines give this run's speeds and how many greedy tokens agreed.
+# That is why minicb stays float32 by default, where its tokens equal transformers' exactly.
+#
+# **The same bytes, a better layout.** `F.linear` lets PyTorch's matrix multiply re-read the weight in its own layout on every call.
+# oneDNN can store a weight once in its blocked layout instead.
+# minicb does this for float32 weights on an x86-64 CPU (`minicb/model/prepack.py`); `prepack=False` or `MINICB_PREPACK=0` keeps `F.linear`.
+# Both ways, at 1 and 16 requests per decode step:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+model_plain = load_model("smollm2-135m", prepack=False)
+print("prepacked:", model[0].prepacked, "| plain:", model_plain[0].prepacked)
+print(model[0].layers[0].mlp.down_proj, "vs", model_plain[0].layers[0].mlp.down_proj)
+
+
+def decode_ms(pair, rows: int) -> float:
+    """Median forward time of the decode steps that ran `rows` requests together."""
+    batch_llm = LLM(pair, policy="continuous", max_num_seqs=rows, enable_prefix_caching=False)
+    prompts = [random_prompt(32, np.random.default_rng(i)) for i in range(rows)]
+    batch_llm.generate(prompts, SamplingParams(max_tokens=17, temperature=0.0, ignore_eos=True),
+                       use_tqdm=False)
+    steps = [r.t_forward for r in batch_llm.engine.trace
+             if len(r.members) == rows and all(m.kind == "decode" for m in r.members)]
+    return float(np.median(steps)) * 1e3
+
+
+print(f"\n{'rows':>5}{'F.linear ms':>13}{'prepacked ms':>14}{'speed-up':>10}")
+for rows in (1, 16):
+    plain_ms, packed_ms = decode_ms(model_plain, rows), decode_ms(model, rows)
+    print(f"{rows:>5}{plain_ms:>13.1f}{packed_ms:>14.1f}{plain_ms / packed_ms:>9.1f}x")
+
+# %% [markdown]
+# How much the layout gains depends on the CPU's own default path; the table above is this machine's.
+# The products are the same sums in another order, so the numbers differ only in the last bits. The greedy tokens agree:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+answers_plain = LLM(model_plain, policy="single").chat(question, greedy, use_tqdm=False)[0]
+print("same 24 greedy tokens, F.linear and prepacked:",
+      answers_plain.token_ids == answers["float32"].token_ids)
+
+# %% [markdown]
+# **Pages read in place.** With the torch reference, attention first copies each request's K/V out of its pages (`index_select`), then reads the copy.
+# Profile five decode steps of 16 requests with the reference and with the `cpu` backend:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -301,13 +332,8 @@ print(f"{'of which attention, ms':<40}" + "".join(
     for spent, ms in profiles.values()))
 
 # %% [markdown]
-# **The waste.** With the reference, about a fifth of the step copies each request's K/V rows
-# out of their pages into a padded tensor (`index_select`), because
-# `scaled_dot_product_attention` wants contiguous keys; attention then reads the copy again. A
-# kernel that reads the keys where they lie, page by page, is what chapter 07's Triton kernel
-# does on a GPU. On the CPU, minicb's `cpu` backend does it in under 200 lines of C,
-# `minicb/attention/paged_decode.c`, compiled once with the system compiler on first use and
-# cached (`minicb/attention/cpu_kernel.py`). Its first pass, the scores:
+# The waste is in the copy. The `cpu` backend reads the keys where they lie, page by page: `minicb/attention/paged_decode.c`, compiled on first use.
+# Its first pass, the scores:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -316,27 +342,11 @@ start = next(i for i, line in enumerate(source) if "pass 1" in line)
 print("\n".join(source[start:start + 20]))
 
 # %% [markdown]
-# Three choices made it fast, each measured on the course machine:
+# It works one request at a time with all its heads, so each page is read front to back.
+# It prefetches the next page from the page table, and uses a vectorizable exponential.
+# Threads come from OpenMP, governed by `torch.set_num_threads`. Prefill chunks still take the reference's path.
 #
-# - **One request per work item, all its heads together.** A page holds
-#   `[page_size, kv_heads, head_dim]`: reading it front to back is one contiguous block the
-#   hardware prefetcher streams. Split by kv head, each thread read a third of every page, and
-#   attention in the engine was no faster than the reference's copy.
-# - **Ask for the next page early** (`__builtin_prefetch`): pages lie anywhere in the pool, so the
-#   prefetcher cannot guess where the next one is, but the page table knows. About 20% off.
-# - **A vectorizable exponential.** The C library's `expf` is a call per score the compiler
-#   cannot vectorize; a polynomial (Cody-Waite reduction, Cephes' coefficients, 2e-7 relative)
-#   in a `#pragma omp simd` loop is. About 20% off too.
-#
-# Threads come from OpenMP, the same `libgomp` PyTorch already loaded, and the kernel asks for
-# `torch.get_num_threads()` of them, so `torch.set_num_threads` governs both. Prefill chunks still take the reference's path: there
-# the copy is a small part of a long attention.
-#
-# **Test it against the reference.** The same kind of check as chapter 07's: a random paged
-# problem with pages in shuffled order, decode rows of ragged lengths, NaN in every slot no row
-# owns (the kernel must never read one), and then the whole engine's greedy tokens.
-# `tests/test_cpu_kernel.py` does this over 40 random steps (hypothesis) with group sizes 1 to
-# 5 and page sizes 4 and 16, plus fixed cases with groups of 7 and pages of 32.
+# Test it like chapter 07's kernels: shuffled pages, ragged rows, NaN in every slot no row owns, then the whole engine's greedy tokens:
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -379,57 +389,18 @@ tokens = {backend: [o.token_ids for o in LLM("smollm2-135m", attention_backend=b
 print("same greedy tokens from both backends:", tokens["torch"] == tokens[KERNEL])
 
 # %% [markdown]
-# **Measure.** On an Intel Xeon with AMX, the course's build machine on 2026-12-01 (2 cores, both
-# threads; on other days it was an AMD EPYC, as for one of chapter 07's bf16 figures, measured
-# 2026-11-29), with 32 requests decoding over contexts of 16–600 tokens, attention took 60–125 ms
-# of each decode step with the reference (copy plus attention; it swung with the machine's memory
-# traffic across three runs) and
-# 35–47 ms with the kernel. On the standard mixed-chat benchmark (32 requests arriving at once,
-# prompts of 16–512 tokens, outputs of 8–256, greedy, `ignore_eos`), run with each backend in turn,
-# `pd` made 104.8 and 113.2 output tokens/s with the reference and 127.1 and 132.7 with the kernel
-# (1.17–1.21×), and its median time per output token fell from 0.15–0.17 to 0.13 s
-# (`bench/README.md` has the commands and the files). In the profile above (16 requests, stored from `make test`'s one-thread run;
-# one run, and these runs vary: compare the attention line, which the machine's load moves
-# less than the totals) the copy and the attention on it give way to the kernel's smaller
-# share, and the products are now most of the step.
-#
-# `attention_backend="auto"` now picks this kernel on the CPU wherever a C compiler builds it
-# (and warns, then keeps the reference, where none does); `"torch"` or `MINICB_ATTENTION=torch`
-# gives the reference back. It reads bfloat16 caches too (`dtype="bfloat16"`, widened to float32
-# row by row). What would take it further: the same kernel for prefill chunks (a tiled, causal
-# version, the CPU twin of chapter 07's); bfloat16 keys and values under float32 weights (a
-# `kv_cache_dtype` knob, as vLLM has: half the bytes to read). bfloat16 weights are already
-# prepacked for AMX, the matrix units of recent Xeons, where oneDNN runs bfloat16 products
-# (`dtype="bfloat16"`: 1.3–1.5× float32 on the whole benchmark on such a machine,
-# `bench/README.md`).
+# `attention_backend="auto"` picks this kernel on the CPU wherever a C compiler builds it; `"torch"` or `MINICB_ATTENTION=torch` gives the reference back.
 #
 # ## 5. A second step, built: steps that yield several tokens
 #
-# The benchmark contract's FAQ asks: "每个请求在一次迭代中都只推进一个 Token 吗？不一定。标准
-# Decode 常让每个活跃序列推进一个 Token，但 Speculative Decoding 可以接受多个 Token，Chunked
-# Prefill 也会处理多个输入位置。Iteration 是调度器的执行边界，实际处理的 Token 类型和数量必须测量。"
-# (Does every request advance one token per iteration? Not necessarily: a standard decode
-# advances each active sequence by one token, but speculative decoding can accept several, and
-# chunked prefill processes many input positions. The iteration is the scheduler's boundary;
-# what kinds of tokens it processes, and how many, must be measured.)
+# The contract's FAQ: "每个请求在一次迭代中都只推进一个 Token 吗？不一定…Speculative Decoding 可以接受多个 Token" (does every request advance one token per iteration? Not necessarily: speculative decoding can accept several).
 #
-# A decode step reads every weight of the model to produce one token per request. Where that
-# read dominates the step (a GPU at small batches; this CPU at batch 1), a few more query rows
-# cost little. So **guess** the next `k` tokens cheaply, run the request's last token and the
-# guesses as one causal chunk, and keep the guesses the model agrees with, plus the token the
-# model itself predicts after the last kept one. Every step still yields at least one token; a
-# good guess yields up to `k + 1`.
+# Where reading the weights dominates a step, a few more query rows cost little.
+# So **guess** the next `k` tokens cheaply, run the last token and the guesses as one causal chunk, and keep the guesses the model agrees with.
+# Every step still yields at least one token; a good guess yields up to `k + 1`.
 #
-# The cheapest guesser needs no second model. **Prompt lookup** (the idea behind vLLM's `ngram`
-# method) finds an earlier place where the request's last few tokens occurred, in its prompt or
-# its own output, and proposes what followed them there. Which place is a choice: minicb takes
-# the latest if `k` tokens follow it (in a run like `a a a a` the latest overlaps the end and
-# has too few after it, so minicb falls back to the earliest; the by-hand version below keeps
-# only the first rule); vLLM's proposer takes the earliest occurrence of its longest match.
-# Nothing here measures which guesses better. Text that repeats its input (copying,
-# extraction, code edits, quoting) gets long runs of right guesses; free text gets few.
-#
-# By hand first, on a sentence that asks for a list it contains:
+# **Prompt lookup** (vLLM's `ngram` method) needs no second model. It finds an earlier place where the last few tokens occurred and proposes what followed.
+# Text that repeats its input (copying, extraction, code edits) gets long runs of right guesses; free text gets few. By hand first:
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -458,9 +429,7 @@ print("by hand:      ", repr(tokenizer.decode(guess)))
 print("minicb:       ", repr(tokenizer.decode(propose_ngram(ids, k=4, n_max=2, n_min=2))))
 
 # %% [markdown]
-# Checking the guesses takes no new kernel. The request's last token and its `k` guesses are
-# `k + 1` query rows over its cached context: to the attention backends, a small prefill chunk,
-# exactly what chapter 05's mixed batch already carries next to one-row decodes:
+# Checking the guesses takes no new kernel. The last token and `k` guesses are `k + 1` query rows over the request's context: a small prefill chunk, as in chapter 05's mixed batch.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -475,15 +444,9 @@ print("one-row members:", meta.num_decodes, "| the checking members are attended
       "prefill chunks: causally over their own pages")
 
 # %% [markdown]
-# The model returns logits at every one of those rows: row `i` is its prediction after the last
-# token and the first `i` guesses. `verify` keeps guesses while they equal the model's greedy
-# choice, then adds the model's own token. (A sampled request draws its token at each row from
-# the model's distribution with its own random generator, one number per token as without
-# guesses, and goes on while the draw equals the guess: its tokens are exactly what they would
-# be without guesses, seed for seed, whatever shares its batch, and guess `d` is kept with
-# probability p(d), which `tests/test_speculative.py` checks over 20,000 draws. Exactly so in
-# float32: in bfloat16 or int8, a row computed in a chunk of guesses rounds differently from
-# the same row alone, so where two tokens nearly tie the pick can differ.)
+# Row `i` of the logits is the model's prediction after the last token and the first `i` guesses.
+# `verify` keeps guesses while they equal the model's greedy choice, then adds the model's own token.
+# A sampled request draws each row's token with its own generator, so its tokens are exactly what they would be without guesses (`tests/test_speculative.py`).
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -499,18 +462,11 @@ for guesses in ([3, 4, 5], [3, 4, 7], [9, 4, 7]):
     print(f"guesses {guesses} -> kept {verify(logits, guesses, greedy)}")
 
 # %% [markdown]
-# In the engine, `num_speculative_tokens=k` turns it on (`prompt_lookup_max` and
-# `prompt_lookup_min` bound the run of last tokens looked up, as in vLLM). After the policy has
-# scheduled a step, `Engine._propose_drafts` gives each decode member up to `k` guesses, within
-# the token budget the policy left and the free pages: the policy itself is unchanged, so `pd`
-# still serves every decode first, and guesses are the first thing a busy step goes without.
-# `_forward` asks for logits at each guessing member's rows, `_sample` calls `verify`, and the
-# request's cache advances by what was kept; rejected guesses' K/V stay in the pages, past the
-# request's length, and are overwritten by the next step. Each `StepRecord.speculated` says
-# what was guessed and kept.
+# In the engine, `num_speculative_tokens=k` turns it on.
+# After the policy schedules a step, `Engine._propose_drafts` gives each decode member up to `k` guesses within the budget and pages left.
+# The policy is unchanged, so `pd` still serves every decode first. `StepRecord.speculated` records what was guessed and kept.
 #
-# Three chat requests on SmolLM2, one at a time, greedy, with and without 4 guesses a step: a
-# list to copy, a record to rewrite as JSON, and a poem (free text):
+# Three chat requests, one at a time, with and without 4 guesses a step:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -555,8 +511,7 @@ for name in tasks:
     print(f"{name}: same tokens with and without guesses: {same}; fewer steps: {fewer}")
 
 # %% [markdown]
-# Now the same three tasks and five more (code to rename, days of the week, a story, a quote to
-# repeat, facts about the Moon) in one batch of 8 under `pd`, each with and without guesses:
+# Now eight tasks in one batch under `pd`, with and without guesses:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -591,135 +546,51 @@ print("with guesses / without: " + ", ".join(
 print("same tokens:", batch_runs[0] == batch_runs[4])
 
 # %% [markdown]
-# One request at a time (one run each; the seconds move with the machine's load, the steps do
-# not): copying the list, every guess was kept (20 of 20), 32 tokens in 12 steps instead of 32,
-# and it gained by far the most in seconds (the `copy` ratio printed above): at batch 1 on this
-# CPU a step of 5 query rows costs little more than a step of 1, since the weights are read once
-# either way. The JSON rewrite kept 14 guesses of 52 and the poem 16 of 50, about a quarter to a
-# third,
-# 1.33–1.34 tokens a step, so they need about a quarter fewer steps; in seconds free text gains
-# much less than copying, and how much varies from run to run (the `json` and `poem` ratios above
-# have ranged from barely faster to about a third faster across builds of this notebook): the
-# little more each step costs, and the machine's load, can eat much of a saving that small. The
-# greedy text is the same, token for token, in every case.
+# One request at a time, copying the list keeps nearly every guess and needs far fewer steps; free text keeps a quarter to a third.
+# The seconds follow the steps only partly: each step of guesses costs a little more, and this machine's load moves single runs.
+# The greedy text is the same, token for token.
 #
-# In the batch of 8 the picture changes. The steps are the longest request's (65 either way: a
-# free-text reply gets few guesses), and a step carrying 8 requests' guesses is no longer
-# nearly free: throughput does not improve (the tok/s ratio printed above has come out on both
-# sides of 1x across builds, within the noise). What the guesses buy is latency for the requests
-# they fit: the median request finishes in about a quarter fewer steps (E2E p50 in steps, in
-# brackets above), and E2E p50 and TPOT p50 in seconds come out lower too, by an amount that
-# moves with the machine's load (their ratios printed above). That is the trade vLLM's
-# documentation states: speculation pays most at low load, where the
-# hardware waits on memory, and least in a full batch. Tokens kept in one step reach the user
-# together: ITL counts one gap per delivery, as a client timing its stream does, and TPOT
-# averages over every token. What the contract asks ("实际处理的 Token 类型和数量必须测量": measure how
-# many tokens of which kind each iteration processed) is in `StepRecord.speculated`, and
-# `summarize` reports `draft_tokens`, `accepted_draft_tokens` and `draft_acceptance_rate`, as
-# does `python -m minicb bench --num-speculative-tokens 4`.
+# In a batch of 8 a step carrying 8 requests' guesses is no longer nearly free, so throughput does not improve.
+# What the guesses buy is latency for the requests they fit. Speculation pays most at low load and least in a full batch.
 #
 # ## 6. What to build next
 #
-# Each idea below names the part of minicb it changes. They are ordered roughly by size.
+# Each idea names the part of minicb it changes.
 #
-# **CUDA graphs for mixed steps** (`cuda_graphs.py`, `engine.py`). minicb replays decode-only
-# steps from CUDA graphs (chapter 07); any step with a prefill chunk runs eagerly, so under `pd`
-# every step that admits work pays the eager cost. vLLM captures "piecewise" graphs: the
-# parts of the forward whose shapes depend only on the token count (projections, MLP, norms)
-# are captured for padded token counts, and attention, whose shape depends on the members, runs
-# eagerly between them. On an H200 (chapter 07) the decode graphs already made pd's mixed-chat
-# run 4.6× faster (2,210 against 479 output tok/s without them), yet its 363 steps still
-# averaged 4.6 ms against 2.1 ms for static's, nearly all replayed decode graphs: the eager
-# steps with prefill chunks are what is left. Measure ITL before and after with
-# `bench --no-cuda-graphs` and `bench/gpu_check.sh`.
+# **CUDA graphs for mixed steps** (`cuda_graphs.py`, `engine.py`). Steps with a prefill chunk run eagerly today.
+# vLLM captures "piecewise" graphs: the token-count-shaped parts captured, attention eager between them.
 #
-# **Prefix-aware scheduling** (`scheduler.py`). SGLang's `lpm` orders the waiting queue by the
-# longest cached prefix, so requests that share a system prompt run while its pages are still
-# cached. minicb's `PagePool.match_prefix` already answers "how many tokens are cached"; a
-# scheduler that sorts by it is a few lines. Watch fairness: chapter 06's `max_queue_age`.
+# **Prefix-aware scheduling** (`scheduler.py`). Order the queue by longest cached prefix, as SGLang's `lpm` does; watch `max_queue_age`.
 #
-# **Admission by deadline** (`scheduler.py`, `sim.py`). minicb's requests may carry deadlines,
-# and `preemption="deadline"` serves the earliest first (chapter 06), but a request that can no
-# longer make it still runs until its deadline passes, and that work is wasted. A scheduler that
-# estimates each request's finish (its remaining tokens times the step cost, from a cost model:
-# `python -m minicb profile` fits one on this machine; chapter 06's simulations use the
-# `h100-like` preset) can refuse or defer it at admission instead. Compare with chapter 06's
-# table: completions, wasted tokens, worst E2E.
+# **Admission by deadline** (`scheduler.py`, `benchmark/sim.py`). Refuse at admission a request whose estimated finish misses its deadline.
 #
-# **Better guesses** (`speculative.py`, `engine.py`). Section 5's prompt lookup guesses only
-# text that repeats. A small draft model of the same tokenizer (SmolLM2-135M drafting for a
-# 1.7B model), EAGLE-style heads on the big model's hidden states, or suffix trees over past
-# responses guess free text too; `verify` stays as it is. A scheduler that budgets guesses per
-# request, as vLLM's does, instead of giving them what the policy left, is the other half.
+# **Better guesses** (`speculative.py`). A small draft model or EAGLE-style heads guess free text too; `verify` stays as it is.
 
 # %% [markdown]
-# **Disaggregated prefill and decode** (a new process boundary around `engine.py`, and a KV
-# transfer in `kv_cache.py`). PD interleaving shares one GPU between the two phases and trades
-# one against the other through the budget. Disaggregation (DistServe, Splitwise, Mooncake) runs
-# prefill on one set of GPUs and decode on another, and ships each request's KV pages from the
-# first to the second. Prefill never stalls a decode again, and each pool can be sized and
-# parallelised for its own phase; the price is moving the KV cache over the network and a second
-# scheduler. In vLLM this is the `kv_transfer_config` of its disaggregated prefill; in SGLang,
-# `--disaggregation-mode prefill` / `decode`. A first minicb version: two engines in one process,
-# one `policy="chunked"` that stops each request after its first token, one `policy="pd"` that
-# admits requests with their pages copied in.
+# **Disaggregated prefill and decode** (around `engine.py`, and a KV transfer in `kv_cache.py`).
+# Prefill runs on one set of GPUs and decode on another, and each request's KV pages move between them (DistServe, Splitwise, Mooncake).
 #
-# **Tensor parallelism** (`model/llama.py`). A model too big for one GPU is split across several:
-# each GPU holds a slice of every weight matrix (query/key/value heads and MLP columns), computes
-# its share, and the partial results are summed with an all-reduce after the attention output
-# and MLP down projections (Megatron-LM's layout). The KV cache splits by kv head, so each GPU's
-# page pool holds its heads only; page tables, the scheduler and the trace do not change at all.
-# vLLM: `tensor_parallel_size`; SGLang: `--tp`. With `torch.distributed` on one machine with two
-# GPUs, or two CPU processes with the gloo backend, this is a weekend project.
+# **Tensor parallelism** (`model/llama.py`). Split every weight matrix across GPUs and sum partial results with an all-reduce (Megatron-LM's layout).
+# The KV cache splits by kv head; page tables, the scheduler and the trace do not change.
 #
-# **Data parallelism and routing.** Several independent engines behind a router. The router's
-# policy (round robin, least loaded, or prefix-aware so that shared prompts land where their
-# pages are cached) is chapter 06's benchmark problem again, one level up.
+# **Data parallelism and routing.** Several engines behind a router: chapter 06's benchmark problem one level up.
 #
-# **Memory**: KV cache quantisation (fp8 pages: twice the requests per GPU), a host-memory
-# tier for cached prefix pages (evicted pages copied out, as chapter 06's swap copies a
-# victim's, and reused from there instead of recomputed), sliding-window attention (pages
-# that fall out of the window go back to the pool).
+# **Memory**: fp8 KV pages, a host-memory tier for cached prefix pages, sliding-window attention.
 #
-# For each: write down what you expect to improve (which percentile of which metric, at which
-# load), measure it with chapter 06's contract, and compare against the version without it.
+# For each: write down which percentile of which metric should improve at which load, and measure it with chapter 06's contract.
 #
 # ## Recap
 #
-# - minicb's knobs map onto vLLM's and SGLang's nearly one for one: the token budget, the running
-#   batch limit, the chunk size, prefix caching, the page size, the memory fraction, preemption
-#   and priority. The behaviour behind them differs in details; check the version you run.
-# - `python -m minicb serve` puts the engine behind the OpenAI API; `python -m minicb.serving.client`
-#   measures any such server from the user's side with the benchmark contract's metrics.
-# - A next step is a loop: profile, find the waste (here a copy of every context per layer),
-#   build the fix (a C kernel over the pages), test it against the reference, measure.
-# - A step can yield several tokens per request: speculative decoding by prompt lookup checks
-#   guessed tokens as a small causal chunk, keeps what the model agrees with (the same tokens
-#   as without guesses, greedy or seeded), and pays most at batch 1 (here copying a list gained
-#   most; free text gained much less, by an amount that varies from run to run; in a batch of 8,
-#   lower latency, no more tokens/s).
-# - Next steps grow the same engine: CUDA graphs for mixed steps, prefix-aware scheduling and
-#   better guessers on one GPU; disaggregated prefill/decode, tensor and data parallelism
-#   beyond one GPU.
+# - minicb's knobs map onto vLLM's and SGLang's nearly one for one; the behaviour behind them differs in details.
+# - `python -m minicb serve` puts the engine behind the OpenAI API; `minicb.serving.client` measures any such server from the user's side.
+# - A CPU decode step gets cheaper with fewer bytes (int8), a better layout (prepacked weights) and attention over the pages in place (a C kernel), each checked against the reference.
+# - Speculative decoding by prompt lookup checks guesses as a small causal chunk and keeps the same tokens; it pays most at batch 1.
 #
 # ## Further reading
 #
-# The sources the course follows cite these; each is worth reading next to the chapter named.
+# - Yu et al., **Orca**, OSDI 2022 ([paper](https://www.usenix.org/conference/osdi22/presentation/yu)): iteration-level scheduling (chapter 03).
+# - Kwon et al., **PagedAttention**, SOSP 2023 (the vLLM paper): pages and page tables (chapters 01, 03).
+# - Agrawal et al., **SARATHI**, 2023 ([arXiv:2308.16369](https://arxiv.org/abs/2308.16369)): decode-maximal batches (chapters 04, 05).
+# - DigitalOcean, *Continuous Batching Mechanics*; 持续批处理：提升 GPU 利用率; 大白话解说 Continuous Batching: the explainers the seed lists.
 #
-# - Yu et al., **Orca: A Distributed Serving System for Transformer-Based Generative Models**,
-#   OSDI 2022 ([paper](https://www.usenix.org/conference/osdi22/presentation/yu)):
-#   iteration-level scheduling and selective batching (chapter 03).
-# - Kwon et al., **Efficient Memory Management for Large Language Model Serving with
-#   PagedAttention**, SOSP 2023 (the vLLM paper): pages, page tables and continuous batching
-#   over them (chapters 01 and 03).
-# - Agrawal et al., **SARATHI: Efficient LLM Inference by Piggybacking Decodes with Chunked
-#   Prefills**, 2023 ([arXiv:2308.16369](https://arxiv.org/abs/2308.16369)): decode-maximal
-#   batches (chapters 04 and 05).
-# - DigitalOcean, *Continuous Batching Mechanics*; 持续批处理：提升 GPU 利用率; 大白话解说
-#   Continuous Batching (Tencent Cloud): the explainers the seed chapter text lists.
-#
-# That is the whole course: from one request at a time (chapter 01) to a scheduler that keeps
-# every chat flowing while a long document is read in (chapter 05), measured the way production
-# measures it (chapter 06). For this chapter, pick one of the projects above, and do
-# [`exercises/08_speculative_decoding.ipynb`](../exercises/08_speculative_decoding.ipynb): write
-# prompt lookup and greedy verification yourself (section 5), checked against minicb's.
+# For this chapter, pick a project above and do [`exercises/08_speculative_decoding.ipynb`](../exercises/08_speculative_decoding.ipynb): prompt lookup and greedy verification (section 5).
