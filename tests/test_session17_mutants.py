@@ -19,8 +19,7 @@ from matplotlib.colors import to_hex  # noqa: E402
 from matplotlib.patches import Rectangle  # noqa: E402
 from test_engine import GREEDY, llm  # noqa: E402, F401 - a fixture
 from test_serve import _chunk, _fake, metric_values  # noqa: E402
-from test_viz import record  # noqa: E402
-from test_viz_mutants import legend_texts  # noqa: E402
+from test_viz import legend_texts, record  # noqa: E402
 
 from minicb import SamplingParams  # noqa: E402
 from minicb.benchmark import report
