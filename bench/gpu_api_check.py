@@ -117,7 +117,7 @@ def api_checks(tiny: Path, shapes: str, device: str, record) -> None:
 
     def greedy_vs_cpu():
         llm = LLM(str(tiny), device=device, dtype="float32", attention_backend="triton", **small)
-        graphs = llm.engine.graph_runner is not None
+        graphs = llm.engine.runner.graph_runner is not None
         ok, detail = same(token_lists(llm, ids), reference)
         return ok, f"{detail}; CUDA graphs {'captured' if graphs else 'not captured'}"
     check("greedy, Triton + CUDA graphs (float32) = CPU reference", greedy_vs_cpu)

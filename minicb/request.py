@@ -185,11 +185,12 @@ class Request:
     page_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full prompt pages
     deadline: float | None = None  # seconds after arrival by which it must finish (chapter 06)
     tenant: str | None = None  # who sent it, for preemption="fair" (None: one shared tenant)
-    num_scheduled_tokens: int = 0  # tokens computed for it, recomputation included: its service
+    num_service_tokens: int = 0  # tokens computed for it the first time: its service (ch. 06)
     returned_whole: bool = False  # its response reached the user all at once, at the release
     ngram_index: Any = None  # speculative decoding's lookup over its tokens (chapter 08)
     token_counts: Any = None  # the penalties' counts (sampler.TokenCounts) while it runs
     output_logprobs: list[dict[int, float]] = field(default_factory=list)  # params.logprobs
+    generator: Any = None  # its own random stream when it has a seed (`sampler.make_generator`)
 
     @cached_property
     def stop_tokens(self) -> frozenset[int]:
@@ -197,6 +198,26 @@ class Request:
         tokens (a set built once: every step looks a token up in it)."""
         p = self.params
         return frozenset((*p.stop_token_ids, *(() if p.ignore_eos else self.eos_token_ids)))
+
+    def advance(self, num_tokens: int) -> int:
+        """`num_tokens` more of its tokens have their K/V in its pages: the one place
+        `num_computed_tokens` grows in a step (chapter 03). Returns how many are new: tokens
+        below what a preemption threw away are recomputed (chapter 06), not service."""
+        start = self.num_computed_tokens
+        self.num_computed_tokens += num_tokens
+        redone = max(0, min(self.num_computed_tokens, self.num_tokens_before_preemption) - start)
+        self.num_recomputed_tokens += redone
+        self.num_service_tokens += num_tokens - redone
+        return num_tokens - redone
+
+    def stop_reason(self) -> str | None:
+        """"stop" or "length" once its last token ends it; None while it runs on (a member
+        still computing its prompt, or recomputing after a preemption, has nothing to end)."""
+        if not self.output_token_ids or self.is_prefill:
+            return None
+        if self.output_token_ids[-1] in self.stop_tokens:
+            return "stop"
+        return "length" if len(self.output_token_ids) >= self.params.max_tokens else None
 
     @property
     def deadline_time(self) -> float:

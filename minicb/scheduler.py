@@ -1,9 +1,10 @@
-"""Schedulers (chapters 02-05): one interface, one class per policy.
+"""Schedulers (chapters 02-06): one interface, one class per policy, and the queue they share.
 
 Each step the engine hands the policy a `SchedulerContext` (the waiting queue, the running list,
-the limits, and three verbs: `admit`, `reserve`, `preempt`) and gets back a `ScheduledBatch`:
-which requests advance and by how many tokens. Policies decide from requests, token counts and
-pages only; they never touch tensors or the model.
+the limits, and six verbs: `schedule`, `admit`, `reserve`, `preempt`, `reserve_or_preempt`,
+`release_slot`) and gets back a `ScheduledBatch`: which requests advance and by how many
+tokens. Policies decide from requests, token counts and pages only; they never touch tensors or
+the model. The waiting queue's order and admission control (chapter 06) live here too.
 
     single      one request at a time, whole prompt, then decode to the end (v1)
     static      a fixed batch starts together and ends with its slowest member
@@ -19,7 +20,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from minicb.config import EngineConfig
+from minicb.config import EngineConfig, is_int
 from minicb.kv_cache import PagePool
 from minicb.request import Request, Status
 
@@ -27,7 +28,6 @@ from minicb.request import Request, Status
 class SchedulerError(ValueError):
     """A scheduler used a verb on the wrong request, or returned a batch the engine refuses to
     run; the message names the rule (chapter 03)."""
-
 
 
 @dataclass
@@ -85,6 +85,31 @@ def enqueue(waiting: deque[Request], req: Request, preemption: str,
         waiting.append(req)
 
 
+def reorder(waiting: deque[Request], config: EngineConfig, step: int,
+            tenant_service: Counter) -> None:
+    """Re-sort the waiting queue where its order changes as steps pass (chapter 06). With
+    `priority_aging_steps`: by effective priority, `priority` minus one for every that many
+    steps waited, oldest first among equals, so a request that waits long enough outranks any
+    newcomer (starvation is bounded). With preemption="fair": the least-served tenant first."""
+    aging = config.priority_aging_steps
+    if aging:
+        def key(r):
+            return r.priority - (step - r.metrics.arrival_step) // aging, r.seq_index
+    elif config.preemption == "fair":
+        key = queue_rank("fair", tenant_service)
+    else:
+        return
+    ordered = sorted(waiting, key=key)
+    waiting.clear()
+    waiting.extend(ordered)
+
+
+def is_protected(req: Request, config: EngineConfig) -> bool:
+    """Preempted `max_preemptions` times already: once admitted it holds pages for its whole
+    life and is never a victim again (the bound on preemption loss, chapter 06)."""
+    return config.max_preemptions is not None and req.num_preemptions >= config.max_preemptions
+
+
 def prefix_hits(pool: PagePool, req: Request) -> list[int]:
     """The cached pages admitting `req` shares (chapters 01 and 06): the longest run of its full
     leading pages in the prefix index; for a swapped request only those it had computed, since
@@ -96,6 +121,69 @@ def prefix_hits(pool: PagePool, req: Request) -> list[int]:
     if req.status is Status.SWAPPED:
         return hit[:req.num_computed_tokens // pool.page_size]
     return hit
+
+
+class Admission:
+    """Admission control (chapter 06). With `reject_when_full`, an arrival that the available
+    pages, less those the waiting requests will take when admitted, cannot hold finishes at
+    once as "rejected" (the server answers 503) instead of waiting; running requests' growth is
+    not counted (preemption answers that). Otherwise every arrival joins the queue."""
+
+    def __init__(self, pool: PagePool, config: EngineConfig, waiting: deque[Request]) -> None:
+        self.pool, self.config, self.waiting = pool, config, waiting
+        # (state counted in, pages unclaimed then, cached pages the queue's prefix hits claim:
+        # None while the count is a lower bound): a burst of arrivals rescans nothing
+        self.unclaimed: tuple[tuple[int, ...], int, set[int] | None] | None = None
+
+    def arrive(self, req: Request) -> bool:
+        """Queue an arrival (chapter 06's order); False, queuing nothing, to reject it."""
+        if not self.config.reject_when_full:
+            enqueue(self.waiting, req, self.config.preemption)
+            return True
+        need = self.pages_to_admit(req)
+        unclaimed = self.pages_unclaimed(need)
+        claimed = self.unclaimed[2]
+        if claimed is not None:  # cached pages a waiting request will share: not twice
+            claimed = set(claimed)  # a copy: a rejected arrival claims nothing
+            need = self.pages_to_admit(req, claimed)
+        if need > unclaimed:
+            return False
+        enqueue(self.waiting, req, self.config.preemption)
+        self.unclaimed = (self._state(), unclaimed - need, claimed)
+        return True
+
+    def pages_to_admit(self, req: Request, claimed: set[int] | None = None) -> int:
+        """Available pages admitting `req` whole would take: those its tokens need beyond its
+        prefix hits (its whole life's once protected), plus the hits that sit unreferenced and
+        are not in `claimed` (counted for a request ahead of it already)."""
+        return self.pool.pages_to_take(prefix_hits(self.pool, req), self.pool.pages_needed(
+            self.tokens_to_admit(req)), claimed)
+
+    def tokens_to_admit(self, req: Request) -> int:
+        return req.max_total_tokens if is_protected(req, self.config) else req.num_tokens
+
+    def pages_unclaimed(self, need: int) -> int:
+        """Available pages less those the waiting requests will take: first a lower bound (a
+        request takes at most the pages its tokens need); only when that falls short of `need`
+        the exact count, which looks up every waiting request's prefix (a long queue waiting
+        for slots, not pages, would pay that at every arrival). Kept between arrivals; counted
+        again after scheduling (`recount`) or when the queue or the pool changed (a cancel)."""
+        state = self._state()
+        if self.unclaimed is None or self.unclaimed[0] != state:
+            self.unclaimed = (state, self.pool.num_available - sum(
+                self.pool.pages_needed(self.tokens_to_admit(r)) for r in self.waiting), None)
+        if self.unclaimed[1] < need and self.unclaimed[2] is None:
+            claimed: set[int] = set()  # two requests sharing a cached page take it once
+            self.unclaimed = (state, self.pool.num_available - sum(
+                self.pages_to_admit(r, claimed) for r in self.waiting), claimed)
+        return self.unclaimed[1]
+
+    def recount(self) -> None:
+        """Admissions and preemptions changed what the queue takes: count afresh."""
+        self.unclaimed = None
+
+    def _state(self) -> tuple[int, ...]:
+        return len(self.waiting), self.pool.num_free, self.pool.num_cached
 
 
 class SchedulerContext:
@@ -125,10 +213,7 @@ class SchedulerContext:
         return self.pool.num_available
 
     def is_protected(self, req: Request) -> bool:
-        """Preempted `max_preemptions` times already: it holds pages for its whole life once
-        admitted and is never a victim again (the bound on preemption loss, chapter 06)."""
-        limit = self.config.max_preemptions
-        return limit is not None and req.num_preemptions >= limit
+        return is_protected(req, self.config)
 
     def pages_to_advance(self, req: Request, num_tokens: int) -> int:
         """New pages `req` needs to hold `num_tokens` more tokens."""
@@ -301,6 +386,125 @@ class SchedulerContext:
         return True
 
 
+def check_batch(batch: object, ctx: SchedulerContext, requests: dict[str, Request],
+                whole_prompts: bool) -> None:
+    """Refuse an impossible batch (a learner's scheduler may build one) before anything is
+    computed: SchedulerError naming the step, the request and the rule. The verbs are checked
+    as they act (admissions, preemptions, swap copies); this checks what the step would compute.
+    A whole-prompt policy may exceed the token budget with one long prompt (chapter 03); every
+    other policy, a learner's included, stays within it and within `chunk_size`."""
+    step, cfg = ctx.step, ctx.config
+    if batch is not ctx.batch:
+        got = "another ScheduledBatch" if isinstance(batch, ScheduledBatch) \
+            else type(batch).__name__
+        raise SchedulerError(f"step {step}: schedule() must return ctx.batch, the batch that "
+                             f"ctx.schedule and ctx.preempt fill; got {got}")
+    seen: set[str] = set()
+    for item in batch.items:
+        if not (isinstance(item, (tuple, list)) and len(item) == 2
+                and isinstance(item[0], Request)):
+            raise SchedulerError(f"step {step}: batch item {item!r:.60} is not a (request, "
+                                 f"number of tokens) pair: add members with ctx.schedule")
+        req, n = item
+        rule = _broken_rule(req, n, ctx, requests, seen)
+        if rule:
+            raise SchedulerError(f"step {step}, request {req.request_id!r}: {rule}")
+        seen.add(req.request_id)
+    for req in batch.idle:
+        if not isinstance(req, Request) or requests.get(req.request_id) is not req:
+            raise SchedulerError(f"step {step}: idle member {req!r:.60} is not a request of "
+                                 f"this engine")
+    members = len(batch.items) + len(batch.idle)
+    if members > cfg.max_num_seqs:
+        idle = f" ({len(batch.idle)} of them idle)" if batch.idle else ""
+        raise SchedulerError(f"step {step}: {members} members{idle} exceed "
+                             f"max_num_seqs={cfg.max_num_seqs}")
+    if not whole_prompts and batch.num_tokens > cfg.max_num_batched_tokens:
+        raise SchedulerError(f"step {step}: {batch.num_tokens} tokens exceed "
+                             f"max_num_batched_tokens={cfg.max_num_batched_tokens}")
+    for req, n in batch.items:  # after the budget, which a long whole prompt hears of first
+        if not whole_prompts and req.is_prefill and n > cfg.chunk_size:
+            raise SchedulerError(f"step {step}, request {req.request_id!r}: a prefill chunk of "
+                                 f"{n} tokens exceeds chunk_size={cfg.chunk_size}")
+
+
+def _broken_rule(req: Request, n: object, ctx: SchedulerContext, requests: dict[str, Request],
+                 seen: set[str]) -> str | None:
+    """The first rule that scheduling `n` tokens of `req` breaks, or None."""
+    if requests.get(req.request_id) is not req:
+        return "unknown request (not added to this engine)"
+    if req.is_finished:
+        return f"request already finished ({req.finish_reason})"
+    if req.status is not Status.RUNNING:
+        return f"request is {req.status.value}, not running (admit it with ctx.admit first)"
+    if req.request_id in seen:
+        return "scheduled twice in one step"
+    if not is_int(n) or not 1 <= n <= req.num_remaining:
+        return f"asks to advance {n!r} tokens but has {req.num_remaining} left to compute"
+    if ctx.pages_to_advance(req, n):
+        return (f"{n} tokens need more pages than its page table holds "
+                f"({len(req.page_table)}); reserve them first")
+    return None
+
+
+# the building blocks every policy may use (chapters 03-05), also methods of `Scheduler`
+def decoding(ctx: SchedulerContext) -> list[Request]:
+    """The running requests whose prompt is in the cache: each advances one token a step."""
+    return [r for r in ctx.running if not r.is_prefill]
+
+
+def prefilling(ctx: SchedulerContext) -> list[Request]:
+    """The running requests still computing their prompt (or recomputing it)."""
+    return [r for r in ctx.running if r.is_prefill]
+
+
+def schedule_decodes(ctx: SchedulerContext) -> int:
+    """One token for every running decode, in running order (the order they were admitted;
+    a preempted request readmitted comes last), preempting when pages run out.
+    Returns the number of decode tokens scheduled."""
+    count = 0
+    for req in Scheduler.decoding(ctx):
+        if req.status is Status.RUNNING and ctx.reserve_or_preempt(req, 1):
+            ctx.schedule(req, 1)
+            count += 1
+    return count
+
+
+def schedule_prefill_chunks(ctx: SchedulerContext, budget: int, min_chunk: int = 1) -> int:
+    """Spend `budget` on prefill chunks (chapter 04; pd calls it after its decodes, chapter
+    05): first the prompts already being prefilled, then new ones from the front of the queue.
+    Returns the budget left."""
+    chunk_size = ctx.config.chunk_size
+    stuck = []  # running prompts whose next chunk has no pages
+    for req in Scheduler.prefilling(ctx):
+        if req.request_id in ctx.scheduled_ids or req.status is not Status.RUNNING:
+            continue
+        num_tokens = min(req.num_remaining, chunk_size, budget)
+        if num_tokens < min(min_chunk, req.num_remaining):
+            continue
+        if not ctx.reserve(req, num_tokens):
+            stuck.append((req, num_tokens))
+            continue
+        ctx.schedule(req, num_tokens)
+        budget -= num_tokens
+    if stuck and not ctx.batch.items and not Scheduler.decoding(ctx):
+        # half-prefilled prompts hold every page and each waits for another's: nothing would
+        # ever run again. Free pages by preemption (the victim by the queue's rank, which may
+        # be this prompt itself) so that one of them can go on.
+        req, num_tokens = stuck[0]
+        if ctx.reserve_or_preempt(req, num_tokens):
+            ctx.schedule(req, num_tokens)
+            budget -= num_tokens
+    while ctx.waiting and budget > 0 and not ctx.batch.preempted:
+        req = ctx.waiting[0]
+        num_tokens = ctx.admit(req, min(chunk_size, budget), min_tokens=min_chunk)
+        if not num_tokens:
+            break
+        ctx.schedule(req, num_tokens)
+        budget -= num_tokens
+    return budget
+
+
 # the class attributes of `Scheduler` that the engine reads (a wrapper must pass them on)
 POLICY_FLAGS = ("whole_prompts", "holds_finished_slots", "waits_for_batch_timeout",
                 "decodes_every_step")
@@ -315,9 +519,8 @@ class Scheduler:
     - `whole_prompts`: prompts are prefilled whole (chapters 01-03), never in chunks, so a step
       may exceed `max_num_batched_tokens` with one long prompt; the engine holds every other
       policy, a learner's included, to the budget and to `chunk_size`;
-    - `holds_finished_slots`: a finished request keeps its slot (static batching keeps dead
-      slots until the whole batch ends, chapter 02), and `batch_done` says when the responses
-      it holds go back to their users;
+    - `holds_finished_slots`: a finished request keeps its slot until the policy gives it back
+      with `ctx.release_slot` (static batching keeps dead slots until the batch ends, chapter 02);
     - `waits_for_batch_timeout`: with `batch_timeout` in seconds, steps that schedule nothing
       while requests wait are the timeout running, not a stall (dynamic batching, chapter 02);
     - `decodes_every_step`: every running decode advances in every step (PD interleaving,
@@ -339,31 +542,15 @@ class Scheduler:
     def schedule(self, ctx: SchedulerContext) -> ScheduledBatch:
         raise NotImplementedError
 
-    def batch_done(self) -> bool:
-        """True once every member of the current batch has finished: always, for a policy
-        that batches per iteration (a finished request's response goes back at once)."""
-        return True
+    def release(self, req: Request) -> list[Request]:
+        """`req` has finished: the finished requests whose responses reach their users now
+        (chapter 02): `req`'s at once, for a policy that batches per iteration."""
+        return [req]
 
-    # shared building blocks ---------------------------------------------------------------
-    @staticmethod
-    def decoding(ctx: SchedulerContext) -> list[Request]:
-        return [r for r in ctx.running if not r.is_prefill]
-
-    @staticmethod
-    def prefilling(ctx: SchedulerContext) -> list[Request]:
-        return [r for r in ctx.running if r.is_prefill]
-
-    @staticmethod
-    def schedule_decodes(ctx: SchedulerContext) -> int:
-        """One token for every running decode, in running order (the order they were admitted;
-        a preempted request readmitted comes last), preempting when pages run out.
-        Returns the number of decode tokens scheduled."""
-        count = 0
-        for req in Scheduler.decoding(ctx):
-            if req.status is Status.RUNNING and ctx.reserve_or_preempt(req, 1):
-                ctx.schedule(req, 1)
-                count += 1
-        return count
+    decoding = staticmethod(decoding)
+    prefilling = staticmethod(prefilling)
+    schedule_decodes = staticmethod(schedule_decodes)
+    schedule_prefill_chunks = staticmethod(schedule_prefill_chunks)
 
 
 class SingleScheduler(Scheduler):
@@ -397,12 +584,25 @@ class StaticScheduler(Scheduler):
 
     def __init__(self) -> None:
         self.batch: list[Request] = []
+        self.held: list[Request] = []  # members done, their responses held until batch end
 
     def ready_to_form(self, ctx: SchedulerContext) -> bool:
         return bool(ctx.waiting)
 
     def batch_done(self) -> bool:
         return all(r.is_finished for r in self.batch)
+
+    def release(self, req: Request) -> list[Request]:
+        """A member that completes is held: the batch returns whole, when its last member
+        leaves, for whatever reason (a cancelled one leaves at once)."""
+        out = [req]
+        if req.finish_reason in ("stop", "length"):
+            req.returned_whole = True
+            self.held.append(req)
+            out = []
+        if self.held and self.batch_done():
+            out, self.held = out + self.held, []
+        return out
 
     def choose_batch(self, ctx: SchedulerContext) -> list[Request]:
         """The waiting requests a new batch tries to admit, in order (admission stops at the
@@ -514,41 +714,6 @@ class PDScheduler(Scheduler):
         return ctx.batch
 
 
-def schedule_prefill_chunks(ctx: SchedulerContext, budget: int, min_chunk: int = 1) -> int:
-    """Spend `budget` on prefill chunks (chapter 04; pd calls it after its decodes, chapter
-    05): first the prompts already being prefilled, then new ones from the front of the queue.
-    Returns the budget left."""
-    chunk_size = ctx.config.chunk_size
-    stuck = []  # running prompts whose next chunk has no pages
-    for req in Scheduler.prefilling(ctx):
-        if req.request_id in ctx.scheduled_ids or req.status is not Status.RUNNING:
-            continue
-        num_tokens = min(req.num_remaining, chunk_size, budget)
-        if num_tokens < min(min_chunk, req.num_remaining):
-            continue
-        if not ctx.reserve(req, num_tokens):
-            stuck.append((req, num_tokens))
-            continue
-        ctx.schedule(req, num_tokens)
-        budget -= num_tokens
-    if stuck and not ctx.batch.items and not Scheduler.decoding(ctx):
-        # half-prefilled prompts hold every page and each waits for another's: nothing would
-        # ever run again. Free pages by preemption (the victim by the queue's rank, which may
-        # be this prompt itself) so that one of them can go on.
-        req, num_tokens = stuck[0]
-        if ctx.reserve_or_preempt(req, num_tokens):
-            ctx.schedule(req, num_tokens)
-            budget -= num_tokens
-    while ctx.waiting and budget > 0 and not ctx.batch.preempted:
-        req = ctx.waiting[0]
-        num_tokens = ctx.admit(req, min(chunk_size, budget), min_tokens=min_chunk)
-        if not num_tokens:
-            break
-        ctx.schedule(req, num_tokens)
-        budget -= num_tokens
-    return budget
-
-
 POLICY_CLASSES: dict[str, type[Scheduler]] = {
     cls.name: cls for cls in (SingleScheduler, StaticScheduler, DynamicScheduler,
                               ContinuousScheduler, ChunkedScheduler, PDScheduler)
@@ -556,11 +721,15 @@ POLICY_CLASSES: dict[str, type[Scheduler]] = {
 
 
 def make_scheduler(policy: str | Scheduler) -> Scheduler:
-    """A fresh scheduler for a policy name, or the learner's own `Scheduler` instance."""
-    if isinstance(policy, Scheduler) or hasattr(policy, "schedule"):
-        return policy  # type: ignore[return-value]
-    if policy not in POLICY_CLASSES:
-        raise ValueError(f"policy must be one of {sorted(POLICY_CLASSES)}, got {policy!r}")
-    return POLICY_CLASSES[policy]()
-
-
+    """A fresh scheduler for a policy name, or the learner's own `Scheduler` instance; any
+    other object is refused, naming what it lacks (the engine reads all of it)."""
+    if isinstance(policy, Scheduler):
+        return policy
+    if isinstance(policy, str):
+        if policy not in POLICY_CLASSES:
+            raise ValueError(f"policy must be one of {sorted(POLICY_CLASSES)}, got {policy!r}")
+        return POLICY_CLASSES[policy]()
+    lacks = [n for n in ("schedule", "release", *POLICY_FLAGS) if not hasattr(policy, n)]
+    raise SchedulerError(f"policy {type(policy).__name__} is not a Scheduler"
+                         + (f" (it lacks {', '.join(lacks)})" if lacks else "")
+                         + ": subclass minicb.Scheduler and implement schedule(ctx)")

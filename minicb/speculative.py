@@ -82,6 +82,49 @@ class NgramIndex:
         return []
 
 
+class Speculator:
+    """Speculation in the engine's step (chapter 08), behind one object: `propose` before the
+    forward gives decode members guesses, within the token budget the policy left and the free
+    pages (nothing with num_speculative_tokens=0); the runner's sampling verifies them; `kept`
+    after says what each member guessed and kept, for its `StepRecord`."""
+
+    def __init__(self, config, pool) -> None:
+        self.config, self.pool = config, pool
+
+    def propose(self, batch) -> dict[str, list[int]]:
+        """Request id -> guesses for its decode; each runs its last token and its guesses as one
+        causal chunk."""
+        cfg = self.config
+        room = cfg.max_num_batched_tokens - batch.num_tokens
+        drafts: dict[str, list[int]] = {}
+        for req, num_tokens in batch.items if cfg.num_speculative_tokens else ():
+            k = min(cfg.num_speculative_tokens, room,
+                    req.params.max_tokens - len(req.output_token_ids) - 1)  # after this token
+            if k < 1 or num_tokens != 1 or req.is_prefill \
+                    or len(req.output_token_ids) < req.params.min_tokens \
+                    or req.params.penalised or req.params.logprobs is not None:
+                continue  # bans, penalties and logprobs are computed one token at a time
+            if req.ngram_index is None:
+                req.ngram_index = NgramIndex(cfg.prompt_lookup_max, cfg.prompt_lookup_min)
+            draft = req.ngram_index.propose(req.all_token_ids, k)
+            need = self.pool.pages_needed(req.num_tokens + len(draft)) - len(req.page_table)
+            if not draft or need > self.pool.num_available:
+                continue
+            if need > 0:
+                req.page_table.extend(self.pool.allocate(need))
+            drafts[req.request_id] = draft
+            room -= len(draft)
+        return drafts
+
+    @staticmethod
+    def kept(drafts: dict[str, list[int]], delivered: dict[str, int]
+             ) -> dict[str, tuple[int, int]]:
+        """Request id -> (tokens guessed, guesses kept) of the members that guessed and sampled:
+        of the `delivered` tokens (a stop token may cut the kept guesses short), all but the
+        model's own last one were guesses."""
+        return {rid: (len(d), delivered[rid] - 1) for rid, d in drafts.items() if rid in delivered}
+
+
 def verify(logits: torch.Tensor, draft: list[int], params: SamplingParams,
            generator: torch.Generator | None = None) -> list[int]:
     """The tokens one request keeps from a step that ran its last token and `draft`: `logits`

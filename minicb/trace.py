@@ -109,3 +109,23 @@ class RequestRecord:
     returned_whole: bool = False
     error: str | None = None  # why a failed request failed, in the server's words (client)
     num_discarded_tokens: int = 0  # computed K/V its preemptions threw away (lost work)
+
+
+def record_step(step: int, members: list[Member], batch, pool, waiting, running,
+                snapshots: bool, **fields) -> StepRecord:
+    """The record of one step (chapter 03): its `members` and `batch` (idle members, who was
+    preempted, the work that threw away), the pool's counts after it, `fields` (times,
+    arrivals, finishes, samples, copies), and with `snapshots` the queue, page tables, slots
+    and cached pages the step-through pictures draw."""
+    record = StepRecord(
+        step=step, members=members + [Member(r.request_id, "idle", 0, r.slot) for r in batch.idle],
+        waiting=[r.request_id for r in waiting] if snapshots else [],
+        preempted=[r.request_id for r in batch.preempted],
+        swapped=[r.request_id for r in batch.swapped], pages_used=pool.num_used,
+        pages_cached=pool.num_cached, pages_total=pool.num_pages, num_waiting=len(waiting),
+        tokens_discarded=batch.num_discarded_tokens, snapshots=snapshots, **fields)
+    if snapshots:
+        record.page_tables = {r.request_id: list(r.page_table) for r in running}
+        record.slots = {r.request_id: r.slot for r in running}
+        record.cached_pages = list(pool.prefix.lru) if pool.prefix is not None else []
+    return record

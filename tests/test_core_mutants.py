@@ -133,7 +133,7 @@ def test_no_guess_is_proposed_past_max_tokens():
     out = e.run()[0]
     assert out.token_ids == [t] * 5 and len(e.trace) == 2
     assert e.trace[-1].speculated[rid] == (3, 3)
-    assert e.requests[rid].num_scheduled_tokens == 8 + 5 - 1  # nothing computed in vain
+    assert e.requests[rid].num_service_tokens == 8 + 5 - 1  # nothing computed in vain
 
 
 def test_guesses_may_take_the_last_free_page():

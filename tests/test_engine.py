@@ -633,7 +633,7 @@ def test_cuda_page_pool_is_sized_from_free_memory(monkeypatch):
     import torch
 
     from minicb.config import EngineConfig
-    from minicb.engine import default_num_pages
+    from minicb.runner import default_num_pages
     smollm2 = SimpleNamespace(num_layers=30, num_kv_heads=3, head_dim=64,
                               max_position_embeddings=8192)
     asked = []
@@ -756,3 +756,103 @@ def test_a_scheduler_instance_meets_the_rules_of_the_policy_it_names():
     with pytest.raises(ValueError, match=r"chunk_size \(4\) must be >= max_num_seqs"):
         EngineConfig(policy=PDScheduler(), chunk_size=4, max_num_seqs=8)
     EngineConfig(policy=PDScheduler(), max_num_batched_tokens=8, max_num_seqs=8, chunk_size=8)
+
+
+def test_an_object_that_is_not_a_scheduler_is_refused_when_the_engine_is_built(tiny_model):
+    """A policy object that is not a `Scheduler` is refused before anything is loaded, the
+    message naming what it lacks, so no request is ever queued on it and lost."""
+
+    class OnlySchedule:
+        def schedule(self, ctx):
+            return ctx.batch
+
+    with pytest.raises(SchedulerError, match="OnlySchedule is not a Scheduler .it lacks "
+                                             "release, whole_prompts, holds_finished_slots"):
+        Engine(tiny_model, policy=OnlySchedule(), num_pages=16)
+    with pytest.raises(ValueError, match="policy must be one of"):
+        Engine(tiny_model, policy=42, num_pages=16)
+
+
+def test_a_prompt_that_is_not_valid_text_is_refused_naming_the_prompt(word_model):
+    """A lone surrogate cannot be encoded: a ValueError naming the prompt, not the
+    tokenizer's TypeError, and nothing is queued."""
+    llm = LLM(word_model, num_pages=16)
+    with pytest.raises(ValueError, match="prompt 0: prompt is not valid text .surrogates not "
+                                         "allowed at character 3"):
+        llm.generate(["abc\ud800def"], GREEDY)
+    with pytest.raises(ValueError, match="prompt is not valid text"):
+        llm.engine.add_request("w3 \udfff", GREEDY)
+    assert not llm.engine.requests
+
+
+def test_an_arrival_time_is_bounded_to_a_day_ahead(tiny_model):
+    """`arrival_time` at most MAX_ARRIVAL_DELAY (a day) past the engine's clock: no
+    OverflowError from a sleep of 1e300 seconds, no run() that sleeps for days."""
+    from minicb.engine import MAX_ARRIVAL_DELAY
+    engine = Engine(tiny_model, num_pages=16)
+    for late in (1e300, 1e6, MAX_ARRIVAL_DELAY + 60):
+        with pytest.raises(ValueError, match="arrival_time must be .* at most 86400 past"):
+            engine.add_request([1, 2], GREEDY, arrival_time=late)
+    assert not engine.requests
+    engine.add_request([1, 2], GREEDY, arrival_time=MAX_ARRIVAL_DELAY / 2)
+    assert engine.stats()["num_waiting"] == 1
+
+
+def test_a_pool_larger_than_memory_is_refused_before_anything_is_allocated(tiny_model,
+                                                                         monkeypatch):
+    """num_pages is checked against the memory it needs (K/V and bookkeeping) before any of it
+    is allocated: a billion pages is a ValueError at once, not the OOM killer."""
+    import minicb.kv_cache
+    from minicb.benchmark.sim import make_sim_engine
+
+    def never(*args, **kwargs):
+        raise AssertionError("the pool was built")
+
+    monkeypatch.setattr(minicb.kv_cache.PagePool, "__init__", never)
+    with pytest.raises(ValueError, match="num_pages=1000000000 .* need .* GiB of host memory"):
+        Engine(tiny_model, num_pages=10**9)
+    with pytest.raises(ValueError, match="num_pages=1000000000"):  # no K/V: bookkeeping only
+        make_sim_engine(num_pages=10**9)
+    with pytest.raises(ValueError, match="num_swap_pages=1000000000"):
+        Engine(tiny_model, num_pages=16, preemption_mode="swap", num_swap_pages=10**9)
+
+
+class Malformed(PDScheduler):
+    """Schedules as pd, then adds one bad item to the batch."""
+
+    def __init__(self, item):
+        super().__init__()
+        self.item = item
+
+    def schedule(self, ctx):
+        super().schedule(ctx)
+        ctx.batch.items.append(self.item(ctx) if callable(self.item) else self.item)
+        return ctx.batch
+
+
+@pytest.mark.parametrize("item", [
+    "garbage", None, (), lambda ctx: (ctx.running[0],), lambda ctx: (ctx.running[0], 1, 2),
+    lambda ctx: (ctx.running[0], "1"), lambda ctx: (ctx.running[0], 1.0), (None, 1),
+    lambda ctx: (ctx.running[0].request_id, 1)])
+def test_a_malformed_batch_item_is_a_scheduler_error_and_loses_nothing(tiny_model, item):
+    engine = Engine(tiny_model, policy=Malformed(item), num_pages=16, check_invariants=True)
+    engine.add_request([1, 2, 3], GREEDY)
+    with pytest.raises(SchedulerError):
+        engine.step()
+    engine.check_invariants()
+    assert engine.running and engine.running[0].num_computed_tokens == 0
+
+
+def test_idle_members_count_toward_max_num_seqs_in_the_message(tiny_model):
+    class IdleExtra(PDScheduler):
+        def schedule(self, ctx):
+            super().schedule(ctx)
+            ctx.batch.idle.append(ctx.running[0])
+            return ctx.batch
+
+    engine = Engine(tiny_model, policy=IdleExtra(), max_num_seqs=2, num_pages=16)
+    for prompt in ([1, 2], [3, 4]):
+        engine.add_request(prompt, GREEDY)
+    with pytest.raises(SchedulerError, match=r"3 members \(1 of them idle\) exceed "
+                                             r"max_num_seqs=2"):
+        engine.step()

@@ -608,8 +608,8 @@ def test_a_long_queue_waiting_for_slots_is_not_looked_up_at_every_arrival():
     engine = make_sim_engine(policy="pd", num_pages=400, page_size=4, max_num_seqs=1,
                              reject_when_full=True)
     lookups = []
-    to_admit = engine._pages_to_admit
-    engine._pages_to_admit = lambda req: lookups.append(req.request_id) or to_admit(req)
+    to_admit = engine.admission.pages_to_admit
+    engine.admission.pages_to_admit = lambda req: lookups.append(req.request_id) or to_admit(req)
     for i in range(30):
         engine.add_request([7 + i] * 10, SamplingParams(max_tokens=2, ignore_eos=True))
         if i % 10 == 9:
@@ -640,7 +640,7 @@ def test_prefix_hits_the_bound_leaves_out_still_admit():
     more is rejected."""
     engine = running_with_a_waiting_twin(12)
     twin = engine.requests["twin"]
-    assert twin in engine.waiting and engine._pages_to_admit(twin) == 1  # 8 hits in use
+    assert twin in engine.waiting and engine.admission.pages_to_admit(twin) == 1  # 8 hits in use
     fits = engine.pool.num_available - 1  # by the exact count; the bound says 9 are taken
     assert fits > engine.pool.num_available - 9
     engine.add_request([90] * 4 * fits, SamplingParams(max_tokens=1), request_id="late")
@@ -684,11 +684,11 @@ def test_the_remembered_unclaimed_pages_decide_as_the_exact_count(jobs, num_page
                              max_num_batched_tokens=16, chunk_size=8, reject_when_full=True,
                              preemption_mode=mode, max_preemptions=limit,
                              check_invariants=True)
-    remembered = engine._pages_unclaimed
+    remembered = engine.admission.pages_unclaimed
     checked = []
 
     def compare(need: int) -> int:
-        exact = engine.pool.num_available - sum(engine._pages_to_admit(r)
+        exact = engine.pool.num_available - sum(engine.admission.pages_to_admit(r)
                                                 for r in engine.waiting)
         value = remembered(need)
         assert value <= exact and (value < need) == (exact < need)
@@ -696,7 +696,7 @@ def test_the_remembered_unclaimed_pages_decide_as_the_exact_count(jobs, num_page
         checked.append((value, exact))
         return value
 
-    engine._pages_unclaimed = compare
+    engine.admission.pages_unclaimed = compare
     shared, added = list(range(3, 43)), 0
     for i, (length, max_tokens, steps_before, cancel) in enumerate(jobs):
         for _ in range(steps_before):
@@ -733,8 +733,8 @@ def test_a_returning_victim_shares_only_the_pages_it_had_and_frees_its_host_page
                   status=Status.SWAPPED, num_computed_tokens=computed, num_preemptions=1)
     req.swapped_pages = host = pool.allocate_swap(pool.pages_needed(computed))
     engine = make_sim_engine(num_pages=8, page_size=4)
-    engine.pool = pool  # the same pool, seen by the engine's reject rule
-    assert engine._pages_to_admit(req) == pool.pages_needed(req.num_tokens) - 2
+    engine.admission.pool = pool  # the same pool, seen by the engine's reject rule
+    assert engine.admission.pages_to_admit(req) == pool.pages_needed(req.num_tokens) - 2
     ctx = SchedulerContext(deque([req]), [], pool, EngineConfig(preemption_mode="swap"), 1,
                            0.0, [0, 1])
     assert ctx.admit(req, 4) == 4
@@ -750,13 +750,13 @@ def test_a_swap_in_that_copies_nothing_still_gives_its_host_pages_back():
     engine = make_sim_engine(policy="continuous", num_pages=9, page_size=4, max_num_seqs=2,
                              preemption_mode="swap", num_swap_pages=16, check_invariants=True)
     release_only = []
-    move = engine._move_pages
+    move = engine.runner.copy_pages
 
     def spy(batch):
         if batch.swap_release and not (batch.swap_in or batch.swap_out):
             release_only.append(engine.step_count)
         return move(batch)
-    engine._move_pages = spy
+    engine.runner.copy_pages = spy
     for i in range(2):
         engine.add_request([10 + i] * 16, SamplingParams(max_tokens=4, ignore_eos=True))
     engine.run()
@@ -768,7 +768,8 @@ def test_after_an_accept_by_the_bound_the_next_arrival_still_gets_the_exact_coun
     count (a waiting twin's prefix hits on a running request's pages), must not be refused on
     the bound's remembered value."""
     engine = running_with_a_waiting_twin(30)
-    exact = engine.pool.num_available - sum(engine._pages_to_admit(r) for r in engine.waiting)
+    exact = engine.pool.num_available - sum(engine.admission.pages_to_admit(r)
+                                            for r in engine.waiting)
     engine.add_request([90] * 4, SamplingParams(max_tokens=1), request_id="small")  # 2 pages
     engine.add_request([91] * (4 * (exact - 3)), SamplingParams(max_tokens=1), request_id="big")
     assert engine.requests["small"].finish_reason is None

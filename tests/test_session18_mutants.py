@@ -179,7 +179,7 @@ def test_swap_out_is_copied_before_swap_in_into_the_same_page(make_engine):
     pool.swap_store[:, :, host_in] = returning
     batch = ScheduledBatch(swap_out=[(2, host_out)], swap_in=[(host_in, 2)],
                            swap_release=[host_in])
-    assert engine._move_pages(batch) == (1, 1)
+    assert engine.runner.copy_pages(batch) == (1, 1)
     assert torch.equal(pool.swap_store[:, :, host_out], victim)
     assert torch.equal(pool.every_layer[:, :, 2], returning)
     assert sorted(pool.swap_free) == sorted([host_in, *set(range(3)) - {host_in, host_out}])

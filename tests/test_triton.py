@@ -319,7 +319,8 @@ def test_decode_graph_runner_matches_the_eager_engine(tiny_checkpoint):
                         check_invariants=True)
         calls = []
         if use_runner:
-            runner = engine.graph_runner = engine.make_graph_runner(capture=DEVICE == "cuda")
+            runner = engine.runner.make_graph_runner(capture=DEVICE == "cuda")
+            engine.runner.graph_runner = runner
             plain_run = runner.run
             runner.run = lambda *a, c=calls, f=plain_run: c.append(len(a[0])) or f(*a)
         ids = [engine.add_request(p, params) for p in prompts]
@@ -327,8 +328,8 @@ def test_decode_graph_runner_matches_the_eager_engine(tiny_checkpoint):
         results.append([engine.requests[i].output_token_ids for i in ids])
     assert results[0] == results[1]
     assert calls and 3 in calls, "decode-only steps of 3 requests went through the runner"
-    assert engine.graph_runner.bucket(3) == 4
-    assert engine.graph_runner.max_batch == engine.config.max_num_seqs
+    assert engine.runner.graph_runner.bucket(3) == 4
+    assert engine.runner.graph_runner.max_batch == engine.config.max_num_seqs
 
 
 def test_padding_rows_of_a_smaller_decode_step_store_nothing(tiny_checkpoint):

@@ -217,10 +217,10 @@ for backend in ("torch", "triton"):
                     max_num_batched_tokens=16, chunk_size=16,
                     num_pages=64)  # the GPU default: max_num_seqs full contexts, far too many
     if backend == "triton":
-        if engine.graph_runner is None:  # on the CPU: the graph runner's buffers, no capture
-            engine.graph_runner = engine.make_graph_runner(capture=False)
-        replay = engine.graph_runner.run
-        engine.graph_runner.run = lambda *args: graph_batches.append(len(args[0])) or replay(*args)
+        if engine.runner.graph_runner is None:  # on the CPU: the graph runner's buffers, no capture
+            engine.runner.graph_runner = engine.runner.make_graph_runner(capture=False)
+        replay = engine.runner.graph_runner.run
+        engine.runner.graph_runner.run = lambda *args: graph_batches.append(len(args[0])) or replay(*args)
     for rid, prompt, max_tokens, arrival in requests:
         engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0,
                                                   ignore_eos=True),
@@ -236,7 +236,7 @@ print({b: f"{s:.1f} s" for b, s in seconds.items()})
 # NBVAL_CHECK_OUTPUT
 for rec in results["triton"].trace:
     print(rec.step, [(m.request_id, m.kind, m.num_tokens) for m in rec.members])
-runner = results["triton"].graph_runner
+runner = results["triton"].runner.graph_runner
 print("decode-only steps through the graph runner:", graph_batches, "-> padded to buckets",
       [runner.bucket(n) for n in graph_batches])
 print("same greedy tokens with the Triton kernels as with the torch reference:",
@@ -256,7 +256,7 @@ print("same greedy tokens with the Triton kernels as with the torch reference:",
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minicb.engine import default_num_pages
+from minicb.runner import default_num_pages
 from minicb.kv_cache import page_bytes
 
 print(inspect.getsource(default_num_pages))

@@ -23,12 +23,7 @@ from minicb.benchmark.metrics import (
     resource_use,
     summarize,
 )
-from minicb.benchmark.sim import (
-    CostModel,
-    SimClock,
-    SimModel,
-    sim_model_info,
-)
+from minicb.benchmark.sim import CostModel, make_sim_engine
 from minicb.benchmark.workload import (
     Workload,
     run_workload,
@@ -92,10 +87,7 @@ class Executor:
         from minicb.engine import Engine
         options.setdefault("device", "cpu" if self.simulated else self.device)
         if self.simulated:
-            clock = SimClock()
-            info = sim_model_info()
-            return Engine((SimModel(self.cost, clock, info.config.vocab_size), info),
-                          clock=clock, **options)
+            return make_sim_engine(self.cost, **options)
         return Engine(self.pair, **options)
 
     def warm_up(self) -> None:

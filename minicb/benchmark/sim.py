@@ -263,9 +263,16 @@ class SimModel:
 
     __call__ = forward
 
-    def copy_pages(self, num_pages: int) -> None:
-        """The engine's swap copies (chapter 06): `cost.s` seconds per page."""
-        self.clock.advance(self.cost.s * num_pages)
+
+def charge_swaps(pool: Any, clock: SimClock, cost: CostModel) -> None:
+    """Make each swap copy of `pool` advance `clock` by `cost.s` seconds a page (chapter 06):
+    real copies take time, outside the forward, where the engine runs them."""
+    def charged(copy: Any) -> Any:
+        def run(pairs: list) -> None:
+            clock.advance(cost.s * len(pairs))
+            copy(pairs)
+        return run
+    pool.swap_out, pool.swap_in = charged(pool.swap_out), charged(pool.swap_in)
 
 
 def make_sim_engine(cost: CostModel | str = "h100-like", vocab: int = 49152,
@@ -280,7 +287,9 @@ def make_sim_engine(cost: CostModel | str = "h100-like", vocab: int = 49152,
     info = sim_model_info(vocab, 0, max_position_embeddings)
     options.setdefault("attention_backend", "torch")
     options.setdefault("device", "cpu")
-    return Engine((model, info), clock=clock, **options)
+    engine = Engine((model, info), clock=clock, **options)
+    charge_swaps(engine.pool, clock, cost)
+    return engine
 
 
 # ------------------------------------------------------------------------------ fitting
