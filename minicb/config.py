@@ -160,92 +160,71 @@ class EngineConfig:
         if isinstance(self.policy, type):
             raise ValueError(f"policy={self.policy.__name__} is a class: pass an instance, "
                              f"policy={self.policy.__name__}()")
-        if not isinstance(self.policy, str) and not hasattr(self.policy, "schedule"):
+        if isinstance(self.policy, str) and self.policy not in POLICIES or not isinstance(
+                self.policy, str) and not hasattr(self.policy, "schedule"):
             raise ValueError(f"policy must be one of {POLICIES} or a Scheduler, "
                              f"got {self.policy!r}")
-        if isinstance(self.policy, str) and self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.num_pages is not None and not is_positive_int(self.num_pages):
             raise ValueError(f"num_pages must be a positive integer, got {self.num_pages!r}")
-        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens",
-                     "chunk_size", "min_chunk"):
-            value = getattr(self, name)
-            if not is_positive_int(value):
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "chunk_size",
+                     "min_chunk", "prompt_lookup_max", "prompt_lookup_min"):
+            if not is_positive_int(getattr(self, name)):
+                raise ValueError(f"{name} must be a positive integer, got "
+                                 f"{getattr(self, name)!r}")
+        for name, allowed in (("dtype", DTYPES), ("preemption", PREEMPTIONS),
+                              ("preemption_mode", PREEMPTION_MODES),
+                              ("attention_backend", ATTENTION_BACKENDS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        for name in ("enable_prefix_caching", "check_invariants", "trace_snapshots",
+                     "reject_when_full", "use_cuda_graphs", "batch_timeout_in_seconds"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        for name, ok, what in (("priority_aging_steps", is_positive_int, "a positive integer"),
+                               ("max_preemptions", lambda v: is_int(v) and v >= 0,
+                                "an integer >= 0"),
+                               ("num_swap_pages", is_positive_int, "a positive integer")):
+            if getattr(self, name) is not None and not ok(getattr(self, name)):
+                raise ValueError(f"{name} must be {what} or None, got {getattr(self, name)!r}")
         if self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
         if not is_finite_number(self.batch_timeout) or self.batch_timeout < 0:
             raise ValueError(f"batch_timeout must be a finite number >= 0, "
                              f"got {self.batch_timeout!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.preemption not in PREEMPTIONS:
-            raise ValueError(f"preemption must be one of {PREEMPTIONS}, got {self.preemption!r}")
-        aging = self.priority_aging_steps
-        if aging is not None and not is_positive_int(aging):
-            raise ValueError(f"priority_aging_steps must be a positive integer or None, "
-                             f"got {aging!r}")
-        if aging is not None and self.preemption != "priority":
+        if self.priority_aging_steps is not None and self.preemption != "priority":
             raise ValueError("priority_aging_steps ages priorities: it needs "
                              "preemption='priority'")
-        if self.max_preemptions is not None and (not is_int(self.max_preemptions)
-                                                 or self.max_preemptions < 0):
-            raise ValueError(f"max_preemptions must be an integer >= 0 or None, "
-                             f"got {self.max_preemptions!r}")
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, "
-                             f"got {self.preemption_mode!r}")
-        if self.num_swap_pages is not None and not is_positive_int(self.num_swap_pages):
-            raise ValueError(f"num_swap_pages must be a positive integer or None, "
-                             f"got {self.num_swap_pages!r}")
         if self.num_swap_pages is not None and self.preemption_mode != "swap":
             raise ValueError("num_swap_pages sizes the swap space: it needs "
                              "preemption_mode='swap'")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
-                             f"got {self.attention_backend!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be None or 'int8', got {self.quantization!r}")
         if self.quantization and str(self.device).startswith("cuda"):
             raise ValueError("quantization='int8' is a CPU option (torch's int8-weight CPU "
                              "kernel); on CUDA use dtype='bfloat16'")
-        for name in ("enable_prefix_caching", "check_invariants", "trace_snapshots",
-                     "reject_when_full",
-                     "use_cuda_graphs", "batch_timeout_in_seconds"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not is_finite_number(self.gpu_memory_utilization) or \
                 not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1], "
                              f"got {self.gpu_memory_utilization}")
-        # A Scheduler instance is held to the rules of the policy it names (PDScheduler() is "pd")
-        kind = self.policy if isinstance(self.policy, str) else getattr(self.policy, "name", None)
-        if kind in ("chunked", "pd") and self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
-                f"({self.max_num_seqs}) under policy {kind!r}, or running decodes cannot "
-                "all advance in one step")
-        if kind == "pd" and self.chunk_size < self.max_num_seqs:
-            raise ValueError(f"chunk_size ({self.chunk_size}) must be >= max_num_seqs "
-                             f"({self.max_num_seqs}) under policy 'pd'")
-        if kind == "pd" and self.chunk_size < self.min_chunk:
-            raise ValueError(f"chunk_size ({self.chunk_size}) must be >= min_chunk "
-                             f"({self.min_chunk}) under policy 'pd'")
-        if kind == "pd" and self.max_num_batched_tokens < self.min_chunk:
-            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
-                             f">= min_chunk ({self.min_chunk}) under policy 'pd', or a chunk "
-                             f"that size never fits a step and prefills never start")
-        if not isinstance(self.num_speculative_tokens, int) or isinstance(
-                self.num_speculative_tokens, bool) or self.num_speculative_tokens < 0:
+        if not is_int(self.num_speculative_tokens) or self.num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be an integer >= 0, "
                              f"got {self.num_speculative_tokens!r}")
-        for name in ("prompt_lookup_max", "prompt_lookup_min"):
-            if not is_positive_int(getattr(self, name)):
-                raise ValueError(f"{name} must be a positive integer, got "
-                                 f"{getattr(self, name)!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
+        # a Scheduler instance is held to the rules of the policy it names (PDScheduler() is "pd")
+        kind = self.policy if isinstance(self.policy, str) else getattr(self.policy, "name", None)
+        budget, seqs, chunk = self.max_num_batched_tokens, self.max_num_seqs, self.chunk_size
+        for applies, small, big, why in (
+                (kind in ("chunked", "pd"), ("max_num_batched_tokens", budget),
+                 ("max_num_seqs", seqs), ", or running decodes cannot all advance in one step"),
+                (kind == "pd", ("chunk_size", chunk), ("max_num_seqs", seqs), ""),
+                (kind == "pd", ("chunk_size", chunk), ("min_chunk", self.min_chunk), ""),
+                (kind == "pd", ("max_num_batched_tokens", budget), ("min_chunk", self.min_chunk),
+                 ", or a chunk that size never fits a step and prefills never start")):
+            if applies and small[1] < big[1]:
+                raise ValueError(f"{small[0]} ({small[1]}) must be >= {big[0]} ({big[1]}) under "
+                                 f"policy {kind!r}{why}")
         if self.device != "auto":
             check_device(self.device)
 

@@ -1,15 +1,9 @@
-"""Decode steps replayed from CUDA graphs (chapter 07).
-
-A decode-only step of B requests launches the same kernels every time; only the numbers in its
-inputs change. Capturing the forward once per batch-size bucket (1, 2, 4, … 64) and replaying it
-removes the per-kernel launch cost expected to dominate small decode batches on a GPU (on an
-H200, a SmolLM2 decode step of up to 16 rows took about 23 ms eager and 2.1-2.3 ms replayed;
-bench/gpu-settings-2026-12-04.md). A step of B
-requests runs in the smallest bucket >= B: rows past B are padding (slot -1, so nothing is
-stored; context 0, so attention returns zeros) and their logits are dropped.
-
-With `capture=False` the runner runs the same padded static buffers eagerly: that is how the CPU
-tests check the padding (with the Triton kernels in the interpreter)."""
+"""Decode steps replayed from CUDA graphs (chapter 07). A decode-only step launches the same
+kernels every time; only the numbers in its inputs change. Capturing the forward once per
+batch-size bucket (1, 2, 4, … 64) and replaying it removes the per-kernel launch cost that
+dominates small decode batches on a GPU. A step of B requests runs in the smallest bucket
+>= B: rows past B are padding (slot -1 stores nothing; context 0 attends to nothing) and their
+logits are dropped. With `capture=False` the same padded buffers run eagerly (the CPU tests)."""
 
 from __future__ import annotations
 
@@ -22,10 +16,8 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 def graph_buckets(max_num_seqs: int, buckets: tuple[int, ...] = DEFAULT_BUCKETS
                   ) -> tuple[int, ...]:
-    """The buckets worth capturing for an engine of `max_num_seqs` slots: a decode step never
-    has more rows than slots, so larger graphs would cost warm-up and capture time (and
-    memory) and never replay. The largest bucket is the slot count itself, up to the default's
-    largest; bigger decode steps run eagerly."""
+    """The buckets worth capturing for `max_num_seqs` slots: a decode step never has more rows
+    than slots, so the largest is the slot count itself (up to the default's largest)."""
     top = min(max_num_seqs, buckets[-1])
     return tuple(sorted({b for b in buckets if b < top} | {top}))
 
@@ -71,9 +63,8 @@ class DecodeGraphRunner:
         """Warm up, then capture one graph per bucket (largest first, sharing one memory pool)."""
         pool = None
         for bucket in reversed(self.buckets):
-            # compile the kernels outside the capture, on a side stream as PyTorch's own
-            # recipe does, so that nothing lazily created during warm-up lands on the
-            # legacy stream the capture cannot see
+            # warm up outside the capture, on a side stream as PyTorch's recipe does: nothing
+            # created lazily may land on the legacy stream the capture cannot see
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):

@@ -1,20 +1,21 @@
 """The engine loop (chapter 03): `Engine.step()` runs one iteration as named phases
 
     housekeeping  arrivals join the queue, expired deadlines leave, time-dependent orders re-sort
-    schedule      the policy picks who advances and by how many tokens (it may preempt; swapped
-                  K/V is copied before the forward), and the batch is checked
+    schedule      the policy picks who advances by how many tokens (it may preempt), checked
     forward       the runner flattens every member into one token batch and runs the model once
     sample        one token for each member whose prompt is now fully in the cache
     account       the books: tokens now in the cache, service, recomputed work, shareable pages
     reclaim       finished requests leave; their pages and slots go back
     record        a `StepRecord` joins `engine.trace`; the invariant and progress checks run
 
-Follow one request here: `add_request` puts it in `pending`, `_arrive` in the waiting queue,
-the policy (`scheduler.py`) admits it into `running` with pages from the pool (`kv_cache.py`),
-the runner (`runner.py`) computes its tokens, and `_finish` gives everything back."""
+One request's life: `add_request` puts it in `pending`, `_arrive` in `waiting`, the policy
+(`scheduler.py`) admits it into `running` with pages from the pool (`kv_cache.py`), the
+runner (`runner.py`) computes its tokens, and `_finish` gives everything back."""
 
 from __future__ import annotations
 
+import bisect
+import contextlib
 import dataclasses
 import itertools
 import math
@@ -57,28 +58,23 @@ _BOUND_SCHEDULERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 def _bind(scheduler: Scheduler) -> None:
-    """Refuse a scheduler instance that another engine was built with: a policy may keep state
-    between steps (static batching keeps its batch, with the other engine's requests and
-    slots), so each engine needs its own instance, even once the other's run is over."""
+    """Refuse a scheduler instance another engine was built with: a policy may keep state
+    between steps (static batching its batch), so each engine needs its own."""
     if _BOUND_SCHEDULERS.get(id(scheduler)) is scheduler:
         cls = type(scheduler).__name__
         raise ValueError(f"this {cls} instance already belongs to another Engine and may hold "
                          f"its state; give each engine a fresh one: policy={cls}()")
-    try:
+    with contextlib.suppress(TypeError):  # an object without weak references goes unguarded
         _BOUND_SCHEDULERS[id(scheduler)] = scheduler
-    except TypeError:  # an object without weak references goes unguarded
-        pass
 
 
 class Engine:
-    """Holds the scheduler, the runner (model and page pool), the queues and the trace;
-    `step()` advances everything (chapter 03; chapter 01 steps one request through it)."""
+    """The scheduler, the runner (model and page pool), the queues and the trace (chapter 03)."""
 
     def __init__(self, model="smollm2-135m", config: EngineConfig | None = None,
                  clock=None, **options) -> None:
-        """`model`: a bundled name, a checkpoint directory, or a `(model, info)` pair already
-        loaded. `policy`: a name, or the learner's own `Scheduler` instance. `clock`: a
-        callable returning seconds (the simulated executor passes its own)."""
+        """`model`: a bundled name, a checkpoint directory, or a loaded `(model, info)` pair;
+        `clock`: a callable returning seconds (the simulator passes its own)."""
         if config is not None and set(options) - {"policy"}:
             raise ValueError("pass either an EngineConfig or keyword options, not both")
         if config is not None and "policy" in options:
@@ -114,14 +110,13 @@ class Engine:
 
     @property
     def waits_on_clock(self) -> bool:
-        """Dynamic batching by seconds: steps that schedule nothing while requests wait are the
-        batch timeout running, not a stall (chapter 02)."""
+        """Dynamic batching by seconds: empty steps are its timeout running (chapter 02)."""
         return self.config.batch_timeout_in_seconds and self.scheduler.waits_for_batch_timeout
 
     @property
     def stall_limit(self) -> int:
-        """Steps in a row without progress before a loop over `step()` calls it a stall:
-        STALL_STEPS, plus dynamic batching's timeout counted in steps (chapter 02)."""
+        """Steps in a row without progress that make a stall: STALL_STEPS, plus dynamic
+        batching's timeout in steps (chapter 02)."""
         if self.scheduler.waits_for_batch_timeout and not self.config.batch_timeout_in_seconds:
             return STALL_STEPS + int(self.config.batch_timeout)
         return STALL_STEPS
@@ -135,10 +130,8 @@ class Engine:
 
     # ------------------------------------------------------------------------------ requests
     def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
-        """A prompt's token ids: a list of ids as given; a text through the model's tokenizer
-        with the special tokens it adds (Llama's BOS, as transformers and vLLM encode a text
-        prompt), or without them for a chat already rendered by its template, which writes
-        them itself (`add_special_tokens=False`)."""
+        """A prompt's token ids: a list of ids as given; a text through the tokenizer, with the
+        special tokens it adds (Llama's BOS) unless a chat template wrote them already."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt is a string but this checkpoint has no tokenizer; "
@@ -155,9 +148,8 @@ class Engine:
         return list(prompt)
 
     def check_request(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
-        """The prompt's token ids if this engine can ever run it under `params`; ValueError
-        naming the problem if not. Changes nothing (`LLM.generate` checks a whole batch before
-        queuing any of it)."""
+        """The prompt's token ids if this engine can ever run it under `params`, else
+        ValueError naming the problem; changes nothing."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         token_ids = self.tokenize(prompt)
@@ -231,9 +223,8 @@ class Engine:
         return request_id
 
     def _arrive(self, req: Request, step: int) -> None:
-        """From `pending` into the waiting queue (or rejected, chapter 06). `step`: the first
-        that can run it; a step already past when it was added counts as that one: the engine
-        cannot have kept it waiting before it knew of it."""
+        """From `pending` into the waiting queue (or rejected, chapter 06) at `step`, the first
+        that can run it: a step already past when it was added counts as that one."""
         self.pending.remove(req)
         req.seq_index = next(self._seq)  # "newest" and first-come ties go by arrival, not by add
         req.metrics.arrival_step = max(req.arrives_at_step or step, step)
@@ -244,9 +235,8 @@ class Engine:
             self._finished_between_steps.append(req.request_id)
 
     def cancel(self, request_id: str, reason: str = "cancelled") -> None:
-        """Cancel a waiting or running request: its pages return at once. Cancelling a
-        finished request does nothing; an unknown id raises ValueError. `reason="stop"` is for
-        a caller that ended the request itself (a server matching a stop string)."""
+        """Cancel a waiting or running request: its pages return at once; a finished one: no-op.
+        `reason="stop"`: the caller ended it itself (a stop string)."""
         if reason not in ("cancelled", "stop"):
             raise ValueError(f"reason must be 'cancelled' or 'stop', got {reason!r}")
         req = self.requests.get(str(request_id))
@@ -257,10 +247,9 @@ class Engine:
             self._finished_between_steps.append(req.request_id)  # the next record lists it
 
     def stop_at(self, request_id: str, num_output_tokens: int) -> None:
-        """A caller's stop string ended the request at output token `num_output_tokens` (chapter
-        00's `LLM`, chapter 06's server): it finishes "stop" now, or is relabelled so if its
-        last step ended it by length; tokens after that one, guesses the same step kept
-        (chapter 08), are dropped, as if it had stopped there."""
+        """A caller's stop string ended the request at output token `num_output_tokens`: it
+        finishes "stop" now (relabelled so if its last step ended it by length), and later
+        tokens of that step (kept guesses, chapter 08) are dropped."""
         req = self.requests.get(str(request_id))
         if req is None:
             raise ValueError(f"cannot stop unknown request_id {request_id!r}")
@@ -277,8 +266,8 @@ class Engine:
             req.finish_reason = "stop"
 
     def forget(self, request_id: str) -> None:
-        """Drop a finished request's record (a long-running server calls this to bound
-        memory), and its share of its tenant's service; its id may then be reused."""
+        """Drop a finished request's record and its tenant's service (a long-running server
+        bounds its memory so); its id may then be reused."""
         request_id = str(request_id)
         req = self.requests.get(request_id)
         if req is None:
@@ -325,9 +314,8 @@ class Engine:
         return self._record(record, gained)
 
     def _housekeeping(self) -> tuple[list[str], float]:
-        """Before scheduling (chapters 02, 06): skip idle time to the next arrival, count the
-        step, let arrivals join the queue, finish requests whose deadline has passed, re-sort
-        the orders that change with time. Returns (ids that arrived, the step's start time)."""
+        """Skip idle time, count the step, let arrivals join, finish requests past their
+        deadline, re-sort (chapters 02, 06). Returns (ids that arrived, the step's start)."""
         self._skip_idle_time()
         self.step_count += 1
         now = self.clock()
@@ -360,10 +348,8 @@ class Engine:
             self._sleep(min(times) - self.clock())
 
     def _schedule(self, now: float) -> tuple[ScheduledBatch, tuple[int, int]]:
-        """The policy's verbs (admit, preempt) act at once; the swap copies they planned run
-        after it, even when it raises (without them a victim's K/V would be lost and its host
-        pages leaked); the batch is checked before anything is computed. Returns the batch
-        and (pages copied out, pages copied in)."""
+        """The policy picks; the swap copies it planned run even when it raises (else a
+        victim's K/V is lost); the batch is checked. Returns it and the pages copied out, in."""
         ctx = SchedulerContext(self.waiting, self.running, self.pool, self.config,
                                self.step_count, now, self.free_slots, self.tenant_service)
         try:
@@ -376,9 +362,8 @@ class Engine:
 
     def _members(self, batch: ScheduledBatch, drafts: dict[str, list[int]], now: float
                  ) -> tuple[list[tuple[Request, int]], list[Member]]:
-        """The members as the forward takes them, and what each does: a decode carrying
-        guesses counts as a chunk; one-token rows (decodes, a prefill's last single token)
-        come first, where the attention metadata expects them."""
+        """The members as the forward takes them (a decode with guesses is a chunk; one-token
+        rows first, as the attention metadata expects) and what each does."""
         items = sorted(((r, n + len(drafts.get(r.request_id, ()))) for r, n in batch.items),
                        key=lambda item: item[1] != 1)
         for req, _ in items:
@@ -395,8 +380,7 @@ class Engine:
         return [r.request_id for r, _ in items]
 
     def _append(self, reqs: list[Request], tokens: list[list[int]]) -> dict[str, int]:
-        """Append each sampled request's new tokens up to the first that ends it; returns
-        how many each got (several only with kept guesses, chapter 08)."""
+        """Append new tokens up to the first that ends the request; how many each got."""
         now, delivered = self.clock(), {}
         for req, new_tokens in zip(reqs, tokens):
             before = len(req.output_token_ids)
@@ -416,10 +400,9 @@ class Engine:
 
     def _account(self, items: list[tuple[Request, int]], drafts: dict[str, list[int]],
                  delivered: dict[str, int]) -> tuple[int, int]:
-        """The books: each member's tokens now in the cache (with guesses, its last token and
-        the guesses it kept: the tokens delivered), its tenant's service, and the prompt pages
-        it completed, which the prefix index can now share. Recomputed work is not service
-        (docs/reliability.md). Returns (new tokens, recomputed tokens)."""
+        """Each member's tokens now in the cache (with guesses: those delivered), its tenant's
+        service (not recomputed work: docs/reliability.md) and the prompt pages it completed,
+        now shareable. Returns (new tokens, recomputed tokens)."""
         gained = recomputed = 0
         for req, n in items:
             start, advanced = req.num_computed_tokens, delivered.get(req.request_id, 1) \
@@ -443,8 +426,7 @@ class Engine:
 
     def _record(self, record: StepRecord, gained: int) -> StepRecord:
         """Trace the step and run the checks. Dynamic batching waiting for its timeout ran no
-        step, and step latencies count steps that did (chapter 02): its record is returned but
-        not traced, and the next step reuses its number."""
+        step (chapter 02): that record is not traced, and the next step reuses its number."""
         self._finished_between_steps = []
         if self.waits_on_clock and not (record.members or record.finished or record.arrived
                                         or record.preempted):
@@ -457,9 +439,8 @@ class Engine:
         return record
 
     def _finish(self, req: Request, reason: str) -> None:
-        """Leave the engine, from any state: pages back to the pool (computed prompt pages stay
-        in the prefix index), host pages back, out of its queue, its slot back unless the
-        policy holds it, and its response to its user unless the policy holds that too."""
+        """Leave the engine from any state: pages back (computed prompt pages stay indexed),
+        out of its queue, its slot and response back unless the policy holds them."""
         was_running = req.status is Status.RUNNING
         if req.page_table:
             self.pool.register_prompt_pages(req.prompt_token_ids, req.page_table,
@@ -471,8 +452,7 @@ class Engine:
             if req in queue:
                 queue.remove(req)
         if req.slot is not None and not (was_running and self.scheduler.holds_finished_slots):
-            self.free_slots.append(req.slot)
-            self.free_slots.sort()
+            bisect.insort(self.free_slots, req.slot)
             req.slot = None
         req.status, req.finish_reason = Status.FINISHED, reason
         self._num_with_deadline -= req.deadline is not None
@@ -485,12 +465,9 @@ class Engine:
 
     # ------------------------------------------------------------------------------ checks
     def _check_progress(self, record: StepRecord, gained: int) -> None:
-        """Forward progress (docs/reliability.md): count steps in a row in which no request
-        gained a new token or finished while requests wait or run, and raise after
-        `stall_limit` of them, so that no loop over `step()` (run, generate, stream, a server)
-        spins forever: on a policy that schedules nothing (a learner's, or settings that leave
-        no room for any chunk), or on preemptions that throw away all they compute. Dynamic
-        batching by seconds waits on the clock: those steps sleep a millisecond instead."""
+        """Forward progress (docs/reliability.md): after `stall_limit` steps in a row in which
+        no request gained a new token or finished while work waits, raise, so that no loop
+        over `step()` spins forever. Dynamic batching by seconds sleeps a millisecond instead."""
         if gained or record.finished or not (self.waiting or self.running):
             self._steps_without_progress = 0
             return
@@ -516,28 +493,19 @@ class Engine:
                             [r.swapped_pages for r in self.waiting])
         except AssertionError as exc:
             raise InvariantError(f"step {step}: page pool: {exc}") from None
-        places = {}
-        for name, group in (("pending", self.pending), ("waiting", self.waiting),
-                            ("running", self.running)):
-            for req in group:
-                if req.request_id in places:
-                    raise InvariantError(f"step {step}: request {req.request_id!r} is both "
-                                         f"{places[req.request_id]} and {name}")
-                places[req.request_id] = name
-                if req.is_finished:
-                    raise InvariantError(f"step {step}: request {req.request_id!r} is finished "
-                                         f"but still {name}")
-        for req in self.requests.values():
-            rid = req.request_id
-            if rid not in places and not req.is_finished:
-                raise InvariantError(f"step {step}: request {rid!r} is lost (status "
-                                     f"{req.status.value}, in no queue)")
-            if req.status is not Status.RUNNING and req.page_table:
-                raise InvariantError(f"step {step}: request {rid!r} holds pages while "
-                                     f"{req.status.value}")
-            if (req.status is Status.SWAPPED) != bool(req.swapped_pages):
-                raise InvariantError(f"step {step}: request {rid!r} is {req.status.value} "
-                                     f"with {len(req.swapped_pages)} swap pages")
+        queued = Counter(r.request_id for q in (self.pending, self.waiting, self.running)
+                         for r in q)
+        for rid, req in self.requests.items():
+            status, n = req.status.value, queued[rid]
+            broken = ("is in two queues" if n > 1 else
+                      "is finished but still queued" if n and req.is_finished else
+                      f"is lost (status {status}, in no queue)" if not n and not req.is_finished
+                      else f"holds pages while {status}" if req.page_table and
+                      req.status is not Status.RUNNING else
+                      f"is {status} with {len(req.swapped_pages)} swap pages"
+                      if (req.status is Status.SWAPPED) != bool(req.swapped_pages) else None)
+            if broken:
+                raise InvariantError(f"step {step}: request {rid!r} {broken}")
         slots = [r.slot for r in self.running]
         if len(set(slots)) != len(slots) or None in slots:
             raise InvariantError(f"step {step}: running requests share or lack slots: {slots}")
@@ -557,9 +525,8 @@ class Engine:
 
     # ------------------------------------------------------------------------------ results
     def stats(self) -> dict[str, int]:
-        """Page and queue counts now; the swap space's too when there is one (chapter 06).
-        `num_waiting` counts every request added and not running, those whose arrival step or
-        time is still ahead included (a `StepRecord`'s counts only the arrived)."""
+        """Page and queue counts now (and the swap space's); `num_waiting` includes requests
+        whose arrival is still ahead (a `StepRecord`'s does not)."""
         out = {"pages_total": self.pool.num_pages, "pages_free": self.pool.num_free,
                "pages_cached": self.pool.num_cached, "pages_used": self.pool.num_used,
                "num_waiting": len(self.waiting) + len(self.pending),
@@ -580,8 +547,8 @@ class Engine:
                              None if req.params.logprobs is None else list(req.output_logprobs))
 
     def run(self, max_steps: int | None = None) -> list[RequestOutput]:
-        """Step until every request has finished (or `max_steps`); outputs of the requests that
-        were unfinished when called, in the order they were added."""
+        """Step until every request has finished (or `max_steps`); the outputs of those
+        unfinished when called, in the order added."""
         todo = [rid for rid, r in self.requests.items() if not r.is_finished]
         steps = 0
         while self.has_unfinished() and (max_steps is None or steps < max_steps):

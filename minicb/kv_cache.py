@@ -1,12 +1,8 @@
 """Paged KV memory (chapter 01): a `PagePool` of fixed-size pages with a free list and reference
-counts, and a `PrefixIndex` that lets a new request reuse full prompt pages that an earlier
-request already computed.
-
-A page is in exactly one of three states:
-  free    on the free list, holds nothing useful
-  used    ref count > 0: in at least one running request's page table
-  cached  ref count 0 but registered in the prefix index: reusable until evicted (LRU)
-This module is a leaf: it imports nothing else from minicb."""
+counts, and a `PrefixIndex` through which a request reuses full prompt pages an earlier one
+computed. A page is free (on the free list), used (ref count > 0: in a running request's page
+table) or cached (ref count 0, in the prefix index: reusable until evicted, LRU). A leaf: it
+imports nothing else from minicb."""
 
 from __future__ import annotations
 
@@ -38,8 +34,7 @@ def prompt_page_hashes(token_ids: list[int], page_size: int) -> list[bytes]:
 
 
 class PrefixIndex:
-    """hash -> page for full prompt pages. Unreferenced entries are kept in LRU order so the pool
-    can evict the least recently used one when it runs out of free pages."""
+    """hash -> page for full prompt pages; unreferenced ones in LRU order, for eviction."""
 
     def __init__(self) -> None:
         self.page_of: dict[bytes, int] = {}
@@ -75,11 +70,9 @@ class PrefixIndex:
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype,
            device: str | torch.device) -> torch.Tensor:
-    """A zero tensor for a page pool (chapter 01). On the CPU its memory comes from calloc
-    (numpy's zeros), which the OS maps already zeroed and hands over a page at a time as it is
-    first written: the default pool of SmolLM2 (750 MB) then costs nothing at load, and only
-    the pages a run uses become resident. torch.zeros writes every byte first (a second or two
-    of every model load)."""
+    """A zero tensor for a page pool. On the CPU from calloc (numpy's zeros), which the OS
+    hands over a page at a time as it is first written: only the pages a run uses become
+    resident, where torch.zeros would write every byte at load."""
     num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if torch.device(device).type != "cpu" or not num_bytes:
         return torch.zeros(shape, dtype=dtype, device=device)
@@ -88,8 +81,7 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype,
 
 def page_bytes(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int,
                dtype: torch.dtype) -> int:
-    """Bytes of one page of K and V over every layer: what a GPU pool is sized by (chapter 07)
-    and what a swap copies (chapter 06)."""
+    """Bytes of one page of K and V over every layer (chapters 06, 07)."""
     return (2 * num_layers * page_size * num_kv_heads * head_dim
             * torch.empty((), dtype=dtype).element_size())
 
@@ -152,10 +144,9 @@ class PagePool:
 
     def pages_to_take(self, hit: list[int], total_pages: int,
                       claimed: set[int] | None = None) -> int:
-        """Available pages a page table of `total_pages` takes when `hit` are its prefix hits:
-        the pages beyond them, plus the hits that sit unreferenced in the LRU list (shared,
-        they stop being available). `claimed`: unreferenced pages already counted for another
-        table that will share them, not counted again; this table's are added to it."""
+        """Available pages a page table of `total_pages` with prefix hits `hit` takes: those
+        beyond the hits, plus the hits that sit unreferenced (shared, they stop being
+        available) and are not in `claimed` (counted for another table; these join it)."""
         cached = {p for p in hit if self.ref_count[p] == 0}
         if claimed is not None:
             cached -= claimed
@@ -164,8 +155,8 @@ class PagePool:
 
     # --- allocation ---------------------------------------------------------------------------
     def allocate(self, n: int) -> list[int]:
-        """Take `n` fresh pages (ref count 1), evicting least-recently-used cached pages if the
-        free list runs short. All or nothing: raises MemoryError and takes none if `n` don't fit."""
+        """Take `n` fresh pages (ref count 1), evicting least-recently-used cached pages when
+        the free list runs short; MemoryError, taking none, if they don't fit."""
         if n > self.num_available:
             raise MemoryError(f"need {n} pages, only {self.num_available} available")
         pages = []
@@ -181,8 +172,8 @@ class PagePool:
         return pages
 
     def share(self, pages: list[int]) -> None:
-        """Add a reference to each page (a prefix hit): a cached page becomes used again. A free
-        page among them is a caller's bug: ValueError, and no page changes."""
+        """Add a reference to each page (a prefix hit); a free one is a caller's bug:
+        ValueError, and no page changes."""
         for page in pages:
             if self.ref_count[page] == 0 and (self.prefix is None
                                                or page not in self.prefix.hash_of):
@@ -193,9 +184,8 @@ class PagePool:
             self.ref_count[page] += 1
 
     def release(self, pages: list[int]) -> None:
-        """Drop one reference per page. A page at zero goes to the LRU list if the prefix index
-        knows it (newest last), else back to the free list. Releasing a page more often than it
-        is held is a caller's bug: ValueError, and no page changes."""
+        """Drop one reference per page; at zero it is cached if the prefix index knows it,
+        else free. Releasing a page more often than it is held: ValueError, nothing changes."""
         for page, times in Counter(pages).items():
             if self.ref_count[page] < times:
                 raise ValueError(f"page {page} released more often than it was taken")
@@ -227,9 +217,8 @@ class PagePool:
                     self.every_layer[:, :, list(device_pages)]).unbind(2)
             else:
                 sources = [self.every_layer[:, :, page] for page in device_pages]
-            # page by page: each page's copy runs at memory speed, where one indexed assignment
-            # of them all went element by element (8 GB/s against the bus's 54 on the H200
-            # machine, bench/gpu-api-2026-12-04.md; 2-3x slower on this CPU too)
+            # page by page: each copy runs at memory speed; one indexed assignment of them all
+            # goes element by element
             for source, host_page in zip(sources, host_pages):
                 self.swap_store[:, :, host_page].copy_(source)
 
@@ -248,19 +237,17 @@ class PagePool:
                 self.every_layer[:, :, device_page].copy_(self.swap_store[:, :, host_page])
 
     def _staging(self, num_pages: int) -> torch.Tensor:
-        """Page-locked host memory for `num_pages` pages of every layer, the bounce buffer of a
-        GPU swap. Only the pages in flight are pinned, not the whole swap store: pinning that
-        would lock as much host memory as the GPU pool holds, whether swap is used or not.
-        torch's caching host allocator reuses the buffers, and keeps one from being reused while
-        a non-blocking copy from it is still running."""
+        """Page-locked host memory for `num_pages` pages, the bounce buffer of a GPU swap: only
+        the pages in flight are pinned, not the whole swap store (torch's caching host
+        allocator reuses it, never while a copy from it still runs)."""
         shape = (*self.swap_store.shape[:2], num_pages, *self.swap_store.shape[3:])
         return torch.empty(shape, dtype=self.swap_store.dtype, pin_memory=True)
 
     # --- prefix reuse -------------------------------------------------------------------------
     def match_prefix(self, token_ids: list[int], hashes: list[bytes] | None = None) -> list[int]:
-        """Cached pages for the longest run of full leading pages of `token_ids`, capped so that
-        at least one token is left to compute (someone must produce logits). Takes no reference.
-        `hashes`: the pages' chained hashes if the caller already has them."""
+        """Cached pages for the longest run of full leading pages of `token_ids`, leaving at
+        least one token to compute (it makes the logits); takes no reference. `hashes`: the
+        pages' chained hashes if the caller has them."""
         if self.prefix is None:
             return []
         usable = (len(token_ids) - 1) // self.page_size
@@ -270,8 +257,7 @@ class PagePool:
 
     def register_prompt_pages(self, token_ids: list[int], page_table: list[int],
                               num_computed: int, hashes: list[bytes] | None = None) -> None:
-        """Index every full prompt page whose tokens are all computed (`hashes`: the prompt's
-        page hashes if the caller already has them)."""
+        """Index every full prompt page whose tokens are all computed."""
         if self.prefix is None:
             return
         full = min(num_computed, len(token_ids)) // self.page_size
@@ -292,9 +278,8 @@ class PagePool:
 
     # --- checks -------------------------------------------------------------------------------
     def check(self, page_tables: list[list[int]], swapped: list[list[int]] = ()) -> None:
-        """Raise AssertionError unless the books balance: ref counts equal the number of page
-        tables holding each page, free + cached + used = total with no page in two states, and
-        every host page is free or held by one swapped request (`swapped`)."""
+        """AssertionError unless the books balance: ref counts equal the page tables holding
+        each page, every page in exactly one state, every host page free or held once."""
         host = [p for pages in swapped for p in pages] + list(self.swap_free)
         if sorted(host) != list(range(self.num_swap_pages)):
             raise AssertionError(f"swap pages do not balance: {len(self.swap_free)} free and "

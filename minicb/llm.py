@@ -18,8 +18,7 @@ def _is_array(value: object) -> bool:
 
 
 def array_token_ids(array: Any) -> list:
-    """A numpy array or torch tensor of token ids as lists (chapter 00): 1-D, one prompt's ids;
-    2-D, one prompt a row."""
+    """A numpy array or torch tensor of token ids as lists: 1-D one prompt, 2-D one a row."""
     if array.ndim not in (1, 2):
         raise ValueError(f"a prompt array must be 1-D (one prompt's token ids) or 2-D (one "
                          f"prompt a row), got shape {tuple(array.shape)}")
@@ -30,9 +29,8 @@ def array_token_ids(array: Any) -> list:
 
 
 def prompt_list(prompts: object) -> list:
-    """`LLM.generate`'s prompts as a list of prompts (chapter 00): one prompt (a string, a list
-    of token ids, a 1-D numpy array or torch tensor of them) is a list of one; a list of prompts
-    or a 2-D array (one prompt a row) is a list of them."""
+    """`LLM.generate`'s prompts as a list (chapter 00): one prompt (a string, token ids, a 1-D
+    array of them) is a list of one; a list of prompts or a 2-D array is a list of them."""
     if _is_array(prompts) and prompts.ndim == 1:
         return [array_token_ids(prompts)]  # one prompt, an empty one too (refused as such)
     if _is_array(prompts):
@@ -53,56 +51,51 @@ def prompt_list(prompts: object) -> list:
 
 
 def is_conversation(messages: object) -> bool:
-    """A non-empty list of chat messages, each a dict with a `role` and a `content`: what a
-    chat template needs (LLM.chat and the server's /v1/chat/completions check the same)."""
+    """A non-empty list of chat messages, each a dict with a `role` and a `content`."""
     return isinstance(messages, (list, tuple)) and bool(messages) and all(
         isinstance(m, dict) and "role" in m and "content" in m for m in messages)
 
 
 def render_chat(tokenizer: Any, messages: list[dict]) -> str:
-    """The prompt text a chat template makes of `messages`, the assistant's turn opened. Its
-    tokens are `encode(text, add_special_tokens=False)`: the template writes any BOS itself."""
+    """The prompt text a chat template makes of `messages`, the assistant's turn opened (its
+    tokens: `encode(text, add_special_tokens=False)`; the template writes any BOS itself)."""
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
 
 class IncrementalDecoder:
     """One request's output text, decoded as its tokens arrive (vLLM's incremental detokenizer):
-    each call decodes only a short window of recent tokens, so a request of n tokens costs O(n)
-    decoding, not the O(n^2) of decoding its whole output after every step. The text always
-    equals `tokenizer.decode(token_ids, skip_special_tokens=True)` of the tokens read so far, up
-    to a character still incomplete (a UTF-8 sequence split across tokens), held back until it
-    completes or the request ends."""
+    each call decodes a short window of recent tokens, O(n) in all, not O(n^2). The text equals
+    `tokenizer.decode(token_ids, skip_special_tokens=True)` of the tokens read, but for a
+    character split across tokens, held back until it completes or the request ends."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.text = ""  # decoded so far
-        # special tokens decode to nothing; a window starting on one would decode the next word
-        # as the text's first (its leading space stripped), so the window never holds them
+        # special tokens decode to nothing; a window starting on one would strip the next
+        # word's leading space, so the window never holds them
         self.special = set(getattr(tokenizer, "all_special_ids", ())) | {
             i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()
             if getattr(t, "special", False)}
         self.ids: list[int] = []  # the output's tokens that are text, special ones dropped
         self.num_seen = 0  # of the output's tokens, those already sorted into `ids`
-        # indices into `ids`: the window starts at `prefix_offset`; `text` covers tokens up to
-        # `read_offset`. Both lie where the decoded text ended with a whole character, so a
-        # decode from there joins the text before it exactly.
+        # the window starts at `prefix_offset`, `text` covers `ids` up to `read_offset`: both
+        # where the text ended with a whole character
         self.prefix_offset = self.read_offset = 0
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def step(self, token_ids: list[int], final: bool = False, upto: int | None = None) -> str:
-        """Read the output so far (`token_ids`: all of it, or its first `upto`); returns the
-        text it adds. `final`: the request has ended, so an incomplete last character is given
-        as it stands."""
+        """Read the output so far (all of it, or its first `upto`); returns the text it adds.
+        `final`: the request has ended (an incomplete last character is given as it is)."""
         end = len(token_ids) if upto is None else upto
         self.ids += [t for t in token_ids[self.num_seen:end] if t not in self.special]
         self.num_seen = max(self.num_seen, end)
         ids = self.ids
         if self.read_offset >= len(ids) and not final:
             return ""
-        # the window starts a little before the new tokens: a tokenizer that decodes a token
-        # differently at the start (a stripped leading space) does so in both decodes below
+        # the window starts before the new tokens: a token decoded differently at the start
+        # (a stripped leading space) is so in both decodes
         prefix = self._decode(ids[self.prefix_offset:self.read_offset])
         window = self._decode(ids[self.prefix_offset:])
         if window.endswith("\ufffd") and not final:
@@ -117,13 +110,10 @@ class IncrementalDecoder:
 
 
 class StopMatcher:
-    """One request's output text, cut before the first of its stop strings (vLLM's `stop`;
-    chapter 00's `LLM` and chapter 06's server share it): the text of an `IncrementalDecoder`,
-    looked through for the stop strings as it grows, one token at a time (a step that keeps
-    guesses, chapter 08, brings several). A stop string may span tokens; none counts before the
-    output has `min_tokens` tokens (vLLM). The engine stays token-level: stop strings are
-    matched where text is made, and `num_tokens` says at which token one showed: the one that
-    completed it, or the next when that one's text waited for the rest of a character."""
+    """One request's output text cut before the first of its stop strings (vLLM's `stop`;
+    `LLM` and the server share it), looked for one token at a time as the text grows. A stop
+    string may span tokens; none counts before `min_tokens` tokens (vLLM). `num_tokens`: the
+    token at which one showed (the next, when that one's text waited for a character)."""
 
     def __init__(self, tokenizer: Any, stop: Sequence[str] = (), min_tokens: int = 0) -> None:
         self.decoder = IncrementalDecoder(tokenizer)
@@ -136,8 +126,7 @@ class StopMatcher:
         self.stopped = False
 
     def step(self, token_ids: list[int], final: bool = False) -> bool:
-        """Read the output so far (`token_ids`: all of it); True once a stop string has ended
-        it. `final`: the request has ended (an incomplete last character is given as is)."""
+        """Read the output so far; True once a stop string has ended it."""
         while self.stop and not self.stopped and self.num_tokens < len(token_ids) - 1:
             self.num_tokens += 1
             self._read(token_ids, self.num_tokens, final=False)
@@ -159,8 +148,8 @@ class StopMatcher:
                 self.text, self.stopped = self.text[:min(hits)], True
 
     def ready(self, final: bool = False) -> int:
-        """How many characters of `text` will not change: all of them once the request has
-        ended (`final`, or a stop string), else all but the `hold` that may begin one."""
+        """Characters of `text` that will not change: all once the request has ended, else all
+        but the `hold` that may begin a stop string."""
         return len(self.text) if final or self.stopped else len(self.text) - self.hold
 
 
@@ -210,15 +199,13 @@ class LLM:
         return ids
 
     def _step(self) -> tuple[Any, list[str]]:
-        """One engine step, then every live request's stop strings looked for in its new text:
-        (the step's record, the ids a stop string ended now)."""
+        """One engine step, then stop strings looked for: (its record, ids a stop string ended)."""
         record = self.engine.step()
         return record, self._match_stops(record.sampled + record.finished)
 
     def _match_stops(self, rids: list[str]) -> list[str]:
-        """Look for stop strings in the new text of `rids`; the ids a stop string ended now.
-        Such a request stops in the engine at once (its pages back); one its last token ended
-        by length is relabelled "stop", as the server does: the record says what the user got."""
+        """Look for stop strings in the new text of `rids`; a request one ended stops in the
+        engine at once (`Engine.stop_at`). Returns those ids."""
         stopped = []
         for rid in rids:
             m = self._stops.get(rid)
@@ -231,9 +218,7 @@ class LLM:
         return stopped
 
     def _output(self, rid: str) -> RequestOutput:
-        """The engine's output, its text cut before a stop string that ended it (vLLM: the
-        token ids end with the token at which the stop string showed: those a step with guesses
-        kept after it, chapter 08, are dropped)."""
+        """The engine's output, its text cut before a stop string that ended it."""
         self._match_stops([rid])  # in case its last tokens came in a step nobody checked
         out = self.engine.output(rid)
         m = self._stops.get(rid)
@@ -274,9 +259,8 @@ class LLM:
     def stream(self, prompts: Prompt | Sequence[Prompt],
                params: SamplingParams | Sequence[SamplingParams] | None = None
                ) -> Iterator[tuple[str, list[int], str]]:
-        """Yield `(request_id, new_token_ids, text_delta)` as each step produces tokens. A
-        request's text deltas stop before its first stop string; the characters that might
-        begin one are held back until they cannot (or the request ends)."""
+        """Yield `(request_id, new_token_ids, text_delta)` as steps produce tokens; text that
+        might begin a stop string is held back until it cannot."""
         ids = self._add_all(prompts, params)
         sent_tokens = {rid: 0 for rid in ids}
         sent_text = {rid: 0 for rid in ids}
@@ -341,8 +325,8 @@ class LLM:
             raise ValueError("this checkpoint has no chat template; use generate() with a prompt")
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        """The prompt token ids the checkpoint's chat template makes of one conversation, the
-        assistant's turn opened (chapter 00); ValueError if the template cannot take it."""
+        """The prompt token ids the chat template makes of one conversation; ValueError if the
+        template cannot take it."""
         self._check_chat_template()
         try:
             text = render_chat(self.tokenizer, messages)

@@ -134,8 +134,7 @@ def stop_strings(stop: object) -> tuple[str, ...]:
 
 @dataclass
 class RequestMetrics:
-    """Wall-clock seconds (time.perf_counter) and step indices of a request's milestones:
-    chapter 00 prints them, chapters 02-06 turn them into queue time, TTFT, ITL and E2E."""
+    """Engine-clock seconds and step indices of a request's milestones (chapters 00, 02-06)."""
 
     arrival_time: float | None = None
     first_scheduled_time: float | None = None
@@ -155,8 +154,7 @@ class RequestMetrics:
 
 @dataclass(eq=False)  # identity: `req in queue` must not compare every field of every request
 class Request:
-    """All of one request's state (chapter 01; the preemption fields, chapter 06). Tokens to
-    compute = `num_tokens - num_computed_tokens`."""
+    """All of one request's state (chapter 01; the preemption fields, chapter 06)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -200,9 +198,8 @@ class Request:
         return frozenset((*p.stop_token_ids, *(() if p.ignore_eos else self.eos_token_ids)))
 
     def advance(self, num_tokens: int) -> int:
-        """`num_tokens` more of its tokens have their K/V in its pages: the one place
-        `num_computed_tokens` grows in a step (chapter 03). Returns how many are new: tokens
-        below what a preemption threw away are recomputed (chapter 06), not service."""
+        """`num_tokens` more of its tokens have K/V in its pages: the one place a step grows
+        `num_computed_tokens`. Returns how many are new (recomputed ones are not service)."""
         start = self.num_computed_tokens
         self.num_computed_tokens += num_tokens
         redone = max(0, min(self.num_computed_tokens, self.num_tokens_before_preemption) - start)
@@ -211,8 +208,7 @@ class Request:
         return num_tokens - redone
 
     def stop_reason(self) -> str | None:
-        """"stop" or "length" once its last token ends it; None while it runs on (a member
-        still computing its prompt, or recomputing after a preemption, has nothing to end)."""
+        """"stop" or "length" once its last token ends it, else None."""
         if not self.output_token_ids or self.is_prefill:
             return None
         if self.output_token_ids[-1] in self.stop_tokens:
@@ -231,8 +227,7 @@ class Request:
         return self.prompt_token_ids + self.output_token_ids
 
     def token_ids_slice(self, start: int, stop: int) -> list[int]:
-        """`all_token_ids[start:stop]` without building the whole list (a decode step reads
-        one token; concatenating prompt and output every step would cost O(length))."""
+        """`all_token_ids[start:stop]` without building the whole list."""
         p = len(self.prompt_token_ids)
         if start >= p:
             return self.output_token_ids[start - p:stop - p]

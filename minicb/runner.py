@@ -1,8 +1,7 @@
-"""The model runner (chapters 01, 03, 07): everything that touches tensors, as nano-vllm's
-`model_runner`. It loads the model on its device, sizes and allocates the page pool, flattens
-one step's members into a single token batch, runs the model once (or replays a CUDA graph for a
-decode-only step), and turns the logits into tokens. The engine schedules and keeps the books;
-the runner computes."""
+"""The model runner (chapters 01, 03, 07), as nano-vllm's `model_runner`: it loads the model,
+sizes and allocates the page pool, flattens one step's members into one token batch, runs the
+model once (or replays a CUDA graph), and turns logits into tokens. The engine schedules and
+keeps the books; the runner computes."""
 
 from __future__ import annotations
 
@@ -21,9 +20,7 @@ from minicb.request import Request
 from minicb.sampler import TokenCounts, sample, top_logprobs
 from minicb.speculative import verify
 
-# host bytes of bookkeeping per page (ref count, free-list entry and its int object), allocated
-# before any K/V: what a pool of a billion pages costs even with no layers
-BOOKKEEPING_BYTES = 64
+BOOKKEEPING_BYTES = 64  # host bytes a page's ref count and free-list entry take
 
 
 def default_num_pages(model_config, config: EngineConfig, dtype: torch.dtype) -> int:
@@ -62,9 +59,8 @@ def host_memory() -> tuple[int, int] | None:
 
 def check_pool_fits(num_pages: int, num_swap_pages: int, per_page: int, device: str) -> None:
     """ValueError, before anything is allocated, when the pool and its swap space need more
-    memory than the machine has (the K/V against the total, since a CPU pool's pages become
-    resident only as they are written; the bookkeeping, built at once, against what is
-    available): a mistyped num_pages must not reach the out-of-memory killer."""
+    memory than the machine has (the K/V, resident only once written, against the total; the
+    bookkeeping, built at once, against what is available)."""
     books = (num_pages + num_swap_pages) * BOOKKEEPING_BYTES
     host = books + num_swap_pages * per_page
     if torch.device(device).type == "cuda":
@@ -84,9 +80,8 @@ def check_pool_fits(num_pages: int, num_swap_pages: int, per_page: int, device: 
 
 
 def load(model, config: EngineConfig):
-    """(model, info, dtype of its activations and KV cache) on `config.device`. A model passed
-    in loaded, as the pair `load_model` returns, must be on that device, and keeps its own
-    dtype under dtype="auto"; an explicit dtype or quantization must match it."""
+    """(model, info, dtype of its activations and KV cache) on `config.device`. A loaded
+    `(model, info)` pair must be on that device and match an explicit dtype or quantization."""
     from minicb.model.loader import load_model
     device, dtype = config.device, torch_dtype(config.dtype, config.device)
     if isinstance(model, torch.nn.Module):  # str(model) would be its repr as a path
@@ -117,8 +112,8 @@ def load(model, config: EngineConfig):
 
 
 def resolve_config(model, config: EngineConfig) -> EngineConfig:
-    """`config` with device="auto" resolved once, so every part sees one device: where a model
-    passed in loaded lies, else CUDA if torch sees a GPU."""
+    """`config` with device="auto" resolved once: where a loaded model lies, else CUDA if
+    torch sees a GPU."""
     if config.device != "auto":
         return config
     embed = getattr(model[0], "embed_tokens", None) if isinstance(model, tuple) else None
@@ -152,8 +147,7 @@ class ModelRunner:
                 self.graph_runner = self.make_graph_runner(capture=True)
 
     def on_device(self) -> contextlib.AbstractContextManager:
-        """Triton kernels and CUDA graphs use torch's current CUDA device: make it the
-        engine's for the duration (an engine on cuda:1 beside one on cuda:0)."""
+        """Make the engine's CUDA device torch's current one (Triton and graphs use it)."""
         device = torch.device(self.config.device)
         return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
@@ -167,9 +161,8 @@ class ModelRunner:
                                  graph_buckets(self.config.max_num_seqs), capture=capture)
 
     def copy_pages(self, batch) -> tuple[int, int]:
-        """Do the swap copies the policy planned (chapter 06), before the forward writes into
-        the pages: out first, since a page a victim gave up may be the one a swap-in takes; then
-        the host pages of the requests swapped in go back. Returns (pages out, pages in)."""
+        """The swap copies the policy planned (chapter 06): out first (a page a victim gave up
+        may be one a swap-in takes), then in; then the host pages go back. (pages out, in)."""
         with self.on_device():
             self.pool.swap_out(batch.swap_out)
             self.pool.swap_in(batch.swap_in)
@@ -178,10 +171,9 @@ class ModelRunner:
 
     def forward(self, items: list[tuple[Request, int]], drafts: dict[str, list[int]]
                 ) -> tuple[list[Request], torch.Tensor, float]:
-        """Flatten the members into one token batch, run the model once: the requests to
-        sample, their logits (one row each, at the last position of each member whose prompt is
-        then complete; one per position from its last token on for a member with guesses), and
-        the seconds the forward took."""
+        """Flatten the members into one token batch and run the model once: the requests to
+        sample (those whose prompt is then complete), their logits (one row each; a member with
+        guesses, one per guess more), and the forward's seconds."""
         if not items:  # no forward at all: even an empty one takes time
             return [], torch.empty(0), 0.0
         start = self.now()
@@ -232,9 +224,8 @@ class ModelRunner:
     @staticmethod
     def sample(reqs: list[Request], logits: torch.Tensor, drafts: dict[str, list[int]]
                ) -> list[list[int]]:
-        """The new tokens of each request: one sampled token, or for a request with guesses,
-        the ones the model keeps and one of its own (`speculative.verify`). A request short of
-        its `min_tokens` never samples a stop token."""
+        """Each request's new tokens: one sampled, or the guesses the model keeps and one of its
+        own (`speculative.verify`); a request short of `min_tokens` samples no stop token."""
         if not reqs:
             return []
         for r in reqs:  # the penalties' counts, from here on kept as tokens are appended

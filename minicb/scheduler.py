@@ -17,6 +17,7 @@ the model. The waiting queue's order and admission control (chapter 06) live her
 
 from __future__ import annotations
 
+import bisect
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
@@ -32,10 +33,10 @@ class SchedulerError(ValueError):
 
 @dataclass
 class ScheduledBatch:
-    """The plan for one step: (request, tokens to advance) pairs, plus static batching's idle
-    members (finished but still holding their slot), who was preempted on the way, and the
-    pages to copy before the forward (chapter 06's swap): (device page, host page) out, then
-    (host page, device page) in, and the host pages to give back once those copies are done."""
+    """The plan for one step: (request, tokens to advance) pairs, static batching's idle
+    members (finished, still holding their slot), who was preempted on the way, and the swap
+    copies to run before the forward (chapter 06): (device page, host page) out, (host page,
+    device page) in, and the host pages to give back once they are done."""
 
     items: list[tuple[Request, int]] = field(default_factory=list)
     idle: list[Request] = field(default_factory=list)
@@ -54,11 +55,11 @@ class ScheduledBatch:
         return len(self.items)
 
 
+# ------------------------------------------------------------------- the queue (chapter 06)
 def queue_rank(preemption: str, tenant_service: Counter | None = None):
-    """The order of the waiting queue and the reverse order of preemption (chapter 06): first
-    come first served ("newest": the newest is preempted first), by `priority` ("priority"),
-    earliest deadline first ("deadline"), or the tenant served the fewest tokens so far first
-    ("fair", from `tenant_service`); ties in admission order."""
+    """The waiting queue's order, and the reverse order of preemption: first come first served
+    ("newest": the newest is preempted first), by `priority`, earliest deadline first, or the
+    least-served tenant first ("fair", from `tenant_service`); ties in arrival order."""
     if preemption == "priority":
         return lambda r: (r.priority, r.seq_index)
     if preemption == "deadline":
@@ -71,10 +72,9 @@ def queue_rank(preemption: str, tenant_service: Counter | None = None):
 
 def enqueue(waiting: deque[Request], req: Request, preemption: str,
             preempted: bool = False) -> None:
-    """Put `req` into the waiting queue (chapter 06). Under "priority" and "deadline", behind
-    every request that ranks before it or level with it; otherwise first come first served: an
-    arrival at the back, a preempted request back at the front ("fair" re-sorts the whole queue
-    every step)."""
+    """Put `req` into the waiting queue: under "priority" and "deadline" behind every request
+    ranking before it or level with it; otherwise an arrival at the back and a preempted
+    request back at the front ("fair" re-sorts the whole queue every step)."""
     if preemption in ("priority", "deadline"):
         rank = queue_rank(preemption)
         index = next((i for i, r in enumerate(waiting) if rank(r) > rank(req)), len(waiting))
@@ -87,10 +87,9 @@ def enqueue(waiting: deque[Request], req: Request, preemption: str,
 
 def reorder(waiting: deque[Request], config: EngineConfig, step: int,
             tenant_service: Counter) -> None:
-    """Re-sort the waiting queue where its order changes as steps pass (chapter 06). With
-    `priority_aging_steps`: by effective priority, `priority` minus one for every that many
-    steps waited, oldest first among equals, so a request that waits long enough outranks any
-    newcomer (starvation is bounded). With preemption="fair": the least-served tenant first."""
+    """Re-sort the orders that change as steps pass. With `priority_aging_steps`: `priority`
+    less one for every that many steps waited, so a request that waits long enough outranks
+    any newcomer (starvation is bounded). With preemption="fair": by tenant service."""
     aging = config.priority_aging_steps
     if aging:
         def key(r):
@@ -105,18 +104,16 @@ def reorder(waiting: deque[Request], config: EngineConfig, step: int,
 
 
 def is_protected(req: Request, config: EngineConfig) -> bool:
-    """Preempted `max_preemptions` times already: once admitted it holds pages for its whole
-    life and is never a victim again (the bound on preemption loss, chapter 06)."""
+    """Preempted `max_preemptions` times: once admitted it holds pages for its whole life and
+    is never a victim again (the bound on preemption loss)."""
     return config.max_preemptions is not None and req.num_preemptions >= config.max_preemptions
 
 
 def prefix_hits(pool: PagePool, req: Request) -> list[int]:
-    """The cached pages admitting `req` shares (chapters 01 and 06): the longest run of its full
-    leading pages in the prefix index; for a swapped request only those it had computed, since
-    it writes the next positions itself and a page another request reads must not be written."""
-    # the prompt's page hashes, computed at add_request; a prompt shorter than a page has none,
-    # and its tokens so far are hashed here instead (its output tokens too: a page of the same
-    # tokens at the same positions holds the same K/V, whoever computed it)
+    """The cached pages admitting `req` shares (chapters 01, 06): the longest run of its full
+    leading pages in the prefix index (a prompt shorter than a page has no hashes of its own:
+    its tokens so far are hashed); for a swapped request only those it had computed, since it
+    writes the next positions itself and a page another request reads must not be written."""
     hit = pool.match_prefix(req.all_token_ids, req.page_hashes or None)
     if req.status is Status.SWAPPED:
         return hit[:req.num_computed_tokens // pool.page_size]
@@ -125,18 +122,18 @@ def prefix_hits(pool: PagePool, req: Request) -> list[int]:
 
 class Admission:
     """Admission control (chapter 06). With `reject_when_full`, an arrival that the available
-    pages, less those the waiting requests will take when admitted, cannot hold finishes at
-    once as "rejected" (the server answers 503) instead of waiting; running requests' growth is
-    not counted (preemption answers that). Otherwise every arrival joins the queue."""
+    pages, less those the waiting requests will take, cannot hold is rejected at once (the
+    server answers 503) instead of waiting; running requests' growth is not counted
+    (preemption answers that). Otherwise every arrival joins the queue."""
 
     def __init__(self, pool: PagePool, config: EngineConfig, waiting: deque[Request]) -> None:
         self.pool, self.config, self.waiting = pool, config, waiting
-        # (state counted in, pages unclaimed then, cached pages the queue's prefix hits claim:
-        # None while the count is a lower bound): a burst of arrivals rescans nothing
+        # (queue and pool state counted in, pages unclaimed, the cached pages the queue's
+        # prefix hits claim; None while the count is a lower bound)
         self.unclaimed: tuple[tuple[int, ...], int, set[int] | None] | None = None
 
     def arrive(self, req: Request) -> bool:
-        """Queue an arrival (chapter 06's order); False, queuing nothing, to reject it."""
+        """Queue an arrival; False, queuing nothing, to reject it."""
         if not self.config.reject_when_full:
             enqueue(self.waiting, req, self.config.preemption)
             return True
@@ -153,9 +150,9 @@ class Admission:
         return True
 
     def pages_to_admit(self, req: Request, claimed: set[int] | None = None) -> int:
-        """Available pages admitting `req` whole would take: those its tokens need beyond its
-        prefix hits (its whole life's once protected), plus the hits that sit unreferenced and
-        are not in `claimed` (counted for a request ahead of it already)."""
+        """Available pages admitting `req` whole takes: beyond its prefix hits, those its
+        tokens need (its whole life's once protected), plus the hits that sit unreferenced and
+        are not in `claimed` (counted for a request ahead of it)."""
         return self.pool.pages_to_take(prefix_hits(self.pool, req), self.pool.pages_needed(
             self.tokens_to_admit(req)), claimed)
 
@@ -163,11 +160,10 @@ class Admission:
         return req.max_total_tokens if is_protected(req, self.config) else req.num_tokens
 
     def pages_unclaimed(self, need: int) -> int:
-        """Available pages less those the waiting requests will take: first a lower bound (a
-        request takes at most the pages its tokens need); only when that falls short of `need`
-        the exact count, which looks up every waiting request's prefix (a long queue waiting
-        for slots, not pages, would pay that at every arrival). Kept between arrivals; counted
-        again after scheduling (`recount`) or when the queue or the pool changed (a cancel)."""
+        """Available pages less those the waiting requests will take: a lower bound first (a
+        request takes at most the pages its tokens need), the exact count, which looks up every
+        waiting prefix, only when that falls short of `need`. Kept between arrivals; counted
+        again after scheduling (`recount`) or when the queue or the pool changed."""
         state = self._state()
         if self.unclaimed is None or self.unclaimed[0] != state:
             self.unclaimed = (state, self.pool.num_available - sum(
@@ -179,35 +175,29 @@ class Admission:
         return self.unclaimed[1]
 
     def recount(self) -> None:
-        """Admissions and preemptions changed what the queue takes: count afresh."""
         self.unclaimed = None
 
     def _state(self) -> tuple[int, ...]:
         return len(self.waiting), self.pool.num_free, self.pool.num_cached
 
 
+# ------------------------------------------------------------------- what a policy may do
 class SchedulerContext:
     """What a policy sees and may do during one step (chapter 03; exercise 3.2 writes a policy
-    against it). Built by the engine each step. The verbs act at once on the queues and the
-    pool; the swap copies they plan run after `schedule` returns."""
+    against it). The verbs act at once on the queues and the pool; the swap copies they plan
+    run after `schedule` returns."""
 
     def __init__(self, waiting: deque[Request], running: list[Request], pool: PagePool,
                  config: EngineConfig, step: int, now: float, free_slots: list[int],
                  tenant_service: Counter | None = None) -> None:
-        self.waiting = waiting
-        self.running = running
-        self.pool = pool
-        self.config = config
-        self.step = step
-        self.now = now
+        self.waiting, self.running, self.pool, self.config = waiting, running, pool, config
+        self.step, self.now = step, now
         self.free_slots = free_slots  # kept sorted: a new member takes the lowest
         self.tenant_service = tenant_service if tenant_service is not None else Counter()
         self.batch = ScheduledBatch()
         self.scheduled_ids: set[str] = set()
-        # request id -> host pages of a swap-in planned this step and not yet copied
-        self._swapping_in: dict[str, list[int]] = {}
+        self._swapping_in: dict[str, list[int]] = {}  # id -> host pages of a planned swap-in
 
-    # --- reading ------------------------------------------------------------------------------
     @property
     def num_free_pages(self) -> int:
         return self.pool.num_available
@@ -220,7 +210,6 @@ class SchedulerContext:
         need = self.pool.pages_needed(req.num_computed_tokens + num_tokens)
         return max(0, need - len(req.page_table))
 
-    # --- verbs --------------------------------------------------------------------------------
     def schedule(self, req: Request, num_tokens: int) -> None:
         """Put `req` in this step's batch for `num_tokens` tokens (pages must be reserved)."""
         self.batch.items.append((req, num_tokens))
@@ -229,19 +218,18 @@ class SchedulerContext:
     def reserve(self, req: Request, num_tokens: int) -> bool:
         """Make sure a running request's pages can hold `num_tokens` more tokens."""
         need = self.pages_to_advance(req, num_tokens)
-        if not need:  # the common case: the last page still has room
-            return True
         if need > self.pool.num_available:
             return False
         req.page_table.extend(self.pool.allocate(need))
         return True
 
     def admit(self, req: Request, max_tokens: int, min_tokens: int = 1) -> int:
-        """Move a waiting request (usually the front of the queue; static batching readmits a
-        preempted member wherever it waits) into the running set: reuse its
-        cached prefix pages, take a slot and pages for its first chunk of at most `max_tokens`
-        tokens. Returns that chunk's size, or 0 (and changes nothing) if it does not fit or
-        would be shorter than `min_tokens` while more than that remains after the prefix hit."""
+        """Move a waiting request (usually the queue's front; static batching readmits a
+        preempted member wherever it waits) into the running set: share its cached prefix
+        pages, take a slot and pages for its first chunk of at most `max_tokens` tokens (a
+        swapped request: for what it had computed too, copied back before the forward).
+        Returns the chunk's size, or 0, changing nothing, if it does not fit or would be
+        shorter than `min_tokens` while more than that remains."""
         if req.status not in (Status.WAITING, Status.PREEMPTED, Status.SWAPPED) \
                 or req not in self.waiting:
             raise SchedulerError(f"step {self.step}: ctx.admit({req.request_id}): only a "
@@ -249,89 +237,70 @@ class SchedulerContext:
                                  f"{req.status.value}")
         if not self.free_slots or max_tokens < 1:
             return 0
-        if req.status is Status.SWAPPED:
-            return self._swap_in(req, max_tokens, min_tokens)
         hit = prefix_hits(self.pool, req)
-        remaining = req.num_tokens - len(hit) * self.pool.page_size
-        num_tokens = min(max_tokens, remaining)
-        if num_tokens < min(min_tokens, remaining):
-            return 0
-        total_tokens = len(hit) * self.pool.page_size + num_tokens
+        swapped = req.status is Status.SWAPPED
+        start = req.num_computed_tokens if swapped else len(hit) * self.pool.page_size
+        num_tokens = min(max_tokens, req.num_tokens - start)
+        total_tokens = start + num_tokens
         if self.is_protected(req):  # its whole life now, so it never needs a page again
             total_tokens = max(total_tokens, req.max_total_tokens)
-        if not self._take_pages(req, hit, self.pool.pages_needed(total_tokens)):
+        total_pages = self.pool.pages_needed(total_tokens)
+        if num_tokens < min(min_tokens, req.num_tokens - start) or \
+                self.pool.pages_to_take(hit, total_pages) > self.pool.num_available:
             return 0
-        req.num_computed_tokens = len(hit) * self.pool.page_size
-        if req.status is Status.WAITING and req.num_preemptions == 0:
-            req.num_cached_tokens = req.num_computed_tokens
-        self._run(req)
-        return num_tokens
-
-    def _take_pages(self, req: Request, hit: list[int], total_pages: int) -> bool:
-        """Give `req` a page table of `total_pages`: its prefix hits shared, fresh pages after
-        them. False (and nothing taken) when the available pages cannot hold it."""
-        if self.pool.pages_to_take(hit, total_pages) > self.pool.num_available:
-            return False
         self.pool.share(hit)
         req.page_table = hit + self.pool.allocate(total_pages - len(hit))
-        return True
-
-    def _run(self, req: Request) -> None:
-        """From the waiting queue into the running set, in the lowest free slot."""
-        req.status = Status.RUNNING
-        req.slot = self.free_slots.pop(0)
+        if swapped:  # its host pages go back once copied (a swap-out this step must wait)
+            self.batch.swap_in.extend(zip(req.swapped_pages[len(hit):],
+                                          req.page_table[len(hit):]))
+            self.batch.swap_release.extend(req.swapped_pages)
+            self._swapping_in[req.request_id], req.swapped_pages = req.swapped_pages, []
+        else:
+            req.num_computed_tokens = start
+            if req.status is Status.WAITING and req.num_preemptions == 0:
+                req.num_cached_tokens = start
+        req.status, req.slot = Status.RUNNING, self.free_slots.pop(0)
         self.waiting.remove(req)
         self.running.append(req)
-
-    def _swap_in(self, req: Request, max_tokens: int, min_tokens: int) -> int:
-        """Admit a swapped request (chapter 06): pages for everything it had computed and its
-        next `max_tokens` at most. Its full prompt pages still in the prefix index are shared,
-        as any admission shares them; the rest of its K/V is copied back from host memory
-        into fresh pages before the forward."""
-        num_tokens = min(max_tokens, req.num_remaining)
-        if num_tokens < min(min_tokens, req.num_remaining):
-            return 0
-        total_tokens = req.num_computed_tokens + num_tokens
-        if self.is_protected(req):
-            total_tokens = max(total_tokens, req.max_total_tokens)
-        hit = prefix_hits(self.pool, req)
-        if not self._take_pages(req, hit, self.pool.pages_needed(total_tokens)):
-            return 0
-        self.batch.swap_in.extend(zip(req.swapped_pages[len(hit):], req.page_table[len(hit):]))
-        # every host page goes back once the engine has copied (a swap-out in this same step
-        # must not take one first: two copies into one host page)
-        self.batch.swap_release.extend(req.swapped_pages)
-        self._swapping_in[req.request_id] = req.swapped_pages
-        req.swapped_pages = []
-        self._run(req)
         return num_tokens
 
     def preempt(self, req: Request) -> None:
-        """Take a running request's pages and put it back at the front of the queue. Under
-        preemption_mode="swap", while the swap space has room, its K/V is copied to host memory
-        and back when it is admitted again; otherwise its tokens are recomputed then (reusing
-        any prefix pages still cached, which is why `num_recomputed_tokens` counts at compute
-        time, not here). A request swapped in this same step goes back to its host pages,
-        which still hold its K/V: the copy back was only planned."""
+        """Take a running request's pages and put it back at the front of the queue. With
+        preemption_mode="swap", while the swap space has room, its K/V is copied to host
+        memory, and back when it is admitted again; otherwise its tokens are recomputed then
+        (reusing the prefix pages still cached: `num_recomputed_tokens` counts at compute
+        time). A request swapped in this same step keeps its host pages, whose copy back was
+        only planned."""
         if req.status is not Status.RUNNING or req not in self.running:
             raise SchedulerError(f"step {self.step}: ctx.preempt({req.request_id}): only a "
                                  f"running request can be preempted; it is {req.status.value}")
         host_pages = self._swapping_in.pop(req.request_id, None)
+        keep = self.pool.pages_needed(req.num_computed_tokens)  # not pages reserved ahead
         if host_pages is not None:  # its fresh pages hold nothing yet: nothing to register
             planned = set(host_pages)
             self.batch.swap_in = [(h, p) for h, p in self.batch.swap_in if h not in planned]
             self.batch.swap_release = [h for h in self.batch.swap_release if h not in planned]
             req.swapped_pages = host_pages
+        else:
+            self.pool.register_prompt_pages(req.prompt_token_ids, req.page_table,
+                                            req.num_computed_tokens, req.page_hashes or None)
+            if self.config.preemption_mode == "swap" and 0 < keep <= len(self.pool.swap_free):
+                req.swapped_pages = self.pool.allocate_swap(keep)
+                self.batch.swap_out.extend(zip(req.page_table, req.swapped_pages))
+        if req.swapped_pages:
             self.batch.swapped.append(req)
             req.status = Status.SWAPPED
-        else:
-            self._give_up_pages(req)
+        else:  # its K/V is lost: to be computed again
+            req.num_discarded_tokens += req.num_computed_tokens
+            self.batch.num_discarded_tokens += req.num_computed_tokens
+            req.num_tokens_before_preemption = max(req.num_tokens_before_preemption,
+                                                   req.num_computed_tokens)
+            req.num_computed_tokens = 0
+            req.status = Status.PREEMPTED
         self.pool.release(req.page_table)
         req.page_table = []
         req.num_preemptions += 1
-        self.free_slots.append(req.slot)
-        self.free_slots.sort()
-        req.slot = None
+        self.release_slot(req)
         self.running.remove(req)
         enqueue(self.waiting, req, self.config.preemption, preempted=True)
         if req.request_id in self.scheduled_ids:
@@ -339,38 +308,16 @@ class SchedulerContext:
             self.scheduled_ids.discard(req.request_id)
         self.batch.preempted.append(req)
 
-    def _give_up_pages(self, req: Request) -> None:
-        """A victim's computed K/V: its full prompt pages indexed for reuse, then the rest
-        copied to host memory (swap, while there is room) or dropped, to be recomputed."""
-        self.pool.register_prompt_pages(req.prompt_token_ids, req.page_table,
-                                        req.num_computed_tokens, req.page_hashes or None)
-        keep = self.pool.pages_needed(req.num_computed_tokens)  # not pages reserved ahead
-        if self.config.preemption_mode == "swap" and 0 < keep <= len(self.pool.swap_free):
-            req.swapped_pages = self.pool.allocate_swap(keep)
-            self.batch.swap_out.extend(zip(req.page_table, req.swapped_pages))
-            self.batch.swapped.append(req)
-            req.status = Status.SWAPPED
-        else:
-            req.num_discarded_tokens += req.num_computed_tokens
-            self.batch.num_discarded_tokens += req.num_computed_tokens
-            req.num_tokens_before_preemption = max(req.num_tokens_before_preemption,
-                                                   req.num_computed_tokens)
-            req.num_computed_tokens = 0
-            req.status = Status.PREEMPTED
-
     def release_slot(self, req: Request) -> None:
-        """Give back a finished request's slot (static batching holds them until batch end)."""
+        """Give back a request's slot (static batching holds finished ones until batch end)."""
         if req.slot is not None:
-            self.free_slots.append(req.slot)
-            self.free_slots.sort()
+            bisect.insort(self.free_slots, req.slot)
             req.slot = None
 
     def pick_victim(self, current: Request) -> Request:
-        """Whom to preempt when `current` needs a page: the running request not yet scheduled
-        this step (or `current` itself) that ranks last: the newest; under "priority" the least
-        important (the largest `priority` value, as in vLLM); under "deadline" the one whose
-        deadline is furthest away; under "fair" the newest of the most-served tenant. A
-        protected request (`is_protected`) is never chosen: it holds every page it will need."""
+        """Whom to preempt when `current` needs a page: of the running requests not yet
+        scheduled this step (and `current`), the one ranking last in the queue's order (under
+        "priority" the largest `priority` value, as in vLLM), never a protected one."""
         candidates = [r for r in self.running if (r.request_id not in self.scheduled_ids
                                                   or r is current) and not self.is_protected(r)]
         return max(candidates or [current],
@@ -389,10 +336,9 @@ class SchedulerContext:
 def check_batch(batch: object, ctx: SchedulerContext, requests: dict[str, Request],
                 whole_prompts: bool) -> None:
     """Refuse an impossible batch (a learner's scheduler may build one) before anything is
-    computed: SchedulerError naming the step, the request and the rule. The verbs are checked
-    as they act (admissions, preemptions, swap copies); this checks what the step would compute.
-    A whole-prompt policy may exceed the token budget with one long prompt (chapter 03); every
-    other policy, a learner's included, stays within it and within `chunk_size`."""
+    computed: SchedulerError naming the step, the request and the rule. (The verbs are checked
+    as they act.) A whole-prompt policy may exceed the token budget with one long prompt
+    (chapter 03); every other policy stays within it and within `chunk_size`."""
     step, cfg = ctx.step, ctx.config
     if batch is not ctx.batch:
         got = "another ScheduledBatch" if isinstance(batch, ScheduledBatch) \
@@ -410,10 +356,9 @@ def check_batch(batch: object, ctx: SchedulerContext, requests: dict[str, Reques
         if rule:
             raise SchedulerError(f"step {step}, request {req.request_id!r}: {rule}")
         seen.add(req.request_id)
-    for req in batch.idle:
-        if not isinstance(req, Request) or requests.get(req.request_id) is not req:
-            raise SchedulerError(f"step {step}: idle member {req!r:.60} is not a request of "
-                                 f"this engine")
+    if any(not isinstance(r, Request) or requests.get(r.request_id) is not r
+           for r in batch.idle):
+        raise SchedulerError(f"step {step}: an idle member is not a request of this engine")
     members = len(batch.items) + len(batch.idle)
     if members > cfg.max_num_seqs:
         idle = f" ({len(batch.idle)} of them idle)" if batch.idle else ""
@@ -512,25 +457,19 @@ POLICY_FLAGS = ("whole_prompts", "holds_finished_slots", "waits_for_batch_timeou
 
 class Scheduler:
     """Base class of every policy, the learner's included (chapter 03): implement `schedule`,
-    which fills and returns `ctx.batch`.
-
-    Five class attributes tell the engine (and `sweep`) what a policy does, so that they never
-    go by the policy's name:
-    - `whole_prompts`: prompts are prefilled whole (chapters 01-03), never in chunks, so a step
-      may exceed `max_num_batched_tokens` with one long prompt; the engine holds every other
-      policy, a learner's included, to the budget and to `chunk_size`;
-    - `holds_finished_slots`: a finished request keeps its slot until the policy gives it back
-      with `ctx.release_slot` (static batching keeps dead slots until the batch ends, chapter 02);
-    - `waits_for_batch_timeout`: with `batch_timeout` in seconds, steps that schedule nothing
-      while requests wait are the timeout running, not a stall (dynamic batching, chapter 02);
-    - `decodes_every_step`: every running decode advances in every step (PD interleaving,
-      chapter 05); the invariant check holds the policy to it;
-    - `reads`: which of the batch settings `max_num_seqs`, `max_num_batched_tokens` and
-      `chunk_size` its schedule depends on (`sweep` varies only those, chapter 06; a learner's
-      policy is assumed to read all three).
-
-    Give each engine its own instance: a policy may keep state between steps (static batching
-    keeps its current batch), so an engine refuses an instance another engine was built with."""
+    which fills and returns `ctx.batch`. Class attributes tell the engine (and `sweep`) what a
+    policy does, never its name:
+    - `whole_prompts`: prompts are prefilled whole (chapters 01-03), so a step may exceed
+      `max_num_batched_tokens` with one long prompt; every other policy keeps the budget and
+      `chunk_size`;
+    - `holds_finished_slots`: a finished request keeps its slot until `ctx.release_slot`
+      (static batching, chapter 02);
+    - `waits_for_batch_timeout`: with `batch_timeout` in seconds, empty steps while requests
+      wait are the timeout running, not a stall (dynamic batching, chapter 02);
+    - `decodes_every_step`: every running decode advances every step (PD, chapter 05), which
+      the invariant check holds it to;
+    - `reads`: the batch settings its schedule depends on (`sweep` varies only those).
+    Each engine needs its own instance: a policy may keep state between steps."""
 
     name = "base"
     whole_prompts = False
@@ -543,8 +482,7 @@ class Scheduler:
         raise NotImplementedError
 
     def release(self, req: Request) -> list[Request]:
-        """`req` has finished: the finished requests whose responses reach their users now
-        (chapter 02): `req`'s at once, for a policy that batches per iteration."""
+        """`req` has finished: the responses that reach their users now (chapter 02)."""
         return [req]
 
     decoding = staticmethod(decoding)
@@ -593,8 +531,7 @@ class StaticScheduler(Scheduler):
         return all(r.is_finished for r in self.batch)
 
     def release(self, req: Request) -> list[Request]:
-        """A member that completes is held: the batch returns whole, when its last member
-        leaves, for whatever reason (a cancelled one leaves at once)."""
+        """A completed member is held: the batch returns whole when its last member leaves."""
         out = [req]
         if req.finish_reason in ("stop", "length"):
             req.returned_whole = True
@@ -659,11 +596,9 @@ class DynamicScheduler(StaticScheduler):
 
 class ContinuousScheduler(Scheduler):
     """Continuous batching (chapter 03): every step, all running decodes advance one token and
-    waiting requests join (whole-prompt prefill) while slots, pages and the token budget allow.
-    The budget counts whole prompt lengths only (before any prefix-cache hit, a simplification:
-    vLLM counts the tokens it computes) and the first waiting prompt always joins (a prompt
-    longer than the budget still runs, in one step), so a step may exceed the budget by its
-    decodes or by that one prompt: the problem chapter 04's chunks solve."""
+    waiting requests join (whole prompts) while slots, pages and the token budget allow. The
+    budget counts whole prompt lengths, and the first waiting prompt always joins, so a step
+    may exceed it by its decodes or by that one prompt: the problem chapter 04's chunks solve."""
 
     name = "continuous"
     whole_prompts = True

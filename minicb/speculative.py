@@ -1,29 +1,13 @@
-"""Speculative decoding by prompt lookup (chapter 08): a decode step that can produce several
-tokens.
-
-A decode step reads every weight of the model to produce one token per request; on a machine
-where that read dominates, the step costs about the same for a few more query rows. So guess
-the next `k` tokens cheaply, run the request's last token and the `k` guesses in one step (a
-causal chunk, exactly like a prefill chunk over the request's pages), and keep the guesses the
-model agrees with, plus the token the model itself says comes next. Every step still yields at
-least one token; a good guess yields up to `k + 1`.
-
-The guesser here needs no second model: *prompt lookup* (n-gram) finds the latest earlier place
-where the request's last `n` tokens occurred and proposes what followed them there. Text that
-repeats its prompt (summaries, code edits, quotes, extraction) gets long accepted runs.
-
-Verification keeps the output exactly what the model would give without guesses: a greedy
-request keeps the longest prefix of guesses equal to the model's argmax; a sampled request draws
-its token at each position from the model's distribution with its own generator, one random
-number per token as without guesses, and keeps going while the draw equals the guess. Guess `d`
-is kept with probability p(d), as in speculative sampling with a guesser that puts all its mass
-on `d`, and a seeded request gives the same tokens with or without guesses, whatever shares its
-batch. Exactly so in float32 with the same attention for a chunk as for one token (the torch
-reference); the default CPU backend's C decode kernel rounds otherwise than the reference that
-computes chunks (about 5e-6 apart in float32), and bfloat16 or int8 more so, so where two
-tokens nearly tie, or a seeded draw lands that close to the line between two, the pick can
-differ.
-"""
+"""Speculative decoding by prompt lookup (chapter 08): a decode step that can yield several
+tokens. A decode step reads every weight to produce one token per request; where that read
+dominates, a few more query rows cost little. So guess the next `k` tokens cheaply (where the
+request's last `n` tokens occurred before, what followed them there), run the last token and
+the guesses as one causal chunk, and keep the guesses the model agrees with, plus its own next
+token. Verification keeps the output the model's own: a greedy request keeps the guesses equal
+to the argmax; a sampled one draws each position with its own generator, one number per token
+as without guesses, and goes on while the draw equals the guess, so guess `d` is kept with
+probability p(d) and a seeded request gives the same tokens with or without guesses (up to the
+rounding that differs between a chunk and a lone decode row, chapter 08)."""
 
 from __future__ import annotations
 
@@ -55,9 +39,8 @@ def propose_ngram(token_ids: Sequence[int], k: int, n_max: int = 4, n_min: int =
 
 class NgramIndex:
     """`propose_ngram` for one request whose tokens only grow: the first and the latest start of
-    every run of `n_min`..`n_max` tokens that has a token after it, updated as tokens arrive, so
-    a guess costs O(n_max) instead of a scan of the whole context (3 ms at 16k tokens, for every
-    decode member of every step)."""
+    every run of `n_min`..`n_max` tokens with a token after it, kept as tokens arrive, so a
+    guess costs O(n_max), not a scan of the whole context."""
 
     def __init__(self, n_max: int = 4, n_min: int = 2) -> None:
         self.n_max, self.n_min = n_max, n_min

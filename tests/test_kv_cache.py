@@ -135,7 +135,6 @@ def test_random_operations_never_leak(ops, seed):
     assert pool.num_used == 0 and pool.num_free + pool.num_cached == 12
 
 
-# --- from a second mutation review: each test fails on the planted bug it names ---
 def test_only_computed_prompt_pages_are_indexed():
     from minicb.kv_cache import PagePool
     pool = PagePool(8, 4)
@@ -203,3 +202,10 @@ def test_after_a_reset_every_page_allocated_leaves_none_available():
     with pytest.raises(MemoryError):
         pool.allocate(1)
     pool.check([every])
+
+
+def test_the_swap_space_is_host_memory_whatever_the_pools_device():
+    """The swap store is host memory, whatever the pool's device."""
+    pool = PagePool(4, 2, num_layers=1, num_kv_heads=1, head_dim=2, device="meta",
+                    num_swap_pages=2)
+    assert pool.every_layer.device.type == "meta" and pool.swap_store.device.type == "cpu"

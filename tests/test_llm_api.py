@@ -11,6 +11,8 @@ import pytest
 from tiny_models import guessable_model
 
 from minicb import LLM, SamplingParams
+from minicb.benchmark.sim import SIM_TOKEN, make_sim_engine
+from minicb.llm import IncrementalDecoder, is_conversation
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 HI = [{"role": "user", "content": "w5 w6"}]
@@ -229,7 +231,7 @@ def test_stop_strings_without_a_tokenizer_are_refused_and_nothing_is_queued(tiny
 # ------------------------------------------------------------------------------ prompt containers
 def test_a_1d_array_or_tensor_is_one_prompt_and_a_2d_one_a_list_of_prompts(tiny_model):
     """numpy arrays and torch tensors of token ids, as `tokenizer(..., return_tensors=...)`
-    gives them: a 1-D one was read as a list of three prompts of one int each."""
+    gives them: a 1-D one is one prompt, not a list of prompts of one int each."""
     import numpy as np
     import torch
     llm = LLM(tiny_model, num_pages=64)
@@ -325,3 +327,149 @@ def test_text_without_stop_strings_is_read_in_one_decode_per_call(llm):
         assert not m.step(ids, final=True)
         assert len(seen) == calls and all(same for same, _ in seen)  # never a sliced copy
         assert m.text == llm.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+GREEDY6 = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+class FakeBar:
+    """Stands in for tqdm.auto.tqdm: records what generate does with its bar."""
+    made: list[FakeBar] = []
+
+    def __init__(self, total, **_):
+        self.total, self.n, self.closed = total, 0, False
+        FakeBar.made.append(self)
+
+    def update(self, n):
+        self.n += n
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.fixture
+def bars(monkeypatch) -> list[FakeBar]:
+    FakeBar.made = []
+    monkeypatch.setattr("tqdm.auto.tqdm", FakeBar)  # generate imports it when it runs
+    return FakeBar.made
+
+
+def test_generate_and_stream_of_no_prompts_return_nothing(llm):
+    """generate([]) returns [] and stream([]) yields nothing."""
+    assert llm.generate([], GREEDY6, use_tqdm=False) == []
+    assert list(llm.stream([], GREEDY6)) == []
+
+
+def test_a_bad_prompt_is_named_by_its_index(llm):
+    """A refused prompt is named by its 0-based index in the batch."""
+    with pytest.raises(ValueError, match=r"^prompt 1: prompt is empty"):
+        llm.generate([[1, 2], []], GREEDY6, use_tqdm=False)
+    assert empty(llm) and not llm.engine.requests
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt, RuntimeError])
+def test_an_interrupted_generate_cancels_every_prompt_and_closes_its_bar(llm, bars, monkeypatch,
+                                                                         error):
+    """An interrupted generate (Ctrl-C included) cancels every prompt it queued and closes its
+    progress bar."""
+    real_step, calls = llm.engine.step, []
+
+    def step():
+        calls.append(1)
+        if len(calls) == 3:  # both prompts are running by now
+            raise error("stop")
+        return real_step()
+    monkeypatch.setattr(llm.engine, "step", step)
+    with pytest.raises(error):
+        llm.generate([[1, 2, 3], [4, 5]], GREEDY6)
+    assert empty(llm)
+    assert [(b.total, b.closed) for b in bars] == [(2, True)]
+
+
+def test_generate_counts_each_finished_prompt_once_and_closes_its_bar(llm, bars):
+    """generate's progress bar counts each finished prompt once and is closed after the run."""
+    llm.generate([[1, 2, 3], [4, 5]], GREEDY6)
+    assert [(b.total, b.n, b.closed) for b in bars] == [(2, 2, True)]
+
+
+def test_stream_ignores_requests_it_did_not_add(llm):
+    """A stream yields only its own requests, whatever else the engine runs."""
+    other = llm.engine.add_request([7, 8, 9], GREEDY6)
+    got: dict[str, list[int]] = {}
+    for rid, new, _ in llm.stream([[1, 2, 3]], GREEDY6):
+        got.setdefault(rid, []).extend(new)
+    assert other not in got and [len(v) for v in got.values()] == [6]
+
+
+def test_stream_sends_every_token_once_when_a_step_adds_several():
+    """A stream sends every token once when a step adds several (kept guesses, chapter 08)."""
+    llm = LLM.__new__(LLM)  # an LLM over the simulated engine (LLM() loads a real model)
+    llm.engine = make_sim_engine(policy="pd", num_speculative_tokens=3, check_invariants=True)
+    llm.tokenizer, llm._stops = llm.engine.tokenizer, {}
+    news = [new for _, new, _ in llm.stream([[SIM_TOKEN] * 8], GREEDY6)]
+    assert any(len(new) > 1 for new in news), "no step added several tokens"
+    assert [t for new in news for t in new] == [SIM_TOKEN] * 6
+
+
+def test_is_conversation_needs_a_non_empty_list_or_tuple_of_messages():
+    """A conversation is a non-empty list or tuple of messages."""
+    assert not is_conversation([]) and not is_conversation(())
+    assert is_conversation(tuple(HI)) and is_conversation(HI)
+
+
+def test_chat_checks_every_conversation_before_queuing_any(word_model):
+    """chat checks every conversation before queuing any."""
+    llm = LLM(word_model, num_pages=64)
+    with pytest.raises(ValueError, match=r"a conversation must be a non-empty list.*got \[\]"):
+        llm.chat([HI, []], GREEDY6, use_tqdm=False)
+    assert not llm.engine.requests
+
+
+def test_chat_without_a_template_says_so_and_passes_use_tqdm_on(word_model, bars):
+    """chat on a checkpoint without a chat template says so; chat passes use_tqdm on to generate."""
+    llm = LLM(word_model, num_pages=64)
+    assert len(llm.chat(HI, GREEDY6, use_tqdm=False)[0].token_ids) == 6 and bars == []
+    saved, llm.tokenizer.chat_template = llm.tokenizer.chat_template, None
+    try:
+        with pytest.raises(ValueError, match="this checkpoint has no chat template"):
+            llm.chat(HI, GREEDY6, use_tqdm=False)
+    finally:
+        llm.tokenizer.chat_template = saved
+
+
+class WordTokenizer:
+    """Token i is the word "w<i>", words joined by spaces (a window's first word has none)."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(f"w{i}" for i in ids)
+
+
+class CleanupTokenizer:
+    """Pieces joined, then spaces before punctuation cleaned up as transformers'
+    clean_up_tokenization does: a window's decode can rewrite the end of the one before it."""
+    pieces = [" '", " ", "."]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(self.pieces[i] for i in ids).replace(" .", ".").replace(" ' ", "'")
+
+
+def test_a_read_with_no_new_tokens_keeps_the_window():
+    """A read with no new tokens leaves the decoder's window where it was: the next token keeps its
+    leading space."""
+    dec = IncrementalDecoder(WordTokenizer())
+    assert dec.step([3]) == "w3"
+    assert dec.step([3]) == ""
+    assert dec.step([3, 4]) == " w4" and dec.text == "w3 w4"
+
+
+def test_a_window_that_rewrites_its_prefix_adds_only_what_is_new():
+    """Where a window's decode rewrites its prefix, the text added is exactly what is new."""
+    tok = CleanupTokenizer()
+    dec = IncrementalDecoder(tok)
+    # " ." cleans up to ".": the space already sent stays, nothing is sent twice
+    assert [dec.step([1]), dec.step([1, 2])] == [" ", ""]
+    assert dec.text == " "
+    dec = IncrementalDecoder(tok)
+    ids = [0, 1, 2]
+    text = "".join(dec.step(ids[:i]) for i in range(1, 4))
+    assert text == tok.decode(ids) == " '."

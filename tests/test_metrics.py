@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 
 from minicb.benchmark import metrics
+from minicb.course import viz
 from minicb.trace import Member, RequestRecord, StepRecord
 
 
@@ -435,3 +436,11 @@ def test_a_request_that_did_not_complete_never_meets_the_slo():
     for reason in ("cancelled", "error", "deadline", None):
         assert not metrics.meets_slo(rec("x", 2, reason=reason, **fast), slo)
         assert not metrics.meets_slo(rec("x", 2, reason=reason, **fast), None)
+
+
+def test_a_step_record_built_by_hand_swaps_nothing():
+    """A StepRecord built by hand names no swap, and summarize invents none."""
+    rec = StepRecord(1, [], [], [], [], 0, 0, 0.0, 0.1)
+    assert (rec.pages_swapped_out, rec.pages_swapped_in, rec.swapped) == (0, 0, [])
+    seed = viz.seed_example("continuous")
+    assert sum(r.pages_swapped_out + r.pages_swapped_in for r in seed) == 0

@@ -11,7 +11,9 @@ from tiny_models import random_jobs, run_beside_single
 
 from minicb import SamplingParams
 from minicb.benchmark import metrics
+from minicb.benchmark.sim import make_sim_engine
 from minicb.config import POLICIES
+from minicb.scheduler import Scheduler, SchedulerError
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -286,9 +288,8 @@ def test_every_policy_returns_single_tokens(make_engine, tiny_model, policy, wor
 
 @pytest.mark.parametrize("policy", ["chunked", "pd"])
 def test_half_prefilled_prompts_that_hold_every_page_do_not_deadlock(make_engine, policy):
-    """Found by hypothesis: three long prompts in chunks, 14 pages of 4 tokens. Two prompts
-    were admitted chunk by chunk until they held all 14 pages, each needing one more page to
-    go on: no decode ran to free one, so nothing was scheduled ever again. Now the newest is
+    """Three long prompts in chunks, 14 pages of 4 tokens: two prompts admitted chunk by chunk
+    hold all 14 pages, each needing one more, and no decode runs to free one. The newest is
     preempted and recomputed later, and every request returns the single-request tokens."""
     cfg = dict(max_num_seqs=3, max_num_batched_tokens=16, chunk_size=8, page_size=4)
     rng = random.Random(0)
@@ -518,7 +519,7 @@ def test_a_preempted_request_waits_behind_more_urgent_ones(mode):
     assert next(step for step, rid in prefills if rid == "urgent") < back
 
 
-# --- boundaries a mutation review found untested (simulated executor: schedules are exact) ---
+# --- boundaries (simulated executor: schedules are exact) ---
 @pytest.mark.parametrize("preemption", ["newest", "priority"])
 def test_a_preempted_request_goes_back_to_the_front_of_the_queue(preemption):
     """The victim is scheduled again no later than D, which was waiting before it; under
@@ -625,7 +626,6 @@ def test_preemption_counts_the_work_it_throws_away_and_the_work_redone():
     assert 0 < summary["recomputed_tokens"] < summary["discarded_tokens"]  # the hits saved some
 
 
-# --- from a second mutation review: each test fails on the planted bug it names ---
 def test_a_deadline_counts_from_the_arrival():
     from minicb.benchmark.sim import make_sim_engine
     from minicb.benchmark.workload import Workload, WorkloadRequest, run_workload
@@ -667,3 +667,213 @@ def test_max_preemptions_bounds_each_requests_loss(jobs, policy, preemption, lim
                                              + req.num_recomputed_tokens)
         assert req.num_recomputed_tokens <= req.num_discarded_tokens
     assert engine.pool.num_used == 0 and not engine.has_unfinished()
+
+
+def _params(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(**{"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+                             **kw})
+
+
+def test_requests_without_deadlines_wait_first_come_first_served_under_deadline():
+    """Under preemption="deadline", requests with equal deadlines (none at all included) wait first
+    come first served."""
+    e = make_sim_engine(policy="continuous", max_num_seqs=1, preemption="deadline",
+                        check_invariants=True)
+    e.add_request([1] * 4, _params(3), request_id="running")
+    e.add_request([2] * 4, _params(2), request_id="first", arrival_step=2)
+    e.add_request([3] * 4, _params(2), request_id="second", arrival_step=3)
+    e.run()
+    start = {rid: e.requests[rid].metrics.first_scheduled_step for rid in ("first", "second")}
+    assert start["first"] < start["second"], start
+
+
+@pytest.mark.parametrize("policy", ["continuous", "pd"])
+def test_a_prompt_is_shared_as_soon_as_its_prefill_completes(policy):
+    """A prompt's full pages are indexed by the step that completes its prefill: a request with the
+    same prompt arriving while the first still decodes shares them."""
+    e = make_sim_engine(policy=policy, max_num_seqs=4, page_size=4, num_pages=32,
+                        chunk_size=16, max_num_batched_tokens=32, check_invariants=True)
+    prompt = list(range(10, 19))  # 9 tokens: 2 full pages can be shared
+    e.add_request(prompt, _params(20), request_id="first")
+    e.add_request(prompt, _params(2), request_id="second", arrival_step=3)
+    e.run()
+    assert e.requests["second"].metrics.first_scheduled_step < \
+        e.requests["first"].metrics.finish_step
+    assert e.requests["second"].num_cached_tokens == 8
+    second = [m.num_tokens for rec in e.trace for m in rec.members
+              if m.request_id == "second"]
+    assert second[0] == 1  # only the last prompt token is computed
+
+
+def test_a_request_preempted_after_a_recompute_keeps_its_prompt_pages_indexed():
+    """`preempt` indexes the victim's computed prompt pages, so a request preempted again after a
+    recompute finds them cached at its next readmission and recomputes only the rest."""
+    e = make_sim_engine(policy="continuous", max_num_seqs=4, page_size=4, num_pages=10,
+                        max_num_batched_tokens=32, check_invariants=True)
+    e.add_request([1] * 4, _params(13), request_id="r0")
+    e.add_request([3] * 10, _params(14), request_id="r1", arrival_step=2)
+    e.add_request([1] * 10, _params(8), request_id="r2", arrival_step=3)
+    r2 = e.requests["r2"]
+    while r2.num_preemptions < 2:
+        e.step()
+    assert r2.status.value == "preempted" and r2.num_computed_tokens == 0
+    assert len(e.pool.match_prefix(r2.all_token_ids)) == 2  # both full prompt pages
+    e.run()
+    readmission = [m.num_tokens for rec in e.trace for m in rec.members
+                   if m.request_id == "r2"][-1]
+    assert readmission == r2.num_tokens - 1 - 8  # the last token is sampled, not computed
+
+
+def test_a_stuck_prompt_waits_while_a_decode_can_still_run():
+    """`schedule_prefill_chunks` preempts to unstick a prompt only when no decode runs: a decode
+    that can finish frees the page the prompt waits for, and the prompt's work is kept."""
+    e = make_sim_engine(policy="chunked", max_num_seqs=2, page_size=4, num_pages=6,
+                        max_num_batched_tokens=4, chunk_size=4, enable_prefix_caching=False,
+                        check_invariants=True)
+    e.add_request([1] * 3, _params(2), request_id="short")  # 4 tokens to compute: one page
+    e.add_request([2] * 22, _params(1), request_id="long", arrival_step=2)
+    e.run()
+    assert [rid for rec in e.trace for rid in rec.preempted] == []
+    assert e.requests["long"].num_recomputed_tokens == 0
+    assert all(r.finish_reason == "length" for r in e.requests.values())
+
+
+def test_a_new_static_batch_takes_the_lowest_slots():
+    """The free slots stay sorted when a static batch gives its slots back: the next batch's first
+    member takes slot 0."""
+    e = make_sim_engine(policy="static", max_num_seqs=4, check_invariants=True)
+    e.add_request([1] * 4, _params(3), request_id="a")
+    e.add_request([2] * 4, _params(2), request_id="b")
+    e.add_request([3] * 4, _params(2), request_id="c", arrival_step=2)  # waits for the next batch
+    e.run()
+    slots = {m.request_id: m.slot for rec in e.trace for m in rec.members}
+    assert slots == {"a": 0, "b": 1, "c": 0}
+
+
+def test_a_victims_slot_goes_to_the_next_admission():
+    """The free slots stay sorted when a victim gives its slot back: the next admission takes the
+    lowest free slot, the victim's."""
+    e = make_sim_engine(policy="continuous", max_num_seqs=4, page_size=4, num_pages=7,
+                        preemption="priority", enable_prefix_caching=False,
+                        check_invariants=True)
+    for rid, tok, priority in (("A", 1, 0), ("B", 2, 0), ("C", 3, 1)):
+        e.add_request([tok] * 8, _params(12), request_id=rid, priority=priority)
+    e.add_request([4] * 2, _params(1), request_id="D", arrival_step=3)
+    e.run()
+    assert [rid for rec in e.trace for rid in rec.preempted][:1] == ["C"]
+    first = {}
+    for rec in e.trace:
+        for m in rec.members:
+            first.setdefault(m.request_id, (rec.step, m.slot))
+    assert first["D"] == (3, 2)
+
+
+class _KeepsDeadSlots(Scheduler):
+    """A learner's static-like policy that lists every finished member as idle (holding its
+    slot) yet admits a new request beside them: more members than slots."""
+
+    name = "keeps-dead-slots"
+
+    def __init__(self) -> None:
+        self.members: list = []
+
+    def schedule(self, ctx):
+        ctx.batch.idle.extend(r for r in self.members if r.is_finished)
+        for req in ctx.running:
+            ctx.schedule(req, req.num_remaining)
+        if not ctx.running and ctx.waiting:
+            req = ctx.waiting[0]
+            ctx.schedule(req, ctx.admit(req, req.num_tokens))
+            self.members.append(req)
+        return ctx.batch
+
+
+def test_idle_members_count_against_max_num_seqs():
+    """Idle members (finished, holding a slot) count against max_num_seqs: a policy that admits
+    beside its dead slots past the limit is refused."""
+    e = make_sim_engine(policy=_KeepsDeadSlots(), max_num_seqs=1)
+    e.add_request([1] * 4, _params(2), request_id="a")
+    e.add_request([2] * 4, _params(2), request_id="b", arrival_step=3)
+    e.step()
+    e.step()
+    assert e.requests["a"].finish_reason == "length"
+    with pytest.raises(SchedulerError, match="exceed max_num_seqs=1"):
+        e.step()
+
+
+class _Advances(Scheduler):
+    """A learner's policy that admits the first waiting request and asks for `n` tokens."""
+
+    name = "advances-n"
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def schedule(self, ctx):
+        if ctx.waiting:
+            req = ctx.waiting[0]
+            ctx.admit(req, req.num_tokens)
+            ctx.schedule(req, self.n)
+        return ctx.batch
+
+
+@pytest.mark.parametrize("n", [0, -1])
+def test_a_batch_advancing_a_request_by_no_tokens_is_refused(n):
+    """A member asking to advance by fewer than one token is refused, the rule named."""
+    e = make_sim_engine(policy=_Advances(n))
+    e.add_request([1] * 4, _params(2), request_id="a")
+    with pytest.raises(SchedulerError, match=f"asks to advance {n} tokens"):
+        e.step()
+
+
+def test_fair_preemption_picks_the_most_served_tenant_not_the_newest():
+    """Under "fair" the victim is a request of the most-served tenant, even when another tenant's
+    request is newer."""
+    e = make_sim_engine(policy="continuous", max_num_seqs=4, page_size=4, num_pages=6,
+                        preemption="fair", enable_prefix_caching=False, check_invariants=True)
+    e.add_request([1] * 4, _params(6), request_id="x", tenant="light")
+    e.add_request([2] * 16, _params(2), request_id="y", tenant="heavy")
+    e.add_request([3] * 4, _params(6), request_id="z", tenant="light")
+    e.step()  # 6 pages full; x's first decode needs a seventh
+    record = e.step()
+    assert record.preempted == ["y"]
+
+
+def test_the_deadlock_breaker_runs_the_oldest_stuck_prompt_in_the_same_step():
+    """Two half-prefilled prompts hold every page and no decode runs: `schedule_prefill_chunks`
+    preempts the newest and gives its pages to the oldest's chunk in the same step."""
+    e = make_sim_engine(policy="chunked", max_num_seqs=2, page_size=4, num_pages=6,
+                        max_num_batched_tokens=8, chunk_size=4, enable_prefix_caching=False,
+                        check_invariants=True)
+    e.add_request([1] * 20, _params(1), request_id="old")
+    e.add_request([2] * 20, _params(1), request_id="new")
+    for _ in range(3):  # 4 tokens each per step: 3 pages each, the whole pool
+        e.step()
+    record = e.step()
+    assert record.preempted == ["new"]
+    assert [(m.request_id, m.num_tokens) for m in record.members] == [("old", 4)]
+    e.run()
+    assert e.requests["old"].num_preemptions == 0
+    assert e.requests["old"].metrics.finish_step < e.requests["new"].metrics.finish_step
+    assert all(rec.members for rec in e.trace)  # no step ran empty
+
+
+@pytest.mark.parametrize("policy", ["continuous", "pd"])
+def test_a_step_that_preempts_admits_no_one(policy):
+    """A step that had to preempt admits no new request: the pages the victim freed go to the
+    running decodes, not to an arrival that the next decode would preempt again."""
+    e = make_sim_engine(policy=policy, max_num_seqs=4, page_size=4, num_pages=4,
+                        preemption="priority", enable_prefix_caching=False,
+                        check_invariants=True)
+    e.add_request([1] * 4, _params(6), request_id="A")  # its 5th token needs a page at step 2
+    e.add_request([2] * 3, _params(6), request_id="C")  # and C's at step 3
+    e.add_request([3] * 8, _params(6), request_id="B", priority=5)  # the victim
+    e.add_request([4] * 3, _params(3), request_id="W", arrival_step=2)
+    e.step()  # A, C and B fill all 4 pages
+    record = e.step()
+    assert record.preempted == ["B"]
+    assert [m.request_id for m in record.members] == ["A", "C"]
+    e.run()
+    assert e.requests["W"].num_preemptions == 0
+    assert e.requests["W"].num_recomputed_tokens == 0
+    assert all(r.finish_reason == "length" for r in e.requests.values())

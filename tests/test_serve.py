@@ -22,7 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
-from tiny_models import guessable_model
+from tiny_models import guessable_model, three_in_six
 
 from minicb import LLM, Engine, SamplingParams
 from minicb.benchmark import metrics
@@ -1879,3 +1879,35 @@ def test_completion_and_model_urls_from_any_endpoint_form():
         assert completions_url(endpoint) == "http://h:1/v1/completions"
         assert models_url(endpoint) == "http://h:1/v1/models"
     assert completions_url("http://h:1", chat=True) == "http://h:1/v1/chat/completions"
+
+
+def test_the_servers_swap_counters_grow_each_way_as_the_steps_copy():
+    """The server's swap counters grow each way as the steps copy."""
+    engine = three_in_six(num_swap_pages=2)
+    worker = EngineWorker(engine)  # not started: its per-step counting is driven here
+    seen = []
+    while engine.has_unfinished():
+        rec = engine.step()
+        before = (worker.stats.value("kv_pages_swapped_out"),
+                  worker.stats.value("kv_pages_swapped_in"))
+        worker._count(rec)
+        worker._retire(rec)
+        grew = (worker.stats.value("kv_pages_swapped_out") - before[0],
+                worker.stats.value("kv_pages_swapped_in") - before[1])
+        if grew != (0, 0):
+            seen.append(grew)
+    assert seen == [(2, 0), (0, 2)]
+    assert worker.stats.value("kv_swap_pages_free") == 2
+
+
+@pytest.mark.parametrize("status, body", [
+    (500, '{"error": {"code": "cache_full"}}'),  # only a 503 is the full-cache answer
+    (503, '{"error": "busy"}'),  # an error that is no object
+    (503, "[1, 2]"),  # JSON with no .get
+    (503, "busy"),  # no JSON
+])
+def test_only_a_503_with_code_cache_full_is_a_rejection(status, body):
+    """Only a 503 whose error code is cache_full counts as a rejection; an odd body counts as an
+    error, without crashing the client."""
+    assert client._is_rejection(status, body) is False
+    assert client._is_rejection(503, '{"error": {"code": "cache_full"}}') is True

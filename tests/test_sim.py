@@ -3,13 +3,14 @@ a fit that recovers the model, the chapter's long-prefill claims, and scale."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 
 import numpy as np
 import pytest
 from test_metrics import rec, step
 
-from minicb.benchmark import metrics
+from minicb.benchmark import metrics, sim
 from minicb.benchmark.sim import (
     PRESETS,
     CostModel,
@@ -239,7 +240,6 @@ def test_thousands_of_requests_without_snapshots_give_the_same_results():
     assert summaries[1]["duration_s"] > 10  # simulated seconds: arrivals alone span ~10 s
 
 
-# --- from a second mutation review: each test fails on the planted bug it names ---
 def test_nonnegative_fit_drops_the_most_negative_coefficient():
     from minicb.benchmark.sim import _nonnegative_lstsq
     x = np.array([[1.0, 0.0], [1.0, 1.0], [1.0, 2.0]])
@@ -358,3 +358,21 @@ def test_the_fit_target_picks_whole_step_time_or_forward_time():
     assert whole.fit["total_s"] == pytest.approx(t)
     assert model.fit["total_s"] == pytest.approx(t / 3)
     assert np.allclose(whole.coefficients, 3 * model.coefficients, rtol=1e-6, atol=1e-12)
+
+
+def test_measure_swap_cost_is_the_median_time_per_page_copied():
+    """measure_swap_cost is the median over repeats of the seconds per page copied (each page
+    out and back)."""
+    ticks = itertools.accumulate([0.0, 1.0, 0.0, 9.0, 0.0, 2.0])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sim.time, "perf_counter", lambda: next(ticks))
+        assert sim.measure_swap_cost(1, 1, 2, page_size=2, num_pages=4, repeats=3) == 0.25
+
+
+def test_cost_models_carry_s_in_their_dict_and_the_h100_preset_charges_swaps():
+    """A cost model's dict explains s, and the h100-like preset charges swaps."""
+    data = CostModel(a=1.0, s=3e-5).to_dict()
+    assert data["s"] == 3e-5 and "host memory" in data["meaning"]["s"]
+    assert "s*pages_swapped" in data["formula"]
+    assert CostModel.from_dict(data).s == 3e-5
+    assert sim.PRESETS["h100-like"].s > 0

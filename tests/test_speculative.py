@@ -146,9 +146,8 @@ def test_a_stop_token_among_accepted_guesses_ends_the_request_there(make_engine)
 
 def test_a_seeded_request_gets_its_tokens_whatever_is_guessed_or_shares_its_batch(
         make_engine):
-    """Found by review: with guesses, a seeded sampled request's tokens changed with the
-    batch beside it (the guesses, and the random numbers spent on them, depend on the budget
-    others leave). One draw per token, as without guesses, makes them not matter."""
+    """A seeded sampled request's tokens do not change with guesses or with the batch beside
+    it (the guesses depend on the budget others leave): one draw per token, as without."""
     rng = random.Random(4)
     prompt = repetitive_prompt(rng, 30)
     params = SamplingParams(max_tokens=30, temperature=0.9, seed=7, ignore_eos=True)
@@ -178,8 +177,7 @@ def test_the_lookup_index_agrees_with_a_scan():
 def test_a_kept_guess_after_a_stop_token_is_not_counted():
     """The simulated model always predicts T. T is the stop token, banned for 3 tokens (so the
     first three are 0s); then the prompt's "T 0 0 0 T T T" makes the guesses T T T, all right,
-    but the first ends the request: one token delivered, no guess counted as kept (found by
-    review: all three were)."""
+    but the first ends the request: one token delivered, no guess counted as kept."""
     engine = make_sim_engine(policy="pd", num_speculative_tokens=3, check_invariants=True)
     t = engine.model.token
     rid = engine.add_request([t, 0, 0, 0, t, t, t, t], SamplingParams(
@@ -264,3 +262,32 @@ def test_guesses_stay_within_the_token_budget_beside_a_prefill():
     mixed = [rec for rec in e.trace if rec.speculated and rec.num_prefill_tokens]
     assert mixed, "the scenario must guess beside a prefill chunk"
     assert max(rec.num_tokens for rec in e.trace) <= 16
+
+
+def _params(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(**{"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+                             **kw})
+
+
+def test_no_guess_is_proposed_past_max_tokens():
+    """A member is given at most `max_tokens - len(outputs) - 1` guesses: the step's own token comes
+    after them, so a guess past that could never be kept."""
+    e = make_sim_engine(policy="pd", num_speculative_tokens=5, check_invariants=True)
+    t = e.model.token  # the simulated model always predicts t: every guess of t is right
+    rid = e.add_request([t] * 8, _params(5))
+    out = e.run()[0]
+    assert out.token_ids == [t] * 5 and len(e.trace) == 2
+    assert e.trace[-1].speculated[rid] == (3, 3)
+    assert e.requests[rid].num_service_tokens == 8 + 5 - 1  # nothing computed in vain
+
+
+def test_guesses_may_take_the_last_free_page():
+    """Guesses that need exactly the pages left get them."""
+    e = make_sim_engine(policy="pd", num_speculative_tokens=4, page_size=4, num_pages=4,
+                        check_invariants=True)
+    t = e.model.token
+    rid = e.add_request([t] * 8, _params(8))  # 8 + 8 tokens: the whole pool
+    out = e.run()[0]
+    assert out.token_ids == [t] * 8
+    assert e.trace[1].speculated[rid] == (4, 4)  # 9 tokens + 4 guesses need page 4, the last
+    assert len(e.trace) == 3

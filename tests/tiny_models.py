@@ -101,3 +101,17 @@ def guessable_model(tokenizer) -> tuple[tuple, object]:
     clock = SimClock()
     info = dataclasses.replace(sim_model_info(256), tokenizer=tokenizer)
     return (SimModel(CostModel(a=0.01), clock, 256), info), clock
+
+
+def three_in_six(**options):
+    """A simulated pd engine with swap: three 6-token prompts, 12 tokens each, in 6 pages of 4;
+    r2 is preempted at step 4 with 8 computed tokens (2 pages), r1 at step 8 with 12 (3)."""
+    from minicb import SamplingParams
+    from minicb.benchmark.sim import make_sim_engine
+    engine = make_sim_engine(policy="pd", num_pages=6, page_size=4, max_num_seqs=3,
+                             preemption_mode="swap", enable_prefix_caching=False,
+                             check_invariants=True, **options)
+    for i in range(3):
+        engine.add_request([3 + i] * 6, SamplingParams(max_tokens=12, ignore_eos=True),
+                           request_id=f"r{i}")
+    return engine
