@@ -41,7 +41,7 @@ def single_tokens(tiny_model):
     return tokens
 
 
-@settings(max_examples=30, deadline=None,
+@settings(max_examples=60, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(policy=st.sampled_from(POLICIES), order=st.sampled_from(ORDERS),
        mode=st.sampled_from(PREEMPTION_MODES), num_pages=st.sampled_from([6, 12]), ops=OPS)

@@ -183,7 +183,7 @@ def test_an_engine_reports_logprobs_only_to_who_asked(make_engine, monkeypatch):
     """A request with logprobs=k gets one dict per output token: its greedy token first (the
     most likely), k entries, values <= 0; one without gets None; with no request asking, none
     are computed."""
-    from minicb import engine as engine_module
+    from minicb import runner
     engine = make_engine("pd")
     asked = engine.add_request([5, 6, 7], SamplingParams(max_tokens=6, logprobs=3, **GREEDY))
     plain = engine.add_request([5, 6, 8], SamplingParams(max_tokens=6, **GREEDY))
@@ -194,7 +194,7 @@ def test_an_engine_reports_logprobs_only_to_who_asked(make_engine, monkeypatch):
         assert list(pairs)[0] == token and len(pairs) == 3 and max(pairs.values()) <= 0
         assert list(pairs.values()) == sorted(pairs.values(), reverse=True)
     assert engine.output(plain).logprobs is None
-    monkeypatch.setattr(engine_module, "top_logprobs", lambda *a: pytest.fail("computed"))
+    monkeypatch.setattr(runner, "top_logprobs", lambda *a: pytest.fail("computed"))
     engine.add_request([5, 6, 7], SamplingParams(max_tokens=4, **GREEDY))
     engine.run()
 
