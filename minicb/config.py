@@ -1,5 +1,4 @@
-"""`EngineConfig`: every knob of the engine in one plain dataclass (introduced in chapter 01,
-grown in chapters 02-05). Names follow vLLM's where vLLM has the same knob."""
+"""`EngineConfig` (chapter 01, grown in chapters 02-08) and the device and cache helpers."""
 
 from __future__ import annotations
 
@@ -37,36 +36,26 @@ def is_positive_int(value: object) -> bool:
 
 
 def torch_dtype(name: str, device: str):
-    """The torch dtype a `dtype` knob names (one of DTYPES): "auto" is float32 on the CPU and
-    bfloat16 on CUDA."""
+    """The torch dtype a `dtype` knob names: "auto" is float32 on the CPU, bfloat16 on CUDA."""
     import torch
     if name == "auto":
         name = "float32" if torch.device(device).type == "cpu" else "bfloat16"
     return getattr(torch, name)
 
 
-def resolve_device(device: str, quantization: str | None = None) -> str:
-    """'auto' is CUDA when torch can use a GPU, unless a CPU-only option (int8 weights) is
-    asked, else the CPU (chapter 07); any other value must name a device this torch can use
-    (ValueError otherwise)."""
-    device = str(device)  # a torch.device too
-    if device == "auto":
-        import torch
-        return "cuda" if torch.cuda.is_available() and not quantization else "cpu"
-    check_device(device)
-    return device
-
-
-def check_device(device: object) -> None:
-    """Raise ValueError unless `device` is 'cpu', or a CUDA GPU this torch can use (chapter 07)."""
+def resolve_device(device: object, quantization: str | None = None) -> str:
+    """'auto' is CUDA when torch can use a GPU and no CPU-only option (int8 weights) is asked,
+    else the CPU (chapter 07); any other value must name a device this torch can use."""
     import torch
+    if str(device) == "auto":
+        return "cuda" if torch.cuda.is_available() and not quantization else "cpu"
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as exc:
         raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}") \
             from exc
     if dev.type == "cpu":
-        return
+        return str(device)
     if dev.type != "cuda":
         raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N' (minicb runs on "
                          f"those), got {device!r}")
@@ -78,11 +67,11 @@ def check_device(device: object) -> None:
     if dev.index is not None and dev.index >= torch.cuda.device_count():
         raise ValueError(f"device={device!r}, but torch sees {torch.cuda.device_count()} "
                          f"CUDA GPU(s), numbered from 0")
+    return str(device)
 
 
 def cpuinfo(*names: str) -> str | None:
-    """The value of the first /proc/cpuinfo line whose name starts with one of `names` ("model
-    name", "flags"...), or None where there is no such file (not Linux) or line."""
+    """The value of the first /proc/cpuinfo line whose name starts with one of `names`, or None."""
     try:
         with open("/proc/cpuinfo") as lines:
             for line in lines:
@@ -94,13 +83,15 @@ def cpuinfo(*names: str) -> str | None:
 
 
 def cache_root() -> Path:
-    """Where minicb keeps what it builds once (converted bundled models, the CPU attention
-    kernel): $MINICB_CACHE (a leading ~ is the home directory), else ~/.cache/minicb."""
+    """Where minicb keeps what it builds once (converted models, the CPU kernel): $MINICB_CACHE,
+    else ~/.cache/minicb."""
     return Path(os.environ.get("MINICB_CACHE") or Path.home() / ".cache" / "minicb").expanduser()
 
 
 @dataclass
 class EngineConfig:
+    """Every knob of the engine; names follow vLLM's where vLLM has the same knob."""
+
     policy: str = "pd"
     page_size: int = 16
     num_pages: int | None = None  # None: 1024 on the CPU; on CUDA sized from free memory, at
@@ -164,51 +155,46 @@ class EngineConfig:
                 self.policy, str) and not hasattr(self.policy, "schedule"):
             raise ValueError(f"policy must be one of {POLICIES} or a Scheduler, "
                              f"got {self.policy!r}")
-        if self.num_pages is not None and not is_positive_int(self.num_pages):
-            raise ValueError(f"num_pages must be a positive integer, got {self.num_pages!r}")
-        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "chunk_size",
-                     "min_chunk", "prompt_lookup_max", "prompt_lookup_min"):
-            if not is_positive_int(getattr(self, name)):
-                raise ValueError(f"{name} must be a positive integer, got "
-                                 f"{getattr(self, name)!r}")
+
+        def optional(ok):
+            return lambda v: v is None or ok(v)
+
+        for names, ok, what in (
+                (("page_size", "max_num_seqs", "max_num_batched_tokens", "chunk_size",
+                  "min_chunk", "prompt_lookup_max", "prompt_lookup_min"), is_positive_int,
+                 "a positive integer"),
+                (("num_pages", "priority_aging_steps", "num_swap_pages"),
+                 optional(is_positive_int), "a positive integer or None"),
+                (("max_preemptions",), optional(lambda v: is_int(v) and v >= 0),
+                 "an integer >= 0 or None"),
+                (("enable_prefix_caching", "check_invariants", "trace_snapshots",
+                  "reject_when_full", "use_cuda_graphs", "batch_timeout_in_seconds"),
+                 lambda v: isinstance(v, bool), "True or False"),
+                (("num_speculative_tokens",), lambda v: is_int(v) and v >= 0, "an integer >= 0"),
+                (("batch_timeout",), lambda v: is_finite_number(v) and v >= 0,
+                 "a finite number >= 0"),
+                (("gpu_memory_utilization",), lambda v: is_finite_number(v) and 0 < v <= 1,
+                 "in (0, 1]"),
+                (("quantization",), lambda v: v in QUANTIZATIONS, "None or 'int8'")):
+            for name in names:
+                if not ok(getattr(self, name)):
+                    raise ValueError(f"{name} must be {what}, got {getattr(self, name)!r:.80}")
         for name, allowed in (("dtype", DTYPES), ("preemption", PREEMPTIONS),
                               ("preemption_mode", PREEMPTION_MODES),
                               ("attention_backend", ATTENTION_BACKENDS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        for name in ("enable_prefix_caching", "check_invariants", "trace_snapshots",
-                     "reject_when_full", "use_cuda_graphs", "batch_timeout_in_seconds"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        for name, ok, what in (("priority_aging_steps", is_positive_int, "a positive integer"),
-                               ("max_preemptions", lambda v: is_int(v) and v >= 0,
-                                "an integer >= 0"),
-                               ("num_swap_pages", is_positive_int, "a positive integer")):
-            if getattr(self, name) is not None and not ok(getattr(self, name)):
-                raise ValueError(f"{name} must be {what} or None, got {getattr(self, name)!r}")
         if self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
-        if not is_finite_number(self.batch_timeout) or self.batch_timeout < 0:
-            raise ValueError(f"batch_timeout must be a finite number >= 0, "
-                             f"got {self.batch_timeout!r}")
         if self.priority_aging_steps is not None and self.preemption != "priority":
             raise ValueError("priority_aging_steps ages priorities: it needs "
                              "preemption='priority'")
         if self.num_swap_pages is not None and self.preemption_mode != "swap":
             raise ValueError("num_swap_pages sizes the swap space: it needs "
                              "preemption_mode='swap'")
-        if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be None or 'int8', got {self.quantization!r}")
         if self.quantization and str(self.device).startswith("cuda"):
             raise ValueError("quantization='int8' is a CPU option (torch's int8-weight CPU "
                              "kernel); on CUDA use dtype='bfloat16'")
-        if not is_finite_number(self.gpu_memory_utilization) or \
-                not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError("gpu_memory_utilization must be in (0, 1], "
-                             f"got {self.gpu_memory_utilization}")
-        if not is_int(self.num_speculative_tokens) or self.num_speculative_tokens < 0:
-            raise ValueError(f"num_speculative_tokens must be an integer >= 0, "
-                             f"got {self.num_speculative_tokens!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
@@ -226,7 +212,7 @@ class EngineConfig:
                 raise ValueError(f"{small[0]} ({small[1]}) must be >= {big[0]} ({big[1]}) under "
                                  f"policy {kind!r}{why}")
         if self.device != "auto":
-            check_device(self.device)
+            resolve_device(self.device)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:

@@ -1,9 +1,7 @@
-"""Decode steps replayed from CUDA graphs (chapter 07). A decode-only step launches the same
-kernels every time; only the numbers in its inputs change. Capturing the forward once per
-batch-size bucket (1, 2, 4, … 64) and replaying it removes the per-kernel launch cost that
-dominates small decode batches on a GPU. A step of B requests runs in the smallest bucket
->= B: rows past B are padding (slot -1 stores nothing; context 0 attends to nothing) and their
-logits are dropped. With `capture=False` the same padded buffers run eagerly (the CPU tests)."""
+"""Decode steps replayed from CUDA graphs (chapter 07): a decode-only step launches the same
+kernels every time, so capturing it once per batch-size bucket and replaying it removes the
+launch cost that dominates small batches. B requests run in the smallest bucket >= B; the rows
+past B are padding (slot -1, context 0). With `capture=False` the buffers run eagerly (CPU)."""
 
 from __future__ import annotations
 
@@ -16,8 +14,7 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 def graph_buckets(max_num_seqs: int, buckets: tuple[int, ...] = DEFAULT_BUCKETS
                   ) -> tuple[int, ...]:
-    """The buckets worth capturing for `max_num_seqs` slots: a decode step never has more rows
-    than slots, so the largest is the slot count itself (up to the default's largest)."""
+    """The buckets worth capturing for `max_num_seqs` slots: the slot count caps them."""
     top = min(max_num_seqs, buckets[-1])
     return tuple(sorted({b for b in buckets if b < top} | {top}))
 

@@ -1,16 +1,15 @@
-"""The engine loop (chapter 03): `Engine.step()` runs one iteration as named phases
+"""The engine loop (chapter 03): `Engine.step()` runs one iteration as named phases.
 
     housekeeping  arrivals join the queue, expired deadlines leave, time-dependent orders re-sort
     schedule      the policy picks who advances by how many tokens (it may preempt), checked
     forward       the runner flattens every member into one token batch and runs the model once
     sample        one token for each member whose prompt is now fully in the cache
-    account       the books: tokens now in the cache, service, recomputed work, shareable pages
+    account       tokens now in the cache, service, recomputed work, shareable pages
     reclaim       finished requests leave; their pages and slots go back
     record        a `StepRecord` joins `engine.trace`; the invariant and progress checks run
 
-One request's life: `add_request` puts it in `pending`, `_arrive` in `waiting`, the policy
-(`scheduler.py`) admits it into `running` with pages from the pool (`kv_cache.py`), the
-runner (`runner.py`) computes its tokens, and `_finish` gives everything back."""
+A request goes `add_request` -> `pending` -> `waiting` -> (the policy admits it) `running`
+-> `_finish`, which gives everything back."""
 
 from __future__ import annotations
 
@@ -58,8 +57,7 @@ _BOUND_SCHEDULERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 def _bind(scheduler: Scheduler) -> None:
-    """Refuse a scheduler instance another engine was built with: a policy may keep state
-    between steps (static batching its batch), so each engine needs its own."""
+    """Refuse a scheduler instance another engine holds: a policy may keep state."""
     if _BOUND_SCHEDULERS.get(id(scheduler)) is scheduler:
         cls = type(scheduler).__name__
         raise ValueError(f"this {cls} instance already belongs to another Engine and may hold "
@@ -115,8 +113,7 @@ class Engine:
 
     @property
     def stall_limit(self) -> int:
-        """Steps in a row without progress that make a stall: STALL_STEPS, plus dynamic
-        batching's timeout in steps (chapter 02)."""
+        """Steps in a row without progress that make a stall (plus dynamic batching's wait)."""
         if self.scheduler.waits_for_batch_timeout and not self.config.batch_timeout_in_seconds:
             return STALL_STEPS + int(self.config.batch_timeout)
         return STALL_STEPS
@@ -130,8 +127,8 @@ class Engine:
 
     # ------------------------------------------------------------------------------ requests
     def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
-        """A prompt's token ids: a list of ids as given; a text through the tokenizer, with the
-        special tokens it adds (Llama's BOS) unless a chat template wrote them already."""
+        """A prompt's token ids: a list as given, a text through the tokenizer (with the special
+        tokens it adds unless a chat template wrote them)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt is a string but this checkpoint has no tokenizer; "
@@ -148,8 +145,7 @@ class Engine:
         return list(prompt)
 
     def check_request(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
-        """The prompt's token ids if this engine can ever run it under `params`, else
-        ValueError naming the problem; changes nothing."""
+        """The prompt's token ids if this engine can ever run it, else ValueError naming why."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         token_ids = self.tokenize(prompt)
@@ -177,11 +173,9 @@ class Engine:
                     request_id: str | None = None, arrival_step: int | None = None,
                     arrival_time: float | None = None, priority: int = 0,
                     deadline: float | None = None, tenant: str | None = None) -> str:
-        """Queue a request; it joins the waiting queue at `arrival_step` or `arrival_time`
-        (engine-clock seconds; on the real clock at most MAX_ARRIVAL_DELAY ahead), or now.
-        Returns its id. `deadline`: seconds after arrival by which it must finish; a request
-        still unfinished then leaves with finish_reason "deadline" (chapter 06). `tenant`: who
-        sent it, for `preemption="fair"`. Bad input raises ValueError, changing nothing."""
+        """Queue a request to arrive at `arrival_step` or `arrival_time` (engine-clock seconds),
+        or now; returns its id. `deadline`: seconds after arrival to finish in (chapter 06);
+        `tenant`: who sent it (`preemption="fair"`). Bad input: ValueError, nothing changed."""
         params = params or SamplingParams()
         token_ids = self.check_request(prompt, params)
         if request_id is None:
@@ -193,8 +187,7 @@ class Engine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if arrival_step is not None and not is_positive_int(arrival_step):
             raise ValueError(f"arrival_step must be an integer >= 1, got {arrival_step!r}")
-        # on the real clock the engine sleeps until an arrival: at most a day (a simulated
-        # clock jumps to it)
+        # the real clock sleeps until an arrival; a simulated one jumps
         latest = self.clock() + MAX_ARRIVAL_DELAY if self._sleep is time.sleep else math.inf
         if arrival_time is not None and (not is_finite_number(arrival_time)
                                          or not 0 <= arrival_time <= latest):
@@ -223,8 +216,7 @@ class Engine:
         return request_id
 
     def _arrive(self, req: Request, step: int) -> None:
-        """From `pending` into the waiting queue (or rejected, chapter 06) at `step`, the first
-        that can run it: a step already past when it was added counts as that one."""
+        """From `pending` into the waiting queue (or rejected, chapter 06) at `step`."""
         self.pending.remove(req)
         req.seq_index = next(self._seq)  # "newest" and first-come ties go by arrival, not by add
         req.metrics.arrival_step = max(req.arrives_at_step or step, step)
@@ -235,24 +227,18 @@ class Engine:
             self._finished_between_steps.append(req.request_id)
 
     def cancel(self, request_id: str, reason: str = "cancelled") -> None:
-        """Cancel a waiting or running request: its pages return at once; a finished one: no-op.
-        `reason="stop"`: the caller ended it itself (a stop string)."""
+        """Finish an unfinished request now, its pages back; "stop": a caller's stop string."""
         if reason not in ("cancelled", "stop"):
             raise ValueError(f"reason must be 'cancelled' or 'stop', got {reason!r}")
-        req = self.requests.get(str(request_id))
-        if req is None:
-            raise ValueError(f"cannot cancel unknown request_id {request_id!r}")
+        req = self._known(request_id, "cancel")
         if not req.is_finished:
             self._finish(req, reason)
             self._finished_between_steps.append(req.request_id)  # the next record lists it
 
     def stop_at(self, request_id: str, num_output_tokens: int) -> None:
-        """A caller's stop string ended the request at output token `num_output_tokens`: it
-        finishes "stop" now (relabelled so if its last step ended it by length), and later
-        tokens of that step (kept guesses, chapter 08) are dropped."""
-        req = self.requests.get(str(request_id))
-        if req is None:
-            raise ValueError(f"cannot stop unknown request_id {request_id!r}")
+        """A caller's stop string ended the request at output token `num_output_tokens`: later
+        tokens are dropped, and it finishes (or has finished) with "stop"."""
+        req = self._known(request_id, "stop")
         if not is_int(num_output_tokens) or \
                 not 0 < num_output_tokens <= len(req.output_token_ids):
             raise ValueError(f"num_output_tokens must be 1..{len(req.output_token_ids)}, got "
@@ -265,9 +251,14 @@ class Engine:
         elif req.finish_reason == "length":  # its last token: say what the caller got
             req.finish_reason = "stop"
 
+    def _known(self, request_id: str, verb: str) -> Request:
+        req = self.requests.get(str(request_id))
+        if req is None:
+            raise ValueError(f"cannot {verb} unknown request_id {request_id!r}")
+        return req
+
     def forget(self, request_id: str) -> None:
-        """Drop a finished request's record and its tenant's service (a long-running server
-        bounds its memory so); its id may then be reused."""
+        """Drop a finished request's record and service, bounding a server's memory."""
         request_id = str(request_id)
         req = self.requests.get(request_id)
         if req is None:
@@ -314,8 +305,8 @@ class Engine:
         return self._record(record, gained)
 
     def _housekeeping(self) -> tuple[list[str], float]:
-        """Skip idle time, count the step, let arrivals join, finish requests past their
-        deadline, re-sort (chapters 02, 06). Returns (ids that arrived, the step's start)."""
+        """Count the step, let arrivals join, expire deadlines, re-sort (chapters 02, 06).
+        Returns (ids that arrived, the step's start)."""
         self._skip_idle_time()
         self.step_count += 1
         now = self.clock()
@@ -348,8 +339,8 @@ class Engine:
             self._sleep(min(times) - self.clock())
 
     def _schedule(self, now: float) -> tuple[ScheduledBatch, tuple[int, int]]:
-        """The policy picks; the swap copies it planned run even when it raises (else a
-        victim's K/V is lost); the batch is checked. Returns it and the pages copied out, in."""
+        """The policy picks, the planned swap copies run (even if it raised: else a victim's
+        K/V is lost), the batch is checked. Returns it and (pages copied out, in)."""
         ctx = SchedulerContext(self.waiting, self.running, self.pool, self.config,
                                self.step_count, now, self.free_slots, self.tenant_service)
         try:
@@ -362,8 +353,8 @@ class Engine:
 
     def _members(self, batch: ScheduledBatch, drafts: dict[str, list[int]], now: float
                  ) -> tuple[list[tuple[Request, int]], list[Member]]:
-        """The members as the forward takes them (a decode with guesses is a chunk; one-token
-        rows first, as the attention metadata expects) and what each does."""
+        """The members as the forward takes them (one-token rows first, guesses included) and
+        what each does."""
         items = sorted(((r, n + len(drafts.get(r.request_id, ()))) for r, n in batch.items),
                        key=lambda item: item[1] != 1)
         for req, _ in items:
@@ -400,9 +391,8 @@ class Engine:
 
     def _account(self, items: list[tuple[Request, int]], drafts: dict[str, list[int]],
                  delivered: dict[str, int]) -> tuple[int, int]:
-        """Each member's tokens now in the cache (with guesses: those delivered), its tenant's
-        service (not recomputed work: docs/reliability.md) and the prompt pages it completed,
-        now shareable. Returns (new tokens, recomputed tokens)."""
+        """Each member's tokens now in the cache, its tenant's service and its completed prompt
+        pages, now shareable. Returns (new tokens, recomputed tokens)."""
         gained = recomputed = 0
         for req, n in items:
             start, advanced = req.num_computed_tokens, delivered.get(req.request_id, 1) \
@@ -425,8 +415,8 @@ class Engine:
         return finished
 
     def _record(self, record: StepRecord, gained: int) -> StepRecord:
-        """Trace the step and run the checks. Dynamic batching waiting for its timeout ran no
-        step (chapter 02): that record is not traced, and the next step reuses its number."""
+        """Trace the step and run the checks; dynamic batching's wait for its timeout is no step
+        (chapter 02)."""
         self._finished_between_steps = []
         if self.waits_on_clock and not (record.members or record.finished or record.arrived
                                         or record.preempted):
@@ -439,8 +429,8 @@ class Engine:
         return record
 
     def _finish(self, req: Request, reason: str) -> None:
-        """Leave the engine from any state: pages back (computed prompt pages stay indexed),
-        out of its queue, its slot and response back unless the policy holds them."""
+        """Leave the engine from any state: pages, queue place, slot and response given back
+        (the slot and response unless the policy holds them)."""
         was_running = req.status is Status.RUNNING
         if req.page_table:
             self.pool.register_prompt_pages(req.prompt_token_ids, req.page_table,
@@ -465,9 +455,8 @@ class Engine:
 
     # ------------------------------------------------------------------------------ checks
     def _check_progress(self, record: StepRecord, gained: int) -> None:
-        """Forward progress (docs/reliability.md): after `stall_limit` steps in a row in which
-        no request gained a new token or finished while work waits, raise, so that no loop
-        over `step()` spins forever. Dynamic batching by seconds sleeps a millisecond instead."""
+        """Forward progress (docs/reliability.md): raise after `stall_limit` steps in a row in
+        which work waits but no request gains a token or finishes."""
         if gained or record.finished or not (self.waiting or self.running):
             self._steps_without_progress = 0
             return
@@ -520,8 +509,7 @@ class Engine:
 
     # ------------------------------------------------------------------------------ results
     def stats(self) -> dict[str, int]:
-        """Page and queue counts now (and the swap space's); `num_waiting` includes requests
-        whose arrival is still ahead (a `StepRecord`'s does not)."""
+        """Page, swap and queue counts now (`num_waiting` includes arrivals still ahead)."""
         out = {"pages_total": self.pool.num_pages, "pages_free": self.pool.num_free,
                "pages_cached": self.pool.num_cached, "pages_used": self.pool.num_used,
                "num_waiting": len(self.waiting) + len(self.pending),
@@ -543,7 +531,7 @@ class Engine:
 
     def run(self, max_steps: int | None = None) -> list[RequestOutput]:
         """Step until every request has finished (or `max_steps`); the outputs of those
-        unfinished when called, in the order added."""
+        unfinished when called."""
         todo = [rid for rid, r in self.requests.items() if not r.is_finished]
         steps = 0
         while self.has_unfinished() and (max_steps is None or steps < max_steps):
@@ -555,10 +543,7 @@ class Engine:
         """Every request as plain data, for `minicb.benchmark.metrics`."""
         return [RequestRecord(
             r.request_id, r.num_prompt_tokens, len(r.output_token_ids), r.finish_reason,
-            r.metrics.arrival_time, r.metrics.first_scheduled_time, r.metrics.first_token_time,
-            r.metrics.finish_time, list(r.metrics.token_times), r.metrics.arrival_step,
-            r.metrics.first_scheduled_step, r.metrics.first_token_step, r.metrics.finish_step,
-            list(r.metrics.token_steps), r.num_cached_tokens, r.num_preemptions,
-            r.num_recomputed_tokens, r.priority, r.metrics.released_time,
-            r.metrics.released_step, r.tenant, r.returned_whole,
-            num_discarded_tokens=r.num_discarded_tokens) for r in self.requests.values()]
+            num_cached_tokens=r.num_cached_tokens, num_preemptions=r.num_preemptions,
+            num_recomputed_tokens=r.num_recomputed_tokens, priority=r.priority, tenant=r.tenant,
+            returned_whole=r.returned_whole, num_discarded_tokens=r.num_discarded_tokens,
+            **dataclasses.asdict(r.metrics)) for r in self.requests.values()]

@@ -1,12 +1,12 @@
 """Paged KV memory (chapter 01): a `PagePool` of fixed-size pages with a free list and reference
-counts, and a `PrefixIndex` through which a request reuses full prompt pages an earlier one
-computed. A page is free (on the free list), used (ref count > 0: in a running request's page
-table) or cached (ref count 0, in the prefix index: reusable until evicted, LRU). A leaf: it
-imports nothing else from minicb."""
+counts, and a `PrefixIndex` through which a request reuses full prompt pages computed before. A
+page is free, used (ref count > 0) or cached (ref count 0, indexed: reusable until evicted, LRU).
+A leaf: it imports nothing else from minicb."""
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 from array import array
 from collections import Counter, OrderedDict, deque
@@ -46,17 +46,11 @@ class PrefixIndex:
 
     def lookup(self, hashes: list[bytes]) -> list[int]:
         """Pages of the longest run of leading hashes that are cached."""
-        pages = []
-        for h in hashes:
-            page = self.page_of.get(h)
-            if page is None:
-                break
-            pages.append(page)
-        return pages
+        return [self.page_of[h] for h in itertools.takewhile(self.page_of.__contains__, hashes)]
 
     def register(self, h: bytes, page: int) -> None:
-        """Remember that `page` holds the full page named `h`, unless `h` is already cached
-        (under this page, or under another: then `page` stays private to its request)."""
+        """Remember that `page` holds the full page named `h`, unless either is indexed already
+        (then `page` stays private to its request)."""
         if h in self.page_of or page in self.hash_of:
             return
         self.page_of[h] = page
@@ -70,9 +64,8 @@ class PrefixIndex:
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype,
            device: str | torch.device) -> torch.Tensor:
-    """A zero tensor for a page pool. On the CPU from calloc (numpy's zeros), which the OS
-    hands over a page at a time as it is first written: only the pages a run uses become
-    resident, where torch.zeros would write every byte at load."""
+    """A zero tensor for a page pool; on the CPU from calloc (numpy's zeros), so that only the
+    pages a run writes become resident, where torch.zeros would write every byte at load."""
     num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if torch.device(device).type != "cpu" or not num_bytes:
         return torch.zeros(shape, dtype=dtype, device=device)
@@ -88,9 +81,8 @@ def page_bytes(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int
 
 class PagePool:
     """K/V storage for all layers in `num_pages` pages of `page_size` tokens, with bookkeeping.
-
-    `k[layer]` and `v[layer]` are [num_pages, page_size, num_kv_heads, head_dim]. Slot of token
-    position p in a page table = table[p // page_size] * page_size + p % page_size."""
+    `k[layer]` and `v[layer]` are [num_pages, page_size, num_kv_heads, head_dim]; token position
+    p of a page table lies in slot table[p // page_size] * page_size + p % page_size."""
 
     def __init__(self, num_pages: int, page_size: int, num_layers: int = 0, num_kv_heads: int = 0,
                  head_dim: int = 0, dtype: torch.dtype = torch.float32,
@@ -144,9 +136,8 @@ class PagePool:
 
     def pages_to_take(self, hit: list[int], total_pages: int,
                       claimed: set[int] | None = None) -> int:
-        """Available pages a page table of `total_pages` with prefix hits `hit` takes: those
-        beyond the hits, plus the hits that sit unreferenced (shared, they stop being
-        available) and are not in `claimed` (counted for another table; these join it)."""
+        """Available pages a page table of `total_pages` with prefix hits `hit` takes: those past
+        the hits, plus the unreferenced hits not in `claimed` (which they then join)."""
         cached = {p for p in hit if self.ref_count[p] == 0}
         if claimed is not None:
             cached -= claimed
@@ -155,8 +146,8 @@ class PagePool:
 
     # --- allocation ---------------------------------------------------------------------------
     def allocate(self, n: int) -> list[int]:
-        """Take `n` fresh pages (ref count 1), evicting least-recently-used cached pages when
-        the free list runs short; MemoryError, taking none, if they don't fit."""
+        """Take `n` fresh pages, evicting least-recently-used cached pages when the free list
+        runs short; MemoryError, taking none, if they don't fit."""
         if n > self.num_available:
             raise MemoryError(f"need {n} pages, only {self.num_available} available")
         pages = []
@@ -172,8 +163,7 @@ class PagePool:
         return pages
 
     def share(self, pages: list[int]) -> None:
-        """Add a reference to each page (a prefix hit); a free one is a caller's bug:
-        ValueError, and no page changes."""
+        """Add a reference to each page (prefix hits); ValueError, changing none, if one is free."""
         for page in pages:
             if self.ref_count[page] == 0 and (self.prefix is None
                                                or page not in self.prefix.hash_of):
@@ -184,8 +174,8 @@ class PagePool:
             self.ref_count[page] += 1
 
     def release(self, pages: list[int]) -> None:
-        """Drop one reference per page; at zero it is cached if the prefix index knows it,
-        else free. Releasing a page more often than it is held: ValueError, nothing changes."""
+        """Drop one reference per page; at zero it is cached if indexed, else free. ValueError,
+        changing none, for a page released more often than held."""
         for page, times in Counter(pages).items():
             if self.ref_count[page] < times:
                 raise ValueError(f"page {page} released more often than it was taken")
@@ -217,8 +207,7 @@ class PagePool:
                     self.every_layer[:, :, list(device_pages)]).unbind(2)
             else:
                 sources = [self.every_layer[:, :, page] for page in device_pages]
-            # page by page: each copy runs at memory speed; one indexed assignment of them all
-            # goes element by element
+            # page by page: one indexed assignment of them all would go element by element
             for source, host_page in zip(sources, host_pages):
                 self.swap_store[:, :, host_page].copy_(source)
 
@@ -237,17 +226,15 @@ class PagePool:
                 self.every_layer[:, :, device_page].copy_(self.swap_store[:, :, host_page])
 
     def _staging(self, num_pages: int) -> torch.Tensor:
-        """Page-locked host memory for `num_pages` pages, the bounce buffer of a GPU swap: only
-        the pages in flight are pinned, not the whole swap store (torch's caching host
-        allocator reuses it, never while a copy from it still runs)."""
+        """Page-locked host memory for `num_pages` pages in flight, a GPU swap's bounce buffer
+        (torch's caching host allocator reuses it once its copy is done)."""
         shape = (*self.swap_store.shape[:2], num_pages, *self.swap_store.shape[3:])
         return torch.empty(shape, dtype=self.swap_store.dtype, pin_memory=True)
 
     # --- prefix reuse -------------------------------------------------------------------------
     def match_prefix(self, token_ids: list[int], hashes: list[bytes] | None = None) -> list[int]:
-        """Cached pages for the longest run of full leading pages of `token_ids`, leaving at
-        least one token to compute (it makes the logits); takes no reference. `hashes`: the
-        pages' chained hashes if the caller has them."""
+        """Cached pages for the longest run of full leading pages of `token_ids`, leaving a
+        token to compute (it makes the logits); `hashes`: theirs, if the caller has them."""
         if self.prefix is None:
             return []
         usable = (len(token_ids) - 1) // self.page_size
@@ -278,8 +265,8 @@ class PagePool:
 
     # --- checks -------------------------------------------------------------------------------
     def check(self, page_tables: list[list[int]], swapped: list[list[int]] = ()) -> None:
-        """AssertionError unless the books balance: ref counts equal the page tables holding
-        each page, every page in exactly one state, every host page free or held once."""
+        """AssertionError unless ref counts equal the page tables holding each page, every page
+        is in exactly one state and every host page is free or held once."""
         host = [p for pages in swapped for p in pages] + list(self.swap_free)
         if sorted(host) != list(range(self.num_swap_pages)):
             raise AssertionError(f"swap pages do not balance: {len(self.swap_free)} free and "

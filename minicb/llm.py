@@ -29,8 +29,8 @@ def array_token_ids(array: Any) -> list:
 
 
 def prompt_list(prompts: object) -> list:
-    """`LLM.generate`'s prompts as a list (chapter 00): one prompt (a string, token ids, a 1-D
-    array of them) is a list of one; a list of prompts or a 2-D array is a list of them."""
+    """`LLM.generate`'s prompts as a list: one prompt (a string, token ids, a 1-D array) is a
+    list of one; a list of prompts or a 2-D array is a list of them."""
     if _is_array(prompts) and prompts.ndim == 1:
         return [array_token_ids(prompts)]  # one prompt, an empty one too (refused as such)
     if _is_array(prompts):
@@ -57,16 +57,15 @@ def is_conversation(messages: object) -> bool:
 
 
 def render_chat(tokenizer: Any, messages: list[dict]) -> str:
-    """The prompt text a chat template makes of `messages`, the assistant's turn opened (its
-    tokens: `encode(text, add_special_tokens=False)`; the template writes any BOS itself)."""
+    """The prompt text a chat template makes of `messages`, the assistant's turn opened (it
+    writes any BOS itself: encode it with `add_special_tokens=False`)."""
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
 
 class IncrementalDecoder:
-    """One request's output text, decoded as its tokens arrive (vLLM's incremental detokenizer):
-    each call decodes a short window of recent tokens, O(n) in all, not O(n^2). The text equals
-    `tokenizer.decode(token_ids, skip_special_tokens=True)` of the tokens read, but for a
-    character split across tokens, held back until it completes or the request ends."""
+    """One request's output text, decoded as its tokens arrive from a short window of recent
+    tokens (vLLM's incremental detokenizer): O(n) in all, not O(n^2). A character split across
+    tokens is held back until it completes or the request ends."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
@@ -86,8 +85,8 @@ class IncrementalDecoder:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def step(self, token_ids: list[int], final: bool = False, upto: int | None = None) -> str:
-        """Read the output so far (all of it, or its first `upto`); returns the text it adds.
-        `final`: the request has ended (an incomplete last character is given as it is)."""
+        """Read the output so far (or its first `upto`); returns the text it adds. `final`: the
+        request has ended (an incomplete last character is given as it is)."""
         end = len(token_ids) if upto is None else upto
         self.ids += [t for t in token_ids[self.num_seen:end] if t not in self.special]
         self.num_seen = max(self.num_seen, end)
@@ -110,10 +109,8 @@ class IncrementalDecoder:
 
 
 class StopMatcher:
-    """One request's output text cut before the first of its stop strings (vLLM's `stop`;
-    `LLM` and the server share it), looked for one token at a time as the text grows. A stop
-    string may span tokens; none counts before `min_tokens` tokens (vLLM). `num_tokens`: the
-    token at which one showed (the next, when that one's text waited for a character)."""
+    """One request's output text cut before the first of its stop strings (vLLM's `stop`),
+    looked for one token at a time as the text grows; none counts before `min_tokens`."""
 
     def __init__(self, tokenizer: Any, stop: Sequence[str] = (), min_tokens: int = 0) -> None:
         self.decoder = IncrementalDecoder(tokenizer)
@@ -136,7 +133,7 @@ class StopMatcher:
         return self.stopped
 
     def _read(self, token_ids: list[int], upto: int, final: bool) -> None:
-        """Read the first `upto` tokens (one more than before); look for a stop string."""
+        """Read the first `upto` tokens (one more than before) and look for a stop string."""
         searched = len(self.decoder.text)  # stop strings were looked for up to here
         self.decoder.step(token_ids, final=final, upto=upto)
         self.text = self.decoder.text
@@ -148,8 +145,7 @@ class StopMatcher:
                 self.text, self.stopped = self.text[:min(hits)], True
 
     def ready(self, final: bool = False) -> int:
-        """Characters of `text` that will not change: all once the request has ended, else all
-        but the `hold` that may begin a stop string."""
+        """Characters of `text` that will not change: all but those that may begin a stop string."""
         return len(self.text) if final or self.stopped else len(self.text) - self.hold
 
 
@@ -199,13 +195,12 @@ class LLM:
         return ids
 
     def _step(self) -> tuple[Any, list[str]]:
-        """One engine step, then stop strings looked for: (its record, ids a stop string ended)."""
+        """One engine step, then stop strings: (its record, ids a stop string ended)."""
         record = self.engine.step()
         return record, self._match_stops(record.sampled + record.finished)
 
     def _match_stops(self, rids: list[str]) -> list[str]:
-        """Look for stop strings in the new text of `rids`; a request one ended stops in the
-        engine at once (`Engine.stop_at`). Returns those ids."""
+        """Look for stop strings in the new text of `rids`, stopping those one ended at once."""
         stopped = []
         for rid in rids:
             m = self._stops.get(rid)
@@ -259,8 +254,8 @@ class LLM:
     def stream(self, prompts: Prompt | Sequence[Prompt],
                params: SamplingParams | Sequence[SamplingParams] | None = None
                ) -> Iterator[tuple[str, list[int], str]]:
-        """Yield `(request_id, new_token_ids, text_delta)` as steps produce tokens; text that
-        might begin a stop string is held back until it cannot."""
+        """Yield `(request_id, new_token_ids, text_delta)` as steps produce tokens (text that may
+        begin a stop string held back)."""
         ids = self._add_all(prompts, params)
         sent_tokens = {rid: 0 for rid in ids}
         sent_text = {rid: 0 for rid in ids}
@@ -303,7 +298,6 @@ class LLM:
              params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True) -> list[RequestOutput]:
         """Apply the checkpoint's chat template to one conversation (or a list of them)."""
-        self._check_chat_template()
         if isinstance(messages, str):  # llm.chat("hi"): the string, not its first letter
             raise ValueError(f"chat() takes messages, a list of {{'role': ..., 'content': ...}}"
                              f", got the string {messages!r}: pass [{{'role': 'user', "
@@ -320,18 +314,12 @@ class LLM:
         prompts = [self.apply_chat_template(c) for c in conversations]
         return self.generate(prompts, params, use_tqdm=use_tqdm)
 
-    def _check_chat_template(self) -> None:
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        """The prompt token ids the chat template makes of one conversation, else ValueError."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this checkpoint has no chat template; use generate() with a prompt")
-
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        """The prompt token ids the chat template makes of one conversation; ValueError if the
-        template cannot take it."""
-        self._check_chat_template()
         try:
             text = render_chat(self.tokenizer, messages)
         except Exception as exc:  # noqa: BLE001 - a template error is the caller's input
-            # (jinja's UndefinedError, a TypeError, raise_exception's TemplateError), as the
-            # server's tokenize says it
             raise ValueError(f"cannot apply the chat template: {exc}") from None
         return self.engine.tokenize(text, add_special_tokens=False)  # the template wrote them

@@ -5,12 +5,9 @@
        +-- PREEMPTED (pages freed, recomputed later) <-+
        +-- SWAPPED (pages copied to host memory, copied back later) <-+
 
-A request added for a later arrival is WAITING in `engine.pending` until it joins the queue.
-"cancelled" and "deadline" can end a request in any state, "rejected" one arriving
-(`reject_when_full`), "error" the members of a step whose forward failed.
-
-plus `SamplingParams` (what the user asked for) and `RequestOutput` (what `LLM.generate` returns).
-Like nano-vllm's `Sequence`, everything the scheduler needs lives here as plain fields."""
+"cancelled" and "deadline" end a request in any state, "rejected" one arriving, "error" the
+members of a failed step. Like nano-vllm's `Sequence`, everything the scheduler needs lives here
+as plain fields; beside it `SamplingParams` (what the user asked for) and `RequestOutput`."""
 
 from __future__ import annotations
 
@@ -42,15 +39,9 @@ MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit (vLLM's default max_logprobs is
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick each next token, and when to stop (vLLM's names; chapter 00 uses them
-    first). temperature 0 (or below 1e-5) means greedy. `stop`: strings that end the output
-    (not included in its text); they are matched where text is made (`LLM`, the server), so
-    the engine stays token-level and `Engine.run` alone does not look for them.
-
-    Penalties (vLLM's, `sampler.penalise`): presence and frequency in [-2, 2], repetition in
-    [0.01, 100] (vLLM: any > 0; outside, the penalised logits can leave float32's range).
-    `logprobs`: how many top tokens' logprobs each output token reports (at most 20, as
-    OpenAI allows; vLLM's limit is a server setting); None: none."""
+    """How to pick each next token and when to stop, in vLLM's names (chapter 00). `stop`
+    strings are matched where text is made (`LLM`, the server): the engine is token-level.
+    `logprobs`: how many top tokens' logprobs each output token reports."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -67,23 +58,28 @@ class SamplingParams:
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        if not is_positive_int(self.max_tokens) or self.max_tokens > MAX_TOKENS:
-            raise ValueError(f"max_tokens must be an integer in [1, {MAX_TOKENS}], got "
-                             f"{self.max_tokens!r:.40}")
-        if not is_finite_number(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not is_int(self.top_k) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if not is_finite_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (not is_int(self.seed)
-                                      or not -2**63 <= self.seed < 2**64):
-            raise ValueError(f"seed must be an integer in [-2**63, 2**64) or None (torch's "
-                             f"generator range), got {self.seed!r}")
-        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}")
-        if not isinstance(self.ignore_eos, bool):  # "false" is truthy: it would ignore EOS
-            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        def within(low: float, high: float):
+            return lambda v: is_finite_number(v) and low <= v <= high
+
+        # repetition_penalty: vLLM takes any > 0, but past these the logits leave float32's range
+        for name, ok, what in (
+                ("max_tokens", lambda v: is_positive_int(v) and v <= MAX_TOKENS,
+                 f"an integer in [1, {MAX_TOKENS}]"),
+                ("temperature", lambda v: is_finite_number(v) and v >= 0, "a finite number >= 0"),
+                ("top_k", lambda v: is_int(v) and v >= 0, "an integer >= 0 (0 = off)"),
+                ("top_p", lambda v: is_finite_number(v) and 0 < v <= 1, "in (0, 1]"),
+                ("seed", lambda v: v is None or is_int(v) and -2**63 <= v < 2**64,
+                 "an integer in [-2**63, 2**64) or None (torch's generator range)"),
+                ("min_tokens", lambda v: is_int(v) and 0 <= v <= self.max_tokens,
+                 "in [0, max_tokens]"),
+                ("ignore_eos", lambda v: isinstance(v, bool), "True or False"),  # "false" is truthy
+                ("presence_penalty", within(-2, 2), "a number in [-2, 2]"),
+                ("frequency_penalty", within(-2, 2), "a number in [-2, 2]"),
+                ("repetition_penalty", within(0.01, 100), "a number in [0.01, 100]"),
+                ("logprobs", lambda v: v is None or is_int(v) and 0 <= v <= MAX_LOGPROBS,
+                 f"an integer in [0, {MAX_LOGPROBS}] or None")):
+            if not ok(getattr(self, name)):
+                raise ValueError(f"{name} must be {what}, got {getattr(self, name)!r:.40}")
         # bytes iterate as ints (b"\n " would be ids 10 and 32): a string's bytes are no ids
         if isinstance(self.stop_token_ids, (int, str, bytes, bytearray)) or \
                 not hasattr(self.stop_token_ids, "__iter__"):
@@ -96,32 +92,21 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be non-negative integers, got {stop!r:.80}")
         object.__setattr__(self, "stop_token_ids", stop)
         object.__setattr__(self, "stop", stop_strings(self.stop))
-        for name, low, high in (("presence_penalty", -2, 2), ("frequency_penalty", -2, 2),
-                                ("repetition_penalty", 0.01, 100)):
-            value = getattr(self, name)
-            if not is_finite_number(value) or not low <= value <= high:
-                raise ValueError(f"{name} must be a number in [{low}, {high}], got {value!r:.40}")
-        if self.logprobs is not None and (not is_int(self.logprobs)
-                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got "
-                             f"{self.logprobs!r:.40}")
 
     @property
     def greedy(self) -> bool:
-        """Temperature 0 (or below 1e-5, as in vLLM: too small to sample from in float32),
-        or top_k 1."""
+        """Temperature below 1e-5 (as in vLLM: too small to sample from in float32), or top_k 1."""
         return self.temperature < GREEDY_BELOW or self.top_k == 1
 
     @property
     def penalised(self) -> bool:
-        """A penalty is set: sampling needs the request's token counts (`sampler.TokenCounts`)."""
+        """A penalty is set: sampling needs the request's `sampler.TokenCounts`."""
         return bool(self.presence_penalty or self.frequency_penalty
                     or self.repetition_penalty != 1.0)
 
 
 def stop_strings(stop: object) -> tuple[str, ...]:
-    """`SamplingParams.stop` as a tuple (chapter 00): one string is one stop string, as in
-    vLLM; None is none."""
+    """`SamplingParams.stop` as a tuple: one string is one stop string, as in vLLM."""
     if stop is None:
         return ()
     strings = (stop,) if isinstance(stop, str) else stop
@@ -192,14 +177,13 @@ class Request:
 
     @cached_property
     def stop_tokens(self) -> frozenset[int]:
-        """The tokens that end it: its stop_token_ids and, unless ignore_eos, its end-of-sequence
-        tokens (a set built once: every step looks a token up in it)."""
+        """Its stop_token_ids and, unless ignore_eos, its end-of-sequence tokens (built once)."""
         p = self.params
         return frozenset((*p.stop_token_ids, *(() if p.ignore_eos else self.eos_token_ids)))
 
     def advance(self, num_tokens: int) -> int:
-        """`num_tokens` more of its tokens have K/V in its pages: the one place a step grows
-        `num_computed_tokens`. Returns how many are new (recomputed ones are not service)."""
+        """`num_tokens` more of its tokens have K/V in its pages (the one place a step grows
+        `num_computed_tokens`); returns how many are new, not recomputed."""
         start = self.num_computed_tokens
         self.num_computed_tokens += num_tokens
         redone = max(0, min(self.num_computed_tokens, self.num_tokens_before_preemption) - start)
@@ -217,7 +201,7 @@ class Request:
 
     @property
     def deadline_time(self) -> float:
-        """When (engine clock) the deadline passes; infinity without one or before arrival."""
+        """When (engine clock) the deadline passes; infinity without one."""
         if self.deadline is None or self.metrics.arrival_time is None:
             return float("inf")
         return self.metrics.arrival_time + self.deadline
@@ -245,7 +229,7 @@ class Request:
 
     @property
     def num_remaining(self) -> int:
-        """Tokens still to run through the model before the next token can be sampled."""
+        """Tokens to run through the model before the next can be sampled."""
         return len(self.prompt_token_ids) + len(self.output_token_ids) - self.num_computed_tokens
 
     @property
@@ -264,8 +248,7 @@ class Request:
 
 @dataclass
 class RequestOutput:
-    """What `LLM.generate` returns per prompt, in prompt order (vLLM's field names;
-    chapter 00)."""
+    """What `LLM.generate` returns per prompt, in vLLM's names (chapter 00)."""
 
     request_id: str
     prompt_token_ids: list[int]

@@ -1,7 +1,6 @@
 """The model runner (chapters 01, 03, 07), as nano-vllm's `model_runner`: it loads the model,
-sizes and allocates the page pool, flattens one step's members into one token batch, runs the
-model once (or replays a CUDA graph), and turns logits into tokens. The engine schedules and
-keeps the books; the runner computes."""
+sizes the page pool, flattens a step's members into one forward (or a CUDA graph's replay) and
+turns logits into tokens. The engine schedules and keeps the books; the runner computes."""
 
 from __future__ import annotations
 
@@ -48,7 +47,7 @@ def default_num_pages(model_config, config: EngineConfig, dtype: torch.dtype) ->
 
 
 def host_memory() -> tuple[int, int] | None:
-    """(total, available) bytes of this machine's memory, from /proc/meminfo; None elsewhere."""
+    """(total, available) bytes of host memory, from /proc/meminfo; None elsewhere."""
     try:
         with open("/proc/meminfo") as lines:
             info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in lines}
@@ -59,8 +58,7 @@ def host_memory() -> tuple[int, int] | None:
 
 def check_pool_fits(num_pages: int, num_swap_pages: int, per_page: int, device: str) -> None:
     """ValueError, before anything is allocated, when the pool and its swap space need more
-    memory than the machine has (the K/V, resident only once written, against the total; the
-    bookkeeping, built at once, against what is available)."""
+    memory than the machine has (K/V against the total, bookkeeping against what is free)."""
     books = (num_pages + num_swap_pages) * BOOKKEEPING_BYTES
     host = books + num_swap_pages * per_page
     if torch.device(device).type == "cuda":
@@ -80,8 +78,8 @@ def check_pool_fits(num_pages: int, num_swap_pages: int, per_page: int, device: 
 
 
 def load(model, config: EngineConfig):
-    """(model, info, dtype of its activations and KV cache) on `config.device`. A loaded
-    `(model, info)` pair must be on that device and match an explicit dtype or quantization."""
+    """(model, info, KV dtype) on `config.device`; a loaded `(model, info)` pair must be on that
+    device and match an explicit dtype or quantization."""
     from minicb.model.loader import load_model
     device, dtype = config.device, torch_dtype(config.dtype, config.device)
     if isinstance(model, torch.nn.Module):  # str(model) would be its repr as a path
@@ -112,8 +110,7 @@ def load(model, config: EngineConfig):
 
 
 def resolve_config(model, config: EngineConfig) -> EngineConfig:
-    """`config` with device="auto" resolved once: where a loaded model lies, else CUDA if
-    torch sees a GPU."""
+    """`config` with device="auto" resolved: where a loaded model lies, else `resolve_device`."""
     if config.device != "auto":
         return config
     embed = getattr(model[0], "embed_tokens", None) if isinstance(model, tuple) else None
@@ -161,8 +158,8 @@ class ModelRunner:
                                  graph_buckets(self.config.max_num_seqs), capture=capture)
 
     def copy_pages(self, batch) -> tuple[int, int]:
-        """The swap copies the policy planned (chapter 06): out first (a page a victim gave up
-        may be one a swap-in takes), then in; then the host pages go back. (pages out, in)."""
+        """Run the planned swap copies (chapter 06), out first (a swap-in may take a page a
+        victim gave up); returns (pages out, pages in)."""
         with self.on_device():
             self.pool.swap_out(batch.swap_out)
             self.pool.swap_in(batch.swap_in)
@@ -171,9 +168,8 @@ class ModelRunner:
 
     def forward(self, items: list[tuple[Request, int]], drafts: dict[str, list[int]]
                 ) -> tuple[list[Request], torch.Tensor, float]:
-        """Flatten the members into one token batch and run the model once: the requests to
-        sample (those whose prompt is then complete), their logits (one row each; a member with
-        guesses, one per guess more), and the forward's seconds."""
+        """Run the members as one token batch: the requests to sample (prompt complete), their
+        logits (a row each, one more per guess) and the forward's seconds."""
         if not items:  # no forward at all: even an empty one takes time
             return [], torch.empty(0), 0.0
         start = self.now()
@@ -224,8 +220,8 @@ class ModelRunner:
     @staticmethod
     def sample(reqs: list[Request], logits: torch.Tensor, drafts: dict[str, list[int]]
                ) -> list[list[int]]:
-        """Each request's new tokens: one sampled, or the guesses the model keeps and one of its
-        own (`speculative.verify`); a request short of `min_tokens` samples no stop token."""
+        """Each request's new tokens: one sampled, or the kept guesses and one more (`verify`);
+        a request short of `min_tokens` samples no stop token."""
         if not reqs:
             return []
         for r in reqs:  # the penalties' counts, from here on kept as tokens are appended

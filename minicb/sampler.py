@@ -1,8 +1,6 @@
-"""Turning logits into tokens (chapter 01): greedy, temperature, top-k, top-p, and a per-request
-seed so that the same seed gives the same tokens whatever else shares the batch, up to the
-rounding the batch changes (chapter 03): a draw that lands within a rounding error of the line
-between two tokens can go either way. Before any of them, vLLM's presence, frequency and
-repetition penalties; beside them, the logprobs a request asks for."""
+"""Turning logits into tokens (chapter 01): vLLM's penalties, then greedy, temperature, top-k and
+top-p, with a per-request seed so that a seed gives the same tokens whatever shares the batch
+(up to the rounding the batch changes, chapter 03); beside them, the logprobs a request asks for."""
 
 from __future__ import annotations
 
@@ -12,8 +10,7 @@ from minicb.request import SamplingParams
 
 
 def make_generator(seed: int | None) -> torch.Generator | None:
-    """A request's own random stream (None without a seed: torch's global one), on the CPU
-    where `draw` runs."""
+    """A request's own random stream on the CPU, where `draw` runs (None: torch's global one)."""
     if seed is None:
         return None
     gen = torch.Generator(device="cpu")
@@ -37,9 +34,8 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 
 
 class TokenCounts:
-    """A request's history as the penalties read it: which tokens its prompt holds and how
-    often each token occurs in its output, as rows [vocab] on the logits' device. Made at its
-    first penalised sample, then counted one token at a time (`add`), never rescanned."""
+    """Which tokens a request's prompt holds and how often each occurs in its output, as rows
+    [vocab] on the logits' device; counted one token at a time (`add`), never rescanned."""
 
     def __init__(self, prompt: list[int], output: list[int], vocab: int,
                  device: torch.device) -> None:
@@ -53,10 +49,8 @@ class TokenCounts:
 
 
 def penalise(logits: torch.Tensor, params: SamplingParams, counts: TokenCounts) -> torch.Tensor:
-    """vLLM's penalties on one row of logits [vocab], in its order: `repetition_penalty`
-    divides the positive logit of every token in the prompt or the output and multiplies a
-    negative one; `frequency_penalty` times its count in the output is subtracted from each
-    token's logit, and `presence_penalty` from that of every token the output holds."""
+    """vLLM's penalties on one row of logits [vocab], in its order: repetition (divides a positive
+    logit of a token seen, multiplies a negative one), then frequency and presence."""
     in_output = counts.output > 0
     rep = torch.where(counts.in_prompt | in_output, float(params.repetition_penalty), 1.0)
     logits = torch.where(logits > 0, logits / rep, logits * rep)
@@ -90,11 +84,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
 
 def top_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]
                  ) -> list[dict[int, float]]:
-    """Per row of `logits` [N, vocab], the log-probabilities of its ks[i] most likely tokens in
-    rank order, then of tokens[i] (the one sampled) if it is not among them. They come from the
-    model's raw log-softmax, before bans, penalties, temperature, top-k and top-p: vLLM's
-    default (`logprobs_mode="raw_logprobs"`), so a request's logprobs do not depend on how it
-    samples. One copy to the host for the whole batch."""
+    """Per row of `logits` [N, vocab], the logprobs of its ks[i] most likely tokens, then of
+    tokens[i] (the sampled one) if not among them; from the raw log-softmax, before any
+    sampling rule (vLLM's default), with one copy to the host for the whole batch."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     top = torch.topk(logprobs, max(ks), dim=-1)
     chosen = logprobs.gather(-1, torch.tensor(tokens, device=logits.device)[:, None])
@@ -118,10 +110,8 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:
-    """One token from `probs` [vocab] by inverse transform: the first token whose cumulative
-    probability passes one uniform number. `torch.multinomial` draws an exponential number per
-    vocabulary entry instead: 1.2-1.8 ms for SmolLM2's 49,152 on the course machine, against
-    about 60 us here, so 32 sampled rows cost 40-56 ms a step with it and 2 without."""
+    """One token from `probs` [vocab] by inverse transform: the first whose cumulative probability
+    passes one uniform number (`torch.multinomial` draws a number per vocabulary entry)."""
     cdf = probs.double().cumsum(-1)  # float64: no drift over 150,000 entries
     if not 0 < cdf[-1] < float("inf"):
         raise ValueError("cannot sample: the probabilities are not finite (NaN in the logits?)")

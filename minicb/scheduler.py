@@ -1,18 +1,9 @@
-"""Schedulers (chapters 02-06): one interface, one class per policy, and the queue they share.
+"""Schedulers (chapters 02-06): one interface, one class per policy, the queue they share.
 
-Each step the engine hands the policy a `SchedulerContext` (the waiting queue, the running list,
-the limits, and six verbs: `schedule`, `admit`, `reserve`, `preempt`, `reserve_or_preempt`,
-`release_slot`) and gets back a `ScheduledBatch`: which requests advance and by how many
-tokens. Policies decide from requests, token counts and pages only; they never touch tensors or
-the model. The waiting queue's order and admission control (chapter 06) live here too.
-
-    single      one request at a time, whole prompt, then decode to the end (v1)
-    static      a fixed batch starts together and ends with its slowest member
-    dynamic     static, but a batch forms only when it is full or its oldest member waited
-                `batch_timeout` steps (or seconds)
-    continuous  iteration-level scheduling: members leave and join every step; whole prompts
-    chunked     continuous with prompts cut into chunks, prefill-first (decodes wait)
-    pd          decode-first under a token budget, the rest to prefill chunks (PD interleaving)
+Each step the engine hands the policy a `SchedulerContext` (the queues, the limits and six
+verbs: `schedule`, `admit`, `reserve`, `preempt`, `reserve_or_preempt`, `release_slot`) and
+gets back a `ScheduledBatch`: who advances by how many tokens. Policies see requests, token
+counts and pages, never tensors. Queue order and admission control (chapter 06) live here too.
 """
 
 from __future__ import annotations
@@ -27,25 +18,21 @@ from minicb.request import Request, Status
 
 
 class SchedulerError(ValueError):
-    """A scheduler used a verb on the wrong request, or returned a batch the engine refuses to
-    run; the message names the rule (chapter 03)."""
+    """A policy misused a verb or returned a batch the engine refuses; names the rule."""
 
 
 @dataclass
 class ScheduledBatch:
-    """The plan for one step: (request, tokens to advance) pairs, static batching's idle
-    members (finished, still holding their slot), who was preempted on the way, and the swap
-    copies to run before the forward (chapter 06): (device page, host page) out, (host page,
-    device page) in, and the host pages to give back once they are done."""
+    """The plan for one step, and the swap copies to run before its forward (chapter 06)."""
 
-    items: list[tuple[Request, int]] = field(default_factory=list)
-    idle: list[Request] = field(default_factory=list)
+    items: list[tuple[Request, int]] = field(default_factory=list)  # (request, tokens to advance)
+    idle: list[Request] = field(default_factory=list)  # finished, holding their slot (static)
     preempted: list[Request] = field(default_factory=list)
     swapped: list[Request] = field(default_factory=list)  # of `preempted`, those kept on host
     num_discarded_tokens: int = 0  # computed K/V this step's preemptions threw away
-    swap_out: list[tuple[int, int]] = field(default_factory=list)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)
-    swap_release: list[int] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device page, host page)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host page, device page)
+    swap_release: list[int] = field(default_factory=list)  # host pages free once copied
 
     @property
     def num_tokens(self) -> int:
@@ -57,9 +44,8 @@ class ScheduledBatch:
 
 # ------------------------------------------------------------------- the queue (chapter 06)
 def queue_rank(preemption: str, tenant_service: Counter | None = None):
-    """The waiting queue's order, and the reverse order of preemption: first come first served
-    ("newest": the newest is preempted first), by `priority`, earliest deadline first, or the
-    least-served tenant first ("fair", from `tenant_service`); ties in arrival order."""
+    """The waiting queue's sort key, and the reverse order of preemption: arrival ("newest"),
+    `priority`, earliest deadline, or least-served tenant ("fair"); ties by arrival."""
     if preemption == "priority":
         return lambda r: (r.priority, r.seq_index)
     if preemption == "deadline":
@@ -72,9 +58,8 @@ def queue_rank(preemption: str, tenant_service: Counter | None = None):
 
 def enqueue(waiting: deque[Request], req: Request, preemption: str,
             preempted: bool = False) -> None:
-    """Put `req` into the waiting queue: under "priority" and "deadline" behind every request
-    ranking before it or level with it; otherwise an arrival at the back and a preempted
-    request back at the front ("fair" re-sorts the whole queue every step)."""
+    """Queue `req`: by rank under "priority" and "deadline" (behind its equals); otherwise an
+    arrival at the back, a preempted request at the front ("fair" re-sorts every step)."""
     if preemption in ("priority", "deadline"):
         rank = queue_rank(preemption)
         index = next((i for i, r in enumerate(waiting) if rank(r) > rank(req)), len(waiting))
@@ -87,9 +72,8 @@ def enqueue(waiting: deque[Request], req: Request, preemption: str,
 
 def reorder(waiting: deque[Request], config: EngineConfig, step: int,
             tenant_service: Counter) -> None:
-    """Re-sort the orders that change as steps pass. With `priority_aging_steps`: `priority`
-    less one for every that many steps waited, so a request that waits long enough outranks
-    any newcomer (starvation is bounded). With preemption="fair": by tenant service."""
+    """Re-sort the orders that change as steps pass: aged priorities (`priority_aging_steps`,
+    so starvation is bounded) or, under "fair", tenant service."""
     aging = config.priority_aging_steps
     if aging:
         def key(r):
@@ -104,16 +88,14 @@ def reorder(waiting: deque[Request], config: EngineConfig, step: int,
 
 
 def is_protected(req: Request, config: EngineConfig) -> bool:
-    """Preempted `max_preemptions` times: once admitted it holds pages for its whole life and
-    is never a victim again (the bound on preemption loss)."""
+    """Preempted `max_preemptions` times: admitted with pages for its whole life, never a
+    victim again."""
     return config.max_preemptions is not None and req.num_preemptions >= config.max_preemptions
 
 
 def prefix_hits(pool: PagePool, req: Request) -> list[int]:
-    """The cached pages admitting `req` shares (chapters 01, 06): the longest run of its full
-    leading pages in the prefix index (a prompt shorter than a page has no hashes of its own:
-    its tokens so far are hashed); for a swapped request only those it had computed, since it
-    writes the next positions itself and a page another request reads must not be written."""
+    """The cached pages admitting `req` shares (chapters 01, 06); a swapped request only those
+    it had computed: it writes the next positions itself, never into a shared page."""
     hit = pool.match_prefix(req.all_token_ids, req.page_hashes or None)
     if req.status is Status.SWAPPED:
         return hit[:req.num_computed_tokens // pool.page_size]
@@ -121,10 +103,8 @@ def prefix_hits(pool: PagePool, req: Request) -> list[int]:
 
 
 class Admission:
-    """Admission control (chapter 06). With `reject_when_full`, an arrival that the available
-    pages, less those the waiting requests will take, cannot hold is rejected at once (the
-    server answers 503) instead of waiting; running requests' growth is not counted
-    (preemption answers that). Otherwise every arrival joins the queue."""
+    """Admission control (chapter 06): with `reject_when_full`, an arrival that the available
+    pages, less those the waiting requests will take, cannot hold is rejected at once."""
 
     def __init__(self, pool: PagePool, config: EngineConfig, waiting: deque[Request]) -> None:
         self.pool, self.config, self.waiting = pool, config, waiting
@@ -133,7 +113,7 @@ class Admission:
         self.unclaimed: tuple[tuple[int, ...], int, set[int] | None] | None = None
 
     def arrive(self, req: Request) -> bool:
-        """Queue an arrival; False, queuing nothing, to reject it."""
+        """Queue an arrival; False, queuing nothing, rejects it."""
         if not self.config.reject_when_full:
             enqueue(self.waiting, req, self.config.preemption)
             return True
@@ -150,9 +130,7 @@ class Admission:
         return True
 
     def pages_to_admit(self, req: Request, claimed: set[int] | None = None) -> int:
-        """Available pages admitting `req` whole takes: beyond its prefix hits, those its
-        tokens need (its whole life's once protected), plus the hits that sit unreferenced and
-        are not in `claimed` (counted for a request ahead of it)."""
+        """Available pages admitting `req` whole takes (`PagePool.pages_to_take`)."""
         return self.pool.pages_to_take(prefix_hits(self.pool, req), self.pool.pages_needed(
             self.tokens_to_admit(req)), claimed)
 
@@ -160,10 +138,8 @@ class Admission:
         return req.max_total_tokens if is_protected(req, self.config) else req.num_tokens
 
     def pages_unclaimed(self, need: int) -> int:
-        """Available pages less those the waiting requests will take: a lower bound first (a
-        request takes at most the pages its tokens need), the exact count, which looks up every
-        waiting prefix, only when that falls short of `need`. Kept between arrivals; counted
-        again after scheduling (`recount`) or when the queue or the pool changed."""
+        """Available pages less those the waiting requests will take: a lower bound, and the
+        exact count (every waiting prefix looked up) only when that falls short of `need`."""
         state = self._state()
         if self.unclaimed is None or self.unclaimed[0] != state:
             self.unclaimed = (state, self.pool.num_available - sum(
@@ -183,9 +159,8 @@ class Admission:
 
 # ------------------------------------------------------------------- what a policy may do
 class SchedulerContext:
-    """What a policy sees and may do during one step (chapter 03; exercise 3.2 writes a policy
-    against it). The verbs act at once on the queues and the pool; the swap copies they plan
-    run after `schedule` returns."""
+    """What a policy sees and may do during one step (chapter 03). The verbs act at once on
+    the queues and the pool; the swap copies they plan run after `schedule` returns."""
 
     def __init__(self, waiting: deque[Request], running: list[Request], pool: PagePool,
                  config: EngineConfig, step: int, now: float, free_slots: list[int],
@@ -202,16 +177,13 @@ class SchedulerContext:
     def num_free_pages(self) -> int:
         return self.pool.num_available
 
-    def is_protected(self, req: Request) -> bool:
-        return is_protected(req, self.config)
-
     def pages_to_advance(self, req: Request, num_tokens: int) -> int:
         """New pages `req` needs to hold `num_tokens` more tokens."""
         need = self.pool.pages_needed(req.num_computed_tokens + num_tokens)
         return max(0, need - len(req.page_table))
 
     def schedule(self, req: Request, num_tokens: int) -> None:
-        """Put `req` in this step's batch for `num_tokens` tokens (pages must be reserved)."""
+        """Put `req` in this step's batch for `num_tokens` tokens (its pages reserved)."""
         self.batch.items.append((req, num_tokens))
         self.scheduled_ids.add(req.request_id)
 
@@ -224,12 +196,10 @@ class SchedulerContext:
         return True
 
     def admit(self, req: Request, max_tokens: int, min_tokens: int = 1) -> int:
-        """Move a waiting request (usually the queue's front; static batching readmits a
-        preempted member wherever it waits) into the running set: share its cached prefix
-        pages, take a slot and pages for its first chunk of at most `max_tokens` tokens (a
-        swapped request: for what it had computed too, copied back before the forward).
-        Returns the chunk's size, or 0, changing nothing, if it does not fit or would be
-        shorter than `min_tokens` while more than that remains."""
+        """Move a waiting request into the running set: share its cached prefix pages, take a
+        slot and pages for a first chunk of at most `max_tokens` tokens (a swapped request's
+        pages come back from host memory). Returns the chunk's size, or 0, changing nothing,
+        if it does not fit or is shorter than `min_tokens` while more remain."""
         if req.status not in (Status.WAITING, Status.PREEMPTED, Status.SWAPPED) \
                 or req not in self.waiting:
             raise SchedulerError(f"step {self.step}: ctx.admit({req.request_id}): only a "
@@ -242,7 +212,7 @@ class SchedulerContext:
         start = req.num_computed_tokens if swapped else len(hit) * self.pool.page_size
         num_tokens = min(max_tokens, req.num_tokens - start)
         total_tokens = start + num_tokens
-        if self.is_protected(req):  # its whole life now, so it never needs a page again
+        if is_protected(req, self.config):  # its whole life now, so it never needs a page again
             total_tokens = max(total_tokens, req.max_total_tokens)
         total_pages = self.pool.pages_needed(total_tokens)
         if num_tokens < min(min_tokens, req.num_tokens - start) or \
@@ -265,12 +235,9 @@ class SchedulerContext:
         return num_tokens
 
     def preempt(self, req: Request) -> None:
-        """Take a running request's pages and put it back at the front of the queue. With
-        preemption_mode="swap", while the swap space has room, its K/V is copied to host
-        memory, and back when it is admitted again; otherwise its tokens are recomputed then
-        (reusing the prefix pages still cached: `num_recomputed_tokens` counts at compute
-        time). A request swapped in this same step keeps its host pages, whose copy back was
-        only planned."""
+        """Take a running request's pages and requeue it at the front: its K/V copied to host
+        memory under preemption_mode="swap" while there is room, else recomputed when it
+        returns. One swapped in this same step keeps its host pages (the copy was planned)."""
         if req.status is not Status.RUNNING or req not in self.running:
             raise SchedulerError(f"step {self.step}: ctx.preempt({req.request_id}): only a "
                                  f"running request can be preempted; it is {req.status.value}")
@@ -309,17 +276,16 @@ class SchedulerContext:
         self.batch.preempted.append(req)
 
     def release_slot(self, req: Request) -> None:
-        """Give back a request's slot (static batching holds finished ones until batch end)."""
+        """Give back a request's slot (static batching holds finished ones to batch end)."""
         if req.slot is not None:
             bisect.insort(self.free_slots, req.slot)
             req.slot = None
 
     def pick_victim(self, current: Request) -> Request:
-        """Whom to preempt when `current` needs a page: of the running requests not yet
-        scheduled this step (and `current`), the one ranking last in the queue's order (under
-        "priority" the largest `priority` value, as in vLLM), never a protected one."""
-        candidates = [r for r in self.running if (r.request_id not in self.scheduled_ids
-                                                  or r is current) and not self.is_protected(r)]
+        """Whom to preempt for `current`: of the running requests not scheduled yet (and
+        `current`), the one ranking last in the queue's order, never a protected one."""
+        candidates = [r for r in self.running if not is_protected(r, self.config) and (
+            r.request_id not in self.scheduled_ids or r is current)]
         return max(candidates or [current],
                    key=queue_rank(self.config.preemption, self.tenant_service))
 
@@ -335,10 +301,8 @@ class SchedulerContext:
 
 def check_batch(batch: object, ctx: SchedulerContext, requests: dict[str, Request],
                 whole_prompts: bool) -> None:
-    """Refuse an impossible batch (a learner's scheduler may build one) before anything is
-    computed: SchedulerError naming the step, the request and the rule. (The verbs are checked
-    as they act.) A whole-prompt policy may exceed the token budget with one long prompt
-    (chapter 03); every other policy stays within it and within `chunk_size`."""
+    """SchedulerError naming the step, the request and the rule for an impossible batch, before
+    anything is computed. Only a whole-prompt policy may exceed the token budget (chapter 03)."""
     step, cfg = ctx.step, ctx.config
     if batch is not ctx.batch:
         got = "another ScheduledBatch" if isinstance(batch, ScheduledBatch) \
@@ -394,19 +358,18 @@ def _broken_rule(req: Request, n: object, ctx: SchedulerContext, requests: dict[
 
 # the building blocks every policy may use (chapters 03-05), also methods of `Scheduler`
 def decoding(ctx: SchedulerContext) -> list[Request]:
-    """The running requests whose prompt is in the cache: each advances one token a step."""
+    """The running requests whose prompt is in the cache."""
     return [r for r in ctx.running if not r.is_prefill]
 
 
 def prefilling(ctx: SchedulerContext) -> list[Request]:
-    """The running requests still computing their prompt (or recomputing it)."""
+    """The running requests still computing (or recomputing) their prompt."""
     return [r for r in ctx.running if r.is_prefill]
 
 
 def schedule_decodes(ctx: SchedulerContext) -> int:
-    """One token for every running decode, in running order (the order they were admitted;
-    a preempted request readmitted comes last), preempting when pages run out.
-    Returns the number of decode tokens scheduled."""
+    """One token for every running decode, in admission order, preempting when pages run
+    out. Returns the number scheduled."""
     count = 0
     for req in Scheduler.decoding(ctx):
         if req.status is Status.RUNNING and ctx.reserve_or_preempt(req, 1):
@@ -456,27 +419,18 @@ POLICY_FLAGS = ("whole_prompts", "holds_finished_slots", "waits_for_batch_timeou
 
 
 class Scheduler:
-    """Base class of every policy, the learner's included (chapter 03): implement `schedule`,
-    which fills and returns `ctx.batch`. Class attributes tell the engine (and `sweep`) what a
-    policy does, never its name:
-    - `whole_prompts`: prompts are prefilled whole (chapters 01-03), so a step may exceed
-      `max_num_batched_tokens` with one long prompt; every other policy keeps the budget and
-      `chunk_size`;
-    - `holds_finished_slots`: a finished request keeps its slot until `ctx.release_slot`
-      (static batching, chapter 02);
-    - `waits_for_batch_timeout`: with `batch_timeout` in seconds, empty steps while requests
-      wait are the timeout running, not a stall (dynamic batching, chapter 02);
-    - `decodes_every_step`: every running decode advances every step (PD, chapter 05), which
-      the invariant check holds it to;
-    - `reads`: the batch settings its schedule depends on (`sweep` varies only those).
-    Each engine needs its own instance: a policy may keep state between steps."""
+    """Base class of every policy, the learner's included (chapter 03): `schedule` fills and
+    returns `ctx.batch`. The class attributes tell the engine what a policy does, never its
+    name. Each engine needs its own instance: a policy may keep state between steps."""
 
     name = "base"
+    # prompts are prefilled whole (chapters 01-03): one long prompt may exceed the token budget
     whole_prompts = False
-    holds_finished_slots = False
+    holds_finished_slots = False  # a finished request keeps its slot until ctx.release_slot
+    # with batch_timeout in seconds, empty steps while requests wait are not a stall (chapter 02)
     waits_for_batch_timeout = False
-    decodes_every_step = False
-    reads = ("max_num_seqs", "max_num_batched_tokens", "chunk_size")
+    decodes_every_step = False  # every running decode advances every step (the invariant check)
+    reads = ("max_num_seqs", "max_num_batched_tokens", "chunk_size")  # what `sweep` varies
 
     def schedule(self, ctx: SchedulerContext) -> ScheduledBatch:
         raise NotImplementedError
@@ -512,8 +466,8 @@ class SingleScheduler(Scheduler):
 
 
 class StaticScheduler(Scheduler):
-    """Static batching (chapter 02): up to `max_num_seqs` requests start together; the batch,
-    and every slot in it, lives until its slowest member ends. Late arrivals wait."""
+    """Static batching (chapter 02): up to `max_num_seqs` requests start together; the batch
+    and its slots live until its slowest member ends."""
 
     name = "static"
     whole_prompts = True
@@ -531,7 +485,7 @@ class StaticScheduler(Scheduler):
         return all(r.is_finished for r in self.batch)
 
     def release(self, req: Request) -> list[Request]:
-        """A completed member is held: the batch returns whole when its last member leaves."""
+        """A completed member is held until the batch's last member leaves."""
         out = [req]
         if req.finish_reason in ("stop", "length"):
             req.returned_whole = True
@@ -542,9 +496,8 @@ class StaticScheduler(Scheduler):
         return out
 
     def choose_batch(self, ctx: SchedulerContext) -> list[Request]:
-        """The waiting requests a new batch tries to admit, in order (admission stops at the
-        first that does not fit): the first `max_num_seqs` in the queue. Exercise 2.1 replaces
-        it with the learner's own choice."""
+        """The waiting requests a new batch admits in order, until one does not fit (the hook
+        exercise 2.1 replaces)."""
         return list(ctx.waiting)[:ctx.config.max_num_seqs]
 
     def schedule(self, ctx: SchedulerContext) -> ScheduledBatch:
@@ -575,8 +528,8 @@ class StaticScheduler(Scheduler):
 
 
 class DynamicScheduler(StaticScheduler):
-    """Request-level dynamic batching (chapter 02): a static batch that forms once
-    `max_num_seqs` requests wait or the oldest has waited `batch_timeout`."""
+    """Dynamic batching (chapter 02): a static batch that forms once `max_num_seqs` requests
+    wait or the oldest has waited `batch_timeout`."""
 
     name = "dynamic"
     waits_for_batch_timeout = True
@@ -595,10 +548,9 @@ class DynamicScheduler(StaticScheduler):
 
 
 class ContinuousScheduler(Scheduler):
-    """Continuous batching (chapter 03): every step, all running decodes advance one token and
-    waiting requests join (whole prompts) while slots, pages and the token budget allow. The
-    budget counts whole prompt lengths, and the first waiting prompt always joins, so a step
-    may exceed it by its decodes or by that one prompt: the problem chapter 04's chunks solve."""
+    """Continuous batching (chapter 03): every step all running decodes advance one token and
+    waiting prompts join whole while slots, pages and the token budget allow (the first always
+    joins: a step may exceed the budget, the problem chapter 04's chunks solve)."""
 
     name = "continuous"
     whole_prompts = True
@@ -622,8 +574,7 @@ class ContinuousScheduler(Scheduler):
 
 class ChunkedScheduler(Scheduler):
     """Chunked prefill, prefill-first (chapter 04): prompts advance in chunks of at most
-    `chunk_size` tokens under the step's token budget; while any prefill work can run, decodes
-    wait (the chapter's "problem two")."""
+    `chunk_size` under the token budget; decodes wait while prefill work can run."""
 
     name = "chunked"
 
@@ -656,8 +607,7 @@ POLICY_CLASSES: dict[str, type[Scheduler]] = {
 
 
 def make_scheduler(policy: str | Scheduler) -> Scheduler:
-    """A fresh scheduler for a policy name, or the learner's own `Scheduler` instance; any
-    other object is refused, naming what it lacks (the engine reads all of it)."""
+    """A fresh scheduler for a policy name, or the learner's own `Scheduler` instance."""
     if isinstance(policy, Scheduler):
         return policy
     if isinstance(policy, str):

@@ -1,13 +1,8 @@
-"""Speculative decoding by prompt lookup (chapter 08): a decode step that can yield several
-tokens. A decode step reads every weight to produce one token per request; where that read
-dominates, a few more query rows cost little. So guess the next `k` tokens cheaply (where the
-request's last `n` tokens occurred before, what followed them there), run the last token and
-the guesses as one causal chunk, and keep the guesses the model agrees with, plus its own next
-token. Verification keeps the output the model's own: a greedy request keeps the guesses equal
-to the argmax; a sampled one draws each position with its own generator, one number per token
-as without guesses, and goes on while the draw equals the guess, so guess `d` is kept with
-probability p(d) and a seeded request gives the same tokens with or without guesses (up to the
-rounding that differs between a chunk and a lone decode row, chapter 08)."""
+"""Speculative decoding by prompt lookup (chapter 08). A decode step reads every weight for one
+token per request, so a few more query rows cost little: guess the next `k` tokens (what
+followed the request's last `n` tokens where they occurred before), run the last token and the
+guesses as one causal chunk, and keep the guesses the model agrees with plus its own next token.
+A sampled request draws each position as it would without guesses, so its output is unchanged."""
 
 from __future__ import annotations
 
@@ -24,9 +19,8 @@ from minicb.sampler import draw, probabilities
 def propose_ngram(token_ids: Sequence[int], k: int, n_max: int = 4, n_min: int = 2
                   ) -> list[int]:
     """Up to `k` tokens to guess after `token_ids`: what followed the latest earlier occurrence
-    of its last `n` tokens if `k` tokens follow it, else the earliest (in a run "a a a a" the
-    latest overlaps the end), trying `n` from `n_max` down to `n_min`; [] when none occurs.
-    A scan of the whole context: `NgramIndex` gives the same answer in O(n_max) a token."""
+    of its last `n` tokens (the earliest if fewer than `k` follow the latest), `n` from `n_max`
+    down to `n_min`; [] if none occurs. `NgramIndex` answers the same without a full scan."""
     ids = np.asarray(token_ids)
     for n in range(min(n_max, len(ids) - 1), n_min - 1, -1):
         # windows that end before the last token: each has at least one token after it
@@ -38,9 +32,8 @@ def propose_ngram(token_ids: Sequence[int], k: int, n_max: int = 4, n_min: int =
 
 
 class NgramIndex:
-    """`propose_ngram` for one request whose tokens only grow: the first and the latest start of
-    every run of `n_min`..`n_max` tokens with a token after it, kept as tokens arrive, so a
-    guess costs O(n_max), not a scan of the whole context."""
+    """`propose_ngram` for one request whose tokens only grow: the first and latest start of
+    every run of `n_min`..`n_max` tokens, kept as tokens arrive, so a guess costs O(n_max)."""
 
     def __init__(self, n_max: int = 4, n_min: int = 2) -> None:
         self.n_max, self.n_min = n_max, n_min
@@ -66,17 +59,14 @@ class NgramIndex:
 
 
 class Speculator:
-    """Speculation in the engine's step (chapter 08), behind one object: `propose` before the
-    forward gives decode members guesses, within the token budget the policy left and the free
-    pages (nothing with num_speculative_tokens=0); the runner's sampling verifies them; `kept`
-    after says what each member guessed and kept, for its `StepRecord`."""
+    """Speculation in the engine's step: `propose` gives decode members guesses before the
+    forward, within the budget and pages left; the runner verifies them; `kept` reports them."""
 
     def __init__(self, config, pool) -> None:
         self.config, self.pool = config, pool
 
     def propose(self, batch) -> dict[str, list[int]]:
-        """Request id -> guesses for its decode; each runs its last token and its guesses as one
-        causal chunk."""
+        """Request id -> guesses for its decode."""
         cfg = self.config
         room = cfg.max_num_batched_tokens - batch.num_tokens
         drafts: dict[str, list[int]] = {}
@@ -102,17 +92,14 @@ class Speculator:
     @staticmethod
     def kept(drafts: dict[str, list[int]], delivered: dict[str, int]
              ) -> dict[str, tuple[int, int]]:
-        """Request id -> (tokens guessed, guesses kept) of the members that guessed and sampled:
-        of the `delivered` tokens (a stop token may cut the kept guesses short), all but the
-        model's own last one were guesses."""
+        """Request id -> (tokens guessed, guesses kept): all `delivered` tokens but the last."""
         return {rid: (len(d), delivered[rid] - 1) for rid, d in drafts.items() if rid in delivered}
 
 
 def verify(logits: torch.Tensor, draft: list[int], params: SamplingParams,
            generator: torch.Generator | None = None) -> list[int]:
-    """The tokens one request keeps from a step that ran its last token and `draft`: `logits`
-    [len(draft) + 1, vocab] are the model's predictions after each of them. Returns the accepted
-    guesses, then one token of the model's own: between 1 and len(draft) + 1 tokens."""
+    """The tokens a request keeps from a step that ran its last token and `draft` (`logits`
+    [len(draft) + 1, vocab]): the accepted guesses, then one token of the model's own."""
     if params.greedy:
         target = torch.argmax(logits, dim=-1).tolist()
         accepted = 0

@@ -1,6 +1,5 @@
-"""The trace (chapters 02-06): one `StepRecord` per engine step. Plain data (ids, counts,
-times), so every picture in `viz` and every number in `metrics` is computed from it without an
-engine. Time is recorded twice: the step index (deterministic) and wall-clock seconds."""
+"""The trace (chapters 02-06): a `StepRecord` per engine step, plain data from which every picture
+and metric is computed without an engine. Time is both the step index and wall-clock seconds."""
 
 from __future__ import annotations
 
@@ -9,16 +8,13 @@ from typing import NamedTuple
 
 
 class Member(NamedTuple):
-    """What one request did in one step. kind: 'prefill', 'decode' or 'idle' (a static batch's
-    finished member still holding its slot). num_tokens: tokens it advanced (0 when idle).
-    start: tokens of its context already in the cache when the step began (earlier chunks and
-    prefix-cache hits), so it attended over start + num_tokens; None in a trace made by hand."""
+    """What one request did in one step."""
 
     request_id: str
-    kind: str
-    num_tokens: int
+    kind: str  # "prefill", "decode" or "idle" (a static batch's finished member, holding its slot)
+    num_tokens: int  # tokens it advanced
     slot: int | None
-    start: int | None = None
+    start: int | None = None  # its tokens in the cache before the step (None: a trace by hand)
 
 
 @dataclass
@@ -65,8 +61,7 @@ class StepRecord:
 
     @property
     def decode_tokens_produced(self) -> int:
-        """Output tokens the decode members got: one each, plus the guesses they kept
-        (chapter 08; without guesses, `num_decode_tokens`)."""
+        """Output tokens the decode members got: one each, plus the guesses kept (chapter 08)."""
         kept = sum(k for _, k in self.speculated.values())
         return sum(1 for m in self.members if m.kind == "decode") + kept
 
@@ -81,7 +76,7 @@ class StepRecord:
 
 @dataclass
 class RequestRecord:
-    """A finished (or cancelled/failed) request as metrics see it: ids, lengths, timestamps."""
+    """A request as metrics see it: ids, lengths, timestamps."""
 
     request_id: str
     num_prompt_tokens: int
@@ -113,10 +108,8 @@ class RequestRecord:
 
 def record_step(step: int, members: list[Member], batch, pool, waiting, running,
                 snapshots: bool, **fields) -> StepRecord:
-    """The record of one step (chapter 03): its `members` and `batch` (idle members, who was
-    preempted, the work that threw away), the pool's counts after it, `fields` (times,
-    arrivals, finishes, samples, copies), and with `snapshots` the queue, page tables, slots
-    and cached pages the step-through pictures draw."""
+    """The record of one step (chapter 03): its members, the batch's idle and preempted ones,
+    the pool's counts after it, `fields`, and with `snapshots` what the step pictures draw."""
     record = StepRecord(
         step=step, members=members + [Member(r.request_id, "idle", 0, r.slot) for r in batch.idle],
         waiting=[r.request_id for r in waiting] if snapshots else [],
