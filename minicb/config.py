@@ -83,8 +83,7 @@ def cpuinfo(*names: str) -> str | None:
 
 
 def cache_root() -> Path:
-    """Where minicb keeps what it builds once (converted models, the CPU kernel): $MINICB_CACHE,
-    else ~/.cache/minicb."""
+    """Where minicb keeps what it builds once: $MINICB_CACHE, else ~/.cache/minicb."""
     return Path(os.environ.get("MINICB_CACHE") or Path.home() / ".cache" / "minicb").expanduser()
 
 

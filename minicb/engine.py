@@ -71,8 +71,7 @@ class Engine:
 
     def __init__(self, model="smollm2-135m", config: EngineConfig | None = None,
                  clock=None, **options) -> None:
-        """`model`: a bundled name, a checkpoint directory, or a loaded `(model, info)` pair;
-        `clock`: a callable returning seconds (the simulator passes its own)."""
+        """`model`: a bundled name, a checkpoint directory or a loaded `(model, info)` pair."""
         if config is not None and set(options) - {"policy"}:
             raise ValueError("pass either an EngineConfig or keyword options, not both")
         if config is not None and "policy" in options:
@@ -127,8 +126,7 @@ class Engine:
 
     # ------------------------------------------------------------------------------ requests
     def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
-        """A prompt's token ids: a list as given, a text through the tokenizer (with the special
-        tokens it adds unless a chat template wrote them)."""
+        """A prompt's token ids: a list as given, a text through the tokenizer."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt is a string but this checkpoint has no tokenizer; "
@@ -185,22 +183,20 @@ class Engine:
         request_id = str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        if arrival_step is not None and not is_positive_int(arrival_step):
-            raise ValueError(f"arrival_step must be an integer >= 1, got {arrival_step!r}")
         # the real clock sleeps until an arrival; a simulated one jumps
         latest = self.clock() + MAX_ARRIVAL_DELAY if self._sleep is time.sleep else math.inf
-        if arrival_time is not None and (not is_finite_number(arrival_time)
-                                         or not 0 <= arrival_time <= latest):
-            raise ValueError(f"arrival_time must be a finite number >= 0 seconds, at most "
-                             f"{MAX_ARRIVAL_DELAY:.0f} past the engine's clock (now "
-                             f"{self.clock():.1f}), got {arrival_time!r}")
+        for name, value, ok, what in (
+                ("arrival_step", arrival_step, is_positive_int, "an integer >= 1"),
+                ("arrival_time", arrival_time, lambda t: is_finite_number(t) and 0 <= t <= latest,
+                 f"a finite number >= 0 seconds, at most {MAX_ARRIVAL_DELAY:.0f} past the "
+                 f"engine's clock (now {self.clock():.1f})"),
+                ("deadline", deadline, lambda d: is_finite_number(d) and d > 0,
+                 "a finite number of seconds > 0 or None"),
+                ("tenant", tenant, lambda t: isinstance(t, str), "a string or None")):
+            if value is not None and not ok(value):
+                raise ValueError(f"{name} must be {what}, got {value!r}")
         if not is_int(priority):
             raise ValueError(f"priority must be an integer, got {priority!r}")
-        if deadline is not None and (not is_finite_number(deadline) or deadline <= 0):
-            raise ValueError(f"deadline must be a finite number of seconds > 0 or None, got "
-                             f"{deadline!r}")
-        if tenant is not None and not isinstance(tenant, str):
-            raise ValueError(f"tenant must be a string or None, got {tenant!r}")
         req = Request(request_id, token_ids, params, priority=priority,
                       arrives_at_step=arrival_step, arrives_at_time=arrival_time,
                       eos_token_ids=tuple(self.info.eos_token_ids), deadline=deadline,
@@ -236,8 +232,7 @@ class Engine:
             self._finished_between_steps.append(req.request_id)  # the next record lists it
 
     def stop_at(self, request_id: str, num_output_tokens: int) -> None:
-        """A caller's stop string ended the request at output token `num_output_tokens`: later
-        tokens are dropped, and it finishes (or has finished) with "stop"."""
+        """A caller's stop string ended the request after `num_output_tokens` tokens."""
         req = self._known(request_id, "stop")
         if not is_int(num_output_tokens) or \
                 not 0 < num_output_tokens <= len(req.output_token_ids):
@@ -305,8 +300,7 @@ class Engine:
         return self._record(record, gained)
 
     def _housekeeping(self) -> tuple[list[str], float]:
-        """Count the step, let arrivals join, expire deadlines, re-sort (chapters 02, 06).
-        Returns (ids that arrived, the step's start)."""
+        """Count the step, let arrivals join, expire deadlines, re-sort (chapters 02, 06)."""
         self._skip_idle_time()
         self.step_count += 1
         now = self.clock()
@@ -339,8 +333,7 @@ class Engine:
             self._sleep(min(times) - self.clock())
 
     def _schedule(self, now: float) -> tuple[ScheduledBatch, tuple[int, int]]:
-        """The policy picks, the planned swap copies run (even if it raised: else a victim's
-        K/V is lost), the batch is checked. Returns it and (pages copied out, in)."""
+        """The policy picks, the swap copies it planned run (even if it raised), it is checked."""
         ctx = SchedulerContext(self.waiting, self.running, self.pool, self.config,
                                self.step_count, now, self.free_slots, self.tenant_service)
         try:
@@ -353,8 +346,7 @@ class Engine:
 
     def _members(self, batch: ScheduledBatch, drafts: dict[str, list[int]], now: float
                  ) -> tuple[list[tuple[Request, int]], list[Member]]:
-        """The members as the forward takes them (one-token rows first, guesses included) and
-        what each does."""
+        """The members as the forward takes them (one-token rows first) and what each does."""
         items = sorted(((r, n + len(drafts.get(r.request_id, ()))) for r, n in batch.items),
                        key=lambda item: item[1] != 1)
         for req, _ in items:
@@ -391,8 +383,7 @@ class Engine:
 
     def _account(self, items: list[tuple[Request, int]], drafts: dict[str, list[int]],
                  delivered: dict[str, int]) -> tuple[int, int]:
-        """Each member's tokens now in the cache, its tenant's service and its completed prompt
-        pages, now shareable. Returns (new tokens, recomputed tokens)."""
+        """Members' tokens now cached, tenants' service, shareable prompt pages: (new, redone)."""
         gained = recomputed = 0
         for req, n in items:
             start, advanced = req.num_computed_tokens, delivered.get(req.request_id, 1) \
@@ -415,8 +406,7 @@ class Engine:
         return finished
 
     def _record(self, record: StepRecord, gained: int) -> StepRecord:
-        """Trace the step and run the checks; dynamic batching's wait for its timeout is no step
-        (chapter 02)."""
+        """Trace the step (not dynamic batching's wait, chapter 02) and run the checks."""
         self._finished_between_steps = []
         if self.waits_on_clock and not (record.members or record.finished or record.arrived
                                         or record.preempted):
@@ -429,8 +419,7 @@ class Engine:
         return record
 
     def _finish(self, req: Request, reason: str) -> None:
-        """Leave the engine from any state: pages, queue place, slot and response given back
-        (the slot and response unless the policy holds them)."""
+        """Leave the engine from any state, giving back its pages, slot and response."""
         was_running = req.status is Status.RUNNING
         if req.page_table:
             self.pool.register_prompt_pages(req.prompt_token_ids, req.page_table,
@@ -455,8 +444,7 @@ class Engine:
 
     # ------------------------------------------------------------------------------ checks
     def _check_progress(self, record: StepRecord, gained: int) -> None:
-        """Forward progress (docs/reliability.md): raise after `stall_limit` steps in a row in
-        which work waits but no request gains a token or finishes."""
+        """Raise after `stall_limit` steps in a row that gain no token while work waits."""
         if gained or record.finished or not (self.waiting or self.running):
             self._steps_without_progress = 0
             return
@@ -521,17 +509,15 @@ class Engine:
 
     def output(self, request_id: str) -> RequestOutput:
         req = self.requests[request_id]
-        text = None
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+        text = None if self.tokenizer is None else \
+            self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
         return RequestOutput(req.request_id, list(req.prompt_token_ids),
                              list(req.output_token_ids), text, req.finish_reason,
                              req.num_cached_tokens, req.metrics, req.error, req.num_preemptions,
                              None if req.params.logprobs is None else list(req.output_logprobs))
 
     def run(self, max_steps: int | None = None) -> list[RequestOutput]:
-        """Step until every request has finished (or `max_steps`); the outputs of those
-        unfinished when called."""
+        """Step until all have finished (or `max_steps`); the outputs of those unfinished."""
         todo = [rid for rid, r in self.requests.items() if not r.is_finished]
         steps = 0
         while self.has_unfinished() and (max_steps is None or steps < max_steps):

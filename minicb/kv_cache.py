@@ -49,8 +49,7 @@ class PrefixIndex:
         return [self.page_of[h] for h in itertools.takewhile(self.page_of.__contains__, hashes)]
 
     def register(self, h: bytes, page: int) -> None:
-        """Remember that `page` holds the full page named `h`, unless either is indexed already
-        (then `page` stays private to its request)."""
+        """Index `page` as the full page `h`, unless either is indexed (it then stays private)."""
         if h in self.page_of or page in self.hash_of:
             return
         self.page_of[h] = page
@@ -136,8 +135,8 @@ class PagePool:
 
     def pages_to_take(self, hit: list[int], total_pages: int,
                       claimed: set[int] | None = None) -> int:
-        """Available pages a page table of `total_pages` with prefix hits `hit` takes: those past
-        the hits, plus the unreferenced hits not in `claimed` (which they then join)."""
+        """Available pages a table of `total_pages` with hits `hit` takes (unclaimed cached hits
+        count: they join `claimed`)."""
         cached = {p for p in hit if self.ref_count[p] == 0}
         if claimed is not None:
             cached -= claimed
@@ -146,8 +145,7 @@ class PagePool:
 
     # --- allocation ---------------------------------------------------------------------------
     def allocate(self, n: int) -> list[int]:
-        """Take `n` fresh pages, evicting least-recently-used cached pages when the free list
-        runs short; MemoryError, taking none, if they don't fit."""
+        """Take `n` fresh pages, evicting cached ones (LRU) if need be; MemoryError if too few."""
         if n > self.num_available:
             raise MemoryError(f"need {n} pages, only {self.num_available} available")
         pages = []
@@ -174,8 +172,7 @@ class PagePool:
             self.ref_count[page] += 1
 
     def release(self, pages: list[int]) -> None:
-        """Drop one reference per page; at zero it is cached if indexed, else free. ValueError,
-        changing none, for a page released more often than held."""
+        """Drop one reference per page; at zero it is cached if indexed, else free."""
         for page, times in Counter(pages).items():
             if self.ref_count[page] < times:
                 raise ValueError(f"page {page} released more often than it was taken")
@@ -226,15 +223,13 @@ class PagePool:
                 self.every_layer[:, :, device_page].copy_(self.swap_store[:, :, host_page])
 
     def _staging(self, num_pages: int) -> torch.Tensor:
-        """Page-locked host memory for `num_pages` pages in flight, a GPU swap's bounce buffer
-        (torch's caching host allocator reuses it once its copy is done)."""
+        """Page-locked host memory for `num_pages` pages in flight: a GPU swap's bounce buffer."""
         shape = (*self.swap_store.shape[:2], num_pages, *self.swap_store.shape[3:])
         return torch.empty(shape, dtype=self.swap_store.dtype, pin_memory=True)
 
     # --- prefix reuse -------------------------------------------------------------------------
     def match_prefix(self, token_ids: list[int], hashes: list[bytes] | None = None) -> list[int]:
-        """Cached pages for the longest run of full leading pages of `token_ids`, leaving a
-        token to compute (it makes the logits); `hashes`: theirs, if the caller has them."""
+        """Cached pages of the leading full pages of `token_ids`, leaving a token to compute."""
         if self.prefix is None:
             return []
         usable = (len(token_ids) - 1) // self.page_size
@@ -265,8 +260,7 @@ class PagePool:
 
     # --- checks -------------------------------------------------------------------------------
     def check(self, page_tables: list[list[int]], swapped: list[list[int]] = ()) -> None:
-        """AssertionError unless ref counts equal the page tables holding each page, every page
-        is in exactly one state and every host page is free or held once."""
+        """AssertionError unless ref counts, page states and host pages all balance."""
         host = [p for pages in swapped for p in pages] + list(self.swap_free)
         if sorted(host) != list(range(self.num_swap_pages)):
             raise AssertionError(f"swap pages do not balance: {len(self.swap_free)} free and "

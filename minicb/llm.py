@@ -29,13 +29,10 @@ def array_token_ids(array: Any) -> list:
 
 
 def prompt_list(prompts: object) -> list:
-    """`LLM.generate`'s prompts as a list: one prompt (a string, token ids, a 1-D array) is a
-    list of one; a list of prompts or a 2-D array is a list of them."""
-    if _is_array(prompts) and prompts.ndim == 1:
-        return [array_token_ids(prompts)]  # one prompt, an empty one too (refused as such)
-    if _is_array(prompts):
-        prompts = array_token_ids(prompts)
-    elif isinstance(prompts, (list, tuple)) and prompts and all(
+    """`LLM.generate`'s prompts as a list: one prompt, a list of prompts or an array."""
+    if _is_array(prompts):  # 1-D: one prompt, an empty one too (refused as such)
+        return [array_token_ids(prompts)] if prompts.ndim == 1 else array_token_ids(prompts)
+    if isinstance(prompts, (list, tuple)) and prompts and all(
             _is_array(t) and t.ndim == 0 for t in prompts):
         prompts = [t.tolist() for t in prompts]  # list(np.array([1, 2])): numpy's scalars
     if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
@@ -57,8 +54,7 @@ def is_conversation(messages: object) -> bool:
 
 
 def render_chat(tokenizer: Any, messages: list[dict]) -> str:
-    """The prompt text a chat template makes of `messages`, the assistant's turn opened (it
-    writes any BOS itself: encode it with `add_special_tokens=False`)."""
+    """The prompt text a chat template makes of `messages`, the assistant's turn opened."""
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
 
@@ -85,8 +81,7 @@ class IncrementalDecoder:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def step(self, token_ids: list[int], final: bool = False, upto: int | None = None) -> str:
-        """Read the output so far (or its first `upto`); returns the text it adds. `final`: the
-        request has ended (an incomplete last character is given as it is)."""
+        """Read the output so far (or its first `upto`); returns the text it adds."""
         end = len(token_ids) if upto is None else upto
         self.ids += [t for t in token_ids[self.num_seen:end] if t not in self.special]
         self.num_seen = max(self.num_seen, end)
@@ -163,15 +158,12 @@ class LLM:
     def _add_all(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None) -> list[str]:
         prompts = prompt_list(prompts)
-        if params is None:
-            params = SamplingParams()
-        if isinstance(params, dict):
-            raise ValueError("params must be a SamplingParams (or one per prompt), got a dict: "
-                             "write SamplingParams(**{...})")
-        if not isinstance(params, SamplingParams) and (isinstance(params, (str, bytes))
-                                                       or not hasattr(params, "__iter__")):
-            raise ValueError(f"params must be a SamplingParams (or one per prompt), got "
-                             f"{params!r:.80}")
+        params = SamplingParams() if params is None else params
+        if isinstance(params, (dict, str, bytes)) or not hasattr(params, "__iter__") and \
+                not isinstance(params, SamplingParams):
+            got = "a dict: write SamplingParams(**{...})" if isinstance(params, dict) else \
+                f"{params!r:.80}"
+            raise ValueError(f"params must be a SamplingParams (or one per prompt), got {got}")
         param_list = [params] * len(prompts) if isinstance(params, SamplingParams) \
             else list(params)
         if len(param_list) != len(prompts):
@@ -194,23 +186,30 @@ class LLM:
                 self._stops[rid] = StopMatcher(self.tokenizer, p.stop, p.min_tokens)
         return ids
 
-    def _step(self) -> tuple[Any, list[str]]:
-        """One engine step, then stop strings: (its record, ids a stop string ended)."""
+    def _step(self) -> Any:
+        """One engine step, then stop strings looked for in its new text."""
         record = self.engine.step()
-        return record, self._match_stops(record.sampled + record.finished)
+        self._match_stops(record.sampled + record.finished)
+        return record
 
-    def _match_stops(self, rids: list[str]) -> list[str]:
-        """Look for stop strings in the new text of `rids`, stopping those one ended at once."""
-        stopped = []
+    def _match_stops(self, rids: list[str]) -> None:
+        """Stop at once each of `rids` whose new text holds one of its stop strings."""
         for rid in rids:
             m = self._stops.get(rid)
-            if m is None or m.stopped:
-                continue
-            req = self.engine.requests[rid]
-            if m.step(req.output_token_ids, final=req.is_finished):
-                stopped.append(rid)
-                self.engine.stop_at(rid, m.num_tokens)
-        return stopped
+            if m is not None and not m.stopped:
+                req = self.engine.requests[rid]
+                if m.step(req.output_token_ids, final=req.is_finished):
+                    self.engine.stop_at(rid, m.num_tokens)
+
+    def _num_unfinished(self, ids: list[str]) -> int:
+        return sum(not self.engine.requests[rid].is_finished for rid in ids)
+
+    def _close(self, ids: list[str]) -> None:
+        """Cancel what is left of `ids` (a stalled policy, Ctrl-C, a consumer gone): nothing
+        stays queued or allocated."""
+        for rid in ids:
+            self.engine.cancel(rid)
+            self._stops.pop(rid, None)
 
     def _output(self, rid: str) -> RequestOutput:
         """The engine's output, its text cut before a stop string that ended it."""
@@ -230,32 +229,21 @@ class LLM:
         if use_tqdm:
             from tqdm.auto import tqdm
             bar = tqdm(total=len(ids), desc="generate", unit="req")
-        done: set[str] = set()
         try:
-            while any(not self.engine.requests[rid].is_finished for rid in ids):
-                # a request a stop string ends is cancelled now; the next record lists it
-                record, stopped = self._step()
+            while self._num_unfinished(ids):
+                self._step()
                 if bar is not None:
-                    new = [rid for rid in record.finished + stopped
-                           if rid in ids and rid not in done]
-                    done.update(new)
-                    bar.update(len(new))
+                    bar.update(len(ids) - self._num_unfinished(ids) - bar.n)
             return [self._output(rid) for rid in ids]
-        except BaseException:  # a stalled policy, Ctrl-C: leave nothing queued or allocated
-            for rid in ids:
-                self.engine.cancel(rid)
-            raise
         finally:
-            for rid in ids:
-                self._stops.pop(rid, None)
+            self._close(ids)
             if bar is not None:
                 bar.close()
 
     def stream(self, prompts: Prompt | Sequence[Prompt],
                params: SamplingParams | Sequence[SamplingParams] | None = None
                ) -> Iterator[tuple[str, list[int], str]]:
-        """Yield `(request_id, new_token_ids, text_delta)` as steps produce tokens (text that may
-        begin a stop string held back)."""
+        """Yield `(request_id, new_token_ids, text_delta)` as steps produce tokens."""
         ids = self._add_all(prompts, params)
         sent_tokens = {rid: 0 for rid in ids}
         sent_text = {rid: 0 for rid in ids}
@@ -279,8 +267,8 @@ class LLM:
             return (rid, new, delta) if new or delta else None
 
         try:
-            while any(not self.engine.requests[rid].is_finished for rid in ids):
-                record, _ = self._step()
+            while self._num_unfinished(ids):
+                record = self._step()
                 for rid in dict.fromkeys(record.sampled + record.finished):
                     if rid in sent_tokens and (item := news(rid)) is not None:
                         yield item
@@ -289,10 +277,8 @@ class LLM:
             for rid in ids:
                 if (item := news(rid)) is not None:
                     yield item
-        finally:  # a consumer that stops early cancels what it no longer reads
-            for rid in ids:
-                self.engine.cancel(rid)
-                self._stops.pop(rid, None)
+        finally:
+            self._close(ids)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              params: SamplingParams | Sequence[SamplingParams] | None = None,

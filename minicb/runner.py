@@ -57,8 +57,7 @@ def host_memory() -> tuple[int, int] | None:
 
 
 def check_pool_fits(num_pages: int, num_swap_pages: int, per_page: int, device: str) -> None:
-    """ValueError, before anything is allocated, when the pool and its swap space need more
-    memory than the machine has (K/V against the total, bookkeeping against what is free)."""
+    """ValueError, before anything is allocated, if the pool and swap space cannot fit."""
     books = (num_pages + num_swap_pages) * BOOKKEEPING_BYTES
     host = books + num_swap_pages * per_page
     if torch.device(device).type == "cuda":
@@ -78,8 +77,7 @@ def check_pool_fits(num_pages: int, num_swap_pages: int, per_page: int, device: 
 
 
 def load(model, config: EngineConfig):
-    """(model, info, KV dtype) on `config.device`; a loaded `(model, info)` pair must be on that
-    device and match an explicit dtype or quantization."""
+    """(model, info, KV dtype) on `config.device`; a loaded pair must match the config."""
     from minicb.model.loader import load_model
     device, dtype = config.device, torch_dtype(config.dtype, config.device)
     if isinstance(model, torch.nn.Module):  # str(model) would be its repr as a path
@@ -158,8 +156,7 @@ class ModelRunner:
                                  graph_buckets(self.config.max_num_seqs), capture=capture)
 
     def copy_pages(self, batch) -> tuple[int, int]:
-        """Run the planned swap copies (chapter 06), out first (a swap-in may take a page a
-        victim gave up); returns (pages out, pages in)."""
+        """Run the planned swap copies (chapter 06), out before in: (pages out, pages in)."""
         with self.on_device():
             self.pool.swap_out(batch.swap_out)
             self.pool.swap_in(batch.swap_in)
@@ -168,8 +165,7 @@ class ModelRunner:
 
     def forward(self, items: list[tuple[Request, int]], drafts: dict[str, list[int]]
                 ) -> tuple[list[Request], torch.Tensor, float]:
-        """Run the members as one token batch: the requests to sample (prompt complete), their
-        logits (a row each, one more per guess) and the forward's seconds."""
+        """One forward over all members: who to sample, their logits, the forward's seconds."""
         if not items:  # no forward at all: even an empty one takes time
             return [], torch.empty(0), 0.0
         start = self.now()
@@ -220,8 +216,7 @@ class ModelRunner:
     @staticmethod
     def sample(reqs: list[Request], logits: torch.Tensor, drafts: dict[str, list[int]]
                ) -> list[list[int]]:
-        """Each request's new tokens: one sampled, or the kept guesses and one more (`verify`);
-        a request short of `min_tokens` samples no stop token."""
+        """Each request's new tokens: one sampled, or the kept guesses and one more (`verify`)."""
         if not reqs:
             return []
         for r in reqs:  # the penalties' counts, from here on kept as tokens are appended

@@ -38,9 +38,6 @@ class ScheduledBatch:
     def num_tokens(self) -> int:
         return sum(n for _, n in self.items)
 
-    def __len__(self) -> int:
-        return len(self.items)
-
 
 # ------------------------------------------------------------------- the queue (chapter 06)
 def queue_rank(preemption: str, tenant_service: Counter | None = None):
@@ -51,15 +48,13 @@ def queue_rank(preemption: str, tenant_service: Counter | None = None):
     if preemption == "deadline":
         return lambda r: (r.deadline_time, r.seq_index)
     if preemption == "fair":
-        service = tenant_service if tenant_service is not None else Counter()
-        return lambda r: (service[r.tenant], r.seq_index)
+        return lambda r: (tenant_service[r.tenant], r.seq_index)
     return lambda r: r.seq_index
 
 
 def enqueue(waiting: deque[Request], req: Request, preemption: str,
             preempted: bool = False) -> None:
-    """Queue `req`: by rank under "priority" and "deadline" (behind its equals); otherwise an
-    arrival at the back, a preempted request at the front ("fair" re-sorts every step)."""
+    """Queue `req` by rank, or an arrival at the back and a preempted request at the front."""
     if preemption in ("priority", "deadline"):
         rank = queue_rank(preemption)
         index = next((i for i, r in enumerate(waiting) if rank(r) > rank(req)), len(waiting))
@@ -72,8 +67,7 @@ def enqueue(waiting: deque[Request], req: Request, preemption: str,
 
 def reorder(waiting: deque[Request], config: EngineConfig, step: int,
             tenant_service: Counter) -> None:
-    """Re-sort the orders that change as steps pass: aged priorities (`priority_aging_steps`,
-    so starvation is bounded) or, under "fair", tenant service."""
+    """Re-sort the orders that change as steps pass: aged priorities, tenant service."""
     aging = config.priority_aging_steps
     if aging:
         def key(r):
@@ -88,14 +82,12 @@ def reorder(waiting: deque[Request], config: EngineConfig, step: int,
 
 
 def is_protected(req: Request, config: EngineConfig) -> bool:
-    """Preempted `max_preemptions` times: admitted with pages for its whole life, never a
-    victim again."""
+    """Preempted `max_preemptions` times: given its whole life's pages, never a victim again."""
     return config.max_preemptions is not None and req.num_preemptions >= config.max_preemptions
 
 
 def prefix_hits(pool: PagePool, req: Request) -> list[int]:
-    """The cached pages admitting `req` shares (chapters 01, 06); a swapped request only those
-    it had computed: it writes the next positions itself, never into a shared page."""
+    """The cached pages admitting `req` shares (a swapped one: only those it had computed)."""
     hit = pool.match_prefix(req.all_token_ids, req.page_hashes or None)
     if req.status is Status.SWAPPED:
         return hit[:req.num_computed_tokens // pool.page_size]
@@ -138,8 +130,7 @@ class Admission:
         return req.max_total_tokens if is_protected(req, self.config) else req.num_tokens
 
     def pages_unclaimed(self, need: int) -> int:
-        """Available pages less those the waiting requests will take: a lower bound, and the
-        exact count (every waiting prefix looked up) only when that falls short of `need`."""
+        """Available pages the waiting requests leave: a lower bound, exact if short of `need`."""
         state = self._state()
         if self.unclaimed is None or self.unclaimed[0] != state:
             self.unclaimed = (state, self.pool.num_available - sum(
@@ -282,8 +273,7 @@ class SchedulerContext:
             req.slot = None
 
     def pick_victim(self, current: Request) -> Request:
-        """Whom to preempt for `current`: of the running requests not scheduled yet (and
-        `current`), the one ranking last in the queue's order, never a protected one."""
+        """Whom to preempt for `current`: the unscheduled, unprotected request ranking last."""
         candidates = [r for r in self.running if not is_protected(r, self.config) and (
             r.request_id not in self.scheduled_ids or r is current)]
         return max(candidates or [current],
@@ -301,8 +291,7 @@ class SchedulerContext:
 
 def check_batch(batch: object, ctx: SchedulerContext, requests: dict[str, Request],
                 whole_prompts: bool) -> None:
-    """SchedulerError naming the step, the request and the rule for an impossible batch, before
-    anything is computed. Only a whole-prompt policy may exceed the token budget (chapter 03)."""
+    """SchedulerError naming the step, the request and the rule for an impossible batch."""
     step, cfg = ctx.step, ctx.config
     if batch is not ctx.batch:
         got = "another ScheduledBatch" if isinstance(batch, ScheduledBatch) \
@@ -368,8 +357,7 @@ def prefilling(ctx: SchedulerContext) -> list[Request]:
 
 
 def schedule_decodes(ctx: SchedulerContext) -> int:
-    """One token for every running decode, in admission order, preempting when pages run
-    out. Returns the number scheduled."""
+    """One token for every running decode, preempting when pages run out; how many."""
     count = 0
     for req in Scheduler.decoding(ctx):
         if req.status is Status.RUNNING and ctx.reserve_or_preempt(req, 1):
@@ -466,8 +454,7 @@ class SingleScheduler(Scheduler):
 
 
 class StaticScheduler(Scheduler):
-    """Static batching (chapter 02): up to `max_num_seqs` requests start together; the batch
-    and its slots live until its slowest member ends."""
+    """Static batching (chapter 02): a batch starts together and ends with its slowest member."""
 
     name = "static"
     whole_prompts = True
@@ -496,8 +483,7 @@ class StaticScheduler(Scheduler):
         return out
 
     def choose_batch(self, ctx: SchedulerContext) -> list[Request]:
-        """The waiting requests a new batch admits in order, until one does not fit (the hook
-        exercise 2.1 replaces)."""
+        """The waiting requests a new batch admits in order (exercise 2.1's hook)."""
         return list(ctx.waiting)[:ctx.config.max_num_seqs]
 
     def schedule(self, ctx: SchedulerContext) -> ScheduledBatch:
@@ -528,8 +514,7 @@ class StaticScheduler(Scheduler):
 
 
 class DynamicScheduler(StaticScheduler):
-    """Dynamic batching (chapter 02): a static batch that forms once `max_num_seqs` requests
-    wait or the oldest has waited `batch_timeout`."""
+    """Dynamic batching (chapter 02): a static batch, formed once full or after `batch_timeout`."""
 
     name = "dynamic"
     waits_for_batch_timeout = True
@@ -573,8 +558,7 @@ class ContinuousScheduler(Scheduler):
 
 
 class ChunkedScheduler(Scheduler):
-    """Chunked prefill, prefill-first (chapter 04): prompts advance in chunks of at most
-    `chunk_size` under the token budget; decodes wait while prefill work can run."""
+    """Chunked prefill, prefill-first (chapter 04): decodes wait while prompt chunks can run."""
 
     name = "chunked"
 
