@@ -266,13 +266,11 @@ class PagePool:
             raise AssertionError(f"swap pages do not balance: {len(self.swap_free)} free and "
                                  f"{len(host) - len(self.swap_free)} held of "
                                  f"{self.num_swap_pages} (lost or held twice)")
-        expected = [0] * self.num_pages
-        for table in page_tables:
-            for page in table:
-                expected[page] += 1
-        for page, (have, want) in enumerate(zip(self.ref_count, expected)):
-            if have != want:
-                raise AssertionError(f"page {page}: ref count {have} but held by {want} tables")
+        held = Counter(page for table in page_tables for page in table)
+        for page, have in enumerate(self.ref_count):
+            if have != held[page]:
+                raise AssertionError(f"page {page}: ref count {have} but held by {held[page]} "
+                                     f"tables")
         free = set(self.free)
         cached = set(self.prefix.lru) if self.prefix is not None else set()
         if len(free) != len(self.free):

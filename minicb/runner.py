@@ -77,22 +77,27 @@ def check_pool_fits(num_pages: int, num_swap_pages: int, per_page: int, device: 
 
 
 def load(model, config: EngineConfig):
-    """(model, info, KV dtype) on `config.device`; a loaded pair must match the config."""
+    """(config, model, info, KV dtype), config.device="auto" resolved (to where a loaded model
+    lies); a loaded `(model, info)` pair must match the config."""
     from minicb.model.loader import load_model
-    device, dtype = config.device, torch_dtype(config.dtype, config.device)
     if isinstance(model, torch.nn.Module):  # str(model) would be its repr as a path
         raise ValueError("model is a loaded module without its info: pass the pair "
                          "load_model(...) returned, (model, info), or a name or a path")
+    # the loaded model's weights (the simulated model has none)
+    embed = getattr(model[0], "embed_tokens", None) if isinstance(model, tuple) else None
+    if config.device == "auto":
+        config = dataclasses.replace(config, device=str(embed.weight.device) if embed is not None
+                                     else resolve_device("auto", config.quantization))
+    device, dtype = config.device, torch_dtype(config.dtype, config.device)
     if not isinstance(model, tuple):
-        return (*load_model(str(model), device=device, dtype=dtype,
-                            quantization=config.quantization), dtype)
+        return (config, *load_model(str(model), device=device, dtype=dtype,
+                                    quantization=config.quantization), dtype)
     loaded = getattr(model[0], "quantization", None)
     if config.quantization and loaded != config.quantization:  # None takes it as loaded
         # quantizing in place would change a model other engines share
         raise ValueError(f"quantization={config.quantization!r} but the model passed in was "
                          f"loaded with quantization={loaded!r}; load it with "
                          f"load_model(..., quantization={config.quantization!r})")
-    embed = getattr(model[0], "embed_tokens", None)  # the simulated model has no weights
     want = torch.device(device)
     if embed is not None and (embed.weight.device.type != want.type or (
             want.index is not None and embed.weight.device.index != want.index)):
@@ -104,26 +109,16 @@ def load(model, config: EngineConfig):
                              f"{embed.weight.dtype}; load it with load_model(..., dtype=...) "
                              f"or leave dtype='auto'")
         dtype = embed.weight.dtype
-    return (*model, dtype)
-
-
-def resolve_config(model, config: EngineConfig) -> EngineConfig:
-    """`config` with device="auto" resolved: where a loaded model lies, else `resolve_device`."""
-    if config.device != "auto":
-        return config
-    embed = getattr(model[0], "embed_tokens", None) if isinstance(model, tuple) else None
-    device = str(embed.weight.device) if embed is not None else \
-        resolve_device("auto", config.quantization)
-    return dataclasses.replace(config, device=device)
+    return (config, *model, dtype)
 
 
 class ModelRunner:
     """The model, its page pool and the CUDA graphs of one engine (chapter 03)."""
 
     def __init__(self, model, config: EngineConfig, now=time.perf_counter) -> None:
-        self.config = config = resolve_config(model, config)
+        self.config, self.model, self.info, dtype = load(model, config)
+        config = self.config
         self.now = now  # the engine's clock: a simulated forward takes simulated seconds
-        self.model, self.info, dtype = load(model, config)
         self.attention_backend = resolve_backend(config.attention_backend, config.device)
         self.model.set_attention_backend(self.attention_backend)
         mc = self.info.config
