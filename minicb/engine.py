@@ -239,6 +239,7 @@ class Engine:
             raise ValueError(f"num_output_tokens must be 1..{len(req.output_token_ids)}, got "
                              f"{num_output_tokens}")
         m = req.metrics
+        # later tokens of the same step (kept guesses, chapter 08) go too
         for kept in (req.output_token_ids, req.output_logprobs, m.token_times, m.token_steps):
             del kept[num_output_tokens:]
         if not req.is_finished:
@@ -338,7 +339,7 @@ class Engine:
                                self.step_count, now, self.free_slots, self.tenant_service)
         try:
             batch = self.scheduler.schedule(ctx)
-        finally:
+        finally:  # even if the policy raised: else a victim's K/V is lost
             self.admission.recount()
             copied = self.runner.copy_pages(ctx.batch)
         check_batch(batch, ctx, self.requests, self.scheduler.whole_prompts)
@@ -347,6 +348,7 @@ class Engine:
     def _members(self, batch: ScheduledBatch, drafts: dict[str, list[int]], now: float
                  ) -> tuple[list[tuple[Request, int]], list[Member]]:
         """The members as the forward takes them (one-token rows first) and what each does."""
+        # a decode with guesses is a chunk; one-token rows first, as the attention metadata expects
         items = sorted(((r, n + len(drafts.get(r.request_id, ()))) for r, n in batch.items),
                        key=lambda item: item[1] != 1)
         for req, _ in items:
@@ -389,7 +391,7 @@ class Engine:
             start, advanced = req.num_computed_tokens, delivered.get(req.request_id, 1) \
                 if req.request_id in drafts else n
             new = req.advance(advanced)
-            self.tenant_service[req.tenant] += new
+            self.tenant_service[req.tenant] += new  # not recomputed work (docs/reliability.md)
             gained, recomputed = gained + new, recomputed + advanced - new
             if start < req.num_prompt_tokens:  # a chunk of the prompt (or crossing its end)
                 self.pool.register_prompt_pages(req.prompt_token_ids, req.page_table,
@@ -410,7 +412,7 @@ class Engine:
         self._finished_between_steps = []
         if self.waits_on_clock and not (record.members or record.finished or record.arrived
                                         or record.preempted):
-            self.step_count -= 1
+            self.step_count -= 1  # no step ran: the next reuses its number
         else:
             self.trace.append(record)
             if self.config.check_invariants:

@@ -182,7 +182,8 @@ class Request:
         return frozenset((*p.stop_token_ids, *(() if p.ignore_eos else self.eos_token_ids)))
 
     def advance(self, num_tokens: int) -> int:
-        """`num_tokens` more of its tokens are cached; returns how many were never computed."""
+        """`num_tokens` more of its tokens are cached (the one place a step grows
+        `num_computed_tokens`); returns how many were never computed before."""
         start = self.num_computed_tokens
         self.num_computed_tokens += num_tokens
         redone = max(0, min(self.num_computed_tokens, self.num_tokens_before_preemption) - start)

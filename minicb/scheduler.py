@@ -89,7 +89,7 @@ def is_protected(req: Request, config: EngineConfig) -> bool:
 def prefix_hits(pool: PagePool, req: Request) -> list[int]:
     """The cached pages admitting `req` shares (a swapped one: only those it had computed)."""
     hit = pool.match_prefix(req.all_token_ids, req.page_hashes or None)
-    if req.status is Status.SWAPPED:
+    if req.status is Status.SWAPPED:  # a page others read must not be written
         return hit[:req.num_computed_tokens // pool.page_size]
     return hit
 
@@ -131,7 +131,7 @@ class Admission:
 
     def pages_unclaimed(self, need: int) -> int:
         """Available pages the waiting requests leave: a lower bound, exact if short of `need`."""
-        state = self._state()
+        state = self._state()  # remembered between arrivals while queue and pool stay as they are
         if self.unclaimed is None or self.unclaimed[0] != state:
             self.unclaimed = (state, self.pool.num_available - sum(
                 self.pool.pages_needed(self.tokens_to_admit(r)) for r in self.waiting), None)

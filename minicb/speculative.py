@@ -99,7 +99,8 @@ class Speculator:
 def verify(logits: torch.Tensor, draft: list[int], params: SamplingParams,
            generator: torch.Generator | None = None) -> list[int]:
     """The tokens a request keeps from a step that ran its last token and `draft` (`logits`
-    [len(draft) + 1, vocab]): the accepted guesses, then one token of the model's own."""
+    [len(draft) + 1, vocab]): the accepted guesses, then one token of the model's own. A sampled
+    request keeps a guess while its own draw equals it, so with the model's probability."""
     if params.greedy:
         target = torch.argmax(logits, dim=-1).tolist()
         accepted = 0
