@@ -591,12 +591,11 @@ POLICY_CLASSES: dict[str, type[Scheduler]] = {
 
 
 def make_scheduler(policy: str | Scheduler) -> Scheduler:
-    """A fresh scheduler for a policy name, or the learner's own `Scheduler` instance."""
+    """A fresh scheduler for a policy name (checked by `EngineConfig`), or the learner's own
+    `Scheduler` instance."""
     if isinstance(policy, Scheduler):
         return policy
     if isinstance(policy, str):
-        if policy not in POLICY_CLASSES:
-            raise ValueError(f"policy must be one of {sorted(POLICY_CLASSES)}, got {policy!r}")
         return POLICY_CLASSES[policy]()
     lacks = [n for n in ("schedule", "release", *POLICY_FLAGS) if not hasattr(policy, n)]
     raise SchedulerError(f"policy {type(policy).__name__} is not a Scheduler"
