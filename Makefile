@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: student-release grade reset reset-needs-nb demo test test-fast test-notebooks lab bench exercises serve lint browser-test clean-cache
+.PHONY: student-release grade reset reset-needs-nb demo test test-fast test-notebooks lab bench exercises serve lint browser-test clean-cache nbgrader-course
 
 ## A CUDA build of torch already in .venv (README, "Running on a GPU") is kept, with the Triton it
 ## brought: the torch and triton pins are the CPU course machines'. Everything else is pinned.
@@ -69,15 +69,17 @@ reset-needs-nb:  # before the install: a forgotten NB= costs nothing
 	@test -n "$(NB)" || { echo "which notebook? make reset NB=exercises/NN_name.ipynb" >&2; exit 2; }
 
 ## score notebooks: make grade NB=exercises/01_paged_kv.ipynb (default: every exercise notebook);
-## ARGS= passes options on, e.g. make grade NB=submissions/ ARGS="--jobs 2 --timeout 60 --csv g.csv"
+## ARGS= passes options on, e.g. a class (docs/teaching.md): make grade NB=submitted/
+## ARGS="--jobs 2 --timeout 60 --hidden-seed 1234 --gradebook grades.csv --feedback feedback"
 grade: $(STAMP)
 	$(BIN)/python -m minicb grade $(or $(NB),exercises/*.ipynb) $(ARGS)
 
 ## a copy of the committed course for students: without solutions/, the exercise sources (they
 ## hold the answers; the stubs take their place, so the grader still restores check cells) and
-## the exercises' tests (and the tests built on them). STUDENT=path to put it elsewhere.
+## the exercises' tests (they run the solutions). STUDENT=path to put it elsewhere.
 ## It refuses stale exercise notebooks (generated ones that differ from their sources or from HEAD).
 STUDENT ?= dist/minicb-student
+EXERCISE_TESTS = test_exercises.py test_check.py test_grade.py
 OUT = $(abspath $(STUDENT))# absolute, no trailing slash: `dir/` made no tarball
 # none, / , the repository or a folder above it: the rm -rf below would take the course with it
 UNSAFE_OUT = $(or $(if $(OUT),,none),$(filter /,$(OUT)),$(filter $(OUT) $(OUT)/%,$(CURDIR)))
@@ -88,8 +90,7 @@ student-release: $(STAMP)
 	git diff --quiet HEAD -- exercises || { echo "commit exercises/ first: HEAD ships" >&2; exit 2; }
 	rm -rf $(OUT) $(OUT).tar.gz && mkdir -p $(OUT)
 	git archive HEAD | tar -x -C $(OUT)
-	rm -rf $(OUT)/solutions $(OUT)/exercises/source $(OUT)/tests/test_exercises.py
-	cd $(OUT)/tests && rm -f $$(grep -lE '^(from|import) test_exercises' *.py)
+	rm -rf $(OUT)/solutions $(OUT)/exercises/source $(addprefix $(OUT)/tests/,$(EXERCISE_TESTS))
 	mkdir $(OUT)/exercises/source
 	for f in $(OUT)/exercises/*.ipynb; do \
 		sed 's#](\.\./#](../../#g' "$$f" > $(OUT)/exercises/source/$$(basename "$$f"); done
@@ -102,3 +103,9 @@ lint: $(STAMP)
 
 clean-cache:
 	rm -rf $${MINICB_CACHE:-$$HOME/.cache/minicb}
+
+## an nbgrader course directory from the exercise sources (docs/teaching.md, "nbgrader"):
+## make nbgrader-course COURSE=~/minicb-course ARGS="--hidden-seed 1234"
+COURSE ?= dist/nbgrader-course
+nbgrader-course: $(STAMP)
+	$(BIN)/python -m minicb nbgrader-course $(COURSE) $(ARGS)

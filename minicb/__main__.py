@@ -85,6 +85,7 @@ COMMANDS_HELP = {
     "profile": "fit the simulated executor's step-cost model on this machine",
     "serve": "an OpenAI-compatible HTTP server over one running engine",
     "grade": "score exercise notebooks",
+    "nbgrader-course": "write an nbgrader course directory from the exercise sources",
 }
 
 
@@ -93,7 +94,8 @@ COMMANDS_HELP = {
 COMMANDS = {"bench": ("minicb.benchmark.bench", "main_bench"),
             "sweep": ("minicb.benchmark.sweep", "main_sweep"),
             "profile": ("minicb.benchmark.profile", "main_profile"),
-            "serve": ("minicb.serving.server", "main"), "grade": ("minicb.course.grade", "main")}
+            "serve": ("minicb.serving.server", "main"), "grade": ("minicb.course.grade", "main"),
+            "nbgrader-course": ("minicb.course.nbgrader_course", "main")}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -77,15 +77,17 @@ def markdown_of(notebook: Path) -> str:
     return "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
 
 
-def test_each_exercise_notebook_says_what_it_needs_and_the_readmes_study_time():
-    """A teacher reads an exercise notebook's first cell for what it needs, how long it takes
-    and how to grade it; its study time is the README table's, so the two cannot drift."""
-    readme = (ROOT / "README.md").read_text()
+def test_each_exercise_notebook_says_what_it_needs_and_the_teaching_pages_points_and_time():
+    """A teacher reads an exercise notebook's first cell for what it needs, its points, how
+    long it takes and how to grade it; its points and study time are docs/teaching.md's
+    table's, so the two cannot drift."""
+    table = (ROOT / "docs" / "teaching.md").read_text()
     for path in sorted((ROOT / "exercises").glob("*.ipynb")):
         first = "".join(json.loads(path.read_text())["cells"][0]["source"])
-        row = re.search(rf"^\| {path.stem} \|.*\| ([^|]+) \|$", readme, re.M)
-        assert row, f"{path.stem}: no row in the README's exercise table"
-        assert f"**Study time:** about {row.group(1).strip()}." in first, path.name
+        row = re.search(rf"^\| {path.stem} \|.*\| (\d+) \| ([^|]+) \|$", table, re.M)
+        assert row, f"{path.stem}: no row in docs/teaching.md's exercise table"
+        assert f"**Study time:** about {row.group(2).strip()}." in first, path.name
+        assert f"**Points:** {row.group(1)} points in all" in first, path.name
         assert "**Needs:** a CPU" in first and f"minicb grade exercises/{path.name}" in first
 
 
@@ -197,12 +199,14 @@ def test_the_student_copy_holds_no_answer(tmp_path):
     leaks = [(p.relative_to(copy), line[:60]) for p, text in texts.items()
              if p.parent.name == "tests" for line in answer_lines if line in text]
     assert not leaks, leaks
-    assert not (copy / "tests" / "test_check_mutants.py").exists()
+    assert not any((copy / "tests" / name).exists()
+                   for name in ("test_check.py", "test_grade.py"))
     # collection alone does not see an import inside a test function, or a path into the
     # removed folders: a test that needs either would fail in the student's `make test` (this
     # file's own student-copy tests skip there: the copy is no git checkout)
-    needs_removed = [p.name for p in (copy / "tests").glob("*.py") if p.name != "test_course.py"
-                     if re.search(r'^\s*(from|import) test_exercises\b|"solutions"|'
+    needs_removed = [p.name for p in (copy / "tests").glob("test_*.py")
+                     if p.name != "test_course.py"
+                     if re.search(r'^\s*(from|import) test_(exercises|check|grade)\b|"solutions"|'
                                   r'"exercises" / "source"', p.read_text(), re.M)]
     assert not needs_removed, needs_removed
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",

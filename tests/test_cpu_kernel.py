@@ -243,3 +243,35 @@ def test_engine_tokens_match_the_torch_backend(tiny_llama_dir, policy):
         assert outs[1].num_cached_tokens >= 32
         results[name] = [o.token_ids for o in outs]
     assert results["cpu"] == results["torch"]
+
+
+def test_num_decode_tokens_counts_only_the_decode_rows():
+    """AttentionMetadata.num_decode_tokens is the decode rows (one token each), not every
+    member of the step."""
+    meta = build_metadata([[0], [1], [2]], [4, 7, 0], [1, 1, 5], 16)
+    assert (meta.num_decode_tokens, meta.num_members) == (2, 3)
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:1"])
+def test_auto_picks_triton_on_any_cuda_device(monkeypatch, device):
+    """'auto' picks Triton on any CUDA device ("cuda" or "cuda:1"), the C kernel ('cpu') is
+    refused there, and an empty backend name is no backend."""
+    monkeypatch.delenv("MINICB_ATTENTION", raising=False)
+    assert resolve_backend("auto", device) == "triton"
+    with pytest.raises(ValueError, match="C kernel for the CPU"):
+        resolve_backend("cpu", device)
+    with pytest.raises(ValueError, match="got ''"):
+        resolve_backend("", device)
+
+
+def test_the_torch_fallback_is_announced_once(monkeypatch, caplog):
+    """Without the C kernel, 'auto' on the CPU falls back to torch with one warning per
+    process, not one per engine built."""
+    from minicb import attention
+    monkeypatch.delenv("MINICB_ATTENTION", raising=False)
+    monkeypatch.setattr(attention, "_warned", set())
+    monkeypatch.setattr(cpu_kernel, "unavailable_reason", lambda: "no compiler here")
+    with caplog.at_level(logging.WARNING, logger="minicb"):
+        assert [attention.resolve_backend("auto", "cpu") for _ in range(3)] == ["torch"] * 3
+    assert [r.getMessage() for r in caplog.records] == [
+        "no compiler here; using the torch reference for attention"]

@@ -352,3 +352,17 @@ def test_padding_rows_of_a_smaller_decode_step_store_nothing(tiny_checkpoint):
     for (k, v), (k0, v0) in zip(kv, before):
         changed = ((k != k0) | (v != v0)).flatten(2).any(-1).nonzero().tolist()
         assert changed == [[0, 1]]  # page 0, offset 1: the one new token, nothing else
+
+
+def test_graph_runner_buckets_are_sorted_and_its_steps_are_decode_rows():
+    """A DecodeGraphRunner sorts its buckets whatever order they are given in (a step runs in
+    the smallest graph that holds it; max_batch is the largest), and its metadata says every
+    row is a decode row (so a captured step runs the decode kernel, not the prefill one)."""
+    from minicb.cuda_graphs import DecodeGraphRunner
+    runner = DecodeGraphRunner(None, [], 16, 3, "cpu", buckets=(4, 2), capture=False)
+    assert (runner.buckets, runner.max_batch, runner.bucket(1), runner.bucket(3)) == \
+        ((2, 4), 4, 2, 4)
+    meta = runner.metadata(2)
+    assert (meta.num_decodes, meta.num_members, meta.query_start_loc.tolist()) == (2, 2,
+                                                                                  [0, 1, 2])
+    assert meta.page_tables.shape == (2, 3)

@@ -1,10 +1,13 @@
 """Checks for the exercise notebooks (chapters 01-08): one function per exercise.
 
 `check.<exercise>(your_function_or_class)` runs your code and minicb's reference side by side
-on edge cases and random inputs. On the first disagreement it raises `CheckFailed` (an
-`AssertionError`) whose message says, in plain words, the input, what was expected and what
-came back, and where it can, which rule was broken. On success it prints one line starting
-with a tick and returns True.
+on named cases: hand-made edge cases, random ones from a fixed seed and, when a teacher grades
+with `--hidden-seed`, hidden ones drawn from `HIDDEN_SEED`. Every case runs. When all pass it
+prints one line starting with a tick; otherwise it raises `CheckFailed` (an `AssertionError`)
+saying how many passed, then, in plain words, the first failed case's input, what was expected
+and what came back, and where it can, which rule was broken, and one line for each other
+failure. `RESULTS[exercise]` keeps the cases of the last run; the grader scores an exercise by
+the share that passed (`case_points`).
 
 Scheduler exercises run your `Scheduler` for real: `Engine(tiny_model,
 policy=YourScheduler(), check_invariants=True)` on small workloads, compared step by step
@@ -13,7 +16,8 @@ with minicb's own scheduler for the same policy. The engine refuses impossible b
 `CheckFailed` that names the workload and the step.
 
 The references are minicb's own code: `PagePool`, `prompt_page_hashes`, the schedulers in
-`minicb.scheduler`, `minicb.benchmark.metrics` and `minicb.model.quant.quantize_rows`. This
+`minicb.scheduler`, `minicb.benchmark.metrics` and `minicb.model.quant.quantize_rows`, and a
+few of this module's functions. None of them is accepted as an answer (`_references`). This
 module depends on the core and nothing in the core depends on it.
 """
 
@@ -50,6 +54,10 @@ from minicb.trace import RequestRecord, StepRecord
 
 class CheckFailed(AssertionError):
     """Your code disagrees with the reference; the message explains the first difference."""
+
+
+class ReferenceRefused(CheckFailed):
+    """Your answer is minicb's own code (or this module's): the check stops at once."""
 
 
 def _fail(exercise: str, message: str) -> None:
@@ -106,10 +114,11 @@ def _as_list(value: Any) -> Any:
 
 @functools.cache  # asked before every call of the learner's code
 def _references(exercise: str) -> tuple[Callable, ...]:
-    """minicb's own version of what a function exercise asks for: the check compares the
-    learner's answer with it, so a lambda or a class that merely calls it would pass against
-    itself. (Schedulers refuse theirs around the whole run, `_check_scheduler`.)"""
-    from minicb.attention import AttentionMetadata, cpu_kernel, torch_ref
+    """minicb's own version of what a function exercise asks for, and this module's: the check
+    compares the learner's answer with them, so one of them, renamed, wrapped in a lambda or
+    a class that merely calls it, would pass against itself. (Schedulers refuse theirs around
+    the whole run, `_check_scheduler`.)"""
+    from minicb.attention import AttentionMetadata, build_metadata, cpu_kernel, torch_ref
     from minicb.kv_cache import PrefixIndex
     from minicb.speculative import NgramIndex, propose_ngram, verify
     if exercise == "best_setting":
@@ -117,25 +126,32 @@ def _references(exercise: str) -> tuple[Callable, ...]:
         return (sweep.best_setting, sweep.requirement_failures, sweep.ranked)
     if exercise == "swap_break_even":
         from minicb.benchmark import sim
-        return (sim.swap_break_even, sim.recompute_seconds)
+        return (sim.swap_break_even, sim.recompute_seconds, _break_even_variant)
+    engine_runs = [_finish_steps_real] + [c.schedule for c in POLICY_CLASSES.values()]
     return tuple({
         "page_pool": [PagePool.allocate, PagePool.share, PagePool.release],
         "prefix_hashes": [prompt_page_hashes],
-        "match_prefix": [PagePool.match_prefix, PrefixIndex.lookup],
+        "match_prefix": [PagePool.match_prefix, PrefixIndex.lookup, _reference_match],
         "quantize_int8": [quantize_rows],
+        "static_batch": [_reference_static_batch],
+        "static_finish_steps": engine_runs,
+        "continuous_finish_steps": engine_runs,
+        "next_chunk": [_reference_next_chunk, schedule_prefill_chunks],
         "dec_at_p": [metrics.long_prefill_metrics, metrics.summarize],
         "short_p": [metrics.long_prefill_metrics, metrics.summarize],
         "latencies": [metrics.queue_time, metrics.ttft, metrics.tpot, metrics.e2e,
                       metrics.released, metrics.first_token_seen, metrics.per_request,
                       metrics.summarize],
-        "goodput": [metrics.summarize, metrics.meets_slo, metrics.run_span],
-        "per_tenant": [metrics.summarize, metrics.by_class],
-        "slot_mapping": [AttentionMetadata.slot_mapping.func],
+        "goodput": [metrics.summarize, metrics.meets_slo, metrics.run_span, _reference_goodput,
+                    _num_meeting],
+        "per_tenant": [metrics.summarize, metrics.by_class, _reference_per_tenant],
+        "slot_mapping": [AttentionMetadata.slot_mapping.func, build_metadata,
+                         _reference_metadata],
         "paged_attention": [torch_ref.attend, torch_ref.attend_decodes,
                             torch_ref.attend_prefills, cpu_kernel.attend,
-                            cpu_kernel.attend_decodes],
-        "prompt_lookup": [propose_ngram, NgramIndex.propose],
-        "verify_greedy": [verify],
+                            cpu_kernel.attend_decodes, _attention_variant],
+        "prompt_lookup": [propose_ngram, NgramIndex.propose, _lookup_variant],
+        "verify_greedy": [verify, _verify_variant],
     }.get(exercise, []))
 
 
@@ -143,13 +159,163 @@ def _refuse_the_reference(exercise: str, fn: Any, reference: Callable) -> None:
     """The exercise asks for your own code: minicb's function itself (or one wrapped with
     functools.wraps) would pass every comparison with itself."""
     if fn is reference or getattr(fn, "__wrapped__", None) is reference:
-        _fail(exercise, f"that is minicb's own `{reference.__name__}`: write your own version "
-                        "(the check compares it with minicb's)")
+        raise ReferenceRefused(f"[{exercise}] that is minicb's own `{reference.__name__}`: "
+                               "write your own version (the check compares it with minicb's)")
 
 
-def _passed(exercise: str, what: str) -> bool:
-    print(f"✓ {exercise}: {what}")
-    return True
+@dataclass
+class CaseResult:
+    """One named case of a check: its group ("edge" for the hand-made ones, "random" for the
+    public random ones, "hidden" for those drawn from the grader's hidden seed), whether your
+    code got it right, and if not, the first line of why."""
+
+    name: str
+    group: str
+    passed: bool
+    message: str = ""
+
+
+# `python -m minicb grade --hidden-seed N` sets this in each check cell it runs: every check
+# then adds random cases drawn from that seed. None (a learner's own run): public cases only.
+HIDDEN_SEED: int | None = None
+RESULTS: dict[str, _Cases] = {}  # the last run of each check, by exercise
+MAX_OTHER_FAILURES = 12  # lines listing the failed cases after the first, in a message
+STOP_AT_FIRST = False  # True: a check raises its first failed case's explanation at once
+
+
+def hidden_rng(exercise: str) -> random.Random | None:
+    """The random source of an exercise's hidden cases, None without a hidden seed."""
+    return None if HIDDEN_SEED is None else random.Random(f"{HIDDEN_SEED}:{exercise}")
+
+
+class _Cases:
+    """The named cases of one run of a check. Each case runs on its own: a failure is noted
+    and the next case runs, so the check says how many of its cases your code gets right.
+    `done` prints the mark when every case passed, and otherwise raises a CheckFailed giving
+    the first failed case in full and one line for each other one. An untouched stub fails
+    every case with its NotImplementedError, which `done` raises as it is."""
+
+    def __init__(self, exercise: str, total: int) -> None:
+        self.exercise = exercise
+        self.total = total
+        self.results: list[CaseResult] = []
+        self.first: BaseException | None = None
+        self.stub: NotImplementedError | None = None
+        self.refused = False  # the answer was minicb's own code: nothing counts
+        RESULTS[exercise] = self
+
+    @contextlib.contextmanager
+    def case(self, name: str, group: str = "edge"):
+        """Run one case: a CheckFailed (or any error) inside it fails only this case."""
+        try:
+            yield
+        except NotImplementedError as exc:
+            self.stub = self.stub or exc
+            self._failed(name, group, exc, f"{type(exc).__name__}: {exc}")
+        except ReferenceRefused:
+            self.refused = True  # no case counts
+            raise
+        except CheckFailed as exc:
+            self._failed(name, group, exc, str(exc).removeprefix(f"[{self.exercise}] "))
+            if STOP_AT_FIRST:
+                raise
+        except Exception as exc:  # the check tripped over an odd answer: this case failed
+            self._failed(name, group, exc, f"checking it raised {type(exc).__name__}: {exc}")
+        else:
+            self.results.append(CaseResult(name, group, True))
+
+    def summary(self, max_points: float = 1.0, weights: dict[str, float] | None = None
+                ) -> dict[str, Any]:
+        """Plain data for the grader: the number of cases, whether the answer was refused,
+        each case run as [name, group, passed, the first line of why it failed], and the
+        points it earned out of `max_points` (`case_points`)."""
+        data = {"total": self.total, "refused": self.refused,
+                "cases": [[r.name, r.group, r.passed, (r.message.splitlines() or [""])[0]]
+                          for r in self.results]}
+        return {**data, "points": case_points(data, max_points, weights)}
+
+    @property
+    def explaining(self) -> bool:
+        """Whether a failure now is the first: only its explanation is shown in full, so a
+        costly hint (one that runs the learner's code again) is worked out for it alone."""
+        return self.first is None
+
+    def _failed(self, name: str, group: str, exc: BaseException, message: str) -> None:
+        self.first = self.first or exc
+        self.results.append(CaseResult(name, group, False, message))
+
+    def done(self, what: str) -> None:
+        """Print the mark, or raise what failed (see the class)."""
+        failed = [r for r in self.results if not r.passed]
+        if not failed:
+            print(f"✓ {self.exercise}: {what}")
+            return
+        if self.stub is not None and len(failed) == len(self.results):
+            raise self.stub
+        first, others = failed[0], failed[1:]
+        lines = [f"[{self.exercise}] {len(self.results) - len(failed)} of {len(self.results)} "
+                 f"cases passed. The first that failed, {first.name}: {first.message}"]
+        if others:
+            lines.append(f"Also failed ({len(others)}):")
+        alike: dict[str, list[str]] = {}  # one line per distinct reason, naming its cases
+        for r in others:
+            alike.setdefault((r.message.splitlines() or [""])[0], []).append(r.name)
+        for reason, names in list(alike.items())[:MAX_OTHER_FAILURES]:
+            who = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            lines.append(f"  - {who}: {_short_text(reason, 150)}")
+        if len(alike) > MAX_OTHER_FAILURES:
+            lines.append(f"  - ... and {len(alike) - MAX_OTHER_FAILURES} more reasons")
+        raise CheckFailed("\n".join(lines)) from (
+            self.first.__cause__ if isinstance(self.first, CheckFailed) else self.first)
+
+
+def case_points(summary: dict[str, Any], max_points: float,
+                weights: dict[str, float] | None = None) -> float:
+    """An exercise's points from its check's cases (`_Cases.summary`): `max_points` times the
+    weight of the cases passed over the weight of all of them. A case weighs 1 unless
+    `weights` names it or its group ("edge", "random", "hidden"); a case the check never ran
+    (it was stopped) weighs 1 and failed. An answer the check refused scores 0."""
+    if summary.get("refused") or not summary.get("total"):
+        return 0.0
+    weights = weights or {}
+    ran = [(weights.get(name, weights.get(group, 1.0)), passed)
+           for name, group, passed, *_ in summary["cases"]]
+    available = sum(w for w, _ in ran) + max(summary["total"] - len(ran), 0)
+    earned = sum(w for w, passed in ran if passed)
+    return round(max_points * earned / available, 4) if available else 0.0
+
+
+def score(check: Callable[[Any], None], answer: Any, points: float = 1.0,
+          weights: dict[str, float] | None = None) -> float:
+    """Run `check` (one of this module's) on `answer` and return the points it earns, printing
+    the mark or what failed: an nbgrader test cell's last line, whose value nbgrader takes as
+    the cell's partial credit (`python -m minicb nbgrader-course`)."""
+    name = check.__name__
+    RESULTS.pop(name, None)
+    try:
+        check(answer)
+    except (CheckFailed, NotImplementedError) as exc:
+        print(f"✗ {type(exc).__name__}: {exc}")
+    except Exception as exc:  # a check that stops on an odd answer: no points, no traceback
+        print(f"✗ the check stopped: {type(exc).__name__}: {exc}")
+    cases = RESULTS.get(name)
+    return cases.summary(points, weights)["points"] if cases is not None else 0.0
+
+
+def _short_text(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _named(exercise: str, edge: Sequence[Any], draw: Callable[[random.Random], Any],
+           seed: int, count: int, hidden: int, what: str = "case") -> list[tuple[str, str, Any]]:
+    """(name, group, case) of a check's cases: the hand-made `edge` ones, `count` public random
+    ones drawn from `seed`, and `hidden` more drawn from the hidden seed, if any."""
+    rng, secret = random.Random(seed), hidden_rng(exercise)
+    named = [(f"edge {what} {i}", "edge", c) for i, c in enumerate(edge)]
+    named += [(f"random {what} {i}", "random", draw(rng)) for i in range(count)]
+    if secret is not None:
+        named += [(f"hidden {what} {i}", "hidden", draw(secret)) for i in range(hidden)]
+    return named
 
 
 def _short(value: Any, limit: int = 160) -> str:
@@ -168,7 +334,8 @@ def _hexes(hashes: Any) -> str:
 
 
 # ============================================================================ a tiny model
-TINY_CONFIG = dict(vocab=256, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128,
+# one layer: a scheduler check runs the model every step, and its answers are noise anyway
+TINY_CONFIG = dict(vocab=256, hidden=64, layers=1, heads=4, kv_heads=2, intermediate=128,
                    max_positions=2048)
 _TINY: dict[int, tuple[Any, Any]] = {}
 _TINY_DIRS: list[tempfile.TemporaryDirectory] = []
@@ -177,7 +344,7 @@ _TINY_DIRS: list[tempfile.TemporaryDirectory] = []
 def tiny_checkpoint(path: str | Path | None = None, seed: int = 0) -> Path:
     """Write a tiny random Llama checkpoint (config.json + model.safetensors, no tokenizer,
     vocabulary of 256 token ids) into `path` (a new temporary folder if None) and return it.
-    It loads like any Hugging Face checkpoint: `Engine(str(path))`. About 0.4 MB; its
+    It loads like any Hugging Face checkpoint: `Engine(str(path))`. About 0.2 MB; its
     answers are noise, but they are deterministic, which is all a scheduler needs."""
     from safetensors.torch import save_file
 
@@ -258,7 +425,7 @@ def _holders(tables: dict[str, list[int]], page: int) -> list[str]:
     return [rid for rid, table in tables.items() for p in table if p == page]
 
 
-def page_pool(cls: type) -> bool:
+def page_pool(cls: type) -> None:
     """Exercise 1.1: a page pool with a free list and reference counts.
 
     `cls(num_pages)` must give an object with `ref_count` (a list, one count per page),
@@ -268,10 +435,16 @@ def page_pool(cls: type) -> bool:
     share adds one reference per page (ValueError for a free page); release drops one per page
     and frees a page whose count reaches 0 (ValueError if it was already 0)."""
     name = "page_pool"
-    for seed in range(40):
-        _page_pool_sequence(cls, seed, name)
-    return _passed(name, "edge cases and 40 random sequences of allocate/share/release agree "
-                         "with minicb's PagePool")
+    hidden = hidden_rng(name)
+    seeds = [(f"random sequence {s}", "random", s) for s in range(40)]
+    seeds += [(f"hidden sequence {k}", "hidden", hidden.randrange(10**9)) for k in range(10)
+              if hidden]
+    cases = _Cases(name, len(seeds))
+    for label, group, seed in seeds:
+        with cases.case(label, group):
+            _page_pool_sequence(cls, seed, name)
+    cases.done(f"edge cases and {len(seeds)} random sequences of allocate/share/release agree "
+               "with minicb's PagePool")
 
 
 def _page_pool_sequence(cls: type, seed: int, name: str) -> None:
@@ -297,6 +470,8 @@ def _page_pool_sequence(cls: type, seed: int, name: str) -> None:
     def call(what: str, fn: Callable, *args: Any) -> Any:
         try:
             return _call(name, what, fn, *args)
+        except ReferenceRefused:
+            raise
         except CheckFailed as exc:
             raise CheckFailed(f"{exc}{where()}") from exc.__cause__ or exc  # theirs, not ours
 
@@ -338,7 +513,7 @@ def _page_pool_sequence(cls: type, seed: int, name: str) -> None:
         should_fail = n > ref.num_free
         before = pool_state()
         try:
-            got = mine.allocate(n)
+            got = theirs("allocate", n)
         except MemoryError:
             history.append(f"allocate({n}) {purpose} -> MemoryError")
             if not should_fail:
@@ -351,7 +526,7 @@ def _page_pool_sequence(cls: type, seed: int, name: str) -> None:
                      "cannot give all the pages it must give none and change nothing.")
             verify()
             return None
-        except NotImplementedError:
+        except (NotImplementedError, ReferenceRefused):
             raise
         except Exception as exc:
             history.append(f"allocate({n}) {purpose} -> {type(exc).__name__}")
@@ -381,6 +556,10 @@ def _page_pool_sequence(cls: type, seed: int, name: str) -> None:
             to_ref[p] = q
         return got
 
+    def theirs(method: str, *args: Any) -> Any:  # the learner's method, minicb's refusing
+        with _refusing_the_reference(name, _references(name)):
+            return getattr(mine, method)(*args)
+
     def expect_value_error(call: Callable[[], Any], text: str, rule: str) -> None:
         before = pool_state()
         try:
@@ -392,7 +571,7 @@ def _page_pool_sequence(cls: type, seed: int, name: str) -> None:
                      f"first {change_since(before)}: check before you change anything, "
                      "so that a refused call leaves the pool as it was.")
             return
-        except NotImplementedError:
+        except (NotImplementedError, ReferenceRefused):
             raise
         except Exception as exc:
             fail(f"{text} must raise ValueError ({rule}), but yours raised "
@@ -412,10 +591,10 @@ def _page_pool_sequence(cls: type, seed: int, name: str) -> None:
     if got != []:
         fail(f"allocate(0) must return [], yours returned {_short(got)}.")
     verify()
-    expect_value_error(lambda: mine.release([0]), "release([0]) of a free page",
+    expect_value_error(lambda: theirs("release", [0]), "release([0]) of a free page",
                        "a page cannot be released more often than it was taken")
     verify()
-    expect_value_error(lambda: mine.share([0]), "share([0]) of a free page",
+    expect_value_error(lambda: theirs("share", [0]), "share([0]) of a free page",
                        "only a page that some request holds can be shared")
     verify()
     for _ in range(60):
@@ -459,15 +638,15 @@ def _page_pool_sequence(cls: type, seed: int, name: str) -> None:
     free = next((p for p in range(num_pages) if not _holders(tables, p)), None)
     if once is not None and free is not None:
         for pages in ([once, free], [free, once]):
-            expect_value_error(lambda pages=pages: mine.release(pages),
+            expect_value_error(lambda pages=pages: theirs("release", pages),
                                f"release({pages}) (page {free} is free)",
                                "a page cannot be released more often than it was taken")
             verify()
-            expect_value_error(lambda pages=pages: mine.share(pages),
+            expect_value_error(lambda pages=pages: theirs("share", pages),
                                f"share({pages}) (page {free} is free)",
                                "only a page that some request holds can be shared")
             verify()
-        expect_value_error(lambda: mine.release([once, once]),
+        expect_value_error(lambda: theirs("release", [once, once]),
                            f"release([{once}, {once}]) (page {once} is held once)",
                            "a page listed twice loses two references, and it has one")
         verify()
@@ -497,54 +676,62 @@ def _prompts(rng: random.Random, n: int, page_size: int) -> list[list[int]]:
     return out
 
 
-def prefix_hashes(fn: Callable[[list[int], int], list[bytes]]) -> bool:
+def prefix_hashes(fn: Callable[[list[int], int], list[bytes]]) -> None:
     """Exercise 1.2: `fn(token_ids, page_size)` returns the chained hash of every full page,
     `page_hash(previous, page_tokens)` with previous None for the first page, like
     `minicb.kv_cache.prompt_page_hashes`."""
     name = "prefix_hashes"
     _refuse_the_reference(name, fn, prompt_page_hashes)
-    rng = random.Random(12)
-    cases: list[tuple[list[int], int]] = [
+    edge: list[tuple[list[int], int]] = [
         ([], 4), ([7, 8, 9], 4), ([7, 8, 9, 10], 4), ([7, 8, 9, 10, 11], 4),
         (list(range(10, 22)), 4), (list(range(10, 20)), 4), ([5, 6, 7], 1),
         ([9, 9, 9, 9, 9, 9, 9, 9], 4),
     ]
-    for _ in range(40):
+
+    def draw(rng: random.Random) -> tuple[list[int], int]:
         page_size = rng.choice([1, 2, 4, 8, 16])
-        cases.extend((p, page_size) for p in _prompts(rng, 1, page_size))
-    for tokens, page_size in cases:
-        want = prompt_page_hashes(tokens, page_size)
-        got = _call(name, f"fn({_short(tokens, 90)}, {page_size})", fn, list(tokens), page_size)
-        if got == want:
-            continue
-        shown = f"token_ids={_short(tokens, 90)}, page_size={page_size}"
-        full = len(tokens) // page_size
-        if not isinstance(got, list):
-            _fail(name, f"fn({shown}) must return a list of bytes, yours returned "
-                        f"{type(got).__name__}: {_short(got)}.")
-        if len(got) != len(want):
-            why = ""
-            if len(got) == math.ceil(len(tokens) / page_size):
-                why = (f" The last {len(tokens) % page_size} tokens are a partial page: only "
-                       "full pages get a hash, because only full pages can be shared.")
-            elif len(got) < len(want):
-                why = " A page that is exactly full counts too."
-            _fail(name, f"fn({shown}) returned {len(got)} hashes; expected {full} ("
-                        f"{len(tokens)} tokens fill {_pages(full)} of "
-                        f"{page_size}).{why}")
-        unchained = [page_hash(None, tokens[i * page_size:(i + 1) * page_size])
-                     for i in range(full)]
-        first_bad = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+        return _prompts(rng, 1, page_size)[0], page_size
+
+    named = _named(name, edge, draw, 12, 40, 20, "prompt")
+    cases = _Cases(name, len(named))
+    for label, group, (tokens, page_size) in named:
+        with cases.case(label, group):
+            _prefix_hashes_case(fn, name, tokens, page_size)
+    cases.done(f"{len(named)} prompts hash exactly like minicb's prompt_page_hashes")
+
+
+def _prefix_hashes_case(fn: Callable, name: str, tokens: list[int], page_size: int) -> None:
+    want = prompt_page_hashes(tokens, page_size)
+    got = _call(name, f"fn({_short(tokens, 90)}, {page_size})", fn, list(tokens), page_size)
+    if got == want:
+        return
+    shown = f"token_ids={_short(tokens, 90)}, page_size={page_size}"
+    full = len(tokens) // page_size
+    if not isinstance(got, list):
+        _fail(name, f"fn({shown}) must return a list of bytes, yours returned "
+                    f"{type(got).__name__}: {_short(got)}.")
+    if len(got) != len(want):
         why = ""
-        if got == unchained:
-            why = (" Your hashes are computed page by page on their own. Each page's hash must "
-                   "also take the previous page's hash (the chain), so that equal hashes mean "
-                   "equal prefixes, not just equal pages.")
-        elif first_bad == 0:
-            why = " The first page has no previous page: page_hash(None, first_page_tokens)."
-        _fail(name, f"fn({shown}): hash of page {first_bad} differs. Expected "
-                    f"{_hexes(want)}, got {_hexes(got)}.{why}")
-    return _passed(name, f"{len(cases)} prompts hash exactly like minicb's prompt_page_hashes")
+        if len(got) == math.ceil(len(tokens) / page_size):
+            why = (f" The last {len(tokens) % page_size} tokens are a partial page: only "
+                   "full pages get a hash, because only full pages can be shared.")
+        elif len(got) < len(want):
+            why = " A page that is exactly full counts too."
+        _fail(name, f"fn({shown}) returned {len(got)} hashes; expected {full} ("
+                    f"{len(tokens)} tokens fill {_pages(full)} of "
+                    f"{page_size}).{why}")
+    unchained = [page_hash(None, tokens[i * page_size:(i + 1) * page_size])
+                 for i in range(full)]
+    first_bad = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+    why = ""
+    if got == unchained:
+        why = (" Your hashes are computed page by page on their own. Each page's hash must "
+               "also take the previous page's hash (the chain), so that equal hashes mean "
+               "equal prefixes, not just equal pages.")
+    elif first_bad == 0:
+        why = " The first page has no previous page: page_hash(None, first_page_tokens)."
+    _fail(name, f"fn({shown}): hash of page {first_bad} differs. Expected "
+                f"{_hexes(want)}, got {_hexes(got)}.{why}")
 
 
 def _reference_match(cached: dict[bytes, int], tokens: list[int], page_size: int) -> list[int]:
@@ -553,13 +740,12 @@ def _reference_match(cached: dict[bytes, int], tokens: list[int], page_size: int
     return pool.match_prefix(tokens)
 
 
-def match_prefix(fn: Callable[[dict[bytes, int], list[int], int], list[int]]) -> bool:
+def match_prefix(fn: Callable[[dict[bytes, int], list[int], int], list[int]]) -> None:
     """Exercise 1.3: `fn(cached, token_ids, page_size)` returns the cached pages of the longest
     run of leading full pages of `token_ids` whose chained hashes are keys of `cached` (hash ->
     page id), capped so that at least one prompt token is left to compute, like
     `PagePool.match_prefix`."""
     name = "match_prefix"
-    rng = random.Random(13)
     ps = 4
     a = list(range(10, 22))  # three full pages
     ha = prompt_page_hashes(a, ps)
@@ -574,7 +760,8 @@ def match_prefix(fn: Callable[[dict[bytes, int], list[int], int], list[int]]) ->
         ("same tokens in page 1, different page 0", dict(zip(ha, [7, 3, 5])),
          [0, 0, 0, 0] + a[4:] + [1], ps),
     ]
-    for i in range(60):
+
+    def draw(rng: random.Random) -> tuple[dict[bytes, int], list[int], int]:
         page_size = rng.choice([1, 2, 4, 8])
         earlier = _prompts(rng, 4, page_size)
         cached: dict[bytes, int] = {}
@@ -583,32 +770,42 @@ def match_prefix(fn: Callable[[dict[bytes, int], list[int], int], list[int]]) ->
                 cached.setdefault(h, len(cached) * 3 % 97)
         query = _prompts(rng, 1, page_size)[0] if rng.random() < 0.4 else \
             list(rng.choice(earlier))[:rng.randint(1, 64)] or [5]
-        cases.append((f"random case {i}", cached, query, page_size))
-    for label, cached, tokens, page_size in cases:
-        want = _reference_match(cached, tokens, page_size)
-        got = _call(name, f"{label}: fn(cached, {_short(tokens, 90)}, {page_size})", fn,
-                    dict(cached), list(tokens), page_size)
-        if list(got) == want if isinstance(got, (list, tuple)) else False:
-            continue
-        shown = (f"{label}: token_ids={_short(tokens, 90)} ({len(tokens)} tokens), "
-                 f"page_size={page_size}, {len(cached)} cached pages")
-        usable = (len(tokens) - 1) // page_size
-        why = ""
-        if isinstance(got, (list, tuple)) and len(got) > len(want):
-            if len(got) * page_size >= len(tokens):
-                why = (" Your hit covers the whole prompt, leaving no token to compute; but one "
-                       "token must still run through the model to give the logits of the first "
-                       f"output token. Cap the hit at (len - 1) // page_size = {usable} pages.")
-            else:
-                why = (" A hit is a run of *leading* pages: stop at the first page whose hash "
-                       "is not cached (a later page's hash names a different prefix).")
-        elif isinstance(got, (list, tuple)) and len(got) < len(want):
-            why = " Every leading full page whose chained hash is cached should be reused."
-        _fail(name, f"{shown}: expected pages {want}, got {_short(got)}.{why}")
-    return _passed(name, f"{len(cases)} lookups agree with PagePool.match_prefix")
+        return cached, query, page_size
+
+    named = [(label, "edge", case) for label, *case in cases]
+    named += _named(name, [], draw, 13, 60, 30)
+    checked = _Cases(name, len(named))
+    for label, group, (cached, tokens, page_size) in named:
+        with checked.case(label, group):
+            _match_prefix_case(fn, name, label, cached, tokens, page_size)
+    checked.done(f"{len(named)} lookups agree with PagePool.match_prefix")
 
 
-def quantize_int8(fn: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]) -> bool:
+def _match_prefix_case(fn: Callable, name: str, label: str, cached: dict[bytes, int],
+                       tokens: list[int], page_size: int) -> None:
+    want = _reference_match(cached, tokens, page_size)
+    got = _call(name, f"{label}: fn(cached, {_short(tokens, 90)}, {page_size})", fn,
+                dict(cached), list(tokens), page_size)
+    if list(got) == want if isinstance(got, (list, tuple)) else False:
+        return
+    shown = (f"{label}: token_ids={_short(tokens, 90)} ({len(tokens)} tokens), "
+             f"page_size={page_size}, {len(cached)} cached pages")
+    usable = (len(tokens) - 1) // page_size
+    why = ""
+    if isinstance(got, (list, tuple)) and len(got) > len(want):
+        if len(got) * page_size >= len(tokens):
+            why = (" Your hit covers the whole prompt, leaving no token to compute; but one "
+                   "token must still run through the model to give the logits of the first "
+                   f"output token. Cap the hit at (len - 1) // page_size = {usable} pages.")
+        else:
+            why = (" A hit is a run of *leading* pages: stop at the first page whose hash "
+                   "is not cached (a later page's hash names a different prefix).")
+    elif isinstance(got, (list, tuple)) and len(got) < len(want):
+        why = " Every leading full page whose chained hash is cached should be reused."
+    _fail(name, f"{shown}: expected pages {want}, got {_short(got)}.{why}")
+
+
+def quantize_int8(fn: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Exercise 1.4: `fn(weight)` quantizes a float [out, in] weight to int8 with one scale per
     output row, scale = max |row| / 127 and q = round(weight / scale), like
     `minicb.model.quant.quantize_rows` (what `Int8Linear` stores)."""
@@ -625,71 +822,85 @@ def quantize_int8(fn: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]
              ("row 2 all zeros", zero_row), ("a single row", torch.randn(1, 7, generator=gen))]
     cases += [(f"random [{o}, {i}]", torch.randn(o, i, generator=gen) * 0.05)
               for o, i in ((64, 48), (96, 64), (5, 80))]
-    for label, weight in cases:
-        shown = f"{label} (shape {list(weight.shape)})"
-        given = weight.clone()
-        out = _call(name, f"fn(weight) for {shown}", fn, given)
-        if not torch.equal(given, weight):
-            _fail(name, f"{shown}: your function changed the weight it was given (an in-place "
-                        "operation such as div_ or round_?); the caller still needs the float "
-                        "weight: compute q in a new tensor.")
-        if not isinstance(out, (tuple, list)) or len(out) != 2:
-            _fail(name, f"{shown}: return a pair (q, scale), got {_short(out)}.")
-        q, scale = out
-        if not isinstance(q, torch.Tensor) or q.dtype != torch.int8:
-            _fail(name, f"{shown}: q must be a torch.int8 tensor (1 byte a weight, the point of "
-                        f"the exercise), got {getattr(q, 'dtype', type(q).__name__)}. Convert "
-                        "with .to(torch.int8) after rounding.")
-        if q.shape != weight.shape:
-            _fail(name, f"{shown}: q has shape {list(q.shape)}, expected {list(weight.shape)}.")
-        if isinstance(scale, torch.Tensor) and scale.dim() == 2 and scale.shape[1] == 1:
-            _fail(name, f"{shown}: scale has shape {list(scale.shape)}, expected "
-                        f"[{weight.shape[0]}]: one number per row, in a 1-D tensor (amax(dim=1) "
-                        "without keepdim, or .squeeze(1)). A [out, 1] scale broadcasts wrong "
-                        "in q * scale[:, None].")
-        if isinstance(scale, torch.Tensor) and scale.dtype in (torch.float16, torch.bfloat16):
-            _fail(name, f"{shown}: scale is {scale.dtype}; keep it in float32 (or float64): "
-                        f"{str(scale.dtype).replace('torch.', '')} keeps only "
-                        f"{8 if scale.dtype == torch.bfloat16 else 11} significant bits, so "
-                        "every weight would be off by the scale's rounding too. (minicb's "
-                        "Int8Linear converts its scale to bfloat16 afterwards, for its kernel, "
-                        "and pays that: the exercise measures the weights' rounding alone.)")
-        scale = torch.as_tensor(scale, dtype=torch.float32).reshape(-1)
-        rows = weight.shape[0]
-        if scale.numel() != rows:
-            per = " (one per column: use the max over dim=1, along each row)" \
-                if scale.numel() == weight.shape[1] else ""
-            _fail(name, f"{shown}: expected {rows} scales (one per output row), got "
-                        f"{scale.numel()}{per}.")
-        if not torch.isfinite(scale).all() or (scale <= 0).any():
-            _fail(name, f"{shown}: scales {_short(scale.tolist())} must be finite and > 0; an "
-                        "all-zero row gives max 0: put a tiny floor under the scale "
-                        "(e.g. .clamp(min=1e-12)) so nothing divides by zero.")
-        want_q, want_scale = quantize_rows(weight)
-        nonzero = weight.abs().amax(dim=1) > 0
-        if not torch.allclose(scale[nonzero], want_scale[nonzero], rtol=1e-5, atol=0):
-            if torch.allclose(scale, scale[:1].expand_as(scale)) and rows > 1:
-                why = (" All your rows share one scale: the largest weight of the whole matrix "
-                       "sets it, and rows of small weights round to a few levels or to 0. Use "
-                       "one scale per row.")
-            else:
-                ratio = float((scale[nonzero] / want_scale[nonzero]).median())
-                why = (f" Yours are about {ratio:.3g}x that: the row's largest |weight| must map "
-                       "to exactly 127 (int8 holds -128..127; 127 keeps it symmetric).")
-            _fail(name, f"{shown}: expected scales max|row| / 127 = "
-                        f"{_short([round(x, 6) for x in want_scale.tolist()], 120)}, got "
-                        f"{_short([round(x, 6) for x in scale.tolist()], 120)}.{why}")
-        if int(q.int().abs().max()) > 127:  # abs() of an int8 -128 is -128 again
-            _fail(name, f"{shown}: q holds {int(q.int().min())}; keep it in [-127, 127].")
-        off = (q.float() - want_q.float()).abs()
-        if off.max() > 1 or (off > 0).float().mean() > 0.01:
-            r, c = divmod(int(off.argmax()), weight.shape[1])
-            _fail(name, f"{shown}: q[{r}, {c}] = {int(q[r, c])}, expected "
-                        f"round({float(weight[r, c]):.6g} / {float(want_scale[r]):.6g}) = "
-                        f"{int(want_q[r, c])}. Round to the nearest level (torch.round), do not "
-                        "truncate.")
-    return _passed(name, f"{len(cases)} weights quantized like Int8Linear: one byte a weight, "
-                         "error at most half a step per row")
+    named = [(label, "random" if label.startswith("random") else "edge", w) for label, w in cases]
+    if (secret := hidden_rng(name)) is not None:
+        hidden_gen = torch.Generator().manual_seed(secret.randrange(2**31))
+        for k in range(6):
+            o, i, size = secret.randint(1, 96), secret.randint(1, 96), secret.choice(
+                [1e-3, 0.05, 1.0, 30.0])
+            named.append((f"hidden weight {k} [{o}, {i}]", "hidden",
+                          torch.randn(o, i, generator=hidden_gen) * size))
+    checked = _Cases(name, len(named))
+    for label, group, weight in named:
+        with checked.case(label, group):
+            _quantize_case(fn, name, label, weight)
+    checked.done(f"{len(named)} weights quantized like Int8Linear: one byte a weight, error at "
+                 "most half a step per row")
+
+
+def _quantize_case(fn: Callable, name: str, label: str, weight: torch.Tensor) -> None:
+    shown = f"{label} (shape {list(weight.shape)})"
+    given = weight.clone()
+    out = _call(name, f"fn(weight) for {shown}", fn, given)
+    if not torch.equal(given, weight):
+        _fail(name, f"{shown}: your function changed the weight it was given (an in-place "
+                    "operation such as div_ or round_?); the caller still needs the float "
+                    "weight: compute q in a new tensor.")
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        _fail(name, f"{shown}: return a pair (q, scale), got {_short(out)}.")
+    q, scale = out
+    if not isinstance(q, torch.Tensor) or q.dtype != torch.int8:
+        _fail(name, f"{shown}: q must be a torch.int8 tensor (1 byte a weight, the point of "
+                    f"the exercise), got {getattr(q, 'dtype', type(q).__name__)}. Convert "
+                    "with .to(torch.int8) after rounding.")
+    if q.shape != weight.shape:
+        _fail(name, f"{shown}: q has shape {list(q.shape)}, expected {list(weight.shape)}.")
+    if isinstance(scale, torch.Tensor) and scale.dim() == 2 and scale.shape[1] == 1:
+        _fail(name, f"{shown}: scale has shape {list(scale.shape)}, expected "
+                    f"[{weight.shape[0]}]: one number per row, in a 1-D tensor (amax(dim=1) "
+                    "without keepdim, or .squeeze(1)). A [out, 1] scale broadcasts wrong "
+                    "in q * scale[:, None].")
+    if isinstance(scale, torch.Tensor) and scale.dtype in (torch.float16, torch.bfloat16):
+        _fail(name, f"{shown}: scale is {scale.dtype}; keep it in float32 (or float64): "
+                    f"{str(scale.dtype).replace('torch.', '')} keeps only "
+                    f"{8 if scale.dtype == torch.bfloat16 else 11} significant bits, so "
+                    "every weight would be off by the scale's rounding too. (minicb's "
+                    "Int8Linear converts its scale to bfloat16 afterwards, for its kernel, "
+                    "and pays that: the exercise measures the weights' rounding alone.)")
+    scale = torch.as_tensor(scale, dtype=torch.float32).reshape(-1)
+    rows = weight.shape[0]
+    if scale.numel() != rows:
+        per = " (one per column: use the max over dim=1, along each row)" \
+            if scale.numel() == weight.shape[1] else ""
+        _fail(name, f"{shown}: expected {rows} scales (one per output row), got "
+                    f"{scale.numel()}{per}.")
+    if not torch.isfinite(scale).all() or (scale <= 0).any():
+        _fail(name, f"{shown}: scales {_short(scale.tolist())} must be finite and > 0; an "
+                    "all-zero row gives max 0: put a tiny floor under the scale "
+                    "(e.g. .clamp(min=1e-12)) so nothing divides by zero.")
+    want_q, want_scale = quantize_rows(weight)
+    nonzero = weight.abs().amax(dim=1) > 0
+    if not torch.allclose(scale[nonzero], want_scale[nonzero], rtol=1e-5, atol=0):
+        if torch.allclose(scale, scale[:1].expand_as(scale)) and rows > 1:
+            why = (" All your rows share one scale: the largest weight of the whole matrix "
+                   "sets it, and rows of small weights round to a few levels or to 0. Use "
+                   "one scale per row.")
+        else:
+            ratio = float((scale[nonzero] / want_scale[nonzero]).median())
+            why = (f" Yours are about {ratio:.3g}x that: the row's largest |weight| must map "
+                   "to exactly 127 (int8 holds -128..127; 127 keeps it symmetric).")
+        _fail(name, f"{shown}: expected scales max|row| / 127 = "
+                    f"{_short([round(x, 6) for x in want_scale.tolist()], 120)}, got "
+                    f"{_short([round(x, 6) for x in scale.tolist()], 120)}.{why}")
+    if int(q.int().abs().max()) > 127:  # abs() of an int8 -128 is -128 again
+        _fail(name, f"{shown}: q holds {int(q.int().min())}; keep it in [-127, 127].")
+    off = (q.float() - want_q.float()).abs()
+    if off.max() > 1 or (off > 0).float().mean() > 0.01:
+        r, c = divmod(int(off.argmax()), weight.shape[1])
+        _fail(name, f"{shown}: q[{r}, {c}] = {int(q[r, c])}, expected "
+                    f"round({float(weight[r, c]):.6g} / {float(want_scale[r]):.6g}) = "
+                    f"{int(want_q[r, c])}. Round to the nearest level (torch.round), do not "
+                    "truncate.")
 
 
 # ============================================================================ 02 static
@@ -705,57 +916,66 @@ def _reference_static_batch(queue: Sequence[tuple[str, int]], max_num_seqs: int,
     return batch
 
 
-def static_batch(fn: Callable[[list[tuple[str, int]], int, int, int], list[str]]) -> bool:
+def static_batch(fn: Callable[[list[tuple[str, int]], int, int, int], list[str]]) -> None:
     """Exercise 2.1: `fn(queue, max_num_seqs, free_pages, page_size)` forms a static batch:
     the ids of the requests at the front of `queue` (a list of (request_id, prompt_len)), in
     order, at most `max_num_seqs`, each taking ceil(prompt_len / page_size) pages, stopping at
     the first request whose pages do not fit (first come, first served: nobody jumps ahead)."""
     name = "static_batch"
-    rng = random.Random(21)
     q = [("r0", 20), ("r1", 40), ("r2", 5), ("r3", 16), ("r4", 33)]
-    cases = [([], 4, 10, 16), (q, 3, 100, 16), (q, 8, 100, 16), (q, 4, 3, 16),
-             (q, 4, 1, 16), (q, 4, 0, 16), (q, 4, 4, 16), ([("r0", 16)], 1, 1, 16),
-             ([("r0", 17)], 1, 1, 16)]
-    for _ in range(150):
+    edge = [([], 4, 10, 16), (q, 3, 100, 16), (q, 8, 100, 16), (q, 4, 3, 16),
+            (q, 4, 1, 16), (q, 4, 0, 16), (q, 4, 4, 16), ([("r0", 16)], 1, 1, 16),
+            ([("r0", 17)], 1, 1, 16)]
+
+    def draw(rng: random.Random) -> tuple[list[tuple[str, int]], int, int, int]:
         queue = [(f"r{i}", rng.randint(1, 70)) for i in range(rng.randint(0, 8))]
-        cases.append((queue, rng.randint(1, 6), rng.randint(0, 16), rng.choice([4, 8, 16])))
-    for queue, max_num_seqs, free_pages, page_size in cases:
-        want = _reference_static_batch(queue, max_num_seqs, free_pages, page_size)
-        got = _call(name, f"fn({queue}, {max_num_seqs}, {free_pages}, {page_size})", fn,
-                    list(queue), max_num_seqs, free_pages, page_size)
-        if isinstance(got, (list, tuple)) and list(got) == want:
-            continue
-        shown = (f"queue={queue}, max_num_seqs={max_num_seqs}, free_pages={free_pages}, "
-                 f"page_size={page_size}")
-        need = {rid: -(-n // page_size) for rid, n in queue}
-        why = ""
-        if isinstance(got, (list, tuple)):
-            got = list(got)
-            pages = sum(need.get(rid, 0) for rid in got)
-            order = [rid for rid, _ in queue]
-            stop = next((rid for rid, _ in queue[len(want):len(want) + 1]), None)
-            if len(got) > max_num_seqs:
-                why = f" Your batch has {len(got)} members; the limit is {max_num_seqs}."
-            elif pages > free_pages:
-                why = f" Your batch needs {pages} pages but only {free_pages} are free."
-            elif len(want) == max_num_seqs and any(rid not in want for rid in got):
-                why = (f" The batch is full at max_num_seqs={max_num_seqs} with the first "
-                       f"{max_num_seqs} requests in the queue: first come, first served, later "
-                       "requests must not jump ahead.")
-            elif stop is not None and stop not in got and any(
-                    order.index(r) > order.index(stop) for r in got if r in order):
-                left = free_pages - sum(need[rid] for rid in want)
-                why = (f" {stop!r} does not fit ({_pages(need[stop])} needed, {left} left after "
-                       f"{want}), so the batch stops there: first come, first served, later "
-                       "requests must not jump ahead.")
-            elif got != sorted(got, key=lambda r: order.index(r) if r in order else -1):
-                why = " Keep the queue's order."
-            elif len(got) < len(want):
-                nxt = want[len(got)]
-                why = (f" {nxt!r} still fits ({_pages(need[nxt])} needed, "
-                       f"{free_pages - pages} left).")
-        _fail(name, f"{shown}: expected {want}, got {_short(got)}.{why}")
-    return _passed(name, f"{len(cases)} queues form the same batch as minicb's static policy")
+        return queue, rng.randint(1, 6), rng.randint(0, 16), rng.choice([4, 8, 16])
+
+    named = _named(name, edge, draw, 21, 150, 50, "queue")
+    cases = _Cases(name, len(named))
+    for label, group, case in named:
+        with cases.case(label, group):
+            _static_batch_case(fn, name, *case)
+    cases.done(f"{len(named)} queues form the same batch as minicb's static policy")
+
+
+def _static_batch_case(fn: Callable, name: str, queue: list[tuple[str, int]],
+                       max_num_seqs: int, free_pages: int, page_size: int) -> None:
+    want = _reference_static_batch(queue, max_num_seqs, free_pages, page_size)
+    got = _call(name, f"fn({queue}, {max_num_seqs}, {free_pages}, {page_size})", fn,
+                list(queue), max_num_seqs, free_pages, page_size)
+    if isinstance(got, (list, tuple)) and list(got) == want:
+        return
+    shown = (f"queue={queue}, max_num_seqs={max_num_seqs}, free_pages={free_pages}, "
+             f"page_size={page_size}")
+    need = {rid: -(-n // page_size) for rid, n in queue}
+    why = ""
+    if isinstance(got, (list, tuple)):
+        got = list(got)
+        pages = sum(need.get(rid, 0) for rid in got)
+        order = [rid for rid, _ in queue]
+        stop = next((rid for rid, _ in queue[len(want):len(want) + 1]), None)
+        if len(got) > max_num_seqs:
+            why = f" Your batch has {len(got)} members; the limit is {max_num_seqs}."
+        elif pages > free_pages:
+            why = f" Your batch needs {pages} pages but only {free_pages} are free."
+        elif len(want) == max_num_seqs and any(rid not in want for rid in got):
+            why = (f" The batch is full at max_num_seqs={max_num_seqs} with the first "
+                   f"{max_num_seqs} requests in the queue: first come, first served, later "
+                   "requests must not jump ahead.")
+        elif stop is not None and stop not in got and any(
+                order.index(r) > order.index(stop) for r in got if r in order):
+            left = free_pages - sum(need[rid] for rid in want)
+            why = (f" {stop!r} does not fit ({_pages(need[stop])} needed, {left} left after "
+                   f"{want}), so the batch stops there: first come, first served, later "
+                   "requests must not jump ahead.")
+        elif got != sorted(got, key=lambda r: order.index(r) if r in order else -1):
+            why = " Keep the queue's order."
+        elif len(got) < len(want):
+            nxt = want[len(got)]
+            why = (f" {nxt!r} still fits ({_pages(need[nxt])} needed, "
+                   f"{free_pages - pages} left).")
+    _fail(name, f"{shown}: expected {want}, got {_short(got)}.{why}")
 
 
 # ---------------------------------------------------------------- finish steps, from a real run
@@ -775,7 +995,7 @@ def _finish_steps_real(policy: str, max_tokens: Sequence[int], arrival_steps: Se
                        max_num_seqs: int) -> list[int]:
     """Run the real engine on the tiny model and read each request's finish step."""
     engine = _engine(policy, max_num_seqs=max_num_seqs, max_num_batched_tokens=2048,
-                     chunk_size=2048)
+                     chunk_size=2048, check_invariants=False)  # minicb's own: no need
     for i, (n, a) in enumerate(zip(max_tokens, arrival_steps)):
         engine.add_request([3 + i % 200, 10, 11, 12], SamplingParams(max_tokens=n,
                                                                      **GREEDY_EXACT),
@@ -785,52 +1005,60 @@ def _finish_steps_real(policy: str, max_tokens: Sequence[int], arrival_steps: Se
     return [engine.requests[f"R{i + 1}"].metrics.finish_step for i in range(len(max_tokens))]
 
 
-def _finish_cases(seed: int) -> list[tuple[list[int], list[int], int]]:
-    rng = random.Random(seed)
-    cases = [([30, 200, 80, 60], [1, 1, 1, 31], 3),  # the chapter's R1..R4
-             ([1], [1], 1), ([5, 1, 3], [1, 1, 1], 1), ([4, 4], [1, 9], 2),
-             ([6, 2, 9, 3, 5], [1, 2, 2, 4, 20], 2),
-             ([5, 5, 5], [9, 1, 1], 1), ([3, 6, 2, 4], [4, 1, 4, 1], 2),  # not in list order
-             ([3, 3, 3, 3], [1, 1, 2, 4], 2),  # one arrives at the very step the batch forms
-             ([10, 3, 3], [1, 5, 2], 1)]  # both wait for R1's slot: R3 came first, goes first
-    for k in range(8):
-        n = rng.randint(2, 7)
-        arrivals = [rng.randint(1, 25) for _ in range(n)]
-        if k % 2:  # half of them in order, half as they came
-            arrivals.sort()
-        cases.append(([rng.randint(1, 18) for _ in range(n)], arrivals, rng.randint(1, 4)))
-    return cases
+FINISH_EDGE_CASES = [([30, 200, 80, 60], [1, 1, 1, 31], 3),  # the chapter's R1..R4
+                     ([1], [1], 1), ([5, 1, 3], [1, 1, 1], 1), ([4, 4], [1, 9], 2),
+                     ([6, 2, 9, 3, 5], [1, 2, 2, 4, 20], 2),
+                     ([5, 5, 5], [9, 1, 1], 1), ([3, 6, 2, 4], [4, 1, 4, 1], 2),  # not in order
+                     ([3, 3, 3, 3], [1, 1, 2, 4], 2),  # one arrives as the batch forms
+                     ([10, 3, 3], [1, 5, 2], 1)]  # both wait for R1's slot: R3 came first
 
 
-def _check_finish_steps(fn: Callable, policy: str, name: str, rule: str) -> bool:
-    cases = _finish_cases(22 if policy == "static" else 33)
-    for max_tokens, arrivals, max_num_seqs in cases:
-        want = _finish_steps_real(policy, max_tokens, arrivals, max_num_seqs)
-        shown = (f"max_tokens={max_tokens}, arrival_steps={arrivals}, "
-                 f"max_num_seqs={max_num_seqs}")
-        got = _call(name, f"fn({shown})", fn, list(max_tokens), list(arrivals), max_num_seqs)
-        if isinstance(got, (list, tuple)) and list(got) == want:
-            continue
-        detail = ""
-        if isinstance(got, (list, tuple)) and len(got) == len(want):
-            i = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
-            detail = (f" First difference: request {i + 1} (max_tokens={max_tokens[i]}, "
-                      f"arrives at step {arrivals[i]}) finished at step {want[i]} in the real "
-                      f"engine; you said {got[i]}.")
-        order = sorted(range(len(arrivals)), key=lambda i: (arrivals[i], i))
-        if order != list(range(len(arrivals))):  # right once sorted: the order is the bug
-            ordered = _call(name, "fn(the same requests listed in arrival order)", fn,
-                            [max_tokens[i] for i in order], sorted(arrivals), max_num_seqs)
-            if isinstance(ordered, (list, tuple)) and len(ordered) == len(want) and \
-                    all(ordered[k] == want[i] for k, i in enumerate(order)):
-                detail += (" Here the list is not in arrival order, and yours gets these requests "
-                           "right once they are listed in arrival order: requests queue by "
-                           "arrival_step (ties in list order), whatever their place in the "
-                           "list; sort the indices by (arrival_steps[i], i).")
-        _fail(name, f"{shown}: the real engine (policy {policy!r}) finished the requests at "
-                    f"steps {want}; yours says {_short(got)}.{detail} Remember: {rule}")
-    return _passed(name, f"{len(cases)} workloads (the chapter's R1..R4 among them) finish at "
-                         f"the same steps as the real engine under policy {policy!r}")
+def _finish_case(rng: random.Random) -> tuple[list[int], list[int], int]:
+    """A random finish-steps case: half of them listed in arrival order, half as they came."""
+    n = rng.randint(2, 7)
+    arrivals = [rng.randint(1, 25) for _ in range(n)]
+    if rng.random() < 0.5:
+        arrivals.sort()
+    return [rng.randint(1, 18) for _ in range(n)], arrivals, rng.randint(1, 4)
+
+
+def _check_finish_steps(fn: Callable, policy: str, name: str, rule: str) -> None:
+    named = _named(name, FINISH_EDGE_CASES, _finish_case, 22 if policy == "static" else 33,
+                   8, 6, "workload")
+    cases = _Cases(name, len(named))
+    for label, group, (max_tokens, arrivals, max_num_seqs) in named:
+        with cases.case(label, group):
+            _finish_steps_case(fn, policy, name, rule, max_tokens, arrivals, max_num_seqs)
+    cases.done(f"{len(named)} workloads (the chapter's R1..R4 among them) finish at the same "
+               f"steps as the real engine under policy {policy!r}")
+
+
+def _finish_steps_case(fn: Callable, policy: str, name: str, rule: str, max_tokens: list[int],
+                       arrivals: list[int], max_num_seqs: int) -> None:
+    want = _finish_steps_real(policy, max_tokens, arrivals, max_num_seqs)
+    shown = (f"max_tokens={max_tokens}, arrival_steps={arrivals}, "
+             f"max_num_seqs={max_num_seqs}")
+    got = _call(name, f"fn({shown})", fn, list(max_tokens), list(arrivals), max_num_seqs)
+    if isinstance(got, (list, tuple)) and list(got) == want:
+        return
+    detail = ""
+    if isinstance(got, (list, tuple)) and len(got) == len(want):
+        i = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+        detail = (f" First difference: request {i + 1} (max_tokens={max_tokens[i]}, "
+                  f"arrives at step {arrivals[i]}) finished at step {want[i]} in the real "
+                  f"engine; you said {got[i]}.")
+    order = sorted(range(len(arrivals)), key=lambda i: (arrivals[i], i))
+    if order != list(range(len(arrivals))) and RESULTS[name].explaining:  # the order, the bug?
+        ordered = _call(name, "fn(the same requests listed in arrival order)", fn,
+                        [max_tokens[i] for i in order], sorted(arrivals), max_num_seqs)
+        if isinstance(ordered, (list, tuple)) and len(ordered) == len(want) and \
+                all(ordered[k] == want[i] for k, i in enumerate(order)):
+            detail += (" Here the list is not in arrival order, and yours gets these requests "
+                       "right once they are listed in arrival order: requests queue by "
+                       "arrival_step (ties in list order), whatever their place in the "
+                       "list; sort the indices by (arrival_steps[i], i).")
+    _fail(name, f"{shown}: the real engine (policy {policy!r}) finished the requests at "
+                f"steps {want}; yours says {_short(got)}.{detail} Remember: {rule}")
 
 
 STEP_RULES = ("a request admitted at step s produces its first token at step s (its prefill "
@@ -838,7 +1066,7 @@ STEP_RULES = ("a request admitted at step s produces its first token at step s (
               "step s + m - 1; its slot is free again from the next step.")
 
 
-def static_finish_steps(fn: Callable[[list[int], list[int], int], list[int]]) -> bool:
+def static_finish_steps(fn: Callable[[list[int], list[int], int], list[int]]) -> None:
     """Exercise 2.2: `fn(max_tokens, arrival_steps, max_num_seqs)` predicts the step at which
     each request finishes under static batching; checked against the real engine."""
     return _check_finish_steps(
@@ -848,7 +1076,7 @@ def static_finish_steps(fn: Callable[[list[int], list[int], int], list[int]]) ->
         "arrival order, and requests arriving later wait for the next batch.")
 
 
-def continuous_finish_steps(fn: Callable[[list[int], list[int], int], list[int]]) -> bool:
+def continuous_finish_steps(fn: Callable[[list[int], list[int], int], list[int]]) -> None:
     """Exercise 3.1: `fn(max_tokens, arrival_steps, max_num_seqs)` predicts the step at which
     each request finishes under continuous batching; checked against the real engine."""
     return _check_finish_steps(
@@ -982,7 +1210,7 @@ def _run(policy: Any, wl: CheckWorkload, exercise: str, max_steps: int = 2000,
     if learner:
         instance = _Returns(instance, exercise, where)
     options = {"max_num_seqs": 4, "max_num_batched_tokens": 64, "chunk_size": 64, **wl.options}
-    engine = _engine(instance, **options)
+    engine = _engine(instance, **options, check_invariants=learner)  # minicb's own: no need
     for i, (rid, prompt_len, max_tokens, arrival) in enumerate(wl.requests):
         engine.add_request(wl.prompt(i, prompt_len),
                            SamplingParams(max_tokens=max_tokens, **GREEDY_EXACT),
@@ -1026,11 +1254,11 @@ def _run(policy: Any, wl: CheckWorkload, exercise: str, max_steps: int = 2000,
     return run
 
 
-_REFERENCE: dict[tuple[str, str], list[StepRecord]] = {}
+_REFERENCE: dict[tuple[str, str], list[StepRecord]] = {}  # (policy, the workload's repr)
 
 
 def _reference(policy: str, wl: CheckWorkload) -> list[StepRecord]:
-    key = (policy, wl.name)
+    key = (policy, repr(wl))
     if key not in _REFERENCE:
         _REFERENCE[key] = _run(POLICY_CLASSES[policy], wl, "reference", learner=False).trace
     return _REFERENCE[key]
@@ -1094,7 +1322,8 @@ def _refusing_the_reference(exercise: str, functions: Sequence[Callable]):
         yield
         return
     for fn in saved:
-        fn.__code__ = _tripwire_code(fn.__qualname__)
+        own = "check." if fn.__module__ == __name__ else ""  # this module's: say so
+        fn.__code__ = _tripwire_code(own + fn.__qualname__)
 
     def tripped() -> list[str]:
         return sorted(set().union(*(fn.__globals__.pop(TRIPPED, set()) for fn in saved)))
@@ -1111,53 +1340,78 @@ def _refusing_the_reference(exercise: str, functions: Sequence[Callable]):
             fn.__code__ = code
     used = used or tripped()
     if used and exercise in _SCHEDULER_EXERCISES:
-        _fail(exercise, f"your scheduler ran minicb's own {', '.join(used)}: write the policy "
-                        "yourself (the check compares it step by step with minicb's, which "
-                        "would pass against itself). The shared building blocks of "
-                        "`Scheduler` (schedule_decodes, decoding, prefilling) are yours to use.")
+        raise ReferenceRefused(
+            f"[{exercise}] your scheduler ran minicb's own {', '.join(used)}: write the policy "
+            "yourself (the check compares it step by step with minicb's, which would pass "
+            "against itself). The shared building blocks of `Scheduler` (schedule_decodes, "
+            "decoding, prefilling) are yours to use.")
     if used:
-        _fail(exercise, f"your code ran minicb's own {', '.join(used)}: write your own version "
-                        "(the check compares it with minicb's, which would pass against "
-                        "itself).")
+        raise ReferenceRefused(
+            f"[{exercise}] your code ran minicb's own {', '.join(used)}: write your own version "
+            "(the check compares it with minicb's, which would pass against itself).")
 
 
 def _check_scheduler(cls: Any, policy: str, exercise: str, workloads: list[CheckWorkload],
                      rules: str, decodes_first: bool, also_refused: Sequence[Callable] = ()
-                     ) -> bool:
+                     ) -> None:
     if isinstance(cls, type) and not issubclass(cls, Scheduler) or \
             not isinstance(cls, type) and not hasattr(cls, "schedule"):
         _fail(exercise, f"expected a Scheduler subclass (class MyScheduler(Scheduler): ...), "
                         f"got {_short(cls, 60)}.")
-    refs = [_reference(policy, wl) for wl in workloads]  # before minicb's own are refused
+    named = [(wl.name, "edge", wl) for wl in workloads]
+    if (secret := hidden_rng(exercise)) is not None:
+        named += [(f"hidden workload {k}", "hidden", _random_workload(secret, f"hidden-{k}"))
+                  for k in range(3)]
+    refs = [_reference(policy, wl) for _, _, wl in named]  # before minicb's own are refused
     refused = [c.schedule for c in POLICY_CLASSES.values()] + list(also_refused)
-    with _refusing_the_reference(exercise, refused):
-        steps = _run_beside_the_reference(cls, policy, exercise, workloads, refs, rules,
-                                          decodes_first)
-    return _passed(exercise, f"{len(workloads)} workloads ({steps} steps) ran in the real "
-                             f"engine with invariant checks on, step for step like minicb's "
-                             f"{policy!r} scheduler")
+    cases = _Cases(exercise, len(named))
+    try:
+        with _refusing_the_reference(exercise, refused):
+            for (label, group, wl), ref in zip(named, refs):
+                with cases.case(label, group):
+                    _run_beside_the_reference(cls, policy, exercise, wl, ref, rules,
+                                              decodes_first)
+    except ReferenceRefused:
+        cases.refused = True
+        raise
+    steps = sum(len(ref) for ref in refs)
+    cases.done(f"{len(named)} workloads ({steps} steps) ran in the real engine with invariant "
+               f"checks on, step for step like minicb's {policy!r} scheduler")
 
 
-def _run_beside_the_reference(cls: Any, policy: str, exercise: str,
-                              workloads: list[CheckWorkload], refs: list[list[StepRecord]],
-                              rules: str, decodes_first: bool) -> int:
-    steps = 0
-    for wl, ref in zip(workloads, refs):
-        mine = _run(cls, wl, exercise, max_steps=3 * len(ref) + 50, compared_with=policy)
-        if decodes_first and mine.skipped:
-            step, left, members = mine.skipped[0]
-            prefills = [m for m in members if m.kind == "prefill"]
-            ran = _describe(members)
-            what = (f"only prefill chunks: {ran}" if prefills and len(prefills) == len(members)
-                    else ran)
-            _fail(exercise, f"decodes were left waiting at step {step} of workload {wl.name!r} "
-                            f"({wl.about}): {', '.join(left)} had already produced tokens and "
-                            f"were still running, but your scheduler ran {what}. Every running "
-                            "decode gets its one token first; only what is left of the budget "
-                            "goes to prefill.")
-        _compare(ref, mine.trace, wl, policy, exercise, rules)
-        steps += len(ref)
-    return steps
+def _random_workload(rng: random.Random, name: str) -> CheckWorkload:
+    """A random small workload: a few requests arriving over ten steps, a random budget and
+    chunk size, sometimes a shared prefix, sometimes so few pages that decodes preempt."""
+    requests = [(f"h{i}", rng.randint(4, 80), rng.randint(1, 16), rng.randint(1, 10))
+                for i in range(rng.randint(2, 6))]
+    options: dict[str, Any] = {"max_num_seqs": rng.randint(2, 5),
+                               "max_num_batched_tokens": rng.choice([16, 32, 64]),
+                               "chunk_size": rng.choice([8, 16, 32]),
+                               "min_chunk": rng.choice([1, 1, 4, 8])}
+    if rng.random() < 0.4:  # each request fits alone, not all together: preemption
+        largest = max(-(-(n + m) // 16) for _, n, m, _ in requests)
+        options["num_pages"] = largest + rng.randint(1, 3)
+    about = (f"{len(requests)} random requests (prompt_len, max_tokens, arrival_step): "
+             f"{[r[1:] for r in requests]}, options {options}")
+    return CheckWorkload(name, about, requests, options,
+                         shared_prefix=rng.choice([0, 0, 32]))
+
+
+def _run_beside_the_reference(cls: Any, policy: str, exercise: str, wl: CheckWorkload,
+                              ref: list[StepRecord], rules: str, decodes_first: bool) -> None:
+    mine = _run(cls, wl, exercise, max_steps=3 * len(ref) + 50, compared_with=policy)
+    if decodes_first and mine.skipped:
+        step, left, members = mine.skipped[0]
+        prefills = [m for m in members if m.kind == "prefill"]
+        ran = _describe(members)
+        what = (f"only prefill chunks: {ran}" if prefills and len(prefills) == len(members)
+                else ran)
+        _fail(exercise, f"decodes were left waiting at step {step} of workload {wl.name!r} "
+                        f"({wl.about}): {', '.join(left)} had already produced tokens and "
+                        f"were still running, but your scheduler ran {what}. Every running "
+                        "decode gets its one token first; only what is left of the budget "
+                        "goes to prefill.")
+    _compare(ref, mine.trace, wl, policy, exercise, rules)
 
 
 CONTINUOUS_WORKLOADS = [
@@ -1211,7 +1465,7 @@ CONTINUOUS_RULES = (
     "alone, when no other prompt is in the step) or that ctx.admit refuses (returns 0).")
 
 
-def continuous_scheduler(cls: Any) -> bool:
+def continuous_scheduler(cls: Any) -> None:
     """Exercise 3.2: a continuous-batching `Scheduler` subclass, run for real on ten small
     workloads and compared step by step with minicb's ContinuousScheduler."""
     return _check_scheduler(cls, "continuous", "continuous_scheduler", CONTINUOUS_WORKLOADS,
@@ -1250,7 +1504,7 @@ CHUNKED_RULES = (
     "do the running decodes get their token (self.schedule_decodes(ctx)).")
 
 
-def chunked_scheduler(cls: Any) -> bool:
+def chunked_scheduler(cls: Any) -> None:
     """Exercise 4.2: a prefill-first chunked-prefill `Scheduler` subclass, run for real and
     compared step by step with minicb's ChunkedScheduler."""
     return _check_scheduler(cls, "chunked", "chunked_scheduler", CHUNKED_WORKLOADS,
@@ -1285,7 +1539,7 @@ PD_RULES = (
     "(schedule_prefill_chunks(ctx, budget, min_chunk=ctx.config.min_chunk)).")
 
 
-def pd_scheduler(cls: Any) -> bool:
+def pd_scheduler(cls: Any) -> None:
     """Exercise 5.1: the PD-interleaving `Scheduler` subclass from the chapter's pseudo-code,
     run for real (invariant checks on) and compared step by step with minicb's PDScheduler.
     A scheduler that serves prefill before decodes is caught at the first step where a
@@ -1304,45 +1558,53 @@ def _reference_next_chunk(remaining: int, chunk_size: int, budget: int,
     return 0 if n < min(min_chunk, remaining) else n
 
 
-def next_chunk(fn: Callable[..., int]) -> bool:
+def next_chunk(fn: Callable[..., int]) -> None:
     """Exercise 4.1: `fn(remaining, chunk_size, budget, min_chunk=1)` is the size of the next
     prefill chunk of a prompt with `remaining` tokens left, or 0 when it must wait."""
     name = "next_chunk"
-    cases = [(100, 32, 64, 1), (100, 32, 20, 1), (10, 32, 64, 1), (100, 32, 0, 1),
-             (1, 32, 1, 1), (100, 32, 5, 8), (3, 32, 5, 8), (8, 32, 8, 8), (7, 32, 5, 8),
-             (100, 4, 64, 8), (9, 16, 9, 16), (40, 16, 40, 1)]
-    rng = random.Random(41)
-    for _ in range(400):
+    edge = [(100, 32, 64, 1), (100, 32, 20, 1), (10, 32, 64, 1), (100, 32, 0, 1),
+            (1, 32, 1, 1), (100, 32, 5, 8), (3, 32, 5, 8), (8, 32, 8, 8), (7, 32, 5, 8),
+            (100, 4, 64, 8), (9, 16, 9, 16), (40, 16, 40, 1)]
+
+    def draw(rng: random.Random) -> tuple[int, int, int, int]:
         chunk = rng.choice([1, 4, 8, 16, 32])
-        cases.append((rng.randint(1, 80), chunk, rng.randint(0, 70),
-                      rng.choice([1, 1, 2, 4, 8, 16])))
-    for remaining, chunk_size, budget, min_chunk in cases:
-        want = _reference_next_chunk(remaining, chunk_size, budget, min_chunk)
-        shown = (f"remaining={remaining}, chunk_size={chunk_size}, budget={budget}, "
-                 f"min_chunk={min_chunk}")
-        got = _as_int(_call(name, f"next_chunk({shown})", fn, remaining, chunk_size, budget,
-                            min_chunk))  # a numpy integer (np.min) is an int here
-        if got == want and isinstance(got, int):
-            continue
-        why = ""
-        if isinstance(got, int):
-            if got > budget:
-                why = " The chunk must fit in the step's token budget."
-            elif got > chunk_size:
-                why = " A chunk is at most chunk_size tokens."
-            elif got > remaining:
-                why = " The prompt has only `remaining` tokens left."
-            elif want == 0:
-                why = (f" Only {min(remaining, chunk_size, budget)} tokens would fit, fewer than "
-                       f"min_chunk={min_chunk}, and they would not finish the prompt: the chunk "
-                       "waits for a later step (0).")
-            elif got == 0 and remaining < min_chunk:
-                why = (f" The last {remaining} tokens of a prompt may run even though that is "
-                       "less than min_chunk: nothing bigger will ever come.")
-            elif got < want:
-                why = " Take as much as the budget, chunk_size and the prompt allow."
-        _fail(name, f"next_chunk({shown}): expected {want}, got {_short(got)}.{why}")
-    return _passed(name, f"{len(cases)} cases agree with minicb's chunking rule")
+        return rng.randint(1, 80), chunk, rng.randint(0, 70), rng.choice([1, 1, 2, 4, 8, 16])
+
+    named = _named(name, edge, draw, 41, 400, 100)
+    cases = _Cases(name, len(named))
+    for label, group, case in named:
+        with cases.case(label, group):
+            _next_chunk_case(fn, name, *case)
+    cases.done(f"{len(named)} cases agree with minicb's chunking rule")
+
+
+def _next_chunk_case(fn: Callable, name: str, remaining: int, chunk_size: int, budget: int,
+                     min_chunk: int) -> None:
+    want = _reference_next_chunk(remaining, chunk_size, budget, min_chunk)
+    shown = (f"remaining={remaining}, chunk_size={chunk_size}, budget={budget}, "
+             f"min_chunk={min_chunk}")
+    got = _as_int(_call(name, f"next_chunk({shown})", fn, remaining, chunk_size, budget,
+                        min_chunk))  # a numpy integer (np.min) is an int here
+    if got == want and isinstance(got, int):
+        return
+    why = ""
+    if isinstance(got, int):
+        if got > budget:
+            why = " The chunk must fit in the step's token budget."
+        elif got > chunk_size:
+            why = " A chunk is at most chunk_size tokens."
+        elif got > remaining:
+            why = " The prompt has only `remaining` tokens left."
+        elif want == 0:
+            why = (f" Only {min(remaining, chunk_size, budget)} tokens would fit, fewer than "
+                   f"min_chunk={min_chunk}, and they would not finish the prompt: the chunk "
+                   "waits for a later step (0).")
+        elif got == 0 and remaining < min_chunk:
+            why = (f" The last {remaining} tokens of a prompt may run even though that is "
+                   "less than min_chunk: nothing bigger will ever come.")
+        elif got < want:
+            why = " Take as much as the budget, chunk_size and the prompt allow."
+    _fail(name, f"next_chunk({shown}): expected {want}, got {_short(got)}.{why}")
 
 
 # ============================================================================ 05 dec@P, short_P
@@ -1392,50 +1654,86 @@ def pd_traces() -> list[tuple[str, list[StepRecord], list[RequestRecord], str]]:
                  requests=[("short-0", 8, 8, 1), ("long", 100, 3, 3), ("after", 8, 12, 6)]),
          "pd", None, 4),
     ]
-    for wl, policy, cut, cancel in variants:
-        engine = _run(POLICY_CLASSES[policy], wl, "reference", learner=False).engine \
-            if cut is None and cancel is None else None
-        if engine is None:
-            engine = _engine(policy, **{"max_num_seqs": 4, "max_num_batched_tokens": 64,
-                                        "chunk_size": 64, **wl.options})
-            for i, (rid, n, m, a) in enumerate(wl.requests):
-                engine.add_request(wl.prompt(i, n), SamplingParams(max_tokens=m, **GREEDY_EXACT),
-                                   request_id=rid, arrival_step=a)
-            with _OneThread():
-                if cancel:
-                    engine.run(max_steps=cancel)
-                    engine.cancel("long")
-                engine.run(max_steps=cut)
-        label = f"{wl.name} under {policy!r}" + (f", stopped after {cut} steps" if cut else "") \
-            + (f", 'long' cancelled after step {cancel}" if cancel else "")
-        _PD_TRACES.append((label, list(engine.trace), engine.request_records(), "long"))
+    _PD_TRACES.extend(_pd_trace(*variant) for variant in variants)
     return _PD_TRACES
 
 
+def _pd_trace(wl: CheckWorkload, policy: str, cut: int | None, cancel: int | None
+              ) -> tuple[str, list[StepRecord], list[RequestRecord], str]:
+    """One of `pd_traces`: the workload run under `policy`, stopped after `cut` steps and with
+    'long' cancelled after step `cancel` where those are given."""
+    engine = _run(POLICY_CLASSES[policy], wl, "reference", learner=False).engine \
+        if cut is None and cancel is None else None
+    if engine is None:
+        options = {"max_num_seqs": 4, "max_num_batched_tokens": 64, "chunk_size": 64,
+                   **wl.options}
+        engine = _engine(policy, check_invariants=False, **options)
+        for i, (rid, n, m, a) in enumerate(wl.requests):
+            engine.add_request(wl.prompt(i, n), SamplingParams(max_tokens=m, **GREEDY_EXACT),
+                               request_id=rid, arrival_step=a)
+        with _OneThread():
+            if cancel:
+                engine.run(max_steps=cancel)
+                engine.cancel("long")
+            engine.run(max_steps=cut)
+    label = f"{wl.name} under {policy!r}" + (f", stopped after {cut} steps" if cut else "") \
+        + (f", 'long' cancelled after step {cancel}" if cancel else "")
+    return label, list(engine.trace), engine.request_records(), "long"
+
+
+def _random_pd_trace(rng: random.Random, name: str
+                     ) -> tuple[str, list[StepRecord], list[RequestRecord], str]:
+    """A random long-prefill trace: short requests around one long prompt, under a random
+    policy and budget, sometimes stopped early or with the long one cancelled."""
+    shorts = [(f"short-{i}", rng.randint(4, 12), rng.randint(1, 20), rng.randint(1, 8))
+              for i in range(rng.randint(1, 5))]
+    long = ("long", rng.randint(40, 150), rng.randint(1, 4), rng.randint(1, 6))
+    requests = sorted(shorts + [long], key=lambda r: r[3])
+    wl = CheckWorkload(name, "random requests around a long prompt", requests,
+                       {"max_num_seqs": rng.randint(2, 6),
+                        "max_num_batched_tokens": rng.choice([16, 32, 48]),
+                        "chunk_size": rng.choice([16, 32])})
+    ending = rng.random()
+    cut = rng.randint(2, 10) if ending < 0.15 else None
+    cancel = long[3] + rng.randint(0, 3) if 0.15 <= ending < 0.3 else None
+    return _pd_trace(wl, rng.choice(["pd", "pd", "chunked", "continuous"]), cut, cancel)
+
+
 def _check_long_metric(fn: Callable, key: str, name: str, rule: str,
-                       explain: Callable[..., str] | None = None) -> bool:
-    traces = pd_traces()
-    for label, trace, records, long_id in traces:
-        want = metrics.long_prefill_metrics(trace, records, long_id)[key]
-        got = _call(name, f"fn(trace of {label}, records, {long_id!r})", fn, list(trace),
-                    list(records), long_id)
-        if got == want and (got is None) == (want is None):
-            continue
-        long = next(r for r in records if r.request_id == long_id)
-        ended = f"its prefill finished at step {long.first_token_step}" \
-            if long.first_token_step is not None else \
-            f"it ended ({long.finish_reason}) at step {long.finish_step} before its first token" \
-            if long.finish_step is not None else "its prefill never finished"
-        facts = (f"the long request arrived at step {long.arrival_step}, {ended}, the trace has "
-                 f"{len(trace)} steps")
-        more = explain(trace, records, long) if explain else ""
-        _fail(name, f"trace of {label} ({facts}): expected {want!r}, got {_short(got)}.{more} "
-                    f"{rule}")
-    return _passed(name, f"{len(traces)} traces (pd, chunked, continuous, static and edge cases) "
-                         "agree with minicb.benchmark.metrics")
+                       explain: Callable[..., str] | None = None) -> None:
+    named = [(entry[0], "edge", entry) for entry in pd_traces()]
+    if (secret := hidden_rng(name)) is not None:
+        named += [(f"hidden trace {k}", "hidden", _random_pd_trace(secret, f"hidden-{k}"))
+                  for k in range(4)]
+    cases = _Cases(name, len(named))
+    for label, group, entry in named:
+        with cases.case(label, group):
+            _long_metric_case(fn, key, name, rule, explain, *entry)
+    cases.done(f"{len(named)} traces (pd, chunked, continuous, static and edge cases) agree "
+               "with minicb.benchmark.metrics")
 
 
-def dec_at_p(fn: Callable[[list[StepRecord], list[RequestRecord], str], int]) -> bool:
+def _long_metric_case(fn: Callable, key: str, name: str, rule: str,
+                      explain: Callable[..., str] | None, label: str, trace: list[StepRecord],
+                      records: list[RequestRecord], long_id: str) -> None:
+    want = metrics.long_prefill_metrics(trace, records, long_id)[key]
+    got = _call(name, f"fn(trace of {label}, records, {long_id!r})", fn, list(trace),
+                list(records), long_id)
+    if got == want and (got is None) == (want is None):
+        return
+    long = next(r for r in records if r.request_id == long_id)
+    ended = f"its prefill finished at step {long.first_token_step}" \
+        if long.first_token_step is not None else \
+        f"it ended ({long.finish_reason}) at step {long.finish_step} before its first token" \
+        if long.finish_step is not None else "its prefill never finished"
+    facts = (f"the long request arrived at step {long.arrival_step}, {ended}, the trace has "
+             f"{len(trace)} steps")
+    more = explain(trace, records, long) if explain else ""
+    _fail(name, f"trace of {label} ({facts}): expected {want!r}, got {_short(got)}.{more} "
+                f"{rule}")
+
+
+def dec_at_p(fn: Callable[[list[StepRecord], list[RequestRecord], str], int]) -> None:
     """Exercise 5.2: `fn(trace, records, long_id)` is dec@P: decode tokens produced by the
     other requests while the long prompt's prefill is unfinished (from its arrival step to
     the step its first token came out, both included; without one, to its finish_step if it
@@ -1469,7 +1767,7 @@ def _who_is_alive(trace: list[StepRecord], records: list[RequestRecord],
             f"{', '.join(left_out[:6]) or 'none'}. Both bounds include their step.")
 
 
-def short_p(fn: Callable[[list[StepRecord], list[RequestRecord], str], int | None]) -> bool:
+def short_p(fn: Callable[[list[StepRecord], list[RequestRecord], str], int | None]) -> None:
     """Exercise 5.3: `fn(trace, records, long_id)` is short_P in steps: from the long request's
     arrival until every short request alive with it has finished."""
     return _check_long_metric(
@@ -1534,7 +1832,7 @@ def _float32(got: Any, want: Any) -> str:
     return ""
 
 
-def latencies(fn: Callable[[RequestRecord], dict[str, float | None]]) -> bool:
+def latencies(fn: Callable[[RequestRecord], dict[str, float | None]]) -> None:
     """Exercise 6.1: `fn(record)` returns {"queue", "ttft", "tpot", "e2e"} in seconds for one
     request record, None where a value is undefined, like minicb.benchmark.metrics."""
     name = "latencies"
@@ -1547,26 +1845,37 @@ def latencies(fn: Callable[[RequestRecord], dict[str, float | None]]) -> bool:
                        "fewer than 2 tokens",
                "e2e": "released_time - arrival_time, where a released_time of None means the "
                       "finish_time"}
-    records = [r for seed in range(8) for r in _records(seed)]
-    for rec in records:
-        shown = (f"arrival_time={rec.arrival_time}, first_scheduled_time="
-                 f"{rec.first_scheduled_time}, first_token_time={rec.first_token_time}, "
-                 f"finish_time={rec.finish_time}, released_time={rec.released_time}, "
-                 f"returned_whole={rec.returned_whole}, "
-                 f"num_output_tokens={rec.num_output_tokens}")
-        got = _call(name, f"fn(record {rec.request_id}: {shown})", fn, rec)
-        if not isinstance(got, dict):
-            _fail(name, f"fn(record) must return a dict with keys {LATENCY_KEYS}; yours "
-                        f"returned {_short(got)}.")
-        for key in LATENCY_KEYS:
-            want = refs[key](rec)
-            if key not in got:
-                _fail(name, f"the dict has no key {key!r} (keys: {sorted(got)}).")
-            if not _close(got[key], want):
-                _fail(name, f"record {rec.request_id} ({shown}): {key} should be {want!r} "
-                            f"({meaning[key]}), yours is {got[key]!r}.{_float32(got[key], want)}")
-    return _passed(name, f"{len(records)} request records give the same queue time, TTFT, TPOT "
-                         "and E2E as minicb.benchmark.metrics")
+    named = [(f"random record {rec.request_id} of set {seed}", "random", rec)
+             for seed in range(8) for rec in _records(seed)]
+    if (secret := hidden_rng(name)) is not None:
+        named += [(f"hidden record {rec.request_id} of set {k}", "hidden", rec) for k in range(3)
+                  for rec in _records(secret.randrange(10**9))]
+    cases = _Cases(name, len(named))
+    for label, group, rec in named:
+        with cases.case(label, group):
+            _latencies_case(fn, name, refs, meaning, rec)
+    cases.done(f"{len(named)} request records give the same queue time, TTFT, TPOT and E2E as "
+               "minicb.benchmark.metrics")
+
+
+def _latencies_case(fn: Callable, name: str, refs: dict[str, Callable],
+                    meaning: dict[str, str], rec: RequestRecord) -> None:
+    shown = (f"arrival_time={rec.arrival_time}, first_scheduled_time="
+             f"{rec.first_scheduled_time}, first_token_time={rec.first_token_time}, "
+             f"finish_time={rec.finish_time}, released_time={rec.released_time}, "
+             f"returned_whole={rec.returned_whole}, "
+             f"num_output_tokens={rec.num_output_tokens}")
+    got = _call(name, f"fn(record {rec.request_id}: {shown})", fn, rec)
+    if not isinstance(got, dict):
+        _fail(name, f"fn(record) must return a dict with keys {LATENCY_KEYS}; yours "
+                    f"returned {_short(got)}.")
+    for key in LATENCY_KEYS:
+        want = refs[key](rec)
+        if key not in got:
+            _fail(name, f"the dict has no key {key!r} (keys: {sorted(got)}).")
+        if not _close(got[key], want):
+            _fail(name, f"record {rec.request_id} ({shown}): {key} should be {want!r} "
+                        f"({meaning[key]}), yours is {got[key]!r}.{_float32(got[key], want)}")
 
 
 def _num_meeting(records: Sequence[RequestRecord], slo: dict[str, float]) -> int:
@@ -1578,14 +1887,13 @@ def _reference_goodput(records: Sequence[RequestRecord], slo: dict[str, float]) 
     return _num_meeting(records, slo) / span if span > 0 else None
 
 
-def goodput(fn: Callable[[list[RequestRecord], dict[str, float]], float | None]) -> bool:
+def goodput(fn: Callable[[list[RequestRecord], dict[str, float]], float | None]) -> None:
     """Exercise 6.2: `fn(records, slo)` is goodput in requests per second: completed requests
     (finish_reason 'stop' or 'length') meeting every SLO in `slo` ({"ttft": s, "tpot": s,
     "e2e": s}, any subset; a value must be <= its limit; a one-token request has no TPOT and
     passes that one), divided by the run's span (first arrival to last finish); None if the
     span is 0."""
     name = "goodput"
-    rng = random.Random(62)
     cases: list[tuple[str, list[RequestRecord], dict[str, float]]] = []
     one = _records(3)
     cases.append(("no SLO at all", one, {}))
@@ -1603,40 +1911,51 @@ def goodput(fn: Callable[[list[RequestRecord], dict[str, float]], float | None])
                             1, [])
     cases.append(("a span of 0 (one request, cancelled the moment it arrived)", [at_once],
                   {"ttft": 1.0}))
-    for i in range(40):
-        records = _records(100 + i, rng.randint(1, 20))
+
+    def draw(rng: random.Random) -> tuple[list[RequestRecord], dict[str, float]]:
+        records = _records(rng.randrange(100, 10**9), rng.randint(1, 20))
         slo = {k: rng.choice([0.05, 0.1, 0.3, 0.5, 1.0, 2.0]) for k in ("ttft", "tpot", "e2e")
                if rng.random() < 0.6}  # the exercise's keys; the library also has "itl"
-        cases.append((f"random case {i}", records, slo))
-    for label, records, slo in cases:
-        want = _reference_goodput(records, slo)
-        got = _call(name, f"{label}: fn({len(records)} records, slo={slo})", fn,
-                    list(records), dict(slo))
-        if _close(got, want):
-            continue
-        met = [r.request_id for r in records if metrics.meets_slo(r, slo)]
-        span = metrics.run_span(records)
-        why = _float32(got, want)
-        if isinstance(got, numbers.Real) and span and not why:
-            # the count that each known mistake gives; a hint only where one explains yours,
-            # the specific ones first (counting everything also counts the cancelled)
-            mistakes = [
-                (" Cancelled and failed requests never count, however fast they were.",
-                 _num_meeting([replace(r, finish_reason="stop") for r in records], slo)),
-                (" TTFT and E2E end when the user got the response: a response returned whole "
-                 "reached its user at released_time (use your latencies).",
-                 _num_meeting([replace(r, returned_whole=False, released_time=None)
-                               for r in records], slo)),
-                (" It looks like you counted every request, not only those meeting the SLO.",
-                 len(records))]
-            why = next((hint for hint, n in mistakes
-                        if n != len(met) and math.isclose(got * span, n)), "")
-        _fail(name, f"{label}: {len(records)} records, slo={slo}: expected {want!r} "
-                    f"({len(met)} requests meet the SLO: {met[:8]}{'...' if len(met) > 8 else ''}"
-                    f"; span {span:.3f} s from first arrival to last finish), got "
-                    f"{_short(got)}.{why}")
-    return _passed(name, f"{len(cases)} sets of records give the same goodput as "
-                         "minicb.benchmark.metrics")
+        return records, slo
+
+    named = [(label, "edge", (records, slo)) for label, records, slo in cases]
+    named += _named(name, [], draw, 62, 40, 20)
+    checked = _Cases(name, len(named))
+    for label, group, (records, slo) in named:
+        with checked.case(label, group):
+            _goodput_case(fn, name, label, records, slo)
+    checked.done(f"{len(named)} sets of records give the same goodput as "
+                 "minicb.benchmark.metrics")
+
+
+def _goodput_case(fn: Callable, name: str, label: str, records: list[RequestRecord],
+                  slo: dict[str, float]) -> None:
+    want = _reference_goodput(records, slo)
+    got = _call(name, f"{label}: fn({len(records)} records, slo={slo})", fn,
+                list(records), dict(slo))
+    if _close(got, want):
+        return
+    met = [r.request_id for r in records if metrics.meets_slo(r, slo)]
+    span = metrics.run_span(records)
+    why = _float32(got, want)
+    if isinstance(got, numbers.Real) and span and not why:
+        # the count that each known mistake gives; a hint only where one explains yours,
+        # the specific ones first (counting everything also counts the cancelled)
+        mistakes = [
+            (" Cancelled and failed requests never count, however fast they were.",
+             _num_meeting([replace(r, finish_reason="stop") for r in records], slo)),
+            (" TTFT and E2E end when the user got the response: a response returned whole "
+             "reached its user at released_time (use your latencies).",
+             _num_meeting([replace(r, returned_whole=False, released_time=None)
+                           for r in records], slo)),
+            (" It looks like you counted every request, not only those meeting the SLO.",
+             len(records))]
+        why = next((hint for hint, n in mistakes
+                    if n != len(met) and math.isclose(got * span, n)), "")
+    _fail(name, f"{label}: {len(records)} records, slo={slo}: expected {want!r} "
+                f"({len(met)} requests meet the SLO: {met[:8]}{'...' if len(met) > 8 else ''}"
+                f"; span {span:.3f} s from first arrival to last finish), got "
+                f"{_short(got)}.{why}")
 
 
 def _reference_per_tenant(records: Sequence[RequestRecord]) -> dict[Any, dict[str, Any]]:
@@ -1653,60 +1972,67 @@ def _reference_per_tenant(records: Sequence[RequestRecord]) -> dict[Any, dict[st
     return out
 
 
-def per_tenant(fn: Callable[[list[RequestRecord]], dict[Any, dict[str, Any]]]) -> bool:
+def per_tenant(fn: Callable[[list[RequestRecord]], dict[Any, dict[str, Any]]]) -> None:
     """Exercise 6.3: `fn(records)` is {tenant: {"requests", "completed", "ttft_p50",
     "ttft_p99", "output_tokens"}}: every tenant that sent a request (None is a tenant too),
     its request count, how many completed, the p50 and p99 of its completed requests' TTFTs
     (numpy's linear interpolation; None without any) and the output tokens of all its
     requests."""
     name = "per_tenant"
-    rng = random.Random(63)
-    cases = [("no records", [])]
-    for i in range(30):
+
+    def draw(rng: random.Random) -> list[RequestRecord]:
         tenants = rng.choice([["a"], ["a", "b"], ["a", "b", None], ["chat", "batch", "eval"]])
-        records = [replace(r, tenant=rng.choice(tenants))
-                   for r in _records(200 + i, rng.randint(1, 16))]
-        cases.append((f"random case {i}", records))
-    for label, records in cases:
-        want = _reference_per_tenant(records)
-        got = _call(name, f"{label}: fn({len(records)} records)", fn, list(records))
-        if not isinstance(got, dict):
-            _fail(name, f"{label}: fn(records) must return a dict of tenants; yours returned "
-                        f"{_short(got)}.")
-        if set(got) != set(want):
-            _fail(name, f"{label}: the tenants are {sorted(want, key=str)}, yours are "
-                        f"{sorted(got, key=str)} (None is a tenant too: requests sent "
-                        f"without one).")
-        for tenant, row in want.items():
-            mine = got[tenant]
-            if not isinstance(mine, dict) or set(mine) != set(row):
-                _fail(name, f"{label}: tenant {tenant!r} needs the keys {sorted(row)}, yours "
-                            f"has {_short(mine)}.")
-            for key, value in row.items():
-                if not _close(mine[key], value):
-                    why = _float32(mine[key], value)
-                    if key.startswith("ttft") and value is not None and not why:
-                        every = [metrics.ttft(r) for r in records if r.tenant == tenant
-                                 and metrics.ttft(r) is not None]
-                        everything = metrics.percentiles(every, (50, 99))[f"p{key[6:]}"]
-                        done = sorted(metrics.ttft(r) for r in records if r.tenant == tenant
-                                      and metrics.is_completed(r) and metrics.ttft(r) is not None)
-                        q = int(key[6:])
-                        ranks = [float(np.percentile(done, q, method=m))
-                                 for m in ("lower", "higher", "nearest", "midpoint")]
-                        ranks.append(done[min(int(q / 100 * len(done)), len(done) - 1)])
-                        if _close(mine[key], everything):
-                            why = (" Only completed requests count: a cancelled or failed "
-                                   "request's first token says nothing of how it was served.")
-                        elif any(_close(mine[key], v) for v in ranks):
-                            why = (" That is a percentile without interpolation (one of the "
-                                   "values, or a rank rounded): numpy.percentile's default "
-                                   f"interpolates linearly between the two values around "
-                                   f"the {q}th percentile: np.percentile(ttfts, {q}).")
-                    _fail(name, f"{label}: tenant {tenant!r}: {key} should be {value!r}, yours "
-                                f"is {_short(mine[key])}.{why}")
-    return _passed(name, f"{len(cases)} sets of records give the same per-tenant table as "
-                         "minicb.benchmark.metrics")
+        return [replace(r, tenant=rng.choice(tenants))
+                for r in _records(rng.randrange(200, 10**9), rng.randint(1, 16))]
+
+    named = [("no records", "edge", [])] + _named(name, [], draw, 63, 30, 15)
+    cases = _Cases(name, len(named))
+    for label, group, records in named:
+        with cases.case(label, group):
+            _per_tenant_case(fn, name, label, records)
+    cases.done(f"{len(named)} sets of records give the same per-tenant table as "
+               "minicb.benchmark.metrics")
+
+
+def _per_tenant_case(fn: Callable, name: str, label: str, records: list[RequestRecord]
+                     ) -> None:
+    want = _reference_per_tenant(records)
+    got = _call(name, f"{label}: fn({len(records)} records)", fn, list(records))
+    if not isinstance(got, dict):
+        _fail(name, f"{label}: fn(records) must return a dict of tenants; yours returned "
+                    f"{_short(got)}.")
+    if set(got) != set(want):
+        _fail(name, f"{label}: the tenants are {sorted(want, key=str)}, yours are "
+                    f"{sorted(got, key=str)} (None is a tenant too: requests sent "
+                    f"without one).")
+    for tenant, row in want.items():
+        mine = got[tenant]
+        if not isinstance(mine, dict) or set(mine) != set(row):
+            _fail(name, f"{label}: tenant {tenant!r} needs the keys {sorted(row)}, yours "
+                        f"has {_short(mine)}.")
+        for key, value in row.items():
+            if not _close(mine[key], value):
+                why = _float32(mine[key], value)
+                if key.startswith("ttft") and value is not None and not why:
+                    every = [metrics.ttft(r) for r in records if r.tenant == tenant
+                             and metrics.ttft(r) is not None]
+                    everything = metrics.percentiles(every, (50, 99))[f"p{key[6:]}"]
+                    done = sorted(metrics.ttft(r) for r in records if r.tenant == tenant
+                                  and metrics.is_completed(r) and metrics.ttft(r) is not None)
+                    q = int(key[6:])
+                    ranks = [float(np.percentile(done, q, method=m))
+                             for m in ("lower", "higher", "nearest", "midpoint")]
+                    ranks.append(done[min(int(q / 100 * len(done)), len(done) - 1)])
+                    if _close(mine[key], everything):
+                        why = (" Only completed requests count: a cancelled or failed "
+                               "request's first token says nothing of how it was served.")
+                    elif any(_close(mine[key], v) for v in ranks):
+                        why = (" That is a percentile without interpolation (one of the "
+                               "values, or a rank rounded): numpy.percentile's default "
+                               f"interpolates linearly between the two values around "
+                               f"the {q}th percentile: np.percentile(ttfts, {q}).")
+                _fail(name, f"{label}: tenant {tenant!r}: {key} should be {value!r}, yours "
+                            f"is {_short(mine[key])}.{why}")
 
 
 def _sweep_rows(rng: random.Random, count: int) -> list[dict[str, Any]]:
@@ -1743,15 +2069,13 @@ def _why_it_fails(row: dict[str, Any], max_queue_age: float | None) -> str:
 
 
 def best_setting(fn: Callable[[list[dict[str, Any]], float | None], dict[str, Any] | None]
-                 ) -> bool:
+                 ) -> None:
     """Exercise 6.4: `fn(rows, max_queue_age)` picks the contract's setting from a sweep's rows:
     among the rows meeting every requirement (errors 0, cancellations_honoured True, same_tokens
     not False (None: not checked), and with a `max_queue_age` a known max_queue_age_s at most
     that), the one with the highest goodput_rps, ties to the most output_tokens_per_s (then
     the first); the row itself, or None when no row qualifies."""
-    from minicb.benchmark import sweep
     name = "best_setting"
-    rng = random.Random(64)
     cases: list[tuple[str, list[dict[str, Any]], float | None]] = [("no rows", [], None)]
     base = _sweep_rows(random.Random(1), 1)[0] | {"errors": 0, "cancellations_honoured": True,
                                                   "same_tokens": True, "max_queue_age_s": 0.2}
@@ -1778,49 +2102,59 @@ def best_setting(fn: Callable[[list[dict[str, Any]], float | None], dict[str, An
     for _, rows, _ in cases:  # the hand-made rows: one setting each, so messages tell them apart
         for j, row in enumerate(rows):
             row["max_num_seqs"] = 8 * (j + 1)
-    for i in range(60):
-        cases.append((f"random sweep {i}", _sweep_rows(rng, rng.randint(1, 12)),
-                      rng.choice([None, None, 0.5, 1.0, 2.0])))
-    for label, rows, limit in cases:
-        want = sweep.best_setting(rows, limit)
-        got = _call(name, f"{label}: fn({len(rows)} rows, max_queue_age={limit})", fn,
-                    copy.deepcopy(rows), limit)
-        if got == want:
-            continue
-        where = f"{label} (max_queue_age={limit}; {len(rows)} rows)"
-        if got is not None and got not in rows:
-            _fail(name, f"{where}: return one of the rows (the dict itself) or None; yours "
-                        f"returned {_short(got)}.")
-        if got is not None and sweep.requirement_failures(got, limit):
-            _fail(name, f"{where}: you picked {_setting(got)}, which fails a requirement: "
-                        f"{_why_it_fails(got, limit)}.")
-        if want is None:
-            _fail(name, f"{where}: no row meets every requirement, so the answer is None; yours "
-                        f"is {_setting(got)}.")
-        if got is None:
-            hint = ""
-            if want["same_tokens"] is None:
-                hint = (" same_tokens None means the quality was not checked (the simulator "
-                        "makes no tokens): it does not fail the requirement.")
-            elif limit is not None and want["max_queue_age_s"] == limit:
-                hint = " A queue age equal to the limit is within it."
-            _fail(name, f"{where}: {_setting(want)} meets every requirement, yet yours returned "
-                        f"None.{hint}")
+
+    def draw(rng: random.Random) -> tuple[list[dict[str, Any]], float | None]:
+        return _sweep_rows(rng, rng.randint(1, 12)), rng.choice([None, None, 0.5, 1.0, 2.0])
+
+    named = [(label, "edge", (rows, limit)) for label, rows, limit in cases]
+    named += _named(name, [], draw, 64, 60, 30, "sweep")
+    checked = _Cases(name, len(named))
+    for label, group, (rows, limit) in named:
+        with checked.case(label, group):
+            _best_setting_case(fn, name, label, rows, limit)
+    checked.done(f"{len(named)} sweeps give the same setting as `python -m minicb sweep`")
+
+
+def _best_setting_case(fn: Callable, name: str, label: str, rows: list[dict[str, Any]],
+                       limit: float | None) -> None:
+    from minicb.benchmark import sweep
+    want = sweep.best_setting(rows, limit)
+    got = _call(name, f"{label}: fn({len(rows)} rows, max_queue_age={limit})", fn,
+                copy.deepcopy(rows), limit)
+    if got == want:
+        return
+    where = f"{label} (max_queue_age={limit}; {len(rows)} rows)"
+    if got is not None and got not in rows:
+        _fail(name, f"{where}: return one of the rows (the dict itself) or None; yours "
+                    f"returned {_short(got)}.")
+    if got is not None and sweep.requirement_failures(got, limit):
+        _fail(name, f"{where}: you picked {_setting(got)}, which fails a requirement: "
+                    f"{_why_it_fails(got, limit)}.")
+    if want is None:
+        _fail(name, f"{where}: no row meets every requirement, so the answer is None; yours "
+                    f"is {_setting(got)}.")
+    if got is None:
         hint = ""
-        if (got["goodput_rps"], got["output_tokens_per_s"]) == \
-                (want["goodput_rps"], want["output_tokens_per_s"]):
-            hint = " Among rows equal on both, the first in the list."
-        elif got["goodput_rps"] == want["goodput_rps"]:
-            hint = " Ties on goodput go to the most output_tokens_per_s."
-        elif want["same_tokens"] is None:
-            hint = " same_tokens None (not checked) does not fail the quality requirement."
+        if want["same_tokens"] is None:
+            hint = (" same_tokens None means the quality was not checked (the simulator "
+                    "makes no tokens): it does not fail the requirement.")
         elif limit is not None and want["max_queue_age_s"] == limit:
             hint = " A queue age equal to the limit is within it."
-        _fail(name, f"{where}: expected {_setting(want)} (goodput {want['goodput_rps']}, "
-                    f"{want['output_tokens_per_s']} tokens/s), yours picked {_setting(got)} "
-                    f"(goodput {got['goodput_rps']}, {got['output_tokens_per_s']} tokens/s).{hint}")
-    return _passed(name, f"{len(cases)} sweeps give the same setting as "
-                         "`python -m minicb sweep`")
+        _fail(name, f"{where}: {_setting(want)} meets every requirement, yet yours returned "
+                    f"None.{hint}")
+    hint = ""
+    if (got["goodput_rps"], got["output_tokens_per_s"]) == \
+            (want["goodput_rps"], want["output_tokens_per_s"]):
+        hint = " Among rows equal on both, the first in the list."
+    elif got["goodput_rps"] == want["goodput_rps"]:
+        hint = " Ties on goodput go to the most output_tokens_per_s."
+    elif want["same_tokens"] is None:
+        hint = " same_tokens None (not checked) does not fail the quality requirement."
+    elif limit is not None and want["max_queue_age_s"] == limit:
+        hint = " A queue age equal to the limit is within it."
+    _fail(name, f"{where}: expected {_setting(want)} (goodput {want['goodput_rps']}, "
+                f"{want['output_tokens_per_s']} tokens/s), yours picked {_setting(got)} "
+                f"(goodput {got['goodput_rps']}, {got['output_tokens_per_s']} tokens/s).{hint}")
 
 
 def _break_even_variant(cost: Any, n: int, cached: int, page_size: int, chunk_size: int,
@@ -1863,7 +2197,7 @@ _BREAK_EVEN_HINTS = {
 }
 
 
-def swap_break_even(fn: Callable[[Any, int, int, int, int], float]) -> bool:
+def swap_break_even(fn: Callable[[Any, int, int, int, int], float]) -> None:
     """Exercise 6.5: `fn(cost, num_computed, num_cached, page_size, chunk_size)` is the copy
     cost per page (seconds) at which swapping a preempted request costs what recomputing it
     does, like `minicb.benchmark.sim.swap_break_even`: recompute prefills tokens
@@ -1873,7 +2207,6 @@ def swap_break_even(fn: Callable[[Any, int, int, int, int], float]) -> bool:
     num_cached // page_size still cached back in."""
     from minicb.benchmark.sim import PRESETS, CostModel
     name = "swap_break_even"
-    rng = random.Random(65)
     # coefficients far apart, so that each mistake changes the answer
     costs = [CostModel(a=2.0e-2, b=1.0e-3, c=1.2e-3, d=9.0e-6, e=1.1e-6, name="cpu-like"),
              PRESETS["h100-like"], CostModel(b=1.0, name="b only"),
@@ -1881,39 +2214,50 @@ def swap_break_even(fn: Callable[[Any, int, int, int, int], float]) -> bool:
     victims = [(1, 0, 16, 512), (16, 0, 16, 512), (17, 0, 16, 512), (223, 176, 16, 512),
                (100, 0, 16, 32), (100, 32, 16, 32), (96, 96, 16, 512), (40, 16, 8, 7),
                (5, 0, 16, 1)]
-    cases = [(cost, *victim) for victim in victims for cost in costs]
-    for _ in range(40):
+
+    def draw(rng: random.Random) -> tuple[Any, int, int, int, int]:
         n = rng.randint(1, 600)
         page_size = rng.choice([4, 8, 16, 32])
         cached = rng.randint(0, n // page_size) * page_size if rng.random() < 0.7 else 0
-        cases.append((CostModel(**{k: rng.choice([0.0, rng.uniform(1e-7, 1e-2)])
-                                   for k in ("a", "b", "c", "d", "e")}, name="random"),
-                      n, min(cached, n), page_size, rng.randint(1, 300)))
-    for index, (cost, n, cached, page_size, chunk_size) in enumerate(cases):
-        want = _break_even_variant(cost, n, cached, page_size, chunk_size)
-        shown = (f"cost={cost.name!r} (a={cost.a}, b={cost.b}, d={cost.d}, e={cost.e}), "
-                 f"num_computed={n}, num_cached={cached}, page_size={page_size}, "
-                 f"chunk_size={chunk_size}")
-        got = _call(name, f"fn({shown})", fn, cost, n, cached, page_size, chunk_size)
-        if hasattr(got, "item") and not isinstance(got, numbers.Real):
-            got = got.item()
-        if not isinstance(got, numbers.Real) or isinstance(got, bool):
-            _fail(name, f"fn({shown}) must return seconds per page as a number; yours returned "
-                        f"{_short(got)}.")
-        if _close(float(got), want):
-            continue
-        # a mistake explains the failure if it gives this answer and every earlier one right
-        why = next((hint for mistake, hint in _BREAK_EVEN_HINTS.items()
-                    if _close(float(got), _break_even_variant(cost, n, cached, page_size,
-                                                             chunk_size, mistake))
-                    and all(_close(_break_even_variant(*case, mistake), _break_even_variant(*case))
-                            for case in cases[:index])), "")
-        if not why and want and any(_close(float(got), want * scale) for scale in (1e3, 1e6)):
-            why = " That is the answer in ms or µs: return seconds."
-        _fail(name, f"{shown}: expected {want!r} s per page, got {got!r}."
-                    f"{why or _float32(float(got), want)}")
-    return _passed(name, f"{len(cases)} victims give the same break-even copy cost as "
-                         "minicb.benchmark.sim.swap_break_even")
+        return (CostModel(**{k: rng.choice([0.0, rng.uniform(1e-7, 1e-2)])
+                             for k in ("a", "b", "c", "d", "e")}, name="random"),
+                n, min(cached, n), page_size, rng.randint(1, 300))
+
+    named = _named(name, [(cost, *victim) for victim in victims for cost in costs], draw, 65,
+                   40, 20, "victim")
+    cases = [case for _, _, case in named]
+    checked = _Cases(name, len(named))
+    for index, (label, group, case) in enumerate(named):
+        with checked.case(label, group):
+            _break_even_case(fn, name, cases[:index], *case)
+    checked.done(f"{len(named)} victims give the same break-even copy cost as "
+                 "minicb.benchmark.sim.swap_break_even")
+
+
+def _break_even_case(fn: Callable, name: str, earlier: list[tuple], cost: Any, n: int,
+                     cached: int, page_size: int, chunk_size: int) -> None:
+    want = _break_even_variant(cost, n, cached, page_size, chunk_size)
+    shown = (f"cost={cost.name!r} (a={cost.a}, b={cost.b}, d={cost.d}, e={cost.e}), "
+             f"num_computed={n}, num_cached={cached}, page_size={page_size}, "
+             f"chunk_size={chunk_size}")
+    got = _call(name, f"fn({shown})", fn, cost, n, cached, page_size, chunk_size)
+    if hasattr(got, "item") and not isinstance(got, numbers.Real):
+        got = got.item()
+    if not isinstance(got, numbers.Real) or isinstance(got, bool):
+        _fail(name, f"fn({shown}) must return seconds per page as a number; yours returned "
+                    f"{_short(got)}.")
+    if _close(float(got), want):
+        return
+    # a mistake explains the failure if it gives this answer and every earlier one right
+    why = next((hint for mistake, hint in _BREAK_EVEN_HINTS.items()
+                if _close(float(got), _break_even_variant(cost, n, cached, page_size,
+                                                         chunk_size, mistake))
+                and all(_close(_break_even_variant(*case, mistake), _break_even_variant(*case))
+                        for case in earlier)), "")
+    if not why and want and any(_close(float(got), want * scale) for scale in (1e3, 1e6)):
+        why = " That is the answer in ms or µs: return seconds."
+    _fail(name, f"{shown}: expected {want!r} s per page, got {got!r}."
+                f"{why or _float32(float(got), want)}")
 
 
 # ============================================================================ paged attention (07)
@@ -1921,6 +2265,9 @@ def _reference_metadata(page_table: list[int], num_computed: int, num_new: int,
                         page_size: int) -> Any:
     from minicb.attention import build_metadata
     return build_metadata([list(page_table)], [num_computed], [num_new], page_size)
+
+
+SLOT_EDGE_CASES = 6  # the first of `_slot_cases`: the same for every seed
 
 
 def _slot_cases(seed: int) -> list[tuple[list[int], int, int, int]]:
@@ -1938,38 +2285,50 @@ def _slot_cases(seed: int) -> list[tuple[list[int], int, int, int]]:
     return cases
 
 
-def slot_mapping(fn: Callable[[list[int], int, int, int], list[int]]) -> bool:
+def slot_mapping(fn: Callable[[list[int], int, int, int], list[int]]) -> None:
     """Exercise 7.1: `fn(page_table, num_computed, num_new, page_size)` returns the cache slot
     of each of the step's new tokens (positions num_computed .. num_computed + num_new - 1):
     page_table[pos // page_size] * page_size + pos % page_size, like
     `AttentionMetadata.slot_mapping`."""
     name = "slot_mapping"
-    cases = _slot_cases(71)
-    for table, num_computed, num_new, page_size in cases:
-        want = _reference_metadata(table, num_computed, num_new, page_size).slot_mapping.tolist()
-        shown = (f"page_table={table}, num_computed={num_computed}, num_new={num_new}, "
-                 f"page_size={page_size}")
-        got = _as_list(_call(name, f"fn({shown})", fn, list(table), num_computed, num_new,
-                             page_size))
-        if got == want:
-            continue
-        why = ""
-        positions = list(range(num_computed, num_computed + num_new))
-        if got == positions:
-            why = (" Those are the positions: a token's slot is where its page lies, "
-                   "page_table[pos // page_size] * page_size + pos % page_size.")
-        elif isinstance(got, list) and got == _reference_metadata(
-                table, 0, num_new, page_size).slot_mapping.tolist():
-            why = (" Those are the slots of positions 0.. : the new tokens come after the "
-                   f"{num_computed} already in the cache.")
-        elif isinstance(got, list) and len(got) != num_new:
-            why = f" One slot per new token: {num_new} of them."
-        elif got == [table[pos // page_size] + pos % page_size for pos in positions]:
-            why = (" A page number counts pages, not slots: the page's first slot is "
-                   "page_table[pos // page_size] * page_size.")
-        _fail(name, f"{shown}: expected {want}, got {_short(got)}.{why}")
-    return _passed(name, f"{len(cases)} page tables map their new tokens to the same slots as "
-                         "minicb's AttentionMetadata")
+    named = [(f"{'edge' if i < SLOT_EDGE_CASES else 'random'} case {i}",
+              "edge" if i < SLOT_EDGE_CASES else "random", case)
+             for i, case in enumerate(_slot_cases(71))]
+    if (secret := hidden_rng(name)) is not None:
+        named += [(f"hidden case {i}", "hidden", case) for i, case in
+                  enumerate(_slot_cases(secret.randrange(10**9))[SLOT_EDGE_CASES:][:15])]
+    cases = _Cases(name, len(named))
+    for label, group, case in named:
+        with cases.case(label, group):
+            _slot_mapping_case(fn, name, *case)
+    cases.done(f"{len(named)} page tables map their new tokens to the same slots as minicb's "
+               "AttentionMetadata")
+
+
+def _slot_mapping_case(fn: Callable, name: str, table: list[int], num_computed: int,
+                       num_new: int, page_size: int) -> None:
+    want = _reference_metadata(table, num_computed, num_new, page_size).slot_mapping.tolist()
+    shown = (f"page_table={table}, num_computed={num_computed}, num_new={num_new}, "
+             f"page_size={page_size}")
+    got = _as_list(_call(name, f"fn({shown})", fn, list(table), num_computed, num_new,
+                         page_size))
+    if got == want:
+        return
+    why = ""
+    positions = list(range(num_computed, num_computed + num_new))
+    if got == positions:
+        why = (" Those are the positions: a token's slot is where its page lies, "
+               "page_table[pos // page_size] * page_size + pos % page_size.")
+    elif isinstance(got, list) and got == _reference_metadata(
+            table, 0, num_new, page_size).slot_mapping.tolist():
+        why = (" Those are the slots of positions 0.. : the new tokens come after the "
+               f"{num_computed} already in the cache.")
+    elif isinstance(got, list) and len(got) != num_new:
+        why = f" One slot per new token: {num_new} of them."
+    elif got == [table[pos // page_size] + pos % page_size for pos in positions]:
+        why = (" A page number counts pages, not slots: the page's first slot is "
+               "page_table[pos // page_size] * page_size.")
+    _fail(name, f"{shown}: expected {want}, got {_short(got)}.{why}")
 
 
 def _attention_variant(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -2015,67 +2374,80 @@ def _attention_cases(seed: int) -> list[tuple[str, int, int, int, int, int, int]
     return cases
 
 
-def paged_attention(fn: Callable[..., torch.Tensor]) -> bool:
+def paged_attention(fn: Callable[..., torch.Tensor]) -> None:
     """Exercise 7.2: `fn(q, k_cache, v_cache, page_table, num_computed, scale)` is one member's
     attention over the paged cache (its context, this step's tokens included, already stored):
     q [num_new, num_heads, head_dim] for positions num_computed ..; row i attends causally to
     positions 0 .. num_computed + i; query head h reads kv head h // (num_heads //
     num_kv_heads). Compared with minicb's torch backend (`attention.torch_ref.attend`)."""
+    name = "paged_attention"
+    named = [(case[0], "random" if case[0].startswith("random") else "edge", case, 72)
+             for case in _attention_cases(72)]
+    if (secret := hidden_rng(name)) is not None:
+        seed = secret.randrange(10**9)
+        named += [(f"hidden {case[0]}", "hidden", case, seed)
+                  for case in _attention_cases(seed) if case[0].startswith("random")][:8]
+    cases = _Cases(name, len(named))
+    generators: dict[int, torch.Generator] = {}
+    for label, group, case, seed in named:
+        gen = generators.setdefault(seed, torch.Generator().manual_seed(seed))
+        with cases.case(label, group):
+            _paged_attention_case(fn, name, gen, *case)
+    cases.done(f"{len(named)} members (decode rows, fresh prompts, chunks starting mid-page, "
+               "grouped-query heads, pages in any order) match minicb's torch attention")
+
+
+def _paged_attention_case(fn: Callable, name: str, gen: torch.Generator, label: str,
+                          num_computed: int, num_new: int, page_size: int, heads: int,
+                          kv_heads: int, head_dim: int) -> None:
     from minicb.attention import torch_ref
 
-    name = "paged_attention"
-    gen = torch.Generator().manual_seed(72)
-    cases = _attention_cases(72)
-    for label, num_computed, num_new, page_size, heads, kv_heads, head_dim in cases:
-        needed = -(-(num_computed + num_new) // page_size)  # pages the context fills
-        pool = 2 * needed + 3
-        table = torch.randperm(pool, generator=gen)[:needed].tolist()
-        k_cache = torch.randn(pool, page_size, kv_heads, head_dim, generator=gen)
-        v_cache = torch.randn(pool, page_size, kv_heads, head_dim, generator=gen)
-        q = torch.randn(num_new, heads, head_dim, generator=gen)
-        scale = head_dim ** -0.5 * (0.6 if label.endswith(("1", "4", "7")) else 1.0)
-        meta = _reference_metadata(table, num_computed, num_new, page_size)
-        want = torch_ref.attend(q, k_cache, v_cache, meta, scale)
-        shown = (f"{label} (num_computed={num_computed}, num_new={num_new}, page_size="
-                 f"{page_size}, {heads} query heads, {kv_heads} kv heads, page_table={table})")
-        got = _call(name, f"fn(q, k_cache, v_cache, ...) for {shown}", fn, q.clone(),
-                    k_cache.clone(), v_cache.clone(), list(table), num_computed, scale)
-        if not isinstance(got, torch.Tensor) or got.shape != want.shape:
-            _fail(name, f"{shown}: return a tensor shaped {list(want.shape)} "
-                        f"[num_new, num_heads, head_dim], got "
-                        f"{list(got.shape) if isinstance(got, torch.Tensor) else _short(got)}.")
-        if torch.allclose(got.float(), want, rtol=1e-4, atol=1e-5):
-            continue
-        why = ""
-        for mistake, hint in (
-                (dict(causal=False), "each row must not see the positions after its own: row i "
-                                     "attends to positions 0 .. num_computed + i (mask the rest "
-                                     "with -inf before the softmax)"),
-                (dict(causal="top-left"), "row i attends to positions 0 .. num_computed + i; "
-                                          "SDPA's is_causal=True aligns its mask top-left, so "
-                                          "with num_computed > 0 row i sees only 0 .. i: build "
-                                          "the mask yourself"),
-                (dict(heads="modulo"), "query head h shares kv head h // (num_heads // "
-                                       "num_kv_heads) (heads are grouped, not interleaved)"),
-                (dict(paged=False), "look each position's page up in page_table (your code "
-                                    "reads pages 0, 1, 2, ... in order)"),
-                (dict(new_in_context=False), "this step's tokens are in the cache already, and "
-                                             "each row attends to itself too"),
-                (dict(scale=1.0), "multiply the scores by scale before the softmax")):
-            options = dict(mistake)
-            variant_scale = options.pop("scale", scale)
-            wrong = _attention_variant(q, k_cache, v_cache, table, num_computed, variant_scale,
-                                       **options)
-            if torch.allclose(got.float(), wrong.float(), rtol=1e-4, atol=1e-5):
-                why = f" It looks like you missed this: {hint}."
-                break
-        if not why and not torch.isfinite(got).all():
-            why = " Your output holds NaN or inf: a row whose scores are all -inf?"
-        worst = (got.float() - want).abs().max().item()
-        _fail(name, f"{shown}: your output differs from minicb's by up to {worst:.3g}.{why}")
-    return _passed(name, f"{len(cases)} members (decode rows, fresh prompts, chunks starting "
-                         "mid-page, grouped-query heads, pages in any order) match minicb's "
-                         "torch attention")
+    needed = -(-(num_computed + num_new) // page_size)  # pages the context fills
+    pool = 2 * needed + 3
+    table = torch.randperm(pool, generator=gen)[:needed].tolist()
+    k_cache = torch.randn(pool, page_size, kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(pool, page_size, kv_heads, head_dim, generator=gen)
+    q = torch.randn(num_new, heads, head_dim, generator=gen)
+    scale = head_dim ** -0.5 * (0.6 if label.endswith(("1", "4", "7")) else 1.0)
+    meta = _reference_metadata(table, num_computed, num_new, page_size)
+    want = torch_ref.attend(q, k_cache, v_cache, meta, scale)
+    shown = (f"{label} (num_computed={num_computed}, num_new={num_new}, page_size="
+             f"{page_size}, {heads} query heads, {kv_heads} kv heads, page_table={table})")
+    got = _call(name, f"fn(q, k_cache, v_cache, ...) for {shown}", fn, q.clone(),
+                k_cache.clone(), v_cache.clone(), list(table), num_computed, scale)
+    if not isinstance(got, torch.Tensor) or got.shape != want.shape:
+        _fail(name, f"{shown}: return a tensor shaped {list(want.shape)} "
+                    f"[num_new, num_heads, head_dim], got "
+                    f"{list(got.shape) if isinstance(got, torch.Tensor) else _short(got)}.")
+    if torch.allclose(got.float(), want, rtol=1e-4, atol=1e-5):
+        return
+    why = ""
+    for mistake, hint in (
+            (dict(causal=False), "each row must not see the positions after its own: row i "
+                                 "attends to positions 0 .. num_computed + i (mask the rest "
+                                 "with -inf before the softmax)"),
+            (dict(causal="top-left"), "row i attends to positions 0 .. num_computed + i; "
+                                      "SDPA's is_causal=True aligns its mask top-left, so "
+                                      "with num_computed > 0 row i sees only 0 .. i: build "
+                                      "the mask yourself"),
+            (dict(heads="modulo"), "query head h shares kv head h // (num_heads // "
+                                   "num_kv_heads) (heads are grouped, not interleaved)"),
+            (dict(paged=False), "look each position's page up in page_table (your code "
+                                "reads pages 0, 1, 2, ... in order)"),
+            (dict(new_in_context=False), "this step's tokens are in the cache already, and "
+                                         "each row attends to itself too"),
+            (dict(scale=1.0), "multiply the scores by scale before the softmax")):
+        options = dict(mistake)
+        variant_scale = options.pop("scale", scale)
+        wrong = _attention_variant(q, k_cache, v_cache, table, num_computed, variant_scale,
+                                   **options)
+        if torch.allclose(got.float(), wrong.float(), rtol=1e-4, atol=1e-5):
+            why = f" It looks like you missed this: {hint}."
+            break
+    if not why and not torch.isfinite(got).all():
+        why = " Your output holds NaN or inf: a row whose scores are all -inf?"
+    worst = (got.float() - want).abs().max().item()
+    _fail(name, f"{shown}: your output differs from minicb's by up to {worst:.3g}.{why}")
 
 
 # ============================================================================ speculation (08)
@@ -2139,58 +2511,69 @@ def _answers_within(fn: Callable[..., Any], cases: list[tuple], seconds: float
         signal.signal(signal.SIGALRM, previous)
 
 
-def prompt_lookup(fn: Callable[[list[int], int, int, int], list[int]]) -> bool:
+def prompt_lookup(fn: Callable[[list[int], int, int, int], list[int]]) -> None:
     """Exercise 8.1: `fn(token_ids, k, n_max, n_min)` guesses up to k next tokens by prompt
     lookup, like `minicb.speculative.propose_ngram`."""
     from minicb.speculative import propose_ngram
 
     name = "prompt_lookup"
     _refuse_the_reference(name, fn, propose_ngram)
-    rng = random.Random(81)
-    cases = [([5, 6, 7, 8, 5, 6], 2, 2, 1), ([1, 2, 3, 1, 2, 3, 1, 2], 3, 3, 2),
-             ([4, 4, 4, 4], 3, 3, 2), ([9], 4, 4, 2), ([9, 9], 2, 2, 1), ([1, 2, 3, 4], 2, 4, 2),
-             ([7, 1, 2, 9, 9, 1, 2, 8, 1, 2], 2, 3, 2), ([3, 5, 3, 5, 3, 5, 3], 4, 4, 2)]
-    for _ in range(60):
+    edge = [([5, 6, 7, 8, 5, 6], 2, 2, 1), ([1, 2, 3, 1, 2, 3, 1, 2], 3, 3, 2),
+            ([4, 4, 4, 4], 3, 3, 2), ([9], 4, 4, 2), ([9, 9], 2, 2, 1), ([1, 2, 3, 4], 2, 4, 2),
+            ([7, 1, 2, 9, 9, 1, 2, 8, 1, 2], 2, 3, 2), ([3, 5, 3, 5, 3, 5, 3], 4, 4, 2)]
+
+    def draw(rng: random.Random) -> tuple[list[int], int, int, int]:
         ids = [rng.randint(1, rng.choice([3, 6, 20])) for _ in range(rng.randint(1, 30))]
         n_max = rng.randint(1, 4)
-        cases.append((ids, rng.randint(1, 5), n_max, rng.randint(1, n_max)))
-    for index, (ids, k, n_max, n_min) in enumerate(cases):
-        want = propose_ngram(ids, k, n_max, n_min)
-        shown = f"token_ids={ids}, k={k}, n_max={n_max}, n_min={n_min}"
-        got = _as_list(_call(name, f"fn({shown})", fn, list(ids), k, n_max, n_min))
-        if got == want:
-            continue
-        mistakes = (
-                (dict(pick="earliest"), "take the latest earlier occurrence, if k tokens follow "
-                                        "it (the freshest context predicts best)"),
-                (dict(pick="latest"), "when fewer than k tokens follow the latest occurrence "
-                                      "(in a run like 4 4 4 4 it overlaps the end), take the "
-                                      "earliest instead"),
-                (dict(pick="latest roomy"), "look only at the latest occurrence: if fewer than "
-                                            "k tokens follow it, take the earliest, not the "
-                                            "latest of those that have k tokens after them"),
-                (dict(include_last=True), "the last n tokens always match themselves: count "
-                                          "only occurrences that end before the last token"),
-                (dict(include_last=True, uncapped=True),
-                 "the last n tokens always match themselves: count only occurrences that end "
-                 "before the last token (so n is at most len(token_ids) - 1)"),
-                (dict(shorter=False), "when the last n_max tokens occur nowhere earlier, try "
-                                      "n_max - 1, ..., down to n_min"))
-        # a mistake explains the failure if it gives the learner's answers on every case (some
-        # mistakes agree on a case; the rest of the answers tell them apart), else if it gives
-        # this answer and every earlier one right
-        answers = _answers_within(fn, cases, seconds=5.0)
-        explains = [hint for mistake, hint in mistakes if answers is not None
-                    and all(_lookup_variant(*case, **mistake) == answer
-                            for case, answer in zip(cases, answers))] or [
-            hint for mistake, hint in mistakes
-            if got == _lookup_variant(ids, k, n_max, n_min, **mistake) and all(
-                _lookup_variant(*case, **mistake) == propose_ngram(*case)
-                for case in cases[:index])]
-        why = f" It looks like you missed this: {explains[0]}." if explains else ""
-        _fail(name, f"{shown}: expected {want}, got {_short(got)}.{why}")
-    return _passed(name, f"{len(cases)} token sequences give the same guesses as minicb's "
-                         "propose_ngram")
+        return ids, rng.randint(1, 5), n_max, rng.randint(1, n_max)
+
+    named = _named(name, edge, draw, 81, 60, 30, "sequence")
+    cases = [case for _, _, case in named]
+    checked = _Cases(name, len(named))
+    for index, (label, group, _) in enumerate(named):
+        with checked.case(label, group):
+            _prompt_lookup_case(fn, name, cases, index)
+    checked.done(f"{len(named)} token sequences give the same guesses as minicb's propose_ngram")
+
+
+def _prompt_lookup_case(fn: Callable, name: str, cases: list[tuple], index: int) -> None:
+    from minicb.speculative import propose_ngram
+
+    ids, k, n_max, n_min = cases[index]
+    want = propose_ngram(ids, k, n_max, n_min)
+    shown = f"token_ids={ids}, k={k}, n_max={n_max}, n_min={n_min}"
+    got = _as_list(_call(name, f"fn({shown})", fn, list(ids), k, n_max, n_min))
+    if got == want:
+        return
+    mistakes = (
+            (dict(pick="earliest"), "take the latest earlier occurrence, if k tokens follow "
+                                    "it (the freshest context predicts best)"),
+            (dict(pick="latest"), "when fewer than k tokens follow the latest occurrence "
+                                  "(in a run like 4 4 4 4 it overlaps the end), take the "
+                                  "earliest instead"),
+            (dict(pick="latest roomy"), "look only at the latest occurrence: if fewer than "
+                                        "k tokens follow it, take the earliest, not the "
+                                        "latest of those that have k tokens after them"),
+            (dict(include_last=True), "the last n tokens always match themselves: count "
+                                      "only occurrences that end before the last token"),
+            (dict(include_last=True, uncapped=True),
+             "the last n tokens always match themselves: count only occurrences that end "
+             "before the last token (so n is at most len(token_ids) - 1)"),
+            (dict(shorter=False), "when the last n_max tokens occur nowhere earlier, try "
+                                  "n_max - 1, ..., down to n_min"))
+    # a mistake explains the failure if it gives the learner's answers on every case (some
+    # mistakes agree on a case; the rest of the answers tell them apart), else if it gives
+    # this answer and every earlier one right
+    answers = _answers_within(fn, cases, seconds=5.0) if RESULTS[name].explaining else None
+    explains = [hint for mistake, hint in mistakes if answers is not None
+                and all(_lookup_variant(*case, **mistake) == answer
+                        for case, answer in zip(cases, answers))] or [
+        hint for mistake, hint in mistakes
+        if got == _lookup_variant(ids, k, n_max, n_min, **mistake) and all(
+            _lookup_variant(*case, **mistake) == propose_ngram(*case)
+            for case in cases[:index])]
+    why = f" It looks like you missed this: {explains[0]}." if explains else ""
+    _fail(name, f"{shown}: expected {want}, got {_short(got)}.{why}")
 
 
 def _verify_variant(draft: list[int], target: list[int], mistake: str | None = None
@@ -2210,39 +2593,50 @@ def _verify_variant(draft: list[int], target: list[int], mistake: str | None = N
     return target[:accepted + 1]
 
 
-def verify_greedy(fn: Callable[[list[int], list[int]], list[int]]) -> bool:
+def verify_greedy(fn: Callable[[list[int], list[int]], list[int]]) -> None:
     """Exercise 8.2: `fn(draft, target)` keeps the guesses a greedy request keeps: `target[j]`
     is the model's argmax after the request's last token and the first j guesses
     (len(draft) + 1 of them); returns the longest prefix of `draft` equal to `target`, then the
     model's own token after it, like `minicb.speculative.verify` for a greedy request."""
     name = "verify_greedy"
-    rng = random.Random(82)
     # the mismatch in the middle comes early: there every mistake below answers differently
-    cases = [([], [5]), ([5], [5, 7]), ([1, 2, 3], [1, 9, 3, 4]), ([5], [6, 7]),
-             ([1, 2, 3], [1, 2, 3, 4]), ([1, 2, 3], [9, 2, 3, 4])]
-    for _ in range(40):
+    edge = [([], [5]), ([5], [5, 7]), ([1, 2, 3], [1, 9, 3, 4]), ([5], [6, 7]),
+            ([1, 2, 3], [1, 2, 3, 4]), ([1, 2, 3], [9, 2, 3, 4])]
+
+    def draw(rng: random.Random) -> tuple[list[int], list[int]]:
         draft = [rng.randint(1, 4) for _ in range(rng.randint(0, 5))]
-        cases.append((draft, [rng.randint(1, 4) for _ in range(len(draft) + 1)]))
-    hints = {"no own token": " Every step also yields the model's own token after the kept "
-                             "guesses (target[accepted]): a step never yields fewer than one "
-                             "token.",
-             "no stop": " Stop at the first guess the model disagrees with: the rows after it "
-                        "assumed a token the request will not have.",
-             "last row": " The model's own token is its prediction after the last kept guess, "
-                         "target[accepted], not the last row's.",
-             "the guess": " At the first disagreement the request takes the model's token, "
-                          "target[accepted], not the rejected guess."}
-    for index, (draft, target) in enumerate(cases):
-        want = _verify_variant(draft, target)
-        shown = f"draft={draft}, target={target}"
-        got = _as_list(_call(name, f"fn({shown})", fn, list(draft), list(target)))
-        if got == want:
-            continue
-        # a mistake explains the failure if it gives this answer and every earlier one right
-        why = next((hint for mistake, hint in hints.items()
-                    if got == _verify_variant(draft, target, mistake) and all(
-                        _verify_variant(*case, mistake) == _verify_variant(*case)
-                        for case in cases[:index])), "")
-        _fail(name, f"{shown}: expected {want}, got {_short(got)}.{why}")
-    return _passed(name, f"{len(cases)} drafts keep the same tokens as minicb's greedy "
-                         "verification")
+        return draft, [rng.randint(1, 4) for _ in range(len(draft) + 1)]
+
+    named = _named(name, edge, draw, 82, 40, 20, "draft")
+    cases = [case for _, _, case in named]
+    checked = _Cases(name, len(named))
+    for index, (label, group, _) in enumerate(named):
+        with checked.case(label, group):
+            _verify_case(fn, name, cases, index)
+    checked.done(f"{len(named)} drafts keep the same tokens as minicb's greedy verification")
+
+
+_VERIFY_HINTS = {
+    "no own token": " Every step also yields the model's own token after the kept guesses "
+                    "(target[accepted]): a step never yields fewer than one token.",
+    "no stop": " Stop at the first guess the model disagrees with: the rows after it assumed a "
+               "token the request will not have.",
+    "last row": " The model's own token is its prediction after the last kept guess, "
+                "target[accepted], not the last row's.",
+    "the guess": " At the first disagreement the request takes the model's token, "
+                 "target[accepted], not the rejected guess."}
+
+
+def _verify_case(fn: Callable, name: str, cases: list[tuple], index: int) -> None:
+    draft, target = cases[index]
+    want = _verify_variant(draft, target)
+    shown = f"draft={draft}, target={target}"
+    got = _as_list(_call(name, f"fn({shown})", fn, list(draft), list(target)))
+    if got == want:
+        return
+    # a mistake explains the failure if it gives this answer and every earlier one right
+    why = next((hint for mistake, hint in _VERIFY_HINTS.items()
+                if got == _verify_variant(draft, target, mistake) and all(
+                    _verify_variant(*case, mistake) == _verify_variant(*case)
+                    for case in cases[:index])), "")
+    _fail(name, f"{shown}: expected {want}, got {_short(got)}.{why}")

@@ -22,7 +22,9 @@ written answer the same way; the exercise version shows `*Write your answer here
 
 Cell tags tie an exercise together: its stub cell carries `exercise:<name>` (the name goes into
 the NotImplementedError message), its check cell `check:<name>` and optionally `points:<n>`
-(default 1); `minicb.course.grade` scores a notebook by its check cells, and
+(default 1) and `weight:<case group or case>=<w>` (`minicb.course.grade.case_points`); the
+generated notebooks show each exercise's points in its `## Exercise` heading and the total in
+the first cell. `minicb.course.grade` scores a notebook by its check cells, and
 `minicb.course.check.<name>` is the function the check cell calls. Only cell tags survive
 generation; other cell metadata and
 all outputs are dropped. Markdown links out of the folder (`../../chapters/...`) are written
@@ -49,6 +51,8 @@ DEF = re.compile(r"^(?P<indent>\s*)(?:async\s+)?def\s+(?P<name>\w+)")
 CLASS = re.compile(r"^(?P<indent>\s*)class\s+(?P<name>\w+)")
 ROOT = Path(__file__).resolve().parents[2]
 MARKDOWN_STUB = "*Write your answer here.*"
+TOTAL = "**Points:**"  # opens the line giving a notebook's points, in its first cell
+POINTS_SHOWN = re.compile(r"\(\d+(\.\d+)? points?\)\s*$")  # a heading's "(2 points)"
 
 
 class MarkerError(ValueError):
@@ -160,6 +164,45 @@ def _exercise_of(cell: dict) -> str:
     return ""
 
 
+def points_of(nb: nbformat.NotebookNode) -> dict[str, float]:
+    """{exercise: points} of every check cell (`check:<name>`, `points:<n>`, default 1)."""
+    points: dict[str, float] = {}
+    for cell in nb.cells:
+        tags = cell_tags(cell)
+        names = [t.split(":", 1)[1] for t in tags if t.startswith("check:")]
+        values = [t.split(":", 1)[1] for t in tags if t.startswith("points:")]
+        if names and cell.cell_type == "code":
+            points[names[-1]] = float(values[-1]) if values else 1.0
+    return points
+
+
+def _points(n: float) -> str:
+    n = int(n) if float(n).is_integer() else n
+    return f"{n} point{'' if n == 1 else 's'}"
+
+
+def show_points(nb: nbformat.NotebookNode) -> None:
+    """Write each exercise's points after its `## Exercise` heading (the last before its stub
+    cell) and a line giving the total at the end of the first cell. A notebook that shows
+    them already (a student copy's stubs, which are its sources) is left as it is."""
+    points = points_of(nb)
+    if not points:
+        return
+    for name, value in points.items():
+        stub = next((i for i, c in enumerate(nb.cells) if f"exercise:{name}" in cell_tags(c)),
+                    None)
+        heading = next((c for c in reversed(nb.cells[:stub or 0]) if c.cell_type == "markdown"
+                        and c.source.lstrip().startswith("## Exercise")), None)
+        if heading is not None and POINTS_SHOWN.search(heading.source.partition("\n")[0]) is None:
+            first, _, rest = heading.source.partition("\n")
+            heading.source = f"{first} ({_points(value)})" + ("\n" + rest if rest else "")
+    if TOTAL in nb.cells[0].source:
+        return
+    each = ", ".join(f"`{name}` {_points(value)}" for name, value in points.items())
+    nb.cells[0].source = (nb.cells[0].source.rstrip("\n")
+                          + f"\n\n{TOTAL} {_points(sum(points.values()))} in all: {each}.")
+
+
 def _clean(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
     """No outputs, no execution counts, only the metadata the course uses."""
     nb.metadata = nbformat.from_dict({
@@ -207,6 +250,8 @@ def generate(source_nb: nbformat.NotebookNode, name: str = "notebook"
         elif ex_cell.cell_type == "markdown":
             ex_cell.source = stub_markdown(text, where)
             sol_cell.source = solution_code(text, where)
+    show_points(exercise)
+    show_points(solution)
     return _clean(exercise), _clean(solution)
 
 

@@ -1,15 +1,18 @@
-"""The autograder: `python -m minicb grade NOTEBOOK [...] [--json] [--csv FILE] [--jobs N]`
-(exercises, chapters 01-08).
+"""The autograder: `python -m minicb grade NOTEBOOK|DIR [...] [--json] [--gradebook FILE]
+[--feedback DIR] [--hidden-seed N] [--jobs N]` (exercises, chapters 01-08; docs/teaching.md).
 
 It executes a copy of each notebook from top to bottom in a fresh kernel, carrying on past
 errors, and scores every exercise by its check cell: the cell tagged `check:<exercise>` (and
-`points:<n>`, default 1). An exercise passes when its check cell ran to its end without an
-error; a failed one reports the error its check cell raised (a `CheckFailed` explanation, or
-the `NotImplementedError` of an untouched stub), or the first error among the exercise's own
-cells when the check never got that far. A cell that ignores the timeout's interrupt has its
-kernel killed, and the notebook runs again in a fresh kernel with that cell raising
-`TimeoutError`, so one endless loop does not cost the exercises after it; a cell whose kernel
-dies under it (a segfault, out of memory) is replaced the same way by one raising `RuntimeError`.
+`points:<n>`, default 1, and `weight:<case>=<w>`). The check runs named cases and the
+exercise earns its points in proportion to those that passed (`check.case_points`); with
+`--hidden-seed N` every check adds hidden cases drawn from N. A failed exercise reports the
+error its check cell raised (a `CheckFailed` explanation: the first failed case in full, one
+line for each other; or the `NotImplementedError` of an untouched stub), or the first error
+among the exercise's own cells when the check never got that far. A cell that ignores the
+timeout's interrupt has its kernel killed, and the notebook runs again in a fresh kernel with
+that cell raising `TimeoutError`, so one endless loop does not cost the exercises after it; a
+cell whose kernel dies under it (a segfault, out of memory) is replaced the same way by one
+raising `RuntimeError`.
 
 Check cells are restored from the exercise's source before the run: `--source PATH`, else
 `exercises/source/<same file name>`, else the source the notebook's content names (its
@@ -22,16 +25,19 @@ put back after the exercise's own cell (the exercise scores 0 only when that is 
 `--no-restore` grades the notebook as it is (its own check cells, which prove nothing).
 
 Each restored check cell first loads a fresh copy of `minicb.course.check` from its file (so an
-earlier cell that replaced `check.<name>` or rebound `check` changes nothing) and ends by printing a
-mark that changes with every run; an exercise passes only when that mark was printed. This
+earlier cell that replaced `check.<name>` or rebound `check` changes nothing), sets its hidden
+seed, prints the check's cases (even when it fails or is stopped) and ends by printing a mark
+that changes with every run; an exercise gets full marks only when that mark was printed. This
 raises the bar, it is no sandbox: the learner's code runs in the same kernel before the checks
 and can still patch the engine the checks drive, or IPython itself.
 
-A class's submissions are graded in one call: `--jobs N` grades N notebooks at a time (each in
-its own process and kernel; a notebook whose process dies, out of memory say, is reported as not
-graded and the others are still graded), `--csv FILE` writes a gradebook with one row per
-notebook (points per exercise, the total, the first line of each failure) including a row for
-every notebook that could not be graded, so nobody drops out of the spreadsheet unnoticed.
+A class's submissions are graded in one call (`minicb.course.classroom` reads the student from
+the folder's layout): `--jobs N` grades N notebooks at a time (each in its own process and
+kernel; a notebook whose process dies, out of memory say, is reported as not graded and the
+others are still graded); each result is appended to `--results FILE` as it finishes
+(`--resume` skips those); `--gradebook FILE` writes a row per student, `--feedback DIR` a page
+per student and notebook, `--csv FILE` a row per notebook, including one for every notebook
+that could not be graded, so nobody drops out of the spreadsheet unnoticed.
 
 The original notebook is never modified. Exit status: 0 when every notebook was graded (whatever
 the score), 2 when a notebook could not be read, its exercise source could not be identified
@@ -41,7 +47,6 @@ or its kernel ran no cell, 130 when the run was interrupted (Ctrl-C).
 from __future__ import annotations
 
 import argparse
-import csv
 import functools
 import json
 import multiprocessing
@@ -64,10 +69,20 @@ from typing import Any
 import nbformat
 from traitlets.config import Config
 
+from minicb.course.classroom import (
+    Submission,
+    feedback_html,
+    feedback_path,
+    gradebook_rows,
+    submission,
+    write_csv,
+)
 from minicb.course.exercises import ROOT, cell_tags
 
 CHECK_TAG = re.compile(r"^check:(?P<name>[\w.-]+)$")
 POINTS_TAG = re.compile(r"^points:(?P<points>\d+(\.\d+)?)$")
+# weight:<group or case>=<w>: a case's share of its exercise's points (default 1 each)
+WEIGHT_TAG = re.compile(r"^weight:(?P<case>[\w.-]+)=(?P<weight>\d+(\.\d+)?)$")
 CHECK_CALL = re.compile(r"\bcheck\.(?P<name>\w+)\(")
 # a line installing packages, as a magic or a shell escape: never run by the grader
 INSTALL = re.compile(r"^(?P<indent>[ \t]*)(?P<line>[%!]{1,2}[ \t]*(?:pip3?|conda|mamba|"
@@ -81,12 +96,22 @@ CHECK_MODULE = Path(__file__).resolve().with_name("check.py")
 GUARD = """\
 import importlib.util as _minicb_grade_util  # added by minicb grade: a fresh minicb.course.check
 _minicb_grade_spec = _minicb_grade_util.spec_from_file_location("minicb.course.check", {path!r})
-check = _minicb_grade_util.module_from_spec(_minicb_grade_spec)
+check = _minicb_grade_check = _minicb_grade_util.module_from_spec(_minicb_grade_spec)
 __import__("sys").modules["minicb.course.check"] = check  # its dataclasses look their module up
 _minicb_grade_spec.loader.exec_module(check)
+check.HIDDEN_SEED = {seed!r}
+try:
+{code}
+finally:  # how many cases passed and the points, even when the check failed or was stopped
+    print({cases!r} + __import__("json").dumps(
+        _minicb_grade_check.RESULTS[{name!r}].summary({points!r}, {weights!r})
+        if {name!r} in _minicb_grade_check.RESULTS else None))
+print({mark!r})
 """
 STUB_ERROR = "NotImplementedError: write "  # what an untouched stub raises
-MARK = "minicb-grade-check-done:{nonce}:{name}"  # printed after a check cell's own code
+MARK_PREFIX = "minicb-grade-"  # the grader's lines: never cut by the output cap
+MARK = MARK_PREFIX + "check-done:{nonce}:{name}"  # printed after a check cell's own code
+CASES = MARK_PREFIX + "cases:{nonce}:{name}:"  # then the check's cases as JSON
 MAX_SOCKET_PREFIX = 90  # bytes; Linux allows 107 in a Unix socket's path, macOS 103
 MAX_CELL_OUTPUT = 1_000_000  # characters of output kept per cell; errors and marks always
 MAX_RESTARTS = 2  # fresh kernels after a killed one; each costs a re-run and 2 timeouts
@@ -101,7 +126,9 @@ class GradeError(ValueError):
 
 @dataclass
 class ExerciseResult:
-    """One exercise's score and, when it failed, why."""
+    """One exercise's score and, when it failed, why: its points are its share of the cases
+    its check ran (`case_points`), the message gives the first failed case in full and one
+    line for each other."""
 
     name: str
     points: float
@@ -109,6 +136,9 @@ class ExerciseResult:
     passed: bool
     message: str = ""
     attempted: bool = True  # False: the stub still raises its NotImplementedError
+    cases_passed: int = 0
+    cases_total: int | None = None  # None: the check never got to its cases
+    failed_cases: list[dict[str, str]] = field(default_factory=list)  # {"name", "message"}
 
 
 @dataclass
@@ -120,6 +150,7 @@ class GradeReport:
     seconds: float = 0.0
     source: str = ""  # the exercise source's name ("05_pd_interleaving"); "" with --no-restore
     notes: list[str] = field(default_factory=list)  # kernel died, restored cells, ...
+    student: str = ""  # from the class folder's layout (`student_of`); "" for a lone notebook
 
     @property
     def score(self) -> float:
@@ -132,17 +163,32 @@ class GradeReport:
         return sum(e.max_points for e in self.exercises)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data for `--json`: notebook, source, score, max_score, seconds, exercises,
-        notes."""
-        return {"notebook": self.notebook, "source": self.source, "score": _num(self.score),
-                "max_score": _num(self.max_score), "seconds": round(self.seconds, 2),
+        """Plain data for `--json` and `--results`: student, notebook, source, score,
+        max_score, seconds, exercises (each with its points, max_points, cases_passed,
+        cases_total and failed_cases), notes."""
+        return {"student": self.student, "notebook": self.notebook, "source": self.source,
+                "score": _num(self.score), "max_score": _num(self.max_score),
+                "seconds": round(self.seconds, 2),
                 "exercises": [{**asdict(e), "points": _num(e.points),
                                "max_points": _num(e.max_points)} for e in self.exercises],
                 "notes": list(self.notes)}
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> GradeReport:
+        """The report `to_dict` wrote (a `--results` line read back by `--resume`)."""
+        return cls(data["notebook"], [ExerciseResult(**e) for e in data["exercises"]],
+                   data.get("seconds", 0.0), data.get("source", ""), list(data.get("notes", [])),
+                   data.get("student", ""))
+
 
 def _num(x: float) -> int | float:
-    return int(x) if float(x).is_integer() else x
+    return int(x) if float(x).is_integer() else round(x, 2)
+
+
+def case_weights(cell: nbformat.NotebookNode) -> dict[str, float]:
+    """A check cell's `weight:<group or case>=<w>` tags: {group or case name: weight}."""
+    return {m["case"]: float(m["weight"]) for t in cell_tags(cell) for m in [WEIGHT_TAG.match(t)]
+            if m}
 
 
 def check_cells(nb: nbformat.NotebookNode) -> list[tuple[int, str, float]]:
@@ -200,12 +246,14 @@ def identify_source(nb: nbformat.NotebookNode, sources: Path = SOURCES) -> Path 
     return scores[0][1]
 
 
-def source_for(path: Path, nb: nbformat.NotebookNode | None = None) -> Path | None:
-    """The exercise source of the notebook at `path`: the file of the same name in
-    exercises/source, unless (given the notebook) its content names only another source's
-    exercises (exercise 3's work saved as 02_static_batching.ipynb is graded as exercise 3);
-    else the one its content identifies, else None."""
-    candidate = SOURCES / Path(path).name
+def source_for(path: Path, nb: nbformat.NotebookNode | None = None, name: str | None = None
+               ) -> Path | None:
+    """The exercise source of the notebook at `path`: the file of the same name (or named
+    `name`, the notebook an LMS download's name ends with) in exercises/source, unless (given
+    the notebook) its content names only another source's exercises (exercise 3's work saved
+    as 02_static_batching.ipynb is graded as exercise 3); else the one its content
+    identifies, else None."""
+    candidate = SOURCES / (name or Path(path).name)
     identified = identify_source(nb) if nb is not None else None
     if candidate.is_file():
         if identified is not None and identified != candidate:
@@ -244,8 +292,9 @@ def restore_checks(nb: nbformat.NotebookNode, source: nbformat.NotebookNode
             notes.append(f"check cell of {name!r} was edited: restored from the source")
         claimed.add(id(cell))
         cell.source = check.source
-        tags = [t for t in cell_tags(cell) if not POINTS_TAG.match(t) and not CHECK_TAG.match(t)]
-        tags += [t for t in cell_tags(check) if POINTS_TAG.match(t) or CHECK_TAG.match(t)]
+        ours = (POINTS_TAG, CHECK_TAG, WEIGHT_TAG)
+        tags = [t for t in cell_tags(cell) if not any(tag.match(t) for tag in ours)]
+        tags += [t for t in cell_tags(check) if any(tag.match(t) for tag in ours)]
         cell.setdefault("metadata", {})["tags"] = tags
     return expected, notes
 
@@ -347,13 +396,17 @@ def _first_line(cell: nbformat.NotebookNode) -> str:
     return next((line.strip() for line in cell.source.splitlines() if line.strip()), "")
 
 
-def guard_checks(nb: nbformat.NotebookNode, nonce: str) -> None:
-    """Wrap every check cell: a fresh `minicb.course.check` first, the grader's mark last."""
-    for i, name, _ in check_cells(nb):
+def guard_checks(nb: nbformat.NotebookNode, nonce: str, hidden_seed: int | None = None
+                 ) -> None:
+    """Wrap every check cell: a fresh `minicb.course.check` (drawing hidden cases from
+    `hidden_seed`, if any) first, the check's cases and the grader's mark last."""
+    for i, name, points in check_cells(nb):
         cell = nb.cells[i]
-        mark = MARK.format(nonce=nonce, name=name)
-        cell.source = (GUARD.format(path=str(CHECK_MODULE)) + cell.source
-                       + f"\nprint({mark!r})\n")
+        code = "\n".join("    " + line for line in cell.source.splitlines()) or "    pass"
+        cell.source = GUARD.format(path=str(CHECK_MODULE), seed=hidden_seed, code=code,
+                                   points=points, weights=case_weights(cell),
+                                   name=name, cases=CASES.format(nonce=nonce, name=name),
+                                   mark=MARK.format(nonce=nonce, name=name))
 
 
 def skip_installs(nb: nbformat.NotebookNode) -> list[str]:
@@ -377,8 +430,25 @@ def _skipped(line: str) -> str:
 
 
 def _printed(cell: nbformat.NotebookNode, text: str) -> bool:
-    return any(out.get("output_type") == "stream" and text in str(out.get("text", ""))
-               for out in cell.get("outputs", []))
+    return text in _stream_text(cell)
+
+
+def _stream_text(cell: nbformat.NotebookNode) -> str:
+    return "".join(str(out.get("text", "")) for out in cell.get("outputs", [])
+                   if out.get("output_type") == "stream")
+
+
+def _cases_printed(cell: nbformat.NotebookNode, nonce: str, name: str) -> dict[str, Any] | None:
+    """The check's cases as its restored check cell printed them (`CASES`), else None."""
+    marker = CASES.format(nonce=nonce, name=name)
+    text = _stream_text(cell)
+    if marker not in text:
+        return None
+    try:
+        data = json.loads(text.split(marker, 1)[1].split("\n", 1)[0])
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) and isinstance(data.get("cases"), list) else None
 
 
 def _error_of(cell: nbformat.NotebookNode) -> str | None:
@@ -450,8 +520,11 @@ def _run_kernel(nb: nbformat.NotebookNode, workdir: Path, timeout: int
 
     config = kernel_config(workdir)
     # the grader's own Python, whatever kernel the learner's notebook names
+    # shut down at once: a polite shutdown waited 1-3 s a notebook for a kernel to tidy up,
+    # and what it leaves (its temporary files, in `workdir`) goes with the work folder
     client = _capped_client()(nb, timeout=timeout, kernel_name="python3", allow_errors=True,
                               interrupt_on_timeout=True, record_timing=False, config=config,
+                              shutdown_kernel="immediate",
                               resources={"metadata": {"path": str(workdir)}})
     killed: list[int] = []
     running: list[int] = [-1]
@@ -472,9 +545,10 @@ def _run_kernel(nb: nbformat.NotebookNode, workdir: Path, timeout: int
         timer[0].start()
 
     client.on_cell_execute = arm
-    old_path, old_ipython = os.environ.get("PYTHONPATH"), os.environ.get("IPYTHONDIR")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), old_path) if p)
-    os.environ["IPYTHONDIR"] = str(_ipython_dir(workdir))
+    kernel_env = {"PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get(
+        "PYTHONPATH")) if p), "IPYTHONDIR": str(_ipython_dir(workdir)), "TMPDIR": str(workdir)}
+    old = {key: os.environ.get(key) for key in kernel_env}
+    os.environ.update(kernel_env)
     try:
         client.execute()
     except Exception as exc:  # the kernel died, was killed or would not start: grade what ran
@@ -487,7 +561,7 @@ def _run_kernel(nb: nbformat.NotebookNode, workdir: Path, timeout: int
     finally:
         for pending in timer:
             pending.cancel()
-        for key, value in (("PYTHONPATH", old_path), ("IPYTHONDIR", old_ipython)):
+        for key, value in old.items():
             if value is None:
                 os.environ.pop(key, None)
             else:
@@ -526,7 +600,7 @@ def _ipython_dir(workdir: Path) -> Path:
     startup = workdir / "ipython" / "profile_default" / "startup"
     startup.mkdir(parents=True, exist_ok=True)
     (startup / "00-minicb-grade-cap.py").write_text(CAP_STARTUP.format(
-        limit=MAX_CELL_OUTPUT + 10_000, mark=MARK.split("{")[0]))
+        limit=MAX_CELL_OUTPUT + 10_000, mark=MARK_PREFIX))
     return workdir / "ipython"
 
 
@@ -545,7 +619,7 @@ def _capped_client() -> type:
             sizes = self.__dict__.setdefault("_minicb_sizes", {})
             kept = sizes.get(cell_index, 0)
             if msg.get("msg_type") in ("stream", "display_data", "execute_result") and \
-                    kept + size > MAX_CELL_OUTPUT and MARK.split("{")[0] not in text:
+                    kept + size > MAX_CELL_OUTPUT and MARK_PREFIX not in text:
                 if kept <= MAX_CELL_OUTPUT:  # keep what fits, and say it once
                     if msg["msg_type"] == "stream" and kept < MAX_CELL_OUTPUT:
                         head = {**content, "text": text[:MAX_CELL_OUTPUT - kept]}
@@ -563,20 +637,22 @@ def _capped_client() -> type:
 
 
 def grade_notebook(path: str | Path, timeout: int = 300, restore: bool = True,
-                   source: str | Path | None = None) -> GradeReport:
+                   source: str | Path | None = None, hidden_seed: int | None = None,
+                   student: str = "", name: str | None = None) -> GradeReport:
     """Execute a copy of the notebook at `path` and score each exercise by its check cell.
-    `source`: the exercise source whose check cells are restored (default: the file of the
-    same name in exercises/source, if any); `restore=False` grades the notebook as it is."""
+    `source`: the exercise source whose check cells are restored (default: the file named
+    `name` (else the notebook's own name) in exercises/source, if any); `restore=False`
+    grades the notebook as it is. `hidden_seed`: the checks add cases drawn from it."""
     path = Path(path)
     try:
         nb = nbformat.read(path, as_version=4)
     except Exception as exc:
         raise GradeError(f"cannot read {path}: {type(exc).__name__}: {exc}") from exc
-    report = GradeReport(str(path))
-    expected = [(name, points) for _, name, points in check_cells(nb)]
+    report = GradeReport(str(path), student=student)
+    expected = [(ex, points) for _, ex, points in check_cells(nb)]
     nonce = None
     if restore:
-        source_path = Path(source) if source else source_for(path, nb)
+        source_path = Path(source) if source else source_for(path, nb, name)
         if source_path is None:
             raise GradeError(
                 f"cannot tell which exercise notebook {path} was made from: its name matches "
@@ -590,14 +666,15 @@ def grade_notebook(path: str | Path, timeout: int = 300, restore: bool = True,
                              f"{type(exc).__name__}: {exc}") from exc
         expected, notes = restore_checks(nb, source_nb)
         report.source = source_path.stem
-        if source_path.name != path.name:
+        named = name or path.name
+        if source_path.name != named:
             notes.insert(0, f"check cells restored from {_shown(source_path)}")
-            if not source and (SOURCES / path.name).is_file():
-                notes.insert(0, f"named like {path.name}, but it holds the exercises of "
+            if not source and (SOURCES / named).is_file():
+                notes.insert(0, f"named like {named}, but it holds the exercises of "
                                 f"{source_path.name}: graded as those")
         report.notes.extend(notes)
         nonce = secrets.token_hex(8)
-        guard_checks(nb, nonce)
+        guard_checks(nb, nonce, hidden_seed)
     report.notes.extend(skip_installs(nb))
     for cell in nb.cells:
         if cell.cell_type == "code":
@@ -615,12 +692,12 @@ def grade_notebook(path: str | Path, timeout: int = 300, restore: bool = True,
                            for c in nb.cells if c.cell_type == "code"):
         raise GradeError(f"cannot grade {path}: its kernel ran no cell ({stopped[-1]})")
 
-    checks = {name: i for i, name, _ in check_cells(nb)}
+    checks = {ex: i for i, ex, _ in check_cells(nb)}
     previous = -1
-    for name, points in expected:
-        index = checks.get(name)
+    for ex, points in expected:
+        index = checks.get(ex)
         if index is None:
-            report.exercises.append(ExerciseResult(name, 0, points, False,
+            report.exercises.append(ExerciseResult(ex, 0, points, False,
                                                    "its check cell is missing"))
             continue
         cell = nb.cells[index]
@@ -629,9 +706,11 @@ def grade_notebook(path: str | Path, timeout: int = 300, restore: bool = True,
         earlier = next((e for c in nb.cells[previous + 1:index] if c.cell_type == "code"
                         for e in [_error_of(c)] if e), None)
         previous = index
-        finished = nonce is None or _printed(cell, MARK.format(nonce=nonce, name=name))
+        finished = nonce is None or _printed(cell, MARK.format(nonce=nonce, name=ex))
+        cases = _cases_printed(cell, nonce, ex) if nonce else None
+        counts = _case_counts(cases)
         if ran and error is None and finished:
-            report.exercises.append(ExerciseResult(name, points, points, True))
+            report.exercises.append(ExerciseResult(ex, points, points, True, **counts))
             continue
         if not ran:
             message = "its check cell did not run (see the notes below)"
@@ -648,11 +727,27 @@ def grade_notebook(path: str | Path, timeout: int = 300, restore: bool = True,
             message = f"{earlier}  (then the check failed with {error.split(':')[0]})"
         else:
             message = error
-        report.exercises.append(ExerciseResult(name, 0, points, False, message,
-                                               attempted=not message.startswith(STUB_ERROR)))
+        earned = float(cases.get("points") or 0) if cases and ran else 0.0
+        report.exercises.append(ExerciseResult(ex, earned, points, False, message,
+                                               attempted=not message.startswith(STUB_ERROR),
+                                               **counts))
     if not all(e.passed for e in report.exercises):
         report.notes.extend(_first_setup_error(nb, set(checks.values())))
     return report
+
+
+def _case_counts(cases: dict[str, Any] | None) -> dict[str, Any]:
+    """cases_passed, cases_total and failed_cases of an ExerciseResult, from the check's
+    printed cases (none printed: the check never got to them)."""
+    if not cases:
+        return {}
+    failed = [{"name": c[0], "message": c[3] if len(c) > 3 else ""} for c in cases["cases"]
+              if not c[2]]
+    ran = {c[0] for c in cases["cases"]}
+    failed += [{"name": f"({cases['total'] - len(ran)} cases not run)", "message": ""}] \
+        if cases["total"] > len(ran) else []
+    return {"cases_passed": 0 if cases.get("refused") else sum(1 for c in cases["cases"] if c[2]),
+            "cases_total": cases["total"], "failed_cases": failed}
 
 
 def _first_setup_error(nb: nbformat.NotebookNode, check_indices: set[int]) -> list[str]:
@@ -673,13 +768,17 @@ def _shown(path: Path) -> str:
 
 
 def format_report(report: GradeReport) -> str:
-    """A plain-text table: one line per exercise, then the total."""
-    lines = [f"{report.notebook}  ({report.seconds:.1f} s)"]
+    """A plain-text table: the student and notebook, one line per exercise (with its cases
+    passed where some failed), then the total."""
+    who = f"{report.student}: " if report.student else ""
+    lines = [f"{who}{report.notebook}  ({report.seconds:.1f} s)"]
     width = max([len(e.name) for e in report.exercises] + [8])
     for e in report.exercises:
         mark = "✓" if e.passed else "✗"
         score = f"{_num(e.points)}/{_num(e.max_points)}"
-        line = f"  {mark} {e.name.ljust(width)}  {score:>5}"
+        line = f"  {mark} {e.name.ljust(width)}  {score:>7}"
+        if not e.passed and e.cases_total:
+            line += f"  ({e.cases_passed} of {e.cases_total} cases)"
         if not e.passed:
             first, *rest = e.message.splitlines() or [""]
             line += f"  {first}" + "".join(f"\n      {r}" for r in rest)
@@ -690,7 +789,7 @@ def format_report(report: GradeReport) -> str:
     return "\n".join(lines)
 
 
-def gradebook(reports: list[GradeReport], failures: dict[str, str] | None = None,
+def notebook_rows(reports: list[GradeReport], failures: dict[str, str] | None = None,
               order: list[str] | None = None) -> list[dict[str, Any]]:
     """One spreadsheet row per notebook: its name, exercise source, total, points per exercise
     (a column for every exercise any notebook holds, blank where it holds none), seconds, the
@@ -707,33 +806,19 @@ def gradebook(reports: list[GradeReport], failures: dict[str, str] | None = None
         failed = [f"{e.name}: {(e.message.splitlines() or [''])[0]}"
                   for e in report.exercises if not e.passed]
         rows[report.notebook] = {
-            "notebook": report.notebook, "source": report.source,
+            "student": report.student, "notebook": report.notebook, "source": report.source,
             "score": _num(report.score), "max_score": _num(report.max_score),
             **{name: points.get(name, "") for name in columns},
             "seconds": round(report.seconds, 1), "error": "",
             "not_attempted": " ".join(e.name for e in report.exercises if not e.attempted),
             "feedback": " | ".join(failed), "notes": " | ".join(report.notes)}
     for notebook, why in failures.items():
-        rows[notebook] = {"notebook": notebook, "source": "", "score": "", "max_score": "",
+        rows[notebook] = {"student": "", "notebook": notebook, "source": "", "score": "",
+                          "max_score": "",
                           **{name: "" for name in columns}, "seconds": "", "error": why,
                           "not_attempted": "", "feedback": "", "notes": ""}
     names = order if order is not None else list(rows)
     return [rows[name] for name in names if name in rows]
-
-
-def write_gradebook(path: Path, rows: list[dict[str, Any]]) -> None:
-    """`gradebook` rows as a CSV file: UTF-8 with a byte-order mark (so a spreadsheet on
-    Windows reads accented names and Chinese messages right), a header line, one line per
-    notebook. A text cell that a spreadsheet would take for a formula (starting with = + - @)
-    is written with a leading apostrophe, so a file name cannot run as one."""
-    with open(path, "w", newline="", encoding="utf-8-sig") as f:
-        if not rows:
-            return
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows({key: "'" + value if isinstance(value, str)
-                          and value.startswith(("=", "+", "-", "@", "\t", "\r")) else value
-                          for key, value in row.items()} for row in rows)
 
 
 def notebooks_in(paths: list[Path]) -> list[Path]:
@@ -758,18 +843,31 @@ def _ignore_interrupts() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def _grade_or_why(path: Path, timeout: int, restore: bool,
-                  source: Path | None) -> GradeReport | str:
+def submissions_in(paths: list[Path]) -> list[Submission]:
+    """`notebooks_in(paths)`, each with the student who handed it in and the exercise notebook
+    it is, read from the class folder's layout (`classroom.submission`)."""
+    known = [p.name for p in SOURCES.glob("*.ipynb")]
+    found: dict[Path, Submission] = {}
+    for path in paths:
+        for notebook in notebooks_in([path]):
+            if (resolved := notebook.resolve()) not in found:
+                found[resolved] = submission(notebook, path if path.is_dir() else None, known)
+    return list(found.values())
+
+
+def _grade_or_why(sub: Submission, timeout: int, restore: bool, source: Path | None,
+                  hidden_seed: int | None) -> GradeReport | str:
     """`grade_notebook`, or why the notebook cannot be graded (one line)."""
     try:
-        return grade_notebook(path, timeout=timeout, restore=restore, source=source)
+        return grade_notebook(sub.path, timeout=timeout, restore=restore, source=source,
+                              hidden_seed=hidden_seed, student=sub.student, name=sub.notebook)
     except GradeError as exc:
         return str(exc)
     except Exception as exc:  # a malformed notebook: say so, grade the others
-        return f"cannot grade {path}: {type(exc).__name__}: {exc}"
+        return f"cannot grade {sub.path}: {type(exc).__name__}: {exc}"
 
 
-def _in_workers(grade_one: Callable[[Path], GradeReport | str], notebooks: list[Path],
+def _in_workers(grade_one: Callable[[Any], GradeReport | str], notebooks: list[Any],
                 jobs: int) -> Iterator[GradeReport | str]:
     """`grade_one` of each notebook in the order given, `jobs` at a time in worker processes.
     A worker that dies (out of memory, a crash) breaks its pool and fails every notebook the
@@ -784,14 +882,14 @@ def _in_workers(grade_one: Callable[[Path], GradeReport | str], notebooks: list[
             if result is None and not alone:
                 suspects.append(i)
                 continue
-            results[i] = f"cannot grade {notebooks[i]}: {WORKER_DIED}" if result is None \
-                else result
+            path = getattr(notebooks[i], "path", notebooks[i])
+            results[i] = f"cannot grade {path}: {WORKER_DIED}" if result is None else result
             while shown in results:
                 yield results.pop(shown)
                 shown += 1
 
 
-def _pool_run(grade_one: Callable[[Path], GradeReport | str], notebooks: list[Path],
+def _pool_run(grade_one: Callable[[Any], GradeReport | str], notebooks: list[Any],
               batch: list[int], width: int) -> Iterator[tuple[int, GradeReport | str | None]]:
     """(index, result) of the notebooks at the indices in `batch` as they finish, `width` at a
     time in a fresh pool; None when the pool broke under it. Indices are taken from `batch` as
@@ -823,30 +921,76 @@ def _pool_run(grade_one: Callable[[Path], GradeReport | str], notebooks: list[Pa
         pool.shutdown(wait=finished, cancel_futures=True)
 
 
-def _json_entries(reports: list[GradeReport], failures: dict[str, str],
-                  notebooks: list[Path]) -> list[dict[str, Any]]:
-    """`--json`'s entries in the order given: a report's `to_dict`, or `{"notebook", "error"}`
-    for a notebook that could not be graded (a script must not lose it unnoticed)."""
-    entries = {r.notebook: r.to_dict() for r in reports}
-    entries.update({name: {"notebook": name, "error": why} for name, why in failures.items()})
-    return [entries[str(p)] for p in notebooks if str(p) in entries]
+def _entry(sub: Submission, result: GradeReport | str) -> dict[str, Any]:
+    """A notebook's line in `--results` and entry in `--json`: the report's `to_dict`, or
+    {"student", "notebook", "error"} for one that could not be graded (a script must not
+    lose it unnoticed)."""
+    if isinstance(result, str):
+        return {"student": sub.student, "notebook": str(sub.path), "error": result}
+    return result.to_dict()
+
+
+def read_results(path: Path) -> dict[str, dict[str, Any]]:
+    """The entries a `--results` file holds, by notebook path (a line cut off by a stopped
+    run is left out: that notebook is graded again)."""
+    entries = {}
+    if path.exists():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(entry, dict) and "notebook" in entry:
+                entries[entry["notebook"]] = entry
+    return entries
+
+
+def _writable(parser: argparse.ArgumentParser, option: str, path: Path | None) -> None:
+    """Refuse an output file that would overwrite a notebook or whose folder cannot be
+    written, before grading, so no run is lost."""
+    if path is None:
+        return
+    if path.suffix == ".ipynb":
+        parser.error(f"{option} {path} would overwrite a notebook: name a .csv file")
+    if not (path.parent.is_dir() and os.access(path.parent, os.W_OK)):
+        parser.error(f"{option} {path}: its folder does not exist or cannot be written "
+                     "(checked before grading, so no run is lost)")
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m minicb grade NOTEBOOK [NOTEBOOK ...] [--json] [--csv FILE] [--jobs N]
-    [--timeout S] [--no-restore] [--source PATH]`."""
+    """`python -m minicb grade NOTEBOOK|DIR [...] [--json] [--csv FILE] [--gradebook FILE]
+    [--feedback DIR] [--results FILE [--resume]] [--hidden-seed N] [--jobs N] [--timeout S]
+    [--no-restore] [--source PATH]`."""
     parser = argparse.ArgumentParser(
         prog="python -m minicb grade",
         description="Execute exercise notebooks and score each exercise by its check cell.")
     parser.add_argument("notebooks", nargs="+", type=Path,
                         help="notebooks, or folders: every .ipynb below one (a class's "
-                             "submissions), checkpoints left out")
+                             "submissions: DIR/<student>/<assignment>/<nb>.ipynb as nbgrader "
+                             "keeps them, DIR/<student>/<nb>.ipynb, or LMS downloads named "
+                             "<student>_<anything>_<nb>.ipynb), checkpoints left out")
     parser.add_argument("--json", action="store_true",
                         help="print a JSON object (a list of them for several notebooks); one "
                              "that could not be graded is {\"notebook\": ..., \"error\": ...}")
     parser.add_argument("--csv", type=Path, metavar="FILE",
-                        help="also write a gradebook: one row per notebook, a column per "
+                        help="also write a table with one row per notebook, a column per "
                              "exercise, rows for notebooks that could not be graded")
+    parser.add_argument("--gradebook", type=Path, metavar="FILE",
+                        help="also write a gradebook: one row per student (total, max, a "
+                             "column per exercise, the notebooks missing)")
+    parser.add_argument("--feedback", type=Path, metavar="DIR",
+                        help="also write DIR/<student>/<notebook>.html for each notebook: "
+                             "points and explanations, for the student")
+    parser.add_argument("--results", type=Path, metavar="FILE",
+                        help="append each notebook's result to FILE (JSON Lines) as it "
+                             "finishes (default with --gradebook: the gradebook's name with "
+                             ".jsonl)")
+    parser.add_argument("--resume", action="store_true",
+                        help="skip the notebooks the --results file already holds (a stopped "
+                             "run goes on where it stopped)")
+    parser.add_argument("--hidden-seed", type=int, metavar="N",
+                        help="add hidden cases to every check, drawn from N (keep N to "
+                             "yourself; students' own check cells run the public cases only)")
     parser.add_argument("--jobs", "-j", type=int, default=1, metavar="N",
                         help="grade N notebooks at a time, each in its own process and kernel "
                              "(default 1; at most one per core pays)")
@@ -866,55 +1010,77 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--jobs must be at least 1, got {args.jobs}")
     if args.timeout < 1:  # 0 or less would interrupt every cell at once and kill its kernel
         parser.error(f"--timeout must be at least 1 second, got {args.timeout}")
-    if args.csv is not None and args.csv.suffix == ".ipynb":
-        parser.error(f"--csv {args.csv} would overwrite a notebook: name a .csv file")
-    if args.csv is not None and not (args.csv.parent.is_dir()
-                                     and os.access(args.csv.parent, os.W_OK)):
-        parser.error(f"--csv {args.csv}: its folder does not exist or cannot be written "
-                     "(checked before grading, so no run is lost)")
-    args.notebooks = notebooks_in(args.notebooks)
-    if not args.notebooks:
+    if args.results is None and args.gradebook is not None:
+        args.results = args.gradebook.with_suffix(".jsonl")
+    if args.resume and args.results is None:
+        parser.error("--resume needs the --results file of the run to go on with")
+    for option in ("csv", "gradebook", "results"):
+        _writable(parser, f"--{option}", getattr(args, option))
+    if args.feedback is not None and args.feedback.suffix == ".ipynb":
+        parser.error(f"--feedback {args.feedback} names a notebook: name a folder")
+    subs = submissions_in(args.notebooks)
+    if not subs:
         parser.error("no .ipynb file in the folders given")
+    done = read_results(args.results) if args.resume else {}
+    if args.results is not None and not args.resume:
+        args.results.write_text("", encoding="utf-8")
+    todo = [sub for sub in subs if str(sub.path) not in done]
+    if done:
+        print(f"resuming: {len(subs) - len(todo)} notebook(s) already in {args.results}",
+              file=sys.stderr)
     grade_one = functools.partial(_grade_or_why, timeout=args.timeout,
-                                  restore=not args.no_restore, source=args.source)
-    reports, failures = [], {}
+                                  restore=not args.no_restore, source=args.source,
+                                  hidden_seed=args.hidden_seed)
+    entries = {str(sub.path): done[str(sub.path)] for sub in subs if str(sub.path) in done}
     interrupted = False
-    parallel = args.jobs > 1 and len(args.notebooks) > 1
-    results = (_in_workers(grade_one, args.notebooks, args.jobs) if parallel
-               else map(grade_one, args.notebooks))
+    parallel = args.jobs > 1 and len(todo) > 1
+    results = _in_workers(grade_one, todo, args.jobs) if parallel else map(grade_one, todo)
     try:
-        for path, result in zip(args.notebooks, results):
+        for sub, result in zip(todo, results):
+            entries[str(sub.path)] = entry = _entry(sub, result)
+            if args.results is not None:
+                with open(args.results, "a", encoding="utf-8") as f:
+                    f.write(json.dumps(entry, ensure_ascii=False) + "\n")
             if isinstance(result, str):
                 print(f"error: {result}", file=sys.stderr)
-                failures[str(path)] = result
-                continue
-            reports.append(result)
-            if not args.json:
+            elif not args.json:
                 print(format_report(result), flush=True)
     except KeyboardInterrupt:  # Ctrl-C: stop now, keep what was graded
         interrupted = True
         for worker in multiprocessing.active_children():
             worker.kill()  # its kernel exits with it (ipykernel polls its parent)
     if interrupted:
-        graded = {r.notebook for r in reports} | set(failures)
-        for path in args.notebooks:
-            if str(path) not in graded:
-                failures[str(path)] = "not graded: the run was interrupted (Ctrl-C)"
-        print(f"interrupted: {len(reports)} notebook(s) graded", file=sys.stderr)
+        print(f"interrupted: {len(entries)} notebook(s) graded", file=sys.stderr)
+        for sub in subs:
+            entries.setdefault(str(sub.path), _entry(
+                sub, "not graded: the run was interrupted (Ctrl-C)"))
+    ordered = [entries[str(sub.path)] for sub in subs if str(sub.path) in entries]
+    reports = [GradeReport.from_dict(e) for e in ordered if "exercises" in e]
+    failures = {e["notebook"]: e["error"] for e in ordered if "error" in e}
     if args.json:
-        data = _json_entries(reports, failures, args.notebooks)
-        one = len(args.notebooks) == 1  # a list whenever several were asked for
-        print(json.dumps(data[0] if one and data else data, indent=1, ensure_ascii=False))
+        one = len(subs) == 1  # a list whenever several were asked for
+        print(json.dumps(ordered[0] if one and ordered else ordered, indent=1,
+                         ensure_ascii=False))
     elif len(reports) > 1:
         total = sum(r.score for r in reports)
         top = sum(r.max_score for r in reports)
         print(f"all notebooks: {_num(total)}/{_num(top)}")
     if args.csv is not None:
-        write_gradebook(args.csv, gradebook(reports, failures,
-                                            order=[str(p) for p in args.notebooks]))
-        print(f"gradebook: {args.csv} ({len(reports)} graded, {len(failures)} not)",
+        write_csv(args.csv, notebook_rows(reports, failures, order=[str(s.path) for s in subs]))
+        print(f"table: {args.csv} ({len(reports)} graded, {len(failures)} not)",
               file=sys.stderr)
+    if args.gradebook is not None:
+        write_csv(args.gradebook, gradebook_rows(ordered))
+        print(f"gradebook: {args.gradebook} ({len({e.get('student') for e in ordered})} "
+              "student(s))", file=sys.stderr)
+    if args.feedback is not None:
+        for entry in ordered:
+            page = feedback_path(args.feedback, entry)
+            page.parent.mkdir(parents=True, exist_ok=True)
+            page.write_text(feedback_html(entry), encoding="utf-8")
+        print(f"feedback: {len(ordered)} page(s) in {args.feedback}", file=sys.stderr)
     return 130 if interrupted else 2 if failures else 0
+
 
 if __name__ == "__main__":
     sys.exit(main())
