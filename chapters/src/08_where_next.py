@@ -141,37 +141,41 @@ with httpx.stream("POST", url + "/v1/completions", timeout=120, json={
 # %% [markdown]
 # ## 3. Benchmarking a server from the client
 #
-# `minicb.serving.client` sends a chapter-06 workload as streamed `/v1/completions` calls with fixed output lengths.
-# It times TTFT and ITL where the user sits, network and server included. Six requests, Poisson at 3 requests/s:
+# `python -m minicb bench serve` takes the command line of vLLM's `vllm bench serve`.
+# It sends streamed `/v1/completions` calls at their arrival times, each run to a fixed output length.
+# It times TTFT and ITL where the user sits, network and server included.
+# vLLM's random dataset, six prompts, Poisson at 3 requests/s; median, P95 and P99 as in chapter 06:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-from minicb.benchmark import metrics
-from minicb.serving.client import report, run_client
-from minicb.benchmark.workload import make_workload
+import subprocess
+import sys
 
-demo = make_workload(6, prompt_lengths="uniform:16:64", output_lengths="uniform:8:24",
-                     arrival="poisson", rate=3, seed=0, name="client-demo")
-records = await run_client(url, demo.requests)  # a notebook already runs an event loop
-summary = metrics.summarize([], records, slo={"ttft": 1.0})
-print(report({"minicb pd (client side)": summary}))  # the table, then p50/p95/p99
+command = ["python", "-m", "minicb", "bench", "serve", "--base-url", url,
+           "--num-prompts", "6", "--request-rate", "3", "--random-input-len", "32",
+           "--random-output-len", "16", "--random-range-ratio", "0.5",
+           "--metric-percentiles", "95,99", "--goodput", "ttft:1000", "--disable-tqdm"]
+print(" ".join(command))
+done = subprocess.run([sys.executable, *command[1:]], capture_output=True, text=True)
+print(done.stdout + done.stderr)
 
 # %% [markdown]
-# From the shell, against any OpenAI-compatible server:
+# From the shell, with a chapter-06 scenario instead of random prompts:
 #
 # ```bash
 # python -m minicb serve --model smollm2-135m --policy pd --port 8000 &
-# python -m minicb.serving.client --endpoint http://127.0.0.1:8000 --workload mixed-chat --rate 2 --out minicb.json
+# python -m minicb bench serve --base-url http://127.0.0.1:8000 --workload mixed-chat --request-rate 2 --save-result
 # ```
 #
-# Point the same client at vLLM or SGLang: same workload, same metrics.
-# The server also exports Prometheus metrics at `/metrics`, among them what a full cache costs:
+# Point it at vLLM or SGLang: same workload, same metrics. `--save-result` writes vLLM's result keys.
+# The server exports Prometheus metrics at `/metrics`: vLLM's, named `minicb:` where vLLM says `vllm:`, then minicb's own.
+# Among them is what a full cache costs:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
 text = httpx.get(url + "/metrics").text
 print("\n".join(line for line in text.splitlines()
-                if line.startswith("minicb_") and "bucket" not in line)[:1500])
+                if line.startswith("minicb:") and "_bucket" not in line)[:1500])
 server.__exit__(None, None, None)
 
 # %% [markdown]
@@ -582,7 +586,7 @@ print("same tokens:", batch_runs[0] == batch_runs[4])
 # ## Recap
 #
 # - minicb's knobs map onto vLLM's and SGLang's nearly one for one; the behaviour behind them differs in details.
-# - `python -m minicb serve` puts the engine behind the OpenAI API; `minicb.serving.client` measures any such server from the user's side.
+# - `python -m minicb serve` puts the engine behind the OpenAI API; `python -m minicb bench serve`, with vLLM's flags, measures any such server from the user's side.
 # - A CPU decode step gets cheaper with fewer bytes (int8), a better layout (prepacked weights) and attention over the pages in place (a C kernel), each checked against the reference.
 # - Speculative decoding by prompt lookup checks guesses as a small causal chunk and keeps the same tokens; it pays most at batch 1.
 #
