@@ -1,5 +1,7 @@
-"""Helpers shared by the exercise tests (test_exercises, test_check, test_grade): the exercise
-sources, the solution notebooks run in this process, and a planted bug's check message."""
+"""Plain helpers the test modules share (fixtures live in conftest.py): hand-built request and
+step records (test_metrics, test_sim, test_serve); the exercise sources, the solution notebooks
+run in this process, and a planted bug's check message (test_exercises, test_check,
+test_grade)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,32 @@ import pytest
 
 from minicb.course import check
 from minicb.course.exercises import ROOT, cell_tags
+from minicb.trace import Member, RequestRecord, StepRecord
 
+
+# ------------------------------------------------------------------------------ records
+def rec(rid, n, reason="length", arrival=0.0, sched=None, first=None, finish=None,
+        times=None, a_step=1, s_step=None, f_step=None, fin_step=None, steps=None,
+        preempt=0, recomputed=0, cached=0) -> RequestRecord:
+    """A finished request's record: `n` output tokens, 8 prompt tokens, times in seconds."""
+    return RequestRecord(rid, 8, n, reason, arrival, sched, first, finish, list(times or []),
+                         a_step, s_step, f_step, fin_step, list(steps or []), cached, preempt,
+                         recomputed)
+
+
+def step(i, members, t0, t1, t_forward=0.0, preempted=()) -> StepRecord:
+    """Step `i`'s record: `members` as `Member` fields, from `t0` to `t1` seconds."""
+    return StepRecord(step=i, members=[Member(*m) for m in members], waiting=[], finished=[],
+                      preempted=list(preempted), pages_used=0, pages_cached=0, t_start=t0,
+                      t_end=t1, t_forward=t_forward)
+
+
+def approx(x):
+    """Equal to `x` up to float rounding."""
+    return pytest.approx(x, rel=1e-9, abs=1e-12)
+
+
+# ------------------------------------------------------------------------------ exercises
 SOURCES = sorted((ROOT / "exercises" / "source").glob("*.ipynb"))
 
 

@@ -3,6 +3,7 @@ executor; the results file follows the schema and starts with the declaration.""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import types
 
@@ -12,10 +13,13 @@ import torch
 from minicb.__main__ import main
 from minicb.benchmark import bench, flags, hf, metrics, profile, report, runs, sweep
 from minicb.benchmark.sim import CostModel, make_sim_engine
-from minicb.benchmark.workload import Workload, get_workload, run_workload
+from minicb.benchmark.workload import Workload, WorkloadRequest, get_workload, run_workload
 
 TINY = ["--num-requests", "4", "--prompt-lengths", "uniform:4:24",
         "--output-lengths", "uniform:2:6", "--no-progress"]
+SWEEP = ["--executor", "sim", "--workload", "mixed-chat", "--num-requests", "24", "--rate", "40",
+         "--max-num-batched-tokens", "64,512", "--max-num-seqs", "4,16", "--chunk-size", "64",
+         "--no-progress"]
 DECLARED = ("arrival_process", "burstiness", "concurrency", "prompt_lengths", "output_lengths",
             "cache_state", "policy", "token_budget", "memory_limit", "model", "runtime",
             "device", "executor", "simulated", "slo", "seed", "command")
@@ -26,7 +30,6 @@ def patch(monkeypatch, name: str, value) -> None:
     for module in (bench, flags, hf, profile, report, runs, sweep):
         if hasattr(module, name):
             monkeypatch.setattr(module, name, value)
-
 
 
 def test_bench_end_to_end_on_a_tiny_checkpoint(tiny_llama_dir, tmp_path, capsys):
@@ -659,7 +662,6 @@ def test_cancellations_honoured_needs_the_stop_at_the_cancel_point_and_no_pages_
     (the client's cancel came later than the trace says) or when pages are still held."""
     import dataclasses
 
-    from minicb.benchmark.workload import Workload, WorkloadRequest
     cancelled = Workload("c", [WorkloadRequest(prompt_len=20, max_tokens=9,
                                                cancel_after_tokens=3) for _ in range(3)])
     engine = make_sim_engine(CostModel(), policy="pd", num_pages=64, page_size=4)
@@ -841,7 +843,6 @@ def test_hf_static_returns_each_batch_whole(tiny_llama_dir):
     """transformers' generate returns a padded batch at once: E2E of every member ends at the
     batch's last token, as for minicb's static policy; TPOT still uses its own tokens."""
     from minicb.benchmark import metrics
-    from minicb.benchmark.workload import Workload, WorkloadRequest
     model = hf.hf_model(tiny_llama_dir, "cpu", torch.float32)
     workload = Workload("two", [WorkloadRequest(prompt_len=8, max_tokens=n, request_id=f"r{n}")
                                 for n in (3, 9)])
@@ -855,11 +856,6 @@ def test_hf_static_returns_each_batch_whole(tiny_llama_dir):
 
 
 # --- from a mutation review of this module: each test fails on the planted bug it names ---
-TINY = ["--num-requests", "4", "--prompt-lengths", "uniform:4:24",
-        "--output-lengths", "uniform:2:6", "--no-progress"]
-SWEEP = ["--executor", "sim", "--workload", "mixed-chat", "--num-requests", "24", "--rate", "40",
-         "--max-num-batched-tokens", "64,512", "--max-num-seqs", "4,16", "--chunk-size", "64",
-         "--no-progress"]
 
 
 def _spy_run_policy(monkeypatch):
@@ -1017,7 +1013,6 @@ def test_hf_static_neither_stops_at_nor_bans_an_eos(tiny_llama_dir, tiny_model):
     EOS (min_new_tokens) sent such a request down another path, and the quality line reported
     a difference that was the baseline's doing."""
     from minicb import SamplingParams
-    from minicb.benchmark.workload import Workload, WorkloadRequest
     from minicb.engine import Engine
     workload = Workload("eos", [WorkloadRequest(prompt_len=8, max_tokens=8, request_id="r")])
     engine = Engine(tiny_model, policy="static")
@@ -1032,7 +1027,6 @@ def test_hf_static_neither_stops_at_nor_bans_an_eos(tiny_llama_dir, tiny_model):
 
 
 def test_hf_static_token_times_are_each_requests_own(tiny_llama_dir):
-    from minicb.benchmark.workload import Workload, WorkloadRequest
     model = hf.hf_model(tiny_llama_dir, "cpu", torch.float32)
     workload = Workload("two", [WorkloadRequest(prompt_len=8, max_tokens=n, request_id=f"r{n}")
                                 for n in (3, 9)])
@@ -1041,7 +1035,6 @@ def test_hf_static_token_times_are_each_requests_own(tiny_llama_dir):
 
 
 def test_hf_generate_batch_sends_each_request_at_its_arrival(tiny_llama_dir):
-    from minicb.benchmark.workload import Workload, WorkloadRequest
     model = hf.hf_model(tiny_llama_dir, "cpu", torch.float32)
     workload = Workload("late", [WorkloadRequest(prompt_len=8, max_tokens=4, request_id=rid,
                                                  arrival_time=t)
@@ -1086,7 +1079,6 @@ def test_hf_cuda_graphs_asks_transformers_manager_for_graphs(tiny_llama_dir, mon
     with pytest.raises(ValueError, match="--hf-cuda-graphs .* needs --compare hf"):
         bench.run_bench(bench.bench_parser().parse_args(flags + ["--hf-cuda-graphs"]))
     monkeypatch.undo()  # the real transformers from here on
-    from minicb.benchmark.workload import Workload, WorkloadRequest
     model = hf.hf_model(tiny_llama_dir, "cpu", torch.float32)
     workload = Workload("one", [WorkloadRequest(prompt_len=8, max_tokens=2)])
     with pytest.raises(ValueError, match=r"no \['no_such_field'\]"):
@@ -1404,3 +1396,325 @@ def test_a_recompute_declaration_names_no_swap_space_and_the_schema_needs_reject
     options = json.loads(out.read_text())["declaration"]["policy_options"]
     assert (options["preemption_mode"], options["num_swap_pages"]) == ("recompute", None)
     assert "pd.rejected" in runs.results_schema_ok({"declaration": {}, "results": {"pd": {}}})
+
+
+# --------------------------------------------------------------------------- preemption flags
+def test_preemption_lists_are_checked_and_deduplicated(tmp_path, capsys):
+    """A --preemption list that names no order is one line and exit 2; an order named twice
+    runs once in a sweep."""
+    assert bench.main_bench(["--executor", "sim", "--num-requests", "2", "--no-progress",
+                             "--preemption", ","]) == 2
+    assert "--preemption takes newest" in capsys.readouterr().err
+    args = sweep.sweep_parser().parse_args(
+        ["--executor", "sim", "--num-requests", "2", "--max-num-batched-tokens", "64",
+         "--max-num-seqs", "4", "--chunk-size", "64", "--preemption", "newest, newest",
+         "--no-progress"])
+    assert [r["preemption"] for r in sweep.run_sweep(args)["rows"]] == ["newest"]
+
+
+def test_bench_gives_the_engine_its_priority_aging(tmp_path):
+    """bench passes --priority-aging-steps on to the engine (the declaration reads the
+    engine's config)."""
+    out = tmp_path / "r.json"
+    assert bench.main_bench(["--executor", "sim", "--workload-file", priority_trace(tmp_path),
+                             "--policy", "continuous", "--preemption", "priority",
+                             "--priority-aging-steps", "7", "--out", str(out),
+                             "--no-progress"]) == 0
+    options = json.loads(out.read_text())["declaration"]["policy_options"]
+    assert (options["preemption"], options["priority_aging_steps"]) == ("priority", 7)
+
+
+def test_sweep_ages_the_priority_rows_only(tmp_path, monkeypatch):
+    """sweep gives --priority-aging-steps to the engines of its priority rows, and to no other
+    row's (the declaration names the flag whatever the rows did, so the engines' options are
+    checked)."""
+    seen, real = {}, runs.run_policy
+
+    def spy(executor, policy, workload, options, *args, **kwargs):
+        seen[options["preemption"]] = options.get("priority_aging_steps")
+        return real(executor, policy, workload, options, *args, **kwargs)
+    patch(monkeypatch, "run_policy", spy)
+    assert sweep.main_sweep(["--executor", "sim", "--workload-file", priority_trace(tmp_path),
+                             "--policy", "continuous", "--max-num-batched-tokens", "64",
+                             "--max-num-seqs", "1", "--chunk-size", "64", "--preemption",
+                             "newest,priority", "--priority-aging-steps", "50",
+                             "--no-progress"]) == 0
+    assert seen == {"newest": None, "priority": 50}
+
+
+def test_the_fairness_limit_admits_a_setting_that_waited_exactly_that_long(capsys):
+    """--max-queue-age keeps the settings whose oldest wait is at most the limit (a wait equal
+    to it passes), and the limit must be > 0."""
+    grid = [*SWEEP, "--slo-ttft", "0.5"]
+    top = sweep.run_sweep(sweep.sweep_parser().parse_args(grid))["rows"][0]
+    limit = top["max_queue_age_s"]
+    assert limit > 0
+    fair = sweep.run_sweep(sweep.sweep_parser().parse_args([*grid, "--max-queue-age",
+                                                            repr(limit)]))
+    assert fair["best"] == top
+    assert sweep.main_sweep([*grid, "--max-queue-age", "0"]) == 2
+    assert "--max-queue-age must be" in capsys.readouterr().err
+
+
+def test_a_replayed_trace_refuses_zero_requests(tmp_path, capsys):
+    """--num-requests with --workload-file must be >= 1 (0 would keep no request)."""
+    assert bench.main_bench(["--executor", "sim", "--workload-file", priority_trace(tmp_path),
+                             "--num-requests", "0", "--no-progress"]) == 2
+    assert "--num-requests must be >= 1" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- quality check
+def test_output_tokens_are_each_requests_generated_ids():
+    """The tokens the quality check compares are each request's generated ids, not its
+    prompt (the same for every policy)."""
+    engine = types.SimpleNamespace(requests={"a": types.SimpleNamespace(
+        prompt_token_ids=[1, 2], output_token_ids=[7, 8, 9])})
+    assert runs.output_tokens(engine) == {"a": [7, 8, 9]}
+
+
+def test_a_request_missing_from_a_run_counts_as_differing():
+    """A request the compared run lacks counts as differing, and the requests checked are
+    the reference's."""
+    ref = {"a": [1], "b": [2]}
+    assert runs.same_tokens(ref, {"a": [1]}, "static") == {
+        "policy": "static", "checked": True, "requests": 2, "differing_requests": ["b"]}
+
+
+def test_quality_lines_show_five_differing_ids_then_dots():
+    """The quality line names the first five differing requests, then ', ...'."""
+    ref = {f"r{i}": [i] for i in range(7)}
+    results = {"static": {}, "pd": {"same_tokens_as": runs.same_tokens(ref, {}, "static")}}
+    assert report.quality_lines(results) == [
+        "greedy tokens: pd differs from static on 7 of 7 (r0, r1, r2, r3, r4, ...)"]
+
+
+def test_every_policy_is_compared_with_the_first(tiny_llama_dir, monkeypatch):
+    """Every policy's tokens are compared with the first policy's, not with the policy run
+    before it. The policies' tokens are faked: static's differ from the others'."""
+    outputs = iter([{"r": [0]}, {"r": [1]}, {"r": [1]}])
+    patch(monkeypatch, "output_tokens", lambda engine: next(outputs))
+    args = bench.bench_parser().parse_args(["--model", str(tiny_llama_dir), "--policy",
+                                            "static,pd,continuous", *TINY])
+    results = bench.run_bench(args)["results"]
+    for policy in ("pd", "continuous"):
+        assert results[policy]["same_tokens_as"]["differing_requests"] == ["r"], policy
+
+
+def test_transformers_rows_give_no_goodput_without_an_slo(tiny_llama_dir, monkeypatch):
+    """Without an SLO, bench's transformers rows (hf-static, hf-generate-batch) give no
+    goodput and say why, as minicb's rows do (transformers' runs are stubbed)."""
+    patch(monkeypatch, "hf_model", lambda path, device, dtype: "hf")
+    patch(monkeypatch, "hf_static", lambda *a, **kw: [])
+    patch(monkeypatch, "hf_generate_batch", lambda *a, **kw: [])
+    args = bench.bench_parser().parse_args(["--model", str(tiny_llama_dir), "--policy", "pd",
+                                            "--compare", "hf", *TINY])
+    results = bench.run_bench(args)["results"]
+    for name in ("hf-static", "hf-generate-batch"):
+        assert results[name]["goodput_rps"] is None, name
+        assert results[name]["goodput_note"] == runs.NO_SLO_NOTE
+
+
+def test_hf_static_tokens_are_each_requests_own_length(tiny_llama_dir):
+    """hf_static keeps each request's tokens to its own output length, not the batch's
+    longest (the shorter request's tokens then match minicb's)."""
+    model = hf.hf_model(tiny_llama_dir, "cpu", torch.float32)
+    workload = Workload("two", [WorkloadRequest(prompt_len=8, max_tokens=n, request_id=f"r{n}")
+                                for n in (3, 9)])
+    tokens: dict[str, list[int]] = {}
+    hf.hf_static(model, workload, batch_size=2, progress=False, tokens=tokens)
+    assert {rid: len(ids) for rid, ids in tokens.items()} == {"r3": 3, "r9": 9}
+
+
+def test_the_hf_baseline_is_warmed_up_by_one_short_greedy_generate(monkeypatch):
+    """The transformers baseline is warmed up by one short greedy generate before it is
+    timed, as minicb's engine is, so the first timed run pays no first-use costs."""
+    import transformers
+
+    calls = []
+
+    class Fake:
+        def to(self, device):
+            return self
+
+        def eval(self):
+            return self
+
+        def generate(self, ids, **kw):
+            calls.append((tuple(ids.shape), kw))
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **k: Fake())
+    model = hf.hf_model("some/path", "cpu", torch.float32)
+    assert isinstance(model, Fake) and len(calls) == 1
+    shape, kw = calls[0]
+    assert shape[0] == 1 and kw["do_sample"] is False and kw["max_new_tokens"] <= 4
+
+
+# --------------------------------------------------------------------------- cancellations
+def _cancelled(**ids: str) -> Workload:
+    """Three requests the client cancels after 3 of their 9 tokens."""
+    return Workload("c", [WorkloadRequest(prompt_len=20, max_tokens=9, cancel_after_tokens=3,
+                                          request_id=ids.get(f"r{i}")) for i in range(3)])
+
+
+def _run(workload: Workload) -> object:
+    engine = make_sim_engine(CostModel(), policy="pd", num_pages=64, page_size=4)
+    run_workload(engine, workload)
+    return engine
+
+
+def test_a_request_stopped_late_with_exactly_its_cancel_point_tokens_is_not_honoured():
+    """A cancellation is honoured only if the request stopped in the step that gave its
+    cancel point's token: one that finished a step later, though holding exactly
+    `cancel_after_tokens` tokens, computed work nobody read."""
+    workload = _cancelled()
+    engine = _run(workload)
+    assert runs.cancellations_honoured(engine, workload)
+    engine.requests["req-1"].metrics.finish_step += 1  # its cancel came a step late
+    assert not runs.cancellations_honoured(engine, workload)
+
+
+def test_cancellations_are_checked_under_a_traces_own_request_ids():
+    """cancellations_honoured finds each request under the trace's own request_id."""
+    named = _cancelled(r0="alice", r1="bob", r2="carol")
+    late = Workload("late", [dataclasses.replace(r, cancel_after_tokens=5)
+                             for r in named.requests])
+    engine = _run(late)
+    assert set(engine.requests) == {"alice", "bob", "carol"} and engine.pool.num_used == 0
+    assert not runs.cancellations_honoured(engine, named)  # 5 tokens where 3 were wanted
+
+
+# --------------------------------------------------------------------------- sweep's ranking
+def test_the_quality_reference_is_each_request_served_alone_to_its_full_length(monkeypatch):
+    """The sweep's quality reference serves each request alone (policy `single`) to its full
+    length, without its cancel point."""
+    policies = []
+    real = runs.run_policy
+
+    def spy(executor, policy, *args, **kwargs):
+        policies.append(policy)
+        return real(executor, policy, *args, **kwargs)
+    patch(monkeypatch, "run_policy", spy)
+    workload = Workload("w", [WorkloadRequest(prompt_len=12, max_tokens=6, cancel_after_tokens=2,
+                                              arrival_time=0.01 * i, deadline=30.0)
+                              for i in range(3)])
+    reference = sweep.reference_tokens(runs.Executor("sim", cost=CostModel()), workload,
+                                       {"num_pages": 64, "page_size": 4})
+    assert policies == ["single"]
+    assert sorted(reference) == ["req-0", "req-1", "req-2"]
+    assert all(len(ids) == 6 for ids in reference.values())
+
+
+def test_a_sweep_without_an_slo_ranks_and_picks_by_completed_requests(monkeypatch):
+    """A sweep ranks its rows and picks its best by completed requests/s without an SLO
+    (goodput is null then), and by goodput with one."""
+    asked = []
+    real = sweep.ranked
+
+    def spy(rows, by="goodput_rps"):
+        asked.append(by)
+        return real(rows, by)
+    patch(monkeypatch, "ranked", spy)
+    sweep.run_sweep(sweep.sweep_parser().parse_args(SWEEP))
+    assert asked and set(asked) == {"requests_per_s"}
+    asked.clear()
+    sweep.run_sweep(sweep.sweep_parser().parse_args([*SWEEP, "--slo-ttft", "0.5"]))
+    assert asked and set(asked) == {"goodput_rps"}
+
+
+def test_a_sweep_rows_requests_per_s_counts_every_completed_request():
+    """A sweep row's requests_per_s counts every completed request: with an SLO that some
+    miss, it exceeds goodput."""
+    data = sweep.run_sweep(sweep.sweep_parser().parse_args([*SWEEP, "--slo-ttft", "0.05"]))
+    assert all(r["requests_per_s"] >= r["goodput_rps"] for r in data["rows"])
+    assert any(r["requests_per_s"] > r["goodput_rps"] for r in data["rows"])
+
+
+def test_sweep_over_rates_has_no_best_when_no_setting_sustains_any_rate(tmp_path):
+    """With --rates, a sweep in which no setting meets the SLO target at any rate names no
+    best."""
+    data = sweep.run_sweep(sweep.sweep_parser().parse_args(
+        ["--executor", "sim", "--workload", "mixed-chat", "--num-requests", "8", "--rates",
+         "5,10", "--max-num-batched-tokens", "64,512", "--max-num-seqs", "8", "--chunk-size",
+         "64", "--slo-ttft", "1e-9", "--no-progress"]))
+    assert data["rows"] and all(r["sustainable_load_rps"] is None for r in data["sustainable"])
+    assert data["best"] is None
+
+
+# --------------------------------------------------------------------------- flags and report
+@pytest.mark.parametrize("value", [0.0, float("inf"), float("nan")])
+def test_a_zero_or_infinite_slo_names_its_flag(value):
+    """An SLO of 0, inf or nan is refused naming its flag (--slo-ttft), not the SLO's key."""
+    args = types.SimpleNamespace(slo_ttft=value, slo_itl=None, slo_tpot=None, slo_e2e=None)
+    with pytest.raises(ValueError, match="^--slo-ttft must be a positive number"):
+        flags.slo_from_args(args)
+
+
+def test_check_writable_leaves_an_existing_file_as_it_was(tmp_path):
+    """check_writable checks that an output path can be written without touching it: an
+    existing file keeps its last results until the new ones replace them, and a new path is
+    not created."""
+    old = tmp_path / "results.json"
+    old.write_text('{"kept": true}')
+    flags.check_writable(old, "--out")
+    assert old.read_text() == '{"kept": true}'
+    new = tmp_path / "sub" / "new.json"
+    flags.check_writable(new, "--out")
+    assert not new.exists()
+
+
+def test_profile_checks_out_before_profiling(tmp_path, capsys, monkeypatch):
+    """profile checks that --out can be written before it profiles: an unwritable path is one
+    line and exit 2, with nothing run."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    ran = []
+    patch(monkeypatch, "run_profile", lambda *a, **k: ran.append(a) or 1 / 0)
+    assert profile.main_profile(["--out", str(blocker / "cm.json"), "--no-progress"]) == 2
+    assert f"--out {blocker / 'cm.json'}: cannot write there" in capsys.readouterr().err
+    assert ran == []
+
+
+def test_the_report_prints_the_no_slo_note_and_each_token_count(tmp_path, capsys):
+    """Without an SLO the printed report says 'goodput: -' and why; its token line gives the
+    prefill and the decode counts, each its own."""
+    out = tmp_path / "r.json"
+    assert bench.main_bench(["--executor", "sim", "--num-requests", "4", "--policy", "pd",
+                             "--out", str(out), "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    pd = json.loads(out.read_text())["results"]["pd"]
+    assert pd["prefill_tokens"] != pd["decode_tokens"]
+    assert f"goodput: - ({runs.NO_SLO_NOTE})" in printed
+    assert f"tokens: {pd['prefill_tokens']} prefill + {pd['decode_tokens']} decode, " in printed
+
+
+def test_print_extra_names_evictions_without_recomputation(capsys):
+    """The memory-pressure line is printed when cached pages were evicted, even with no work
+    lost to preemption."""
+    report._print_extra("pd", {"discarded_tokens": 0, "recomputed_tokens": 0,
+                              "evicted_pages": 5})
+    assert "pd: work lost to preemption=0 tokens (0 computed again), cached pages evicted=5" in \
+        capsys.readouterr().out
+
+
+def test_a_dynamic_batching_row_is_a_baseline(capsys):
+    """A dynamic batching row is a baseline: bench --policy dynamic,pd is not told that it
+    lacks a static or dynamic row."""
+    assert bench.main_bench(["--executor", "sim", "--num-requests", "4", "--policy",
+                             "dynamic,pd", "--no-progress"]) == 0
+    assert "no static or dynamic" not in capsys.readouterr().out
+
+
+def test_the_declared_lengths_and_hardware_in_their_short_form():
+    """The printed declaration gives lengths in short form (a spec's kind and values, or
+    low-high) and the hardware with its CPU model when it is known."""
+    decl = {"workload": {"workload": "w", "num_requests": 1}, "arrival_process": "poisson",
+            "executor": "sim", "simulated": True, "token_budget": 1, "memory_limit": 2,
+            "model": {"name": "m"}, "prompt_lengths": {"kind": "fixed", "value": 8},
+            "output_lengths": {"low": 1, "high": 2},
+            "device": {"device": "cpu", "cpu_count": 2, "cpu_model": "Test CPU 9000"}}
+    text = "\n".join(report.declaration_lines(decl))
+    assert "prompts kind=fixed value=8, outputs 1-2\n" in text
+    assert "on cpu (2 CPUs, Test CPU 9000)" in text
+    decl["device"]["cpu_model"] = None
+    assert "on cpu (2 CPUs)\n" in "\n".join(report.declaration_lines(decl))

@@ -1,4 +1,5 @@
-"""`python -m minicb demo`, the main job of `make demo`, on the bundled model."""
+"""`python -m minicb`: each command reaches its own parser, bad options are one-line errors,
+every flag has help, and `demo` (the main job of `make demo`) answers on the bundled model."""
 
 from __future__ import annotations
 
@@ -33,6 +34,16 @@ def test_unknown_command_prints_usage(capsys):
     assert main(["fly"]) == 2
     err = capsys.readouterr().err
     assert "usage: python -m minicb {demo," in err and "unknown command 'fly'" in err
+
+
+@pytest.mark.parametrize("command", ["bench", "sweep", "profile", "serve", "grade"])
+def test_every_command_reaches_its_own_parser(command, capsys):
+    """Each `python -m minicb` command reaches its own module's parser: `--help` exits 0 with
+    that command's usage."""
+    with pytest.raises(SystemExit) as info:
+        main([command, "--help"])
+    assert info.value.code == 0
+    assert f"usage: python -m minicb {command}" in capsys.readouterr().out
 
 
 def test_help_lists_every_command(capsys):

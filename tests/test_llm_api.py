@@ -473,3 +473,32 @@ def test_a_window_that_rewrites_its_prefix_adds_only_what_is_new():
     ids = [0, 1, 2]
     text = "".join(dec.step(ids[:i]) for i in range(1, 4))
     assert text == tok.decode(ids) == " '."
+
+
+def test_a_stream_of_two_prompts_sends_both_requests_tokens_another_consumer_produced(llm):
+    """A stream of several prompts sends, at its end, every request's tokens produced while
+    another stream was being read: here both requests finish in the other stream's steps."""
+    short = SamplingParams(max_tokens=3, **GREEDY)
+    both = llm.stream([[5, 6], [7, 8]], short)
+    other = llm.stream([[9, 10]], SamplingParams(max_tokens=12, **GREEDY))
+    got = [next(both), next(both)]  # the first step's token of each
+    assert got[0][0] != got[1][0]
+    list(other)
+    got += list(both)
+    per_request: dict[str, list[int]] = {}
+    for rid, new, _ in got:
+        per_request.setdefault(rid, []).extend(new)
+    ref = llm.generate([[5, 6], [7, 8]], short, use_tqdm=False)
+    assert list(per_request.values()) == [o.token_ids for o in ref]
+
+
+def test_bytes_are_neither_a_prompt_nor_params(llm):
+    """Bytes are refused as prompts (not read as a list of ids) and as params (not one
+    SamplingParams per byte), with a message naming what was given; nothing is left queued."""
+    greedy = SamplingParams(max_tokens=12, **GREEDY)
+    for call, message in ((lambda: llm.generate(b"\x05\x06", greedy), "prompts must be"),
+                          (lambda: llm.generate([[1]], b"x"), "params must be a "
+                                                                  "SamplingParams .*, got b'x'")):
+        with pytest.raises(ValueError, match=message):
+            call()
+        assert not llm.engine.requests

@@ -6,28 +6,11 @@ import math
 from dataclasses import replace
 
 import pytest
+from helpers import approx, rec, step
 
 from minicb.benchmark import metrics
 from minicb.course import viz
-from minicb.trace import Member, RequestRecord, StepRecord
-
-
-def rec(rid, n, reason="length", arrival=0.0, sched=None, first=None, finish=None,
-        times=None, a_step=1, s_step=None, f_step=None, fin_step=None, steps=None,
-        preempt=0, recomputed=0, cached=0) -> RequestRecord:
-    return RequestRecord(rid, 8, n, reason, arrival, sched, first, finish, list(times or []),
-                         a_step, s_step, f_step, fin_step, list(steps or []), cached, preempt,
-                         recomputed)
-
-
-def step(i, members, t0, t1, t_forward=0.0, preempted=()) -> StepRecord:
-    return StepRecord(step=i, members=[Member(*m) for m in members], waiting=[], finished=[],
-                      preempted=list(preempted), pages_used=0, pages_cached=0, t_start=t0,
-                      t_end=t1, t_forward=t_forward)
-
-
-def approx(x):
-    return pytest.approx(x, rel=1e-9, abs=1e-12)
+from minicb.trace import StepRecord
 
 
 # --------------------------------------------------------------------------- basics
@@ -444,3 +427,26 @@ def test_a_step_record_built_by_hand_swaps_nothing():
     assert (rec.pages_swapped_out, rec.pages_swapped_in, rec.swapped) == (0, 0, [])
     seed = viz.seed_example("continuous")
     assert sum(r.pages_swapped_out + r.pages_swapped_in for r in seed) == 0
+
+
+def test_class_slo_attainment_counts_failed_requests_as_summarize_does():
+    """A class's SLO attainment is the share of its not-cancelled requests that met the SLO,
+    failed ones counting as missed, as `summarize`'s slo_attainment is: one class alone gives
+    summarize's number."""
+    ok = rec("ok", 4, arrival=0.0, sched=0.0, first=0.1, finish=0.5, times=[0.1, 0.5])
+    failed = replace(rec("bad", 0, "error", arrival=0.0, finish=0.2), tenant="b")
+    records = [replace(ok, tenant="a"), replace(ok, request_id="ok2", tenant="b"), failed]
+    rows = metrics.by_class(records, {"ttft": 1.0})["tenant"]
+    assert rows["a"]["slo_attainment"] == 1.0
+    assert rows["b"]["slo_attainment"] == approx(0.5)  # one met, one failed
+    alone = [r for r in records if r.tenant == "b"]
+    assert metrics.summarize([], alone, {"ttft": 1.0})["slo_attainment"] == approx(0.5)
+
+
+def test_latency_column_titles_match_their_keys():
+    """Each latency column's title names the latency and percentile its key holds."""
+    names = {"queue_s": "queue", "ttft_s": "TTFT", "tpot_s": "TPOT", "itl_s": "ITL",
+             "e2e_s": "E2E"}
+    for key, title, _ in metrics.LATENCY_COLUMNS:
+        latency, p = key.split(".")
+        assert title == f"{names[latency]} {p}", key

@@ -376,3 +376,30 @@ def test_a_converted_cache_outlives_its_package(fake_bundled, monkeypatch):
 
     monkeypatch.setattr(loader, "_find_gguf", gone)
     assert loader.ensure_bundled("smollm2-135m") == folder and len(fake_bundled[2]) == 1
+
+
+def test_a_bfloat16_load_holds_bfloat16_weights(tiny_llama_dir):
+    """A bfloat16 load holds every parameter in bfloat16 (storage is made with the tensor's
+    own dtype, not torch's default float32) and leaves nothing on the meta device."""
+    model, _ = load_model(str(tiny_llama_dir), device="cpu", dtype=torch.bfloat16,
+                          prepack=False)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+
+
+def test_an_empty_minicb_prepack_is_the_default(monkeypatch):
+    """MINICB_PREPACK set but empty (how a shell line unsets it) means the default."""
+    from minicb.model import prepack
+    monkeypatch.setenv("MINICB_PREPACK", "1")
+    wanted = prepack.prepack_wanted("cpu", torch.float32)
+    monkeypatch.setenv("MINICB_PREPACK", "")
+    assert prepack.prepack_wanted("cpu", torch.float32) == wanted
+
+
+def test_an_empty_minicb_attention_is_auto(monkeypatch):
+    """MINICB_ATTENTION set but empty means 'auto', as unset does."""
+    from minicb.attention import resolve_backend
+    monkeypatch.delenv("MINICB_ATTENTION", raising=False)
+    unset = resolve_backend("auto", "cpu")
+    monkeypatch.setenv("MINICB_ATTENTION", "")
+    assert resolve_backend("auto", "cpu") == unset

@@ -20,11 +20,13 @@ import numpy as np
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from helpers import rec
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 from tiny_models import guessable_model, three_in_six
 
 from minicb import LLM, Engine, SamplingParams
+from minicb.__main__ import main as main_cli
 from minicb.benchmark import metrics
 from minicb.benchmark.serve import serve_parser
 from minicb.benchmark.sim import SIM_TOKEN, make_sim_engine
@@ -1911,3 +1913,203 @@ def test_only_a_503_with_code_cache_full_is_a_rejection(status, body):
     error, without crashing the client."""
     assert client._is_rejection(status, body) is False
     assert client._is_rejection(503, '{"error": {"code": "cache_full"}}') is True
+
+
+def test_a_servers_error_is_its_message_or_the_start_of_its_body():
+    """A refusal is reported in the server's words: the OpenAI error's message, an error
+    given as a plain string, or the first 200 characters of a body that is not JSON."""
+    assert client._server_error(400, '{"error": {"message": "too long"}}') == \
+        "HTTP 400: too long"
+    assert client._server_error(503, '{"error": "overloaded"}') == "HTTP 503: overloaded"
+    page = "<html>" + "x" * 1000 + "</html>"
+    assert client._server_error(502, f"  {page}\n") == f"HTTP 502: {page[:200]}"
+
+
+def test_describe_errors_plurals_and_hints_only_for_a_trace_field():
+    """describe_errors gives one line per reason, in the singular for one request, and
+    suggests --omit-field only when a reason names a field a replayed trace sends."""
+    text = client.describe_errors({"error_reasons": {"HTTP 500: boom": 2, "HTTP 400: x": 1}})
+    assert text.splitlines() == ["error: 2 requests failed: HTTP 500: boom",
+                                 "error: 1 request failed: HTTP 400: x"]
+    assert client.describe_errors({"error_reasons": {"HTTP 400: bad deadline": 3}}).endswith(
+        "leave it out with --omit-field)")
+    assert client.describe_errors({"error_reasons": {}}) == client.describe_errors({}) == ""
+
+
+def test_error_reasons_count_only_failed_requests():
+    """error_reasons counts the failed requests only: stopped, cancelled, late and
+    length-ended ones are no failures; a failure without a reason is "unknown"."""
+    records = [rec(f"r{i}", 2, why) for i, why in enumerate(("stop", "cancelled", "deadline",
+                                                             "length"))]
+    records += [dataclasses.replace(rec("e1", 0, "error"), error="HTTP 400: no"),
+                rec("e2", 0, "error")]
+    assert client.error_reasons(records) == {"HTTP 400: no": 1, "unknown": 1}
+
+
+def dead_endpoint() -> str:
+    """The URL of a port nobody listens on."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def test_failures_keep_their_reason_in_the_stream_and_on_the_wire(capsys):
+    """A failed request keeps its reason: an error chunk in a 200 stream (vLLM's way) and a
+    refused connection each give theirs to error_reasons, and bench serve prints the reasons
+    under its summary."""
+    workload = Workload("t", [WorkloadRequest(prompt_len=4, max_tokens=2)] * 2)
+    with ServerThread(_fake('{"error": {"message": "boom"}}')) as url:
+        records = asyncio.run(run_client(url, workload.requests, model="m", warmup=False))
+        assert main_cli(["bench", "serve", "--base-url", url, "--model", "m", "--num-prompts",
+                         "2", "--random-input-len", "4", "--random-output-len", "2",
+                         "--disable-tqdm"]) == 0
+    assert client.error_reasons(records) == {"HTTP 200: boom": 2}
+    assert "error: 2 requests failed: HTTP 200: boom" in capsys.readouterr().err
+    records = asyncio.run(run_client(dead_endpoint(), workload.requests, model="m",
+                                     warmup=False))
+    assert [r.finish_reason for r in records] == ["error", "error"]
+    assert all(r.error.startswith("ConnectError: ") for r in records)
+
+
+def test_a_server_answering_404_at_the_endpoint_is_named_not_a_traceback():
+    """Something other than a server answering at the endpoint (a 404 from a wrong port or
+    path) is one line naming the endpoint, as a refused connection is."""
+    import http.server
+    import re
+
+    class NotFound(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (the http.server name)
+            self.send_error(404)
+
+        def log_message(self, *args):
+            pass
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/wrong"
+    try:
+        told = f"(?s)cannot reach {re.escape(url)} .*is the server running"
+        with pytest.raises(ValueError, match=told):
+            bench_endpoint(url, make_workload(1), progress=False)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_bench_endpoint_leaves_every_engine_only_field_null():
+    """From the client's side every figure only the server's engine knows is null, not 0 (a
+    server with a prefix cache must not read as caching nothing); the model the caller names
+    is the one sent (this server has no /v1/models)."""
+    engine_only = ("num_steps", "preemptions", "discarded_tokens", "recomputed_tokens",
+                   "evicted_pages", "dead_slot_steps", "mean_batch_size",
+                   "output_tokens_per_step", "decode_tokens_per_s", "host_time_fraction",
+                   "cached_prompt_tokens", "prefill_tokens", "decode_tokens", "decode_rows",
+                   "mixed_steps", "draft_tokens", "accepted_draft_tokens")
+    chunks = [{"choices": [{"text": "a", "finish_reason": why}]} for why in (None, "length")]
+    seen: list[dict] = []
+    with ServerThread(_fake(*chunks, seen=seen)) as url:
+        data = bench_endpoint(url, make_workload(2, output_lengths="fixed:2"), label="x",
+                              model="mine")
+    summary = data["results"]["x"]
+    assert summary["completed"] == 2 and {body["model"] for body in seen} == {"mine"}
+    assert {key: summary[key] for key in engine_only} == dict.fromkeys(engine_only)
+
+
+def test_server_counters_read_a_label_value_with_a_brace_and_survive_a_dead_server():
+    """server_counters reads a counter whose label value holds a brace, and gives {} for a
+    server that does not answer, so a server that dies as the run ends costs no results."""
+    app = FastAPI()
+    text = 'vllm:num_preemptions_total{model_name="a}b"} 4.0\n'
+    app.get("/metrics")(lambda: Response(text, media_type="text/plain"))
+    with ServerThread(app) as url:
+        assert client.server_counters(url) == {"preemptions": 4.0}
+    assert client.server_counters(dead_endpoint()) == {}
+
+
+def test_bench_endpoint_reports_no_growth_for_a_counter_missing_before_the_run(monkeypatch):
+    """A counter in the /metrics read after the run but not in the one before (a server that
+    began exporting it mid-run) has no growth to report: it stays null, and the declaration
+    still names what the server's /metrics held."""
+    reads = iter([{}, {"preemptions": 3.0}])
+    monkeypatch.setattr(client, "server_counters", lambda endpoint: next(reads))
+    workload = Workload("t", [WorkloadRequest(prompt_len=4, max_tokens=1)])
+    with ServerThread(_fake(_chunk([1], "length"))) as url:
+        data = client.bench_endpoint(url, workload, label="x", model="m")
+    summary = data["results"]["x"]
+    assert summary["from_server_metrics"] == [] and summary["preemptions"] is None
+    assert "preemptions" in data["declaration"]["server_metrics"]
+
+
+def test_report_prints_the_server_metrics_line_of_every_result():
+    """The client's report prints the server-metrics line of every result that has one."""
+    text = client.report({"a": {"from_server_metrics": ["preemptions"], "preemptions": 3},
+                          "b": {"from_server_metrics": ["num_steps"], "num_steps": 9},
+                          "c": {"from_server_metrics": []}})
+    assert text.endswith("\na, from the server's /metrics over the run: preemptions=3"
+                         "\nb, from the server's /metrics over the run: num_steps=9")
+
+
+@pytest.mark.parametrize("vocab_size", [0, 2.5, True])
+def test_run_client_refuses_a_vocab_size_that_is_not_a_positive_int(vocab_size):
+    """run_client refuses a vocab_size that is not a positive integer before it sends
+    anything (prompt ids are folded by it)."""
+    with pytest.raises(ValueError, match="vocab_size must be a positive integer"):
+        asyncio.run(run_client(dead_endpoint(), ONE, model="m", vocab_size=vocab_size))
+
+
+# ------------------------------------------------------------------------------ the worker
+def drive(engine, worker, added=None):
+    """Step `engine` to the end as the worker's thread would (count, then retire); `added`:
+    {step: [(prompt, params, id)]} to add after that step. Yields each record."""
+    while engine.has_unfinished():
+        record = engine.step()
+        worker._count(record)
+        worker._retire(record)
+        for prompt, params, rid in (added or {}).get(record.step, []):
+            engine.add_request(prompt, params, request_id=rid)
+        yield record
+
+
+def test_oldest_wait_is_the_oldest_unscheduled_request_and_preempted_ones_do_not_count():
+    """The oldest-wait gauge is the wait of the longest-waiting request never yet scheduled,
+    in seconds, in /metrics as in the worker: a preempted request waiting again (b, preempted,
+    arrived before c and d) does not count."""
+    engine = make_sim_engine(policy="continuous", num_pages=4, max_num_seqs=2)
+    worker = EngineWorker(engine)  # not started: its per-step counting is driven here
+    long = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    engine.add_request(list(range(3, 30)), long, request_id="a")
+    engine.add_request(list(range(40, 67)), long, request_id="b")
+    short = SamplingParams(max_tokens=2)
+    checked = 0
+    for record in drive(engine, worker, {3: [([5, 6, 7], short, "c")],
+                                         4: [([8, 9, 7], short, "d")]}):
+        unscheduled = [engine.requests[r].metrics.arrival_time for r in ("c", "d")
+                       if r in record.waiting]
+        expected = record.t_end - min(unscheduled) if unscheduled else 0.0
+        assert worker.oldest_waiting_s == pytest.approx(expected), record.step
+        if "b" in record.waiting and len(unscheduled) == 2:
+            checked += 1
+            shown = metric_values(worker.metrics_text())["minicb:oldest_waiting_seconds"]
+            assert shown == pytest.approx(worker.oldest_waiting_s)
+    assert checked > 5 and engine.requests["b"].num_preemptions == 1
+
+
+def test_evicted_pages_count_every_page_a_step_evicts():
+    """The evicted-pages counter grows by every page a step evicts; here one prefill evicts
+    several cached pages at once."""
+    engine = make_sim_engine(policy="continuous", num_pages=6, max_num_seqs=1)
+    worker = EngineWorker(engine)
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    engine.add_request([7] * 64, params, request_id="a")  # leaves 4 cached prompt pages
+    engine.add_request(list(range(100, 180)), params, request_id="b")  # 5 pages, 2 free
+    evicted = [record.pages_evicted for record in drive(engine, worker)]
+    assert max(evicted) >= 2 and worker.stats.value("kv_pages_evicted") == sum(evicted)
+
+
+def test_serve_accepts_every_log_level_uvicorn_knows(capsys):
+    """serve's --log-level takes every level uvicorn knows, "trace" included. The port check
+    after parsing stops main before any model loads."""
+    from uvicorn.config import LOG_LEVELS
+    for level in LOG_LEVELS:
+        with pytest.raises(SystemExit):
+            main(["--log-level", level, "--port", "70000"])
+        assert "--port must be in [0, 65535]" in capsys.readouterr().err, level

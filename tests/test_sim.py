@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from test_metrics import rec, step
+from helpers import rec, step
 
 from minicb.benchmark import metrics, sim
 from minicb.benchmark.sim import (
@@ -376,3 +376,27 @@ def test_cost_models_carry_s_in_their_dict_and_the_h100_preset_charges_swaps():
     assert "s*pages_swapped" in data["formula"]
     assert CostModel.from_dict(data).s == 3e-5
     assert sim.PRESETS["h100-like"].s > 0
+
+
+def test_a_missing_cpu_cost_model_says_where_cpu_reads_it(tmp_path, monkeypatch):
+    """--cost-model cpu without its fitted file names the file it reads and the command that
+    writes it (`minicb profile`)."""
+    missing = tmp_path / "bench" / "cost_model_cpu.json"
+    monkeypatch.setattr(sim, "DEFAULT_CPU_COST_MODEL", missing)
+    with pytest.raises(ValueError, match=r"cost model 'cpu' reads .*cost_model_cpu\.json.*"
+                                         r"no such file.*minicb profile"):
+        sim.CostModel.load("cpu")
+
+
+def test_an_unreadable_cost_model_names_its_path(tmp_path, monkeypatch):
+    """A cost model file that exists but cannot be read (permissions) is one line naming it and
+    why, not an OSError traceback."""
+    import pathlib
+    cost = tmp_path / "cm.json"
+    cost.write_text('{"a": 0.01}')
+
+    def denied(self, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(self))
+    monkeypatch.setattr(pathlib.Path, "read_text", denied)
+    with pytest.raises(ValueError, match=r"cm\.json': cannot read it \(Permission denied\)"):
+        CostModel.load(str(cost))

@@ -1018,3 +1018,30 @@ def test_attention_mask_picture_labels_each_request_and_its_pages(mixed_run):
         viz.attention_mask_data(mixed_run, step=99)
     with pytest.raises(ValueError, match="no `start` per member"):
         viz.attention_mask_data([record(1, [("a", "decode", 1, 0)])])
+
+
+def page_faces(ax) -> list[str]:
+    """The face colours of a page map's page rectangles, in drawing order."""
+    return [to_hex(p.get_facecolor()) for p in ax.patches if isinstance(p, Rectangle)]
+
+
+def test_page_map_keeps_the_timeline_colours_when_more_requests_than_colours_show():
+    """The page map keeps the timeline's colours unless two of its requests share one that the
+    palette has room to tell apart: with more requests on the map than colours, some always
+    share one, and the map still matches the timeline."""
+    first = record(1, [(f"r{i}", "prefill", 4, i) for i in range(10)],
+                   page_tables={f"r{i}": [i] for i in range(10)}, total=10)
+    last = record(2, page_tables={f"r{i}": [i] for i in range(1, 10)}, total=10)
+    faces = page_faces(viz.plot_page_map([first, last]).axes[0])
+    assert faces[1] == viz.request_colour(1).lower() and faces[2] == viz.request_colour(2).lower()
+
+
+def test_page_map_renumbers_in_the_maps_order():
+    """When the page map renumbers its colours, it does so in the map's own order (its
+    legend's), not by request id."""
+    first = record(1, [(f"r{i}", "prefill", 4, i) for i in range(9)],
+                   page_tables={f"r{i}": [i] for i in range(9)}, total=9)
+    last = record(2, page_tables={"r8": [0], "r0": [1]}, total=9)
+    ax = viz.plot_page_map([first, last]).axes[0]
+    assert legend_texts(ax)[:2] == ["r8 (1 page)", "r0 (1 page)"]
+    assert page_faces(ax)[:2] == [viz.request_colour(0).lower(), viz.request_colour(1).lower()]

@@ -3,6 +3,8 @@ checks, and driving an engine (exact lengths, cancellation, online arrivals)."""
 
 from __future__ import annotations
 
+import csv
+import json
 import time
 
 import numpy as np
@@ -613,3 +615,165 @@ def test_a_request_arriving_exactly_at_the_clock_joins_the_next_step():
     b = {r.request_id: r for r in engine.request_records()}["B"]
     assert (b.first_scheduled_step, b.first_scheduled_time, b.first_token_time) == (3, 2.0, 3.0)
     assert metrics.queue_time(b) == 0.0
+
+
+# --------------------------------------------------------------------------- trace files
+OK = '{"arrival_s": 0, "prompt_tokens": 3, "output_tokens": 4}\n'
+
+
+def write(tmp_path, text: str, name: str = "t.jsonl"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("name, text, match", [
+    ("t.jsonl", OK + '{"arrival_s": 0, "prompt_tokens": 3, "output_tokens": 4, '
+     '"deadline_s": 0}\n', "line 2: deadline_s"),
+    ("t.jsonl", OK + '{"arrival_step": 0, "prompt_tokens": 3, "output_tokens": 4}\n',
+     "line 2: arrival_step"),
+    ("t.jsonl", OK + '{"arrival_s": 0, "arrival_step": 2, "prompt_tokens": 3, '
+     '"output_tokens": 4}\n', "line 2: give arrival_s or arrival_step, not both"),
+    ("t.jsonl", OK + '{"arrival_s": 0, "prompt_tokens": 2, "prompt_token_ids": [5, 6], '
+     '"output_tokens": 4}\n', "line 2: give prompt_tokens or prompt_token_ids, not both"),
+    ("t.jsonl", OK + '{"arrival_s": 0, "prompt_tokens": 3, "output_tokens": 4, '
+     '"priority": true}\n', "line 2: priority must be an integer"),
+    ("t.csv", "arrival_s,prompt_tokens,output_tokens\n0,3,3.5\n",
+     "line 2: output_tokens must be a number"),
+    ("t.csv", "arrival_s,prompt_tokens,output_tokens\n0,3,4,9\n",
+     "line 2: more cells than the header"),
+    ("t.jsonl", "\n\n", "no requests in the file"),
+    ("t.jsonl", '{"request_id": "a", "arrival_s": 0, "prompt_tokens": 3, "output_tokens": 4}\n'
+     * 2, "request_id values must be unique"),
+])
+def test_bad_traces_are_refused_naming_the_line(tmp_path, name, text, match):
+    """The trace reader refuses, naming the line and the field, what WorkloadRequest would
+    refuse without them (a deadline_s of 0, a bad arrival_step, both of a pair of alternatives,
+    a bool priority, a fractional CSV count, more cells than the header); an empty file and
+    repeated request ids are refused for the whole file."""
+    with pytest.raises(ValueError, match=match):
+        load_workload_file(write(tmp_path, text, name))
+
+
+def test_token_id_zero_is_a_valid_prompt_token(tmp_path):
+    """A trace's prompt_token_ids may hold id 0, as WorkloadRequest's may."""
+    w = load_workload_file(write(tmp_path, '{"arrival_s": 0, "prompt_token_ids": [0, 7], '
+                                           '"output_tokens": 2}\n'))
+    assert w.requests[0].prompt_token_ids == [0, 7]
+
+
+def test_the_declaration_summarises_what_the_trace_holds(tmp_path):
+    """A replayed trace declares what the file holds: burstiness as 1/CV^2 of the gaps, the
+    observed rate and span, prompt and output lengths each from their own column, the tenants
+    and deadlines given, the cancel fraction; step arrivals are declared as steps, with no rate
+    or burstiness."""
+    rows = [{"arrival_s": 0.0, "prompt_tokens": 10, "output_tokens": 3, "tenant": "a"},
+            {"arrival_s": 1.0, "prompt_tokens": 20, "output_tokens": 5, "deadline_s": 2.0},
+            {"arrival_s": 4.0, "prompt_tokens": 90, "output_tokens": 7,
+             "cancel_after_tokens": 1}]
+    decl = load_workload_file(write(tmp_path, "".join(json.dumps(r) + "\n" for r in rows)))\
+        .declaration
+    assert decl["burstiness"] == pytest.approx(4.0)  # gaps 1, 3: CV^2 = 1 / 2^2
+    assert decl["rate_rps"] == pytest.approx(2 / 4) and decl["arrival_span_s"] == 4.0
+    assert decl["prompt_lengths"] == {"kind": "observed", "min": 10, "p50": 20.0, "max": 90,
+                                      "mean": 40.0}
+    assert (decl["output_lengths"]["min"], decl["output_lengths"]["p50"],
+            decl["output_lengths"]["max"]) == (3, 5.0, 7)
+    assert (decl["tenants"], decl["deadlines"]) == (1, 1)
+    assert decl["cancel_fraction"] == pytest.approx(1 / 3)
+    steps = load_workload_file(write(tmp_path, '{"arrival_step": 1, "prompt_tokens": 3, '
+                                               '"output_tokens": 2}\n', "s.jsonl")).declaration
+    assert steps["arrival_process"] == "replayed trace in steps"
+    assert steps["rate_rps"] is None and steps["burstiness"] is None
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".csv"])
+def test_a_replayed_trace_saved_again_keeps_its_prompts_and_priorities(tmp_path, suffix):
+    """A replayed trace saved again keeps each length-only request's own prompt ids (drawn from
+    its index) and its priority, negative ones included."""
+    path = write(tmp_path, '{"arrival_s": 0, "prompt_tokens": 5, "output_tokens": 2}\n'
+                           '{"arrival_s": 0.5, "prompt_tokens": 5, "output_tokens": 2, '
+                           '"priority": -1}\n')
+    first = load_workload_file(path)
+    again = load_workload_file(save_workload_file(first, tmp_path / f"again{suffix}"))
+    assert [r.token_ids(i) for i, r in enumerate(again)] == \
+        [r.token_ids(i) for i, r in enumerate(first)]
+    assert [r.priority for r in again] == [0, -1]
+
+
+@pytest.mark.parametrize("count", [0, -1, 2.5])
+def test_load_workload_file_checks_num_requests(tmp_path, count):
+    """load_workload_file refuses a num_requests that is not an integer >= 1, whoever calls it
+    (-1 would drop the last request, 0 keep none, 2.5 fail in the slice)."""
+    with pytest.raises(ValueError, match="num_requests must be an integer >= 1"):
+        load_workload_file(write(tmp_path, OK * 2), num_requests=count)
+
+
+def test_a_csv_trace_may_say_long_prefill_0_on_every_other_request(tmp_path):
+    """A CSV trace's long_prefill cell reads "0" and "FALSE" as false: a trace written by hand
+    with 1 on its long request and 0 on the others names that one request."""
+    trace = tmp_path / "t.csv"
+    trace.write_text("request_id,arrival_s,prompt_tokens,output_tokens,long_prefill\n"
+                     "a,0.0,8,2,0\nb,0.1,64,2,1\nc,0.2,8,2,FALSE\n")
+    workload = load_workload_file(trace)
+    assert workload.long_request_id == "b"
+    assert workload.declaration["long_request_id"] == "b"
+
+
+def _trace(path, arrivals):
+    path.write_text("".join(json.dumps({"arrival_s": a, "prompt_tokens": 3, "output_tokens": 2})
+                            + "\n" for a in arrivals))
+    return path
+
+
+def test_a_trace_longer_than_a_day_that_starts_near_zero_loads(tmp_path):
+    """The guard against clock times (epoch seconds) looks at the first arrival: a trace longer
+    than a day, as offsets from its start, loads; a first arrival of a day exactly loads, and
+    one later than that is refused."""
+    long = load_workload_file(_trace(tmp_path / "long.jsonl", [0.0, 90_000.0]))
+    assert [r.arrival_time for r in long.requests] == [0.0, 90_000.0]
+    assert load_workload_file(_trace(tmp_path / "day.jsonl", [86_400.0, 86_401.0])).requests
+    with pytest.raises(ValueError, match="more than a day"):
+        load_workload_file(_trace(tmp_path / "late.jsonl", [86_400.5, 86_401.0]))
+
+
+def test_loading_a_long_csv_cell_leaves_the_csv_field_limit_as_it_was(tmp_path):
+    """Reading a CSV trace with a prompt cell over the csv module's field size limit leaves
+    that process-wide limit as it was for every later csv reader."""
+    before = csv.field_size_limit()
+    w = Workload("long", [WorkloadRequest(prompt_token_ids=[12345] * 30_000, max_tokens=2)], {})
+    load_workload_file(save_workload_file(w, tmp_path / "long.csv"))
+    assert csv.field_size_limit() == before
+
+
+def test_only_a_bad_first_line_suggests_the_trace_is_csv(tmp_path):
+    """The hint that a CSV trace's name must end in .csv comes only when the first line is not
+    JSON; a JSON Lines file with one broken later line gets that line's error alone."""
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"arrival_s": 0, "prompt_tokens": 3, "output_tokens": 2}\n{"arrival_s": 1,\n')
+    with pytest.raises(ValueError, match=r"line 2: not JSON") as info:
+        load_workload_file(path)
+    assert ".csv" not in str(info.value)
+
+
+def test_an_unreadable_trace_names_its_path(tmp_path, monkeypatch):
+    """A trace file that exists but cannot be read (permissions) is one line naming it and
+    why, not an OSError traceback."""
+    import pathlib
+    trace = _trace(tmp_path / "t.jsonl", [0.0])
+
+    def denied(self, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(self))
+    monkeypatch.setattr(pathlib.Path, "read_text", denied)
+    with pytest.raises(ValueError, match=r"t\.jsonl: cannot read it \(Permission denied\)"):
+        load_workload_file(trace)
+
+
+def test_a_bad_trace_line_gives_the_json_error_without_its_column_of_line_1(tmp_path):
+    """A trace line that is not JSON is named by its line in the file, with the JSON error's
+    message alone: its own "line 1 column 1" would name another line."""
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"arrival_s": 0, "prompt_tokens": 3, "output_tokens": 4}\nnope\n')
+    with pytest.raises(ValueError) as info:
+        load_workload_file(path)
+    assert str(info.value) == f"{path}, line 2: not JSON (Expecting value)"
