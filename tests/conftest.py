@@ -4,6 +4,11 @@
   tiny_checkpoint                                  factory: tiny_checkpoint(arch, tie=False)
   smollm2_dir                                      the bundled model's converted cache directory
   tiny_model, word_model                           the tiny Llama loaded; with a word tokenizer
+  make_engine                                      factory: an Engine on the tiny Llama
+  static, continuous                               the seed's R1..R4 example under each policy
+
+Plain functions and constants the test modules share live in helpers.py, tiny_models.py (tiny
+checkpoints and engine comparisons) and paged_cases.py (paged attention cases).
 """
 
 from __future__ import annotations
@@ -16,10 +21,11 @@ import pytest
 import torch
 
 # Tiny models gain nothing from threads, and on a shared 2-core machine two spinning threads
-# per process made steps 10x slower. Notebooks run in their own kernels and keep the default.
+# per process make steps several times slower. Notebooks run in their own kernels and keep the
+# default.
 torch.set_num_threads(int(os.environ.get("MINICB_TEST_THREADS", "1")))
 
-sys.path.insert(0, str(Path(__file__).parent))  # so tests can `import tiny_models`
+sys.path.insert(0, str(Path(__file__).parent))  # so tests can `import helpers`, `tiny_models`
 
 from tiny_models import make_tiny_checkpoint  # noqa: E402
 
@@ -106,13 +112,13 @@ def make_engine(tiny_model):
 
 @pytest.fixture(scope="module")
 def static():
-    """The seed's R1..R4 example under static batching (test_viz, test_viz_mutants)."""
+    """The seed's R1..R4 example under static batching (test_viz)."""
     from minicb.course import viz
     return viz.seed_example("static")
 
 
 @pytest.fixture(scope="module")
 def continuous():
-    """The seed's R1..R4 example under continuous batching (test_viz, test_viz_mutants)."""
+    """The seed's R1..R4 example under continuous batching (test_viz)."""
     from minicb.course import viz
     return viz.seed_example("continuous")

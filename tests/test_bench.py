@@ -181,7 +181,7 @@ def test_a_warm_cache_holds_the_shared_prefix_not_the_questions(tmp_path):
     (["--executor", "real", "--compare", "hf", "--reject-when-full"], "turn nobody away"),
     (["--executor", "real", "--compare", "hf", "--workload", "shared-prefix",
       "--cache-state", "warm"], "start cold"),
-    # there is no prefix cache to warm: it ran cold and was declared warm
+    # no prefix cache to warm: the run would be cold under a declaration that says warm
     (["--workload", "shared-prefix", "--cache-state", "warm", "--no-prefix-caching"],
      "--no-prefix-caching there is none"),
 ])
@@ -280,7 +280,7 @@ def test_the_report_names_lost_work_evictions_deadlines_and_attainment(tmp_path,
 def test_the_printed_header_declares_everything_the_contract_names(capsys):
     """Arrival process, burstiness and rate, lengths, concurrency, cache state, policy and its
     options, budget, memory, model, runtime and hardware: on the console, not only in the
-    JSON (the rate, concurrency, cache state, runtime and preemption policy were missing)."""
+    JSON."""
     assert bench.main_bench(["--executor", "sim", "--workload", "mixed-chat", "--num-requests",
                              "4", "--rate", "7.5", "--burstiness", "0.5", "--policy", "pd",
                              "--max-num-seqs", "6", "--no-prefix-caching", "--preemption",
@@ -778,9 +778,9 @@ def test_sweep_over_rates_reports_each_settings_sustainable_load(tmp_path, capsy
     (["--rates", "5,10", "--rate", "5", "--slo-ttft", "1"], "not both"),
     (["--rates", "5,10", "--slo-ttft", "1", "--slo-target", "1.5"], "--slo-target"),
     (["--rates", "5,10", "--slo-ttft", "1", "--workload", "long-prefill"],
-     "--rates do(es) not apply to workload 'long-prefill'"),  # it said --rate, not given
+     "--rates do(es) not apply to workload 'long-prefill'"),  # the flag given, --rates
     (["--preemption", "newest,priority", "--priority-aging-steps", "-1"],
-     "--priority-aging-steps must be a positive integer"),  # its rows were skipped silently
+     "--priority-aging-steps must be a positive integer"),  # refused, not rows skipped
 ])
 def test_sweep_over_rates_refuses_bad_flags(extra, message, capsys):
     argv = ["--executor", "sim", "--num-requests", "4", "--no-progress", *extra]
@@ -855,7 +855,7 @@ def test_hf_static_returns_each_batch_whole(tiny_llama_dir):
         (short.finish_time - short.first_token_time) / 2)
 
 
-# --- from a mutation review of this module: each test fails on the planted bug it names ---
+# ---------------------------------------------------------------- sweep rows and the baseline
 
 
 def _spy_run_policy(monkeypatch):
@@ -929,7 +929,7 @@ def test_sweep_sustainable_load_uses_the_slo_target(tmp_path):
         attained = by_budget[r["max_num_batched_tokens"]]
         assert r["sustainable_load_rps"] == metrics.sustainable_load(attained, 0.5)
         differs |= metrics.sustainable_load(attained, 0.5) != metrics.sustainable_load(attained)
-    assert differs, "the workload no longer tells a 0.5 target from 0.99"
+    assert differs, "the workload does not tell a 0.5 target from 0.99"
 
 
 def test_the_declaration_reports_the_workload_and_system_that_ran(tmp_path):
@@ -1010,8 +1010,8 @@ def test_hf_single_stream_splits_prefill_from_decode(monkeypatch):
 def test_hf_static_neither_stops_at_nor_bans_an_eos(tiny_llama_dir, tiny_model):
     """transformers' static rows give minicb's ignore_eos tokens even when the greedy answer
     holds an EOS (the tiny model never emits its own: make its fourth token the EOS). Banning
-    EOS (min_new_tokens) sent such a request down another path, and the quality line reported
-    a difference that was the baseline's doing."""
+    EOS (min_new_tokens) would send such a request down another path, and the quality line
+    would report a difference of the baseline's making."""
     from minicb import SamplingParams
     from minicb.engine import Engine
     workload = Workload("eos", [WorkloadRequest(prompt_len=8, max_tokens=8, request_id="r")])

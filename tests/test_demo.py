@@ -64,7 +64,7 @@ def test_bad_options_are_one_line_errors_not_tracebacks(argv, message, capsys):
     assert exc.value.code == 2 and message in capsys.readouterr().err
 
 
-# --- from a mutation review of this module: each test fails on the planted bug it names ---
+# ------------------------------------------------------------------------------ dispatch
 def test_main_passes_a_commands_exit_code_on(capsys):
     assert main(["bench", "--executor", "sim", "--policy", "fastest",
                         "--no-progress"]) == 2

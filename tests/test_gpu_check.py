@@ -423,9 +423,9 @@ def test_the_table_says_what_each_side_of_the_benchmark_ran(gpu_check, tmp_path)
 
 
 def test_failed_requests_and_a_wrong_kernel_are_not_reported_as_speed(gpu_check, tmp_path):
-    """Found by review: a run in which requests failed ends early and looks fast, and a decode
-    kernel far from the reference was still given its share of the bandwidth. Now the row says
-    how many completed, no pd ÷ HF ratio is given, and an inaccurate kernel reads FAILED."""
+    """A run in which requests failed ends early and looks fast, and a decode kernel far from
+    the reference earns no share of the bandwidth: the row says how many completed, no pd ÷ HF
+    ratio is given, and an inaccurate kernel reads FAILED."""
     out = tmp_path / "bench.json"
     out.write_text(json.dumps({"declaration": {}, "results": {
         "pd": {"output_tokens_per_s": 900.0, "num_requests": 16, "completed": 14, "errors": 2},
@@ -481,7 +481,8 @@ def test_stages_get_what_is_left_before_the_deadline(gpu_check, monkeypatch, tmp
 
 def test_the_time_limits_sigterm_still_writes_the_table(tmp_path):
     """`timeout 470` sends SIGTERM to the script's process group: the table is written with
-    what was measured and says the check was stopped (before, Python died without writing)."""
+    what was measured and says the check was stopped (Python's default would die without
+    writing)."""
     import signal
     import time
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")

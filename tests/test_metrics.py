@@ -283,7 +283,7 @@ def test_a_response_returned_whole_shows_its_first_token_at_the_release():
     assert metrics.meets_slo(streamed, {"ttft": 1.0}) and not metrics.meets_slo(held, {"ttft": 1.0})
 
 
-# --- from a second mutation review: each test fails on the planted bug it names ---
+# --------------------------------------------------------------------------- step measures
 def test_host_time_fraction_is_the_share_outside_the_forward():
     trace = [step(1, [("A", "decode", 1, 0)], 0.0, 1.0, t_forward=0.25)]
     assert metrics.host_time_fraction(trace) == approx(0.75)

@@ -181,9 +181,9 @@ def test_answers_equal_generate_streaming_or_not(tiny_model):
 
 
 def test_a_text_prompt_gets_the_tokenizers_bos_and_a_chat_gets_only_its_templates(tiny_model):
-    """A Llama-style tokenizer adds BOS to a text (transformers' `tok(text)` and vLLM feed
-    it; minicb dropped it, so its tokens differed); a chat template writes BOS itself, so a
-    rendered chat is encoded without special tokens (one BOS, not two). LLM and server alike."""
+    """A Llama-style tokenizer adds BOS to a text, as transformers' `tok(text)` and vLLM
+    feed it, so the tokens match theirs; a chat template writes BOS itself, so a rendered chat
+    is encoded without special tokens (one BOS, not two). LLM and server alike."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
@@ -544,8 +544,8 @@ def test_serve_cli_passes_the_preemption_bound_to_the_engine(capsys):
 
 def test_metrics_count_every_token_of_a_step_that_kept_guesses():
     """The simulated model always predicts T, so every guess of a prompt of T's is kept: 25
-    tokens in 7 steps. /metrics counts 25 generated tokens and one gap per step that delivered
-    (found by review: it counted 7, and the gaps inside a step as 0)."""
+    tokens in 7 steps. /metrics counts 25 generated tokens (not 7) and one gap per step that
+    delivered (none of 0 inside a step)."""
     from minicb.benchmark.sim import make_sim_engine
     engine = make_sim_engine(policy="pd", num_speculative_tokens=3)
     t = engine.model.token
@@ -625,7 +625,7 @@ def test_the_client_sends_a_traces_tenant_priority_and_deadline(tiny_model):
     """A replayed trace's tenant, priority and deadline reach the server (as `user`,
     `priority`, `deadline`): the engine holds them, and a deadline too short to meet comes
     back as finish_reason "deadline". A request without them sends none of the three. A numpy
-    priority is sent as an int (it was not JSON, and the whole run raised)."""
+    priority is sent as an int (JSON has no numpy types)."""
     from minicb.benchmark.workload import Workload, WorkloadRequest
     workload = Workload("t", [
         WorkloadRequest(prompt_len=6, max_tokens=40, request_id="late", tenant="team-a",
@@ -765,8 +765,8 @@ def metaspace_tokenizer():
 @pytest.mark.parametrize("kind", ["word", "metaspace"])
 def test_incremental_decoding_around_special_tokens(word_model, kind):
     """A generated special token (EOS under ignore_eos, a BOS) decodes to nothing; the word after
-    it keeps its space (the window never starts on a special token: it did, and that word was
-    decoded as the text's first, 'Helloworld')."""
+    it keeps its space: the window never starts on a special token, which would decode that
+    word as the text's first ('Helloworld')."""
     tok = word_model[1].tokenizer if kind == "word" else metaspace_tokenizer()
     words = [3, 4, 5] if kind == "metaspace" else [80, 81, 82]
     rng = random.Random(1)
@@ -924,7 +924,7 @@ def test_a_server_keeps_a_bounded_trace_by_default(tiny_model):
     assert create_app(engine).state.worker.max_trace == EngineWorker(engine).max_trace == 10_000
 
 
-# --- from a mutation review of this module: each test fails on the planted bug it names ---
+# ------------------------------------------------------------------------ metrics and refusals
 def test_metrics_ttft_is_measured_from_arrival_and_preemptions_are_counted(tiny_model):
     """/metrics' TTFT sum equals the engine records' TTFTs (arrival to first token), and its
     preemption counters their preemptions and the tokens those discarded and recomputed (a
@@ -976,7 +976,7 @@ def test_metrics_show_evicted_prefix_pages_and_the_oldest_wait():
 
 def test_the_queue_age_gauge_falls_to_zero_when_the_waiting_hang_up():
     """Clients that hang up together are cancelled between steps; with nothing left to step,
-    no step record comes to update the gauge, so the cancels must (it kept the last age)."""
+    no step record comes to update the gauge, so the cancels must bring it to 0."""
     engine = make_sim_engine(policy="continuous", num_pages=64, max_num_seqs=1)
     worker = EngineWorker(engine)  # not started: its engine-thread methods are driven here
     for rid in "abc":
@@ -1128,8 +1128,8 @@ def test_serve_cli_max_queue_0_means_no_limit_and_the_served_name(tiny_llama_dir
 
 def test_serve_cli_refuses_a_negative_max_queue_and_an_unknown_log_level(tiny_llama_dir,
                                                                           monkeypatch, capsys):
-    """Before any model loads: --max-queue -1 started a server that answered every request
-    429, and --log-level loud a KeyError traceback from uvicorn once the model had loaded."""
+    """--max-queue -1 (a server that would answer every request 429) and --log-level loud
+    (a KeyError from uvicorn once the model had loaded) are refused before any model loads."""
     import uvicorn
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: None)
     base = ["--model", str(tiny_llama_dir), "--device", "cpu", "--num-pages", "32"]

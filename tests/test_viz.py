@@ -214,8 +214,8 @@ def test_compare_draws_one_legend_for_every_panel(static, continuous):
 
 def test_compared_runs_with_their_own_budgets_each_name_theirs():
     """Chapter 04 compares a continuous run (budget 256) with a chunked one (128): one legend
-    entry for the dashed lines, and each panel's title says its budget (the legend listed
-    both values beside two identical dashed lines, with no way to tell which was whose)."""
+    entry for the dashed lines, and each panel's title says its budget (two identical dashed
+    lines in the legend could not say which budget is whose)."""
     from minicb.benchmark.sim import make_sim_engine
     from minicb.request import SamplingParams
     runs = {}
@@ -322,7 +322,7 @@ def test_a_life_shorter_than_a_column_still_shows_its_work():
     assert rows["short"] == " " * 8 + "▓|"
     assert rows["long"] == "▓" + "█" * 49 + "|"
     assert all(len(line) <= 60 for line in lines)
-    # a request computing in the last column: its mark stays within the width (found by review)
+    # a request computing in the last column: its mark stays within the width
     e = make_sim_engine(policy="continuous")
     e.add_request([1] * 8, SamplingParams(max_tokens=107, **greedy), request_id="r")
     e.run()
@@ -401,7 +401,7 @@ def test_a_trace_without_snapshots_says_what_it_cannot_draw(make_engine):
     assert viz.budget_data(engine).budget == engine.config.max_num_batched_tokens  # no warning
 
 
-# ---------------------------------------------------------- where things are drawn (review)
+# ------------------------------------------------------------------- where things are drawn
 def test_timeline_bars_and_marks_sit_on_their_steps(static):
     """Step k is the cell [k-1, k]: each run's bar starts at its first step - 1, the ">" sits
     inside its arrival step's cell (x = arrival - 0.5: R4's reads 31, clear of R1's finish at
@@ -540,10 +540,9 @@ def _lab(colour: str, vision: np.ndarray) -> np.ndarray:
 
 
 def test_request_colours_stay_apart_for_colour_blind_viewers():
-    """A teacher's review found two request colours (#CC79A7, #44AA99) a CIE76 distance of 4
-    apart under deuteranopia: one colour on a projector. Every pair of request colours, and
-    each against the state and cached colours, is now at least 12 apart for normal vision and
-    simulated protanopia, deuteranopia and tritanopia."""
+    """Every pair of request colours, and each against the state and cached colours, is at
+    least 12 apart (CIE76) for normal vision and simulated protanopia, deuteranopia and
+    tritanopia: two colours 4 apart look like one on a projector."""
     states = [style[0] for style in viz.STYLE.values()] + [viz.CACHED, "#D55E00"]
 
     def distance(a, b):

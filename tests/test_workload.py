@@ -1,5 +1,6 @@
 """workload.py: reproducibility, arrival statistics, length distributions, scenarios, argument
-checks, and driving an engine (exact lengths, cancellation, online arrivals)."""
+checks, driving an engine (exact lengths, cancellation, online arrivals), and trace files
+(saved, replayed, and refused naming the line)."""
 
 from __future__ import annotations
 
@@ -297,7 +298,7 @@ def test_declaration_says_what_was_drawn():
 
 def test_dynamic_batching_waiting_on_the_clock_takes_no_steps():
     """A lone request under dynamic batching in seconds waits 0.05 s for company: that wait is
-    time, not steps (found by review: 50 one-millisecond empty steps counted in its TTFT)."""
+    time, not steps (not 50 one-millisecond empty steps counted in its TTFT)."""
     w = make_workload(2, prompt_lengths=8, output_lengths=4, arrival="times",
                       arrival_times_s=[0.0, 5.0])
     engine = make_sim_engine("h100-like", policy="dynamic", batch_timeout=0.05,
@@ -308,13 +309,12 @@ def test_dynamic_batching_waiting_on_the_clock_takes_no_steps():
     for row in metrics.per_request(engine.request_records()):
         assert row["queue_s"] == pytest.approx(0.05, abs=0.002)
         # returned whole: TTFT is E2E; the step it arrived in counts (it waited through that
-        # step), the 0.05 s after it does not (4 until arrival steps of timed requests were
-        # fixed: they were counted from the step after the one that admitted them)
+        # step), the 0.05 s after it does not
         assert row["e2e_steps"] == row["ttft_steps"] == 5
         assert row["arrival_step"] in (1, 6)
 
 
-# --- from a second mutation review: each test fails on the planted bug it names ---
+# --------------------------------------------------------------------------- generators
 def test_uniform_lengths_include_both_ends():
     rng = np.random.default_rng(0)
     assert set(Lengths.uniform(3, 5).sample(500, rng)) == {3, 4, 5}
