@@ -454,6 +454,12 @@ def test_a_full_queue_answers_429(tiny_model):
 
 
 def test_client_metrics_agree_with_the_engine_record(tiny_model):
+    """The client measures, from outside, what the engine records: the same requests, token
+    counts and finish reasons, one time stamp per token, TTFT at the first token's stamp; and
+    for every token the client's time since it sent the request is at least the engine's since
+    the request arrived, the client's window holding the engine's (both clocks are
+    perf_counter). How much longer it is (network, HTTP, hand-over) is a benchmark's number,
+    not a rule."""
     workload = make_workload(10, prompt_lengths="uniform:8:64", output_lengths="fixed:48",
                              arrival="poisson", rate=40.0, seed=3, cancel_fraction=0.2,
                              cancel_after_tokens=4)
@@ -463,33 +469,32 @@ def test_client_metrics_agree_with_the_engine_record(tiny_model):
                                                          vocab_size=256), 60))
         wait_idle(worker)
         engine = {r.request_id: r for r in worker.call(lambda e: e.request_records()).result(10)}
-    ttft_gaps, e2e_gaps, itl_client, itl_engine = [], [], [], []
+    rounding = 1e-6  # float error of differences of perf_counter readings, not a time bound
+    completed = 0
     for c, w in zip(client, workload.requests):
         e = engine[w.request_id]
+        assert c.num_prompt_tokens == e.num_prompt_tokens == w.prompt_len
+        assert c.first_token_time == c.token_times[0] and c.finish_time >= c.token_times[-1]
         if w.cancel_after_tokens:
             # the client hangs up after 4 tokens; the engine stops when the server notices (on
             # a busy machine the tiny model may have finished all 48 tokens by then)
             assert c.finish_reason == "cancelled" and c.num_output_tokens == 4
             assert e.finish_reason in ("cancelled", "length"), e
-            continue
-        assert c.finish_reason == e.finish_reason == "length", (c, e)
-        assert c.num_output_tokens == e.num_output_tokens == 48
-        assert c.num_prompt_tokens == e.num_prompt_tokens == w.prompt_len
-        ttft_client = c.first_token_time - c.arrival_time
-        ttft_engine = e.first_token_time - e.arrival_time
-        e2e_client, e2e_engine = c.finish_time - c.arrival_time, e.finish_time - e.arrival_time
-        # the client's clock starts before the engine's and stops after it
-        assert ttft_client - ttft_engine >= -0.005 and e2e_client - e2e_engine >= -0.005
-        ttft_gaps.append(ttft_client - ttft_engine)
-        e2e_gaps.append(e2e_client - e2e_engine)
-        itl_client += metrics.itls(c)
-        itl_engine += metrics.itls(e)
-    # the difference is the network, HTTP and hand-over overhead: about a millisecond on
-    # loopback. Client, server and engine share two busy cores here, and a stalled thread can
-    # delay one request by a few hundred ms, so the typical request is checked, not the worst.
-    for gaps in (ttft_gaps, e2e_gaps):
-        assert np.median(gaps) < 0.05 and np.mean(np.array(gaps) < 0.1) >= 0.75, gaps
-    assert abs(np.median(itl_client) - np.median(itl_engine)) < 0.02
+        else:
+            completed += 1
+            assert c.finish_reason == e.finish_reason == "length", (c, e)
+            assert c.num_output_tokens == e.num_output_tokens == 48
+            assert len(c.token_times) == len(e.token_times) == 48
+            assert len(metrics.itls(c)) == len(metrics.itls(e)) == 47
+            e2e_client, e2e_engine = c.finish_time - c.arrival_time, \
+                e.finish_time - e.arrival_time
+            assert e2e_client >= e2e_engine - rounding, (c, e)
+        # the client sent before the engine took the request, and read each token after the
+        # engine produced it
+        for k, received in enumerate(c.token_times):
+            produced = e.token_times[k] - e.arrival_time
+            assert received - c.arrival_time >= produced - rounding, (k, c, e)
+    assert completed == 8  # 2 of the 10 cancel
 
 
 def test_server_thread_turns_nagle_off():
