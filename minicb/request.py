@@ -30,7 +30,6 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-FINISH_REASONS = ("stop", "length", "cancelled", "error", "deadline", "rejected")
 GREEDY_BELOW = 1e-5  # a temperature under this samples greedily
 MAX_TOKENS = 2**24  # past any model's context: a larger max_tokens is a mistake, not a wish
 MAX_STOP_TOKEN_IDS = 1024  # a longer list is an attack or a bug, not a stop rule

@@ -418,7 +418,6 @@ class Scheduler:
     # with batch_timeout in seconds, empty steps while requests wait are not a stall (chapter 02)
     waits_for_batch_timeout = False
     decodes_every_step = False  # every running decode advances every step (the invariant check)
-    reads = ("max_num_seqs", "max_num_batched_tokens", "chunk_size")  # what `sweep` varies
 
     def schedule(self, ctx: SchedulerContext) -> ScheduledBatch:
         raise NotImplementedError
@@ -438,7 +437,6 @@ class SingleScheduler(Scheduler):
 
     name = "single"
     whole_prompts = True
-    reads = ()
 
     def schedule(self, ctx: SchedulerContext) -> ScheduledBatch:
         if not ctx.running and ctx.waiting:
@@ -459,7 +457,6 @@ class StaticScheduler(Scheduler):
     name = "static"
     whole_prompts = True
     holds_finished_slots = True
-    reads = ("max_num_seqs",)
 
     def __init__(self) -> None:
         self.batch: list[Request] = []
@@ -539,7 +536,6 @@ class ContinuousScheduler(Scheduler):
 
     name = "continuous"
     whole_prompts = True
-    reads = ("max_num_seqs", "max_num_batched_tokens")
 
     def schedule(self, ctx: SchedulerContext) -> ScheduledBatch:
         self.schedule_decodes(ctx)

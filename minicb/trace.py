@@ -60,12 +60,6 @@ class StepRecord:
         return sum(m.num_tokens for m in self.members if m.kind == "decode")
 
     @property
-    def decode_tokens_produced(self) -> int:
-        """Output tokens the decode members got: one each, plus the guesses kept (chapter 08)."""
-        kept = sum(k for _, k in self.speculated.values())
-        return sum(1 for m in self.members if m.kind == "decode") + kept
-
-    @property
     def num_tokens(self) -> int:
         return self.num_prefill_tokens + self.num_decode_tokens
 

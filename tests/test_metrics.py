@@ -293,7 +293,7 @@ def test_decode_speed_skips_mixed_steps_and_counts_kept_guesses_once():
     mixed = step(1, [("A", "prefill", 8, 0), ("B", "decode", 1, 1)], 0.0, 1.0)
     spec = step(2, [("B", "decode", 4, 1)], 1.0, 1.5)  # last token + 3 guesses, 2 kept
     spec.speculated = {"B": (3, 2)}
-    assert spec.decode_tokens_produced == 3
+    assert metrics.decode_tokens_produced(spec) == 3
     assert metrics.decode_tokens_per_s([mixed, spec]) == approx(3 / 0.5)
 
 

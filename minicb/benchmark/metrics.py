@@ -297,7 +297,13 @@ def decode_tokens_per_s(trace: Sequence[Any]) -> float | None:
     seconds = sum(rec.duration for rec in steps)
     if not steps or seconds <= 0:
         return None
-    return sum(rec.decode_tokens_produced for rec in steps) / seconds
+    return sum(decode_tokens_produced(rec) for rec in steps) / seconds
+
+
+def decode_tokens_produced(rec: Any) -> int:
+    """Output tokens a step's decode members got: one each, plus the guesses kept (chapter 08)."""
+    return sum(m.kind == "decode" for m in rec.members) + sum(
+        k for _, k in rec.speculated.values())
 
 
 def max_queue_age(records: Sequence[Any], end_time: float | None = None,

@@ -52,7 +52,13 @@ from minicb.config import (
     is_positive_int,
     resolve_device,
 )
-from minicb.scheduler import POLICY_CLASSES
+
+# the batch settings each policy's schedule depends on (what a sweep varies)
+POLICY_READS: dict[str, tuple[str, ...]] = {
+    "single": (), "static": ("max_num_seqs",), "dynamic": ("max_num_seqs",),
+    "continuous": ("max_num_seqs", "max_num_batched_tokens"),
+    "chunked": ("max_num_seqs", "max_num_batched_tokens", "chunk_size"),
+    "pd": ("max_num_seqs", "max_num_batched_tokens", "chunk_size")}
 
 
 def sweep_parser() -> argparse.ArgumentParser:
@@ -244,10 +250,10 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def settings_read(policy: str, speculating: bool) -> tuple[str, ...]:
-    """The batch settings `policy`'s schedule depends on (`Scheduler.reads`; speculative
+    """The batch settings `policy`'s schedule depends on (`POLICY_READS`; speculative
     decoding's guesses take the token budget the policy left, so with it every policy reads
     max_num_batched_tokens), chapter 06."""
-    reads = POLICY_CLASSES[policy].reads
+    reads = POLICY_READS[policy]
     if speculating and "max_num_batched_tokens" not in reads:
         reads = (*reads, "max_num_batched_tokens")
     return reads

@@ -19,9 +19,9 @@ from prometheus_client import (
     generate_latest,
 )
 
-from minicb.request import FINISH_REASONS
-
 PREFIX = "minicb:"
+# every finish_reason the engine gives (minicb/request.py says when each happens)
+FINISH_REASONS = ("stop", "length", "cancelled", "error", "deadline", "rejected")
 disable_created_metrics()  # no `_created` series beside each counter (vLLM turns them off too)
 # vLLM's bucket edges, in seconds
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
