@@ -26,10 +26,8 @@ def page_hash(previous: bytes | None, token_ids: list[int] | tuple[int, ...]) ->
 def prompt_page_hashes(token_ids: list[int], page_size: int) -> list[bytes]:
     """Hashes of every full page of `token_ids`, each chained to the one before."""
     hashes: list[bytes] = []
-    previous = None
     for start in range(0, len(token_ids) - page_size + 1, page_size):
-        previous = page_hash(previous, token_ids[start:start + page_size])
-        hashes.append(previous)
+        hashes.append(page_hash(hashes[-1] if hashes else None, token_ids[start:start + page_size]))
     return hashes
 
 
@@ -40,9 +38,6 @@ class PrefixIndex:
         self.page_of: dict[bytes, int] = {}
         self.hash_of: dict[int, bytes] = {}
         self.lru: OrderedDict[int, None] = OrderedDict()  # unreferenced cached pages, oldest first
-
-    def __len__(self) -> int:
-        return len(self.page_of)
 
     def lookup(self, hashes: list[bytes]) -> list[int]:
         """Pages of the longest run of leading hashes that are cached."""
@@ -135,8 +130,8 @@ class PagePool:
 
     def pages_to_take(self, hit: list[int], total_pages: int,
                       claimed: set[int] | None = None) -> int:
-        """Available pages a table of `total_pages` with hits `hit` takes (unclaimed cached hits
-        count: they join `claimed`)."""
+        """Available pages a table of `total_pages` with hits `hit` takes: its new pages and the
+        cached hits no one holds (those not in `claimed`, which they then join)."""
         cached = {p for p in hit if self.ref_count[p] == 0}
         if claimed is not None:
             cached -= claimed
@@ -253,10 +248,9 @@ class PagePool:
         if self.prefix is None:
             return
         for page in list(self.prefix.hash_of):
-            in_lru = page in self.prefix.lru
-            self.prefix.forget(page)
-            if in_lru:
+            if page in self.prefix.lru:  # no request holds it
                 self.free.append(page)
+            self.prefix.forget(page)
 
     # --- checks -------------------------------------------------------------------------------
     def check(self, page_tables: list[list[int]], swapped: list[list[int]] = ()) -> None:

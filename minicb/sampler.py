@@ -11,16 +11,11 @@ from minicb.request import SamplingParams
 
 def make_generator(seed: int | None) -> torch.Generator | None:
     """A request's own random stream on the CPU, where `draw` runs (None: torch's global one)."""
-    if seed is None:
-        return None
-    gen = torch.Generator(device="cpu")
-    gen.manual_seed(seed)
-    return gen
+    return None if seed is None else torch.Generator(device="cpu").manual_seed(seed)
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Set to -inf every logit outside the top-k and outside the smallest set whose probability
-    reaches top_p (the most likely token always stays)."""
+    """-inf for every logit outside the top-k and the smallest set reaching probability top_p."""
     if top_k and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k).values[..., -1, None]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -34,8 +29,7 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 
 
 class TokenCounts:
-    """Which tokens a request's prompt holds and how often each occurs in its output, as rows
-    [vocab] on the logits' device; counted one token at a time (`add`), never rescanned."""
+    """A request's prompt tokens and output token counts, rows [vocab], grown by `add`."""
 
     def __init__(self, prompt: list[int], output: list[int], vocab: int,
                  device: torch.device) -> None:
@@ -49,8 +43,8 @@ class TokenCounts:
 
 
 def penalise(logits: torch.Tensor, params: SamplingParams, counts: TokenCounts) -> torch.Tensor:
-    """vLLM's penalties on one row of logits [vocab], in its order: repetition (divides a positive
-    logit of a token seen, multiplies a negative one), then frequency and presence."""
+    """vLLM's penalties on one row of logits [vocab]: repetition, then frequency and presence."""
+    # repetition divides a positive logit of a token seen and multiplies a negative one
     in_output = counts.output > 0
     rep = torch.where(counts.in_prompt | in_output, float(params.repetition_penalty), 1.0)
     logits = torch.where(logits > 0, logits / rep, logits * rep)
@@ -84,9 +78,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
 
 def top_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]
                  ) -> list[dict[int, float]]:
-    """Per row of `logits` [N, vocab], the logprobs of its ks[i] most likely tokens, then of
-    tokens[i] (the sampled one) if not among them; from the raw log-softmax, before any
-    sampling rule (vLLM's default), with one copy to the host for the whole batch."""
+    """Per row, the raw logprobs (vLLM's default) of its ks[i] most likely tokens and tokens[i]."""
+    # one copy to the host for the whole batch
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     top = torch.topk(logprobs, max(ks), dim=-1)
     chosen = logprobs.gather(-1, torch.tensor(tokens, device=logits.device)[:, None])
@@ -100,8 +93,7 @@ def top_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution a sampled request draws from: one row of logits [vocab] under its
-    temperature, top-k and top-p, as float32 on the CPU."""
+    """One row of logits [vocab] as the float32 CPU distribution a sampled request draws from."""
     # shifted first: the largest logit is 0, so a tiny temperature cannot overflow to inf
     # float(): an int temperature past int64 (2**70, accepted as finite) fails torch's division
     row = (logits.float() - logits.max()) / float(params.temperature)
@@ -110,8 +102,8 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:
-    """One token from `probs` [vocab] by inverse transform: the first whose cumulative probability
-    passes one uniform number (`torch.multinomial` draws a number per vocabulary entry)."""
+    """One token from `probs` [vocab]: the first whose cumulative probability passes one uniform
+    number (`torch.multinomial` would draw a number per vocabulary entry)."""
     cdf = probs.double().cumsum(-1)  # float64: no drift over 150,000 entries
     if not 0 < cdf[-1] < float("inf"):
         raise ValueError("cannot sample: the probabilities are not finite (NaN in the logits?)")

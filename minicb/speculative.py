@@ -18,9 +18,9 @@ from minicb.sampler import draw, probabilities
 
 def propose_ngram(token_ids: Sequence[int], k: int, n_max: int = 4, n_min: int = 2
                   ) -> list[int]:
-    """Up to `k` tokens to guess after `token_ids`: what followed the latest earlier occurrence
-    of its last `n` tokens (the earliest if fewer than `k` follow the latest), `n` from `n_max`
-    down to `n_min`; [] if none occurs. `NgramIndex` answers the same without a full scan."""
+    """Up to `k` tokens to guess after `token_ids`: what followed an earlier occurrence of its
+    last `n` tokens, `n` from `n_max` down to `n_min`; [] if none occurs."""
+    # the latest occurrence, or the earliest if fewer than `k` tokens follow the latest
     ids = np.asarray(token_ids)
     for n in range(min(n_max, len(ids) - 1), n_min - 1, -1):
         # windows that end before the last token: each has at least one token after it
@@ -32,8 +32,8 @@ def propose_ngram(token_ids: Sequence[int], k: int, n_max: int = 4, n_min: int =
 
 
 class NgramIndex:
-    """`propose_ngram` for one request whose tokens only grow: the first and latest start of
-    every run of `n_min`..`n_max` tokens, kept as tokens arrive, so a guess costs O(n_max)."""
+    """`propose_ngram` without a full scan, for one request whose tokens only grow."""
+    # the first and latest start of every run of n_min..n_max tokens, kept as tokens arrive
 
     def __init__(self, n_max: int = 4, n_min: int = 2) -> None:
         self.n_max, self.n_min = n_max, n_min
@@ -59,8 +59,7 @@ class NgramIndex:
 
 
 class Speculator:
-    """Speculation in the engine's step: `propose` gives decode members guesses before the
-    forward, within the budget and pages left; the runner verifies them; `kept` reports them."""
+    """Speculation in the step: guesses before the forward, how many were kept after it."""
 
     def __init__(self, config, pool) -> None:
         self.config, self.pool = config, pool
@@ -83,8 +82,7 @@ class Speculator:
             need = self.pool.pages_needed(req.num_tokens + len(draft)) - len(req.page_table)
             if not draft or need > self.pool.num_available:
                 continue
-            if need > 0:
-                req.page_table.extend(self.pool.allocate(need))
+            req.page_table.extend(self.pool.allocate(max(0, need)))
             drafts[req.request_id] = draft
             room -= len(draft)
         return drafts
@@ -98,9 +96,9 @@ class Speculator:
 
 def verify(logits: torch.Tensor, draft: list[int], params: SamplingParams,
            generator: torch.Generator | None = None) -> list[int]:
-    """The tokens a request keeps from a step that ran its last token and `draft` (`logits`
-    [len(draft) + 1, vocab]): the accepted guesses, then one token of the model's own. A sampled
-    request keeps a guess while its own draw equals it, so with the model's probability."""
+    """The accepted guesses of `draft`, then one token of the model's own (`logits`: one row
+    per position, [len(draft) + 1, vocab])."""
+    # a sampled request keeps a guess while its own draw equals it: with the model's probability
     if params.greedy:
         target = torch.argmax(logits, dim=-1).tolist()
         accepted = 0
