@@ -44,21 +44,19 @@ def torch_dtype(name: str, device: str):
 
 
 def resolve_device(device: object, quantization: str | None = None) -> str:
-    """'auto' is CUDA when torch can use a GPU and no CPU-only option (int8 weights) is asked,
-    else the CPU (chapter 07); any other value must name a device this torch can use."""
+    """The device a `device` knob names, checked; "auto": CUDA if torch sees a GPU (chapter 07)."""
     import torch
-    if str(device) == "auto":
+    if str(device) == "auto":  # the CPU if a CPU-only option (int8 weights) is asked
         return "cuda" if torch.cuda.is_available() and not quantization else "cpu"
     try:
         dev = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}") \
-            from exc
+    except (RuntimeError, TypeError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r} "
+                         f"(minicb runs on those)")
     if dev.type == "cpu":
         return str(device)
-    if dev.type != "cuda":
-        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N' (minicb runs on "
-                         f"those), got {device!r}")
     if not torch.cuda.is_available():
         why = ("it is a CPU-only build: install a CUDA build of torch (README, 'Running on a "
                "GPU')" if torch.version.cuda is None else "no GPU is visible")
@@ -143,9 +141,6 @@ class EngineConfig:
     prompt_lookup_min: int = 2  # the shortest
 
     def __post_init__(self) -> None:
-        self.validate()
-
-    def validate(self) -> None:
         """Raise ValueError naming the first bad field and what is allowed."""
         if isinstance(self.policy, type):
             raise ValueError(f"policy={self.policy.__name__} is a class: pass an instance, "

@@ -74,9 +74,8 @@ class Engine:
         """`model`: a bundled name, a checkpoint directory or a loaded `(model, info)` pair."""
         if config is not None and set(options) - {"policy"}:
             raise ValueError("pass either an EngineConfig or keyword options, not both")
-        if config is not None and "policy" in options:
-            config = dataclasses.replace(config, policy=options.pop("policy"))
-        config = config or EngineConfig.from_kwargs(**options)
+        config = dataclasses.replace(config, **options) if config \
+            else EngineConfig.from_kwargs(**options)
         self.scheduler = make_scheduler(config.policy)
         _bind(self.scheduler)
         self._now = clock or time.perf_counter
@@ -118,11 +117,8 @@ class Engine:
         return STALL_STEPS
 
     def clock(self) -> float:
-        """Seconds since the engine started (or since `reset_clock`)."""
+        """Seconds since `t0`, when the engine started."""
         return self._now() - self.t0
-
-    def reset_clock(self) -> None:
-        self.t0 = self._now()
 
     # ------------------------------------------------------------------------------ requests
     def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
@@ -171,15 +167,13 @@ class Engine:
                     request_id: str | None = None, arrival_step: int | None = None,
                     arrival_time: float | None = None, priority: int = 0,
                     deadline: float | None = None, tenant: str | None = None) -> str:
-        """Queue a request to arrive at `arrival_step` or `arrival_time` (engine-clock seconds),
-        or now; returns its id. `deadline`: seconds after arrival to finish in (chapter 06);
-        `tenant`: who sent it (`preemption="fair"`). Bad input: ValueError, nothing changed."""
+        """Queue a request to arrive now, at `arrival_step` or at `arrival_time` (engine-clock
+        seconds); returns its id. Bad input: ValueError, nothing changed."""
+        # deadline: seconds after arrival to finish in; tenant: who sent it (chapter 06)
         params = params or SamplingParams()
         token_ids = self.check_request(prompt, params)
-        if request_id is None:
-            request_id = f"req-{next(self._ids)}"
-            while request_id in self.requests:
-                request_id = f"req-{next(self._ids)}"
+        if request_id is None:  # the next free one: a caller may have taken "req-3" by hand
+            request_id = next(r for r in (f"req-{i}" for i in self._ids) if r not in self.requests)
         request_id = str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -238,9 +232,9 @@ class Engine:
                 not 0 < num_output_tokens <= len(req.output_token_ids):
             raise ValueError(f"num_output_tokens must be 1..{len(req.output_token_ids)}, got "
                              f"{num_output_tokens}")
-        m = req.metrics
         # later tokens of the same step (kept guesses, chapter 08) go too
-        for kept in (req.output_token_ids, req.output_logprobs, m.token_times, m.token_steps):
+        for kept in (req.output_token_ids, req.output_logprobs, req.metrics.token_times,
+                     req.metrics.token_steps):
             del kept[num_output_tokens:]
         if not req.is_finished:
             self.cancel(request_id, reason="stop")

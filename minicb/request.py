@@ -38,9 +38,9 @@ MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit (vLLM's default max_logprobs is
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick each next token and when to stop, in vLLM's names (chapter 00). `stop`
-    strings are matched where text is made (`LLM`, the server): the engine is token-level.
-    `logprobs`: how many top tokens' logprobs each output token reports."""
+    """How to pick each next token and when to stop, in vLLM's names (chapter 00)."""
+    # `stop` strings are matched where text is made (`LLM`, the server): the engine is
+    # token-level. `logprobs`: how many top tokens' logprobs each output token reports
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -181,8 +181,8 @@ class Request:
         return frozenset((*p.stop_token_ids, *(() if p.ignore_eos else self.eos_token_ids)))
 
     def advance(self, num_tokens: int) -> int:
-        """`num_tokens` more of its tokens are cached (the one place a step grows
-        `num_computed_tokens`); returns how many were never computed before."""
+        """`num_tokens` more of its tokens are cached; returns how many were never computed."""
+        # the one place a step grows num_computed_tokens
         start = self.num_computed_tokens
         self.num_computed_tokens += num_tokens
         redone = max(0, min(self.num_computed_tokens, self.num_tokens_before_preemption) - start)

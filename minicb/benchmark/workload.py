@@ -751,7 +751,7 @@ def submit(engine: Any, workload: Workload, temperature: float = 0.0,
     the run's start. Returns the request ids."""
     ids = [_add(engine, req, i, temperature) for i, req in enumerate(workload.requests)]
     if reset_clock:
-        engine.reset_clock()
+        engine.t0 += engine.clock()  # the engine clock restarts at 0
     return ids
 
 
@@ -850,7 +850,7 @@ def run_workload(engine: Any, workload: Workload, progress: bool | Any = False,
         ids = submit(engine, workload, temperature=temperature)
         feeder = None
     else:
-        engine.reset_clock()
+        engine.t0 += engine.clock()  # the engine clock restarts at 0
         feeder = _Feeder(engine, workload, temperature, max_concurrency)
         ids = [r.request_id or f"req-{i}" for i, r in enumerate(workload.requests)]
     cancel_at = {rid: r.cancel_after_tokens for rid, r in zip(ids, workload.requests)
