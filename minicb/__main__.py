@@ -61,7 +61,7 @@ def demo(argv: list[str]) -> int:
     t0 = time.perf_counter()
     outputs = llm.chat(conversations, params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
-    records = {r.request_id: r for r in llm.engine.request_records()}
+    records = {r.request_id: r for r in metrics.request_records(llm.engine)}
     for question, out in zip(DEMO_QUESTIONS, outputs):
         r = records[out.request_id]  # TTFT and E2E as its user saw them (a static batch
         print(f"\n>>> {question}\n{out.text.strip()}")  # returns whole)

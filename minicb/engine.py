@@ -38,7 +38,7 @@ from minicb.scheduler import (
     reorder,
 )
 from minicb.speculative import Speculator
-from minicb.trace import Member, RequestRecord, StepRecord, record_step
+from minicb.trace import Member, StepRecord, record_step
 
 # steps in a row in which no request gains a new token while work waits: a stalled policy, or
 # preemptions that throw away all they compute (docs/reliability.md)
@@ -521,11 +521,3 @@ class Engine:
             steps += 1
         return [self.output(rid) for rid in todo]
 
-    def request_records(self) -> list[RequestRecord]:
-        """Every request as plain data, for `minicb.benchmark.metrics`."""
-        return [RequestRecord(
-            r.request_id, r.num_prompt_tokens, len(r.output_token_ids), r.finish_reason,
-            num_cached_tokens=r.num_cached_tokens, num_preemptions=r.num_preemptions,
-            num_recomputed_tokens=r.num_recomputed_tokens, priority=r.priority, tenant=r.tenant,
-            returned_whole=r.returned_whole, num_discarded_tokens=r.num_discarded_tokens,
-            **dataclasses.asdict(r.metrics)) for r in self.requests.values()]

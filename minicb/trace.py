@@ -68,38 +68,6 @@ class StepRecord:
         return self.t_end - self.t_start
 
 
-@dataclass
-class RequestRecord:
-    """A request as metrics see it: ids, lengths, timestamps."""
-
-    request_id: str
-    num_prompt_tokens: int
-    num_output_tokens: int
-    finish_reason: str | None
-    arrival_time: float | None
-    first_scheduled_time: float | None
-    first_token_time: float | None
-    finish_time: float | None
-    token_times: list[float]
-    arrival_step: int | None
-    first_scheduled_step: int | None
-    first_token_step: int | None
-    finish_step: int | None
-    token_steps: list[int]
-    num_cached_tokens: int = 0
-    num_preemptions: int = 0
-    num_recomputed_tokens: int = 0  # discarded K/V computed again (the rest came back cached)
-    priority: int = 0
-    released_time: float | None = None  # the response reached the user (E2E ends here)
-    released_step: int | None = None
-    tenant: str | None = None
-    # the response reached its user all at once, at the release (a static batch, chapter 02):
-    # its first token too, so TTFT ends there
-    returned_whole: bool = False
-    error: str | None = None  # why a failed request failed, in the server's words (client)
-    num_discarded_tokens: int = 0  # computed K/V its preemptions threw away (lost work)
-
-
 def record_step(step: int, members: list[Member], batch, pool, waiting, running,
                 snapshots: bool, **fields) -> StepRecord:
     """The record of one step (chapter 03): its members, the batch's idle and preempted ones,

@@ -10,9 +10,10 @@ import types
 import nbformat
 import pytest
 
+from minicb.benchmark.metrics import RequestRecord
 from minicb.course import check
 from minicb.course.exercises import ROOT, cell_tags
-from minicb.trace import Member, RequestRecord, StepRecord
+from minicb.trace import Member, StepRecord
 
 
 # ------------------------------------------------------------------------------ records

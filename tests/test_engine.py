@@ -675,7 +675,7 @@ def test_evicted_prefix_pages_are_counted_in_the_trace(tiny_model):
     evicted = [rec.pages_evicted for rec in engine.trace]
     assert sum(evicted) == engine.pool.num_evicted > 0
     from minicb.benchmark import metrics
-    assert metrics.summarize(engine.trace, engine.request_records())["evicted_pages"] == \
+    assert metrics.summarize(engine.trace, metrics.request_records(engine))["evicted_pages"] == \
         sum(evicted)
 
 
@@ -955,7 +955,7 @@ def test_a_timed_arrival_counts_from_the_step_it_joined():
     engine.add_request([5] * 8, params, request_id="now")
     engine.add_request([5] * 8, params, request_id="later", arrival_time=0.02)
     engine.run()
-    for r in engine.request_records():
+    for r in metrics.request_records(engine):
         assert r.arrival_step == r.first_scheduled_step, r
-    summary = metrics.summarize(engine.trace, engine.request_records())
+    summary = metrics.summarize(engine.trace, metrics.request_records(engine))
     assert summary["queue_steps"]["p99"] == 0 and summary["ttft_steps"]["p99"] == 1

@@ -46,7 +46,7 @@ def test_swap_keeps_the_kv_and_returns_the_same_tokens(make_engine, prefix_cachi
     for the same tokens."""
     engine, same = tight_run(make_engine, preemption_mode="swap", num_swap_pages=64,
                              enable_prefix_caching=prefix_caching)
-    s = metrics.summarize(engine.trace, engine.request_records())
+    s = metrics.summarize(engine.trace, metrics.request_records(engine))
     assert same
     assert s["preemptions"] > 0
     assert s["discarded_tokens"] == s["recomputed_tokens"] == 0
@@ -197,7 +197,7 @@ def test_the_swap_space_defaults_to_the_pool_size(make_engine):
 
 def test_recompute_mode_copies_nothing(make_engine):
     engine, same = tight_run(make_engine)
-    s = metrics.summarize(engine.trace, engine.request_records())
+    s = metrics.summarize(engine.trace, metrics.request_records(engine))
     assert same and s["preemptions"] > 0 and s["discarded_tokens"] > 0
     assert s["swapped_out_pages"] == s["swapped_in_pages"] == 0
     assert engine.pool.num_swap_pages == 0
@@ -206,7 +206,7 @@ def test_recompute_mode_copies_nothing(make_engine):
 def test_a_full_swap_space_falls_back_to_recompute(make_engine):
     """Three host pages hold few victims: the others are recomputed; the tokens still match."""
     engine, same = tight_run(make_engine, preemption_mode="swap", num_swap_pages=3)
-    s = metrics.summarize(engine.trace, engine.request_records())
+    s = metrics.summarize(engine.trace, metrics.request_records(engine))
     assert same
     assert s["swapped_out_pages"] > 0 and s["discarded_tokens"] > 0
     assert len(engine.pool.swap_free) == 3
@@ -259,7 +259,7 @@ def test_a_swapped_request_shares_its_prompt_pages_still_cached_when_it_returns(
             assert set(host) <= set(engine.pool.swap_free)
             shared_seen += len(hit)
     assert shared_seen == 6  # two victims, each back to its 3 prompt pages
-    s = metrics.summarize(engine.trace, engine.request_records())
+    s = metrics.summarize(engine.trace, metrics.request_records(engine))
     assert s["swapped_out_pages"] - s["swapped_in_pages"] == shared_seen
     assert len(engine.pool.swap_free) == 10 and engine.pool.num_used == 0
 
@@ -377,7 +377,7 @@ def test_reject_when_full_turns_away_what_the_cache_cannot_take(make_engine):
         req = engine.requests[rid]
         assert not req.output_token_ids and req.metrics.first_scheduled_step is None
         assert rid in engine.trace[0].finished and rid in engine.trace[0].arrived
-    s = metrics.summarize(engine.trace, engine.request_records())
+    s = metrics.summarize(engine.trace, metrics.request_records(engine))
     assert s["rejected"] == 3 and s["completed"] == 2 and s["slo_attainment"] == 2 / 5
     ref = make_engine("single")
     for i in (0, 1):
@@ -509,7 +509,7 @@ def test_reserve_and_reject_counts_each_requests_whole_life():
     engine.run()
     assert [engine.requests[f"r{i}"].finish_reason for i in range(3)] == \
         ["length", "length", "rejected"]
-    assert metrics.summarize(engine.trace, engine.request_records())["preemptions"] == 0
+    assert metrics.summarize(engine.trace, metrics.request_records(engine))["preemptions"] == 0
 
 
 def test_stats_show_the_swap_space_only_when_there_is_one():
@@ -553,7 +553,7 @@ def test_step_features_follow_each_members_context(mode, num_swap_pages, prefix)
         readmitted = {rid for rec in engine.trace for rid in rec.preempted}
         assert any(m.start > 0 for rec in engine.trace for m in rec.members
                    if m.request_id in readmitted and m.kind == "prefill")
-    predicted = cost.predict_features(step_features(engine.trace, engine.request_records()))
+    predicted = cost.predict_features(step_features(engine.trace, metrics.request_records(engine)))
     forward = np.array([rec.t_forward for rec in engine.trace])
     assert np.allclose(forward, predicted, rtol=1e-9, atol=1e-15)
 
@@ -565,7 +565,7 @@ def test_per_step_lost_work_adds_up_to_the_requests_counts(make_engine, mode):
     counts; with a swap space large enough for every victim both are 0."""
     options = dict(preemption_mode="swap", num_swap_pages=64) if mode == "swap" else {}
     engine, same = tight_run(make_engine, **options)
-    records = engine.request_records()
+    records = metrics.request_records(engine)
     discarded = sum(rec.tokens_discarded for rec in engine.trace)
     recomputed = sum(rec.tokens_recomputed for rec in engine.trace)
     assert same and sum(r.num_preemptions for r in records) > 0
@@ -859,7 +859,7 @@ def test_a_swap_space_exactly_the_victims_size_takes_it_and_the_step_counts_each
         steps[rec.step] = (rec.preempted, rec.swapped, rec.pages_swapped_out,
                            rec.pages_swapped_in, engine.stats()["swap_pages_free"])
         if rec.swapped:  # mid-run, what summarize says: 2 out, none back yet
-            s = metrics.summarize(engine.trace, engine.request_records())
+            s = metrics.summarize(engine.trace, metrics.request_records(engine))
             assert (s["swapped_out_pages"], s["swapped_in_pages"]) == (2, 0)
     moves = {s: v for s, v in steps.items() if v[0] or v[3]}
     assert list(moves.values()) == [(["r2"], ["r2"], 2, 0, 0), (["r1"], [], 0, 0, 0),

@@ -70,11 +70,11 @@ def test_static_r4_waits_for_r2(make_engine):
     assert r1.finish_step == 30 and r1.released_step == 200
     assert r1.released_time > r1.finish_time
     e2e_steps = {r["request_id"]: r["e2e_steps"] for r in metrics.per_request(
-        engine.request_records())}
+        metrics.request_records(engine))}
     assert e2e_steps == {"R1": 200, "R2": 200, "R3": 200, "R4": 190}  # R4: steps 31-220
     # and its user saw no token before then, the slowest member's (R2, released at its
     # finish) included: TTFT is E2E for every member
-    rows = metrics.per_request(engine.request_records())
+    rows = metrics.per_request(metrics.request_records(engine))
     assert all(r.returned_whole for r in engine.requests.values())
     assert all(row["ttft_steps"] == row["e2e_steps"] and row["ttft_s"] == row["e2e_s"]
                for row in rows)
@@ -86,7 +86,7 @@ def test_iteration_level_policies_release_at_the_finish(make_engine):
         assert (r.metrics.released_step, r.metrics.released_time) == (
             r.metrics.finish_step, r.metrics.finish_time)
         assert not r.returned_whole  # streamed: TTFT ends at the first token computed
-    assert metrics.e2e(engine.request_records()[0]) == pytest.approx(
+    assert metrics.e2e(metrics.request_records(engine)[0]) == pytest.approx(
         engine.requests["R1"].metrics.finish_time - engine.requests["R1"].metrics.arrival_time)
 
 
@@ -360,7 +360,7 @@ def test_a_missed_deadline_ends_the_request_and_frees_its_pages():
     assert engine.pool.num_used == 0 and not engine.has_unfinished()
     listed = [rid for rec in engine.trace for rid in rec.finished]
     assert sorted(listed) == ["r0", "r1", "r2"]
-    summary = metrics.summarize(engine.trace, engine.request_records())
+    summary = metrics.summarize(engine.trace, metrics.request_records(engine))
     assert summary["deadline_missed"] == 2 and summary["completed"] == 1
 
 
@@ -402,7 +402,7 @@ def test_fair_order_serves_the_least_served_tenant_first():
         order[mode] = sorted(engine.requests, key=lambda r: engine.requests[r].metrics
                              .first_scheduled_step)
         assert engine.tenant_service == {"a": 4 * (3 + 3), "b": 3 + 3}  # prompt + 3 decodes
-        assert {r.tenant for r in engine.request_records()} == {"a", "b"}
+        assert {r.tenant for r in metrics.request_records(engine)} == {"a", "b"}
     assert order == {"newest": ["a0", "a1", "a2", "a3", "b0"],
                      "fair": ["a0", "b0", "a1", "a2", "a3"]}
 
@@ -621,7 +621,7 @@ def test_preemption_counts_the_work_it_throws_away_and_the_work_redone():
     assert all(r.num_cached_tokens == 0 for r in e.requests.values())
     for rid, r in e.requests.items():
         assert r.num_recomputed_tokens == scheduled[rid] - r.num_computed_tokens, rid
-    summary = metrics.summarize(e.trace, e.request_records())
+    summary = metrics.summarize(e.trace, metrics.request_records(e))
     assert summary["discarded_tokens"] == sum(thrown.values())
     assert 0 < summary["recomputed_tokens"] < summary["discarded_tokens"]  # the hits saved some
 

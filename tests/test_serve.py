@@ -468,7 +468,7 @@ def test_client_metrics_agree_with_the_engine_record(tiny_model):
         client = asyncio.run(asyncio.wait_for(run_client(url, workload.requests,
                                                          vocab_size=256), 60))
         wait_idle(worker)
-        engine = {r.request_id: r for r in worker.call(lambda e: e.request_records()).result(10)}
+        engine = {r.request_id: r for r in worker.call(metrics.request_records).result(10)}
     rounding = 1e-6  # float error of differences of perf_counter readings, not a time bound
     completed = 0
     for c, w in zip(client, workload.requests):
@@ -876,7 +876,8 @@ def test_bench_endpoint_reads_memory_pressure_from_the_servers_metrics(tiny_mode
     with serving(tiny_model, num_pages=7, max_num_seqs=4) as (url, worker):
         data = bench_endpoint(url, workload, label="tiny", vocab_size=256)
         wait_idle(worker)
-        records, steps = worker.call(lambda e: (e.request_records(), len(e.trace))).result(10)
+        records, steps = worker.call(
+            lambda e: (metrics.request_records(e), len(e.trace))).result(10)
     summary = data["results"]["tiny"]
     assert summary["preemptions"] == sum(r.num_preemptions for r in records) > 0
     assert summary["discarded_tokens"] == sum(r.num_discarded_tokens for r in records) > 0
@@ -943,7 +944,7 @@ def test_metrics_ttft_is_measured_from_arrival_and_preemptions_are_counted(tiny_
     with serving(tiny_model, num_pages=7, max_num_seqs=4) as (url, worker):
         assert all(r.status_code == 200 for r in asyncio.run(burst(url)))
         wait_idle(worker)
-        records = worker.call(lambda e: e.request_records()).result(10)
+        records = worker.call(metrics.request_records).result(10)
         text = httpx.get(url + "/metrics", timeout=TIMEOUT).text
     values = metric_values(text)
     ttfts = [r.first_token_time - r.arrival_time for r in records]
@@ -1464,7 +1465,8 @@ def test_metrics_count_prompt_tokens_steps_and_the_whole_gap_of_a_speculative_st
             body = {"prompt": prompt, "max_tokens": 25, **GREEDY}
             assert http.post(url + "/v1/completions", json=body).status_code == 200
         wait_idle(worker)
-        steps, records = worker.call(lambda e: (len(e.trace), e.request_records())).result(10)
+        steps, records = worker.call(
+            lambda e: (len(e.trace), metrics.request_records(e))).result(10)
         values = metric_values(http.get(url + "/metrics").text)
     assert values["minicb:prompt_tokens_total"] == 13
     assert values["minicb:steps_total"] == steps > 0

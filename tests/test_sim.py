@@ -142,7 +142,7 @@ def test_step_times_follow_the_model():
     engine = make_sim_engine(TRUE, policy="pd", max_num_seqs=4, max_num_batched_tokens=48,
                              chunk_size=32)
     run_workload(engine, small_mixed(n=10))
-    x = step_features(engine.trace, engine.request_records())
+    x = step_features(engine.trace, metrics.request_records(engine))
     predicted = TRUE.predict_features(x)
     busy = [i for i, r in enumerate(engine.trace) if r.members]
     forward = np.array([engine.trace[i].t_forward for i in busy])
@@ -158,7 +158,7 @@ def test_fit_recovers_the_model_from_a_simulated_trace():
                              chunk_size=64)
     run_workload(engine, make_workload(24, prompt_lengths="uniform:4:200",
                                        output_lengths="uniform:1:40", seed=9))
-    fit = fit_cost_model(engine.trace, engine.request_records(), target="forward")
+    fit = fit_cost_model(engine.trace, metrics.request_records(engine), target="forward")
     assert np.allclose(fit.coefficients, TRUE.coefficients, rtol=1e-5, atol=1e-12)
     assert fit.fit["r2"] == pytest.approx(1.0)
     with pytest.raises(ValueError, match="target"):
@@ -170,13 +170,13 @@ def test_fit_on_a_real_tiny_run(tiny_model):
                     chunk_size=32, num_pages=256)
     run_workload(engine, make_workload(10, prompt_lengths="uniform:4:100",
                                        output_lengths="uniform:2:12", seed=1))
-    fit = fit_cost_model(engine.trace, engine.request_records(), skip=1)
+    fit = fit_cost_model(engine.trace, metrics.request_records(engine), skip=1)
     assert (fit.coefficients >= 0).all()
     assert fit.fit["num_steps"] > 5 and np.isfinite(fit.fit["r2"])
     # wall-clock steps are noisy and, on a tiny model, the intercept and the decode-row cost
     # are nearly collinear, so no single coefficient is asserted: the fit must predict a
     # positive time for every step and about the run's whole time
-    features = step_features(engine.trace, engine.request_records())[1:]
+    features = step_features(engine.trace, metrics.request_records(engine))[1:]
     assert (fit.predict_features(features) > 0).all()
     assert abs(fit.fit["predicted_total_s"] / fit.fit["total_s"] - 1) < 0.25
 
@@ -191,7 +191,7 @@ def test_long_prefill_pd_versus_chunked():
         engine = make_sim_engine("h100-like", policy=policy, max_num_seqs=8,
                                  max_num_batched_tokens=256, chunk_size=256)
         run_workload(engine, workload)
-        out[policy] = metrics.summarize(engine.trace, engine.request_records(),
+        out[policy] = metrics.summarize(engine.trace, metrics.request_records(engine),
                                         long_request_id=workload.long_request_id)
     pd, chunked = out["pd"], out["chunked"]
     assert pd["dec_at_p"] > 0 and chunked["dec_at_p"] == 0
@@ -209,7 +209,7 @@ def test_long_prefill_on_a_tiny_model(tiny_model):
         engine = Engine(tiny_model, policy=policy, max_num_seqs=4, max_num_batched_tokens=64,
                         chunk_size=64, num_pages=256)
         run_workload(engine, workload)
-        out[policy] = metrics.summarize(engine.trace, engine.request_records(),
+        out[policy] = metrics.summarize(engine.trace, metrics.request_records(engine),
                                         long_request_id="long")
     assert out["pd"]["dec_at_p"] > 0 and out["chunked"]["dec_at_p"] == 0
     assert out["pd"]["short_p_steps"] < out["chunked"]["short_p_steps"]
@@ -234,7 +234,7 @@ def test_thousands_of_requests_without_snapshots_give_the_same_results():
     assert [r.num_waiting for r in light] == [r.num_waiting for r in full]
     assert max(r.num_waiting for r in light) > 0  # the queue did build up
     assert all(not (r.waiting or r.page_tables or r.slots or r.cached_pages) for r in light)
-    summaries = [metrics.summarize(e.trace, e.request_records()) for e in runs.values()]
+    summaries = [metrics.summarize(e.trace, metrics.request_records(e)) for e in runs.values()]
     assert summaries[0] == summaries[1]
     assert summaries[1]["completed"] == 1000
     assert summaries[1]["duration_s"] > 10  # simulated seconds: arrivals alone span ~10 s
@@ -300,8 +300,8 @@ def test_swap_break_even_matches_the_simulator():
             runs[mode] = make_sim_engine(replace(cost, s=0.0), policy="pd", num_pages=28,
                                          preemption_mode=mode)
             run_workload(runs[mode], two)
-        redo = metrics.summarize(runs["recompute"].trace, runs["recompute"].request_records())
-        swap = metrics.summarize(runs["swap"].trace, runs["swap"].request_records())
+        redo, swap = (metrics.summarize(runs[mode].trace, metrics.request_records(runs[mode]))
+                      for mode in ("recompute", "swap"))
         copies = swap["swapped_out_pages"] + swap["swapped_in_pages"]
         assert redo["preemptions"] == swap["preemptions"] == 1 and copies == 14 + 3  # 11 shared
         n = redo["discarded_tokens"]
@@ -334,7 +334,7 @@ def test_a_fit_that_skips_warm_up_steps_keeps_each_step_with_its_own_features():
     """Skipping warm-up steps drops their durations and their feature rows together: each
     duration stays paired with its own step's shape."""
     engine = _sim_run()
-    fit = fit_cost_model(engine.trace, engine.request_records(), target="forward", skip=3)
+    fit = fit_cost_model(engine.trace, metrics.request_records(engine), target="forward", skip=3)
     assert np.allclose(fit.coefficients, TRUE.coefficients, rtol=1e-5, atol=1e-12)
     assert fit.fit["r2"] == pytest.approx(1.0)
 

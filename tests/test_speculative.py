@@ -80,12 +80,13 @@ def test_guesses_the_model_keeps_save_steps():
         engine.add_request([t] * 8, SamplingParams(max_tokens=25, **GREEDY))
         out = engine.run()[0]
         assert out.token_ids == [t] * 25 and len(engine.trace) == steps, (k, len(engine.trace))
-        summary = metrics.summarize(engine.trace, engine.request_records())
+        summary = metrics.summarize(engine.trace, metrics.request_records(engine))
         guessed = 24 - (steps - 1)  # the decode tokens no step of the model's own produced
         assert summary["draft_tokens"] == summary["accepted_draft_tokens"] == guessed
         assert summary["draft_acceptance_rate"] == (1.0 if k else None)
-        gaps = metrics.itls(engine.request_records()[0])  # tokens of one step arrive together:
-        assert len(gaps) == steps - 1 and 0.0 not in gaps  # one gap per step after the first
+        # tokens of one step arrive together: one gap per step after the first
+        gaps = metrics.itls(metrics.request_records(engine)[0])
+        assert len(gaps) == steps - 1 and 0.0 not in gaps
 
 
 def test_same_greedy_text_as_without_guesses_on_smollm2(smollm2_dir):
@@ -102,7 +103,7 @@ def test_same_greedy_text_as_without_guesses_on_smollm2(smollm2_dir):
         runs[k] = engine, engine.run()[0].token_ids
     assert runs[4][1] == runs[0][1]
     assert all(r.ngram_index is None for r in runs[4][0].requests.values())  # freed at finish
-    summary = metrics.summarize(runs[4][0].trace, runs[4][0].request_records())
+    summary = metrics.summarize(runs[4][0].trace, metrics.request_records(runs[4][0]))
     assert summary["draft_acceptance_rate"] > 0.5
     assert len(runs[4][0].trace) < 0.75 * len(runs[0][0].trace)
 
@@ -185,7 +186,7 @@ def test_a_kept_guess_after_a_stop_token_is_not_counted():
     out = engine.run()[0]
     assert (out.token_ids, out.finish_reason) == ([0, 0, 0, t], "stop")
     assert engine.trace[-1].speculated[rid] == (3, 0)
-    assert metrics.summarize(engine.trace, engine.request_records())[
+    assert metrics.summarize(engine.trace, metrics.request_records(engine))[
         "accepted_draft_tokens"] == 0
 
 

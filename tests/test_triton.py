@@ -251,7 +251,7 @@ def test_swap_on_the_device_returns_the_tokens_of_a_roomy_pool(tiny_llama_dir):
     tight = LLM(str(tiny_llama_dir), num_pages=6, preemption_mode="swap", **kw)
     want = [o.token_ids for o in roomy.generate(prompts, params)]
     got = [o.token_ids for o in tight.generate(prompts, params)]
-    s = metrics.summarize(tight.engine.trace, tight.engine.request_records())
+    s = metrics.summarize(tight.engine.trace, metrics.request_records(tight.engine))
     assert s["swapped_out_pages"] == s["swapped_in_pages"] > 0 and s["discarded_tokens"] == 0
     assert got == want
 

@@ -199,7 +199,7 @@ def test_submit_gives_exact_lengths_and_step_arrivals():
     ids = submit(engine, w)
     assert ids == ["R1", "R2", "R3", "R4"]
     engine.run()
-    recs = {r.request_id: r for r in engine.request_records()}
+    recs = {r.request_id: r for r in metrics.request_records(engine)}
     assert [recs[i].num_output_tokens for i in ids] == [30, 200, 80, 60]  # R4: the course's
     assert recs["R4"].arrival_step == 31 and recs["R4"].first_scheduled_step == 31
     assert recs["R1"].finish_step == 30
@@ -209,7 +209,7 @@ def test_seed_example_static_has_dead_slots_and_blocks_r4():
     w = get_workload("seed-r1-r4")
     engine = make_sim_engine("h100-like", policy="static", max_num_seqs=3)
     run_workload(engine, w)
-    recs = {r.request_id: r for r in engine.request_records()}
+    recs = {r.request_id: r for r in metrics.request_records(engine)}
     assert recs["R4"].first_scheduled_step == 201  # waits for the whole batch (200 steps)
     # R1 idles steps 31..200 (170), R3 idles 81..200 (120)
     assert metrics.dead_slot_steps(engine.trace) == 170 + 120
@@ -220,9 +220,9 @@ def test_cancel_after_tokens_is_counted():
                       cancel_after_tokens=2, seed=2)
     engine = make_sim_engine("h100-like", policy="pd")
     run_workload(engine, w)
-    s = metrics.summarize(engine.trace, engine.request_records())
+    s = metrics.summarize(engine.trace, metrics.request_records(engine))
     assert s["cancelled"] == 3 and s["completed"] == 3
-    cancelled = [r for r in engine.request_records() if r.finish_reason == "cancelled"]
+    cancelled = [r for r in metrics.request_records(engine) if r.finish_reason == "cancelled"]
     assert all(r.num_output_tokens == 2 for r in cancelled)
     assert engine.pool.num_used == 0
 
@@ -240,7 +240,7 @@ def test_online_arrivals_follow_the_wall_clock(upfront):
     t0 = time.perf_counter()
     run_workload(engine, w, upfront=upfront)
     assert time.perf_counter() - t0 >= 0.12
-    recs = sorted(engine.request_records(), key=lambda r: r.arrival_time)
+    recs = sorted(metrics.request_records(engine), key=lambda r: r.arrival_time)
     assert [r.arrival_time for r in recs] == gaps
     for r in recs:
         assert r.first_scheduled_time >= r.arrival_time
@@ -260,7 +260,7 @@ def test_step_arrivals_never_have_negative_queue_time():
     engine = Engine((SimModel(CostModel(), SimClock(), info.config.vocab_size), info),
                     policy="continuous", max_num_seqs=3, attention_backend="torch")
     run_workload(engine, get_workload("seed-r1-r4"))
-    for r in engine.request_records():
+    for r in metrics.request_records(engine):
         assert metrics.queue_time(r) >= 0.0 and metrics.ttft(r) >= 0.0
 
 
@@ -271,7 +271,7 @@ def test_requests_arriving_together_on_an_idle_engine_start_together():
                       arrival_times_s=[0.0, 10.0, 10.0, 10.0])
     engine = make_sim_engine("h100-like", policy="continuous")
     run_workload(engine, w)
-    late = [r for r in engine.request_records() if r.arrival_time == 10.0]
+    late = [r for r in metrics.request_records(engine) if r.arrival_time == 10.0]
     assert len({r.first_scheduled_step for r in late}) == 1
     assert all(metrics.queue_time(r) == 0.0 for r in late)
 
@@ -306,7 +306,7 @@ def test_dynamic_batching_waiting_on_the_clock_takes_no_steps():
     run_workload(engine, w)
     # per request: the step it arrived in, then a prefill and 3 decodes; the wait is no step
     assert len(engine.trace) == 2 * (1 + 4)
-    for row in metrics.per_request(engine.request_records()):
+    for row in metrics.per_request(metrics.request_records(engine)):
         assert row["queue_s"] == pytest.approx(0.05, abs=0.002)
         # returned whole: TTFT is E2E; the step it arrived in counts (it waited through that
         # step), the 0.05 s after it does not
@@ -341,7 +341,7 @@ def test_sampled_runs_seed_each_request_by_its_index():
 def test_online_step_arrivals_join_at_their_step_while_the_engine_is_busy():
     engine = make_sim_engine("h100-like", policy="continuous", max_num_seqs=3)
     run_workload(engine, get_workload("seed-r1-r4"))  # fed online: R4 comes at step 31
-    r4 = {r.request_id: r for r in engine.request_records()}["R4"]
+    r4 = {r.request_id: r for r in metrics.request_records(engine)}["R4"]
     assert r4.arrival_step == 31
 
 
@@ -514,7 +514,7 @@ def test_a_closed_loop_keeps_at_most_n_requests_in_flight():
     for rec in closed.trace:
         assert len(set(rec.page_tables) | set(rec.waiting)) <= 4
     assert max(len(set(r.page_tables) | set(r.waiting)) for r in open_.trace) > 4
-    records = {r.request_id: r for r in closed.request_records()}
+    records = {r.request_id: r for r in metrics.request_records(closed)}
     finishes = sorted(r.finish_time for r in records.values())
     for i, req in enumerate(wl.requests):
         got = records[req.request_id or f"req-{i}"]
@@ -612,7 +612,7 @@ def test_a_request_arriving_exactly_at_the_clock_joins_the_next_step():
     run_workload(engine, Workload("t", [
         WorkloadRequest(prompt_len=4, max_tokens=6, arrival_time=0.0, request_id="A"),
         WorkloadRequest(prompt_len=4, max_tokens=2, arrival_time=2.0, request_id="B")]))
-    b = {r.request_id: r for r in engine.request_records()}["B"]
+    b = {r.request_id: r for r in metrics.request_records(engine)}["B"]
     assert (b.first_scheduled_step, b.first_scheduled_time, b.first_token_time) == (3, 2.0, 3.0)
     assert metrics.queue_time(b) == 0.0
 

@@ -22,6 +22,7 @@ import numpy as np
 from minicb import LLM, SamplingParams
 from minicb.course import viz
 from minicb.model.loader import load_model
+from minicb.benchmark.metrics import request_records
 from minicb.benchmark.workload import random_prompt
 
 model = load_model("smollm2-135m")  # loaded once, shared by every engine below
@@ -44,7 +45,7 @@ def run(policy, requests, **options):
 
 
 def finish_steps(engine):
-    return {r.request_id: r.finish_step for r in engine.request_records()}
+    return {r.request_id: r.finish_step for r in request_records(engine)}
 
 # %% [markdown]
 # Time is counted in **engine steps**: one step is one forward over the current batch.
@@ -98,12 +99,12 @@ print(f"wall clock: single {t_serial:.1f} s = {96 / t_serial:.1f} tokens/s, "
 long_short = [("long", 16, 64, 1)] + [(f"short{i}", 16, 8, 1) for i in range(3)]
 v1, t_v1 = run("single", long_short)
 print(f"{'request':<8}{'tokens':>7}{'finishes at step':>18}{'alone it would take':>21}")
-for r in v1.request_records():
+for r in request_records(v1):
     print(f"{r.request_id:<8}{r.num_output_tokens:>7}{r.finish_step:>18}{r.num_output_tokens:>21}")
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-for r in v1.request_records():
+for r in request_records(v1):
     print(f"{r.request_id:<8} end-to-end {r.finish_time - r.arrival_time:5.2f} s")
 
 # %% [markdown]
@@ -178,7 +179,7 @@ print(f"{len(static.trace)} steps in {t_static:.1f} s")
 
 # %%
 # NBVAL_CHECK_OUTPUT
-records = {r.request_id: r for r in static.request_records()}
+records = {r.request_id: r for r in request_records(static)}
 last_held = {}  # request -> last step it held its slot (busy or idle)
 dead = {rid: 0 for rid in records}
 for rec in static.trace:
@@ -222,7 +223,7 @@ stream_lengths = [2, 12, 4, 10, 2, 6, 12, 4] * 5
 stream = [(f"q{i}", 16, n, 1 + 2 * i) for i, n in enumerate(stream_lengths)]
 flood, _ = run("static", stream, max_num_seqs=4)
 queue = {rec.step: rec.num_waiting for rec in flood.trace}
-waits = [r.first_scheduled_step - r.arrival_step for r in flood.request_records()]
+waits = [r.first_scheduled_step - r.arrival_step for r in request_records(flood)]
 print(f"slots busy on average if each were handed on at once: "
       f"{np.mean(stream_lengths) / 2:.2f} of 4")
 print(f"{'step':<14}" + "".join(f"{s:>4}" for s in range(10, 130, 10)))
@@ -324,7 +325,7 @@ for name, eng in (("static", eager), ("dynamic, batch_timeout=4", patient),
                   ("dynamic, batch_timeout=4, 3 slots", full),
                   ("dynamic, batch_timeout=1000 (wait for 4)", forever)):
     latency = {r.request_id: metrics.released(r)[1] - r.arrival_step + 1
-               for r in eng.request_records()}
+               for r in request_records(eng)}
     print(f"{name}: batches {batches(eng)}, last finish at step {eng.trace[-1].step}")
     print(f"    latency in steps {latency}, mean {np.mean(list(latency.values())):.1f}")
 

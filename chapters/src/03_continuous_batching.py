@@ -197,12 +197,12 @@ viz.plot_slots(cont, title="continuous batching: R4 takes slot 0 at step 31")
 # %%
 # NBVAL_CHECK_OUTPUT
 for name, eng in (("static", static), ("continuous", cont)):
-    r = {x.request_id: x for x in eng.request_records()}
+    r = {x.request_id: x for x in metrics.request_records(eng)}
     print(f"{name:<11} last step {eng.trace[-1].step:>3}, dead slot-steps "
           f"{metrics.dead_slot_steps(eng.trace):>3}, R4 starts at step "
           f"{r['R4'].first_scheduled_step:>3} and finishes at {r['R4'].finish_step:>3}, "
           f"R1 frees its slot after step {max(k.step for k in eng.trace for m in k.members if m.request_id == 'R1')}")
-    e2e = {row["request_id"]: row["e2e_steps"] for row in metrics.per_request(eng.request_records())}
+    e2e = {row["request_id"]: row["e2e_steps"] for row in metrics.per_request(metrics.request_records(eng))}
     print(f"{'':<11} end-to-end latency in steps (until the response is returned): {e2e}")
 
 # %% [markdown]
@@ -334,7 +334,7 @@ for policy in ("static", "continuous"):
 # %%
 # NBVAL_CHECK_OUTPUT
 def summary(engine):
-    recs = engine.request_records()
+    recs = metrics.request_records(engine)
     tokens = sum(r.num_output_tokens for r in recs)
     latency = [metrics.released(r)[1] - r.arrival_step + 1 for r in recs]  # until returned
     return {"last step": engine.trace[-1].step, "busy steps": len(engine.trace),
@@ -383,7 +383,7 @@ for policy in ("static", "continuous"):
     sim = make_sim_engine(policy=policy, max_num_seqs=4)
     run_workload(sim, seed_scale)
     latency = {r.request_id: f"{metrics.released(r)[1]}({r.num_output_tokens})"
-               for r in sim.request_records()}
+               for r in metrics.request_records(sim)}
     print(f"{policy:<12}{len(sim.trace):>6}{metrics.dead_slot_steps(sim.trace):>6}  "
           + " ".join(latency[f"r{i}"] for i in range(8)))
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from minicb.course import viz
 from minicb.engine import Engine
-from minicb.benchmark.metrics import long_prefill_metrics
+from minicb.benchmark.metrics import long_prefill_metrics, request_records
 from minicb.model.loader import load_model
 from minicb.benchmark.workload import get_workload, run_workload
 
@@ -244,7 +244,7 @@ for name, engine in (("continuous", cont), ("chunked", chunked)):
 # %%
 # NBVAL_CHECK_OUTPUT
 for name, engine in (("continuous", cont), ("chunked", chunked)):
-    m = long_prefill_metrics(engine.trace, engine.request_records(), "long")
+    m = long_prefill_metrics(engine.trace, request_records(engine), "long")
     print(f"{name:<11} prefill window {m['prefill_window_steps']} step(s), "
           f"dec@P = {m['dec_at_p']}, agrees with the hand count: "
           f"{(m['dec_at_p'], m['prefill_window_steps']) == dec_at_p(engine)};  "
@@ -258,7 +258,7 @@ for name, engine in (("continuous", cont), ("chunked", chunked)):
 # %%
 # NBVAL_IGNORE_OUTPUT
 for name, engine in (("continuous", cont), ("chunked", chunked)):
-    m = long_prefill_metrics(engine.trace, engine.request_records(), "long")
+    m = long_prefill_metrics(engine.trace, request_records(engine), "long")
     gap = max(worst_gap(engine, rid) for rid in m["short_request_ids"])
     print(f"{name:<11} window {m['prefill_window_s']:.2f} s, dec@P = {m['dec_at_p']}, "
           f"i.e. {m['dec_at_p_per_s']:.1f} decode tokens/s for the chats; "

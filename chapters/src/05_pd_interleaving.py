@@ -22,7 +22,7 @@ import numpy as np
 
 from minicb.course import viz
 from minicb.engine import Engine
-from minicb.benchmark.metrics import long_prefill_metrics, max_itl
+from minicb.benchmark.metrics import long_prefill_metrics, max_itl, request_records
 from minicb.model.loader import load_model
 from minicb.benchmark.workload import get_workload, run_workload
 
@@ -308,7 +308,7 @@ def short_p_steps(engine, long_id="long"):
 print(f"{'policy':<8}{'window':>7}{'dec@P':>6}{'short_P':>8}{'L TTFT':>7}{'steps':>6}   "
       "(window, short_P, L's TTFT in steps)")
 for policy, engine in engines.items():
-    m = long_prefill_metrics(engine.trace, engine.request_records(), "long")
+    m = long_prefill_metrics(engine.trace, request_records(engine), "long")
     assert m["short_p_steps"] == short_p_steps(engine)
     long = engine.requests["long"].metrics
     print(f"{policy:<8}{m['prefill_window_steps']:>7}{m['dec_at_p']:>6}{m['short_p_steps']:>8}"
@@ -323,8 +323,8 @@ for policy, engine in engines.items():
 # %%
 # NBVAL_IGNORE_OUTPUT
 for policy, engine in engines.items():
-    m = long_prefill_metrics(engine.trace, engine.request_records(), "long")
-    itl = max(max_itl(r) for r in engine.request_records() if r.request_id.startswith("short"))
+    m = long_prefill_metrics(engine.trace, request_records(engine), "long")
+    itl = max(max_itl(r) for r in request_records(engine) if r.request_id.startswith("short"))
     print(f"{policy:<8} window {m['prefill_window_s']:5.2f} s   dec@P/s {m['dec_at_p_per_s']:5.2f}"
           f"   short_P {m['short_p_s']:5.2f} s   worst gap between two chat tokens {itl:.2f} s")
 
@@ -340,8 +340,8 @@ for policy, engine in engines.items():
 whole = Engine(model, policy="continuous", max_num_seqs=4)
 run_workload(whole, workload)
 for policy, engine in (("continuous", whole), ("pd", pd)):
-    m = long_prefill_metrics(engine.trace, engine.request_records(), "long")
-    itl = max(max_itl(r) for r in engine.request_records() if r.request_id.startswith("short"))
+    m = long_prefill_metrics(engine.trace, request_records(engine), "long")
+    itl = max(max_itl(r) for r in request_records(engine) if r.request_id.startswith("short"))
     print(f"{policy:<10} dec@P {m['dec_at_p']:>2}   short_P {m['short_p_steps']} steps, "
           f"{m['short_p_s']:.2f} s   worst gap between two chat tokens {itl:.2f} s")
 
@@ -397,7 +397,7 @@ for rate in (10, 30):
         sim = make_sim_engine("h100-like", policy=policy, max_num_seqs=64,
                               max_num_batched_tokens=512, chunk_size=512, num_pages=20000)
         run_workload(sim, scale)
-        results[f"{policy} @{rate}/s"] = summarize(sim.trace, sim.request_records())
+        results[f"{policy} @{rate}/s"] = summarize(sim.trace, request_records(sim))
 columns = [("output_tokens_per_s", "out tok/s", "{:.0f}"), ("ttft_s.p50", "TTFT p50", "{:.3f}"),
            ("ttft_s.p99", "TTFT p99", "{:.3f}"), ("tpot_s.p99", "TPOT p99", "{:.4f}"),
            ("itl_s.p50", "ITL p50", "{:.4f}"), ("itl_s.p99", "ITL p99", "{:.4f}"),

@@ -112,7 +112,7 @@ for policy in ("static", "continuous", "pd"):
 # %%
 # NBVAL_IGNORE_OUTPUT
 pd = runs["pd"]
-records = pd.request_records()
+records = metrics.request_records(pd)
 print(f"{'request':<7}{'prompt':>7}{'out':>5}{'queue':>8}{'TTFT':>8}{'TPOT':>8}{'E2E':>8}")
 for row in metrics.per_request(records):
     print(f"{row['request_id']:<7}{row['prompt_tokens']:>7}{row['output_tokens']:>5}"
@@ -178,7 +178,7 @@ print(f"{'policy':<11}{'steps':>6}{'tok/step':>9}{'batch':>6}{'dead':>6}"
       f"{'TTFT p50':>9}{'TTFT p99':>9}{'E2E p50':>8}{'E2E p99':>8}{'mixed':>7}"
       "   (latencies in steps)")
 for policy, engine in runs.items():
-    s = metrics.summarize(engine.trace, engine.request_records())
+    s = metrics.summarize(engine.trace, metrics.request_records(engine))
     print(f"{policy:<11}{s['num_steps']:>6}{s['output_tokens_per_step']:>9.2f}"
           f"{s['mean_batch_size']:>6.2f}{s['dead_slot_steps']:>6}"
           f"{s['ttft_steps']['p50']:>9.1f}{s['ttft_steps']['p99']:>9.1f}"
@@ -206,7 +206,7 @@ for policy, engine in list(runs.items())[1:]:
 # %%
 # NBVAL_IGNORE_OUTPUT
 cpu_slo = {"ttft": 1.0, "e2e": 2.0}
-table = {policy: metrics.summarize(engine.trace, engine.request_records(), slo=cpu_slo)
+table = {policy: metrics.summarize(engine.trace, metrics.request_records(engine), slo=cpu_slo)
          for policy, engine in runs.items()}
 print(f"SLO {cpu_slo} (seconds)")
 print(metrics.format_table(table))
@@ -234,7 +234,7 @@ for policy, budget in (("static", {}), ("continuous", {}),
                        ("pd", {"max_num_batched_tokens": 512, "chunk_size": 512})):
     e = make_sim_engine("h100-like", policy=policy, max_num_seqs=32, num_pages=20000, **budget)
     run_workload(e, bursty)
-    s = metrics.summarize(e.trace, e.request_records())
+    s = metrics.summarize(e.trace, metrics.request_records(e))
     ms = [1000 * v for v in (s["queue_s"]["p99"], s["ttft_s"]["p50"], s["ttft_s"]["p99"],
                              s["itl_s"]["p50"], s["itl_s"]["p99"], s["max_itl_s"]["p99"])]
     print(f"{policy + (' (budget 512)' if budget else ''):<24}{ms[0]:>10.0f}{ms[1]:>9.0f}"
@@ -257,7 +257,7 @@ for state in ("cold", "warm"):
     if state == "warm":
         warm_prefix_cache(e, shared_prefix(32, seed=1))  # same system prompt, other questions
     run_workload(e, shared_prefix(32, seed=0))
-    s = metrics.summarize(e.trace, e.request_records())
+    s = metrics.summarize(e.trace, metrics.request_records(e))
     print(f"{state}: cached prompt tokens {s['cached_prompt_tokens']:>5}, TTFT p50 "
           f"{s['ttft_s']['p50'] * 1000:4.0f} ms, p99 {s['ttft_s']['p99'] * 1000:4.0f} ms  (simulated)")
 
@@ -311,7 +311,7 @@ def simulate(rate, burstiness=1.0, budget=512):
 
 
 sim = simulate(20)
-recs = sim.request_records()
+recs = metrics.request_records(sim)
 good = [r for r in recs if metrics.ttft(r) <= SLO["ttft"] and metrics.tpot(r) <= SLO["tpot"]]
 span = max(r.finish_time for r in recs) - min(r.arrival_time for r in recs)
 s = metrics.summarize(sim.trace, recs, slo=SLO)
@@ -331,7 +331,7 @@ print(f"{'rate':>5}{'sent':>7}{'throughput':>11}{'goodput':>9}{'SLO met':>8}{'TT
       "  (simulated)")
 for r in rates:
     e = simulate(r)
-    s = metrics.summarize(e.trace, e.request_records(), slo=SLO)
+    s = metrics.summarize(e.trace, metrics.request_records(e), slo=SLO)
     curve[r] = s
     print(f"{r:>5}{sent_rate[r]:>7.1f}{s['requests_per_s']:>11.2f}{s['goodput_rps']:>9.2f}"
           f"{s['slo_attainment']:>8.1%}{s['ttft_s']['p99']:>9.3f}")
@@ -383,7 +383,7 @@ for r in (20, 30):
 # NBVAL_CHECK_OUTPUT
 for burstiness in (4.0, 1.0, 0.25):
     e = simulate(20, burstiness=burstiness)
-    s = metrics.summarize(e.trace, e.request_records(), slo=SLO)
+    s = metrics.summarize(e.trace, metrics.request_records(e), slo=SLO)
     print(f"burstiness {burstiness:<5} goodput {s['goodput_rps']:6.2f} req/s, SLO met "
           f"{s['slo_attainment']:6.1%}, TTFT p99 {s['ttft_s']['p99']:.3f} s, queue p99 "
           f"{s['queue_s']['p99']:.3f} s   (simulated)")
@@ -410,7 +410,7 @@ print(f"10,000 simulated requests, {len(long_run.trace):,} steps, in "
 print(f"{'requests':>9}{'sent':>6}{'span (s)':>10}{'throughput':>11}{'goodput':>9}{'SLO met':>8}"
       f"{'TTFT p99':>9}{'queue p99':>10}  (simulated, drawn at 20 req/s)")
 for e in (simulate(20), long_run):
-    recs = e.request_records()
+    recs = metrics.request_records(e)
     s = metrics.summarize(e.trace, recs, slo=SLO)
     arrived = metrics.observed_arrivals([r.arrival_time for r in recs])["rate_rps"]
     print(f"{len(recs):>9,}{arrived:>6.1f}{s['duration_s']:>10.1f}{s['requests_per_s']:>11.2f}"
@@ -436,7 +436,7 @@ for rate in (10, 14, 16, 18, 19, 20):
     e = make_sim_engine("h100-like", policy="pd", max_num_seqs=64, num_pages=40000,
                         max_num_batched_tokens=512, chunk_size=512, trace_snapshots=False)
     run_workload(e, traffic(rate, n=2000))
-    recs = e.request_records()
+    recs = metrics.request_records(e)
     s = metrics.summarize(e.trace, recs, slo=FULL_SLO)
     attainment[rate] = s["slo_attainment"]
     missed = [sum(not metrics.meets_slo(r, {key: limit}) for r in recs)  # each limit alone
@@ -465,7 +465,7 @@ for rate in (20, 30, 40):
         e = make_sim_engine("h100-like", policy="pd", max_num_seqs=64, num_pages=40000,
                             max_num_batched_tokens=512, chunk_size=512)
         run_workload(e, traffic(rate), max_concurrency=cap)
-        recs = e.request_records()
+        recs = metrics.request_records(e)
         s = metrics.summarize(e.trace, recs, slo=SLO)
         sent = metrics.observed_arrivals([r.arrival_time for r in recs])["rate_rps"]
         loop = "open" if cap is None else f"closed, {cap}"
@@ -500,7 +500,7 @@ for engine in (roomy, tight):
 # %%
 # NBVAL_CHECK_OUTPUT
 for name, engine in (("1024 pages", roomy), ("11 pages", tight)):
-    s = metrics.summarize(engine.trace, engine.request_records())
+    s = metrics.summarize(engine.trace, metrics.request_records(engine))
     events = [(rec.step, rid) for rec in engine.trace for rid in rec.preempted]
     print(f"{name:<10} steps {s['num_steps']:>3}, most pages used {max(r.pages_used for r in engine.trace):>2}, "
           f"preemptions {s['preemptions']} {events}, discarded tokens {s['discarded_tokens']} "
@@ -553,7 +553,7 @@ print(f"{'max_preemptions':<16}{'steps':>6}{'preemptions':>12}{'most for one':>1
 for limit in (None, 2, 1, 0):
     e = make_sim_engine(policy="pd", max_num_seqs=8, num_pages=24, max_preemptions=limit)
     run_workload(e, growing)
-    rs = e.request_records()
+    rs = metrics.request_records(e)
     s = metrics.summarize(e.trace, rs)
     e2e = sorted(r.finish_step - r.arrival_step + 1 for r in rs)
     print(f"{str(limit):<16}{len(e.trace):>6}{s['preemptions']:>12}"
@@ -591,8 +591,8 @@ for name, options in answers:
     for e in runs:
         run_workload(e, growing)
     e = runs[0]
-    s = metrics.summarize(e.trace, e.request_records())
-    e2e = sorted(r.finish_step - r.arrival_step + 1 for r in e.request_records()
+    s = metrics.summarize(e.trace, metrics.request_records(e))
+    e2e = sorted(r.finish_step - r.arrival_step + 1 for r in metrics.request_records(e)
                  if metrics.is_completed(r))
     print(f"{name:<20}{len(e.trace):>6}{s['completed']:>5}{s['rejected']:>9}"
           f"{s['preemptions']:>8}{s['discarded_tokens']:>10}{s['recomputed_tokens']:>11}"
@@ -614,7 +614,7 @@ guarded = Engine(model, policy="pd", max_num_seqs=4, num_pages=11, max_preemptio
                  reject_when_full=True)
 for engine in (swapped, guarded):
     run_workload(engine, tight_wl)
-s = metrics.summarize(swapped.trace, swapped.request_records())
+s = metrics.summarize(swapped.trace, metrics.request_records(swapped))
 print(f"swap: preemptions {s['preemptions']}, pages copied out {s['swapped_out_pages']} and in "
       f"{s['swapped_in_pages']}, discarded tokens {s['discarded_tokens']}, steps "
       f"{s['num_steps']} (recompute: {len(tight.trace)})")
@@ -646,7 +646,7 @@ print(f"{'answer':<20}{'done':>5}{'rejected':>9}{'preempt':>8}{'tok/s':>7}{'TTFT
 for name, options in [answers[0], answers[1], answers[3], answers[4], answers[5]]:
     e = make_sim_engine(cpu_cost, policy="pd", num_pages=96, trace_snapshots=False, **options)
     run_workload(e, busy)
-    s = metrics.summarize(e.trace, e.request_records(), slo=overload_slo)
+    s = metrics.summarize(e.trace, metrics.request_records(e), slo=overload_slo)
     print(f"{name:<20}{s['completed']:>5}{s['rejected']:>9}{s['preemptions']:>8}"
           f"{s['output_tokens_per_s']:>7.1f}{s['ttft_s']['p50']:>9.2f}{s['ttft_s']['p99']:>9.2f}"
           f"{s['max_itl_s']['p99']:>12.2f}{s['slo_attainment']:>8.0%}{s['goodput_rps']:>8.2f}")
@@ -670,7 +670,7 @@ except ValueError as exc:
     print("refused:", exc)
 print(f"after the refusal: {tight.pool.num_used} pages in use, {len(tight.requests)} requests "
       f"(the 4 of the run above), errors so far: "
-      f"{metrics.summarize(tight.trace, tight.request_records())['errors']}")
+      f"{metrics.summarize(tight.trace, metrics.request_records(tight))['errors']}")
 
 # %% [markdown]
 # A forward that fails anyway fails only that step's requests. Here the third step's forward raises, standing in for a GPU out of memory (`_failure_hook` is the engine's fault-injection point):
@@ -694,7 +694,7 @@ faulty._failure_hook = out_of_memory_once
 faulty.step()
 faulty.add_request([2] * 32, SamplingParams(max_tokens=16, ignore_eos=True), request_id="after")
 faulty.run()
-s = metrics.summarize(faulty.trace, faulty.request_records())
+s = metrics.summarize(faulty.trace, metrics.request_records(faulty))
 print({rid: (req.finish_reason, len(req.output_token_ids)) for rid, req in faulty.requests.items()})
 print({k: s[k] for k in ("num_requests", "completed", "errors")}, "| pages in use:",
       faulty.pool.num_used, "| the error:", faulty.requests["f0"].error)
@@ -750,7 +750,7 @@ churn = make_workload(50, prompt_lengths="uniform:16:256", output_lengths="unifo
                       arrival="poisson", rate=20, cancel_fraction=0.2, seed=0)
 e = make_sim_engine("h100-like", policy="pd", max_num_seqs=16)
 run_workload(e, churn)
-s = metrics.summarize(e.trace, e.request_records(), slo={"ttft": 0.5, "itl": 0.1})
+s = metrics.summarize(e.trace, metrics.request_records(e), slo={"ttft": 0.5, "itl": 0.1})
 print({k: s[k] for k in ("num_requests", "completed", "cancelled", "errors", "slo_met")})
 print(f"SLO attainment {s['slo_attainment']:.0%} of the {s['num_requests'] - s['cancelled']} "
       f"requests not cancelled; pages still in use after the run: {e.pool.num_used}")
@@ -775,7 +775,7 @@ run_workload(e, mixed_lengths)
 print(f"{'prompt tokens':<14}{'requests':>9}{'TTFT p50':>9}{'TTFT p99':>9}"
       f"{'TTFT per 100 prompt tokens, p50':>33}   (simulated seconds)")
 for low, high in ((16, 128), (128, 512), (512, 2048), (2048, 6001)):
-    group = [r for r in e.request_records() if low <= r.num_prompt_tokens < high]
+    group = [r for r in metrics.request_records(e) if low <= r.num_prompt_tokens < high]
     ttfts = [metrics.ttft(r) for r in group]
     relative = [metrics.ttft(r) / r.num_prompt_tokens * 100 for r in group]
     print(f"{f'{low}-{high - 1}':<14}{len(group):>9}{np.percentile(ttfts, 50):>9.3f}"
@@ -808,7 +808,7 @@ for label, mode, aging in (("FCFS", "newest", None), ("priority", "priority", No
     job = e.requests["batch-job"].metrics
     chats = [r.metrics.first_scheduled_step - r.metrics.arrival_step
              for r in e.requests.values() if r.request_id.startswith("chat")]
-    s = metrics.summarize(e.trace, e.request_records())
+    s = metrics.summarize(e.trace, metrics.request_records(e))
     print(f"{label:<22}{job.first_scheduled_step - job.arrival_step:>16}"
           f"{np.median(chats):>15.1f}{s['max_queue_age_steps']:>14}")
 
@@ -845,9 +845,9 @@ for label, workload, mode, aging in (("FCFS", mixed_lengths, "newest", None),
     run_workload(e, workload)
     cells = []
     for low, high in BUCKETS:
-        ttfts = [metrics.ttft(r) for r in e.request_records() if low <= r.num_prompt_tokens < high]
+        ttfts = [metrics.ttft(r) for r in metrics.request_records(e) if low <= r.num_prompt_tokens < high]
         cells.append(f"{np.percentile(ttfts, 50):.3f}/{np.percentile(ttfts, 99):.3f}")
-    s = metrics.summarize(e.trace, e.request_records())
+    s = metrics.summarize(e.trace, metrics.request_records(e))
     print(f"{label:<20}" + "".join(f"{c:>14}" for c in cells)
           + f"{s['ttft_s']['p50']:>9.3f}{s['max_queue_age_s']:>15.2f}")
 
@@ -869,7 +869,7 @@ for label, mode in (("FCFS", "newest"), ("priority", "priority"), ("deadline", "
     for workload in (fairness, with_deadlines):
         e = make_sim_engine(policy="pd", max_num_seqs=2, preemption=mode)
         run_workload(e, workload)
-        records = e.request_records()
+        records = metrics.request_records(e)
         done = [r for r in records if metrics.is_completed(r)]
         missed = [r for r in records if r.finish_reason == "deadline"]
         assert metrics.summarize(e.trace, records)["deadline_missed"] == len(missed)
@@ -902,7 +902,7 @@ for mode in ("newest", "fair"):
                         chunk_size=512, preemption=mode)
     run_workload(e, two_tenants)
     for tenant in ("batch", "chat"):
-        records = [r for r in e.request_records() if r.tenant == tenant]
+        records = [r for r in metrics.request_records(e) if r.tenant == tenant]
         ttfts = [metrics.ttft(r) for r in records]
         print(f"{mode:<8}{tenant:<8}{np.percentile(ttfts, 50):>9.3f}"
               f"{np.percentile(ttfts, 99):>9.3f}"
@@ -927,7 +927,7 @@ print(f"{'budget':>7}{'goodput':>9}{'SLO met':>8}{'tok/s':>7}{'TTFT p99':>9}{'TP
       "  (simulated)")
 for budget in budgets:
     e = simulate(20, budget=budget)
-    s = metrics.summarize(e.trace, e.request_records(), slo=SLO)
+    s = metrics.summarize(e.trace, metrics.request_records(e), slo=SLO)
     sweep[budget] = s
     print(f"{budget:>7}{s['goodput_rps']:>9.2f}{s['slo_attainment']:>8.1%}"
           f"{s['output_tokens_per_s']:>7.0f}{s['ttft_s']['p99']:>9.3f}{s['tpot_s']['p99']:>9.4f}")
@@ -951,7 +951,7 @@ for budget in budgets:
     e = make_sim_engine("cpu", policy="pd", max_num_seqs=64, num_pages=40000,
                         max_num_batched_tokens=budget, chunk_size=budget)
     run_workload(e, traffic(0.15))
-    s = cpu_sweep[budget] = metrics.summarize(e.trace, e.request_records(), slo=slow_slo)
+    s = cpu_sweep[budget] = metrics.summarize(e.trace, metrics.request_records(e), slo=slow_slo)
     print(f"{budget:>7}{s['goodput_rps']:>9.3f}{s['slo_attainment']:>8.1%}"
           f"{s['ttft_s']['p99']:>9.1f}{s['tpot_s']['p99']:>9.3f}{s['max_itl_s']['p99']:>12.2f}")
 # the same requests meeting the SLO is a tie (goodput then differs only by when the last, late
@@ -977,7 +977,7 @@ for chunk in (128, 256, 512, 1024):
     e = make_sim_engine("h100-like", policy="pd", max_num_seqs=64, num_pages=40000,
                         max_num_batched_tokens=1024, chunk_size=chunk)
     run_workload(e, traffic(20))
-    s = metrics.summarize(e.trace, e.request_records(), slo=SLO)
+    s = metrics.summarize(e.trace, metrics.request_records(e), slo=SLO)
     print(f"{chunk:>6}{s['goodput_rps']:>9.2f}{s['slo_attainment']:>8.1%}"
           f"{s['ttft_s']['p50']:>9.3f}{s['ttft_s']['p99']:>9.3f}{s['tpot_s']['p99']:>9.4f}"
           f"{s['max_itl_s']['p99']:>12.3f}")
@@ -998,7 +998,7 @@ for seqs in (16, 32, 64, 128):
         e = make_sim_engine("h100-like", policy="pd", max_num_seqs=seqs, num_pages=40000,
                             max_num_batched_tokens=budget, chunk_size=budget)
         run_workload(e, traffic(20))
-        s = metrics.summarize(e.trace, e.request_records(), slo=SLO)
+        s = metrics.summarize(e.trace, metrics.request_records(e), slo=SLO)
         grid[(seqs, budget)] = s
         print(f"{seqs:>5}{budget:>7}{s['goodput_rps']:>9.2f}{s['slo_attainment']:>8.1%}"
               f"{s['output_tokens_per_s']:>7.0f}{s['max_queue_age_s']:>14.3f}")
@@ -1029,8 +1029,8 @@ for label, (mode, aging) in orders.items():
                             max_num_batched_tokens=budget, chunk_size=budget, preemption=mode,
                             priority_aging_steps=aging)
         run_workload(e, overload if label == "FCFS" else overload_by_size)
-        s = metrics.summarize(e.trace, e.request_records(), slo=SLO)
-        worst = max(np.percentile([metrics.ttft(r) for r in e.request_records()
+        s = metrics.summarize(e.trace, metrics.request_records(e), slo=SLO)
+        worst = max(np.percentile([metrics.ttft(r) for r in metrics.request_records(e)
                                    if low <= r.num_prompt_tokens < high], 99)
                     for low, high in BUCKETS)
         policy_grid[(label, budget)] = s

@@ -536,7 +536,7 @@ for k in (0, 4):
     outs = batch_llm.chat(conversations, params, use_tqdm=False)
     seconds = time.perf_counter() - t0
     engine = batch_llm.engine
-    s = metrics.summarize(engine.trace, engine.request_records())
+    s = metrics.summarize(engine.trace, metrics.request_records(engine))
     batch_runs[k] = [o.token_ids for o in outs]
     tokens = sum(len(o.token_ids) for o in outs)
     batch_speed[k] = (tokens / seconds, s["e2e_s"]["p50"], s["tpot_s"]["p50"])

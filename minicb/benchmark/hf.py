@@ -62,7 +62,7 @@ def hf_static(model: Any, workload: Workload, batch_size: int, device: str = "cp
     import torch
     from transformers import LogitsProcessor, LogitsProcessorList
 
-    from minicb.trace import RequestRecord
+    from minicb.benchmark.metrics import RequestRecord
 
     class Stamp(LogitsProcessor):
         def __init__(self) -> None:
@@ -136,7 +136,7 @@ def hf_generate_batch(model: Any, workload: Workload, max_num_seqs: int,
     from transformers import ContinuousBatchingConfig, GenerationConfig
     from transformers.generation.continuous_batching.utils import WorkloadHints
 
-    from minicb.trace import RequestRecord
+    from minicb.benchmark.metrics import RequestRecord
 
     vocab = model.config.vocab_size
     prompts = _hf_prompts(workload, vocab)

@@ -1,7 +1,8 @@
 """Metrics (chapters 05-06): every number of the benchmark contract, computed from plain data.
 
-Inputs are `engine.trace` (one `StepRecord` per step) and `engine.request_records()` (one
-`RequestRecord` per request): ids, counts and timestamps, no engine needed.
+Inputs are `engine.trace` (one `StepRecord` per step) and `request_records(engine)` (one
+`RequestRecord` per request; the client makes them from HTTP responses too): ids, counts and
+timestamps, no engine needed.
 
 Per request (seconds, and the same in steps where it makes sense):
     queue   first_scheduled - arrival
@@ -44,7 +45,9 @@ The PD pair, around one long prompt L (chapter 05):
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -55,6 +58,48 @@ PERCENTILES = (50, 95, 99)
 PERCENTILE_METHOD = "numpy linear interpolation (np.percentile, method='linear')"
 SLO_KEYS = ("ttft", "itl", "tpot", "e2e")
 COMPLETED = ("stop", "length")
+
+
+@dataclass
+class RequestRecord:
+    """A request as metrics see it: ids, lengths, timestamps."""
+
+    request_id: str
+    num_prompt_tokens: int
+    num_output_tokens: int
+    finish_reason: str | None
+    arrival_time: float | None
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finish_time: float | None
+    token_times: list[float]
+    arrival_step: int | None
+    first_scheduled_step: int | None
+    first_token_step: int | None
+    finish_step: int | None
+    token_steps: list[int]
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    num_recomputed_tokens: int = 0  # discarded K/V computed again (the rest came back cached)
+    priority: int = 0
+    released_time: float | None = None  # the response reached the user (E2E ends here)
+    released_step: int | None = None
+    tenant: str | None = None
+    # the response reached its user all at once, at the release (a static batch, chapter 02):
+    # its first token too, so TTFT ends there
+    returned_whole: bool = False
+    error: str | None = None  # why a failed request failed, in the server's words (client)
+    num_discarded_tokens: int = 0  # computed K/V its preemptions threw away (lost work)
+
+
+def request_records(engine: Any) -> list[RequestRecord]:
+    """Every request of `engine` as plain data: its counts and `Request.metrics`."""
+    return [RequestRecord(
+        r.request_id, r.num_prompt_tokens, len(r.output_token_ids), r.finish_reason,
+        num_cached_tokens=r.num_cached_tokens, num_preemptions=r.num_preemptions,
+        num_recomputed_tokens=r.num_recomputed_tokens, priority=r.priority, tenant=r.tenant,
+        returned_whole=r.returned_whole, num_discarded_tokens=r.num_discarded_tokens,
+        **dataclasses.asdict(r.metrics)) for r in engine.requests.values()]
 
 
 # ------------------------------------------------------------------------------ basics

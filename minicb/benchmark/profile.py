@@ -10,6 +10,7 @@ import platform
 import sys
 
 from minicb.benchmark.flags import check_writable, set_threads
+from minicb.benchmark.metrics import request_records
 from minicb.benchmark.runs import Executor, free_device_memory, run_policy, runtime_versions
 from minicb.benchmark.sim import (
     DEFAULT_CPU_COST_MODEL,
@@ -65,7 +66,7 @@ def run_profile(model: str = "smollm2-135m", device: str = "cpu", num_requests: 
                                  output_lengths="uniform:4:32", seed=seed, name="profile")
         options = {"max_num_seqs": seqs, "max_num_batched_tokens": budget, "chunk_size": budget}
         _, engine = run_policy(executor, policy, workload, options, None, progress)
-        runs.append((engine.trace, engine.request_records()))
+        runs.append((engine.trace, request_records(engine)))
         engine = None
         free_device_memory(device)
     name = f"{executor.describe()['name']} on {platform.node() or 'this machine'} ({device})"

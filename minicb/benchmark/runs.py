@@ -20,6 +20,7 @@ from typing import Any
 from minicb.attention import resolve_backend
 from minicb.benchmark.metrics import (
     PERCENTILE_METHOD,
+    request_records,
     resource_use,
     summarize,
 )
@@ -273,7 +274,7 @@ def run_policy(executor: Executor, policy: str, workload: Workload, options: dic
     finally:
         if bar is not None:
             bar.close()
-    summary = summarize(engine.trace, engine.request_records(), slo,
+    summary = summarize(engine.trace, request_records(engine), slo,
                         workload.long_request_id)
     summary.update(resource_use(engine.trace, engine.pool.num_pages,
                                 engine.config.max_num_batched_tokens))

@@ -45,11 +45,12 @@ import numpy as np
 import torch
 
 from minicb.benchmark import metrics
+from minicb.benchmark.metrics import RequestRecord
 from minicb.kv_cache import PagePool, page_hash, prompt_page_hashes
 from minicb.model.quant import quantize_rows
 from minicb.request import SamplingParams, Status
 from minicb.scheduler import POLICY_CLASSES, POLICY_FLAGS, Scheduler, schedule_prefill_chunks
-from minicb.trace import RequestRecord, StepRecord
+from minicb.trace import StepRecord
 
 
 class CheckFailed(AssertionError):
@@ -1678,7 +1679,7 @@ def _pd_trace(wl: CheckWorkload, policy: str, cut: int | None, cancel: int | Non
             engine.run(max_steps=cut)
     label = f"{wl.name} under {policy!r}" + (f", stopped after {cut} steps" if cut else "") \
         + (f", 'long' cancelled after step {cancel}" if cancel else "")
-    return label, list(engine.trace), engine.request_records(), "long"
+    return label, list(engine.trace), metrics.request_records(engine), "long"
 
 
 def _random_pd_trace(rng: random.Random, name: str

@@ -25,9 +25,9 @@ from typing import Any
 import httpx
 
 from minicb.benchmark import metrics
+from minicb.benchmark.metrics import RequestRecord
 from minicb.benchmark.runs import concurrency_declaration, without_slo
 from minicb.config import is_positive_int
-from minicb.trace import RequestRecord
 
 CLIENT_COLUMNS = (
     ("output_tokens_per_s", "out tok/s", "{:.1f}"),
