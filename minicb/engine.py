@@ -334,7 +334,7 @@ class Engine:
         try:
             batch = self.scheduler.schedule(ctx)
         finally:  # even if the policy raised: else a victim's K/V is lost
-            self.admission.recount()
+            self.admission.unclaimed = None  # queue and pool changed: count again
             copied = self.runner.copy_pages(ctx.batch)
         check_batch(batch, ctx, self.requests, self.scheduler.whole_prompts)
         return batch, copied

@@ -43,13 +43,9 @@ class ScheduledBatch:
 def queue_rank(preemption: str, tenant_service: Counter | None = None):
     """The waiting queue's sort key, and the reverse order of preemption: arrival ("newest"),
     `priority`, earliest deadline, or least-served tenant ("fair"); ties by arrival."""
-    if preemption == "priority":
-        return lambda r: (r.priority, r.seq_index)
-    if preemption == "deadline":
-        return lambda r: (r.deadline_time, r.seq_index)
-    if preemption == "fair":
-        return lambda r: (tenant_service[r.tenant], r.seq_index)
-    return lambda r: r.seq_index
+    first = {"priority": lambda r: r.priority, "deadline": lambda r: r.deadline_time,
+             "fair": lambda r: tenant_service[r.tenant]}.get(preemption, lambda r: 0)
+    return lambda r: (first(r), r.seq_index)
 
 
 def enqueue(waiting: deque[Request], req: Request, preemption: str,
@@ -140,9 +136,6 @@ class Admission:
             self.unclaimed = (state, self.pool.num_available - sum(
                 self.pages_to_admit(r, claimed) for r in self.waiting), claimed)
         return self.unclaimed[1]
-
-    def recount(self) -> None:
-        self.unclaimed = None
 
     def _state(self) -> tuple[int, ...]:
         return len(self.waiting), self.pool.num_free, self.pool.num_cached
@@ -517,16 +510,14 @@ class DynamicScheduler(StaticScheduler):
     waits_for_batch_timeout = True
 
     def ready_to_form(self, ctx: SchedulerContext) -> bool:
-        if not ctx.waiting:
-            return False
-        if len(ctx.waiting) >= ctx.config.max_num_seqs:
-            return True
+        if not ctx.waiting or len(ctx.waiting) >= ctx.config.max_num_seqs:
+            return bool(ctx.waiting)
         # the oldest waiting request's age, counted from its arrival
         if ctx.config.batch_timeout_in_seconds:
-            oldest = min(r.metrics.arrival_time for r in ctx.waiting)
-            return ctx.now - oldest >= ctx.config.batch_timeout
-        oldest = min(r.metrics.arrival_step for r in ctx.waiting)
-        return ctx.step - oldest >= ctx.config.batch_timeout
+            age = ctx.now - min(r.metrics.arrival_time for r in ctx.waiting)
+        else:
+            age = ctx.step - min(r.metrics.arrival_step for r in ctx.waiting)
+        return age >= ctx.config.batch_timeout
 
 
 class ContinuousScheduler(Scheduler):
@@ -587,8 +578,7 @@ POLICY_CLASSES: dict[str, type[Scheduler]] = {
 
 
 def make_scheduler(policy: str | Scheduler) -> Scheduler:
-    """A fresh scheduler for a policy name (checked by `EngineConfig`), or the learner's own
-    `Scheduler` instance."""
+    """A fresh scheduler for a policy name, or the learner's own `Scheduler` instance."""
     if isinstance(policy, Scheduler):
         return policy
     if isinstance(policy, str):
