@@ -8,32 +8,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
 import torch
-from numpy.lib.stride_tricks import sliding_window_view
 
 from minicb.request import SamplingParams
 from minicb.sampler import draw, probabilities
 
 
-def propose_ngram(token_ids: Sequence[int], k: int, n_max: int = 4, n_min: int = 2
-                  ) -> list[int]:
-    """Up to `k` tokens to guess after `token_ids`: what followed an earlier occurrence of its
-    last `n` tokens, `n` from `n_max` down to `n_min`; [] if none occurs."""
-    # the latest occurrence, or the earliest if fewer than `k` tokens follow the latest
-    ids = np.asarray(token_ids)
-    for n in range(min(n_max, len(ids) - 1), n_min - 1, -1):
-        # windows that end before the last token: each has at least one token after it
-        hits = np.flatnonzero((sliding_window_view(ids[:-1], n) == ids[-n:]).all(axis=1))
-        if len(hits):
-            start = int(hits[-1] if hits[-1] + n + k <= len(ids) else hits[0]) + n
-            return ids[start:start + k].tolist()
-    return []
-
-
 class NgramIndex:
-    """`propose_ngram` without a full scan, for one request whose tokens only grow."""
-    # the first and latest start of every run of n_min..n_max tokens, kept as tokens arrive
+    """Prompt lookup for one request whose tokens only grow: `propose` guesses what followed an
+    earlier occurrence of its last `n` tokens, `n` from `n_max` down to `n_min`."""
+    # the latest occurrence, or the earliest if fewer than `k` tokens follow the latest; the
+    # first and latest start of every run of n_min..n_max tokens are kept as tokens arrive, so
+    # a guess costs O(n_max), not a scan
 
     def __init__(self, n_max: int = 4, n_min: int = 2) -> None:
         self.n_max, self.n_min = n_max, n_min
@@ -42,7 +28,7 @@ class NgramIndex:
         self.num_indexed = 0  # runs ending before this position are indexed
 
     def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
-        """Up to `k` tokens to guess after `token_ids` (the request's tokens so far)."""
+        """Up to `k` tokens to guess after `token_ids` (the request's tokens so far); [] if none."""
         for end in range(self.num_indexed, len(token_ids) - 1):  # runs ending at `end` now
             for n in range(self.n_min, min(self.n_max, end + 1) + 1):  # have a token after
                 run = tuple(token_ids[end - n + 1:end + 1])

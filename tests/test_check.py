@@ -1059,17 +1059,17 @@ def test_slot_mapping_mistakes_are_named():
 
 def test_prompt_lookup_and_verification_mistakes_are_named():
     """Each mistake's hint fires on it alone (a variant that also gets every earlier case
-    right); the variant without a mistake is minicb's propose_ngram on 3,000 sequences."""
+    right); the variant without a mistake is minicb's NgramIndex on 3,000 sequences."""
 
     _lookup_variant = variant('_lookup_variant')
-    from minicb.speculative import propose_ngram
+    from minicb.speculative import NgramIndex
 
     rng = random.Random(0)
     for _ in range(3000):
         ids = [rng.randint(1, rng.choice([2, 3, 6])) for _ in range(rng.randint(1, 25))]
         n_max, k = rng.randint(1, 4), rng.randint(1, 5)
         n_min = rng.randint(1, n_max)
-        assert _lookup_variant(ids, k, n_max, n_min) == propose_ngram(ids, k, n_max, n_min)
+        assert _lookup_variant(ids, k, n_max, n_min) == NgramIndex(n_max, n_min).propose(ids, k)
     for mistake, hint in ((dict(pick="earliest"), "take the latest earlier occurrence"),
                           (dict(pick="latest"), "take the earliest instead"),
                           (dict(pick="latest roomy"), "not the latest of those that have k"),
@@ -1108,7 +1108,8 @@ def test_prompt_lookup_and_verification_mistakes_are_named():
     # its first wrong answer is also what "no shorter n" gives: all its answers tell them apart
     message = caught("prompt_lookup", self_matching)
     assert "match themselves" in message and "down to n_min" not in message
-    assert "minicb's own" in caught("prompt_lookup", propose_ngram)
+    assert "minicb's own" in caught("prompt_lookup", check._lookup_variant)
+    assert "minicb's own" in caught("prompt_lookup", NgramIndex.propose)
 
     verify = solution("08_speculative_decoding.ipynb")["verify_greedy"]
     assert "never yields fewer than one token" in caught(

@@ -409,7 +409,7 @@ print("same greedy tokens from both backends:", tokens["torch"] == tokens[KERNEL
 # %%
 # NBVAL_CHECK_OUTPUT
 from minicb.model.loader import load_model
-from minicb.speculative import propose_ngram, verify
+from minicb.speculative import NgramIndex, verify
 
 smollm2 = load_model("smollm2-135m")  # (model, info): the engines below share its weights
 tokenizer = smollm2[1].tokenizer
@@ -430,7 +430,7 @@ def lookup_by_hand(ids: list[int], k: int, n: int) -> list[int]:
 print("last 2 tokens:", [tokenizer.decode([t]) for t in ids[-2:]])
 guess = lookup_by_hand(ids, k=4, n=2)
 print("by hand:      ", repr(tokenizer.decode(guess)))
-print("minicb:       ", repr(tokenizer.decode(propose_ngram(ids, k=4, n_max=2, n_min=2))))
+print("minicb:       ", repr(tokenizer.decode(NgramIndex(n_max=2, n_min=2).propose(ids, k=4))))
 
 # %% [markdown]
 # Checking the guesses takes no new kernel. The last token and `k` guesses are `k + 1` query rows over the request's context: a small prefill chunk, as in chapter 05's mixed batch.

@@ -121,7 +121,7 @@ def _references(exercise: str) -> tuple[Callable, ...]:
     the whole run, `_check_scheduler`.)"""
     from minicb.attention import AttentionMetadata, build_metadata, cpu_kernel, torch_ref
     from minicb.kv_cache import PrefixIndex
-    from minicb.speculative import NgramIndex, propose_ngram, verify
+    from minicb.speculative import NgramIndex, verify
     if exercise == "best_setting":
         from minicb.benchmark import sweep  # only here: sweep imports the whole benchmark
         return (sweep.best_setting, sweep.requirement_failures, sweep.ranked)
@@ -151,7 +151,7 @@ def _references(exercise: str) -> tuple[Callable, ...]:
         "paged_attention": [torch_ref.attend, torch_ref.attend_decodes,
                             torch_ref.attend_prefills, cpu_kernel.attend,
                             cpu_kernel.attend_decodes, _attention_variant],
-        "prompt_lookup": [propose_ngram, NgramIndex.propose, _lookup_variant],
+        "prompt_lookup": [NgramIndex.propose, _lookup_variant],
         "verify_greedy": [verify, _verify_variant],
     }.get(exercise, []))
 
@@ -2514,11 +2514,11 @@ def _answers_within(fn: Callable[..., Any], cases: list[tuple], seconds: float
 
 def prompt_lookup(fn: Callable[[list[int], int, int, int], list[int]]) -> None:
     """Exercise 8.1: `fn(token_ids, k, n_max, n_min)` guesses up to k next tokens by prompt
-    lookup, like `minicb.speculative.propose_ngram`."""
-    from minicb.speculative import propose_ngram
+    lookup, like `minicb.speculative.NgramIndex.propose`."""
+    from minicb.speculative import NgramIndex
 
     name = "prompt_lookup"
-    _refuse_the_reference(name, fn, propose_ngram)
+    _refuse_the_reference(name, fn, NgramIndex.propose)
     edge = [([5, 6, 7, 8, 5, 6], 2, 2, 1), ([1, 2, 3, 1, 2, 3, 1, 2], 3, 3, 2),
             ([4, 4, 4, 4], 3, 3, 2), ([9], 4, 4, 2), ([9, 9], 2, 2, 1), ([1, 2, 3, 4], 2, 4, 2),
             ([7, 1, 2, 9, 9, 1, 2, 8, 1, 2], 2, 3, 2), ([3, 5, 3, 5, 3, 5, 3], 4, 4, 2)]
@@ -2534,14 +2534,12 @@ def prompt_lookup(fn: Callable[[list[int], int, int, int], list[int]]) -> None:
     for index, (label, group, _) in enumerate(named):
         with checked.case(label, group):
             _prompt_lookup_case(fn, name, cases, index)
-    checked.done(f"{len(named)} token sequences give the same guesses as minicb's propose_ngram")
+    checked.done(f"{len(named)} token sequences give the same guesses as minicb's prompt lookup")
 
 
 def _prompt_lookup_case(fn: Callable, name: str, cases: list[tuple], index: int) -> None:
-    from minicb.speculative import propose_ngram
-
     ids, k, n_max, n_min = cases[index]
-    want = propose_ngram(ids, k, n_max, n_min)
+    want = _lookup_variant(ids, k, n_max, n_min)
     shown = f"token_ids={ids}, k={k}, n_max={n_max}, n_min={n_min}"
     got = _as_list(_call(name, f"fn({shown})", fn, list(ids), k, n_max, n_min))
     if got == want:
@@ -2571,7 +2569,7 @@ def _prompt_lookup_case(fn: Callable, name: str, cases: list[tuple], index: int)
                         for case, answer in zip(cases, answers))] or [
         hint for mistake, hint in mistakes
         if got == _lookup_variant(ids, k, n_max, n_min, **mistake) and all(
-            _lookup_variant(*case, **mistake) == propose_ngram(*case)
+            _lookup_variant(*case, **mistake) == _lookup_variant(*case)
             for case in cases[:index])]
     why = f" It looks like you missed this: {explains[0]}." if explains else ""
     _fail(name, f"{shown}: expected {want}, got {_short(got)}.{why}")
