@@ -180,12 +180,11 @@ class EngineConfig:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
-        if self.priority_aging_steps is not None and self.preemption != "priority":
-            raise ValueError("priority_aging_steps ages priorities: it needs "
-                             "preemption='priority'")
-        if self.num_swap_pages is not None and self.preemption_mode != "swap":
-            raise ValueError("num_swap_pages sizes the swap space: it needs "
-                             "preemption_mode='swap'")
+        for name, does, knob, value in (
+                ("priority_aging_steps", "ages priorities", "preemption", "priority"),
+                ("num_swap_pages", "sizes the swap space", "preemption_mode", "swap")):
+            if getattr(self, name) is not None and getattr(self, knob) != value:
+                raise ValueError(f"{name} {does}: it needs {knob}={value!r}")
         if self.quantization and str(self.device).startswith("cuda"):
             raise ValueError("quantization='int8' is a CPU option (torch's int8-weight CPU "
                              "kernel); on CUDA use dtype='bfloat16'")
@@ -194,17 +193,17 @@ class EngineConfig:
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
         # a Scheduler instance is held to the rules of the policy it names (PDScheduler() is "pd")
         kind = self.policy if isinstance(self.policy, str) else getattr(self.policy, "name", None)
-        budget, seqs, chunk = self.max_num_batched_tokens, self.max_num_seqs, self.chunk_size
         for applies, small, big, why in (
-                (kind in ("chunked", "pd"), ("max_num_batched_tokens", budget),
-                 ("max_num_seqs", seqs), ", or running decodes cannot all advance in one step"),
-                (kind == "pd", ("chunk_size", chunk), ("max_num_seqs", seqs), ""),
-                (kind == "pd", ("chunk_size", chunk), ("min_chunk", self.min_chunk), ""),
-                (kind == "pd", ("max_num_batched_tokens", budget), ("min_chunk", self.min_chunk),
+                (kind in ("chunked", "pd"), "max_num_batched_tokens", "max_num_seqs",
+                 ", or running decodes cannot all advance in one step"),
+                (kind == "pd", "chunk_size", "max_num_seqs", ""),
+                (kind == "pd", "chunk_size", "min_chunk", ""),
+                (kind == "pd", "max_num_batched_tokens", "min_chunk",
                  ", or a chunk that size never fits a step and prefills never start")):
-            if applies and small[1] < big[1]:
-                raise ValueError(f"{small[0]} ({small[1]}) must be >= {big[0]} ({big[1]}) under "
-                                 f"policy {kind!r}{why}")
+            low, high = getattr(self, small), getattr(self, big)
+            if applies and low < high:
+                raise ValueError(f"{small} ({low}) must be >= {big} ({high}) under policy "
+                                 f"{kind!r}{why}")
         if self.device != "auto":
             resolve_device(self.device)
 

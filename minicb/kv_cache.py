@@ -58,8 +58,8 @@ class PrefixIndex:
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype,
            device: str | torch.device) -> torch.Tensor:
-    """A zero tensor for a page pool; on the CPU from calloc (numpy's zeros), so that only the
-    pages a run writes become resident, where torch.zeros would write every byte at load."""
+    """A zero tensor for a page pool: on the CPU from calloc, only the pages a run writes."""
+    # numpy's zeros come from calloc; torch.zeros would write every byte at load
     num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if torch.device(device).type != "cpu" or not num_bytes:
         return torch.zeros(shape, dtype=dtype, device=device)

@@ -59,9 +59,9 @@ def render_chat(tokenizer: Any, messages: list[dict]) -> str:
 
 
 class IncrementalDecoder:
-    """One request's output text, decoded as its tokens arrive from a short window of recent
-    tokens (vLLM's incremental detokenizer): O(n) in all, not O(n^2). A character split across
-    tokens is held back until it completes or the request ends."""
+    """One request's output text, decoded as its tokens arrive (vLLM's incremental detokenizer)."""
+    # from a short window of recent tokens: O(n) in all, not O(n^2); a character split across
+    # tokens is held back until it completes or the request ends
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
@@ -104,8 +104,8 @@ class IncrementalDecoder:
 
 
 class StopMatcher:
-    """One request's output text cut before the first of its stop strings (vLLM's `stop`),
-    looked for one token at a time as the text grows; none counts before `min_tokens`."""
+    """One request's output text cut before the first of its stop strings (vLLM's `stop`)."""
+    # looked for one token at a time as the text grows; none counts before `min_tokens`
 
     def __init__(self, tokenizer: Any, stop: Sequence[str] = (), min_tokens: int = 0) -> None:
         self.decoder = IncrementalDecoder(tokenizer)
@@ -205,8 +205,7 @@ class LLM:
         return sum(not self.engine.requests[rid].is_finished for rid in ids)
 
     def _close(self, ids: list[str]) -> None:
-        """Cancel what is left of `ids` (a stalled policy, Ctrl-C, a consumer gone): nothing
-        stays queued or allocated."""
+        """Cancel what is left of `ids` (a stalled policy, Ctrl-C, a consumer gone)."""
         for rid in ids:
             self.engine.cancel(rid)
             self._stops.pop(rid, None)

@@ -77,8 +77,8 @@ def check_pool_fits(num_pages: int, num_swap_pages: int, per_page: int, device: 
 
 
 def load(model, config: EngineConfig):
-    """(config, model, info, KV dtype), config.device="auto" resolved (to where a loaded model
-    lies); a loaded `(model, info)` pair must match the config."""
+    """(config, model, info, KV dtype) for `model`; a loaded `(model, info)` pair is checked."""
+    # config.device="auto" becomes where a loaded model lies
     from minicb.model.loader import load_model
     if isinstance(model, torch.nn.Module):  # str(model) would be its repr as a path
         raise ValueError("model is a loaded module without its info: pass the pair "

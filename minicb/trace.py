@@ -70,8 +70,8 @@ class StepRecord:
 
 def record_step(step: int, members: list[Member], batch, pool, waiting, running,
                 snapshots: bool, **fields) -> StepRecord:
-    """The record of one step (chapter 03): its members, the batch's idle and preempted ones,
-    the pool's counts after it, `fields`, and with `snapshots` what the step pictures draw."""
+    """The record of one step (chapter 03): members, idle and preempted ones, counts, `fields`."""
+    # with `snapshots`, the copies the step pictures draw
     record = StepRecord(
         step=step, members=members + [Member(r.request_id, "idle", 0, r.slot) for r in batch.idle],
         waiting=[r.request_id for r in waiting] if snapshots else [],
