@@ -12,12 +12,14 @@ import pytest
 import torch
 from tiny_models import make_tiny_checkpoint
 
-from minicb.attention import build_metadata
+from minicb.attention import build_metadata, cpu_kernel
 from minicb.model import ModelConfig, is_bundled, load_model
 from minicb.model.llama import rope_inv_freq
 from minicb.model.prepack import PackedLinear, prepack_available, prepack_possible
 
 needs_prepack = pytest.mark.skipif(not prepack_available(), reason="torch built without oneDNN")
+needs_cc = pytest.mark.skipif(cpu_kernel.unavailable_reason() is not None,
+                              reason="the CPU kernels do not build here")
 
 PAGE_SIZE = 4
 PROMPTS = [[5], [17, 3, 99, 42, 8, 8, 200], list(range(30, 53))]  # 1 token, < 2 pages, 6 pages
@@ -63,13 +65,17 @@ def load_hf(path, ignore_eos: bool = False):
 
 # --- parity with transformers on tiny random checkpoints ----------------------------------------
 
+@pytest.mark.parametrize("backend", ["torch", pytest.param("cpu", marks=needs_cc)])
 @pytest.mark.parametrize("prepack", [False, pytest.param(True, marks=needs_prepack)],
                          ids=["F.linear", "prepacked"])
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "llama3-rope"])
-def test_greedy_matches_hf(tiny_checkpoint, arch, tie, prepack):
+def test_greedy_matches_hf(tiny_checkpoint, arch, tie, prepack, backend):
+    """Greedy tokens equal transformers', and every step's logits within 1e-4, whichever
+    products (F.linear, oneDNN's packed ones, the C one-row product) and whichever attention
+    backend (the cpu one runs each decoded row's layer as one C call) the model takes."""
     path = tiny_checkpoint(arch, tie=tie)
-    model, info = load_model(path, prepack=prepack)
+    model, info = load_model(path, prepack=prepack, attention_backend=backend)
     assert model.prepacked == prepack and info.config.tie_word_embeddings == tie
     assert (model.lm_head is None) == (tie and not prepack)  # prepacking packs a tied head too
     hf = load_hf(path, ignore_eos=True)
@@ -171,14 +177,16 @@ def test_sharded_checkpoint_loads_the_same(tiny_llama_dir, tmp_path):
 @needs_prepack
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_is_the_same_product(bias):
+    """Batches (oneDNN's packed weight), a single row (the C product over the plain weight),
+    strided and empty inputs: all F.linear's product to float32 rounding."""
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(40, 24, generator=gen)
     b = torch.randn(40, generator=gen) if bias else None
     layer = PackedLinear(weight, b)
-    assert torch.equal(layer.unpacked(), weight)
-    x = torch.randn(3, 5, 24, generator=gen)
-    torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, weight, b),
-                               rtol=1e-5, atol=1e-5)
+    assert torch.equal(layer.weight, weight)
+    for x in (torch.randn(3, 5, 24, generator=gen), torch.randn(1, 24, generator=gen)):
+        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, weight, b),
+                                   rtol=1e-5, atol=1e-5)
     strided = torch.randn(24, 7, generator=gen).T  # not contiguous
     torch.testing.assert_close(layer(strided), strided @ weight.T + (0 if b is None else b),
                                rtol=1e-5, atol=1e-5)
@@ -193,7 +201,7 @@ def test_prepack_is_the_float32_cpu_default(tiny_llama_dir, monkeypatch):
     plain, _ = load_model(tiny_llama_dir, prepack=False)
     assert packed.prepacked and not plain.prepacked
     assert isinstance(packed.layers[0].mlp.down_proj, PackedLinear)
-    assert torch.equal(packed.layers[0].mlp.down_proj.unpacked(),
+    assert torch.equal(packed.layers[0].mlp.down_proj.weight,
                        plain.layers[0].mlp.down_proj.weight)
     count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
     assert count(packed) == count(plain)
@@ -223,7 +231,7 @@ def test_packed_bfloat16_is_the_same_product_and_model():
     weight = torch.randn(40, 24, generator=gen).bfloat16()
     bias = torch.randn(40, generator=gen).bfloat16()
     layer = PackedLinear(weight, bias)
-    assert layer.weight.dtype == torch.bfloat16 and torch.equal(layer.unpacked(), weight)
+    assert layer.weight.dtype == torch.bfloat16 and torch.equal(layer.weight, weight)
     x = torch.randn(3, 24, generator=gen).bfloat16()
     torch.testing.assert_close(layer(x).float(), torch.nn.functional.linear(x, weight, bias)
                                .float(), rtol=2e-2, atol=2e-2)

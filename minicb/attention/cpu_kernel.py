@@ -1,16 +1,18 @@
-"""The CPU kernel backend (chapter 08): decode rows attend over their pages in place, through
-a small C kernel (`paged_decode.c`), instead of the torch reference's gathered copy of every
-context. Prefill chunks, KV stores, RMSNorm and RoPE are the torch reference's own.
+"""The CPU kernel backend (chapter 08): C kernels for the CPU where PyTorch's are slow or many.
 
-Why: in a decode step of 32 requests on SmolLM2 the reference spends about a quarter of the
-step copying keys and values out of their pages (`index_select`) and then reads the copy again
-in `scaled_dot_product_attention`; the kernel reads each key and value once, where it lies.
+- Decode rows attend over their pages in place (`paged_decode.c`), where the torch reference
+  copies every context out of its pages and then reads the copy again. Prefill chunks and KV
+  stores are the reference's.
+- RMSNorm and RoPE are one call each (`cpu_ops.c`), where PyTorch dispatches six to eight small
+  operations: at one decoded row those dispatches, not the arithmetic, were their cost.
+- `gemv` is the product of one row by a weight in nn.Linear's layout at the speed of memory,
+  which the model's CPU projections use for a single row (`minicb/model/prepack.py`).
 
-The kernel is compiled once with the system C compiler (`cc`, or `$CC`) and cached under
+The C code is compiled once with the system C compiler (`cc`, or `$CC`) and cached under
 `$MINICB_CACHE/kernels`, keyed by its source, the flags, the compiler and this CPU. Where no
 compiler works, `attention_backend="auto"` keeps the torch reference and `"cpu"` is refused
-with the compiler's own message. It reads float32 or bfloat16 caches on the CPU and computes in
-float32; anything else (float16) takes the reference's decode path.
+with the compiler's own message. Kernels compute in float32: attention reads float32 or
+bfloat16 caches; any other dtype takes the reference's path.
 """
 
 from __future__ import annotations
@@ -22,43 +24,38 @@ import platform
 import shlex
 import shutil
 import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
 
 from minicb.attention import AttentionMetadata, _warn_once, int_tensor, torch_ref
-from minicb.attention.torch_ref import rms_norm, rope, store_kv  # noqa: F401 (the backend API)
+from minicb.attention.torch_ref import store_kv  # noqa: F401 (the backend API)
 from minicb.config import cache_root, cpuinfo
 
 SOURCE = Path(__file__).with_name("paged_decode.c")
-# -march=native: built where it runs (the cache key names the CPU); -fopenmp: the loop's threads
+SOURCES = (SOURCE, SOURCE.with_name("cpu_ops.c"))
+# -march=native: built where it runs (the cache key names the CPU); -fopenmp: the loops' threads
 # are PyTorch's own (the same libgomp.so.1); no -ffast-math, which would set flush-to-zero for
 # the whole process: `omp simd reduction` already lets the compiler vectorize the dot products;
 # -fno-strict-aliasing: the bfloat16 path writes a row's bits as integers and reads them as floats
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-strict-aliasing", "-fPIC", "-shared")
-
+KEEP_BUILDS = 4  # builds kept in the cache: other checkouts or compilers may share it
 PROFILE_NAME = "minicb::paged_decode_attention"
-DTYPES = (torch.float32, torch.bfloat16)  # cache dtypes the kernel reads
+DTYPES = (torch.float32, torch.bfloat16)  # cache dtypes the attention kernel reads
 
-_kernels = None  # cache dtype -> the loaded function, once built
+_library: ctypes.CDLL | None = None  # once built
 _failure: str | None = None  # why it could not be built, once tried
 _lock = threading.Lock()  # one build per process, even when engines start in several threads
-
-
-def _umask() -> int:
-    """The process's umask. os.umask reads it only by setting it, which for a moment would
-    change it for every thread: Linux shows it in /proc instead."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    umask = os.umask(0o022)
-    os.umask(umask)
-    return umask
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_SIGNATURES = {  # C function -> argument types (all return int or nothing)
+    "paged_decode_attention": [_P, _I, _P, _P, _P, _P, _I, _P, *[_I] * 6, _F, _I],
+    "paged_decode_attention_bf16": [_P, _I, _P, _P, _P, _P, _I, _P, *[_I] * 6, _F, _I],
+    "gemv_f32": [_P, _P, _P, _P, _I, _I, _I],
+    "rms_norm_f32": [_P, _I, _P, _P, _I, _I, _F, _I],
+    "rope_f32": [_P, _I, _I, _P, _I, _I, _I, _I, _P, _P, _I],
+    "decode_layer_f32": [_P, _P, _P, _P, _F, *[_P] * 12, _I, _P, _P, *[_I] * 6, _F, _I],
+}
 
 
 def _compiler() -> list[str] | None:
@@ -70,105 +67,142 @@ def _compiler() -> list[str] | None:
 
 
 def library_path(compiler: list[str]) -> Path:
-    """Where the built kernel lives: one file per source, flags, compiler and CPU."""
+    """Where the built kernels live: one file per source, flags, compiler and CPU."""
     try:
         version = subprocess.run([*compiler, "--version"], capture_output=True, text=True,
                                  timeout=30).stdout
     except FileNotFoundError as exc:
         raise RuntimeError(f"the C compiler {shlex.join(compiler)!r} was not found") from exc
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(CFLAGS), shlex.join(compiler),
-                                    version, cpuinfo("flags", "Features")
+    key = hashlib.sha256("\n".join([*(s.read_text() for s in SOURCES), " ".join(CFLAGS),
+                                    shlex.join(compiler), version, cpuinfo("flags", "Features")
                                     or platform.processor() or platform.machine()]
                                    ).encode()).hexdigest()[:16]
     return cache_root() / "kernels" / f"paged_decode-{key}.so"
 
 
 def _build(compiler: list[str], target: Path) -> ctypes.CDLL:
-    """Compile into a temporary file, load it, then move it to `target` (atomic: a concurrent
-    build never sees half a file, and the library loaded is the one just built even if another
-    process replaces or removes `target` meanwhile)."""
+    """Compile into a file of this process's own, load it, then rename it to `target` (atomic:
+    a concurrent build never sees half a file, and the library loaded is the one just built
+    even if another process replaces `target` meanwhile). The linker gives it the umask's mode,
+    so a shared cache can read it."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
+    tmp = target.with_name(f".{target.stem}-{os.getpid()}.so")
     try:
-        done = subprocess.run([*compiler, *CFLAGS, str(SOURCE), "-o", tmp, "-lm"],
+        done = subprocess.run([*compiler, *CFLAGS, *map(str, SOURCES), "-o", str(tmp), "-lm"],
                               capture_output=True, text=True, timeout=300)
         if done.returncode:
-            raise RuntimeError(f"{shlex.join(compiler)} could not build {SOURCE.name}:\n"
+            raise RuntimeError(f"{shlex.join(compiler)} could not build "
+                               f"{', '.join(s.name for s in SOURCES)}:\n"
                                f"{done.stderr.strip()[-2000:]}")
-        os.chmod(tmp, 0o755 & ~_umask())  # mkstemp made it private: a shared cache reads it
-        library = ctypes.CDLL(tmp)
+        library = ctypes.CDLL(str(tmp))
         os.replace(tmp, target)
-        _prune(target.parent)
-        return library
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-KEEP_BUILDS = 4  # builds kept in the cache: other checkouts or compilers may share it
-
-
-def _prune(folder: Path, keep: int = KEEP_BUILDS) -> None:
-    """Remove all but the `keep` newest kernel builds: each change to the source, the flags or
-    the compiler makes a new one (about 30 KB), and nothing else ever removes the old. A
-    process that loaded a removed file keeps its mapping; the next load rebuilds."""
-    builds = sorted(folder.glob("paged_decode-*.so"), key=lambda p: p.stat().st_mtime,
-                    reverse=True)
-    for old in builds[keep:]:
+        tmp.unlink(missing_ok=True)
+    # each change to the sources, flags or compiler makes a new build, and nothing else removes
+    # the old: keep the newest (a process that loaded a removed one keeps its mapping)
+    builds = sorted(target.parent.glob("paged_decode-*.so"), key=lambda p: p.stat().st_mtime)
+    for old in builds[:-KEEP_BUILDS]:
         old.unlink(missing_ok=True)
+    return library
 
 
 def _load(compiler: list[str]) -> ctypes.CDLL:
     path = library_path(compiler)
     try:
-        return ctypes.CDLL(str(path))  # built before, by this or another process
+        library = ctypes.CDLL(str(path))  # built before, by this or another process
     except OSError:  # not built yet, or a damaged file in the cache: build it (again)
-        return _build(compiler, path)
+        library = _build(compiler, path)
+    for name, argtypes in _SIGNATURES.items():
+        getattr(library, name).argtypes = argtypes
+    return library
 
 
-def _declare(fn):
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, *[i64] * 6, ctypes.c_float, i64]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-def kernel(cache_dtype: torch.dtype = torch.float32):
-    """The compiled kernel for float32 or bfloat16 caches, built on first use; RuntimeError
-    saying why not."""
-    global _kernels, _failure
-    if _kernels is not None:  # every layer of every step: no lock once built
-        return _kernels[cache_dtype]
+def library() -> ctypes.CDLL:
+    """The compiled kernels, built on first use; RuntimeError saying why not."""
+    global _library, _failure
+    if _library is not None:  # every layer of every step: no lock once built
+        return _library
     with _lock:
-        if _kernels is None and _failure is None:
+        if _library is None and _failure is None:
             try:
                 compiler = _compiler()
                 if compiler is None:
                     raise RuntimeError("no C compiler found (set CC, or install gcc)")
-                library = _load(compiler)
+                _library = _load(compiler)
             except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
                 _failure = str(exc)
-            else:
-                _kernels = {torch.float32: _declare(library.paged_decode_attention),
-                            torch.bfloat16: _declare(library.paged_decode_attention_bf16)}
-    if _kernels is None:
+    if _library is None:
         raise RuntimeError(f"the CPU attention kernel is unavailable: {_failure}")
-    return _kernels[cache_dtype]
+    return _library
 
 
 def unavailable_reason() -> str | None:
-    """None if the kernel builds and loads here, else why not (tried once per process)."""
+    """None if the kernels build and load here, else why not (tried once per process)."""
     try:
-        kernel()
+        library()
     except RuntimeError as exc:
         return str(exc)
     return None
 
 
-def _runs_here(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    return (q.device.type == "cpu" and k_cache.dtype == v_cache.dtype and k_cache.dtype in DTYPES
-            and k_cache.is_contiguous() and v_cache.is_contiguous())
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [1, in] @ weight.T (+ bias) for float32 CPU tensors, weight [out, in] contiguous."""
+    y = torch.empty(1, weight.shape[0])
+    x = x if x.is_contiguous() else x.contiguous()
+    library().gemv_f32(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+                       y.data_ptr(), weight.shape[0], weight.shape[1], torch.get_num_threads())
+    return y
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`torch_ref.rms_norm` as one C call for float32 rows [T, D] with a contiguous last
+    dimension; anything else (heads, other dtypes) takes the reference."""
+    if x.dtype != torch.float32 or x.dim() != 2 or x.stride(-1) != 1 or x.device.type != "cpu":
+        return torch_ref.rms_norm(x, weight, eps)
+    out = torch.empty(x.shape)
+    library().rms_norm_f32(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(),
+                           x.shape[0], x.shape[1], eps, torch.get_num_threads())
+    return out
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`torch_ref.rope` as one C call that rotates float32 q and k in place (this step's fresh
+    projections, views of one q/k/v product); returns (q, k)."""
+    tensors = (q, k, cos, sin)
+    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors) or \
+            q.stride(-1) != 1 or q.stride(-2) != q.shape[-1] or k.stride(-1) != 1 or \
+            k.stride(-2) != k.shape[-1] or not (cos.is_contiguous() and sin.is_contiguous()):
+        return torch_ref.rope(q, k, cos, sin)
+    library().rope_f32(q.data_ptr(), q.stride(0), q.shape[1], k.data_ptr(), k.stride(0),
+                       k.shape[1], q.shape[0], q.shape[2], cos.data_ptr(), sin.data_ptr(),
+                       torch.get_num_threads())
+    return q, k
+
+
+def decode_layer(x: torch.Tensor, weights: list[torch.Tensor | None], eps: float,
+                 cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                 kv_cache: tuple[torch.Tensor, torch.Tensor], scale: float) -> torch.Tensor:
+    """One decoded float32 row x [1, hidden] through one decoder layer in one C call
+    (`decode_layer_f32`), in place; `weights` are `DecoderLayer.row_weights()`. At one row a
+    layer is four weight reads and some thirty small operations: dispatched one by one from
+    Python, those cost a sixth of the step."""
+    k_cache, v_cache = kv_cache
+    _check_metadata(meta, k_cache)
+    page_size, kv_heads, head_dim = k_cache.shape[1:]
+    hidden, q_size, inter = x.shape[1], weights[6].shape[1], weights[9].shape[1]
+    pos = meta.context_lens_list[0] - 1
+    slot = meta.page_table_list[0][pos // page_size] * page_size + pos % page_size
+    scratch = torch.empty(2 * hidden + 2 * q_size + 2 * kv_heads * head_dim + 2 * inter)
+    failed = library().decode_layer_f32(
+        x.data_ptr(), scratch.data_ptr(), weights[0].data_ptr(), weights[1].data_ptr(), eps,
+        *(None if w is None else w.data_ptr() for w in weights[2:]), cos.data_ptr(),
+        sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slot, meta.page_tables.data_ptr(),
+        meta.context_lens.data_ptr(), page_size, hidden, q_size // head_dim, kv_heads, head_dim,
+        inter, scale, torch.get_num_threads())
+    if failed:
+        raise MemoryError("the CPU attention kernel could not allocate its score buffers")
+    return x
 
 
 def _check_metadata(meta: AttentionMetadata, k_cache: torch.Tensor) -> None:
@@ -232,11 +266,19 @@ def attend_decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         out[:nd] = od
 
 
+def kernel(cache_dtype: torch.dtype = torch.float32):
+    """The decode attention kernel for float32 or bfloat16 caches."""
+    lib = library()
+    return lib.paged_decode_attention_bf16 if cache_dtype == torch.bfloat16 else \
+        lib.paged_decode_attention
+
+
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q [T, heads, D] over the paged caches -> [T, heads, D]: decode rows through the kernel,
     prefill chunks through the torch reference."""
-    if not _runs_here(q, k_cache, v_cache):
+    if not (q.device.type == "cpu" and k_cache.dtype == v_cache.dtype and k_cache.dtype in DTYPES
+            and k_cache.is_contiguous() and v_cache.is_contiguous()):
         _warn_once(f"the cpu attention kernel reads contiguous float32 or bfloat16 caches on the "
                    f"CPU; these ({k_cache.dtype}, {k_cache.device}) take the torch reference")
         return torch_ref.attend(q, k_cache, v_cache, meta, scale)

@@ -236,6 +236,15 @@ class DecoderLayer(nn.Module):
                                backend)
         return x + self.mlp(self.post_attention_layernorm(x, backend))
 
+    def row_weights(self) -> list[torch.Tensor | None]:
+        """This layer's tensors in the order the cpu backend's `decode_layer` reads them."""
+        attn, mlp = self.self_attn, self.mlp
+        return [self.input_layernorm.weight, self.post_attention_layernorm.weight,
+                attn.qkv_proj.weight, attn.qkv_proj.bias,
+                attn.q_norm and attn.q_norm.weight, attn.k_norm and attn.k_norm.weight,
+                attn.o_proj.weight, attn.o_proj.bias, mlp.gate_up_proj.weight,
+                mlp.down_proj.weight]
+
 
 def projections(model: LlamaModel) -> list[tuple[nn.Module, str]]:
     """(owner, attribute name) of every layer's four projections: what int8 quantization and
@@ -293,8 +302,16 @@ class LlamaModel(nn.Module):
         [num_pages, page_size, num_kv_heads, head_dim]; returns float logits [N, vocab]."""
         cos, sin = self.rope(positions)
         x = self.embed_tokens(input_ids)
+        backend, eps = self.attention_backend, self.config.rms_norm_eps
+        # one decoded row on the CPU: each layer is one C call (see cpu_kernel.decode_layer)
+        one_row = (len(input_ids) == 1 and hasattr(backend, "decode_layer")
+                   and x.dtype == torch.float32 and self.quantization is None)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, meta, kv_cache, self.attention_backend)
+            if one_row:
+                x = backend.decode_layer(x, layer.row_weights(), eps, cos, sin, meta, kv_cache,
+                                         layer.self_attn.scale)
+            else:
+                x = layer(x, cos, sin, meta, kv_cache, backend)
         x = self.norm(x[logits_indices], self.attention_backend)
         logits = F.linear(x, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(x)
         return logits.float()

@@ -1,25 +1,27 @@
-"""Prepacked projections: the CPU's fast path for every matrix product (chapter 01, "A third
-lever: the same bytes, a better layout").
+"""Prepacked projections: the CPU's fast paths for every matrix product (chapter 01, "A third
+lever: the same bytes, a better layout"; chapter 08, "CPU speed").
 
 `F.linear` hands a float32 product to torch's general matrix multiply (MKL in the x86 CPU
 wheels), which copies the weight into the layout of its inner loops on every call. oneDNN's
-inner-product primitive instead takes a weight stored once in its own blocked layout
-(`AB16b64a` with AVX-512): `prepack_model` converts every projection of a loaded model, and the
-LM head, once at load time. On the course machine (AMD EPYC, 2 cores, AVX-512) SmolLM2-135M's
-projections then run 2.1-2.6x faster at every batch size from 1 to 2,048 rows (bench/README.md).
-The results are the same float32 products, summed in a different order: they differ from
-`F.linear`'s by about 1e-6 relative.
+inner-product primitive instead takes a weight stored once in its own blocked layout:
+`prepack_model` converts every projection of a loaded model, and the LM head, once at load
+time, and batches of rows run 2.1-2.6x faster (bench/README.md).
 
-bfloat16 weights are prepacked the same way where oneDNN runs bf16 products (AVX-512 BF16 or
-AMX): on an Intel Xeon with AMX a forward's products ran 1.2-1.4x faster at 1-32 rows (0.8-0.9x
-at 512) and `pd` on the mixed chat benchmark 1.02-1.30x in three alternated pairs.
+One row is another problem: a decode step of one request reads every weight once and does two
+flops per weight, so its speed is the memory's, and neither library streams a single row at it.
+A `PackedLinear` therefore keeps the plain [out, in] weight too, and multiplies a single float32
+row by it with the CPU backend's C `gemv` (each weight row read once, front to back, split over
+the threads), where it builds; that costs a second copy of the projections in memory.
+
+The packed and the plain products are the same float32 products, summed in different orders:
+they differ by about 1e-6 relative. bfloat16 weights are prepacked the same way where oneDNN runs
+bf16 products (AVX-512 BF16 or AMX); their single rows take oneDNN too.
 
 It is on by default for these weights on an x86-64 CPU; `load_model(..., prepack=False)` or
 `MINICB_PREPACK=0` keeps `F.linear` (to compare, or where oneDNN is missing), and
-`prepack=True` asks for it elsewhere (an Arm CPU, where it is unmeasured). The op is torch's own
-(`torch.ops.mkldnn`, as `torch.compile` uses it on the CPU), not a new kernel. A prepacked model
-is for inference where it was loaded: its packed weights cannot be copied, saved, cast or moved
-to another device (load it again instead).
+`prepack=True` asks for it elsewhere (an Arm CPU). The packed op is torch's own
+(`torch.ops.mkldnn`, as `torch.compile` uses it on the CPU). A prepacked model is for inference
+where it was loaded: its packed weights cannot be copied, saved, cast or moved (load it again).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import platform
 import torch
 import torch.nn as nn
 
+from minicb.attention import cpu_kernel
 from minicb.model.llama import projections
 
 
@@ -62,38 +65,37 @@ def prepack_wanted(device: str | torch.device, dtype: torch.dtype) -> bool:
 
 
 class PackedLinear(nn.Module):
-    """y = x @ weight.T + bias, with the weight held in oneDNN's blocked layout.
-
-    The packed weight is an opaque tensor: it has a shape and a dtype, but no strides, so only
-    `forward` and `unpacked()` can read it (`copy.deepcopy`, `torch.save`, `.half()` and `.to()`
-    fail on it). A projection's weight is a parameter (parameter counts stay the same); a tied
-    LM head's is a buffer outside the state dict: a second float32 copy of the embedding (113 MB
-    for SmolLM2), not counted twice."""
+    """y = x @ weight.T + bias, with the weight held twice: plain ([out, in], `weight`) for a
+    single row, and in oneDNN's blocked layout (`packed`, an opaque tensor without strides that
+    only oneDNN reads) for several. A tied LM head's `weight` is the embedding itself, a buffer
+    outside the state dict, so parameters are counted once."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  tied: bool = False) -> None:
         super().__init__()
-        # the batch size is only a hint for the layout; any number of rows works afterwards
-        weight = weight.detach()
+        weight = weight.detach().contiguous()
         if weight.dtype not in (torch.float32, torch.bfloat16):
             weight = weight.float()
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 32)
         if tied:
-            self.register_buffer("weight", packed, persistent=False)
+            self.register_buffer("weight", weight, persistent=False)
         else:
-            self.weight = nn.Parameter(packed, requires_grad=False)
+            self.weight = nn.Parameter(weight, requires_grad=False)
+        # the batch size is only a hint for the layout; any number of rows works afterwards
+        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight, 32),
+                             persistent=False)
         self.bias = None if bias is None else nn.Parameter(
             bias.detach().to(weight.dtype).clone(), requires_grad=False)
         self.out_features, self.in_features = weight.shape
+        self.gemv = weight.dtype == torch.float32 and cpu_kernel.unavailable_reason() is None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).contiguous()
-        y = torch.ops.mkldnn._linear_pointwise(flat, self.weight, self.bias, "none", [], "")
+        flat = x.reshape(-1, self.in_features)
+        if self.gemv and flat.shape[0] == 1 and x.dtype == torch.float32:
+            y = cpu_kernel.gemv(flat, self.weight, self.bias)
+        else:
+            y = torch.ops.mkldnn._linear_pointwise(flat.contiguous(), self.packed, self.bias,
+                                                   "none", [], "")
         return y.reshape(*x.shape[:-1], self.out_features)
-
-    def unpacked(self) -> torch.Tensor:
-        """The weight in the ordinary [out, in] layout (for tests and inspection)."""
-        return self.weight.to_dense()
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, prepacked"
