@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from minicb.attention import AttentionMetadata, _warn_once, int_tensor, torch_ref
-from minicb.attention.torch_ref import store_kv  # noqa: F401 (the backend API)
+from minicb.attention.torch_ref import rms_norm, rope, store_kv  # noqa: F401 (the backend API)
 from minicb.config import cache_root, cpuinfo
 
 SOURCE = Path(__file__).with_name("paged_decode.c")
@@ -52,8 +52,6 @@ _SIGNATURES = {  # C function -> argument types (all return int or nothing)
     "paged_decode_attention": [_P, _I, _P, _P, _P, _P, _I, _P, *[_I] * 6, _F, _I],
     "paged_decode_attention_bf16": [_P, _I, _P, _P, _P, _P, _I, _P, *[_I] * 6, _F, _I],
     "gemv_f32": [_P, _P, _P, _P, _I, _I, _I],
-    "rms_norm_f32": [_P, _I, _P, _P, _I, _I, _F, _I],
-    "rope_f32": [_P, _I, _I, _P, _I, _I, _I, _I, _P, _P, _I],
     "decode_layer_f32": [_P, _P, _P, _P, _F, *[_P] * 12, _I, _P, _P, *[_I] * 6, _F, _I],
 }
 
@@ -152,32 +150,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> to
     library().gemv_f32(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
                        y.data_ptr(), weight.shape[0], weight.shape[1], torch.get_num_threads())
     return y
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`torch_ref.rms_norm` as one C call for float32 rows [T, D] with a contiguous last
-    dimension; anything else (heads, other dtypes) takes the reference."""
-    if x.dtype != torch.float32 or x.dim() != 2 or x.stride(-1) != 1 or x.device.type != "cpu":
-        return torch_ref.rms_norm(x, weight, eps)
-    out = torch.empty(x.shape)
-    library().rms_norm_f32(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(),
-                           x.shape[0], x.shape[1], eps, torch.get_num_threads())
-    return out
-
-
-def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`torch_ref.rope` as one C call that rotates float32 q and k in place (this step's fresh
-    projections, views of one q/k/v product); returns (q, k)."""
-    tensors = (q, k, cos, sin)
-    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors) or \
-            q.stride(-1) != 1 or q.stride(-2) != q.shape[-1] or k.stride(-1) != 1 or \
-            k.stride(-2) != k.shape[-1] or not (cos.is_contiguous() and sin.is_contiguous()):
-        return torch_ref.rope(q, k, cos, sin)
-    library().rope_f32(q.data_ptr(), q.stride(0), q.shape[1], k.data_ptr(), k.stride(0),
-                       k.shape[1], q.shape[0], q.shape[2], cos.data_ptr(), sin.data_ptr(),
-                       torch.get_num_threads())
-    return q, k
 
 
 def decode_layer(x: torch.Tensor, weights: list[torch.Tensor | None], eps: float,

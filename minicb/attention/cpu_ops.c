@@ -1,7 +1,7 @@
-/* The CPU backend's small kernels (chapter 08): a product of one row, RMSNorm and RoPE, in
-   float32. At one decoded row a step reads every weight once and does little else, so it runs
-   at the speed of memory, plus whatever it spends between reads: here each operation is one
-   call over plain arrays, where PyTorch dispatches several small ones.
+/* One decoded row on the CPU (chapter 08), in float32. At one row a decode step reads every
+   weight once and does two flops per weight, so it runs at the speed of memory, plus whatever
+   it spends between the reads: here a product streams each weight row once, and a whole
+   decoder layer is one call, where PyTorch dispatches some thirty small operations.
    Built with paged_decode.c by minicb/attention/cpu_kernel.py; threads are OpenMP's, as many as
    the caller's torch.get_num_threads(). */
 
@@ -22,13 +22,12 @@ void gemv_f32(const float *x, const float *w, const float *bias, float *y, int64
     }
 }
 
-/* out[t] = weight * (x[t] / sqrt(mean(x[t]^2) + eps)) for rows x [rows, dim] (row stride
-   x_stride), out contiguous: torch_ref.rms_norm's arithmetic, summed in another order. */
-void rms_norm_f32(const float *x, int64_t x_stride, const float *weight, float *out,
-                  int64_t rows, int64_t dim, float eps, int64_t num_threads) {
-    #pragma omp parallel for num_threads(rows > 1 ? num_threads : 1) schedule(static)
+/* out[t] = weight * (x[t] / sqrt(mean(x[t]^2) + eps)) for `rows` rows of `dim` (in place when
+   out is x): torch_ref.rms_norm's arithmetic, summed in another order. */
+static void rms_norm_rows(const float *x, const float *weight, float *out, int64_t rows,
+                          int64_t dim, float eps) {
     for (int64_t t = 0; t < rows; t++) {
-        const float *xt = x + t * x_stride;
+        const float *xt = x + t * dim;
         float *ot = out + t * dim, squares = 0.0f;
         #pragma omp simd reduction(+:squares)
         for (int64_t d = 0; d < dim; d++) squares += xt[d] * xt[d];
@@ -38,31 +37,19 @@ void rms_norm_f32(const float *x, int64_t x_stride, const float *weight, float *
     }
 }
 
-/* Rotate q and k in place by each token's angles (cos, sin: [tokens, head_dim / 2]), pairing
-   element i of a head with i + head_dim / 2 as transformers' rotate_half does. Head h of token t
-   starts at q + t * q_stride + h * head_dim (k likewise). */
-static void rotate(float *x, int64_t stride, int64_t heads, int64_t t, int64_t head_dim,
-                   const float *c, const float *s) {
+/* Rotate `heads` heads of head_dim in place by one token's angles (cos, sin: [head_dim / 2]),
+   pairing element i with i + head_dim / 2 as transformers' rotate_half does. */
+static void rope_heads(float *x, int64_t heads, int64_t head_dim, const float *cos,
+                       const float *sin) {
     const int64_t half = head_dim / 2;
     for (int64_t h = 0; h < heads; h++) {
-        float *a = x + t * stride + h * head_dim, *b = a + half;
+        float *a = x + h * head_dim, *b = a + half;
         #pragma omp simd
         for (int64_t i = 0; i < half; i++) {
             const float ai = a[i], bi = b[i];
-            a[i] = ai * c[i] - bi * s[i];
-            b[i] = bi * c[i] + ai * s[i];
+            a[i] = ai * cos[i] - bi * sin[i];
+            b[i] = bi * cos[i] + ai * sin[i];
         }
-    }
-}
-
-void rope_f32(float *q, int64_t q_stride, int64_t q_heads, float *k, int64_t k_stride,
-              int64_t k_heads, int64_t tokens, int64_t head_dim, const float *cos,
-              const float *sin, int64_t num_threads) {
-    #pragma omp parallel for num_threads(tokens > 1 ? num_threads : 1) schedule(static)
-    for (int64_t t = 0; t < tokens; t++) {
-        const float *c = cos + t * (head_dim / 2), *s = sin + t * (head_dim / 2);
-        rotate(q, q_stride, q_heads, t, head_dim, c, s);
-        rotate(k, k_stride, k_heads, t, head_dim, c, s);
     }
 }
 
@@ -92,13 +79,13 @@ int decode_layer_f32(float *x, float *scratch, const float *input_norm, const fl
     const int64_t q_size = heads * head_dim, kv_size = kv_heads * head_dim;
     float *h = scratch, *sum = h + hidden, *qkv = sum + hidden, *att = qkv + q_size + 2 * kv_size;
     float *mlp = att + q_size, *k = qkv + q_size, *v = k + kv_size;
-    rms_norm_f32(x, hidden, input_norm, h, 1, hidden, eps, 1);
+    rms_norm_rows(x, input_norm, h, 1, hidden, eps);
     gemv_f32(h, qkv_w, qkv_b, qkv, q_size + 2 * kv_size, hidden, num_threads);
     if (q_norm) {  /* each head normalized over head_dim, in place */
-        rms_norm_f32(qkv, head_dim, q_norm, qkv, heads, head_dim, eps, 1);
-        rms_norm_f32(k, head_dim, k_norm, k, kv_heads, head_dim, eps, 1);
+        rms_norm_rows(qkv, q_norm, qkv, heads, head_dim, eps);
+        rms_norm_rows(k, k_norm, k, kv_heads, head_dim, eps);
     }
-    rope_f32(qkv, q_size, heads, k, kv_size, kv_heads, 1, head_dim, cos, sin, 1);
+    rope_heads(qkv, heads + kv_heads, head_dim, cos, sin);  /* q and k: adjacent */
     for (int64_t i = 0; i < kv_size; i++) {
         k_cache[slot * kv_size + i] = k[i];
         v_cache[slot * kv_size + i] = v[i];
@@ -108,7 +95,7 @@ int decode_layer_f32(float *x, float *scratch, const float *input_norm, const fl
         return 1;
     gemv_f32(att, o_w, o_b, sum, hidden, q_size, num_threads);
     for (int64_t i = 0; i < hidden; i++) x[i] += sum[i];
-    rms_norm_f32(x, hidden, post_norm, h, 1, hidden, eps, 1);
+    rms_norm_rows(x, post_norm, h, 1, hidden, eps);
     gemv_f32(h, gate_up_w, 0, mlp, 2 * inter, hidden, num_threads);
     for (int64_t i = 0; i < inter; i++) mlp[i] = mlp[i] / (1.0f + expf(-mlp[i])) * mlp[inter + i];
     gemv_f32(mlp, down_w, 0, sum, hidden, inter, num_threads);
