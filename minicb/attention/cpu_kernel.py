@@ -1,18 +1,13 @@
-"""The CPU kernel backend (chapter 08): C kernels for the CPU where PyTorch's are slow or many.
+"""The CPU kernel backend (chapter 08): C where PyTorch is slow on the CPU.
 
-- Decode rows attend over their pages in place (`paged_decode.c`), where the torch reference
-  copies every context out of its pages and then reads the copy again. Prefill chunks and KV
-  stores are the reference's.
-- RMSNorm and RoPE are one call each (`cpu_ops.c`), where PyTorch dispatches six to eight small
-  operations: at one decoded row those dispatches, not the arithmetic, were their cost.
-- `gemv` is the product of one row by a weight in nn.Linear's layout at the speed of memory,
-  which the model's CPU projections use for a single row (`minicb/model/prepack.py`).
-
-The C code is compiled once with the system C compiler (`cc`, or `$CC`) and cached under
-`$MINICB_CACHE/kernels`, keyed by its source, the flags, the compiler and this CPU. Where no
-compiler works, `attention_backend="auto"` keeps the torch reference and `"cpu"` is refused
-with the compiler's own message. Kernels compute in float32: attention reads float32 or
-bfloat16 caches; any other dtype takes the reference's path.
+Decode rows attend over their pages in place (`paged_decode.c`), where the torch reference
+copies each context out of its pages first; prefill chunks, KV stores, RMSNorm and RoPE are the
+reference's. For a single decoded row (`cpu_ops.c`), `gemv` reads each weight once at the
+memory's speed and `decode_layer` runs a whole layer in one call. The C code is compiled once
+with the system compiler (`cc`, or `$CC`) and cached under `$MINICB_CACHE/kernels`, keyed by
+source, flags, compiler and CPU; without a working compiler, "auto" keeps the torch reference
+and "cpu" is refused with the compiler's message. It computes in float32 (attention reads
+float32 or bfloat16 caches; other dtypes take the reference).
 """
 
 from __future__ import annotations
@@ -48,7 +43,7 @@ _library: ctypes.CDLL | None = None  # once built
 _failure: str | None = None  # why it could not be built, once tried
 _lock = threading.Lock()  # one build per process, even when engines start in several threads
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-_SIGNATURES = {  # C function -> argument types (all return int or nothing)
+_SIGNATURES = {  # C function -> argument types
     "paged_decode_attention": [_P, _I, _P, _P, _P, _P, _I, _P, *[_I] * 6, _F, _I],
     "paged_decode_attention_bf16": [_P, _I, _P, _P, _P, _P, _I, _P, *[_I] * 6, _F, _I],
     "gemv_f32": [_P, _P, _P, _P, _I, _I, _I],
@@ -79,10 +74,8 @@ def library_path(compiler: list[str]) -> Path:
 
 
 def _build(compiler: list[str], target: Path) -> ctypes.CDLL:
-    """Compile into a file of this process's own, load it, then rename it to `target` (atomic:
-    a concurrent build never sees half a file, and the library loaded is the one just built
-    even if another process replaces `target` meanwhile). The linker gives it the umask's mode,
-    so a shared cache can read it."""
+    """Compile into this process's own file, load it, rename it to `target` (a concurrent build
+    never sees half a file); the linker gives it the umask's mode, so a shared cache reads it."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.stem}-{os.getpid()}.so")
     try:
@@ -155,10 +148,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> to
 def decode_layer(x: torch.Tensor, weights: list[torch.Tensor | None], eps: float,
                  cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                  kv_cache: tuple[torch.Tensor, torch.Tensor], scale: float) -> torch.Tensor:
-    """One decoded float32 row x [1, hidden] through one decoder layer in one C call
-    (`decode_layer_f32`), in place; `weights` are `DecoderLayer.row_weights()`. At one row a
-    layer is four weight reads and some thirty small operations: dispatched one by one from
-    Python, those cost a sixth of the step."""
+    """One decoded float32 row x [1, hidden] through one layer in one C call, in place;
+    `weights` are `DecoderLayer.row_weights()`. Dispatched one by one from Python, a layer's
+    thirty small operations cost about a sixth of a one-row step."""
     k_cache, v_cache = kv_cache
     _check_metadata(meta, k_cache)
     page_size, kv_heads, head_dim = k_cache.shape[1:]
@@ -178,8 +170,7 @@ def decode_layer(x: torch.Tensor, weights: list[torch.Tensor | None], eps: float
 
 
 def _check_metadata(meta: AttentionMetadata, k_cache: torch.Tensor) -> None:
-    """What the C code trusts, checked once per step (the reference would raise an IndexError
-    where C would read out of bounds)."""
+    """What the C code trusts, checked once per step (where C would read out of bounds)."""
     num_pages = k_cache.shape[0]
     if meta.cache.get("cpu_kernel_checked") == num_pages:  # every layer's cache has this shape
         return
@@ -223,8 +214,7 @@ def attend_decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         qd = qd.contiguous()
     od = out[:nd] if out.dtype == torch.float32 and out.is_contiguous() else \
         torch.empty(nd, num_heads, head_dim)
-    tables, lens = meta.page_tables, meta.context_lens
-    fn = kernel(k_cache.dtype)
+    tables, lens, fn = meta.page_tables, meta.context_lens, kernel(k_cache.dtype)
     # named in torch.profiler tables (a ctypes call is otherwise invisible to it; chapter 08)
     with torch.profiler.record_function(PROFILE_NAME):
         failed = fn(qd.data_ptr(), qd.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),

@@ -1,15 +1,7 @@
-"""A Llama-family decoder in plain PyTorch whose attention reads and writes the paged KV cache
-(introduced in chapter 01).
-
-One class covers Llama / SmolLM2, Mistral (without sliding window), Qwen2 (q/k/v bias) and
-Qwen3 (RMSNorm on each query and key head before RoPE). The model sees one flat token batch:
-ids and positions of every new token of the step, the `AttentionMetadata` that says which
-member owns which rows and pages, and the per-layer caches. It never sees a request.
-
-q/k/v are one product and gate/up are one product: `load_hf_state_dict` fuses the Hugging Face
-tensors when loading. The weights load in `nn.Linear`'s [out, in] layout; on an x86-64 CPU the
-loader then prepacks them into oneDNN's layout (`prepack.py`, chapter 01), and
-`quantization="int8"` swaps them for int8 ones (`quant.py`).
+"""A Llama-family decoder in plain PyTorch over the paged KV cache (chapter 01): Llama / SmolLM2,
+Mistral (no sliding window), Qwen2 (q/k/v bias), Qwen3 (per-head q/k RMSNorm). It sees one flat
+token batch (ids, positions, `AttentionMetadata`, per-layer caches), never a request. q/k/v and
+gate/up are each one product, fused at load (`load_hf_state_dict`).
 """
 
 from __future__ import annotations
@@ -25,12 +17,8 @@ import torch.nn.functional as F
 
 from minicb.attention import AttentionMetadata, get_backend, torch_ref
 
-SUPPORTED_ARCHITECTURES = {  # HF `architectures[0]` -> our short name
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+                           "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 
 
 @dataclass
@@ -109,11 +97,9 @@ class ModelConfig:
 
 
 def windowed_layers(family: str, cfg: Mapping) -> list[int]:
-    """The layers transformers runs with sliding-window attention for this config.json (with
-    its family's defaults filled in): every Mistral layer when a window is set; for Qwen2/3
-    none unless `use_sliding_window`, then those `layer_types` marks "sliding_attention", else
-    the layers from `max_window_layers` on (a file that sets the switch with
-    max_window_layers = num_hidden_layers runs full attention everywhere)."""
+    """The layers transformers runs with a sliding window for this config.json (defaults filled
+    in): all of Mistral's when a window is set; Qwen2/3's only with `use_sliding_window`, those
+    `layer_types` marks, else from `max_window_layers` on."""
     layers = range(cfg["num_hidden_layers"])
     if not cfg.get("sliding_window") or family == "llama":
         return []
@@ -127,9 +113,8 @@ def windowed_layers(family: str, cfg: Mapping) -> list[int]:
     return [i for i in layers if i >= cfg["max_window_layers"]]
 
 
-# transformers' defaults for the config.json keys a family's file may leave out (each
-# configuration_*.py): a missing key must mean what it means to transformers, or the same file
-# runs another model here (Qwen2/3's context is 32768, Mistral attends through a window)
+# transformers' defaults for keys a family's config.json may leave out: a missing key must mean
+# what it means there (Qwen2/3's context is 32768, Mistral attends through a window)
 HF_DEFAULTS: dict[str, dict] = {
     "llama": {"max_position_embeddings": 2048, "bos_token_id": 1, "eos_token_id": 2},
     "mistral": {"max_position_embeddings": 4096 * 32, "num_key_value_heads": 8,
@@ -139,13 +124,12 @@ HF_DEFAULTS: dict[str, dict] = {
     "qwen3": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "head_dim": 128,
               "sliding_window": 4096, "max_window_layers": 28},
 }
-_ARCH_FROM_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                         "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_ARCH_FROM_MODEL_TYPE = {name: arch for arch, name in SUPPORTED_ARCHITECTURES.items()}
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """RoPE inverse frequencies [head_dim // 2], computed exactly as transformers does
-    (default, or Llama 3.1's "llama3" smoothing of the low frequencies)."""
+    """RoPE inverse frequencies [head_dim // 2] exactly as transformers computes them (default,
+    or Llama 3.1's "llama3" smoothing of the low frequencies)."""
     dim = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     s = cfg.rope_scaling
@@ -163,8 +147,7 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight over the last dimension (the arithmetic is the backend's
-    `rms_norm`: plain PyTorch in float32 like transformers, or one Triton kernel)."""
+    """x / rms(x) * weight over the last dimension, by the backend's `rms_norm`."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -194,11 +177,8 @@ class Attention(nn.Module):
                 meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 backend: ModuleType) -> torch.Tensor:
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(
-            [self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).view(T, -1, self.head_dim).split(
+            [self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         if self.q_norm is not None:
             q, k = self.q_norm(q, backend), self.k_norm(k, backend)
         q, k = backend.rope(q, k, cos, sin)
@@ -247,18 +227,16 @@ class DecoderLayer(nn.Module):
 
 
 def projections(model: LlamaModel) -> list[tuple[nn.Module, str]]:
-    """(owner, attribute name) of every layer's four projections: what int8 quantization and
-    prepacking replace (each also replaces the LM head)."""
+    """(owner, attribute name) of every layer's four projections, which int8 quantization and
+    prepacking replace (with the LM head)."""
     return [(owner, name) for layer in model.layers
             for owner, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
                                 (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj"))]
 
 
 class LlamaModel(nn.Module):
-    """The whole decoder: embeddings, layers, final norm and LM head (chapter 01).
-
-    `forward` takes one flat batch of new tokens and returns logits only for the rows listed in
-    `logits_indices` (the last row of each member that samples this step)."""
+    """The whole decoder: embeddings, layers, final norm and LM head (chapter 01). `forward`
+    returns logits only for the rows in `logits_indices` (each sampling member's last)."""
 
     def __init__(self, cfg: ModelConfig, attention_backend: str = "torch") -> None:
         super().__init__()
@@ -276,14 +254,14 @@ class LlamaModel(nn.Module):
         self._cos = self._sin = None  # RoPE tables, built on first use (see `rope`)
 
     def set_attention_backend(self, name: str) -> None:
-        """Pick the module whose `store_kv` / `attend` every layer calls ("torch", "triton")."""
+        """Pick the backend module every layer calls ("torch", "cpu", "triton")."""
         self.attention_backend = get_backend(name)
         self.attention_backend_name = name
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, 1, head_dim/2] for these positions, looked up in tables built on first
-        use. On the CPU the tables grow in powers of two as positions need; elsewhere they
-        cover max_position_embeddings at once, so the forward never reads positions back."""
+        """cos, sin [T, 1, head_dim/2] for these positions from tables built on first use: on the
+        CPU they grow in powers of two; elsewhere they cover max_position_embeddings at once, so
+        the forward never reads positions back."""
         n = self.config.max_position_embeddings
         if positions.device.type == "cpu" and positions.numel():
             n = max(4096, 1 << int(positions.max()).bit_length())
@@ -303,9 +281,10 @@ class LlamaModel(nn.Module):
         cos, sin = self.rope(positions)
         x = self.embed_tokens(input_ids)
         backend, eps = self.attention_backend, self.config.rms_norm_eps
-        # one decoded row on the CPU: each layer is one C call (see cpu_kernel.decode_layer)
+        # one decoded float32 row on the CPU: each layer is one C call (cpu_kernel.decode_layer)
         one_row = (len(input_ids) == 1 and hasattr(backend, "decode_layer")
-                   and x.dtype == torch.float32 and self.quantization is None)
+                   and self.quantization is None and x.dtype == kv_caches[0][0].dtype
+                   == torch.float32 and kv_caches[0][0].is_contiguous())
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             if one_row:
                 x = backend.decode_layer(x, layer.row_weights(), eps, cos, sin, meta, kv_cache,
@@ -327,9 +306,9 @@ class LlamaModel(nn.Module):
 
     @torch.no_grad()
     def load_hf_state_dict(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Copy Hugging Face tensors (names like `model.layers.0.self_attn.q_proj.weight`) into
-        this model, fusing q/k/v and gate/up. Raises KeyError naming a missing tensor, ValueError
-        naming one that is not float (fp8, packed int) or not the shape config.json gives."""
+        """Copy Hugging Face tensors (`model.layers.0.self_attn.q_proj.weight`...) into this
+        model, fusing q/k/v and gate/up. KeyError names a missing tensor, ValueError one that is
+        not float (fp8, packed int) or not the shape config.json gives."""
         def get(name: str) -> torch.Tensor:
             if name not in tensors:
                 raise KeyError(f"checkpoint has no tensor {name!r}")
@@ -348,23 +327,11 @@ class LlamaModel(nn.Module):
                                  f"but config.json makes it {tuple(param.shape)}")
             param.copy_(src)
 
-        put(self.embed_tokens.weight, "model.embed_tokens.weight")
-        put(self.norm.weight, "model.norm.weight")
-        if self.lm_head is not None:
-            put(self.lm_head.weight, "lm_head.weight")
-        for i, layer in enumerate(self.layers):
-            p = f"model.layers.{i}."
-            attn, proj = layer.self_attn, [f"{p}self_attn.{x}_proj" for x in "qkv"]
-            put(attn.qkv_proj.weight, *(f"{n}.weight" for n in proj))
-            if attn.qkv_proj.bias is not None:
-                put(attn.qkv_proj.bias, *(f"{n}.bias" for n in proj))
-            put(attn.o_proj.weight, f"{p}self_attn.o_proj.weight")
-            if attn.o_proj.bias is not None:
-                put(attn.o_proj.bias, f"{p}self_attn.o_proj.bias")
-            if attn.q_norm is not None:
-                put(attn.q_norm.weight, f"{p}self_attn.q_norm.weight")
-                put(attn.k_norm.weight, f"{p}self_attn.k_norm.weight")
-            put(layer.mlp.gate_up_proj.weight, f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight")
-            put(layer.mlp.down_proj.weight, f"{p}mlp.down_proj.weight")
-            put(layer.input_layernorm.weight, f"{p}input_layernorm.weight")
-            put(layer.post_attention_layernorm.weight, f"{p}post_attention_layernorm.weight")
+        fused = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
+                 "gate_up_proj": ("gate_proj", "up_proj")}
+        for name, param in self.named_parameters():
+            hf = name if name.startswith("lm_head.") else "model." + name
+            module, _, leaf = hf.rpartition(".")  # e.g. "model.layers.0.mlp.gate_up_proj", "weight"
+            parent, _, child = module.rpartition(".")
+            put(param, *([f"{parent}.{part}.{leaf}" for part in fused[child]] if child in fused
+                         else [hf]))
