@@ -28,9 +28,14 @@ fi
 GGUF=$DIR/smollm2-135m-f32.gguf
 if [ ! -f "$GGUF" ]; then
   MODEL_DIR=$("$PY" -c 'from minicb.model.loader import resolve; print(resolve("smollm2-135m")[1])')
-  # The vendored gguf-py goes first on the path, so the converter and its library match.
-  PYTHONPATH="$SRC/gguf-py" "$PY" "$SRC/convert_hf_to_gguf.py" "$MODEL_DIR" \
-    --outtype f32 --outfile "$GGUF"
+  # The vendored gguf-py goes first on the path, so the converter and its library match. The
+  # converter imports sentencepiece before it looks for a tokenizer.model; SmolLM2 has none
+  # (a BPE tokenizer.json), so an empty stand-in module lets it go on to that.
+  mkdir -p "$DIR/stub/sentencepiece"
+  echo "SentencePieceProcessor = None" > "$DIR/stub/sentencepiece/__init__.py"
+  PYTHONPATH="$SRC/gguf-py:$DIR/stub" "$PY" "$SRC/convert_hf_to_gguf.py" "$MODEL_DIR" \
+    --outtype f32 --outfile "$GGUF.tmp"
+  mv "$GGUF.tmp" "$GGUF"
 fi
 echo "llama-server: $DIR/bin/llama-server"
 echo "model: $GGUF"

@@ -1,29 +1,25 @@
-"""Attention over the paged KV cache (chapter 01; GPU kernels in chapter 07, a CPU kernel in
-chapter 08).
+"""Attention over the paged KV cache (chapter 01; GPU kernels in chapter 07, CPU ones in 08).
 
-The model never sees a request: it sees one flat batch. `AttentionMetadata` says, for each
-member of the step, where its query rows are, how long its context is after this step and which
-pages hold that context. Decode members (one query row each) come first, then prefill chunks,
-so a step is `[B_dec, 1]` decode rows followed by `[1, N_chunk]` chunks in one token batch.
-
-A backend provides four functions with the same signatures:
+The model sees one flat batch: `AttentionMetadata` says where each member's query rows are, how
+long its context is after this step and which pages hold it; decode members (one row each)
+come first, then prefill chunks. A backend provides the same four functions:
   store_kv(k, v, k_cache, v_cache, meta)     write this step's new K/V through the slot mapping
   attend(q, k_cache, v_cache, meta, scale)   -> [T, num_heads, head_dim]
   rms_norm(x, weight, eps)                   -> x normalized over its last dimension
   rope(q, k, cos, sin)                       -> (q, k) rotated by their positions' angles
-Caches are shaped [num_pages, page_size, num_kv_heads, head_dim]. The last two are the small
-per-layer operations around attention: the Triton backend fuses each into one kernel
-(chapter 07), where plain PyTorch launches several.
+over caches [num_pages, page_size, num_kv_heads, head_dim].
 """
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import logging
 import os
 from array import array
 from dataclasses import dataclass, field
 from functools import cached_property
+from types import ModuleType
 
 import torch
 
@@ -31,7 +27,7 @@ import torch
 def int_tensor(values: list[int], dtype: torch.dtype = torch.int64,
                device: torch.device | str = "cpu") -> torch.Tensor:
     """A 1-D integer tensor from Python ints: one copy of a packed array, about 7x faster than
-    `torch.tensor(values)` for a few hundred values (every step builds several)."""
+    `torch.tensor(values)` for a few hundred values."""
     if not values:
         return torch.empty(0, dtype=dtype, device=device)
     code = {torch.int64: "q", torch.int32: "i"}[dtype]
@@ -40,9 +36,8 @@ def int_tensor(values: list[int], dtype: torch.dtype = torch.int64,
 
 @dataclass
 class AttentionMetadata:
-    """One step's members as the attention backends see them. The plain lists are always there;
-    the tensors are built from them on first use, on `device`, so a model that reads only the
-    lists (the simulated executor, chapter 06) never pays for them."""
+    """One step's members as the backends see them: plain lists, and tensors built from them on
+    first use, on `device` (the simulated executor, chapter 06, reads only the lists)."""
 
     query_lens: list[int]  # tokens member b advances this step
     context_lens_list: list[int]  # tokens in member b's cache once this step is stored
@@ -119,9 +114,8 @@ class AttentionMetadata:
 
 def build_metadata(page_tables: list[list[int]], num_computed: list[int], num_new: list[int],
                    page_size: int, device: torch.device | str = "cpu") -> AttentionMetadata:
-    """Flatten members into metadata. Member b has `num_computed[b]` tokens already cached and
-    advances `num_new[b]` tokens this step; its pages must cover `num_computed + num_new`.
-    Members with num_new == 1 must come first (the decode rows)."""
+    """Metadata of members that have `num_computed[b]` tokens cached and advance `num_new[b]`
+    (pages covering both); those with num_new == 1 (decode rows) come first."""
     num_decodes = 0
     while num_decodes < len(num_new) and num_new[num_decodes] == 1:
         num_decodes += 1
@@ -134,35 +128,28 @@ def build_metadata(page_tables: list[list[int]], num_computed: list[int], num_ne
 
 
 def resolve_backend(name: str = "auto", device: str = "cpu") -> str:
-    """'auto' picks Triton on CUDA; on the CPU, the C decode kernel (chapter 08) where it builds,
+    """'auto' picks Triton on CUDA; on the CPU, the C kernels (chapter 08) where they build,
     else the torch reference. MINICB_ATTENTION overrides 'auto'."""
     source = "attention_backend"
     if name == "auto" and os.environ.get("MINICB_ATTENTION"):
         name, source = os.environ["MINICB_ATTENTION"], "MINICB_ATTENTION (environment)"
-    on_cuda = str(device).startswith("cuda")
-    if name == "auto":
-        if on_cuda:
-            name = "triton"
-        else:
-            from minicb.attention import cpu_kernel
-            reason = cpu_kernel.unavailable_reason()
-            if reason:
-                _warn_once(f"{reason}; using the torch reference for attention")
-            name = "torch" if reason else "cpu"
-    if name not in ("torch", "triton", "cpu"):
+    on_cuda, auto = str(device).startswith("cuda"), name == "auto"
+    name = ("triton" if on_cuda else "cpu") if auto else name
+    if name not in BACKENDS:
         raise ValueError(f"{source} must be 'auto', 'torch', 'triton' or 'cpu', got {name!r}")
-    if name == "triton" and not on_cuda:
-        from minicb.attention import triton_ops
-        if not triton_ops._interpreted():  # refuse now, not as an error in every request
-            raise ValueError("attention_backend='triton' on the CPU runs the kernels in Triton's "
-                             "interpreter: set TRITON_INTERPRET=1 before anything imports "
-                             "triton (e.g. TRITON_INTERPRET=1 python ...), or use 'torch'")
+    if name == "triton" and not on_cuda and not get_backend("triton")._interpreted():
+        # refuse now, not as an error in every request
+        raise ValueError("attention_backend='triton' on the CPU runs the kernels in Triton's "
+                         "interpreter: set TRITON_INTERPRET=1 before anything imports "
+                         "triton (e.g. TRITON_INTERPRET=1 python ...), or use 'torch'")
     if name == "cpu":
         if on_cuda:
             raise ValueError("attention_backend='cpu' is the C kernel for the CPU: on CUDA use "
                              "'triton' or 'torch'")
-        from minicb.attention import cpu_kernel
-        reason = cpu_kernel.unavailable_reason()
+        reason = get_backend("cpu").unavailable_reason()
+        if reason and auto:
+            _warn_once(f"{reason}; using the torch reference for attention")
+            return "torch"
         if reason:
             raise ValueError(f"attention_backend='cpu': {reason}; use 'torch'")
     return name
@@ -177,15 +164,11 @@ def _warn_once(message: str) -> None:
         logging.getLogger("minicb").warning(message)
 
 
-def get_backend(name: str):
-    """Return the module implementing the backend API for a resolved backend name."""
-    if name == "torch":
-        from minicb.attention import torch_ref
-        return torch_ref
-    if name == "triton":
-        from minicb.attention import triton_ops
-        return triton_ops
-    if name == "cpu":
-        from minicb.attention import cpu_kernel
-        return cpu_kernel
-    raise ValueError(f"unknown attention backend {name!r}")
+BACKENDS = {"torch": "torch_ref", "triton": "triton_ops", "cpu": "cpu_kernel"}  # name -> module
+
+
+def get_backend(name: str) -> ModuleType:
+    """The module implementing the backend API for a resolved backend name."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}")
+    return importlib.import_module(f"minicb.attention.{BACKENDS[name]}")

@@ -158,6 +158,7 @@ def decode_layer(x: torch.Tensor, weights: list[torch.Tensor | None], eps: float
     pos = meta.context_lens_list[0] - 1
     slot = meta.page_table_list[0][pos // page_size] * page_size + pos % page_size
     scratch = torch.empty(2 * hidden + 2 * q_size + 2 * kv_heads * head_dim + 2 * inter)
+    weights = [w if w is None or w.is_contiguous() else w.contiguous() for w in weights]
     failed = library().decode_layer_f32(
         x.data_ptr(), scratch.data_ptr(), weights[0].data_ptr(), weights[1].data_ptr(), eps,
         *(None if w is None else w.data_ptr() for w in weights[2:]), cos.data_ptr(),

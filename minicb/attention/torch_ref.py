@@ -1,10 +1,7 @@
 """The reference attention backend in plain PyTorch (chapter 01): correct on any device, and
-what the kernels are tested against. Decode rows are batched into a few padded gathers of rows
-with similar context lengths; each prefill chunk attends causally over its own pages. (On the
-CPU, the `cpu` backend, chapter 08, replaces the decode half with a C kernel that reads the
-pages in place and reuses the prefill half.) RMSNorm and RoPE are
-here too, so that a backend owns every small per-layer operation a GPU would fuse (see
-triton_ops)."""
+what the kernels are tested against. Decode rows attend in a few padded gathers of similar
+context lengths; each prefill chunk attends causally over its own pages. RMSNorm and RoPE are
+here too: a backend owns every small per-layer operation a kernel may fuse."""
 
 from __future__ import annotations
 
@@ -15,8 +12,8 @@ from minicb.attention import AttentionMetadata, int_tensor
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / rms(x) * weight over the last dimension, computed in float32 like transformers:
-    normalize, cast back to x's dtype, then scale (chapter 01)."""
+    """x / rms(x) * weight over the last dimension as transformers computes it: normalize in
+    float32, cast back to x's dtype, then scale."""
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
@@ -30,8 +27,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
          ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q [T, heads, D] and k [T, kv_heads, D] by their positions' angles (cos, sin:
-    [T, 1, D/2]); the same arithmetic as transformers' `x * cos + rotate_half(x) * sin`, with
-    half the table (chapter 01)."""
+    [T, 1, D/2]): transformers' `x * cos + rotate_half(x) * sin` with half the table."""
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
@@ -57,14 +53,11 @@ DECODE_GROUP = 4  # decode rows per padded gather (see _decode_groups)
 
 def _decode_groups(meta: AttentionMetadata) -> list[tuple[torch.Tensor, torch.Tensor,
                                                           torch.Tensor]]:
-    """Decode members sorted by context length, in groups of DECODE_GROUP (on the CPU; one group
-    on a GPU), each padded only to its own longest context: [(rows, slots [n, width],
-    valid [n, width])]. Padding every row to the step's longest context gathers and attends over
-    about twice the real keys when contexts are spread out (32 contexts of 16-768 tokens: 1.9x);
-    sorted groups of 4 bring that to 1.09x.
-    SmolLM2 at 32 such rows: 166 ms per decode step in one group, 81-83 in groups of 2 or 4,
-    90-97 in groups of 8, 104 row by row (per-call overhead). Computed once per step and shared
-    by all layers."""
+    """Decode members sorted by context length in groups of DECODE_GROUP (one group on a GPU),
+    each padded to its own longest context: [(rows, slots [n, width], valid [n, width])], once
+    per step. Padding all to the step's longest gathers about twice the real keys when contexts
+    are spread out (16-768 tokens: 1.9x; sorted groups of 4: 1.09x); smaller groups cost more
+    calls (SmolLM2, 32 rows: 166 ms a step in one group, 81-83 in 2s or 4s, 104 row by row)."""
     if "decode_groups" not in meta.cache:
         lens = meta.context_lens_list[:meta.num_decodes]
         order = sorted(range(len(lens)), key=lens.__getitem__)
@@ -87,18 +80,16 @@ def _decode_groups(meta: AttentionMetadata) -> list[tuple[torch.Tensor, torch.Te
 
 
 def _gather(flat: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """Rows of a flat cache [slots, heads, D] at `slots` [n, width] -> [n, heads, width, D].
-    `index_select` copies whole rows; indexing with a 2-D tensor copied element by element,
-    about 1.7x slower here."""
+    """Rows of a flat cache [slots, heads, D] at `slots` [n, width] -> [n, heads, width, D]
+    (`index_select` copies whole rows: 1.7x faster than indexing with a 2-D tensor)."""
     n, width = slots.shape
     return flat.index_select(0, slots.flatten()).view(n, width, *flat.shape[1:]).transpose(1, 2)
 
 
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q [T, heads, D] of the step's rows over the paged caches -> [T, heads, D] (chapter 01):
-    decode rows in padded groups of similar context length, each prefill chunk causally over
-    its own pages (the positions before it, prefix-cache pages included, and itself)."""
+    """q [T, heads, D] of the step's rows over the paged caches -> [T, heads, D]: decode rows,
+    then each prefill chunk causally over its pages (prefix-cache pages included)."""
     out = torch.empty_like(q)
     attend_decodes(q, k_cache, v_cache, meta, scale, out)
     attend_prefills(q, k_cache, v_cache, meta, scale, out)
