@@ -38,7 +38,8 @@ def make_case(members, page_size, group, shared_pages=0, sharers=(0, 1), seed=0,
             page, off = table[pos // page_size], pos % page_size
             k_cache[page, off] = torch.randn(NUM_KV_HEADS, head_dim, generator=gen)
             v_cache[page, off] = torch.randn(NUM_KV_HEADS, head_dim, generator=gen)
-    meta = build_metadata(tables, [c for c, _ in members], [n for _, n in members], page_size)
+    meta = build_metadata(tables, [c for c, _ in members], [n for _, n in members], page_size,
+                          device)
     tokens = sum(n for _, n in members)
     heads = NUM_KV_HEADS * group
     # q, k, v as views of one fused projection output, as the model hands them over
@@ -46,7 +47,7 @@ def make_case(members, page_size, group, shared_pages=0, sharers=(0, 1), seed=0,
     qkv = torch.randn(tokens, heads * head_dim + 2 * kv_cols, generator=gen).to(device, dtype)
     q, k, v = qkv.split([heads * head_dim, kv_cols, kv_cols], -1)
     return (q.view(tokens, heads, head_dim), k.view(tokens, -1, head_dim),
-            v.view(tokens, -1, head_dim), k_cache.to(device), v_cache.to(device), meta.to(device))
+            v.view(tokens, -1, head_dim), k_cache.to(device), v_cache.to(device), meta)
 
 
 def ragged_decodes(rng, n, page_size):

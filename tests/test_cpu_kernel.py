@@ -33,9 +33,9 @@ def broken_compiler(monkeypatch, tmp_path):
     script.chmod(0o755)
     monkeypatch.setenv("CC", str(script))
     monkeypatch.setenv("MINICB_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(cpu_kernel, "_library", None)
-    monkeypatch.setattr(cpu_kernel, "_failure", None)
-    return script
+    cpu_kernel._built.cache_clear()
+    yield script
+    cpu_kernel._built.cache_clear()  # the working compiler's build, from the cache
 
 
 def test_the_kernel_builds_and_is_cached_readable_by_all():

@@ -15,9 +15,10 @@ from tiny_models import make_tiny_checkpoint
 from minicb.attention import build_metadata, cpu_kernel
 from minicb.model import ModelConfig, is_bundled, load_model
 from minicb.model.llama import rope_inv_freq
-from minicb.model.prepack import PackedLinear, prepack_available, prepack_possible
+from minicb.model.prepack import PackedLinear, prepack_possible
 
-needs_prepack = pytest.mark.skipif(not prepack_available(), reason="torch built without oneDNN")
+needs_prepack = pytest.mark.skipif(not prepack_possible("cpu", torch.float32),
+                                   reason="torch built without oneDNN")
 needs_cc = pytest.mark.skipif(cpu_kernel.unavailable_reason() is not None,
                               reason="the CPU kernels do not build here")
 

@@ -18,7 +18,7 @@ from tiny_models import make_tiny_checkpoint, save_random_checkpoint
 from minicb.attention import build_metadata, cpu_kernel, int_tensor, torch_ref
 from minicb.model import ModelConfig, load_model
 from minicb.model.llama import LlamaModel, rope_inv_freq
-from minicb.model.prepack import prepack_available
+from minicb.model.prepack import prepack_possible
 from minicb.model.quant import Int8Linear
 
 PROMPT = [17, 3, 99, 42, 8, 8, 200]
@@ -178,7 +178,7 @@ def test_int8_keeps_the_projection_biases(tiny_qwen2_dir):
     assert (ours[0] - ref[0]).abs().max() / ref[0].abs().max() < 0.1
 
 
-@pytest.mark.skipif(not prepack_available(), reason="torch built without oneDNN")
+@pytest.mark.skipif(not prepack_possible("cpu", torch.float32), reason="no oneDNN")
 def test_a_prepacked_tied_head_is_not_a_second_parameter(tiny_checkpoint):
     """The tied LM head's packed copy is a buffer outside the state dict: parameter counts and
     state-dict keys stay those of the unpacked model."""

@@ -133,7 +133,7 @@ def test_cpu_tensors_without_interpreter_fail_clearly(monkeypatch):
     monkeypatch.setattr(tops, "_interpreted", lambda: False)
     q, k, v, k_cache, v_cache, meta = make_case([(3, 1)], 16, 1)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
-        tops.attend(q.cpu(), k_cache.cpu(), v_cache.cpu(), meta.to("cpu"), 1.0)
+        tops.attend(q.cpu(), k_cache.cpu(), v_cache.cpu(), meta, 1.0)
 
 
 def test_an_engine_refuses_triton_on_the_cpu_without_the_interpreter(monkeypatch,

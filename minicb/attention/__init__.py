@@ -1,14 +1,8 @@
 """Attention over the paged KV cache (chapter 01; GPU kernels in chapter 07, CPU ones in 08).
-
-The model sees one flat batch: `AttentionMetadata` says where each member's query rows are, how
-long its context is after this step and which pages hold it; decode members (one row each)
-come first, then prefill chunks. A backend provides the same four functions:
-  store_kv(k, v, k_cache, v_cache, meta)     write this step's new K/V through the slot mapping
-  attend(q, k_cache, v_cache, meta, scale)   -> [T, num_heads, head_dim]
-  rms_norm(x, weight, eps)                   -> x normalized over its last dimension
-  rope(q, k, cos, sin)                       -> (q, k) rotated by their positions' angles
-over caches [num_pages, page_size, num_kv_heads, head_dim].
-"""
+`AttentionMetadata` says where each member's rows are (decode rows first), how long its context
+is and which pages hold it. A backend provides `store_kv(k, v, k_cache, v_cache, meta)`,
+`attend(q, k_cache, v_cache, meta, scale)`, `rms_norm(x, weight, eps)` and
+`rope(q, k, cos, sin)`, over caches [num_pages, page_size, num_kv_heads, head_dim]."""
 
 from __future__ import annotations
 
@@ -104,12 +98,6 @@ class AttentionMetadata:
     @property
     def num_decode_tokens(self) -> int:
         return self.num_decodes
-
-    def to(self, device: torch.device | str) -> AttentionMetadata:
-        return AttentionMetadata.from_tensors(
-            self.slot_mapping.to(device), self.query_start_loc.to(device),
-            self.context_lens.to(device), self.page_tables.to(device), self.query_lens,
-            self.context_lens_list, self.num_decodes, self.page_size)
 
 
 def build_metadata(page_tables: list[list[int]], num_computed: list[int], num_new: list[int],

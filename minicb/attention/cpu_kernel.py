@@ -1,18 +1,14 @@
-"""The CPU kernel backend (chapter 08): C where PyTorch is slow on the CPU.
-
-Decode rows attend over their pages in place (`paged_decode.c`), where the torch reference
-copies each context out of its pages first; prefill chunks, KV stores, RMSNorm and RoPE are the
-reference's. For a single decoded row (`cpu_ops.c`), `gemv` reads each weight once at the
-memory's speed and `decode_layer` runs a whole layer in one call. The C code is compiled once
-with the system compiler (`cc`, or `$CC`) and cached under `$MINICB_CACHE/kernels`, keyed by
-source, flags, compiler and CPU; without a working compiler, "auto" keeps the torch reference
-and "cpu" is refused with the compiler's message. It computes in float32 (attention reads
-float32 or bfloat16 caches; other dtypes take the reference).
-"""
+"""The CPU kernel backend (chapter 08). Decode rows attend over their pages in place
+(`paged_decode.c`, float32 or bfloat16 caches), where the reference copies them out first; the
+rest is the reference's. For one decoded row (`cpu_ops.c`), `gemv` streams each weight once and
+`decode_layer` runs a layer in one call. Compiled once with `cc` (or `$CC`) and cached under
+`$MINICB_CACHE/kernels` by source, flags, compiler and CPU; without a compiler "auto" keeps the
+reference and "cpu" is refused with the compiler's message."""
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -39,8 +35,6 @@ KEEP_BUILDS = 4  # builds kept in the cache: other checkouts or compilers may sh
 PROFILE_NAME = "minicb::paged_decode_attention"
 DTYPES = (torch.float32, torch.bfloat16)  # cache dtypes the attention kernel reads
 
-_library: ctypes.CDLL | None = None  # once built
-_failure: str | None = None  # why it could not be built, once tried
 _lock = threading.Lock()  # one build per process, even when engines start in several threads
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {  # C function -> argument types
@@ -108,23 +102,25 @@ def _load(compiler: list[str]) -> ctypes.CDLL:
     return library
 
 
+@functools.cache
+def _built() -> ctypes.CDLL | str:
+    """The compiled kernels, or why they could not be built (tried once per process)."""
+    try:
+        compiler = _compiler()
+        if compiler is None:
+            raise RuntimeError("no C compiler found (set CC, or install gcc)")
+        return _load(compiler)
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        return str(exc)
+
+
 def library() -> ctypes.CDLL:
     """The compiled kernels, built on first use; RuntimeError saying why not."""
-    global _library, _failure
-    if _library is not None:  # every layer of every step: no lock once built
-        return _library
     with _lock:
-        if _library is None and _failure is None:
-            try:
-                compiler = _compiler()
-                if compiler is None:
-                    raise RuntimeError("no C compiler found (set CC, or install gcc)")
-                _library = _load(compiler)
-            except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-                _failure = str(exc)
-    if _library is None:
-        raise RuntimeError(f"the CPU attention kernel is unavailable: {_failure}")
-    return _library
+        built = _built()
+    if isinstance(built, str):
+        raise RuntimeError(f"the CPU attention kernel is unavailable: {built}")
+    return built
 
 
 def unavailable_reason() -> str | None:
@@ -148,9 +144,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> to
 def decode_layer(x: torch.Tensor, weights: list[torch.Tensor | None], eps: float,
                  cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                  kv_cache: tuple[torch.Tensor, torch.Tensor], scale: float) -> torch.Tensor:
-    """One decoded float32 row x [1, hidden] through one layer in one C call, in place;
-    `weights` are `DecoderLayer.row_weights()`. Dispatched one by one from Python, a layer's
-    thirty small operations cost about a sixth of a one-row step."""
+    """One decoded float32 row x [1, hidden] through a layer (`DecoderLayer.row_weights()`) in
+    one C call, in place: dispatched from Python, its thirty operations cost a sixth of a step."""
     k_cache, v_cache = kv_cache
     _check_metadata(meta, k_cache)
     page_size, kv_heads, head_dim = k_cache.shape[1:]

@@ -1,7 +1,5 @@
-"""The reference attention backend in plain PyTorch (chapter 01): correct on any device, and
-what the kernels are tested against. Decode rows attend in a few padded gathers of similar
-context lengths; each prefill chunk attends causally over its own pages. RMSNorm and RoPE are
-here too: a backend owns every small per-layer operation a kernel may fuse."""
+"""The reference attention backend in plain PyTorch (chapter 01), correct on any device and what
+the kernels are tested against; RMSNorm and RoPE too, which kernels may fuse."""
 
 from __future__ import annotations
 
@@ -53,11 +51,10 @@ DECODE_GROUP = 4  # decode rows per padded gather (see _decode_groups)
 
 def _decode_groups(meta: AttentionMetadata) -> list[tuple[torch.Tensor, torch.Tensor,
                                                           torch.Tensor]]:
-    """Decode members sorted by context length in groups of DECODE_GROUP (one group on a GPU),
-    each padded to its own longest context: [(rows, slots [n, width], valid [n, width])], once
-    per step. Padding all to the step's longest gathers about twice the real keys when contexts
-    are spread out (16-768 tokens: 1.9x; sorted groups of 4: 1.09x); smaller groups cost more
-    calls (SmolLM2, 32 rows: 166 ms a step in one group, 81-83 in 2s or 4s, 104 row by row)."""
+    """Decode members sorted by context length in groups of DECODE_GROUP (one on a GPU), each
+    padded to its own longest: [(rows, slots [n, width], valid [n, width])], once per step.
+    One group gathers ~2x the keys of spread contexts (SmolLM2, 32 rows: 166 ms a step; groups
+    of 4: 81-83; row by row: 104)."""
     if "decode_groups" not in meta.cache:
         lens = meta.context_lens_list[:meta.num_decodes]
         order = sorted(range(len(lens)), key=lens.__getitem__)

@@ -1,42 +1,23 @@
-"""The Triton attention backend (chapter 07): the same `store_kv`, `attend`, `rms_norm` and
-`rope` as the torch reference, as GPU kernels over the paged KV cache.
+"""The Triton attention backend (chapter 07): the torch reference's `store_kv`, `attend`,
+`rms_norm` and `rope` as GPU kernels over the paged KV cache.
 
-- `_store_kv_kernel` writes the step's new K and V rows into their pages through the slot
-  mapping (a slot < 0 is skipped, so padded batches, e.g. for CUDA graphs, can use -1).
-- `_paged_attention_kernel` is one online-softmax (flash-attention style) loop over a member's
-  pages. A program owns one kv head and a tile of BLOCK_M rows: BLOCK_Q queries of one member
-  times the GROUP query heads that share that kv head (GQA), so K and V are read once per
-  group. Keys come in blocks of BLOCK_N tokens and each token's page is looked up in the page
-  table (a block may span several small pages: fewer loop trips than one page per trip, and
-  the repeated page-table reads hit the cache), so any page size works, pages may sit in any
-  order and prefix pages shared by several members are just the same page ids in several
-  tables. The loop is split-free: one program walks a whole context, enough parallelism once
-  a batch has a few dozen rows times kv heads. The same kernel runs twice per step:
-  once for the decode rows (one query each, a small tile) and once for the prefill chunks
-  (BLOCK_Q queries per tile, causal over the chunk and every earlier page, a chunk may start
-  mid-page).
+- `_store_kv_kernel` writes the new K/V rows through the slot mapping (slot < 0 is skipped:
+  padded batches, as CUDA graphs need, use -1).
+- `_paged_attention_kernel` is one online-softmax loop over a member's pages. A program owns
+  one kv head and a tile of BLOCK_M rows (BLOCK_Q queries times the GROUP query heads sharing
+  that kv head, so K/V are read once per group); keys come in blocks of BLOCK_N tokens, each
+  token's page looked up in the page table, so any page size and order works and shared prefix
+  pages are the same ids in several tables. It runs once for the decode rows and once for the
+  prefill chunks (causal, a chunk may start mid-page).
+- `_rms_norm_kernel` and `_rope_kernel` are one launch each where PyTorch launches 6-8 and 14:
+  a small model's GPU step is hundreds of tiny kernels whose number sets its time (an H200
+  SmolLM2 step of 16 rows: 1,520 µs with these, 3,191 µs with PyTorch's; bench/GPU.md). In
+  16-bit RoPE here rounds once, from float32, where PyTorch rounds after every operation.
 
-- `_rms_norm_kernel` and `_rope_kernel` fuse the small operations around attention: plain
-  PyTorch launches 6-8 kernels per RMSNorm (float cast, square, mean, add, rsqrt, multiply,
-  cast, scale) and 14 for RoPE on q and k (halves times cos and sin, differences, concatenation);
-  here each is one launch. A small model's decode step on a GPU is hundreds of such tiny
-  kernels, each costing a few microseconds whatever its size, so their number rather than their
-  work sets the step time: on an H200 a captured SmolLM2 step of 16 rows took 1,520 µs with
-  these (399 kernels) and 3,191 µs with PyTorch's (1,216; bench/GPU.md). In 16-bit dtypes
-  RoPE here rounds once, from float32, where PyTorch rounds after every operation: the same
-  values to within a rounding step, not bit for bit; in float32 they agree to 1e-5.
-
-Accumulation is in float32 whatever the input dtype (float32, bfloat16, float16); the output
-has the query's dtype. K/V caches must have the query's dtype; new K/V are cast on store.
-
-Running on the CPU: Triton's interpreter executes the kernels with numpy on CPU tensors (it
-works on them in place; CUDA tensors would be copied to the host and back). Triton reads
-`TRITON_INTERPRET` when a function is *decorated*, and its own `tl.max` / `tl.sum` are decorated
-when `triton` is first imported, so the variable must be set before anything in the process
-imports `triton` (e.g. `TRITON_INTERPRET=1 pytest ...`, or `os.environ` at the very top of a
-script); setting it later leaves kernels that fail with "Cannot call @triton.jit'd outside of
-the scope of a kernel". This module sets nothing itself; without the interpreter the kernels
-need CUDA tensors, and calling them with CPU tensors raises a RuntimeError saying so.
+Accumulation is float32; outputs have the query's dtype, caches must too. On the CPU, Triton's
+interpreter runs the kernels on CPU tensors, but only if `TRITON_INTERPRET=1` was set before
+anything imported `triton` (it is read when functions are decorated); otherwise CPU tensors
+raise a RuntimeError saying so.
 """
 
 from __future__ import annotations
@@ -60,8 +41,7 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_token
                      stride_kcs, stride_kch, stride_vcs, stride_vch,
                      HEAD_DIM: tl.constexpr, NUM_COLS: tl.constexpr,
                      BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Copy BLOCK_T tokens' K and V rows (all kv heads, flattened to NUM_COLS columns) to their
-    cache slots."""
+    """Copy BLOCK_T tokens' K and V rows (all kv heads: NUM_COLS columns) to their slots."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     col = tl.arange(0, BLOCK_C)
     head, d = col // HEAD_DIM, col % HEAD_DIM
@@ -78,8 +58,7 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_token
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, eps, stride_xt, stride_xh, stride_ot, stride_oh,
                      DIM: tl.constexpr, BLOCK: tl.constexpr):
-    """One row (token t, head h) of DIM values: normalize in float32, cast to the output's dtype,
-    then scale by the weight, in that order, as transformers does."""
+    """Row (token t, head h): normalize in float32, cast, then scale, as transformers does."""
     t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     d = tl.arange(0, BLOCK)
     ok = d < DIM
@@ -202,9 +181,8 @@ _NOT_KERNELS = frozenset({
 
 
 def count_launches(fn) -> Counter:
-    """Run fn() and count the kernels it launches: each Triton kernel by name ("triton.<name>")
-    and each PyTorch operator that computes ("torch.<op>"; views and allocations excluded)
-    (chapter 07). Works on the CPU too, the Triton kernels in the interpreter."""
+    """Run fn() and count the kernels it launches (chapter 07): Triton's by name ("triton.<name>")
+    and PyTorch operators that compute ("torch.<op>"), in the interpreter on the CPU too."""
     from torch.utils._python_dispatch import TorchDispatchMode
     counts: Counter = Counter()
     in_kernel = []
@@ -274,8 +252,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`torch_ref.rms_norm` as one kernel: x [T, D] or [T, heads, D] (rows may be strided, e.g.
-    the query heads inside the fused q/k/v product) -> a new contiguous tensor."""
+    """`torch_ref.rms_norm` as one kernel over x [T, D] or [T, heads, D] (rows may be strided)."""
     _check_device(x)
     x = _last_dim_contiguous(x)
     rows = x if x.dim() == 3 else x.unsqueeze(1)
@@ -290,8 +267,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`torch_ref.rope` as one kernel for q and k together, rotating them in place (they are
-    this step's fresh projections, views of one q/k/v product); returns (q, k)."""
+    """`torch_ref.rope` as one kernel rotating q and k in place (this step's fresh projections)."""
     num_tokens, num_q_heads, head_dim = q.shape
     if num_tokens == 0:
         return q, k
@@ -327,8 +303,7 @@ FLOAT32_KEY_BLOCK, FLOAT32_PREFILL_NUM_WARPS = 2048, 8
 
 
 def _prefill_work(meta: AttentionMetadata, block_q: int, device: torch.device) -> torch.Tensor:
-    """(member, first query) of every prefill tile, flattened; built on the host from the
-    query lengths once per step and shared by all layers."""
+    """(member, first query) of every prefill tile, flattened; built on the host once a step."""
     key = ("triton_prefill_work", block_q)
     if key not in meta.cache:
         work = [x for b in range(meta.num_decodes, meta.num_members)
@@ -340,8 +315,7 @@ def _prefill_work(meta: AttentionMetadata, block_q: int, device: torch.device) -
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            meta: AttentionMetadata, scale: float, out: torch.Tensor | None = None
            ) -> torch.Tensor:
-    """Paged attention for the whole mixed batch: q [T, num_heads, head_dim] -> same shape.
-    `out`, if given, is written in place (tests pass a NaN-filled one to see every row set)."""
+    """Paged attention for the mixed batch: q [T, heads, head_dim] -> same shape (into `out`)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[-2]
     group = num_heads // num_kv_heads

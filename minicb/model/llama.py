@@ -1,8 +1,6 @@
-"""A Llama-family decoder in plain PyTorch over the paged KV cache (chapter 01): Llama / SmolLM2,
-Mistral (no sliding window), Qwen2 (q/k/v bias), Qwen3 (per-head q/k RMSNorm). It sees one flat
-token batch (ids, positions, `AttentionMetadata`, per-layer caches), never a request. q/k/v and
-gate/up are each one product, fused at load (`load_hf_state_dict`).
-"""
+"""A Llama-family decoder in plain PyTorch over the paged KV cache (chapter 01): Llama, SmolLM2,
+Mistral, Qwen2, Qwen3. It sees one flat token batch, never a request; q/k/v and gate/up are
+each one product, fused at load."""
 
 from __future__ import annotations
 
@@ -97,9 +95,8 @@ class ModelConfig:
 
 
 def windowed_layers(family: str, cfg: Mapping) -> list[int]:
-    """The layers transformers runs with a sliding window for this config.json (defaults filled
-    in): all of Mistral's when a window is set; Qwen2/3's only with `use_sliding_window`, those
-    `layer_types` marks, else from `max_window_layers` on."""
+    """The layers transformers runs with a sliding window for this config.json: all of Mistral's;
+    Qwen2/3's with `use_sliding_window`, as `layer_types` marks or from `max_window_layers`."""
     layers = range(cfg["num_hidden_layers"])
     if not cfg.get("sliding_window") or family == "llama":
         return []
@@ -259,9 +256,8 @@ class LlamaModel(nn.Module):
         self.attention_backend_name = name
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, 1, head_dim/2] for these positions from tables built on first use: on the
-        CPU they grow in powers of two; elsewhere they cover max_position_embeddings at once, so
-        the forward never reads positions back."""
+        """cos, sin [T, 1, head_dim/2] from tables that grow in powers of two on the CPU and cover
+        max_position_embeddings at once elsewhere (the forward never reads positions back)."""
         n = self.config.max_position_embeddings
         if positions.device.type == "cpu" and positions.numel():
             n = max(4096, 1 << int(positions.max()).bit_length())
@@ -306,9 +302,8 @@ class LlamaModel(nn.Module):
 
     @torch.no_grad()
     def load_hf_state_dict(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Copy Hugging Face tensors (`model.layers.0.self_attn.q_proj.weight`...) into this
-        model, fusing q/k/v and gate/up. KeyError names a missing tensor, ValueError one that is
-        not float (fp8, packed int) or not the shape config.json gives."""
+        """Copy Hugging Face tensors into this model, fusing q/k/v and gate/up; KeyError names a
+        missing tensor, ValueError one not float (fp8, packed int) or not the configured shape."""
         def get(name: str) -> torch.Tensor:
             if name not in tensors:
                 raise KeyError(f"checkpoint has no tensor {name!r}")

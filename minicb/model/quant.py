@@ -1,15 +1,7 @@
-"""Weight-only int8 quantization for CPU decoding (chapter 01, "bytes per token").
-
-At batch 1 a decode step reads every weight once and does two flops per weight: its speed is
-the memory bandwidth divided by the bytes of the weights. float32 SmolLM2-135M streams
-540 MB per token; int8 weights with one float scale per output row stream a quarter of that.
-Activations stay float32 between layers; each product runs in torch's int8-weight kernel
-(`aten._weight_int8pack_mm`, bfloat16 activations and scales in, as gpt-fast uses it; its
-float32 path runs ten to thirty times slower), so the numbers differ from float32 by the int8
-rounding of the weights (half a step, 0.4% of each row's largest weight), the bfloat16 rounding
-of each row's scale (up to about as much again for the row's largest weights) and the bfloat16
-rounding of the activations.
-"""
+"""Weight-only int8 quantization for CPU decoding (chapter 01, "bytes per token"): a one-row
+step streams every weight once, and int8 with one scale per row streams a quarter of float32.
+Products run in torch's `aten._weight_int8pack_mm` (bfloat16 activations and scales, as in
+gpt-fast; its float32 path is 10-30x slower): results differ by those roundings."""
 
 from __future__ import annotations
 
@@ -28,8 +20,7 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Int8Linear(nn.Module):
-    """y = x @ (q * scale).T + bias with q int8 [out, in] and scale one per output row, kept
-    in bfloat16: the form the packed kernel takes."""
+    """y = x @ (q * scale).T + bias: q int8 [out, in], one bfloat16 scale per output row."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -63,8 +54,8 @@ class Int8Linear(nn.Module):
 
 
 def quantize_int8(model: nn.Module) -> nn.Module:
-    """Replace every projection of a `LlamaModel` and its LM head by an `Int8Linear`, in place.
-    Embeddings and norms stay float (a lookup reads one row; norms are tiny)."""
+    """Replace every projection of a `LlamaModel` and its LM head by an `Int8Linear`, in place
+    (embeddings and norms stay float)."""
     for owner, name in projections(model):
         linear = getattr(owner, name)
         setattr(owner, name, Int8Linear(linear.weight, linear.bias))
