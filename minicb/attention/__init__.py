@@ -20,8 +20,7 @@ import torch
 
 def int_tensor(values: list[int], dtype: torch.dtype = torch.int64,
                device: torch.device | str = "cpu") -> torch.Tensor:
-    """A 1-D integer tensor from Python ints: one copy of a packed array, about 7x faster than
-    `torch.tensor(values)` for a few hundred values."""
+    """A 1-D integer tensor from Python ints, ~7x faster than `torch.tensor` for hundreds."""
     if not values:
         return torch.empty(0, dtype=dtype, device=device)
     code = {torch.int64: "q", torch.int32: "i"}[dtype]
@@ -30,8 +29,7 @@ def int_tensor(values: list[int], dtype: torch.dtype = torch.int64,
 
 @dataclass
 class AttentionMetadata:
-    """One step's members as the backends see them: plain lists, and tensors built from them on
-    first use, on `device` (the simulated executor, chapter 06, reads only the lists)."""
+    """One step's members as the backends see them: lists, and tensors built on first use."""
 
     query_lens: list[int]  # tokens member b advances this step
     context_lens_list: list[int]  # tokens in member b's cache once this step is stored
@@ -102,8 +100,7 @@ class AttentionMetadata:
 
 def build_metadata(page_tables: list[list[int]], num_computed: list[int], num_new: list[int],
                    page_size: int, device: torch.device | str = "cpu") -> AttentionMetadata:
-    """Metadata of members that have `num_computed[b]` tokens cached and advance `num_new[b]`
-    (pages covering both); those with num_new == 1 (decode rows) come first."""
+    """Metadata of members with `num_computed` cached and `num_new` new tokens, decodes first."""
     num_decodes = 0
     while num_decodes < len(num_new) and num_new[num_decodes] == 1:
         num_decodes += 1
@@ -116,8 +113,7 @@ def build_metadata(page_tables: list[list[int]], num_computed: list[int], num_ne
 
 
 def resolve_backend(name: str = "auto", device: str = "cpu") -> str:
-    """'auto' picks Triton on CUDA; on the CPU, the C kernels (chapter 08) where they build,
-    else the torch reference. MINICB_ATTENTION overrides 'auto'."""
+    """'auto': Triton on CUDA, else the C kernels where they build; MINICB_ATTENTION overrides."""
     source = "attention_backend"
     if name == "auto" and os.environ.get("MINICB_ATTENTION"):
         name, source = os.environ["MINICB_ATTENTION"], "MINICB_ATTENTION (environment)"

@@ -68,8 +68,7 @@ def library_path(compiler: list[str]) -> Path:
 
 
 def _build(compiler: list[str], target: Path) -> ctypes.CDLL:
-    """Compile into this process's own file, load it, rename it to `target` (a concurrent build
-    never sees half a file); the linker gives it the umask's mode, so a shared cache reads it."""
+    """Compile into a file of our own, load it, rename it to `target` (never half a file)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.stem}-{os.getpid()}.so")
     try:
@@ -233,8 +232,7 @@ def kernel(cache_dtype: torch.dtype = torch.float32):
 
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q [T, heads, D] over the paged caches -> [T, heads, D]: decode rows through the kernel,
-    prefill chunks through the torch reference."""
+    """q [T, heads, D] -> [T, heads, D]: decode rows by the kernel, chunks by the reference."""
     if not (q.device.type == "cpu" and k_cache.dtype == v_cache.dtype and k_cache.dtype in DTYPES
             and k_cache.is_contiguous() and v_cache.is_contiguous()):
         _warn_once(f"the cpu attention kernel reads contiguous float32 or bfloat16 caches on the "

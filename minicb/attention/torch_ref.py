@@ -10,8 +10,7 @@ from minicb.attention import AttentionMetadata, int_tensor
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / rms(x) * weight over the last dimension as transformers computes it: normalize in
-    float32, cast back to x's dtype, then scale."""
+    """x / rms(x) * weight as transformers: normalize in float32, cast back, then scale."""
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
@@ -24,8 +23,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q [T, heads, D] and k [T, kv_heads, D] by their positions' angles (cos, sin:
-    [T, 1, D/2]): transformers' `x * cos + rotate_half(x) * sin` with half the table."""
+    """Rotate q and k by their positions' angles: transformers' `rotate_half`, half the table."""
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
@@ -77,16 +75,14 @@ def _decode_groups(meta: AttentionMetadata) -> list[tuple[torch.Tensor, torch.Te
 
 
 def _gather(flat: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """Rows of a flat cache [slots, heads, D] at `slots` [n, width] -> [n, heads, width, D]
-    (`index_select` copies whole rows: 1.7x faster than indexing with a 2-D tensor)."""
+    """Rows of a flat cache at `slots` [n, width] -> [n, heads, width, D] (`index_select`)."""
     n, width = slots.shape
     return flat.index_select(0, slots.flatten()).view(n, width, *flat.shape[1:]).transpose(1, 2)
 
 
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q [T, heads, D] of the step's rows over the paged caches -> [T, heads, D]: decode rows,
-    then each prefill chunk causally over its pages (prefix-cache pages included)."""
+    """q [T, heads, D] -> [T, heads, D]: decode rows, then each chunk causally over its pages."""
     out = torch.empty_like(q)
     attend_decodes(q, k_cache, v_cache, meta, scale, out)
     attend_prefills(q, k_cache, v_cache, meta, scale, out)

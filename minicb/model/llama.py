@@ -44,8 +44,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, cfg: Mapping) -> ModelConfig:
-        """Build from a config.json dict, a key it leaves out taking its family's transformers
-        default (`HF_DEFAULTS`); ValueError for anything this model cannot run."""
+        """From a config.json dict with HF_DEFAULTS filled in; ValueError for what cannot run."""
         archs = cfg.get("architectures") or []
         arch = archs[0] if archs else _ARCH_FROM_MODEL_TYPE.get(cfg.get("model_type"), None)
         if arch not in SUPPORTED_ARCHITECTURES:
@@ -95,8 +94,7 @@ class ModelConfig:
 
 
 def windowed_layers(family: str, cfg: Mapping) -> list[int]:
-    """The layers transformers runs with a sliding window for this config.json: all of Mistral's;
-    Qwen2/3's with `use_sliding_window`, as `layer_types` marks or from `max_window_layers`."""
+    """The layers transformers runs with a sliding window (Mistral: all; Qwen2/3: if asked)."""
     layers = range(cfg["num_hidden_layers"])
     if not cfg.get("sliding_window") or family == "llama":
         return []
@@ -125,8 +123,7 @@ _ARCH_FROM_MODEL_TYPE = {name: arch for arch, name in SUPPORTED_ARCHITECTURES.it
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """RoPE inverse frequencies [head_dim // 2] exactly as transformers computes them (default,
-    or Llama 3.1's "llama3" smoothing of the low frequencies)."""
+    """RoPE inverse frequencies [head_dim // 2] as transformers computes them (or "llama3")."""
     dim = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     s = cfg.rope_scaling
@@ -224,16 +221,14 @@ class DecoderLayer(nn.Module):
 
 
 def projections(model: LlamaModel) -> list[tuple[nn.Module, str]]:
-    """(owner, attribute name) of every layer's four projections, which int8 quantization and
-    prepacking replace (with the LM head)."""
+    """(owner, name) of every layer's four projections, which int8 and prepacking replace."""
     return [(owner, name) for layer in model.layers
             for owner, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
                                 (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj"))]
 
 
 class LlamaModel(nn.Module):
-    """The whole decoder: embeddings, layers, final norm and LM head (chapter 01). `forward`
-    returns logits only for the rows in `logits_indices` (each sampling member's last)."""
+    """Embeddings, layers, final norm and LM head (chapter 01); logits of `logits_indices` only."""
 
     def __init__(self, cfg: ModelConfig, attention_backend: str = "torch") -> None:
         super().__init__()
@@ -272,8 +267,7 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 logits_indices: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions: [T]; kv_caches[layer] = (k_cache, v_cache), each
-        [num_pages, page_size, num_kv_heads, head_dim]; returns float logits [N, vocab]."""
+        """input_ids, positions [T]; kv_caches[layer] = (k_cache, v_cache) -> logits [N, V]."""
         cos, sin = self.rope(positions)
         x = self.embed_tokens(input_ids)
         backend, eps = self.attention_backend, self.config.rms_norm_eps

@@ -44,8 +44,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 
 @dataclass
 class ModelInfo:
-    """What the engine needs besides the weights: shape, tokenizer (None without tokenizer
-    files), the ids that end a generation, and where it came from."""
+    """What the engine needs besides the weights (tokenizer None without tokenizer files)."""
 
     config: ModelConfig
     tokenizer: Any
@@ -138,8 +137,7 @@ def _unwritable(root: Path, exc: OSError) -> CacheNotWritable:
 
 @contextmanager
 def _cache_lock(root: Path, key: str) -> Iterator[None]:
-    """Hold `root/.{key}.lock` (an flock, released when a killed process's file closes) around a
-    conversion: a temporary directory found under it is no live one's."""
+    """Hold `root/.{key}.lock`, an flock a killed process releases, around a conversion."""
     try:
         root.mkdir(parents=True, exist_ok=True)
         lock = open(root / f".{key}.lock", "a")  # closed by the `with` below
@@ -151,16 +149,14 @@ def _cache_lock(root: Path, key: str) -> Iterator[None]:
 
 
 def _remove_leftovers(root: Path, key: str) -> None:
-    """Delete the temporary directories of conversions killed before their rename (their
-    `finally` never ran). Call under the lock."""
+    """Delete killed conversions' temporary directories (their `finally` never ran); locked."""
     for tmp in root.glob(f".{key}.tmp-*"):
         log.warning("minicb: removing %s, left by a conversion that was killed", tmp)
         shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _convert_into(final: Path, gguf: Path, stamp: dict[str, Any]) -> None:
-    """Convert `gguf` into a temporary directory beside `final`, stamp it, rename it to `final`
-    (a stale `final` is renamed aside first: a reader sees the old or the new)."""
+    """Convert into a temporary directory, stamp it, rename it over `final` (old moved aside)."""
     try:
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     except OSError as exc:
@@ -180,8 +176,7 @@ def _convert_into(final: Path, gguf: Path, stamp: dict[str, Any]) -> None:
 
 
 def _share(folder: Path) -> None:
-    """Give a converted cache the modes a plain mkdir and open would (0o777 and 0o666 less the
-    umask), where mkdtemp and save_pretrained make it private: MINICB_CACHE may be shared."""
+    """Give a converted cache a plain mkdir's and open's modes: MINICB_CACHE may be shared."""
     probe = folder / ".umask-probe"  # os.umask(0) and back would race with other threads
     os.close(os.open(probe, os.O_CREAT | os.O_WRONLY, 0o777))
     umask = 0o777 & ~probe.stat().st_mode
@@ -288,8 +283,7 @@ def load_tokenizer(path: Path) -> Any:
 
 
 def weights_dtype(dtype: torch.dtype | str, device: str) -> torch.dtype:
-    """The torch dtype of the weights: a torch float dtype, or the engine's name for one
-    (DTYPES: "auto" is float32 on the CPU, bfloat16 on CUDA)."""
+    """A torch float dtype, or the engine's name for one ("auto": float32 CPU, bfloat16 CUDA)."""
     if isinstance(dtype, str) and dtype in DTYPES:
         dtype = torch_dtype(dtype, device)
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):

@@ -28,8 +28,7 @@ def prepack_possible(device: str | torch.device, dtype: torch.dtype) -> bool:
 
 
 def prepack_wanted(device: str | torch.device, dtype: torch.dtype) -> bool:
-    """The default: possible, on an x86-64 CPU (oneDNN's speed on Arm is unmeasured), and
-    `MINICB_PREPACK` not "0" (only 0 or 1 are accepted)."""
+    """The default: possible, on x86-64 (Arm unmeasured), unless `MINICB_PREPACK=0`."""
     setting = os.environ.get("MINICB_PREPACK") or "1"
     if setting not in ("0", "1"):
         raise ValueError(f"MINICB_PREPACK (environment) must be 0 (F.linear) or 1 (prepack "

@@ -12,8 +12,7 @@ from minicb.model.llama import projections
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q, scale): q = round(weight / scale) as int8 in [-127, 127], scale = max |row| / 127 per
-    output row (float32, floored so an all-zero row divides by something)."""
+    """(q, scale): q = round(weight / scale) in int8, scale = max |row| / 127 (floored > 0)."""
     w = weight.detach().float()
     scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
     return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
@@ -54,8 +53,7 @@ class Int8Linear(nn.Module):
 
 
 def quantize_int8(model: nn.Module) -> nn.Module:
-    """Replace every projection of a `LlamaModel` and its LM head by an `Int8Linear`, in place
-    (embeddings and norms stay float)."""
+    """Replace every projection and the LM head by an `Int8Linear`, in place."""
     for owner, name in projections(model):
         linear = getattr(owner, name)
         setattr(owner, name, Int8Linear(linear.weight, linear.bias))
