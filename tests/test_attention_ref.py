@@ -6,51 +6,11 @@ from __future__ import annotations
 import random
 
 import torch
-import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from paged_cases import check_against_dense
 
-from minicb.attention import build_metadata, torch_ref
-
-NUM_KV_HEADS, GROUP, HEAD_DIM, PAGE_SIZE = 2, 3, 8, 4
-
-
-def dense(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """q [n, H, D] at the last n positions of keys/values [ctx, Hkv, D], causal."""
-    n, ctx = len(q), len(keys)
-    mask = torch.arange(ctx)[None, :] <= torch.arange(ctx - n, ctx)[:, None]
-    return F.scaled_dot_product_attention(
-        q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), attn_mask=mask,
-        scale=HEAD_DIM ** -0.5, enable_gqa=True).transpose(0, 1)
-
-
-def check_against_dense(members: list[tuple[int, int]], seed: int, attend=torch_ref.attend,
-                        group: int = GROUP, page_size: int = PAGE_SIZE) -> None:
-    """Store every member's past and new K/V through shuffled pages, attend, and compare each
-    member's rows with dense attention over its own contiguous K/V."""
-    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
-    pages = [-(-(c + n) // page_size) for c, n in members]
-    free = rng.sample(range(sum(pages)), sum(pages))
-    tables = [[free.pop() for _ in range(p)] for p in pages]
-    meta = build_metadata(tables, [c for c, _ in members], [n for _, n in members], page_size)
-    shape = (sum(pages), page_size, NUM_KV_HEADS, HEAD_DIM)
-    k_cache, v_cache = torch.zeros(shape), torch.zeros(shape)
-    full_k = [torch.randn(c + n, NUM_KV_HEADS, HEAD_DIM, generator=gen) for c, n in members]
-    full_v = [torch.randn(c + n, NUM_KV_HEADS, HEAD_DIM, generator=gen) for c, n in members]
-    for b, (computed, _) in enumerate(members):  # earlier steps' tokens, then this step's
-        past = build_metadata([tables[b]], [0], [computed], page_size)
-        torch_ref.store_kv(full_k[b][:computed], full_v[b][:computed], k_cache, v_cache, past)
-    new_k = torch.cat([k[c:] for k, (c, _) in zip(full_k, members)])
-    new_v = torch.cat([v[c:] for v, (c, _) in zip(full_v, members)])
-    torch_ref.store_kv(new_k, new_v, k_cache, v_cache, meta)
-    q = torch.randn(len(new_k), NUM_KV_HEADS * group, HEAD_DIM, generator=gen)
-    out = attend(q, k_cache, v_cache, meta, HEAD_DIM ** -0.5)
-    start = 0
-    for b, (_, n) in enumerate(members):
-        expected = dense(q[start:start + n], full_k[b], full_v[b])
-        torch.testing.assert_close(out[start:start + n], expected, rtol=1e-5, atol=1e-6,
-                                   msg=f"member {b}")
-        start += n
+from minicb.attention import torch_ref
 
 
 def test_decode_groups_and_chunks_match_dense_attention():
@@ -76,3 +36,27 @@ def test_any_grouping_matches_dense_attention(decodes, chunks, group, seed):
         check_against_dense([(c, 1) for c in decodes] + chunks, seed)
     finally:
         torch_ref.DECODE_GROUP = saved
+
+
+def test_rms_norm_adds_eps_and_rounds_like_transformers_in_bfloat16():
+    """eps is inside the root (a zero row stays zero, eps=1 visibly shrinks a row), and in
+    bfloat16 the normalized row is rounded before the weight multiplies it, bit for bit as
+    transformers' LlamaRMSNorm."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 96, generator=gen)
+    weight = torch.rand(96, generator=gen) + 0.5
+    assert torch.equal(torch_ref.rms_norm(torch.zeros(2, 96), weight, 1e-6), torch.zeros(2, 96))
+    expected = weight * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1.0)
+    torch.testing.assert_close(torch_ref.rms_norm(x, weight, 1.0), expected)
+    hf = LlamaRMSNorm(96, eps=1e-6).to(torch.bfloat16)
+    with torch.no_grad():
+        hf.weight.copy_(weight)
+    xb = (x * 3).bfloat16()
+    assert torch.equal(torch_ref.rms_norm(xb, hf.weight, 1e-6), hf(xb))
+
+
+def test_a_chunk_after_one_cached_token_sees_that_token():
+    """A chunk one token shorter than its context is not the whole context: query i sits at
+    position 1 + i and sees keys 0..1 + i (plain is_causal would align it at 0)."""
+    check_against_dense([(4, 1), (1, 5), (1, 2), (0, 3)], seed=0)

@@ -15,10 +15,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from paged_cases import HEAD_DIM, assert_close, make_case
-from test_attention_ref import check_against_dense
+from paged_cases import HEAD_DIM, assert_close, check_against_dense, make_case
 
-from minicb.attention import build_metadata, cpu_kernel, resolve_backend, torch_ref
+from minicb.attention import build_metadata, cpu_kernel, int_tensor, resolve_backend, torch_ref
 
 if cpu_kernel._compiler() is None:
     pytest.skip("no C compiler: the CPU kernel backend cannot be built here",
@@ -267,3 +266,73 @@ def test_the_torch_fallback_is_announced_once(monkeypatch, caplog):
         assert [attention.resolve_backend("auto", "cpu") for _ in range(3)] == ["torch"] * 3
     assert [r.getMessage() for r in caplog.records] == [
         "no compiler here; using the torch reference for attention"]
+
+
+# --- what the wrapper refuses before C reads it -------------------------------------------------
+
+def stored_case():
+    q, k, v, k_cache, v_cache, meta = make_case([(20, 1), (40, 1)], 16, 2)
+    torch_ref.store_kv(k, v, k_cache, v_cache, meta)
+    return q, k_cache, v_cache, meta
+
+
+def test_a_page_table_with_a_negative_or_missing_page_is_refused():
+    """A negative page id, or a table narrower than its row's context, is a ValueError before
+    C would read out of bounds."""
+    q, k_cache, v_cache, meta = stored_case()
+    with pytest.raises(ValueError, match="outside the cache's"):
+        cpu_kernel.attend(q, k_cache, v_cache, build_metadata([[0, -1], [2, 3]], [20, 30],
+                                                              [1, 1], 16), 0.25)
+    meta.__dict__["page_tables"] = meta.page_tables[:, :2].contiguous()  # member 1 needs 3
+    with pytest.raises(ValueError, match="too short"):
+        cpu_kernel.attend(q, k_cache, v_cache, meta, 0.25)
+
+
+def test_context_lens_that_disagree_or_are_not_int32_are_refused():
+    """The lengths C reads must be the list's and int32."""
+    q, k_cache, v_cache, meta = stored_case()
+    longer = build_metadata(meta.page_table_list, [20, 40], [1, 1], 16)
+    longer.__dict__["context_lens"] = int_tensor([21, 48], torch.int32)  # the list says 41
+    with pytest.raises(ValueError, match="disagree"):
+        cpu_kernel.attend(q, k_cache, v_cache, longer, 0.25)
+    wide = build_metadata(meta.page_table_list, [20, 40], [1, 1], 16)
+    wide.__dict__["context_lens"] = wide.context_lens.long()
+    with pytest.raises(ValueError, match="context_lens as a contiguous int32"):
+        cpu_kernel.attend(q, k_cache, v_cache, wide, 0.25)
+
+
+def test_heads_that_do_not_fit_the_caches_are_refused():
+    """Query heads not a multiple of the kv heads, another head_dim, or more rows than the
+    metadata's members are a ValueError (C would ignore or overrun them)."""
+    q, k_cache, v_cache, meta = stored_case()  # 4 query heads of 16 over 2 kv heads
+    with pytest.raises(ValueError, match="heads of"):
+        cpu_kernel.attend(torch.randn(2, 5, HEAD_DIM), k_cache, v_cache, meta, 0.25)
+    with pytest.raises(ValueError, match="heads of"):
+        cpu_kernel.attend(torch.randn(2, 4, HEAD_DIM // 2), k_cache, v_cache, meta, 0.25)
+    with pytest.raises(ValueError, match="q has 3 rows"):
+        cpu_kernel.attend(torch.randn(3, 4, HEAD_DIM), k_cache, v_cache, meta, 0.25)
+
+
+def test_non_contiguous_caches_get_the_reference_answer():
+    """Caches that are views into a wider pool (strided) are not what C walks: the backend
+    returns the reference's answer."""
+    q, k_cache, v_cache, meta = stored_case()
+    k_pool = torch.zeros(*k_cache.shape[:-1], 2 * HEAD_DIM)
+    v_pool = torch.zeros_like(k_pool)
+    k_pool[..., :HEAD_DIM], v_pool[..., :HEAD_DIM] = k_cache.nan_to_num(), v_cache.nan_to_num()
+    k_view, v_view = k_pool[..., :HEAD_DIM], v_pool[..., :HEAD_DIM]
+    assert not k_view.is_contiguous()
+    expected = torch_ref.attend(q, k_view.contiguous(), v_view.contiguous(), meta, 0.25)
+    assert_close(cpu_kernel.attend(q, k_view, v_view, meta, 0.25), expected)
+
+
+def test_caches_of_two_dtypes_never_reach_the_kernel(monkeypatch):
+    """C reads both caches as one type (float32 keys with bfloat16 values would read past the
+    value cache): such caches go to the reference, which refuses them."""
+    q, k_cache, v_cache, meta = stored_case()
+
+    def no_library():
+        raise AssertionError("the C kernel was called with caches of two dtypes")
+    monkeypatch.setattr(cpu_kernel, "library", no_library)
+    with pytest.raises(RuntimeError, match="dtype"):
+        cpu_kernel.attend(q, k_cache, v_cache.bfloat16(), meta, 0.25)

@@ -10,11 +10,20 @@ import shutil
 
 import pytest
 import torch
-from tiny_models import make_tiny_checkpoint
+from tiny_models import (
+    CHATS,
+    PAGE_SIZE,
+    hf_greedy,
+    load_hf,
+    make_tiny_checkpoint,
+    paged_greedy,
+    save_random_checkpoint,
+    tiny_config,
+)
 
 from minicb.attention import build_metadata, cpu_kernel
 from minicb.model import ModelConfig, is_bundled, load_model
-from minicb.model.llama import rope_inv_freq
+from minicb.model.llama import LlamaModel, rope_inv_freq
 from minicb.model.prepack import PackedLinear, prepack_possible
 
 needs_prepack = pytest.mark.skipif(not prepack_possible("cpu", torch.float32),
@@ -22,46 +31,7 @@ needs_prepack = pytest.mark.skipif(not prepack_possible("cpu", torch.float32),
 needs_cc = pytest.mark.skipif(cpu_kernel.unavailable_reason() is not None,
                               reason="the CPU kernels do not build here")
 
-PAGE_SIZE = 4
 PROMPTS = [[5], [17, 3, 99, 42, 8, 8, 200], list(range(30, 53))]  # 1 token, < 2 pages, 6 pages
-
-
-def paged_greedy(model, prompt: list[int], max_new: int, eos_ids=(), page_size: int = PAGE_SIZE,
-                 seed: int = 0) -> tuple[list[int], list[torch.Tensor]]:
-    """One request, greedy: prefill the prompt in one forward, then one token per forward. Its
-    pages are a shuffled subset of a larger pool. Returns new tokens and each step's logits."""
-    total = len(prompt) + max_new
-    num_pages = -(-total // page_size)
-    table = random.Random(seed).sample(range(num_pages + 5), num_pages)
-    caches = model.allocate_kv_cache(num_pages + 5, page_size)
-    tokens, all_logits, ids, start = [], [], list(prompt), 0
-    with torch.inference_mode():
-        while len(tokens) < max_new:
-            meta = build_metadata([table], [start], [len(ids)], page_size)
-            logits = model(torch.tensor(ids), torch.arange(start, start + len(ids)), meta, caches,
-                           torch.tensor([len(ids) - 1]))
-            all_logits.append(logits[0])
-            tokens.append(int(logits[0].argmax()))
-            start, ids = start + len(ids), tokens[-1:]
-            if tokens[-1] in eos_ids:
-                break
-    return tokens, all_logits
-
-
-def hf_greedy(hf, prompt: list[int], max_new: int) -> tuple[list[int], list[torch.Tensor]]:
-    ids = torch.tensor([prompt])
-    out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                      max_new_tokens=max_new, return_dict_in_generate=True, output_logits=True)
-    return out.sequences[0, len(prompt):].tolist(), [x[0] for x in out.logits]
-
-
-def load_hf(path, ignore_eos: bool = False):
-    from transformers import AutoModelForCausalLM
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    if ignore_eos:  # tiny random models: always run the full length
-        hf.generation_config.eos_token_id = None
-        hf.generation_config.pad_token_id = 0
-    return hf
 
 
 # --- parity with transformers on tiny random checkpoints ----------------------------------------
@@ -331,10 +301,6 @@ def test_unknown_attention_backend_is_refused(tiny_llama_dir):
 
 # --- the bundled SmolLM2-135M-Instruct ----------------------------------------------------------
 
-CHATS = ["What is the capital of France?", "Write a haiku about the sea.",
-         "List three uses of a paperclip."]
-
-
 @pytest.mark.slow
 def test_smollm2_greedy_matches_hf(smollm2_dir):
     model, info = load_model("smollm2-135m")
@@ -383,3 +349,89 @@ def test_load_model_builds_the_attention_backend_asked_for(tiny_llama_dir):
     the backend load_model was given, not the torch default."""
     model, _ = load_model(tiny_llama_dir, prepack=False, attention_backend="cpu")
     assert model.attention_backend_name == "cpu"
+
+
+# --- config fields the tiny checkpoints never vary ----------------------------------------------
+
+def assert_greedy_matches_hf(path, steps: int = 8, **load) -> None:
+    model, _ = load_model(path, **load)
+    ours, our_logits = paged_greedy(model, PROMPTS[1], steps)
+    theirs, their_logits = hf_greedy(load_hf(path, ignore_eos=True), PROMPTS[1], steps)
+    assert ours == theirs
+    for a, b in zip(our_logits, their_logits):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+
+
+def test_rms_norm_eps_from_the_config_reaches_every_norm(tmp_path):
+    """config.json's rms_norm_eps is every norm's eps, as in transformers (0.05 here: at the
+    tiny checkpoints' 1e-6, dropping it would change nothing visible)."""
+    path = make_tiny_checkpoint(tmp_path / "eps")
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(cfg | {"rms_norm_eps": 0.05}))
+    model, info = load_model(path)
+    assert info.config.rms_norm_eps == 0.05
+    assert model.norm.eps == model.layers[0].input_layernorm.eps == 0.05
+    assert_greedy_matches_hf(path, steps=4)
+    assert_greedy_matches_hf(path, steps=4, attention_backend="cpu")  # the one-row C layer
+
+
+def test_head_dim_comes_from_the_config_not_hidden_over_heads(tmp_path):
+    """Qwen3-0.6B has 16 heads of 128 on a hidden size of 1,024: head_dim, and with it the
+    attention scale, are the config's."""
+    from transformers import Qwen3Config
+    path = save_random_checkpoint(tiny_config(Qwen3Config, head_dim=32, rope_theta=1e6),
+                                  tmp_path / "qwen3-wide")
+    model, info = load_model(path)
+    assert info.config.head_dim == 32 and model.layers[0].self_attn.scale == 32 ** -0.5
+    assert_greedy_matches_hf(path)
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("cpu", marks=needs_cc)])
+def test_llama_attention_bias_is_on_q_k_v_and_o(tmp_path, backend):
+    """Llama's attention_bias=True puts a bias on q, k, v and o_proj (Qwen2 has none on o), in
+    the per-operation layers and in the cpu backend's one-row C layer alike."""
+    from transformers import LlamaConfig
+    path = save_random_checkpoint(tiny_config(LlamaConfig, attention_bias=True),
+                                  tmp_path / "llama-bias")
+    model, info = load_model(path, prepack=False)
+    assert info.config.attention_bias and info.config.o_proj_bias
+    attn = model.layers[0].self_attn
+    assert attn.qkv_proj.bias is not None and attn.o_proj.bias is not None
+    assert_greedy_matches_hf(path, attention_backend=backend)
+
+
+def test_rope_tables_grow_for_positions_past_their_first_size():
+    """On the CPU the cos/sin tables start at 4,096 positions and grow in powers of two: a later,
+    longer position reads its own angle (no IndexError, no stale table)."""
+    cfg = ModelConfig("llama", 32, 64, 64, 1, 4, 2, 16, max_position_embeddings=128)
+    model = LlamaModel(cfg)
+    inv = rope_inv_freq(cfg)
+    for positions in ([0, 7], [4095], [5000, 3], [9000, 4096, 1]):
+        pos = torch.tensor(positions)
+        cos, sin = model.rope(pos)
+        angles = torch.outer(pos.float(), inv)[:, None, :]
+        torch.testing.assert_close(cos, angles.cos(), rtol=0, atol=1e-6)
+        torch.testing.assert_close(sin, angles.sin(), rtol=0, atol=1e-6)
+
+
+def test_a_bfloat16_model_returns_float32_logits(tiny_llama_dir):
+    """Logits come back in float32 whatever the weights' dtype."""
+    model, _ = load_model(tiny_llama_dir, dtype=torch.bfloat16, prepack=False)
+    kv = model.allocate_kv_cache(4, 16)
+    meta = build_metadata([[2]], [0], [5], 16)
+    with torch.inference_mode():
+        logits = model(torch.tensor([3, 1, 4, 1, 5]), torch.arange(5), meta, kv,
+                       torch.tensor([4]))
+    assert logits.dtype == torch.float32 and logits.shape == (1, 256)
+
+
+@needs_prepack
+def test_a_prepacked_tied_head_is_not_a_second_parameter(tiny_checkpoint):
+    """A tied LM head, packed, is a buffer outside the state dict: parameter counts and
+    state-dict keys are the unpacked model's."""
+    path = tiny_checkpoint("llama", tie=True)
+    packed, _ = load_model(path, prepack=True)
+    plain, _ = load_model(path, prepack=False)
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    assert count(packed) == count(plain)
+    assert "lm_head.weight" not in packed.state_dict()

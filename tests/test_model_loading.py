@@ -403,3 +403,17 @@ def test_an_empty_minicb_attention_is_auto(monkeypatch):
     unset = resolve_backend("auto", "cpu")
     monkeypatch.setenv("MINICB_ATTENTION", "")
     assert resolve_backend("auto", "cpu") == unset
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"mlp_bias": True}, "mlp_bias"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                          "partial_rotary_factor": 0.5}}, "partial_rotary_factor"),
+    ({"architectures": ["MistralForCausalLM"], "sliding_window": 1024}, "sliding"),
+])
+def test_configs_the_model_would_run_wrongly_are_refused(tiny_llama_dir, change, match):
+    """A config this model would run as another model (MLP biases, partial RoPE, a sliding
+    window shorter than the context) is a ValueError naming the field."""
+    cfg = json.loads((tiny_llama_dir / "config.json").read_text()) | change
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_hf(cfg)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from test_model import paged_greedy
+from tiny_models import CHATS, paged_greedy
 
 from minicb import LLM, SamplingParams
 from minicb.config import EngineConfig
@@ -106,7 +106,6 @@ def test_bad_quantization_is_refused(tiny_llama_dir):
 def test_smollm2_int8_agrees_with_float32(smollm2_dir):
     """On the bundled model int8 weights change the numbers, rarely the words: greedy tokens
     agree with float32 for the first few tokens of each chat prompt (5-22 measured)."""
-    from test_model import CHATS
     fp32, info = load_model("smollm2-135m")
     int8, _ = load_model("smollm2-135m", quantization="int8")
     for text in CHATS:
@@ -118,3 +117,29 @@ def test_smollm2_int8_agrees_with_float32(smollm2_dir):
         assert ours == ref, (text, info.tokenizer.decode(ours), info.tokenizer.decode(ref))
         error = (our_logits[0] - ref_logits[0]).abs().max() / ref_logits[0].abs().max()
         assert error < 0.08, (text, float(error))  # 3.7-5.6% measured, from the weights alone
+
+
+def test_int8_scale_is_per_output_row():
+    """Rows of very different sizes each use the whole int8 range: one scale per row, not one
+    per tensor (which would round a small row to zeros)."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(6, 32, generator=gen) * torch.tensor([1e-3, 1, 100, 0.1, 5, 1e-2])[:, None]
+    layer = Int8Linear(weight)
+    assert layer.qweight.abs().amax(dim=1).tolist() == [127] * 6
+    torch.testing.assert_close(layer.scale.float(), (weight.abs().amax(dim=1) / 127).bfloat16()
+                               .float())
+    rel = (layer.dequantized() - weight).abs().amax(dim=1) / weight.abs().amax(dim=1)
+    assert (rel < 0.01).all()
+
+
+def test_int8_keeps_the_projection_biases(tiny_qwen2_dir):
+    """Qwen2's q/k/v biases survive quantization: the int8 layer adds the float bias."""
+    fp32, _ = load_model(tiny_qwen2_dir, prepack=False)
+    int8, _ = load_model(tiny_qwen2_dir, quantization="int8")
+    for a, b in zip(fp32.layers, int8.layers):
+        assert isinstance(b.self_attn.qkv_proj, Int8Linear)
+        assert torch.equal(b.self_attn.qkv_proj.bias, a.self_attn.qkv_proj.bias)
+    prompt = [17, 3, 99, 42, 8, 8, 200]
+    _, ours = paged_greedy(int8, prompt, 1)
+    _, ref = paged_greedy(fp32, prompt, 1)
+    assert (ours[0] - ref[0]).abs().max() / ref[0].abs().max() < 0.1

@@ -366,3 +366,36 @@ def test_graph_runner_buckets_are_sorted_and_its_steps_are_decode_rows():
     assert (meta.num_decodes, meta.num_members, meta.query_start_loc.tolist()) == (2, 2,
                                                                                   [0, 1, 2])
     assert meta.page_tables.shape == (2, 3)
+
+
+def test_store_writes_slot_zero():
+    """Slot 0 (page 0, offset 0) is a real slot: only negative slots are padding."""
+    q, k, v, k_cache, v_cache, _ = paged_cases.make_case([(0, 3)], 16, 1)
+    meta = build_metadata([[0]], [0], [3], 16)
+    tops.store_kv(k, v, k_cache, v_cache, meta)
+    assert torch.equal(k_cache[0, :3], k) and torch.equal(v_cache[0, :3], v)
+
+
+def test_rms_norm_adds_eps_and_rounds_like_the_reference_in_float16():
+    """eps is inside the root, and in 16-bit the normalized row is rounded before the weight
+    multiplies it, bit for bit as the reference (float16: the interpreter truncates float32 to
+    bfloat16, so bfloat16 cannot be compared bit for bit on the CPU)."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(16, 96, generator=gen)
+    weight = torch.rand(96, generator=gen) + 0.5
+    assert_close(tops.rms_norm(x, weight, 1.0), torch_ref.rms_norm(x, weight, 1.0))
+    assert torch.equal(tops.rms_norm(torch.zeros(2, 96), weight, 1e-6), torch.zeros(2, 96))
+    xh, wh = (x * 3).half(), weight.half()
+    assert torch.equal(tops.rms_norm(xh, wh, 1e-6), torch_ref.rms_norm(xh, wh, 1e-6))
+
+
+def test_a_mismatched_cache_dtype_and_a_strided_rope_are_refused():
+    """Caches of another dtype than the query's are a TypeError; RoPE in place needs a
+    contiguous last dimension (a ValueError otherwise)."""
+    q, k, v, k_cache, v_cache, meta = paged_cases.make_case([(5, 1)], 16, 1)
+    with pytest.raises(TypeError, match="must match the query's"):
+        tops.attend(q, k_cache.bfloat16(), v_cache.bfloat16(), meta, 0.25)
+    cos = sin = torch.ones(1, 1, HEAD_DIM // 2)
+    strided = torch.randn(1, NUM_KV_HEADS, 2 * HEAD_DIM)[..., ::2]
+    with pytest.raises(ValueError, match="contiguous last dimension"):
+        tops.rope(strided, k.contiguous(), cos, sin)

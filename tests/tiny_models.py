@@ -1,5 +1,6 @@
 """Tiny random Hugging Face checkpoints for tests: real config.json + model.safetensors written by
-transformers' own classes, a few hundred kilobytes each, no tokenizer."""
+transformers' own classes, a few hundred kilobytes each, no tokenizer; and the greedy loops that
+drive a model directly (ours over a shuffled paged cache, transformers' `generate`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import random
 from pathlib import Path
 
 import torch
+
+from minicb.attention import build_metadata
 
 ARCHS = ("llama", "qwen2", "qwen3", "llama3-rope")
 
@@ -115,3 +118,58 @@ def three_in_six(**options):
         engine.add_request([3 + i] * 6, SamplingParams(max_tokens=12, ignore_eos=True),
                            request_id=f"r{i}")
     return engine
+
+
+# --- driving a model directly: our greedy loop over the paged cache, and transformers' --------
+
+PAGE_SIZE = 4
+CHATS = ["What is the capital of France?", "Write a haiku about the sea.",
+         "List three uses of a paperclip."]
+
+
+def paged_greedy(model, prompt: list[int], max_new: int, eos_ids=(), page_size: int = PAGE_SIZE,
+                 seed: int = 0) -> tuple[list[int], list[torch.Tensor]]:
+    """One request, greedy: prefill the prompt in one forward, then one token per forward. Its
+    pages are a shuffled subset of a larger pool. Returns new tokens and each step's logits."""
+    total = len(prompt) + max_new
+    num_pages = -(-total // page_size)
+    table = random.Random(seed).sample(range(num_pages + 5), num_pages)
+    caches = model.allocate_kv_cache(num_pages + 5, page_size)
+    tokens, all_logits, ids, start = [], [], list(prompt), 0
+    with torch.inference_mode():
+        while len(tokens) < max_new:
+            meta = build_metadata([table], [start], [len(ids)], page_size)
+            logits = model(torch.tensor(ids), torch.arange(start, start + len(ids)), meta, caches,
+                           torch.tensor([len(ids) - 1]))
+            all_logits.append(logits[0])
+            tokens.append(int(logits[0].argmax()))
+            start, ids = start + len(ids), tokens[-1:]
+            if tokens[-1] in eos_ids:
+                break
+    return tokens, all_logits
+
+
+def hf_greedy(hf, prompt: list[int], max_new: int) -> tuple[list[int], list[torch.Tensor]]:
+    ids = torch.tensor([prompt])
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                      max_new_tokens=max_new, return_dict_in_generate=True, output_logits=True)
+    return out.sequences[0, len(prompt):].tolist(), [x[0] for x in out.logits]
+
+
+def load_hf(path, ignore_eos: bool = False):
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    if ignore_eos:  # tiny random models: always run the full length
+        hf.generation_config.eos_token_id = None
+        hf.generation_config.pad_token_id = 0
+    return hf
+
+
+def tiny_config(cls, **overrides):
+    """A tiny transformers config of class `cls` (for fields `make_tiny_checkpoint` never varies);
+    write it with `save_random_checkpoint`."""
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                  bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-6, initializer_range=0.2,
+                  tie_word_embeddings=False)
+    return cls(**(common | overrides))

@@ -38,8 +38,8 @@ DTYPES = (torch.float32, torch.bfloat16)  # cache dtypes the attention kernel re
 _lock = threading.Lock()  # one build per process, even when engines start in several threads
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {  # C function -> argument types
-    "paged_decode_attention": [_P, _I, _P, _P, _P, _P, _I, _P, *[_I] * 6, _F, _I],
-    "paged_decode_attention_bf16": [_P, _I, _P, _P, _P, _P, _I, _P, *[_I] * 6, _F, _I],
+    **dict.fromkeys(("paged_decode_attention", "paged_decode_attention_bf16"),
+                    [_P, _I, _P, _P, _P, _P, _I, _P, *[_I] * 6, _F, _I]),
     "gemv_f32": [_P, _P, _P, _P, _I, _I, _I],
     "decode_layer_f32": [_P, _P, _P, _P, _F, *[_P] * 12, _I, _P, _P, *[_I] * 6, _F, _I],
 }
@@ -209,7 +209,9 @@ def attend_decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         qd = qd.contiguous()
     od = out[:nd] if out.dtype == torch.float32 and out.is_contiguous() else \
         torch.empty(nd, num_heads, head_dim)
-    tables, lens, fn = meta.page_tables, meta.context_lens, kernel(k_cache.dtype)
+    tables, lens = meta.page_tables, meta.context_lens
+    fn = getattr(library(), "paged_decode_attention" + ("_bf16" if k_cache.dtype ==
+                                                        torch.bfloat16 else ""))
     # named in torch.profiler tables (a ctypes call is otherwise invisible to it; chapter 08)
     with torch.profiler.record_function(PROFILE_NAME):
         failed = fn(qd.data_ptr(), qd.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
@@ -221,13 +223,6 @@ def attend_decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         raise MemoryError("the CPU attention kernel could not allocate its score buffers")
     if od.data_ptr() != out.data_ptr():
         out[:nd] = od
-
-
-def kernel(cache_dtype: torch.dtype = torch.float32):
-    """The decode attention kernel for float32 or bfloat16 caches."""
-    lib = library()
-    return lib.paged_decode_attention_bf16 if cache_dtype == torch.bfloat16 else \
-        lib.paged_decode_attention
 
 
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

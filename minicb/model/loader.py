@@ -88,7 +88,7 @@ def ensure_bundled(name: str) -> Path:
                 _remove_leftovers(final.parent, key)
                 _convert_into(final, gguf, stamp)
     except CacheNotWritable:
-        if not _is_whole(final):
+        if not _is_current(final, None):
             raise
         # a read-only cache (a shared one, an image's) converted by another minicb or from
         # another copy of the package: better its weights than none
@@ -112,15 +112,11 @@ def source_stamp(gguf: Path, package: str) -> dict[str, Any]:
             "hash": digest, "package_version": dist.version if dist else None}
 
 
-def _is_whole(folder: Path) -> bool:
-    """True if `folder` holds a converted checkpoint's config and weights."""
-    return (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
-
-
-def _is_current(folder: Path, stamp: dict[str, Any]) -> bool:
-    """True if `folder` holds a whole conversion of the source `stamp` describes."""
+def _is_current(folder: Path, stamp: dict[str, Any] | None) -> bool:
+    """True if `folder` holds a whole conversion (of the source `stamp` describes, unless None)."""
     try:
-        return _is_whole(folder) and json.loads((folder / STAMP).read_text()) == stamp
+        return (folder / "config.json").is_file() and (folder / "model.safetensors").is_file() \
+            and (stamp is None or json.loads((folder / STAMP).read_text()) == stamp)
     except (OSError, ValueError):  # no stamp (a cache of an older minicb), or a broken one
         return False
 
