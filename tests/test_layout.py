@@ -40,12 +40,7 @@ def test_the_core_imports_no_tooling_and_its_leaves_import_nothing():
     assert graph["minicb.kv_cache"] == set() and graph["minicb.trace"] == set()
 
 
-# a cycle still open, to be broken by its owner (issue 37): the attention package and its
-# backends import each other (AttentionMetadata belongs in a module of its own)
-OPEN_CYCLES = [
-    {"minicb.attention", "minicb.attention.cpu_kernel", "minicb.attention.torch_ref",
-     "minicb.attention.triton_ops"},
-]
+OPEN_CYCLES: list[set[str]] = []  # cycles still open, each to be broken by its owner
 
 
 def cycles(graph: dict[str, set[str]]) -> list[set[str]]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import logging
 import os
 import platform
 import shlex
@@ -20,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from minicb.attention import AttentionMetadata, _warn_once, int_tensor, torch_ref
+from minicb.attention import torch_ref
+from minicb.attention.metadata import AttentionMetadata, int_tensor
 from minicb.attention.torch_ref import rms_norm, rope, store_kv  # noqa: F401 (the backend API)
 from minicb.config import cache_root, cpuinfo
 
@@ -225,13 +227,19 @@ def attend_decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         out[:nd] = od
 
 
+@functools.cache  # once per kind of cache and process
+def _warn_reference(dtype: torch.dtype, device: torch.device) -> None:
+    logging.getLogger("minicb").warning(f"the cpu attention kernel reads contiguous float32 or "
+                                        f"bfloat16 caches on the CPU; these ({dtype}, {device}) "
+                                        "take the torch reference")
+
+
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q [T, heads, D] -> [T, heads, D]: decode rows by the kernel, chunks by the reference."""
     if not (q.device.type == "cpu" and k_cache.dtype == v_cache.dtype and k_cache.dtype in DTYPES
             and k_cache.is_contiguous() and v_cache.is_contiguous()):
-        _warn_once(f"the cpu attention kernel reads contiguous float32 or bfloat16 caches on the "
-                   f"CPU; these ({k_cache.dtype}, {k_cache.device}) take the torch reference")
+        _warn_reference(k_cache.dtype, k_cache.device)
         return torch_ref.attend(q, k_cache, v_cache, meta, scale)
     out = torch.empty(q.shape, dtype=q.dtype)
     attend_decodes(q, k_cache, v_cache, meta, scale, out)

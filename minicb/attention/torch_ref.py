@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from minicb.attention import AttentionMetadata, int_tensor
+from minicb.attention.metadata import AttentionMetadata, int_tensor
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

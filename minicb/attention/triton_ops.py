@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minicb.attention import AttentionMetadata
+from minicb.attention.metadata import AttentionMetadata
 
 LOG2E = 1.4426950408889634
 
