@@ -236,11 +236,11 @@ def test_engine_tokens_match_the_torch_backend(tiny_llama_dir, policy):
     assert results["cpu"] == results["torch"]
 
 
-def test_num_decode_tokens_counts_only_the_decode_rows():
-    """AttentionMetadata.num_decode_tokens is the decode rows (one token each), not every
-    member of the step."""
+def test_num_decodes_counts_only_the_decode_rows():
+    """AttentionMetadata.num_decodes is the decode rows (one token each), not every member of
+    the step."""
     meta = build_metadata([[0], [1], [2]], [4, 7, 0], [1, 1, 5], 16)
-    assert (meta.num_decode_tokens, meta.num_members) == (2, 3)
+    assert (meta.num_decodes, meta.num_members) == (2, 3)
 
 
 @pytest.mark.parametrize("device", ["cuda", "cuda:1"])

@@ -87,10 +87,6 @@ class AttentionMetadata:
     def num_members(self) -> int:
         return len(self.query_lens)
 
-    @property
-    def num_decode_tokens(self) -> int:
-        return self.num_decodes
-
 
 def build_metadata(page_tables: list[list[int]], num_computed: list[int], num_new: list[int],
                    page_size: int, device: torch.device | str = "cpu") -> AttentionMetadata:

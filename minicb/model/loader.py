@@ -289,10 +289,9 @@ def weights_dtype(dtype: torch.dtype | str, device: str) -> torch.dtype:
 
 
 def load_model(name_or_path: str | os.PathLike, device: str | torch.device = "auto",
-               dtype: torch.dtype | str = torch.float32,
-               attention_backend: str = "torch",
-               quantization: str | None = None,
-               prepack: bool | None = None) -> tuple[LlamaModel, ModelInfo]:
+               dtype: torch.dtype | str = torch.float32, attention_backend: str = "torch",
+               quantization: str | None = None, prepack: bool | None = None
+               ) -> tuple[LlamaModel, ModelInfo]:
     """Load weights, config and tokenizer; `quantization="int8"` (`quant.py`), `prepack`
     (`prepack.py`, None: where `prepack_wanted`), `device="auto"` (CUDA if torch sees a GPU and
     no int8), `dtype` a torch float dtype or its name. ValueError for what cannot be loaded."""
