@@ -117,7 +117,7 @@ def measure(url: str, workload_name: str, args: argparse.Namespace) -> dict:
     summary = next(iter(bench_endpoint(url, workload, vocab_size=args.vocab_size)
                         ["results"].values()))
     return {key: summary.get(key) for key in ("output_tokens_per_s", "tpot_s", "ttft_s",
-                                              "num_requests", "errors")}
+                                              "num_requests", "errors", "error_reasons")}
 
 
 def plan(args: argparse.Namespace) -> list[tuple[int, str, str]]:
@@ -141,8 +141,8 @@ def table(runs: list[dict]) -> str:
             if r["workload"] == name:
                 pairs.setdefault(r["repeat"], {})[r["server"]] = r["result"]
         tok = {s: [p[s]["output_tokens_per_s"] for p in pairs.values() if s in p] for s in SERVERS}
-        tpot = {s: [p[s]["tpot_s"]["p50"] * 1e3 for p in pairs.values() if s in p]
-                for s in SERVERS}
+        tpot = {s: [p[s]["tpot_s"]["p50"] * 1e3 for p in pairs.values()
+                    if s in p and p[s]["tpot_s"]["p50"] is not None] for s in SERVERS}
         ratios = [p["minicb"]["output_tokens_per_s"] / p["llama.cpp"]["output_tokens_per_s"]
                   for p in pairs.values() if len(p) == 2]
         fmt = lambda xs, f: " / ".join(f.format(x) for x in xs) or "-"  # noqa: E731
@@ -187,7 +187,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     path = args.out.with_suffix(".json")
     saved = json.loads(path.read_text()) if path.exists() else {}
-    runs = saved.get("runs", [])
+    # a run with a failed request is kept for the record and measured again
+    failed = saved.get("failed_runs", []) + [r for r in saved.get("runs", [])
+                                             if r["result"]["errors"]]
+    runs = [r for r in saved.get("runs", []) if not r["result"]["errors"]]
     done = {(r["repeat"], r["workload"], r["server"]) for r in runs}
     header = {"command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
               "cpu": cpu, "threads": args.threads, "seed": args.seed,
@@ -203,11 +206,14 @@ def main(argv: list[str] | None = None) -> int:
         with running(COMMANDS[server](port, WORKLOADS[name][2], args), port, args.threads,
                      log) as url:
             result = measure(url, name, args)
-        runs.append({"repeat": repeat, "workload": name, "server": server, "result": result,
-                     "load_before": [round(x, 2) for x in load], "finished": time.time()})
+        run = {"repeat": repeat, "workload": name, "server": server, "result": result,
+               "load_before": [round(x, 2) for x in load], "finished": time.time()}
+        (failed if result["errors"] else runs).append(run)
         print(f"repeat {repeat}  {name:<32} {server:<10} "
-              f"{result['output_tokens_per_s']:.1f} out tok/s  (load {load[0]:.1f})", flush=True)
-        path.write_text(json.dumps({**saved, **header, "runs": runs}, indent=1) + "\n")
+              f"{result['output_tokens_per_s']:.1f} out tok/s  (load {load[0]:.1f})"
+              + (f"  FAILED: {result['error_reasons']}" if result["errors"] else ""), flush=True)
+        path.write_text(json.dumps({**saved, **header, "runs": runs, "failed_runs": failed},
+                                   indent=1) + "\n")
     text = table(runs)
     args.out.with_suffix(".md").write_text(text + "\n")
     print(text)

@@ -14,7 +14,7 @@ SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "llama_cpp.py"
 
 
 @pytest.fixture
-def peer(monkeypatch):
+def peer():
     spec = importlib.util.spec_from_file_location("llama_cpp_bench", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -65,3 +65,31 @@ def test_the_loop_runs_saves_resumes_and_tabulates(peer, tiny_llama_dir, tmp_pat
     monkeypatch.setattr(peer, "running", no_server)
     assert peer.main(argv) == 0
     assert json.loads(out.with_suffix(".json").read_text())["runs"] == saved["runs"]
+
+
+def test_a_run_with_a_failed_request_is_measured_again(peer, tmp_path, monkeypatch):
+    """A run in which a request failed is kept under failed_runs, out of the table, and
+    measured again by the next invocation; the others are not."""
+    import contextlib
+    results = iter([{"output_tokens_per_s": 0.0, "tpot_s": {"p50": None}, "errors": 1,
+                     "error_reasons": {"boom": 1}}]
+                   + [{"output_tokens_per_s": 10.0, "tpot_s": {"p50": 0.1}, "errors": 0,
+                       "error_reasons": {}}] * 3)
+    monkeypatch.setattr(peer, "running", lambda *a: contextlib.nullcontext("http://x"))
+    monkeypatch.setattr(peer, "measure", lambda url, name, args: next(results))
+    monkeypatch.setattr(peer, "WORKLOADS", {"tiny": ("equal-lengths", {}, 2)})
+    stand_in = tmp_path / "stand-in"
+    stand_in.write_text("")
+    out = tmp_path / "peer"
+    argv = ["--repeats", "1", "--out", str(out), "--llama-server", str(stand_in),
+            "--gguf", str(stand_in)]
+    peer.main(argv)
+    saved = json.loads(out.with_suffix(".json").read_text())
+    assert [r["server"] for r in saved["runs"]] == ["llama.cpp"]
+    assert [r["server"] for r in saved["failed_runs"]] == ["minicb"]
+    peer.main(argv)
+    saved = json.loads(out.with_suffix(".json").read_text())
+    assert sorted(r["server"] for r in saved["runs"]) == ["llama.cpp", "minicb"]
+    assert len(saved["failed_runs"]) == 1
+    assert "1.00-1.00x" in out.with_suffix(".md").read_text()
+
