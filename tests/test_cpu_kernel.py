@@ -139,26 +139,28 @@ def test_non_power_of_two_group_and_head_dim():
 
 
 def test_a_row_does_not_depend_on_its_batch_or_the_thread_count():
-    """Each request is one thread's work, in a fixed order: a row's result is the same, bit for
-    bit, alone or among others, on one thread or two. (The reference's padded groups can
-    differ in the last bits with the company a row keeps.)"""
+    """Each request is one thread's work, in a fixed order (a lone request's kv heads split over
+    the threads, each head's arithmetic unchanged): a row's result is the same, bit for bit,
+    alone or among others, on one thread or two. (The reference's padded groups can differ in
+    the last bits with the company a row keeps.)"""
     members = [(computed, 1) for computed in (5, 70, 33, 128, 1, 64)]
     q, k, v, k_cache, v_cache, meta = make_case(members, 16, 3)
     torch_ref.store_kv(k, v, k_cache, v_cache, meta)
     threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = cpu_kernel.attend(q, k_cache, v_cache, meta, 0.25)
-        torch.set_num_threads(2)
-        two = cpu_kernel.attend(q, k_cache, v_cache, meta, 0.25)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(one, two)
     row = 3
     pages = meta.page_tables[row, :-(-meta.context_lens_list[row] // 16)].tolist()
     alone = build_metadata([pages], [members[row][0]], [1], 16)
-    assert torch.equal(cpu_kernel.attend(q[row:row + 1], k_cache, v_cache, alone, 0.25)[0],
-                       one[row])
+    try:
+        torch.set_num_threads(1)
+        one = cpu_kernel.attend(q, k_cache, v_cache, meta, 0.25)
+        alone_one = cpu_kernel.attend(q[row:row + 1], k_cache, v_cache, alone, 0.25)[0]
+        torch.set_num_threads(2)
+        two = cpu_kernel.attend(q, k_cache, v_cache, meta, 0.25)
+        alone_two = cpu_kernel.attend(q[row:row + 1], k_cache, v_cache, alone, 0.25)[0]
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    assert torch.equal(alone_one, one[row]) and torch.equal(alone_two, one[row])
 
 
 def test_bfloat16_caches_are_read_in_float32(caplog, monkeypatch):

@@ -165,6 +165,23 @@ def test_packed_linear_is_the_same_product(bias):
 
 
 @needs_prepack
+def test_prepacked_plain_weights_move_to_one_huge_page_region(tiny_llama_dir):
+    """prepack_model copies the plain weights the one-row products stream (projections and the
+    embedding, the tied head's) into one mapping starting on a 2 MB boundary (Linux), values
+    unchanged."""
+    import mmap
+    plain, _ = load_model(tiny_llama_dir, prepack=False)
+    packed, _ = load_model(tiny_llama_dir, prepack=True)
+    weights = [packed.layers[0].self_attn.qkv_proj.weight, packed.layers[1].mlp.down_proj.weight,
+               packed.embed_tokens.weight]
+    assert torch.equal(weights[0], plain.layers[0].self_attn.qkv_proj.weight)
+    assert torch.equal(weights[2], plain.embed_tokens.weight)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        assert packed.layers[0].self_attn.qkv_proj.weight.data_ptr() % (2 << 20) == 0
+        assert len({w.untyped_storage().data_ptr() for w in weights}) == 1  # one region
+
+
+@needs_prepack
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"),
                     reason="prepacking is the default on x86-64 only")
 def test_prepack_is_the_float32_cpu_default(tiny_llama_dir, monkeypatch):

@@ -145,7 +145,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> to
 def decode_layer(x: torch.Tensor, weights: list[torch.Tensor | None], eps: float,
                  cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                  kv_cache: tuple[torch.Tensor, torch.Tensor], scale: float) -> torch.Tensor:
-    """One decoded float32 row x [1, hidden] through a layer (`DecoderLayer.row_weights()`) in
+    """One decoded float32 row x [1, hidden] through a layer (`DecoderLayer.row_weights`) in
     one C call, in place: dispatched from Python, its thirty operations cost a sixth of a step."""
     k_cache, v_cache = kv_cache
     _check_metadata(meta, k_cache)

@@ -91,7 +91,8 @@ int decode_layer_f32(float *x, float *scratch, const float *input_norm, const fl
         v_cache[slot * kv_size + i] = v[i];
     }
     if (paged_decode_attention(qkv, q_size, k_cache, v_cache, att, page_table, 0, context_len,
-                               1, heads, kv_heads, head_dim, page_size, *context_len, scale, 1))
+                               1, heads, kv_heads, head_dim, page_size, *context_len, scale,
+                               num_threads))
         return 1;
     gemv_f32(att, o_w, o_b, sum, hidden, q_size, num_threads);
     for (int64_t i = 0; i < hidden; i++) x[i] += sum[i];

@@ -91,16 +91,21 @@ int attend_pages(const float *q, int64_t q_row_stride, const void *k_cache, cons
         }
         /* one request per work item, all its heads together: a page is then read front to
            back, one contiguous block, which the hardware prefetcher streams (split by kv head,
-           each item read a third of every page and ran 1.7x slower once caches went cold) */
+           each item read a third of every page and ran 1.7x slower once caches went cold).
+           Fewer requests than threads (one decoded stream) split each by kv head, so no
+           thread idles; a head's arithmetic is the same either way. */
+        const int64_t splits = num_rows < num_threads ? num_kv_heads : 1;
         #pragma omp for schedule(dynamic, 1)
-        for (int64_t b = 0; b < num_rows; b++) {
+        for (int64_t item = 0; item < num_rows * splits; item++) {
             if (!scores || !scratch) continue;
+            const int64_t b = item / splits, h0 = item % splits * (num_heads / splits);
+            const int64_t h1 = h0 + num_heads / splits;
             /* the caller sized the score buffers for max_context: never read past it */
             const int64_t ctx = context_lens[b] < max_context ? context_lens[b] : max_context;
             const int32_t *table = page_tables + b * table_stride;
             const float *qb = q + b * q_row_stride;
             float *ob = out + b * num_heads * head_dim;
-            for (int64_t i = 0; i < num_heads * head_dim; i++) ob[i] = 0.0f;
+            for (int64_t i = h0 * head_dim; i < h1 * head_dim; i++) ob[i] = 0.0f;
             if (ctx <= 0) continue;
 
             /* pass 1: every head's score against each key, page by page (no division per
@@ -112,7 +117,7 @@ int attend_pages(const float *q, int64_t q_row_stride, const void *k_cache, cons
                     const float *keys = read_token(k_cache, page + i * token_stride,
                                                    next < 0 ? -1 : next + i * token_stride,
                                                    token_stride, scratch, bf16);
-                    for (int64_t h = 0; h < num_heads; h++) {
+                    for (int64_t h = h0; h < h1; h++) {
                         const float *k = keys + (h / group) * head_dim;
                         const float *qh = qb + h * head_dim;
                         float dot = 0.0f;
@@ -123,7 +128,7 @@ int attend_pages(const float *q, int64_t q_row_stride, const void *k_cache, cons
                 }
             }
             /* softmax over each head's scores, in place */
-            for (int64_t h = 0; h < num_heads; h++) {
+            for (int64_t h = h0; h < h1; h++) {
                 float *s = scores + h * max_context;
                 float top = s[0];
                 #pragma omp simd reduction(max:top)
@@ -145,7 +150,7 @@ int attend_pages(const float *q, int64_t q_row_stride, const void *k_cache, cons
                     const float *values = read_token(v_cache, page + i * token_stride,
                                                      next < 0 ? -1 : next + i * token_stride,
                                                      token_stride, scratch, bf16);
-                    for (int64_t h = 0; h < num_heads; h++) {
+                    for (int64_t h = h0; h < h1; h++) {
                         const float *v = values + (h / group) * head_dim;
                         const float p = scores[h * max_context + start + i];
                         float *oh = ob + h * head_dim;

@@ -4,6 +4,7 @@ each one product, fused at load."""
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -210,6 +211,7 @@ class DecoderLayer(nn.Module):
                                backend)
         return x + self.mlp(self.post_attention_layernorm(x, backend))
 
+    @functools.cached_property  # the same parameters, however their data moves or loads
     def row_weights(self) -> list[torch.Tensor | None]:
         """This layer's tensors in the order the cpu backend's `decode_layer` reads them."""
         attn, mlp = self.self_attn, self.mlp
@@ -277,7 +279,7 @@ class LlamaModel(nn.Module):
                    == torch.float32 and kv_caches[0][0].is_contiguous())
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             if one_row:
-                x = backend.decode_layer(x, layer.row_weights(), eps, cos, sin, meta, kv_cache,
+                x = backend.decode_layer(x, layer.row_weights, eps, cos, sin, meta, kv_cache,
                                          layer.self_attn.scale)
             else:
                 x = layer(x, cos, sin, meta, kv_cache, backend)

@@ -8,6 +8,7 @@ prepacked model cannot be copied, saved, cast or moved: load it again."""
 
 from __future__ import annotations
 
+import mmap
 import os
 import platform
 
@@ -73,12 +74,32 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, prepacked"
 
 
+def into_huge_pages(tensors: list[torch.Tensor], align: int = 2 << 20) -> None:
+    """Move these tensors' data into one anonymous mapping that Linux backs with 2 MB pages where
+    it can (MADV_HUGEPAGE): a one-row step streams every weight once, and on 4 KB pages the
+    prefetchers stop at each page's edge (the one-row products ran 15-25% faster)."""
+    if not hasattr(mmap, "MADV_HUGEPAGE"):  # not Linux: the tensors stay where they are
+        return
+    sizes = [-(-t.numel() * t.element_size() // 64) * 64 for t in tensors]
+    region = mmap.mmap(-1, sum(sizes) + align, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region.madvise(mmap.MADV_HUGEPAGE)
+    arena = torch.frombuffer(region, dtype=torch.uint8)  # keeps the mapping alive
+    offset = -arena.data_ptr() % align
+    for t, size in zip(tensors, sizes, strict=True):
+        view = arena[offset:offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        t.data = view.copy_(t)
+        offset += size
+
+
 def prepack_model(model: nn.Module) -> nn.Module:
-    """Replace every projection of a CPU `LlamaModel` and its LM head by a `PackedLinear`."""
+    """Replace every projection of a CPU `LlamaModel` and its LM head by a `PackedLinear`, their
+    plain weights (and the embedding) on huge pages."""
+    tied = model.lm_head is None
+    into_huge_pages([*(getattr(owner, name).weight for owner, name in projections(model)),
+                     model.embed_tokens.weight, *([] if tied else [model.lm_head.weight])])
     for owner, name in projections(model):
         linear = getattr(owner, name)
         setattr(owner, name, PackedLinear(linear.weight, linear.bias))
-    tied = model.lm_head is None
     head = model.embed_tokens.weight if tied else model.lm_head.weight
     model.lm_head = PackedLinear(head, tied=tied)
     model.prepacked = True
