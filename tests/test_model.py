@@ -148,14 +148,15 @@ def test_sharded_checkpoint_loads_the_same(tiny_llama_dir, tmp_path):
 @needs_prepack
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_is_the_same_product(bias):
-    """Batches (oneDNN's packed weight), a single row (the C product over the plain weight),
-    strided and empty inputs: all F.linear's product to float32 rounding."""
+    """Batches (oneDNN's packed weight), one to three rows (the C product over the plain
+    weight), strided and empty inputs: all F.linear's product to float32 rounding."""
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(40, 24, generator=gen)
     b = torch.randn(40, generator=gen) if bias else None
     layer = PackedLinear(weight, b)
     assert torch.equal(layer.weight, weight)
-    for x in (torch.randn(3, 5, 24, generator=gen), torch.randn(1, 24, generator=gen)):
+    for x in (torch.randn(3, 5, 24, generator=gen), torch.randn(1, 24, generator=gen),
+              torch.randn(3, 24, generator=gen)):
         torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, weight, b),
                                    rtol=1e-5, atol=1e-5)
     strided = torch.randn(24, 7, generator=gen).T  # not contiguous

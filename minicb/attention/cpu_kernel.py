@@ -42,7 +42,7 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {  # C function -> argument types
     **dict.fromkeys(("paged_decode_attention", "paged_decode_attention_bf16"),
                     [_P, _I, _P, _P, _P, _P, _I, _P, *[_I] * 6, _F, _I]),
-    "gemv_f32": [_P, _P, _P, _P, _I, _I, _I],
+    "gemv_f32": [_P, _P, _P, _P, _I, _I, _I, _I],
     "decode_layer_f32": [_P, _P, _P, _P, _F, *[_P] * 12, _I, _P, _P, *[_I] * 6, _F, _I],
 }
 
@@ -134,11 +134,12 @@ def unavailable_reason() -> str | None:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [1, in] @ weight.T (+ bias) for float32 CPU tensors, weight [out, in] contiguous."""
-    y = torch.empty(1, weight.shape[0])
+    """x [rows, in] @ weight.T (+ bias) for a few float32 CPU rows, weight [out, in] contiguous."""
+    y = torch.empty(x.shape[0], weight.shape[0])
     x = x if x.is_contiguous() else x.contiguous()
     library().gemv_f32(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
-                       y.data_ptr(), weight.shape[0], weight.shape[1], torch.get_num_threads())
+                       y.data_ptr(), x.shape[0], weight.shape[0], weight.shape[1],
+                       torch.get_num_threads())
     return y
 
 

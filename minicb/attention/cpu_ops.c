@@ -8,17 +8,22 @@
 #include <math.h>
 #include <stdint.h>
 
-/* y[r] = w[r, :] . x (+ bias[r]) for one row x [in], w in nn.Linear's [out, in] layout: each
-   weight row is read once, front to back, and the rows are split over the threads. */
-void gemv_f32(const float *x, const float *w, const float *bias, float *y, int64_t out,
-              int64_t in, int64_t num_threads) {
+/* y[m, r] = x[m, :] . w[r, :] (+ bias[r]) for a few rows x [rows, in], w in nn.Linear's
+   [out, in] layout: each weight row is read once, front to back (every x row dots it while it
+   is in the L1 cache), and the weight rows are split over the threads. A row's arithmetic does
+   not depend on the others. */
+void gemv_f32(const float *x, const float *w, const float *bias, float *y, int64_t rows,
+              int64_t out, int64_t in, int64_t num_threads) {
     #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t r = 0; r < out; r++) {
         const float *row = w + r * in;
-        float dot = 0.0f;
-        #pragma omp simd reduction(+:dot)
-        for (int64_t k = 0; k < in; k++) dot += x[k] * row[k];
-        y[r] = bias ? dot + bias[r] : dot;
+        for (int64_t m = 0; m < rows; m++) {
+            const float *xm = x + m * in;
+            float dot = 0.0f;
+            #pragma omp simd reduction(+:dot)
+            for (int64_t k = 0; k < in; k++) dot += xm[k] * row[k];
+            y[m * out + r] = bias ? dot + bias[r] : dot;
+        }
     }
 }
 
@@ -80,7 +85,7 @@ int decode_layer_f32(float *x, float *scratch, const float *input_norm, const fl
     float *h = scratch, *sum = h + hidden, *qkv = sum + hidden, *att = qkv + q_size + 2 * kv_size;
     float *mlp = att + q_size, *k = qkv + q_size, *v = k + kv_size;
     rms_norm_rows(x, input_norm, h, 1, hidden, eps);
-    gemv_f32(h, qkv_w, qkv_b, qkv, q_size + 2 * kv_size, hidden, num_threads);
+    gemv_f32(h, qkv_w, qkv_b, qkv, 1, q_size + 2 * kv_size, hidden, num_threads);
     if (q_norm) {  /* each head normalized over head_dim, in place */
         rms_norm_rows(qkv, q_norm, qkv, heads, head_dim, eps);
         rms_norm_rows(k, k_norm, k, kv_heads, head_dim, eps);
@@ -94,12 +99,12 @@ int decode_layer_f32(float *x, float *scratch, const float *input_norm, const fl
                                1, heads, kv_heads, head_dim, page_size, *context_len, scale,
                                num_threads))
         return 1;
-    gemv_f32(att, o_w, o_b, sum, hidden, q_size, num_threads);
+    gemv_f32(att, o_w, o_b, sum, 1, hidden, q_size, num_threads);
     for (int64_t i = 0; i < hidden; i++) x[i] += sum[i];
     rms_norm_rows(x, post_norm, h, 1, hidden, eps);
-    gemv_f32(h, gate_up_w, 0, mlp, 2 * inter, hidden, num_threads);
+    gemv_f32(h, gate_up_w, 0, mlp, 1, 2 * inter, hidden, num_threads);
     for (int64_t i = 0; i < inter; i++) mlp[i] = mlp[i] / (1.0f + expf(-mlp[i])) * mlp[inter + i];
-    gemv_f32(mlp, down_w, 0, sum, hidden, inter, num_threads);
+    gemv_f32(mlp, down_w, 0, sum, 1, hidden, inter, num_threads);
     for (int64_t i = 0; i < hidden; i++) x[i] += sum[i];
     return 0;
 }

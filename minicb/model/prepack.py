@@ -1,8 +1,9 @@
 """Prepacked projections, the CPU's fast products (chapter 01, "the same bytes, a better
 layout"; chapter 08). oneDNN's inner product takes a weight packed once in its own layout,
-where `F.linear` repacks it every call: batches run 2.1-2.6x faster (bench/README.md). A single
-row is memory-bound and neither streams it at the memory's speed, so the plain weight stays too
-(a second copy) for the C `gemv`. Results differ from `F.linear` by float32 rounding. Default
+where `F.linear` repacks it every call: batches run 2.1-2.6x faster (bench/README.md). One to
+three rows are memory-bound and neither streams them at the memory's speed, so the plain weight
+stays too (a second copy, on huge pages) for the C `gemv`. Results differ from `F.linear` by
+float32 rounding. Default
 on x86-64 (`MINICB_PREPACK=0` or `prepack=False`: off); bfloat16 where oneDNN runs bf16. A
 prepacked model cannot be copied, saved, cast or moved: load it again."""
 
@@ -38,9 +39,12 @@ def prepack_wanted(device: str | torch.device, dtype: torch.dtype) -> bool:
             and setting == "1")
 
 
+GEMV_ROWS = 3  # up to this many rows the C product streams the plain weight faster than oneDNN
+
+
 class PackedLinear(nn.Module):
-    """y = x @ weight.T + bias with the weight plain ([out, in], for one row) and packed (an
-    opaque oneDNN tensor, for several). A tied LM head's `weight` is the embedding itself, a
+    """y = x @ weight.T + bias with the weight plain ([out, in], for up to GEMV_ROWS rows) and
+    packed (an opaque oneDNN tensor, for more). A tied LM head's `weight` is the embedding itself, a
     buffer outside the state dict, so parameters are counted once."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -63,7 +67,7 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if self.gemv and flat.shape[0] == 1 and x.dtype == torch.float32:
+        if self.gemv and 0 < flat.shape[0] <= GEMV_ROWS and x.dtype == torch.float32:
             y = cpu_kernel.gemv(flat, self.weight, self.bias)
         else:
             y = torch.ops.mkldnn._linear_pointwise(flat.contiguous(), self.packed, self.bias,
