@@ -2004,3 +2004,19 @@ def test_the_check_modules_own_references_are_not_an_answer(exercise, answer):
     assert "minicb's own check." in str(info.value)
     results = check.RESULTS[exercise]
     assert results.refused and check.case_points(results.summary(), 1) == 0
+
+
+def test_a_learners_release_is_kept_by_the_checks_wrapper():
+    """The check wraps a learner's scheduler; the engine still asks the learner's own `release`
+    when a response reaches its user, so static batching holds finished responses to batch end
+    under the check exactly as it does alone."""
+    from minicb.scheduler import StaticScheduler
+
+    wl = check.CONTINUOUS_WORKLOADS[0]  # r1-r4: requests of different lengths in one batch
+    alone = check._run(StaticScheduler, wl, "static", learner=False)
+    wrapped = check._run(StaticScheduler, wl, "static", learner=True)
+    released = [{rid: r.metrics.released_step for rid, r in run.engine.requests.items()}
+                for run in (alone, wrapped)]
+    finished = {rid: r.metrics.finish_step for rid, r in alone.engine.requests.items()}
+    assert released[0] != finished  # static batching does hold a response here
+    assert released[1] == released[0]

@@ -1159,6 +1159,9 @@ class _Returns(Scheduler):
                                      "engine checks: convert the token count with int(...).")
         return out
 
+    def release(self, req: Any) -> list[Any]:
+        return self.inner.release(req) if hasattr(self.inner, "release") else [req]
+
 
 @dataclass
 class _Run:
