@@ -47,6 +47,9 @@ def single_tokens(tiny_model):
        mode=st.sampled_from(PREEMPTION_MODES), num_pages=st.sampled_from([6, 12]), ops=OPS)
 def test_the_api_at_random_keeps_every_rule(tiny_model, single_tokens, policy, order, mode,
                                             num_pages, ops):
+    """Any random mix of add, step, cancel, stream and read, under every policy, order and
+    preemption mode, finishes every request with the single-request tokens (a cancelled one with
+    a prefix of them), streams and reads agree with the outputs, and the pool ends empty."""
     preemption, aging = order
     llm = LLM(tiny_model, policy=policy, num_pages=num_pages, page_size=4, max_num_seqs=3,
               max_num_batched_tokens=16, chunk_size=8, batch_timeout=2, preemption=preemption,

@@ -101,6 +101,8 @@ def _readout(locator) -> str:
 
 
 def test_step_through_renders_in_jupyterlab(tmp_path):
+    """In a real JupyterLab, the step-through notebook shows a live slider widget (not its text
+    repr) at step 31, and the arrow key moves it to step 32 with the plot redrawn."""
     reason = _missing()
     if reason:
         pytest.skip(reason)

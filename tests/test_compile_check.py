@@ -29,6 +29,8 @@ def run_check(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow  # about 15 s of compiling
 def test_smollm2_kernels_compile_for_sm90_without_spills(tmp_path):
+    """Every kernel of a SmolLM2 forward, in float32 and bfloat16 and both attention launches,
+    compiles for sm_90 with no register spills; float32 prefill uses 8 warps and BLOCK_N=32."""
     rows_file = tmp_path / "rows.json"
     done = run_check("--models", "smollm2-135m", "--dtypes", "float32,bfloat16",
                      "--json", str(rows_file))
@@ -89,6 +91,8 @@ def test_a_spill_counts_as_in_a_loop_only_between_a_backward_branch_and_its_targ
 
 
 def test_a_spill_outside_every_loop_is_listed_but_passes():
+    """A spill outside every loop is listed as a note and passes; a spill inside a loop is a
+    problem."""
     row = dict(model="m", dtype="bfloat16", kernel="k", launch="decode", registers=96,
                spill_bytes=4, loop_spills=0, shared_bytes=1024, num_warps=4, num_stages=2)
     assert compile_check.problems([row], 90) == []
@@ -97,6 +101,8 @@ def test_a_spill_outside_every_loop_is_listed_but_passes():
 
 
 def test_it_refuses_the_interpreter():
+    """The compile check exits with status 2 naming TRITON_INTERPRET when the Triton interpreter is
+    on."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     done = subprocess.run([sys.executable, str(SCRIPT)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)

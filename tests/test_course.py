@@ -16,6 +16,8 @@ LINK = re.compile(r"\]\(([^)\s#]+)(#[^)]*)?\)")
 
 
 def test_chapters_are_numbered_00_to_08_without_gaps():
+    """The chapter notebooks are numbered 00 to 08 with no gap, and each has its source in
+    chapters/src."""
     numbers = [int(p.name[:2]) for p in CHAPTERS]
     assert numbers == list(range(9)), [p.name for p in CHAPTERS]
     for path in CHAPTERS:
@@ -23,6 +25,7 @@ def test_chapters_are_numbered_00_to_08_without_gaps():
 
 
 def test_readme_course_map_lists_every_chapter_in_order():
+    """The README's course map links every chapter notebook, in order."""
     readme = (ROOT / "README.md").read_text()
     course_map = readme.split("## The course map", 1)[1].split("\n## ", 1)[0]
     listed = re.findall(r"\(chapters/(\d\d_[a-z_]+)\.ipynb\)", course_map)
@@ -92,6 +95,8 @@ def test_each_exercise_notebook_says_what_it_needs_and_the_teaching_pages_points
 
 
 def test_every_relative_link_resolves():
+    """Every relative link in the chapters, the exercise notebooks and their sources, the README and
+    bench/README points at a file that exists."""
     documents = [(p, markdown_of(p)) for p in CHAPTERS]
     documents += [(p, markdown_of(p)) for p in sorted((ROOT / "exercises").glob("*.ipynb"))]
     documents += [(p, markdown_of(p))  # where a teacher edits them
@@ -109,6 +114,8 @@ def test_every_relative_link_resolves():
 
 
 def test_every_chapter_opens_with_goals_and_ends_with_a_recap():
+    """Every chapter's first cell states its goals and its last markdown cell is a recap or
+    summary."""
     for path in CHAPTERS:
         cells = json.loads(path.read_text())["cells"]
         first = "".join(cells[0]["source"]).lower()
@@ -301,12 +308,15 @@ def test_make_keeps_a_cuda_torch_and_pins_the_rest(tmp_path, cuda):
 
 
 def test_a_failed_install_stops_make(tmp_path):
+    """When pip fails, `make setup` fails and does not mark the environment installed."""
     venv = fake_venv(tmp_path, cuda=True, pip_fails=True)
     assert make("setup", f"VENV={venv}").returncode != 0
     assert not (venv / ".installed").exists()
 
 
 def test_make_reset_asks_for_the_notebook_before_installing(tmp_path):
+    """`make reset` without NB fails with the usage line before installing anything, and `make lab`
+    opens chapter 00 with LAB_ARGS passed on."""
     venv = fake_venv(tmp_path)
     done = make("reset", f"VENV={venv}")
     assert done.returncode != 0 and "make reset NB=exercises/NN_name.ipynb" in done.stderr

@@ -16,6 +16,9 @@ from minicb.__main__ import DEMO_QUESTIONS, main
 @pytest.mark.slow
 @pytest.mark.parametrize("extra", [[], ["--quantization", "int8"]], ids=["float32", "int8"])
 def test_demo_answers_every_question_with_timing(smollm2_dir, capsys, extra):
+    """`python -m minicb demo`, in float32 and int8, reports the loaded model, its weights and
+    attention backend on the first line, then answers every demo question with its TTFT and the
+    overall tokens/s."""
     assert main(["demo", "--max-tokens", "6", *extra]) == 0
     out = capsys.readouterr().out
     assert out.startswith("loaded smollm2-135m in ")
@@ -31,6 +34,8 @@ def test_demo_answers_every_question_with_timing(smollm2_dir, capsys, extra):
 
 
 def test_unknown_command_prints_usage(capsys):
+    """An unknown command exits with status 2 and prints the usage line and "unknown command" naming
+    it."""
     assert main(["fly"]) == 2
     err = capsys.readouterr().err
     assert "usage: python -m minicb {demo," in err and "unknown command 'fly'" in err
@@ -47,6 +52,7 @@ def test_every_command_reaches_its_own_parser(command, capsys):
 
 
 def test_help_lists_every_command(capsys):
+    """`--help` exits 0 and lists demo, bench, sweep, profile, serve and grade."""
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
     for command in ("demo", "bench", "sweep", "profile", "serve", "grade"):
@@ -59,6 +65,8 @@ def test_help_lists_every_command(capsys):
     (["serve", "--port", "99999"], "--port must be in"),
 ])
 def test_bad_options_are_one_line_errors_not_tracebacks(argv, message, capsys):
+    """A bad option (unknown policy, zero max tokens, out-of-range port) exits with status 2 and a
+    message naming the option, not a traceback."""
     with pytest.raises(SystemExit) as exc:
         main(argv)
     assert exc.value.code == 2 and message in capsys.readouterr().err
@@ -66,11 +74,13 @@ def test_bad_options_are_one_line_errors_not_tracebacks(argv, message, capsys):
 
 # ------------------------------------------------------------------------------ dispatch
 def test_main_passes_a_commands_exit_code_on(capsys):
+    """`main` returns the command's own exit status: bench with an unknown policy returns 2."""
     assert main(["bench", "--executor", "sim", "--policy", "fastest",
                         "--no-progress"]) == 2
 
 
 def test_demo_passes_quantization_to_the_engine(monkeypatch, capsys):
+    """The demo hands --quantization and --policy to the LLM it builds."""
     seen = {}
 
     def fake_llm(model, **options):

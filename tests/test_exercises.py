@@ -18,21 +18,28 @@ from minicb.course.exercises import ROOT, MarkerError, generate, solution_code, 
 
 
 def test_every_chapter_01_to_06_has_an_exercise_notebook():
+    """The exercise notebooks are exactly the expected ones, one for each of chapters 01 to 06."""
     assert NAMES == EXPECTED
 
 
 def test_generated_notebooks_match_their_sources():
+    """The committed exercise and solution notebooks are what `exercises build` makes from the
+    sources, and `check` passes."""
     assert exercises.stale() == [], "run `python -m minicb.course.exercises build` and commit"
     assert exercises.main(["check"]) == 0
 
 
 def test_links_out_of_the_source_folder_are_rewritten_for_the_generated_notebooks():
+    """A link out of exercises/source loses one `../` in the generated notebooks; sibling and web
+    links stay as they are."""
     text = "See [ch 01](../../chapters/01_x.ipynb#top), [next](02_y.ipynb), [web](https://a.b/c)."
     assert exercises.relink(text) == ("See [ch 01](../chapters/01_x.ipynb#top), "
                                       "[next](02_y.ipynb), [web](https://a.b/c).")
 
 
 def test_check_mode_fails_on_a_stale_or_orphan_notebook(tmp_path, capsys):
+    """`check` exits 1 naming an edited solution notebook and an exercise notebook with no source;
+    `build` rewrites the stale one and leaves the orphan listed."""
     for folder in ("exercises", "solutions"):
         shutil.copytree(ROOT / folder, tmp_path / folder)
     assert exercises.main(["check", "--root", str(tmp_path)]) == 0
@@ -70,6 +77,8 @@ def test_reset_puts_a_fresh_stub_in_place_and_keeps_the_learners_work(tmp_path, 
 
 
 def test_generation_is_deterministic_and_keeps_cell_ids():
+    """Generating from a source twice gives the same notebooks, and both keep the source's unique
+    cell ids."""
     for src in SOURCES:
         nb = nbformat.read(src, as_version=4)
         ex1, sol1 = generate(nb, src.name)
@@ -82,6 +91,8 @@ def test_generation_is_deterministic_and_keeps_cell_ids():
 
 
 def test_stub_replaces_the_solution_with_hint_and_error():
+    """The exercise stub drops the solution, keeps its HINT, and raises NotImplementedError naming
+    the function and the exercise; the solution keeps the code and hint without the markers."""
     source = "\n".join([
         "class Pool:",
         "    def allocate(self, n):",
@@ -116,6 +127,8 @@ def test_stub_replaces_the_solution_with_hint_and_error():
     "### BEGIN SOLUTION\n### BEGIN SOLUTION\n### END SOLUTION\n### END SOLUTION",
 ])
 def test_unbalanced_markers_are_refused(bad):
+    """A BEGIN SOLUTION without its END, an END without a BEGIN, or nested markers raise
+    MarkerError."""
     with pytest.raises(MarkerError):
         stub_code(bad)
 
@@ -179,6 +192,7 @@ def test_notebook_structure():
 
 
 def test_every_check_is_covered_here():
+    """Every check cell in the exercise sources has a solution object tested in this file."""
     names = {n for src in SOURCES for n in tagged(nbformat.read(src, as_version=4), "check")}
     assert names == set(SOLUTION_OBJECTS)
 

@@ -192,10 +192,14 @@ def test_the_bounce_buffer_is_pinned_and_holds_the_pages_in_flight(monkeypatch):
 
 
 def test_the_swap_space_defaults_to_the_pool_size(make_engine):
+    """With preemption_mode="swap" and no num_swap_pages, the swap space has as many pages as the
+    pool."""
     assert make_engine(num_pages=12, preemption_mode="swap").pool.num_swap_pages == 12
 
 
 def test_recompute_mode_copies_nothing(make_engine):
+    """Under recompute, a run tight enough to preempt discards tokens, keeps the single-request
+    tokens, and swaps no page out or in (no swap space at all)."""
     engine, same = tight_run(make_engine)
     s = metrics.summarize(engine.trace, metrics.request_records(engine))
     assert same and s["preemptions"] > 0 and s["discarded_tokens"] > 0
@@ -288,6 +292,8 @@ def test_a_request_that_ends_while_swapped_gives_its_host_pages_back(how):
 
 
 def test_swap_copies_every_layer_both_ways():
+    """Swapping out and back in copies each page's keys and values in every layer to the target
+    page, and writes no other page."""
     pool = PagePool(4, 2, num_layers=3, num_kv_heads=2, head_dim=5, num_swap_pages=3)
     pool.every_layer.copy_(torch.randn_like(pool.every_layer))
     before = pool.every_layer.clone()
@@ -302,6 +308,8 @@ def test_swap_copies_every_layer_both_ways():
 
 
 def test_swap_space_books_balance():
+    """The pool's check fails when swap pages are lost or owned twice; allocating more swap pages
+    than are free raises MemoryError and takes none; a negative swap size is refused."""
     pool = PagePool(4, 2, num_swap_pages=3)
     held = pool.allocate_swap(2)
     pool.check([], [held])
@@ -389,6 +397,8 @@ def test_reject_when_full_turns_away_what_the_cache_cannot_take(make_engine):
 
 
 def test_without_reject_the_same_burst_waits(make_engine):
+    """Without reject_when_full, a burst larger than the pool waits its turn and every request
+    finishes by length."""
     engine = make_engine("pd", num_pages=8, page_size=8, max_num_seqs=6)
     for i in range(5):
         engine.add_request([10 + i] * 20, SamplingParams(max_tokens=4, **GREEDY))
@@ -493,6 +503,8 @@ def test_reject_counts_what_the_waiting_queue_will_take():
     (dict(reject_when_full="yes"), "reject_when_full must be True or False"),
 ])
 def test_bad_full_cache_options_are_refused(options, message):
+    """An unknown preemption mode, swap pages without swap mode, a non-positive or boolean swap size
+    and a non-boolean reject_when_full raise ValueError naming the option."""
     with pytest.raises(ValueError, match=message):
         make_sim_engine(policy="pd", **options)
 
@@ -513,6 +525,8 @@ def test_reserve_and_reject_counts_each_requests_whole_life():
 
 
 def test_stats_show_the_swap_space_only_when_there_is_one():
+    """stats() adds swap_pages_total and swap_pages_free only when there is a swap space, and
+    otherwise matches the plain engine's."""
     plain = make_sim_engine(policy="pd", num_pages=8).stats()
     swapping = make_sim_engine(policy="pd", num_pages=8, preemption_mode="swap",
                                num_swap_pages=5).stats()

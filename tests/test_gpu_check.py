@@ -39,6 +39,7 @@ def run_script(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
 
 
 def test_without_a_gpu_it_measures_nothing(tmp_path):
+    """Without a CUDA device the GPU check exits 0, says it measured nothing, and writes no file."""
     res = run_script("--out-dir", str(tmp_path))
     assert res.returncode == 0, res.stderr
     assert "no CUDA device: nothing measured" in res.stdout
@@ -47,6 +48,9 @@ def test_without_a_gpu_it_measures_nothing(tmp_path):
 
 @pytest.mark.slow
 def test_cpu_smoke_runs_every_stage_and_writes_its_files(tmp_path):
+    """The CPU smoke run passes every stage and writes the table, the log and the JSON: kernel tests
+    passed, decode attention and the swap copy timed, pd and both HF baselines produced tokens
+    with their ratio, and the fused decode step launches fewer kernels than the unfused one."""
     res = run_script("--cpu-smoke", "--out-dir", str(tmp_path))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     table = next(tmp_path.glob("gpu-results-*.md")).read_text()
@@ -85,6 +89,8 @@ def test_the_swap_row_is_the_page_the_cost_model_assumes(gpu_check):
 
 
 def test_the_swap_stage_times_the_presets_page_in_bf16_on_the_gpu(gpu_check, monkeypatch):
+    """The swap stage measures the preset's page in bfloat16 on the GPU and reports the seconds, the
+    page's bytes and the preset's assumed cost."""
     import torch
 
     from minicb.benchmark import sim
@@ -193,6 +199,8 @@ def test_a_failing_preflight_runs_the_rest_on_the_torch_backend(gpu_check, monke
 
 
 def test_a_working_preflight_keeps_the_triton_backend(gpu_check, monkeypatch, tmp_path):
+    """When the Triton pre-flight passes, the table says so, the benchmark runs with backend "auto",
+    and the header names the Python version."""
     table, calls = run_main(
         gpu_check, monkeypatch, tmp_path, "--skip-tests",
         triton_preflight=lambda *a, **kw: (None, "triton pre-flight: ok"),
@@ -216,6 +224,8 @@ def test_the_preflight_reports_why_a_kernel_cannot_run(gpu_check):
 
 @pytest.mark.slow
 def test_cpu_smoke_with_a_failing_preflight_benchmarks_the_torch_backend(tmp_path):
+    """When the Triton pre-flight fails, the benchmark runs on the torch backend, and the table says
+    why and how to repeat it with MINICB_ATTENTION=torch."""
     res = run_script("--cpu-smoke", "--skip-tests", "--simulate-triton-failure", "no cc",
                      "--out-dir", str(tmp_path))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -232,6 +242,8 @@ def test_cpu_smoke_with_a_failing_preflight_benchmarks_the_torch_backend(tmp_pat
 
 def test_an_error_in_the_decode_stage_is_reported_and_later_stages_run(gpu_check, monkeypatch,
                                                                       tmp_path):
+    """An error in the decode stage is recorded in its row; what was measured before it stays, and
+    the later stages still run."""
     def broken(*args, **kwargs):
         raise RuntimeError("out of resources: shared memory")
 
@@ -386,6 +398,7 @@ def test_what_runs_on_the_device_works_on_python_310():
 
 
 def test_what_runs_on_the_device_compiles_under_a_real_python_310():
+    """Every file that runs on the device machine compiles under Python 3.10."""
     candidates = [shutil.which("python3.10"),
                   *sorted(str(p) for p in Path.home().glob(".pyenv/versions/3.10*/bin/python"))]
     for exe in filter(None, candidates):
@@ -513,6 +526,8 @@ def test_the_time_limits_sigterm_still_writes_the_table(tmp_path):
 # --- the second check, bench/gpu_api_check.py --------------------------------------------------
 @pytest.mark.slow
 def test_the_api_check_smoke_passes_every_check_and_runs_every_stage(tmp_path):
+    """The API check's CPU smoke run passes all 9 checks and finishes all 6 benchmarks, the 4
+    settings and the swap timing."""
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     res = subprocess.run([sys.executable, str(SCRIPT.with_name("gpu_api_check.py")),
                           "--cpu-smoke", "--out-dir", str(tmp_path)],
@@ -530,6 +545,8 @@ def test_the_api_check_smoke_passes_every_check_and_runs_every_stage(tmp_path):
 
 
 def test_the_api_report_marks_a_failed_check_and_unreached_stages(gpu_check):
+    """The API report marks a failed check **FAIL** (escaping a pipe in its detail) and each stage
+    not reached; `same` counts the differing outputs and names the first few."""
     sys.path.insert(0, str(SCRIPT.parent))
     try:
         import gpu_api_check

@@ -291,6 +291,7 @@ def test_bad_arguments_are_refused_before_grading(tmp_path, monkeypatch, args):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", EXPECTED)
 def test_solution_notebook_grades_full_marks_in_under_a_minute(name):
+    """Each solution notebook grades full marks with no notes, within a minute."""
     t0 = time.perf_counter()
     report = grade.grade_notebook(ROOT / "solutions" / name)
     elapsed = time.perf_counter() - t0
@@ -302,6 +303,8 @@ def test_solution_notebook_grades_full_marks_in_under_a_minute(name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", EXPECTED)
 def test_untouched_exercise_notebook_grades_zero_with_a_message_each(name, capsys):
+    """An untouched exercise notebook scores 0 on every check of its source, each with a "write ..."
+    message naming the exercise and marked not attempted, and its setup cell runs."""
     assert grade.main([str(ROOT / "exercises" / name), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     source = nbformat.read(ROOT / "exercises" / "source" / name, as_version=4)
@@ -337,6 +340,9 @@ def test_a_broken_setup_cell_is_named_and_costs_only_what_needs_it(tmp_path, cap
 
 @pytest.mark.slow
 def test_grader_restores_checks_and_survives_endless_loops(tmp_path, capsys):
+    """The grader restores an edited check cell, puts back a deleted one after its exercise,
+    interrupts an endless loop after the timeout and grades the rest; a missing notebook exits
+    with status 2."""
     nb = nbformat.read(ROOT / "solutions" / EXPECTED[0], as_version=4)
     checks = tagged(nb, "check")
     nb.cells[checks["page_pool"]].source = "print('trust me')"  # edited: restored, still passes
@@ -499,6 +505,8 @@ def test_each_notebook_is_graded_once_and_the_gradebook_is_safe_in_a_spreadsheet
 
 
 def test_kernels_use_unix_sockets_unless_the_path_is_too_long(tmp_path):
+    """Grading kernels talk over a Unix socket in the work folder, and fall back to TCP when the
+    socket path is too long to bind."""
     short = grade.kernel_config(tmp_path)
     assert short.KernelManager.transport == "ipc"
     assert short.KernelManager.ip == str(tmp_path / "kernel")
@@ -887,6 +895,8 @@ def test_a_failed_check_names_the_learners_own_error_only_when_it_caused_it(tmp_
 
 def test_json_is_a_list_whenever_several_notebooks_were_asked_for(tmp_path, monkeypatch,
                                                                    capsys):
+    """With several notebooks, --json prints a list with one entry each, an unreadable one saying
+    why, and the exit status is 2."""
     path = tmp_path / EXPECTED[1]
     shutil.copy(ROOT / "solutions" / EXPECTED[1], path)
     monkeypatch.setattr(grade, "execute", fake_execute({}))

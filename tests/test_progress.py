@@ -44,6 +44,8 @@ def test_fair_preemption_finishes_three_tenants_sharing_a_small_pool(tiny_model)
 @pytest.mark.parametrize("mode", PREEMPTION_MODES)
 @pytest.mark.parametrize("order", ORDERS, ids=lambda o: o[0] + ("-aging" if o[1] else ""))
 def test_every_order_and_mode_finishes_with_the_single_tokens(tiny_model, order, mode):
+    """Three tenants under every preemption order and mode all finish, each with exactly the
+    single-request tokens, and the pool ends empty."""
     preemption, aging = order
     engine = three_tenants(tiny_model, preemption=preemption, priority_aging_steps=aging,
                            preemption_mode=mode)

@@ -45,6 +45,8 @@ def small_mixed(seed=0, n=8):
 
 # --------------------------------------------------------------------------- basics
 def test_sim_clock():
+    """The simulated clock starts at 0, moves forward by advance and sleep, ignores a negative
+    sleep, and refuses to go back."""
     clock = SimClock()
     assert clock() == 0.0
     clock.advance(0.5)
@@ -56,6 +58,8 @@ def test_sim_clock():
 
 
 def test_sim_engine_has_no_kv_tensors_and_never_emits_eos():
+    """The simulated engine holds no KV tensors and no layers and emits only token 100, which is not
+    EOS; a vocabulary too small for it is refused."""
     engine = make_sim_engine(TRUE, policy="pd")
     assert engine.pool.kv_caches == [] and engine.info.config.num_layers == 0
     run_workload(engine, small_mixed())
@@ -66,6 +70,8 @@ def test_sim_engine_has_no_kv_tensors_and_never_emits_eos():
 
 
 def test_cost_model_presets_and_json(tmp_path):
+    """A preset cost model states its assumption; a saved model loads back with the same
+    coefficients; an unknown preset or a negative coefficient is refused."""
     h100 = CostModel.load("h100-like")
     assert h100.assumption and "assumption" in h100.source
     path = TRUE.save(tmp_path / "cm.json")
@@ -139,6 +145,8 @@ def test_simulated_schedule_equals_real_schedule_for_chapter_06_knobs(tiny_model
 
 
 def test_step_times_follow_the_model():
+    """Each busy simulated step's forward time is the cost model's prediction for that step's
+    features, and the step takes nothing more."""
     engine = make_sim_engine(TRUE, policy="pd", max_num_seqs=4, max_num_batched_tokens=48,
                              chunk_size=32)
     run_workload(engine, small_mixed(n=10))
@@ -154,6 +162,8 @@ def test_step_times_follow_the_model():
 
 
 def test_fit_recovers_the_model_from_a_simulated_trace():
+    """Fitting the forward time of a simulated trace recovers the cost model's coefficients exactly
+    (r2 = 1); an unknown target is refused."""
     engine = make_sim_engine(TRUE, policy="pd", max_num_seqs=6, max_num_batched_tokens=96,
                              chunk_size=64)
     run_workload(engine, make_workload(24, prompt_lengths="uniform:4:200",
@@ -166,6 +176,8 @@ def test_fit_recovers_the_model_from_a_simulated_trace():
 
 
 def test_fit_on_a_real_tiny_run(tiny_model):
+    """A fit on a real tiny-model run has non-negative coefficients, predicts a positive time for
+    every step, and totals within 25% of the run's time."""
     engine = Engine(tiny_model, policy="pd", max_num_seqs=4, max_num_batched_tokens=64,
                     chunk_size=32, num_pages=256)
     run_workload(engine, make_workload(10, prompt_lengths="uniform:4:100",
@@ -202,6 +214,8 @@ def test_long_prefill_pd_versus_chunked():
 
 
 def test_long_prefill_on_a_tiny_model(tiny_model):
+    """On a real tiny model with one long prompt, pd decodes during the long prefill and chunked
+    does not, and pd's short requests wait fewer steps."""
     workload = get_workload("long-prefill", long_prompt_len=300, short_output=48,
                             num_short=3)
     out = {}
@@ -241,6 +255,8 @@ def test_thousands_of_requests_without_snapshots_give_the_same_results():
 
 
 def test_nonnegative_fit_drops_the_most_negative_coefficient():
+    """When the least-squares fit has a negative coefficient, the non-negative fit sets it to 0 and
+    refits the rest."""
     from minicb.benchmark.sim import _nonnegative_lstsq
     x = np.array([[1.0, 0.0], [1.0, 1.0], [1.0, 2.0]])
     coef = _nonnegative_lstsq(x, np.array([2.0, 1.0, 0.0]))  # unconstrained: [2, -1]
@@ -248,6 +264,8 @@ def test_nonnegative_fit_drops_the_most_negative_coefficient():
 
 
 def test_step_features_restart_after_preemption_and_start_at_the_cache_hit():
+    """A step's features count prefill from the cache hit onward, and a preempted request's context
+    starts again from zero."""
     trace = [step(1, [("A", "prefill", 8, 0), ("B", "prefill", 4, 1)], 0.0, 1.0),
              step(2, [("A", "prefill", 8, 0)], 1.0, 2.0, preempted=["A"]),
              step(3, [("A", "decode", 1, 0)], 2.0, 3.0)]
@@ -270,6 +288,9 @@ def test_step_features_restart_after_preemption_and_start_at_the_cache_hit():
 ], ids=["passwd", "empty", "utf-16", "list", "no-coefficients", "nan", "bool", "typo",
         "partial"])
 def test_bad_cost_model_files_name_the_path(tmp_path, data, match):
+    """A cost-model file that is not JSON, not UTF-8, holds no or non-numeric coefficients, an
+    unknown key, or lacks some coefficients is refused with a message naming the file and the
+    problem."""
     path = tmp_path / "bad.json"
     path.write_bytes(data)
     with pytest.raises(ValueError, match=match):
@@ -277,6 +298,8 @@ def test_bad_cost_model_files_name_the_path(tmp_path, data, match):
 
 
 def test_cost_model_missing_file_directory_and_byte_order_mark(tmp_path):
+    """A missing file or a directory is refused with a message saying which; a file with a UTF-8
+    byte-order mark loads."""
     with pytest.raises(ValueError, match=r"missing\.json' is neither a preset .*no such file"):
         CostModel.load(str(tmp_path / "missing.json"))
     with pytest.raises(ValueError, match="is a directory, not a JSON file"):
@@ -311,6 +334,9 @@ def test_swap_break_even_matches_the_simulator():
 
 
 def test_swap_break_even_refuses_impossible_victims():
+    """swap_break_even refuses a victim with nothing computed, more cached than computed, a negative
+    cache, a cache off a page boundary, or a non-positive page or chunk size; a fully cached
+    victim breaks even at 0."""
     cost = PRESETS["h100-like"]
     for args, words in [((0, 0, 16, 8), "1 <= num_computed"), ((10, 11, 16, 8), "num_cached=11"),
                         ((10, -1, 16, 8), "num_cached=-1"), ((10, 0, 0, 8), "page_size"),

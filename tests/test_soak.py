@@ -62,6 +62,9 @@ def small_pool(tiny_model, **options) -> Engine:
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", POLICIES)
 def test_soak(tiny_model, policy):
+    """Under each policy, many random requests on a small pool (shared prefixes, priorities,
+    tenants, a twentieth cancelled) all finish as stop, length or cancelled and leave the pool
+    empty; every batching policy runs the pool out at least once."""
     rng = random.Random(POLICIES.index(policy))  # hash(str) changes every run
     engine = small_pool(tiny_model, policy=policy, preemption="priority")
     soak(tiny_model, engine, rng, SOAK[policy])
