@@ -146,6 +146,9 @@ def sse_chunks(response) -> list[dict]:
 
 
 def test_answers_equal_generate_streaming_or_not(tiny_model):
+    """Completions, streamed or not, greedy or seeded, return the tokens generate returns, one
+    stream chunk per token plus the usage chunk, and the metrics count every request and token
+    with nothing left running."""
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13], list(range(20, 60))]
     refs = reference(tiny_model, prompts, 12)
     seeded = reference(tiny_model, prompts[:1], 12, temperature=0.8, seed=7)[0].token_ids
@@ -212,6 +215,9 @@ def test_a_text_prompt_gets_the_tokenizers_bos_and_a_chat_gets_only_its_template
 
 
 def test_text_prompts_stop_strings_and_chat(word_model):
+    """A text prompt returns generate's text; a stop string ends the request in the engine and cuts
+    the text before it, streamed or not; chat returns the chat template's answer, streamed as
+    role then content."""
     tok = word_model[1].tokenizer
     ref = reference(word_model, ["w5 w6 w7"], 12)[0]
     words = ref.text.split()
@@ -257,6 +263,8 @@ def test_text_prompts_stop_strings_and_chat(word_model):
 
 
 def test_fifty_concurrent_streams_are_batched_and_leak_nothing(tiny_model):
+    """Fifty concurrent streams each get the tokens generate gives, and at least twenty of them
+    share a step."""
     prompts = [[(7 * i + j) % 250 + 3 for j in range(4 + i % 13)] for i in range(50)]
     refs = reference(tiny_model, prompts, 16)
 
@@ -283,6 +291,8 @@ def test_fifty_concurrent_streams_are_batched_and_leak_nothing(tiny_model):
 
 
 def test_a_long_running_server_keeps_only_recent_finished_requests(tiny_model):
+    """The server keeps only the last max_finished finished requests; a forgotten id can be used
+    again, and the metrics still count every request."""
     app = create_app(Engine(tiny_model, policy="pd", num_pages=64), "tiny", max_finished=3)
     with ServerThread(app) as url, httpx.Client(timeout=TIMEOUT) as http:
         for i in range(7):
@@ -302,6 +312,8 @@ def test_a_long_running_server_keeps_only_recent_finished_requests(tiny_model):
 
 
 def test_disconnect_mid_stream_cancels_and_frees_pages(tiny_model):
+    """A client that disconnects mid-stream, or gives up while queued, has its request cancelled and
+    its pages freed, and the metrics count both as cancelled."""
     body = {"prompt": list(range(3, 40)), "max_tokens": 1800, **GREEDY}
     with serving(tiny_model, max_num_seqs=1) as (url, worker), \
             httpx.Client(timeout=TIMEOUT) as http:
@@ -380,6 +392,9 @@ def shared_server(tiny_model):
 ])
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(shared_server, body,
                                                                      status, param):
+    """Each bad body (bad JSON, an out-of-range, wrong-typed or unknown field, an unknown model)
+    gets an OpenAI error with its status and the field named, and the next good request is
+    answered."""
     url = shared_server
     with httpx.Client(timeout=TIMEOUT) as http:
         kw = {"content": body} if isinstance(body, bytes) else {"json": body}
@@ -436,6 +451,8 @@ def test_the_schema_names_the_field():
 
 
 def test_a_full_queue_answers_429(tiny_model):
+    """Requests past max_queue get 429 with code "queue_full", and the server still answers
+    afterwards."""
     async def burst(url):
         async with httpx.AsyncClient(timeout=TIMEOUT) as http:
             body = {"prompt": [5, 6, 7], "max_tokens": 150, **GREEDY}
@@ -506,6 +523,8 @@ def test_server_thread_turns_nagle_off():
 
 
 def test_serve_cli_help(capsys):
+    """`serve --help` exits 0 and lists --max-queue, --quantization, --num-speculative-tokens and
+    --max-preemptions."""
     with pytest.raises(SystemExit) as exit_info:
         main(["--help"])
     out = capsys.readouterr().out
@@ -533,6 +552,7 @@ def test_a_request_past_its_deadline_ends_with_finish_reason_deadline(shared_ser
 
 
 def test_serve_cli_takes_every_preemption_order(capsys):
+    """`serve --help` offers every preemption order: newest, priority, deadline and fair."""
     with pytest.raises(SystemExit) as exit_info:
         main(["--help"])
     assert exit_info.value.code == 0
@@ -604,6 +624,8 @@ def test_a_stop_string_completed_among_kept_guesses_ends_the_stream_there(word_m
 
 
 def test_engine_faults_fail_the_request_not_the_server(tiny_model):
+    """A fault inside a step fails that request with a 500, or an error chunk when streamed, and the
+    next request is answered; the metrics count both as errors."""
     def fail_once(engine, where):  # replace engine.<where> by a function that raises once
         real = getattr(engine, where)
 
@@ -735,6 +757,8 @@ def test_streamed_text_equals_a_full_decode_at_linear_cost(byte_model):
 
 
 def test_incremental_decoding_equals_a_full_decode_on_smollm2():
+    """On SmolLM2's tokenizer, decoding token by token gives the same text as decoding all the
+    tokens at once, for real text, random tokens and special tokens."""
     from transformers import AutoTokenizer
 
     from minicb.config import cache_root
@@ -802,6 +826,8 @@ def test_stop_strings_wait_for_min_tokens(word_model):
 
 
 def test_a_stop_string_in_the_last_token_is_a_stop_everywhere(word_model):
+    """A stop string in the last allowed token finishes the request as "stop" in the answer, the
+    engine and the metrics, not as "length"."""
     ref = reference(word_model, ["w5 w6 w7"], 2)[0]
     first, stop = ref.text.split()
     assert stop not in first
@@ -817,6 +843,8 @@ def test_a_stop_string_in_the_last_token_is_a_stop_everywhere(word_model):
 
 
 def test_a_fault_after_a_step_still_forgets_its_finished_requests(tiny_model):
+    """A fault while emitting a finished request or after the step's record still lets the server
+    forget old finished requests, keeping only the last max_finished."""
     engine = Engine(tiny_model, policy="pd", num_pages=64, check_invariants=True)
     app = create_app(engine, "tiny", max_finished=3)
     worker = app.state.worker
@@ -849,6 +877,8 @@ def test_a_fault_after_a_step_still_forgets_its_finished_requests(tiny_model):
 
 
 def test_a_client_that_cancels_at_its_last_token_records_the_finish(tiny_model):
+    """A client that cancels after its last token records the finish as "length" with all its
+    tokens, not as cancelled."""
     workload = make_workload(3, prompt_lengths="fixed:8", output_lengths="fixed:4", seed=1,
                              cancel_fraction=1.0, cancel_after_tokens=4)
     with serving(tiny_model) as (url, worker):
@@ -1047,6 +1077,8 @@ def test_a_prompt_too_long_to_fit_is_refused_before_it_is_tokenized(word_model):
 
 
 def test_default_max_tokens_bounds_a_chat_without_one(word_model):
+    """default_max_tokens caps a chat that gives no max_tokens, a request's own max_tokens overrides
+    it, and a value below 1 is refused."""
     engine = Engine(word_model, policy="pd", num_pages=64)
     with pytest.raises(ValueError, match="default_max_tokens must be an integer >= 1"):
         create_app(engine, "tiny", default_max_tokens=0)
@@ -1079,6 +1111,7 @@ def test_a_client_that_hangs_up_while_sending_its_body_gets_a_quiet_answer(tiny_
 
 
 def test_the_server_trims_its_trace_to_max_trace(tiny_model):
+    """The server's engine keeps at most max_trace step records."""
     engine = Engine(tiny_model, policy="pd", num_pages=64)
     app = create_app(engine, "tiny", max_trace=6)
     with ServerThread(app) as url, httpx.Client(timeout=TIMEOUT) as http:
@@ -1110,6 +1143,7 @@ def test_max_queue_refuses_the_request_beyond_it(tiny_model):
 
 
 def test_chat_honours_max_completion_tokens(word_model):
+    """Chat's max_completion_tokens caps the answer's tokens and finishes it by length."""
     body = {"messages": [{"role": "user", "content": "w40 w41"}], "max_completion_tokens": 3,
             **GREEDY}
     with serving(word_model) as (url, _), httpx.Client(timeout=TIMEOUT) as http:
@@ -1118,6 +1152,8 @@ def test_chat_honours_max_completion_tokens(word_model):
 
 
 def test_serve_cli_max_queue_0_means_no_limit_and_the_served_name(tiny_llama_dir, monkeypatch):
+    """`serve --max-queue 0` sets no queue limit, --default-max-tokens reaches the worker, and
+    /v1/models lists the --served-model-name."""
     import uvicorn
 
     from minicb.serving.server import main as serve_main
@@ -1268,6 +1304,8 @@ def test_a_refusal_is_reported_in_the_servers_words_and_omit_field_avoids_it(cap
 
 
 def test_the_client_stamps_every_token_the_last_one_too(tiny_model):
+    """The benchmark client records a time for every output token, the last one included, none after
+    the finish."""
     workload = make_workload(3, prompt_lengths="fixed:8", output_lengths="fixed:5", seed=4)
     with serving(tiny_model) as (url, _):
         records = asyncio.run(asyncio.wait_for(run_client(url, workload.requests,

@@ -50,6 +50,9 @@ def bars(ax):
 
 # ------------------------------------------------------------------------------ timeline
 def test_timeline_data_matches_every_record(static, continuous):
+    """The timeline holds one cell per member and per waiting request of every record, with its
+    kind, and its runs, arrivals and finishes follow the static and continuous traces step by
+    step."""
     for trace in (static, continuous):
         data = viz.timeline_data(trace)
         cells = 0
@@ -71,6 +74,9 @@ def test_timeline_data_matches_every_record(static, continuous):
 
 
 def test_plot_timeline_bars_match_trace(static):
+    """The timeline figure (not kept by pyplot) draws, for each request and state colour, bars as
+    wide as that request's steps in that state, labels the axes and legend, and uses only
+    Okabe-Ito colours, white and grey."""
     before = plt.get_fignums()
     fig = viz.plot_timeline(static)
     assert isinstance(fig, Figure) and plt.get_fignums() == before  # not managed by pyplot
@@ -92,6 +98,8 @@ def test_plot_timeline_bars_match_trace(static):
 
 
 def test_timeline_stalled_and_preempted():
+    """A running request left out of a step shows as stalled, a preempted one as waiting with its
+    preemption step marked, and the slot view and the text rendering agree."""
     trace = [record(1, [("a", "prefill", 8, 0), ("b", "prefill", 8, 1)], page_tables={
                  "a": [0], "b": [1]}),
              record(2, [("c", "prefill", 8, 1)], waiting=["b"], preempted=["b"],
@@ -113,6 +121,8 @@ def test_timeline_stalled_and_preempted():
 
 # --------------------------------------------------------------------------------- slots
 def test_slots_show_reuse(static, continuous):
+    """Under continuous batching a finished request's slot goes to the next one at the following
+    step; under static batching the slot stays idle until the whole batch finishes."""
     fig = viz.plot_slots(continuous)
     data = fig.minicb_data
     assert data.slots == [0, 1, 2]
@@ -132,6 +142,8 @@ def test_slots_show_reuse(static, continuous):
 
 # --------------------------------------------------------------------------------- pages
 def test_pages_match_trace(continuous):
+    """The page picture shows each step's used, cached and free pages from its record, and a step
+    missing from the trace repeats the cached pages with none used."""
     fig = viz.plot_pages(continuous)
     data = fig.minicb_data
     assert data.total == 64 and data.steps == [r.step for r in continuous]
@@ -146,6 +158,8 @@ def test_pages_match_trace(continuous):
 
 
 def test_page_map_marks_shared_pages():
+    """The page map at a step lists each page's owners and hatches the pages two requests share;
+    given an engine it shows the last step, and a step not in the trace is refused."""
     rec = record(7, [("a", "decode", 1, 0), ("b", "decode", 1, 1)],
                  page_tables={"a": [0, 1, 2], "b": [0, 1, 5]}, used=4, cached=2, total=8)
     fig = viz.plot_page_map([record(6), rec], step=7)
@@ -166,6 +180,8 @@ def test_page_map_marks_shared_pages():
 
 # -------------------------------------------------------------------------------- budget
 def test_budget_stacks_tokens():
+    """The budget chart stacks each step's prefill tokens on its decode tokens and draws the token
+    budget as a line."""
     trace = [record(1, [("a", "prefill", 30, 0)]),
              record(2, [("a", "decode", 1, 0), ("b", "prefill", 24, 1)]),
              record(3, [("a", "decode", 1, 0), ("b", "decode", 1, 1)])]
@@ -183,6 +199,8 @@ def test_budget_stacks_tokens():
 
 # ------------------------------------------------------------------------------- compare
 def test_compare_shares_the_step_axis(static, continuous):
+    """compare draws one panel per run on a shared step axis long enough for the longer run, for
+    every kind of picture, and refuses an unknown kind."""
     fig = viz.compare({"static": static, "continuous": continuous})
     top, bottom = fig.axes
     assert top.get_shared_x_axes().joined(top, bottom)
@@ -252,6 +270,8 @@ def test_compare_cuts_the_y_axis_to_show_what_a_tall_bar_dwarfs():
 
 
 def test_request_colours_are_not_state_colours_and_legible_at_scale():
+    """Request colours never reuse a state colour; with 100 requests the timeline drops arrival
+    marks, the slot legend is one line, and a map of 1,024 pages fits in 16 by 10 inches."""
     states = {viz.STYLE[s][0].lower() for s in viz.STATES} | {"#d55e00"}
     assert not states & {c.lower() for c in viz.REQUEST_COLOURS}
     many = [record(1, [(f"r{i}", "prefill", 8, i) for i in range(100)],
@@ -267,6 +287,8 @@ def test_request_colours_are_not_state_colours_and_legible_at_scale():
 
 
 def test_pictures_of_a_simulated_run_say_so():
+    """Every picture of a simulated engine's run ends its title with "(simulated)"; a picture of a
+    bare trace does not."""
     from minicb.benchmark.sim import make_sim_engine
     engine = make_sim_engine(policy="pd", max_num_seqs=2)
     engine.add_request([1] * 20, max_tokens_params())
@@ -283,6 +305,8 @@ def max_tokens_params():
 
 # ---------------------------------------------------------------------------------- text
 def test_render_text_rows(static, continuous):
+    """The text rendering draws each request's row step by step: prefill, decode, finish, idle slot
+    and waiting, for static and continuous traces, with a step ruler and a legend."""
     lines = viz.render_text(static, width=300, legend=False).splitlines()
     rows = {line[:6].strip(): line[6:] for line in lines[2:]}
     assert rows["R1"] == "▓" + "█" * 29 + "|" + "░" * 169
@@ -297,6 +321,8 @@ def test_render_text_rows(static, continuous):
 
 
 def test_render_text_compresses_to_width(static):
+    """A rendering wider than `width` packs several steps into a column, says how many, and keeps
+    every line within the width; an empty trace renders as "(empty trace)"."""
     text = viz.render_text(static, width=80)
     lines = text.splitlines()
     assert all(len(line) <= 80 for line in lines)
@@ -331,6 +357,8 @@ def test_a_life_shorter_than_a_column_still_shows_its_work():
 
 # -------------------------------------------------------------------------------- widget
 def test_step_through_follows_the_slider(static, continuous):
+    """Moving the step-through slider shows that step's scheduled, running, waiting, arrived
+    requests and page tables, with a new picture and a line naming them."""
     w = viz.step_through(continuous)
     assert w.state.step == 1 and {m.request_id for m in w.state.scheduled} == {"R1", "R2", "R3"}
     png = bytes(w.image.value)
@@ -352,6 +380,8 @@ def test_step_through_follows_the_slider(static, continuous):
 
 
 def test_missing_step_is_empty():
+    """Stepping through to a step with no record shows it as not recorded, with nothing
+    scheduled."""
     trace = [record(1, [("a", "prefill", 4, 0)], finished=["a"]),
              record(5, [("b", "prefill", 4, 0)], arrived=["b"], finished=["b"])]
     w = viz.step_through(trace, picture=False)
@@ -361,6 +391,8 @@ def test_missing_step_is_empty():
 
 # ---------------------------------------------------------------------- a real engine run
 def test_real_engine_trace(make_engine):
+    """A real engine's trace draws true finishes, waits, slot reuse, the prompt pages a later
+    request shares, and the pool's size and token budget."""
     from minicb import SamplingParams
 
     engine = make_engine("continuous", max_num_seqs=2, page_size=4, num_pages=32)
@@ -383,6 +415,8 @@ def test_real_engine_trace(make_engine):
 
 
 def test_a_trace_without_snapshots_says_what_it_cannot_draw(make_engine):
+    """A trace recorded without snapshots still draws its members but warns that waiting and stalled
+    requests are missing, refuses a page map, and draws the budget without a warning."""
     from minicb import SamplingParams
 
     engine = make_engine("continuous", max_num_seqs=1, page_size=4, num_pages=32,
@@ -444,6 +478,8 @@ def test_slot_bars_sit_on_their_steps_and_idle_slots_are_hatched(static):
 
 
 def test_page_pool_picture_stacks_used_cached_free_and_marks_preemptions():
+    """The page-pool picture stacks used, cached and free pages on each step's cell and marks each
+    preemption with an X over its step."""
     trace = [record(1, used=3, cached=1, total=8),
              record(2, used=5, cached=1, total=8, preempted=["b"]),
              record(3, used=2, cached=2, total=8, finished=["a"])]
@@ -471,6 +507,8 @@ def test_page_map_puts_page_p_at_row_start_plus_column():
 
 
 def test_budget_bars_sit_on_their_steps_and_the_budget_line_is_in_view():
+    """Step k's budget bar covers the cell [k-1, k], and the y axis reaches above the budget
+    line."""
     trace = [record(1, [("a", "prefill", 4, 0)]), record(2, [("a", "decode", 1, 0)])]
     ax = viz.plot_budget(trace, 32).axes[0]
     decode, prefill, lane = ax.containers
@@ -494,10 +532,10 @@ def test_compare_lines_up_rows_and_shares_the_page_scale():
 
 
 def test_step_through_cursor_and_running_list(continuous):
-    from matplotlib.patches import Rectangle
-
     """The cursor shades step k's cell [k-1, k]; a request that finished at the step is not
     listed as running."""
+    from matplotlib.patches import Rectangle
+
     w = viz.step_through(continuous)
     w.show(30)
     assert "R1" in w.state.finished and "R1" not in w.state.running
