@@ -15,6 +15,8 @@ from minicb.trace import StepRecord
 
 # --------------------------------------------------------------------------- basics
 def test_percentiles_linear_interpolation():
+    """Percentiles interpolate linearly between ranks (p50, p95, p99 of 1..4 are 2.5, 3.85, 3.97);
+    no values give None and one value gives itself."""
     p = metrics.percentiles([1.0, 2.0, 3.0, 4.0])
     # rank = p/100 * (n-1): p50 -> 1.5 -> 2.5; p95 -> 2.85 -> 3.85; p99 -> 2.97 -> 3.97
     assert p == {"p50": approx(2.5), "p95": approx(3.85), "p99": approx(3.97)}
@@ -35,6 +37,8 @@ def hand_records():
 
 
 def test_per_request_latencies_by_hand():
+    """Queue time, TTFT, end-to-end time, TPOT and inter-token gaps come from a request's
+    timestamps; a one-token output has no TPOT, and a cancelled request is not completed."""
     a, b, c, _ = hand_records()
     assert metrics.queue_time(a) == 0.5
     assert metrics.ttft(a) == 1.0
@@ -47,6 +51,9 @@ def test_per_request_latencies_by_hand():
 
 
 def test_summarize_by_hand():
+    """The summary counts completed, cancelled and failed requests, divides tokens by the span from
+    first arrival to last finish, counts prompt tokens in the token throughput, and takes
+    latencies over completed requests only."""
     records = hand_records()
     s = metrics.summarize([], records)
     assert (s["num_requests"], s["completed"], s["cancelled"], s["errors"]) == (4, 2, 1, 1)
@@ -73,6 +80,8 @@ def test_summarize_by_hand():
 
 
 def test_goodput_at_slo():
+    """Goodput counts completed requests that meet every given SLO (a request with no TPOT meets a
+    TPOT SLO), and attainment divides by the requests not cancelled."""
     records = hand_records()
     s = metrics.summarize([], records, slo={"ttft": 1.2})
     assert s["slo_met"] == 1 and s["goodput_rps"] == approx(1 / 3)  # A only (B: 1.5 s)
@@ -86,6 +95,8 @@ def test_goodput_at_slo():
 
 
 def test_sustainable_load_is_the_highest_rate_met_with_every_lower_one():
+    """The sustainable load is the highest rate whose attainment, and every lower rate's, reaches
+    the target; none met gives None, and a target outside (0, 1] is refused."""
     assert metrics.sustainable_load({10: 1.0, 12: 0.995, 14: 0.98, 16: 0.9}) == 12
     assert metrics.sustainable_load({16: 0.9, 10: 1.0, 12: 0.99}) == 12  # order of the dict
     assert metrics.sustainable_load({10: 1.0, 12: 0.95, 14: 0.999}) == 10  # 14 passed by luck
@@ -98,6 +109,7 @@ def test_sustainable_load_is_the_highest_rate_met_with_every_lower_one():
 
 
 def test_itl_slo_bounds_each_requests_worst_gap():
+    """An ITL SLO bounds each request's largest inter-token gap; a request with no gap meets it."""
     records = hand_records()
     assert metrics.max_itl(records[0]) == 1.0 and metrics.max_itl(records[1]) is None
     assert metrics.summarize([], records, slo={"itl": 0.9})["slo_met"] == 1  # B only: no gap
@@ -126,17 +138,21 @@ def test_one_stall_shows_in_max_itl_but_not_in_pooled_itl():
                                         ({"e2e": float("inf")}, "positive"),
                                         ({"itl": True}, "positive")])
 def test_bad_slo_is_refused(slo, match):
+    """An SLO with an unknown key or a value that is not a positive finite number is refused, naming
+    the problem."""
     with pytest.raises(ValueError, match=match):
         metrics.summarize([], hand_records(), slo=slo)
 
 
 def test_empty_run():
+    """An empty run summarizes to zero requests with rates, percentiles and dec@P as None."""
     s = metrics.summarize([], [])
     assert s["num_requests"] == 0 and s["requests_per_s"] is None
     assert s["ttft_s"]["p99"] is None and s["dec_at_p"] is None
 
 
 def test_only_one_token_outputs_have_no_tpot():
+    """When every output is one token, TPOT and ITL percentiles are None and a TPOT SLO is met."""
     r = rec("X", 1, arrival=0.0, sched=0.0, first=0.2, finish=0.2, times=[0.2])
     s = metrics.summarize([], [r], slo={"tpot": 1e-6})
     assert s["tpot_s"]["p50"] is None and s["itl_s"]["p50"] is None
@@ -178,6 +194,8 @@ def pd_like_trace(interleave: bool):
 
 
 def test_dec_at_p_and_short_p_pd():
+    """Under interleaving, dec@P counts the decode tokens in the long prompt's prefill window, and
+    short_P spans the short requests alive in that window, in steps and seconds."""
     trace, records = pd_like_trace(interleave=True)
     m = metrics.long_prefill_metrics(trace, records, "L")
     assert m["dec_at_p"] == 4  # steps 2 and 3: S1 and S2 decode one token each
@@ -196,6 +214,8 @@ def test_dec_at_p_counts_kept_guesses():
 
 
 def test_dec_at_p_and_short_p_prefill_first():
+    """Under prefill-first no decode runs in the long prompt's prefill window (dec@P is 0), and
+    short_P lasts longer; summarize reports the same."""
     trace, records = pd_like_trace(interleave=False)
     m = metrics.long_prefill_metrics(trace, records, "L")
     assert m["dec_at_p"] == 0
@@ -205,6 +225,7 @@ def test_dec_at_p_and_short_p_prefill_first():
 
 
 def test_dec_at_p_unknown_long_id():
+    """A long request id not in the records is refused; no long id gives dec@P as None."""
     trace, records = pd_like_trace(True)
     with pytest.raises(ValueError, match="long_request_id"):
         metrics.long_prefill_metrics(trace, records, "nobody")
@@ -212,6 +233,7 @@ def test_dec_at_p_unknown_long_id():
 
 
 def test_short_p_unfinished_short_is_none():
+    """short_P is None while a short request in the window is unfinished; dec@P is still counted."""
     trace, records = pd_like_trace(True)
     records = [r for r in records if r.request_id != "S2"]
     records.append(rec("S2", 9, reason=None, a_step=1, arrival=0.0, sched=0.0, f_step=1))
@@ -221,6 +243,8 @@ def test_short_p_unfinished_short_is_none():
 
 # --------------------------------------------------------------------------- trace helpers
 def test_dead_slots_batch_sizes_host_time_decode_speed():
+    """Per-step helpers count idle slots, batch sizes, prefill and decode tokens, host time and
+    decode speed from the trace, and the summary leaves out steps that scheduled nothing."""
     trace = [step(1, [("A", "prefill", 10, 0), ("B", "prefill", 6, 1)], 0.0, 1.0, 0.5),
              step(2, [("A", "decode", 1, 0), ("B", "decode", 1, 1)], 1.0, 1.5, 0.25),
              step(3, [("A", "idle", 0, 0), ("B", "decode", 1, 1)], 1.5, 2.0, 0.25)]
@@ -237,6 +261,8 @@ def test_dead_slots_batch_sizes_host_time_decode_speed():
 
 
 def test_queue_age_counts_requests_never_scheduled():
+    """The oldest queue age counts requests never scheduled, up to their finish or the run's end; a
+    record with no arrival step gives None."""
     waiting = rec("W", 0, reason="cancelled", arrival=1.0, finish=4.5, a_step=2, fin_step=9)
     still = rec("Z", 0, reason=None, arrival=2.0, a_step=3)
     age_s, age_steps = metrics.max_queue_age([waiting, still], end_time=5.0, end_step=10)
@@ -248,6 +274,8 @@ def test_queue_age_counts_requests_never_scheduled():
 
 
 def test_format_table_and_lookup():
+    """format_table writes a header, a rule and one row per policy; lookup follows a dotted key and
+    gives None for a missing one; per_request has one row per request."""
     s = metrics.summarize([], hand_records())
     table = metrics.format_table({"pd": s, "static": s})
     lines = table.splitlines()
@@ -259,6 +287,7 @@ def test_format_table_and_lookup():
 
 
 def test_evicted_pages_are_summed_over_the_steps():
+    """The summary's evicted pages are the sum over the steps' evictions (0 for no steps)."""
     trace = [step(i, [(rid, "prefill", 4, i - 1)], i - 1.0, float(i))
              for i, rid in enumerate("ABC", start=1)]
     trace[1].pages_evicted, trace[2].pages_evicted = 2, 1
@@ -285,11 +314,14 @@ def test_a_response_returned_whole_shows_its_first_token_at_the_release():
 
 # --------------------------------------------------------------------------- step measures
 def test_host_time_fraction_is_the_share_outside_the_forward():
+    """The host-time fraction is the share of a step's time spent outside the forward."""
     trace = [step(1, [("A", "decode", 1, 0)], 0.0, 1.0, t_forward=0.25)]
     assert metrics.host_time_fraction(trace) == approx(0.75)
 
 
 def test_decode_speed_skips_mixed_steps_and_counts_kept_guesses_once():
+    """Decode speed leaves out steps that also prefill, and a speculative step produces its kept
+    guesses plus one token, not every token it scored."""
     mixed = step(1, [("A", "prefill", 8, 0), ("B", "decode", 1, 1)], 0.0, 1.0)
     spec = step(2, [("B", "decode", 4, 1)], 1.0, 1.5)  # last token + 3 guesses, 2 kept
     spec.speculated = {"B": (3, 2)}
@@ -298,6 +330,7 @@ def test_decode_speed_skips_mixed_steps_and_counts_kept_guesses_once():
 
 
 def test_dec_at_p_per_s_divides_by_the_windows_seconds_not_steps():
+    """dec@P per second divides by the prefill window's seconds, not its steps."""
     trace, records = pd_like_trace(interleave=True)
     trace[2].t_end = 5.0  # step 3 (L's last chunk) takes 3 s
     m = metrics.long_prefill_metrics(trace, records, "L")
@@ -305,6 +338,8 @@ def test_dec_at_p_per_s_divides_by_the_windows_seconds_not_steps():
 
 
 def test_short_p_counts_requests_alive_at_the_window_edges():
+    """short_P counts a request that finishes in the long prompt's arrival step and one that arrives
+    in its last prefill step."""
     trace, records = pd_like_trace(interleave=True)  # L: arrives step 2, last chunk step 3
     records += [rec("E", 1, a_step=1, arrival=0.0, sched=0.0, first=1.5, finish=1.5,
                     f_step=2, fin_step=2),   # finishes in L's arrival step
@@ -315,6 +350,8 @@ def test_short_p_counts_requests_alive_at_the_window_edges():
 
 
 def test_queue_and_e2e_steps_in_the_summary():
+    """The summary gives queue and end-to-end times in steps, and a response held back ends at its
+    release step."""
     records = hand_records()  # A: arrival 1, scheduled 2, finish 6; B: 2, 2, 6
     s = metrics.summarize([], records)
     assert s["queue_steps"]["p50"] == approx(0.5) and s["e2e_steps"]["p50"] == approx(5.5)
@@ -323,6 +360,8 @@ def test_queue_and_e2e_steps_in_the_summary():
 
 
 def test_latency_columns_cover_every_percentile_of_every_latency():
+    """The latency columns are p50, p95 and p99 of queue, TTFT, TPOT, ITL and end-to-end time, and
+    format_table labels them."""
     keys = [key for key, _, _ in metrics.LATENCY_COLUMNS]
     assert keys == [f"{m}.p{p}" for m in ("queue_s", "ttft_s", "tpot_s", "itl_s", "e2e_s")
                     for p in (50, 95, 99)]
@@ -352,6 +391,8 @@ def test_token_mix_counts_what_each_step_processed():
 
 # --------------------------------------------------------------------------- fairness per class
 def test_prompt_buckets_have_exact_edges():
+    """Prompt lengths fall into 0-127, 128-511, 512-2047 and 2048+, each edge in the bucket it
+    opens."""
     assert [metrics.prompt_bucket(n) for n in (0, 127, 128, 511, 512, 2047, 2048, 10**6)] == [
         "0-127", "0-127", "128-511", "128-511", "512-2047", "512-2047", "2048+", "2048+"]
 

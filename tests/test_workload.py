@@ -35,6 +35,8 @@ from minicb.engine import Engine
 @pytest.mark.parametrize("name", ["mixed-chat", "equal-lengths", "low-rate", "shared-prefix",
                                   "seed-r1-r4", "long-prefill"])
 def test_same_seed_same_workload(name):
+    """Every named workload is the same for the same seed, and the random ones change with the
+    seed."""
     a, b = get_workload(name, seed=3), get_workload(name, seed=3)
     assert a.to_dict() == b.to_dict()
     if name in ("mixed-chat", "low-rate", "shared-prefix"):
@@ -62,6 +64,8 @@ def test_the_same_seed_draws_the_same_requests_whatever_their_arrivals():
 # --------------------------------------------------------------------------- arrivals
 @pytest.mark.parametrize("burstiness", [0.25, 1.0, 4.0])
 def test_gamma_gaps_mean_and_burstiness(burstiness):
+    """Gamma inter-arrival gaps average 1/rate and have a squared coefficient of variation of
+    1/burstiness."""
     rate = 5.0
     gaps = gamma_gaps(40_000, rate, burstiness, np.random.default_rng(7))
     mean = gaps.mean()
@@ -71,6 +75,8 @@ def test_gamma_gaps_mean_and_burstiness(burstiness):
 
 
 def test_poisson_arrivals_through_make_workload():
+    """Poisson arrivals start at 0, never go back, average 1/rate apart, and are declared with their
+    rate."""
     w = make_workload(4000, prompt_lengths=4, output_lengths=2, arrival="poisson", rate=10.0,
                       seed=1)
     t = np.array([r.arrival_time for r in w.requests])
@@ -80,12 +86,15 @@ def test_poisson_arrivals_through_make_workload():
 
 
 def test_bursty_workload_declares_gamma():
+    """A workload given a burstiness declares gamma arrivals and that burstiness."""
     w = get_workload("mixed-chat", num_requests=8, rate=2.0, burstiness=0.5)
     assert w.declaration["arrival_process"].startswith("gamma")
     assert w.declaration["burstiness"] == 0.5
 
 
 def test_explicit_arrivals():
+    """Given arrival times are kept as they are, no process means all at 0, and step arrivals set
+    arrival steps and no arrival times."""
     assert arrival_times(3, "times", times=[0.0, 0.5, 0.5]) == [0.0, 0.5, 0.5]
     assert arrival_times(2) == [0.0, 0.0]
     w = make_workload(3, prompt_lengths=4, output_lengths=2, arrival="steps",
@@ -104,6 +113,8 @@ def test_explicit_arrivals():
     (dict(n=-1), "num_requests"),
 ])
 def test_arrival_arguments_are_checked(kwargs, match):
+    """A missing or negative rate, a non-positive burstiness, an unknown process, too few or
+    decreasing times and a negative count are refused, naming the argument."""
     n = kwargs.pop("n")
     with pytest.raises(ValueError, match=match):
         arrival_times(n, **kwargs)
@@ -111,6 +122,8 @@ def test_arrival_arguments_are_checked(kwargs, match):
 
 # --------------------------------------------------------------------------- lengths
 def test_length_distributions():
+    """Fixed, uniform, bounded lognormal and list lengths sample within their bounds (the lognormal
+    around its median), and describe themselves."""
     rng = np.random.default_rng(0)
     assert Lengths.parse("128").sample(3, rng) == [128, 128, 128]
     u = Lengths.parse("uniform:16:512").sample(2000, rng)
@@ -127,6 +140,8 @@ def test_length_distributions():
     ("gauss:3:4", "cannot read"), ("lognormal:-1:1", "lengths.median"), ("abc", "cannot read"),
 ])
 def test_bad_lengths_are_refused(text, match):
+    """A length spec with bounds reversed, a zero value, an empty list, an unknown kind, a negative
+    median or no sense at all is refused, naming the problem."""
     with pytest.raises(ValueError, match=match):
         Lengths.parse(text)
 
@@ -143,6 +158,9 @@ def test_bad_lengths_are_refused(text, match):
     (dict(prompt_len=4, cancel_after_tokens=0), "cancel_after_tokens"),
 ])
 def test_workload_request_checks(kwargs, match):
+    """A workload request without a prompt, with a non-positive length, max_tokens or cancel point,
+    a negative time, step 0, both a time and a step, an empty prompt or a length that disagrees
+    with its ids is refused."""
     with pytest.raises(ValueError, match=match):
         WorkloadRequest(**kwargs)
 
@@ -157,11 +175,15 @@ def test_workload_request_checks(kwargs, match):
     (lambda: get_workload("long-prefill", long_prompt_len=0), "long_prompt_len"),
 ])
 def test_generator_arguments_are_checked(call, match):
+    """An unknown workload, no requests, an unknown arrival kind, a negative seed, a cancel fraction
+    above 1, burstiness without a rate and a zero long prompt are refused, naming the argument."""
     with pytest.raises(ValueError, match=match):
         call()
 
 
 def test_length_only_request_is_reproducible():
+    """A request given only a length draws the same token ids for the same seed, other ids for
+    another, all in 100..9999."""
     r = WorkloadRequest(prompt_len=12, max_tokens=3)
     assert r.token_ids(5) == r.token_ids(5) != r.token_ids(6)
     assert all(100 <= t < 10000 for t in r.token_ids(5))
@@ -169,6 +191,9 @@ def test_length_only_request_is_reproducible():
 
 # --------------------------------------------------------------------------- scenarios
 def test_scenarios_shapes():
+    """Each named workload has its declared shape: seed-r1-r4's lengths and late R4, long-prefill's
+    one late long prompt, mixed-chat's and equal-lengths' lengths, low-rate's Poisson arrivals,
+    shared-prefix's common head; all with token ids in 100..9999 and exact output lengths."""
     r = get_workload("seed-r1-r4")
     assert [q.max_tokens for q in r.requests][:3] == [30, 200, 80]
     assert r.requests[3].request_id == "R4" and r.requests[3].arrival_step == 31
@@ -194,6 +219,8 @@ def test_scenarios_shapes():
 
 # --------------------------------------------------------------------------- driving an engine
 def test_submit_gives_exact_lengths_and_step_arrivals():
+    """submit adds the workload's requests under their ids, each makes exactly its output length,
+    and R4 arrives and is scheduled at step 31."""
     w = get_workload("seed-r1-r4")
     engine = make_sim_engine("h100-like", policy="continuous", max_num_seqs=3)
     ids = submit(engine, w)
@@ -206,6 +233,8 @@ def test_submit_gives_exact_lengths_and_step_arrivals():
 
 
 def test_seed_example_static_has_dead_slots_and_blocks_r4():
+    """Under static batching the seed example's R4 waits until step 201 for the whole batch, and
+    R1's and R3's idle slots add up to 290 dead slot steps."""
     w = get_workload("seed-r1-r4")
     engine = make_sim_engine("h100-like", policy="static", max_num_seqs=3)
     run_workload(engine, w)
@@ -216,6 +245,8 @@ def test_seed_example_static_has_dead_slots_and_blocks_r4():
 
 
 def test_cancel_after_tokens_is_counted():
+    """Requests marked to cancel after 2 tokens finish cancelled with 2 tokens, the rest complete,
+    and no page is left in use."""
     w = make_workload(6, prompt_lengths=8, output_lengths=10, cancel_fraction=0.5,
                       cancel_after_tokens=2, seed=2)
     engine = make_sim_engine("h100-like", policy="pd")
@@ -249,6 +280,8 @@ def test_online_arrivals_follow_the_wall_clock(upfront):
 
 
 def test_workload_object_basics():
+    """A workload has a length, iterates its requests, and gives each request without an id one from
+    its index."""
     w = Workload("x", [WorkloadRequest(prompt_len=3), WorkloadRequest(prompt_len=2,
                                                                       request_id="b")])
     assert len(w) == 2 and w.ids() == ["req-0", "b"] and list(w)[1].request_id == "b"
@@ -316,12 +349,15 @@ def test_dynamic_batching_waiting_on_the_clock_takes_no_steps():
 
 # --------------------------------------------------------------------------- generators
 def test_uniform_lengths_include_both_ends():
+    """Uniform lengths include both bounds, and equal bounds give that one length."""
     rng = np.random.default_rng(0)
     assert set(Lengths.uniform(3, 5).sample(500, rng)) == {3, 4, 5}
     assert Lengths.parse("uniform:7:7").sample(3, rng) == [7, 7, 7]
 
 
 def test_shared_prefix_is_the_same_for_every_seed():
+    """The shared prefix is the same for every seed while the rest of the prompt changes, and the
+    declared lengths count what follows the prefix."""
     from minicb.benchmark.workload import shared_prefix
     a, b = shared_prefix(4, seed=0, prefix_len=32), shared_prefix(4, seed=1, prefix_len=32)
     assert a.requests[0].prompt_token_ids[:32] == b.requests[3].prompt_token_ids[:32]
@@ -333,12 +369,15 @@ def test_shared_prefix_is_the_same_for_every_seed():
 
 
 def test_sampled_runs_seed_each_request_by_its_index():
+    """With a temperature, submit seeds each request with its index in the workload."""
     engine = make_sim_engine("h100-like")
     ids = submit(engine, make_workload(3, "fixed:8", "fixed:4"), temperature=0.7)
     assert [engine.requests[i].params.seed for i in ids] == [0, 1, 2]
 
 
 def test_online_step_arrivals_join_at_their_step_while_the_engine_is_busy():
+    """A request arriving at a step while others run is recorded as arriving at that step (R4 at
+    31)."""
     engine = make_sim_engine("h100-like", policy="continuous", max_num_seqs=3)
     run_workload(engine, get_workload("seed-r1-r4"))  # fed online: R4 comes at step 31
     r4 = {r.request_id: r for r in metrics.request_records(engine)}["R4"]
@@ -346,6 +385,7 @@ def test_online_step_arrivals_join_at_their_step_while_the_engine_is_busy():
 
 
 def test_cancel_fraction_rounds_to_the_nearest_count():
+    """The cancel fraction is rounded to the nearest number of requests (0.3 of 5 marks 2)."""
     w = make_workload(5, "fixed:8", "fixed:4", cancel_fraction=0.3)  # 1.5 -> 2
     assert sum(r.cancel_after_tokens is not None for r in w.requests) == 2
 
@@ -357,6 +397,8 @@ FIELDS = ("request_id", "arrival_time", "arrival_step", "max_tokens", "priority"
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".csv"])
 def test_a_saved_workload_replays_the_same_requests(tmp_path, suffix):
+    """A workload saved as JSONL or CSV loads back with the same token ids and fields, declared as a
+    replayed trace with its source, priorities, length range and rate."""
     w = get_workload("mixed-chat", num_requests=6, rate=3.0, seed=2)
     w.requests[1].priority, w.requests[2].tenant = 2, "team-a"
     w.requests[3].deadline, w.requests[4].cancel_after_tokens = 1.5, 2
@@ -376,6 +418,8 @@ def test_a_saved_workload_replays_the_same_requests(tmp_path, suffix):
 
 
 def test_step_arrivals_round_trip(tmp_path):
+    """A workload with step arrivals saves and loads back with the same ids, arrival steps and
+    lengths."""
     w = get_workload("seed-r1-r4")
     back = load_workload_file(save_workload_file(w, tmp_path / "r.jsonl"))
     assert [(r.request_id, r.arrival_step, r.max_tokens) for r in back] == \
@@ -400,6 +444,8 @@ def test_a_trace_keeps_the_long_request_dec_at_p_is_measured_around(tmp_path, su
 
 
 def test_a_trace_marks_at_most_one_long_request(tmp_path):
+    """A trace marks at most one long-prefill request, and long_prefill must be true or false, with
+    the line named."""
     path = tmp_path / "two.jsonl"
     row = '{"arrival_s": 0, "prompt_tokens": 3, "output_tokens": 4, "long_prefill": %s}\n'
     path.write_text(row % "true" + row % "true")
@@ -413,6 +459,8 @@ def test_a_trace_marks_at_most_one_long_request(tmp_path):
 
 
 def test_a_trace_with_lengths_only_is_sorted_by_arrival_and_says_so(tmp_path):
+    """A trace of lengths only is sorted by arrival, keeps ids from its file order, says it was
+    sorted, draws prompts of the given length, and num_requests takes the first requests."""
     path = tmp_path / "real.jsonl"
     path.write_text('{"arrival_s": 0.5, "prompt_tokens": 12, "output_tokens": 3}\n\n'
                     '{"arrival_s": 0.0, "prompt_tokens": 40, "output_tokens": 9, '
@@ -443,6 +491,9 @@ def test_a_trace_with_lengths_only_is_sorted_by_arrival_and_says_so(tmp_path):
                  "line 2: not JSON .*4300 digits", id="an-integer-of-5001-digits"),
 ])
 def test_bad_trace_lines_are_named(tmp_path, line, match):
+    """A bad trace line (missing or negative field, unknown field, bad token id, fractional
+    priority, mixed times and steps, not an object, not JSON) is refused with its line number and
+    the problem."""
     path = tmp_path / "bad.jsonl"
     path.write_text('{"arrival_s": 0, "prompt_tokens": 3, "output_tokens": 4}\n' + line + "\n")
     with pytest.raises(ValueError, match=match):
@@ -450,6 +501,7 @@ def test_bad_trace_lines_are_named(tmp_path, line, match):
 
 
 def test_bad_csv_cells_are_named(tmp_path):
+    """A non-numeric CSV cell is refused with its line and column, and a missing file says so."""
     path = tmp_path / "bad.csv"
     path.write_text("arrival_s,prompt_tokens,output_tokens\n0,12,3\n0.5,twelve,3\n")
     with pytest.raises(ValueError, match="line 3: prompt_tokens must be a number"):
@@ -479,6 +531,8 @@ def test_trace_with_a_byte_order_mark_loads(tmp_path):
      r"trace\.txt, line 1: not JSON .*must end in \.csv"),
 ], ids=["latin-1", "utf-16", "epoch-seconds", "csv-not-named-csv"])
 def test_unreadable_traces_name_the_file(tmp_path, name, data, match):
+    """A trace that is not UTF-8, uses epoch seconds, or is CSV without a .csv name is refused with
+    the file's name and what to do."""
     path = tmp_path / name
     path.write_bytes(data)
     with pytest.raises(ValueError, match=match):
@@ -486,11 +540,14 @@ def test_unreadable_traces_name_the_file(tmp_path, name, data, match):
 
 
 def test_trace_path_that_is_a_directory_says_so(tmp_path):
+    """A directory given as a trace is refused as a directory."""
     with pytest.raises(ValueError, match="is a directory, not a trace file"):
         load_workload_file(tmp_path)
 
 
 def test_csv_trace_with_a_long_prompt_cell_round_trips(tmp_path):
+    """A CSV trace with a prompt cell longer than the csv module's default field limit saves and
+    loads back whole."""
     ids = [12345] * 30_000  # over the csv module's default 131072 characters in one cell
     w = Workload("long", [WorkloadRequest(prompt_token_ids=ids, max_tokens=2)], {})
     back = load_workload_file(save_workload_file(w, tmp_path / "long.csv"))
