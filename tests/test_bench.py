@@ -33,6 +33,9 @@ def patch(monkeypatch, name: str, value) -> None:
 
 
 def test_bench_end_to_end_on_a_tiny_checkpoint(tiny_llama_dir, tmp_path, capsys):
+    """A real bench run of several policies on a tiny checkpoint writes a valid results file
+    declaring what ran, completes every request, draws the plot, prints the table, and reports
+    that batching kept the greedy tokens of the first policy."""
     out, png = tmp_path / "results.json", tmp_path / "results.png"
     code = bench.main_bench(["--model", str(tiny_llama_dir), "--policy", "static,pd",
                              "--policy", "continuous", "--max-num-seqs", "3",
@@ -63,6 +66,8 @@ def test_bench_end_to_end_on_a_tiny_checkpoint(tiny_llama_dir, tmp_path, capsys)
 
 
 def test_bench_runs_int8_weights(tiny_llama_dir, tmp_path):
+    """Bench runs int8 weights, declares them (not prepacked), and completes every request with a
+    single-stream decode speed."""
     out = tmp_path / "int8.json"
     assert bench.main_bench(["--model", str(tiny_llama_dir), "--policy", "single,pd",
                              "--quantization", "int8", "--out", str(out), *TINY]) == 0
@@ -74,6 +79,8 @@ def test_bench_runs_int8_weights(tiny_llama_dir, tmp_path):
 
 
 def test_bench_runs_bfloat16_weights(tiny_llama_dir, tmp_path, capsys):
+    """Bench runs bfloat16 weights, declares the dtype and whether they are prepacked, and prints
+    it; bfloat16 with int8 is refused with status 2."""
     out = tmp_path / "bf16.json"
     assert bench.main_bench(["--model", str(tiny_llama_dir), "--policy", "pd", "--dtype",
                              "bfloat16", "--out", str(out), *TINY]) == 0
@@ -91,6 +98,9 @@ def test_bench_runs_bfloat16_weights(tiny_llama_dir, tmp_path, capsys):
 
 
 def test_bench_compare_hf_and_single_stream(tiny_llama_dir, tmp_path, capsys):
+    """--compare hf runs the static and generate-batch baselines on the same requests and lengths,
+    measures single-stream speeds for minicb and HF, and reports HF's greedy tokens as
+    informative."""
     out = tmp_path / "hf.json"
     code = bench.main_bench(["--model", str(tiny_llama_dir), "--policy", "single",
                              "--compare", "hf", "--max-num-seqs", "2", "--out", str(out),
@@ -120,6 +130,9 @@ def test_bench_compare_hf_and_single_stream(tiny_llama_dir, tmp_path, capsys):
 
 
 def test_bench_simulated_says_so(tmp_path, capsys):
+    """A simulated bench run declares itself simulated with its cost model, leaves tokens unchecked,
+    and reports dec@P and mixed steps for pd but not for chunked, with the same prefill and
+    decode tokens."""
     out = tmp_path / "sim.json"
     code = bench.main_bench(["--executor", "sim", "--workload", "long-prefill",
                              "--long-prompt-len", "600", "--policy", "chunked,pd",
@@ -186,6 +199,8 @@ def test_a_warm_cache_holds_the_shared_prefix_not_the_questions(tmp_path):
      "--no-prefix-caching there is none"),
 ])
 def test_bench_refuses_bad_flags(argv, message, capsys):
+    """Each bad or contradictory bench flag exits with status 2 and a message naming it, before any
+    model loads."""
     assert bench.main_bench(["--executor", "sim", "--no-progress", *argv]) == 2
     assert message in capsys.readouterr().err
 
@@ -205,6 +220,8 @@ def test_compare_hf_refuses_a_trace_with_cancels_or_deadlines(tmp_path, capsys, 
 
 
 def test_sweep_lists_run_each_setting_once_and_slo_target_needs_rates(tmp_path, capsys):
+    """A sweep value given twice runs its setting twice, and --slo-target without --rates exits with
+    status 2 saying it needs --rates."""
     rows = []
     for budgets, seqs in (("256, 256", "8,08"), ("256", "8")):
         out = tmp_path / "s.json"
@@ -399,6 +416,8 @@ def test_a_saved_long_prefill_replays_with_its_dec_at_p(tmp_path, capsys):
     (["--seed", "7"], "--seed do(es) not apply to --workload-file"),  # ignored, yet declared
 ])
 def test_a_replayed_trace_refuses_generator_flags(tmp_path, extra, message, capsys):
+    """With --workload-file, the generator's flags (--rate, --workload, --seed, a warm cache) exit
+    with status 2 naming the flag."""
     trace = tmp_path / "t.jsonl"
     trace.write_text('{"arrival_s": 0, "prompt_tokens": 8, "output_tokens": 2}\n')
     assert bench.main_bench(["--executor", "sim", "--workload-file", str(trace),
@@ -433,6 +452,8 @@ def test_bench_preemption_priority_serves_the_urgent_request_first(tmp_path):
 
 
 def test_sweep_sweeps_the_priority_policy(tmp_path, capsys):
+    """A sweep over preemption orders runs each one, declares them and the aging steps, and picks
+    priority when it meets the urgent request's TTFT limit."""
     out = tmp_path / "sweep.json"
     assert sweep.main_sweep(["--executor", "sim", "--workload-file", priority_trace(tmp_path),
                              "--policy", "continuous", "--max-num-batched-tokens", "64",
@@ -711,11 +732,15 @@ def test_sweep_checks_each_settings_tokens_against_each_request_served_alone(
      "needs priority among --preemption"),
 ])
 def test_preemption_flags_are_checked(main, extra, message, capsys):
+    """A preemption list given to bench, an unknown order, and aging steps without priority exit
+    with status 2 naming the problem."""
     assert main(["--executor", "sim", "--num-requests", "2", "--no-progress", *extra]) == 2
     assert message in capsys.readouterr().err
 
 
 def test_sweep_finds_the_best_goodput(tmp_path, capsys):
+    """The sweep runs every valid setting of its grid, skips the ones pd refuses, puts the best
+    goodput first, and declares the grid."""
     out = tmp_path / "sweep.json"
     code = sweep.main_sweep(["--executor", "sim", "--workload", "mixed-chat",
                              "--num-requests", "24", "--rate", "40",
@@ -783,6 +808,9 @@ def test_sweep_over_rates_reports_each_settings_sustainable_load(tmp_path, capsy
      "--priority-aging-steps must be a positive integer"),  # refused, not rows skipped
 ])
 def test_sweep_over_rates_refuses_bad_flags(extra, message, capsys):
+    """A sweep over rates without an SLO, with bad or non-positive rates, with --rate too, with a
+    target above 1, on a workload with fixed arrivals, or with negative aging steps exits with
+    status 2 naming it."""
     argv = ["--executor", "sim", "--num-requests", "4", "--no-progress", *extra]
     assert sweep.main_sweep(argv) == 2
     assert message in capsys.readouterr().err
@@ -806,6 +834,8 @@ def test_dynamic_waits_on_the_clock_and_declares_its_timeout(tmp_path):
 
 
 def test_profile_fits_and_the_fit_drives_the_simulator(tiny_llama_dir, tmp_path):
+    """profile fits a cost model with a measured swap cost that drives the simulator, and by default
+    saves it where --cost-model cpu reads it."""
     out = tmp_path / "cost.json"
     code = profile.main_profile(["--model", str(tiny_llama_dir), "--num-requests", "4",
                                "--out", str(out), "--no-progress"])
@@ -910,6 +940,8 @@ def test_sweep_best_is_the_fastest_when_no_setting_meets_the_slo(tmp_path, capsy
 
 
 def test_sweep_sustainable_load_uses_the_slo_target(tmp_path):
+    """A sweep over rates ranks settings by their sustainable load at the given SLO target, lists
+    each skipped setting once, and gives no best when all are skipped."""
     data, by_budget = sweep_over_rates(tmp_path, "0.5")
     # rows at different rates do not compare: best is the setting with the highest load
     assert data["best"] == data["sustainable"][0]
@@ -933,6 +965,8 @@ def test_sweep_sustainable_load_uses_the_slo_target(tmp_path):
 
 
 def test_the_declaration_reports_the_workload_and_system_that_ran(tmp_path):
+    """The declaration reports the rate, burstiness, seed, cancel fraction, pool, prefix caching and
+    preemption limit that ran, and the engine's real pool and max_num_seqs when not given."""
     out = tmp_path / "decl.json"
     assert bench.main_bench(["--executor", "sim", "--num-requests", "6", "--rate", "3",
                              "--burstiness", "0.5", "--seed", "7", "--cancel-fraction", "0.5",
@@ -956,6 +990,7 @@ def test_the_declaration_reports_the_workload_and_system_that_ran(tmp_path):
 
 
 def test_no_prefix_caching_caches_nothing():
+    """With --no-prefix-caching no prompt token is served from the cache."""
     args = bench.bench_parser().parse_args(["--executor", "sim", "--workload", "shared-prefix",
                                             "--num-requests", "4", "--no-prefix-caching",
                                             "--no-progress"])
@@ -964,6 +999,7 @@ def test_no_prefix_caching_caches_nothing():
 
 @pytest.mark.parametrize("main", [bench.main_bench, sweep.main_sweep], ids=["bench", "sweep"])
 def test_threads_flag_sets_torch_threads(main, tmp_path):
+    """--threads sets torch's thread count for bench and sweep and is declared."""
     out, before = tmp_path / "t.json", torch.get_num_threads()
     wanted = 2 if before != 2 else 3
     try:
@@ -1027,6 +1063,7 @@ def test_hf_static_neither_stops_at_nor_bans_an_eos(tiny_llama_dir, tiny_model):
 
 
 def test_hf_static_token_times_are_each_requests_own(tiny_llama_dir):
+    """The HF static baseline records each request's own token times, not the padded batch's."""
     model = hf.hf_model(tiny_llama_dir, "cpu", torch.float32)
     workload = Workload("two", [WorkloadRequest(prompt_len=8, max_tokens=n, request_id=f"r{n}")
                                 for n in (3, 9)])
@@ -1035,6 +1072,8 @@ def test_hf_static_token_times_are_each_requests_own(tiny_llama_dir):
 
 
 def test_hf_generate_batch_sends_each_request_at_its_arrival(tiny_llama_dir):
+    """The HF generate-batch baseline sends each request at its arrival time, so none gets a token
+    before it arrives."""
     model = hf.hf_model(tiny_llama_dir, "cpu", torch.float32)
     workload = Workload("late", [WorkloadRequest(prompt_len=8, max_tokens=4, request_id=rid,
                                                  arrival_time=t)
@@ -1087,6 +1126,8 @@ def test_hf_cuda_graphs_asks_transformers_manager_for_graphs(tiny_llama_dir, mon
 
 
 def test_no_cuda_graphs_reaches_the_engine_and_the_declaration(tiny_llama_dir, capsys):
+    """--no-cuda-graphs turns CUDA graphs off in the engine options, the declaration and the printed
+    report; without it the engine's default holds."""
     args = bench.bench_parser().parse_args(["--model", str(tiny_llama_dir), "--policy", "pd",
                                             "--no-cuda-graphs", "--no-progress", *TINY])
     assert flags.engine_options(args, flags.build_workload(args))["use_cuda_graphs"] is False
@@ -1099,6 +1140,7 @@ def test_no_cuda_graphs_reaches_the_engine_and_the_declaration(tiny_llama_dir, c
 
 
 def test_the_printed_batch1_ratio_is_minicb_over_hf(tmp_path, capsys):
+    """The printed batch-1 ratio is minicb's decode speed over HF's."""
     out = tmp_path / "sim.json"
     assert bench.main_bench(["--executor", "sim", "--num-requests", "2", "--policy", "single",
                              "--out", str(out), "--no-progress"]) == 0
@@ -1113,6 +1155,8 @@ def test_the_printed_batch1_ratio_is_minicb_over_hf(tmp_path, capsys):
 
 
 def test_quality_lines_name_the_requests_that_differ():
+    """The quality lines say which policies match the reference's greedy tokens and name the
+    requests that differ, with HF's marked informative."""
     ref = {f"r{i}": [i, i + 1] for i in range(7)}
     other = {**ref, "r2": [0, 0], "r5": [9]}
     results = {"static": {}, "pd": {"same_tokens_as": runs.same_tokens(ref, ref, "static")},
@@ -1299,6 +1343,8 @@ def test_reject_when_full_reaches_the_engine_and_counts_the_rejected(tmp_path, c
 ])
 def test_bad_full_cache_flags_are_named_before_anything_runs(main, extra, message, capsys,
                                                               monkeypatch):
+    """Swap pages without swap mode, or zero swap pages, exit bench and sweep with status 2 naming
+    the flag before any policy runs; an unknown preemption mode is an argparse error."""
     patch(monkeypatch, "run_policy", lambda *a, **k: pytest.fail("a policy ran"))
     assert main(["--executor", "sim", "--num-requests", "2", "--no-progress", *extra]) == 2
     assert message in capsys.readouterr().err
