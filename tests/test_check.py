@@ -30,6 +30,9 @@ def stop_at_first(monkeypatch):
 
 
 def test_pd_scheduler_serving_prefill_before_decodes_is_caught():
+    """A learner's PD scheduler that schedules prefill chunks before the decodes gets a message
+    naming the step, the decodes left waiting and the long prefill, whatever the scheduler's
+    name."""
     from minicb.request import Status
     from minicb.scheduler import Scheduler, schedule_prefill_chunks
 
@@ -130,6 +133,8 @@ def test_page_pool_that_forgets_a_ref_count_is_caught():
 
 
 def test_unchained_hash_and_uncapped_prefix_hit_are_caught():
+    """Page hashes that do not chain on the previous page, and a prefix match that covers the whole
+    prompt, each get a message saying so (a match must be capped)."""
     from minicb.kv_cache import page_hash
 
     def unchained(tokens, page_size):
@@ -153,6 +158,8 @@ def test_unchained_hash_and_uncapped_prefix_hit_are_caught():
 
 
 def test_quantization_bugs_are_caught():
+    """An int8 quantizer with one scale for the whole matrix, no floor under the scale, truncation,
+    float output, a column of scales or scales not in float32 gets a message naming that mistake."""
     import torch
 
     def one_scale(weight):  # the whole matrix shares the largest weight's scale
@@ -243,6 +250,9 @@ def test_a_refused_release_part_way_through_a_list_is_caught():
 
 
 def test_batching_bugs_are_caught():
+    """A static batch that lets a request jump ahead, a next_chunk that ignores min_chunk, and
+    static finish steps computed as continuous ones each get a message naming the request, the
+    pages left or the expected steps."""
     def jumps_ahead(queue, max_num_seqs, free_pages, page_size):
         batch = []
         for rid, n in queue:
@@ -276,6 +286,9 @@ def test_batching_bugs_are_caught():
 
 
 def test_scheduler_bugs_meet_the_engine_rules():
+    """A renamed correct scheduler passes; one that splits prompts without whole_prompts, schedules
+    without reserving pages, returns nothing, or lets decodes ride along in a chunked step gets a
+    message naming the engine's rule."""
     from minicb.scheduler import Scheduler
 
     mine = solution("03_continuous_batching.ipynb")["MyContinuousScheduler"]
@@ -333,6 +346,9 @@ def test_scheduler_bugs_meet_the_engine_rules():
 
 
 def test_metric_bugs_are_caught():
+    """Goodput counting cancelled requests, E2E or TTFT measured before a held batch's release,
+    per-tenant TTFTs of unfinished requests or dropping the None tenant, and a dec@P window from
+    the first chunk each get a message naming the rule."""
     goodput = solution("06_benchmarking.ipynb")["goodput"]
     latencies = solution("06_benchmarking.ipynb")["latencies"]
 
@@ -408,6 +424,9 @@ def short_p_selecting(alive):
 
 
 def test_short_p_is_tested_on_both_bounds_of_alive():
+    """A short_P missing either bound of "alive with the long one", or with a strict bound, fails
+    with the trace that shows it, and the edge traces put their requests exactly on or just past
+    each bound."""
     def not_done_before(r, long):
         return r.finish_step is None or r.finish_step >= long.arrival_step
 
@@ -449,6 +468,8 @@ def test_short_p_is_tested_on_both_bounds_of_alive():
 
 
 def test_a_cancelled_long_requests_window_ends_at_its_finish_step():
+    """dec@P and short_P for a long request cancelled before its first token end its window at its
+    finish step; ending it at the trace's end fails on the cancelled trace."""
     def window_end(with_finish_step):  # a learner review: the solutions ended it at the trace's
         def end(trace, long):
             steps = (long.first_token_step, long.finish_step) if with_finish_step \
@@ -483,6 +504,9 @@ def test_a_cancelled_long_requests_window_ends_at_its_finish_step():
 
 
 def test_chunked_scheduler_budget_bugs_are_caught():
+    """A chunked scheduler that does not charge running prefills to the budget, admits past the
+    budget, or admits before continuing running prefills fails the busy-budget case with the
+    batch it ran."""
     from minicb.scheduler import Scheduler
 
     next_chunk = solution("04_chunked_prefill.ipynb")["next_chunk"]
@@ -571,6 +595,9 @@ def continuous_like(decodes_first=True, stop_at_misfit=True, alone=True, preempt
 
 
 def test_continuous_scheduler_queue_order_and_decodes_first_are_checked():
+    """A continuous scheduler that skips past a request that does not fit, reserves prompts before
+    decodes, charges decodes to the prompt budget, or leaves an exact fit for the next step fails
+    the case named for it."""
     check.continuous_scheduler(continuous_like())  # the helper itself is right
     message = caught("continuous_scheduler", continuous_like(stop_at_misfit=False))
     assert "'queue-order'" in message and "[a prefill 50, c prefill 10]" in message
@@ -586,6 +613,8 @@ def test_continuous_scheduler_queue_order_and_decodes_first_are_checked():
 
 
 def test_finish_steps_of_requests_listed_out_of_arrival_order():
+    """Finish-step functions that walk requests in list order instead of arrival order fail on
+    requests listed out of arrival order, with the hint to sort by (arrival step, index)."""
     def unsorted(policy):  # the reference solutions, without their sort
         def fn(max_tokens, arrivals, max_num_seqs):
             queue, finish, running, step = list(range(len(max_tokens))), [0] * len(max_tokens), \
@@ -611,6 +640,8 @@ def test_finish_steps_of_requests_listed_out_of_arrival_order():
 
 
 def test_finish_steps_admitting_the_arrived_in_list_order_are_caught():
+    """Finish-step functions that admit whoever has arrived in list order, rather than the earliest
+    arrival first, fail with the expected steps and the hint to sort."""
     def scanning(policy):  # a learner review: takes whoever has arrived, in list order
         def fn(max_tokens, arrivals, max_num_seqs):
             finish, running, step = [None] * len(max_tokens), [], 0
@@ -633,6 +664,9 @@ def test_finish_steps_admitting_the_arrived_in_list_order_are_caught():
 
 
 def test_scheduler_stalls_and_refusals_name_their_cause():
+    """A scheduler that never runs a too-long prompt alone, does not preempt when no page is free,
+    admits without scheduling, or decodes a request preempted earlier in the step gets a message
+    naming that cause."""
     message = caught("continuous_scheduler", continuous_like(alone=False))
     assert "'long' (100 tokens) waits" in message
     assert "must still run when it is alone" in message
@@ -667,6 +701,8 @@ def test_scheduler_stalls_and_refusals_name_their_cause():
 
 
 def test_page_pool_allocate_is_all_or_nothing_and_raises_memory_error():
+    """A page pool whose allocate takes pages before running out, or raises something other than
+    MemoryError, gets a message saying allocate is all or nothing and must raise MemoryError."""
     base = solution("01_paged_kv.ipynb")["MyPagePool"]
 
     class OneByOne(base):  # takes pages until it runs out, then raises
@@ -692,6 +728,8 @@ def test_page_pool_allocate_is_all_or_nothing_and_raises_memory_error():
 
 
 def test_an_error_in_the_learners_code_names_the_input():
+    """An exception in a learner's function fails the check with the input and the learner's line,
+    keeps the traceback as the cause, and an untouched stub raises its own NotImplementedError."""
     dec_at_p = solution("05_pd_interleaving.ipynb")["dec_at_p"]
 
     def unfinished_is_none(trace, records, long_id):  # no window end when the prefill is cut
@@ -739,6 +777,8 @@ def tenant_ttfts(latencies, records, tenant):
 
 
 def test_numpy_integers_pass_and_float32_is_named():
+    """NumPy integers and a pool whose `free` is a count pass; NumPy chunk sizes in a batch and
+    latencies computed in float32 get a message naming the type."""
     import torch
 
     reference = solution("04_chunked_prefill.ipynb")["next_chunk"]
@@ -863,6 +903,8 @@ def test_goodput_and_per_tenant_hints_fire_only_for_their_cause(monkeypatch):
 
 
 def test_minicbs_own_function_is_not_an_answer():
+    """Passing minicb's own prompt_page_hashes or quantize_rows as the answer fails with a message
+    saying it is minicb's own."""
     assert "minicb's own" in caught("prefix_hashes", kv_cache.prompt_page_hashes)
     assert "minicb's own" in caught("quantize_int8", quant.quantize_rows)
 
@@ -909,6 +951,8 @@ def _minicbs_own_behind_a_lambda():
                                       "short_p", "latencies", "goodput", "slot_mapping",
                                       "paged_attention", "prompt_lookup", "verify_greedy"])
 def test_minicbs_own_version_behind_a_wrapper_is_not_an_answer(exercise):
+    """For every exercise, minicb's own version called from a learner's wrapper fails with "your
+    code ran minicb's own"."""
     message = caught(exercise, _minicbs_own_behind_a_lambda()[exercise])
     assert "your code ran minicb's own" in message, message
 
@@ -1037,6 +1081,8 @@ def test_paged_attention_mistakes_are_named():
 
 
 def test_slot_mapping_mistakes_are_named():
+    """Slot mappings that return positions, count pages instead of slots, or start from position 0
+    each get a message naming the mistake; NumPy integers pass."""
     def positions(table, num_computed, num_new, page_size):
         return list(range(num_computed, num_computed + num_new))
 
@@ -1229,6 +1275,7 @@ def pool_base():
 
 
 def test_page_pool_ref_count_needs_exactly_one_entry_per_page():
+    """A page pool with more ref counts than pages gets a message giving both numbers."""
     class OneCountTooMany(pool_base()):
         def __init__(self, num_pages):
             super().__init__(num_pages)
@@ -1239,6 +1286,8 @@ def test_page_pool_ref_count_needs_exactly_one_entry_per_page():
 
 
 def test_page_pool_release_that_keeps_a_shared_reference_is_caught():
+    """A release that drops a shared page's reference only for its last holder gets a message that a
+    reference was not dropped."""
     class ReleaseKeepsShared(pool_base()):  # only the last holder's release counts
         def release(self, pages):
             for page in pages:
@@ -1253,6 +1302,7 @@ def test_page_pool_release_that_keeps_a_shared_reference_is_caught():
 
 
 def test_page_pool_num_free_too_low_is_caught():
+    """A num_free one short of the free pages gets a message giving the right count."""
     class NumFreeOneShort(pool_base()):
         @property
         def num_free(self):
@@ -1262,6 +1312,8 @@ def test_page_pool_num_free_too_low_is_caught():
 
 
 def test_page_pool_free_list_holding_a_page_in_use_is_caught():
+    """A release that puts a page still held by another request on the free list gets a message
+    naming the page."""
     class FreesOnEveryRelease(pool_base()):  # counts right, but the free list is not
         @property
         def num_free(self):
@@ -1278,6 +1330,8 @@ def test_page_pool_free_list_holding_a_page_in_use_is_caught():
 
 
 def test_page_pool_failed_allocate_that_touched_the_ref_counts_is_blamed_on_allocate():
+    """An allocate that sets ref counts before raising MemoryError is blamed on allocate not being
+    all or nothing, with the ref counts shown."""
     class CountsThenRaises(pool_base()):  # sets ref counts, then finds it has too few pages
         def allocate(self, n):
             for page in self.free[:n]:
@@ -1291,6 +1345,8 @@ def test_page_pool_failed_allocate_that_touched_the_ref_counts_is_blamed_on_allo
 
 
 def test_page_pool_allocate_returning_one_page_twice_is_caught():
+    """An allocate that returns the same page more than once gets a message that it must return n
+    different pages."""
     class SamePageTwice(pool_base()):
         def allocate(self, n):
             pages = super().allocate(n)
@@ -1300,6 +1356,8 @@ def test_page_pool_allocate_returning_one_page_twice_is_caught():
 
 
 def test_page_pool_page_ids_must_be_zero_based():
+    """A page pool with page ids 1..num_pages gets a message that the id is not in
+    0..num_pages-1."""
     class OneBased:  # counts kept in a dict by page id, ids 1..num_pages
         def __init__(self, num_pages):
             self.num_pages, self.counts = num_pages, {}
@@ -1340,6 +1398,8 @@ def test_page_pool_page_ids_must_be_zero_based():
 
 
 def test_page_pool_must_not_hand_out_a_page_still_held():
+    """An allocate that hands out a page still held gets a message that only pages with ref count 0
+    may be allocated."""
     class HandsOutHeld(pool_base()):  # its free list (not named `free`) gets shared pages
         def __init__(self, num_pages):
             super().__init__(num_pages)
@@ -1372,6 +1432,8 @@ def test_page_pool_must_not_hand_out_a_page_still_held():
 
 @pytest.mark.parametrize("method", ["release", "share"])
 def test_page_pool_must_raise_for_a_free_page(method):
+    """A release or share of a free page that does not raise ValueError gets a message naming the
+    call."""
     base = pool_base()
 
     def ignore_free(self, pages):
@@ -1384,6 +1446,8 @@ def test_page_pool_must_raise_for_a_free_page(method):
 
 
 def test_page_pool_off_by_one_at_an_exact_fit_is_caught():
+    """An allocate that raises MemoryError when asked for exactly the free pages gets a message that
+    it must succeed."""
     class RefusesExactFit(pool_base()):  # MemoryError when n equals the free pages
         def allocate(self, n):
             if n and n >= len(self.free):
@@ -1394,6 +1458,8 @@ def test_page_pool_off_by_one_at_an_exact_fit_is_caught():
 
 
 def test_prefix_hashes_hints_name_the_page_count_mistakes():
+    """Hashing a partial last page, or dropping a page that ends the prompt exactly, gets a message
+    with the hash counts and a hint for that mistake only."""
     def partial_too(tokens, page_size):  # the last partial page gets a hash too
         out, previous = [], None
         for i in range(0, len(tokens), page_size):
@@ -1416,6 +1482,8 @@ def test_prefix_hashes_hints_name_the_page_count_mistakes():
 
 
 def test_prefix_hashes_first_page_hint_names_the_missing_none():
+    """A hash chain seeded from anything but None gets a message that page 0's hash differs and
+    should be page_hash(None, first_page_tokens)."""
     def seeded(tokens, page_size):  # the chain starts from the empty page's hash, not None
         out, previous = [], page_hash(None, [])
         for i in range(0, len(tokens) - page_size + 1, page_size):
@@ -1428,6 +1496,8 @@ def test_prefix_hashes_first_page_hint_names_the_missing_none():
 
 
 def test_match_prefix_pages_in_the_wrong_order_fail_and_the_cap_is_spelled_out():
+    """A prefix match with its pages reversed fails with both lists, and an uncapped match gets the
+    cap spelled out as (len - 1) // page_size pages."""
     match = solution("01_paged_kv.ipynb")["my_match_prefix"]
     message = caught("match_prefix", lambda cached, tokens, ps: match(cached, tokens, ps)[::-1])
     assert "expected pages [7, 3, 5], got [5, 3, 7]" in message
@@ -1445,6 +1515,8 @@ def test_match_prefix_pages_in_the_wrong_order_fail_and_the_cap_is_spelled_out()
 
 
 def test_quantize_int8_scale_off_by_a_level_is_named_as_the_scale():
+    """A scale of max|row| / 128 gets a message that the scale must map the largest weight to
+    exactly 127."""
     def over_128(weight):  # int8 has 128 negative levels: but the scale maps max to 127
         scale = (weight.abs().amax(dim=1) / 128).clamp(min=1e-12)
         return torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
@@ -1454,6 +1526,7 @@ def test_quantize_int8_scale_off_by_a_level_is_named_as_the_scale():
 
 
 def test_quantize_int8_any_positive_scale_for_an_all_zero_row_is_right():
+    """Any positive scale for an all-zero row passes."""
     def floor_of_one(weight):
         scale = weight.abs().amax(dim=1) / 127
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
@@ -1463,6 +1536,8 @@ def test_quantize_int8_any_positive_scale_for_an_all_zero_row_is_right():
 
 
 def test_quantize_int8_wrong_scale_of_a_one_row_weight_is_not_called_a_shared_scale():
+    """A scale wrong only for a one-row weight gets a message about the single row and the ratio,
+    not about sharing one scale."""
     mine = solution("01_paged_kv.ipynb")["my_quantize_int8"]
 
     def one_row_twice(weight):  # right on every weight but the one-row one
@@ -1475,6 +1550,8 @@ def test_quantize_int8_wrong_scale_of_a_one_row_weight_is_not_called_a_shared_sc
 
 
 def test_finish_steps_must_be_listed_per_request_not_in_arrival_order():
+    """Right finish steps listed in arrival order rather than per request fail with the input and
+    the learner's list."""
     steps = solution("03_continuous_batching.ipynb")["continuous_finish_steps"]
 
     def in_arrival_order(max_tokens, arrivals, max_num_seqs):  # right steps, wrong places
@@ -1506,6 +1583,8 @@ def test_a_static_batch_that_leaves_out_a_request_arriving_as_it_forms_is_caught
 
 
 def test_a_scheduler_returning_something_else_than_ctx_batch_is_named():
+    """A scheduler that returns its batch's items instead of ctx.batch gets a message that it must
+    return ctx.batch."""
     mine = solution("05_pd_interleaving.ipynb")["MyPDScheduler"]
 
     class ReturnsItems(mine):
@@ -1516,6 +1595,8 @@ def test_a_scheduler_returning_something_else_than_ctx_batch_is_named():
 
 
 def test_minicbs_own_scheduler_is_named_even_behind_a_working_fallback():
+    """A scheduler that tries minicb's own ContinuousScheduler.schedule before its own code is named
+    as running minicb's own."""
     from minicb.scheduler import ContinuousScheduler
 
     mine = solution("03_continuous_batching.ipynb")["MyContinuousScheduler"]
@@ -1532,6 +1613,8 @@ def test_minicbs_own_scheduler_is_named_even_behind_a_working_fallback():
 
 
 def test_next_chunk_off_by_one_gets_the_take_more_hint_not_the_last_tokens_one():
+    """A next_chunk that waits at exactly min_chunk gets the failing input and the "take as much as"
+    hint, not the min_chunk one."""
     def waits_at_the_bound(remaining, chunk_size, budget, min_chunk=1):  # <= for <
         n = min(remaining, chunk_size, max(budget, 0))
         return 0 if n <= min(min_chunk, remaining) else n
@@ -1542,6 +1625,7 @@ def test_next_chunk_off_by_one_gets_the_take_more_hint_not_the_last_tokens_one()
 
 
 def test_next_chunk_must_be_an_int_not_a_float():
+    """A next_chunk that returns a float fails with the expected int and the float it got."""
     reference = solution("04_chunked_prefill.ipynb")["next_chunk"]
     message = caught("next_chunk", lambda *args: float(reference(*args)))
     assert "expected 32, got 32.0" in message
@@ -1574,6 +1658,8 @@ def goodput_like(strict=False, one_token_fails_tpot=False):
 
 
 def test_goodput_limits_are_inclusive_and_one_token_requests_pass_tpot():
+    """A goodput with strict limits, or that fails one-token requests under a TPOT limit, gets a
+    message naming that case."""
     check.goodput(goodput_like())  # the helper itself is right
     assert "a request exactly at its TTFT limit" in caught("goodput", goodput_like(strict=True))
     assert "one-token requests under a TPOT limit" in caught(
@@ -1581,6 +1667,8 @@ def test_goodput_limits_are_inclusive_and_one_token_requests_pass_tpot():
 
 
 def test_per_tenant_lists_only_tenants_that_sent_requests():
+    """A per-tenant table with a row for a tenant that sent no request fails with both tenant
+    lists."""
     per_tenant = solution("06_benchmarking.ipynb")["per_tenant"]
 
     def always_none_row(records):  # a row for the "no tenant" tenant even without its requests
@@ -1594,6 +1682,8 @@ def test_per_tenant_lists_only_tenants_that_sent_requests():
 
 
 def test_latencies_rounded_for_display_are_not_blamed_on_float32():
+    """Latencies rounded to four digits fail with the learner's value, and the message does not
+    blame float32."""
     latencies = solution("06_benchmarking.ipynb")["latencies"]
 
     def four_digits(record):  # 0.06823 for 0.0682333...: off by 5e-5, far more than float32
@@ -1604,12 +1694,15 @@ def test_latencies_rounded_for_display_are_not_blamed_on_float32():
 
 
 def test_a_float_tensor_is_not_a_chunk_size():
+    """A next_chunk that returns a float tensor fails with the expected int and the tensor it
+    got."""
     reference = solution("04_chunked_prefill.ipynb")["next_chunk"]
     message = caught("next_chunk", lambda *args: torch.tensor(float(reference(*args))))
     assert "expected 32, got tensor(32.)" in message
 
 
 def test_tuples_of_the_right_ints_are_right_answers():
+    """Slot mappings and greedy verifications returned as tuples of the right ints pass."""
     slots = solution("07_paged_attention.ipynb")["slot_mapping"]
     verify = solution("08_speculative_decoding.ipynb")["verify_greedy"]
     check.slot_mapping(lambda *a: tuple(slots(*a)))
@@ -1617,6 +1710,7 @@ def test_tuples_of_the_right_ints_are_right_answers():
 
 
 def test_minicbs_own_function_behind_functools_wraps_is_not_an_answer():
+    """minicb's own prompt_page_hashes behind functools.wraps fails with a message naming it."""
     @functools.wraps(prompt_page_hashes)
     def wrapper(tokens, page_size):
         return prompt_page_hashes(tokens, page_size)
@@ -1625,6 +1719,8 @@ def test_minicbs_own_function_behind_functools_wraps_is_not_an_answer():
 
 
 def test_an_error_names_the_deepest_line_of_the_learners_code():
+    """An exception raised in a learner's helper is reported at the helper's line, the deepest of
+    the learner's code."""
     def helper(tokens):
         return tokens[0] // 0
 
@@ -1636,6 +1732,7 @@ def test_an_error_names_the_deepest_line_of_the_learners_code():
 
 
 def test_an_untouched_stub_raises_its_own_not_implemented_error():
+    """An untouched exercise stub raises its own NotImplementedError, not a check failure."""
     def stub(tokens, page_size):
         raise NotImplementedError("write my_prompt_page_hashes")
 
@@ -1644,6 +1741,9 @@ def test_an_untouched_stub_raises_its_own_not_implemented_error():
 
 
 def test_short_p_hint_counts_a_request_arriving_at_the_last_step_of_a_cut_trace():
+    """In a trace cut before the long request's first token, the short_P hint counts a request
+    arriving at the last step as alive and one arriving after it as not, and an unfinished alive
+    request makes short_P None."""
     from dataclasses import replace
 
     from minicb.benchmark import metrics
@@ -1667,6 +1767,8 @@ def test_short_p_hint_counts_a_request_arriving_at_the_last_step_of_a_cut_trace(
 
 
 def test_a_scheduler_class_must_subclass_scheduler():
+    """A scheduler class that does not subclass Scheduler gets a message saying a Scheduler subclass
+    is expected."""
     mine = solution("03_continuous_batching.ipynb")["MyContinuousScheduler"]
     forgot_the_base = type("MyScheduler", (), {"name": "continuous",
                                                "schedule": mine.schedule})
@@ -1690,11 +1792,14 @@ def pd_like(min_chunk=True):
 
 
 def test_pd_scheduler_that_ignores_min_chunk_is_caught():
+    """A PD scheduler that ignores min_chunk fails on the min-chunk workload."""
     check.pd_scheduler(pd_like())  # the helper itself is right
     assert "workload 'min-chunk'" in caught("pd_scheduler", pd_like(min_chunk=False))
 
 
 def test_next_chunk_below_min_chunk_is_not_blamed_on_the_budget():
+    """A next_chunk that returns fewer tokens than min_chunk fails with the input and the min_chunk
+    hint, not the budget one."""
     def ignores_min_chunk(remaining, chunk_size, budget, min_chunk=1):
         return min(remaining, chunk_size, budget)
 
@@ -1704,6 +1809,8 @@ def test_next_chunk_below_min_chunk_is_not_blamed_on_the_budget():
 
 
 def test_slot_mapping_with_one_slot_too_many_says_one_per_token():
+    """A slot mapping with one slot too many gets a message that there is one slot per new token,
+    and how many."""
     slots = solution("07_paged_attention.ipynb")["slot_mapping"]
 
     def one_more(table, num_computed, num_new, page_size):  # the slot after the last, too
@@ -1713,6 +1820,7 @@ def test_slot_mapping_with_one_slot_too_many_says_one_per_token():
 
 
 def test_paged_attention_in_half_precision_is_not_close_enough():
+    """Paged attention computed in float16 fails with how far it differs from minicb's."""
     correct = solution("07_paged_attention.ipynb")["paged_attention"]
 
     def in_half(q, k, v, table, num_computed, scale):
@@ -1722,6 +1830,7 @@ def test_paged_attention_in_half_precision_is_not_close_enough():
 
 
 def test_paged_attention_nan_hint_only_for_nan():
+    """A wrong paged-attention output gets the NaN hint only when it holds NaN or inf."""
     message = caught("paged_attention", lambda q, *rest: torch.zeros_like(q))
     assert "differs from minicb's" in message and "NaN" not in message
     message = caught("paged_attention", lambda q, *rest: torch.full_like(q, float("nan")))
@@ -1729,6 +1838,7 @@ def test_paged_attention_nan_hint_only_for_nan():
 
 
 def test_per_tenant_row_missing_a_key_is_named():
+    """A per-tenant row missing a key gets a message listing the keys it needs."""
     per_tenant = solution("06_benchmarking.ipynb")["per_tenant"]
 
     def no_output_tokens(records):
@@ -1743,10 +1853,13 @@ def test_per_tenant_row_missing_a_key_is_named():
 
 @pytest.mark.parametrize("exercise", ["dec_at_p", "short_p"])
 def test_long_prefill_metrics_returning_none_fail(exercise):
+    """A dec@P or short_P that returns None where a number is due fails with "got None"."""
     assert "got None" in caught(exercise, lambda trace, records, long_id: None)
 
 
 def test_verify_greedy_hint_only_when_that_mistake_explains_every_case():
+    """A greedy verification that stops accepting after two guesses fails with the expected and
+    actual tokens and no hint, since no known mistake explains every case."""
     def keeps_at_most_two(draft, target):  # stops accepting after two guesses
         accepted = 0
         while accepted < min(len(draft), 2) and draft[accepted] == target[accepted]:
@@ -1844,6 +1957,7 @@ def test_schedulers_that_schedule_more_than_admit_made_room_for_are_caught():
 
 
 def test_quantize_int8_that_overwrites_the_callers_weight_is_caught():
+    """An int8 quantizer that changes the weight it was given in place gets a message saying so."""
     def in_place(weight):
         scale = (weight.abs().amax(dim=1) / 127).clamp(min=1e-12)
         return weight.div_(scale[:, None]).round_().clamp_(-127, 127).to(torch.int8), scale
@@ -1852,6 +1966,7 @@ def test_quantize_int8_that_overwrites_the_callers_weight_is_caught():
 
 
 def test_page_pool_refusing_allocate_zero_when_full_is_caught():
+    """A full page pool that refuses allocate(0) gets a message naming allocate(0)."""
     base = solution("01_paged_kv.ipynb")["MyPagePool"]
 
     class ZeroRefusedWhenFull(base):
@@ -1864,6 +1979,8 @@ def test_page_pool_refusing_allocate_zero_when_full_is_caught():
 
 
 def test_paged_attention_that_ignores_its_scale_argument_is_caught():
+    """Paged attention that computes its own scale instead of using the given one fails on a random
+    case with another scale."""
     reference = solution("07_paged_attention.ipynb")["paged_attention"]
 
     def own_scale(q, k_cache, v_cache, page_table, num_computed, scale):
