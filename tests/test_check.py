@@ -59,8 +59,8 @@ def test_pd_scheduler_serving_prefill_before_decodes_is_caught():
 
 
 def test_a_prompt_in_the_decode_loop_is_named():
-    """Found by a learner review: looping over ctx.running for decodes gives a half-prefilled
-    prompt one token; the message says so instead of only showing the two steps."""
+    """A decode loop over ctx.running that gives a half-prefilled prompt one token gets a
+    message saying so, not only the two steps side by side."""
     from minicb.request import Status
     from minicb.scheduler import Scheduler, schedule_prefill_chunks
 
@@ -118,7 +118,7 @@ def test_page_pool_that_forgets_a_ref_count_is_caught():
 
     assert "must raise MemoryError and take nothing" in caught("page_pool", NotAllOrNothing)
 
-    class RefusesTooLate(base):  # found by an audit: blamed on "a reference was forgotten"
+    class RefusesTooLate(base):  # not to be blamed on "a reference was forgotten"
         def release(self, pages):
             for page in pages:
                 self.ref_count[page] -= 1
@@ -263,7 +263,7 @@ def test_batching_bugs_are_caught():
         return batch
 
     message = caught("static_batch", jumps_ahead)
-    # the first mismatch: r0 takes 2 of 3 free pages, r1 needs 3 (a review: say what is left)
+    # the first mismatch: r0 takes 2 of 3 free pages, r1 needs 3; the message says what is left
     assert "'r1' does not fit (3 pages needed, 1 left after ['r0'])" in message
     assert "must not jump ahead" in message
 
@@ -430,7 +430,7 @@ def test_short_p_is_tested_on_both_bounds_of_alive():
     def not_done_before(r, long):
         return r.finish_step is None or r.finish_step >= long.arrival_step
 
-    def every_other(trace, records, lid):  # the reviewer's: no alive test at all
+    def every_other(trace, records, lid):  # no alive test at all
         long = next(r for r in records if r.request_id == lid)
         f = [r.finish_step for r in records if r.request_id != lid]
         return 0 if not f else None if None in f else max(f) - long.arrival_step + 1
@@ -470,7 +470,7 @@ def test_short_p_is_tested_on_both_bounds_of_alive():
 def test_a_cancelled_long_requests_window_ends_at_its_finish_step():
     """dec@P and short_P for a long request cancelled before its first token end its window at its
     finish step; ending it at the trace's end fails on the cancelled trace."""
-    def window_end(with_finish_step):  # a learner review: the solutions ended it at the trace's
+    def window_end(with_finish_step):  # without its finish step: at the trace's end
         def end(trace, long):
             steps = (long.first_token_step, long.finish_step) if with_finish_step \
                 else (long.first_token_step,)
@@ -603,11 +603,11 @@ def test_continuous_scheduler_queue_order_and_decodes_first_are_checked():
     assert "'queue-order'" in message and "[a prefill 50, c prefill 10]" in message
     message = caught("continuous_scheduler", continuous_like(decodes_first=False))
     assert "'late-pages'" in message and "yours preempted ['p1']" in message
-    # pd's rule (chapter 05) carried back: decodes subtracted from the budget (a learner review)
+    # pd's rule (chapter 05) carried back: decodes subtracted from the budget
     message = caught("continuous_scheduler", continuous_like(decodes_count=True))
     assert "'decodes-beside-prompts'" in message and "[d0 decode, d1 decode, d2 decode, x " \
         "prefill 30] (33 tokens)" in message
-    # off by one: a prompt that fills the budget exactly left for the next step (a learner review)
+    # off by one: a prompt that fills the budget exactly left for the next step
     message = caught("continuous_scheduler", continuous_like(off_by_one=True))
     assert "'exact-fit'" in message and "yours ran [a prefill 32] (32 tokens)" in message
 
@@ -642,7 +642,7 @@ def test_finish_steps_of_requests_listed_out_of_arrival_order():
 def test_finish_steps_admitting_the_arrived_in_list_order_are_caught():
     """Finish-step functions that admit whoever has arrived in list order, rather than the earliest
     arrival first, fail with the expected steps and the hint to sort."""
-    def scanning(policy):  # a learner review: takes whoever has arrived, in list order
+    def scanning(policy):  # takes whoever has arrived, in list order
         def fn(max_tokens, arrivals, max_num_seqs):
             finish, running, step = [None] * len(max_tokens), [], 0
             while None in finish:
@@ -958,9 +958,9 @@ def test_minicbs_own_version_behind_a_wrapper_is_not_an_answer(exercise):
 
 
 def test_minicbs_building_blocks_of_6_1_and_6_2_are_not_an_answer():
-    """Found by an audit: goodput from `metrics.meets_slo` over `metrics.run_span`, and TTFT and
-    E2E from `metrics.first_token_seen` and `metrics.released`, passed: those helpers are the
-    whole of exercises 6.2 and 6.1."""
+    """An answer that calls `metrics.meets_slo` over `metrics.run_span` for goodput, or
+    `metrics.first_token_seen` and `metrics.released` for TTFT and E2E, fails: those helpers are
+    the whole of exercises 6.2 and 6.1."""
     from minicb.benchmark import metrics
 
     def goodput(records, slo):
@@ -1208,7 +1208,7 @@ def test_best_setting_mistakes_are_named():
             [r for r in rows if base(r, lim) and fair(r, lim)],
             key=lambda r: r["goodput_rps"], default=None) if rows else None)
 
-    def last_of_ties(rows, limit=None):  # `>=` in a loop: found by an audit, passed before
+    def last_of_ties(rows, limit=None):  # `>=` in a loop picks the last of equal rows
         best = None
         for r in rows:
             if base(r, limit) and fair(r, limit) and (best is None or (
@@ -1563,9 +1563,8 @@ def test_finish_steps_must_be_listed_per_request_not_in_arrival_order():
 
 
 def test_a_static_batch_that_leaves_out_a_request_arriving_as_it_forms_is_caught():
-    """From a review: a batch formed at step s takes the requests that arrived by s, one
-    arriving at s itself included; an answer counting only those that arrived while the last
-    batch ran passed every workload."""
+    """A batch formed at step s takes the requests that arrived by s, one arriving at s itself
+    included; an answer counting only those that arrived while the last batch ran fails."""
     def wrong(max_tokens, arrival_steps, max_num_seqs):
         order = sorted(range(len(max_tokens)), key=lambda i: (arrival_steps[i], i))
         finish, last_end = [0] * len(max_tokens), 0
@@ -1871,9 +1870,9 @@ def test_verify_greedy_hint_only_when_that_mistake_explains_every_case():
 
 
 def test_pd_scheduler_that_gives_prefill_the_pages_first_is_caught():
-    """Found by a learner review: the budget split right, but the chunk reserves its pages
-    before the decodes do; a decode then loses its page and is preempted. It passed the four
-    workloads (none had a prompt mid-prefill when pages ran out): 'pages-mid-prefill' does."""
+    """A budget split right whose chunk reserves its pages before the decodes do (a decode then
+    loses its page and is preempted) fails on 'pages-mid-prefill', the workload with a prompt
+    mid-prefill when pages run out."""
     from minicb.scheduler import Scheduler, schedule_prefill_chunks
 
     class PagesToPrefillFirst(Scheduler):
@@ -1890,10 +1889,9 @@ def test_pd_scheduler_that_gives_prefill_the_pages_first_is_caught():
 
 
 def test_latencies_that_take_ttft_from_any_released_time_are_caught():
-    """Found by a learner review: the engine sets released_time on every finished request
-    (at its finish unless a static batch held it), so TTFT must follow `returned_whole`; one
-    that switched to the release whenever released_time was set passed the checks, and gave
-    E2E as TTFT on every real record."""
+    """The engine sets released_time on every finished request (at its finish unless a static
+    batch held it), so TTFT follows `returned_whole`: an answer that switches to the release
+    whenever released_time is set, giving E2E as TTFT on every real record, fails."""
     latencies = solution("06_benchmarking.ipynb")["latencies"]
 
     def ttft_from_released(record):

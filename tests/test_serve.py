@@ -388,7 +388,7 @@ def shared_server(tiny_model):
     ({"prompt": [5, 6], "stream": None, "ignore_eos": None}, 200, None),  # null: not given
     pytest.param(b"[" * 100_000, 400, None, id="nested-too-deeply-for-json"),
     pytest.param(b'{"prompt": [5, 6], "max_tokens": 1' + b"0" * 5000 + b"}", 400, None,
-                 id="an-integer-past-pythons-4300-digits"),  # a 500 and a traceback before
+                 id="an-integer-past-pythons-4300-digits"),  # a 400, not a 500 and a traceback
 ])
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(shared_server, body,
                                                                      status, param):
@@ -551,12 +551,20 @@ def test_a_request_past_its_deadline_ends_with_finish_reason_deadline(shared_ser
         assert ok.json()["choices"][0]["finish_reason"] == "length"
 
 
-def test_serve_cli_takes_every_preemption_order(capsys):
-    """`serve --help` offers every preemption order: newest, priority, deadline and fair."""
+@pytest.mark.parametrize("order", ["newest", "priority", "deadline", "fair"])
+def test_serve_cli_takes_every_preemption_order(order, monkeypatch, capsys):
+    """`serve --preemption ORDER` hands each of the four orders to the engine it builds."""
+    built = {}
+
+    def fake_llm(model, **options):
+        built.update(options)
+        raise ValueError("stop before loading")
+
+    monkeypatch.setattr("minicb.llm.LLM", fake_llm)
     with pytest.raises(SystemExit) as exit_info:
-        main(["--help"])
-    assert exit_info.value.code == 0
-    assert "{newest,priority,deadline,fair}" in capsys.readouterr().out
+        main(["--preemption", order])
+    assert exit_info.value.code == 2 and "stop before loading" in capsys.readouterr().err
+    assert built["preemption"] == order
 
 
 def test_serve_cli_passes_the_preemption_bound_to_the_engine(capsys):

@@ -282,7 +282,7 @@ def test_step_features_restart_after_preemption_and_start_at_the_cache_hit():
     (b'{"name": "x"}', r"bad\.json' holds no coefficients"),
     (b'{"a": NaN}', r"bad\.json': coefficient a must be a finite number"),
     (b'{"a": true}', r"bad\.json': coefficient a must be a finite number"),
-    # from a README audit: a missing or misspelt coefficient counted as 0 without a word
+    # a missing or misspelt coefficient is named, never counted as 0 without a word
     (b'{"a": 0.02, "b": 0.001, "c": 0.001, "d": 1e-5, "E": 1e-6}', r"unknown key\(s\) \['E'\]"),
     (b'{"a": 1, "b": 2}', r"bad\.json' lacks coefficient\(s\) c, d, e: give each"),
 ], ids=["passwd", "empty", "utf-16", "list", "no-coefficients", "nan", "bool", "typo",

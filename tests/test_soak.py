@@ -61,7 +61,7 @@ def small_pool(tiny_model, **options) -> Engine:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", POLICIES)
-def test_soak(tiny_model, policy):
+def test_random_requests_on_a_small_pool_all_end_and_leak_nothing(tiny_model, policy):
     """Under each policy, many random requests on a small pool (shared prefixes, priorities,
     tenants, a twentieth cancelled) all finish as stop, length or cancelled and leave the pool
     empty; every batching policy runs the pool out at least once."""

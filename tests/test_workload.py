@@ -376,12 +376,17 @@ def test_sampled_runs_seed_each_request_by_its_index():
 
 
 def test_online_step_arrivals_join_at_their_step_while_the_engine_is_busy():
-    """A request arriving at a step while others run is recorded as arriving at that step (R4 at
-    31)."""
+    """A request arriving at a step while others run is recorded as arriving at that step and is
+    prefilled in it beside their decodes (R4 at 31), never before."""
     engine = make_sim_engine("h100-like", policy="continuous", max_num_seqs=3)
     run_workload(engine, get_workload("seed-r1-r4"))  # fed online: R4 comes at step 31
     r4 = {r.request_id: r for r in metrics.request_records(engine)}["R4"]
     assert r4.arrival_step == 31
+    step_31 = next(rec for rec in engine.trace if rec.step == 31)
+    kinds = {m.request_id: m.kind for m in step_31.members}
+    assert kinds.pop("R4") == "prefill" and set(kinds.values()) == {"decode"}  # joins the busy step
+    assert not any(m.request_id == "R4" for rec in engine.trace if rec.step < 31
+                   for m in rec.members)
 
 
 def test_cancel_fraction_rounds_to_the_nearest_count():
