@@ -1,7 +1,5 @@
-"""Paged KV memory (chapter 01): a `PagePool` of fixed-size pages with a free list and reference
-counts, and a `PrefixIndex` through which a request reuses full prompt pages computed before. A
-page is free, used (ref count > 0) or cached (ref count 0, indexed: reusable until evicted, LRU).
-A leaf: it imports nothing else from minicb."""
+"""Paged KV memory (chapter 01): a `PagePool` of pages with a free list and ref counts, and a
+`PrefixIndex` to reuse full prompt pages. A page is free, used or cached (unreferenced, indexed)."""
 
 from __future__ import annotations
 
@@ -60,7 +58,7 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype,
            device: str | torch.device) -> torch.Tensor:
     """A zero tensor for a page pool: on the CPU from calloc, only the pages a run writes."""
     # numpy's zeros come from calloc; torch.zeros would write every byte at load
-    num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    num_bytes = math.prod(shape) * dtype.itemsize
     if torch.device(device).type != "cpu" or not num_bytes:
         return torch.zeros(shape, dtype=dtype, device=device)
     return torch.from_numpy(np.zeros(num_bytes, dtype=np.uint8)).view(dtype).view(shape)
@@ -69,8 +67,7 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype,
 def page_bytes(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int,
                dtype: torch.dtype) -> int:
     """Bytes of one page of K and V over every layer (chapters 06, 07)."""
-    return (2 * num_layers * page_size * num_kv_heads * head_dim
-            * torch.empty((), dtype=dtype).element_size())
+    return 2 * num_layers * page_size * num_kv_heads * head_dim * dtype.itemsize
 
 
 class PagePool:
@@ -192,22 +189,18 @@ class PagePool:
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """Copy (device page, host page) pairs' K/V of every layer to host memory."""
-        if pairs:
-            device_pages, host_pages = zip(*pairs)
-            if self.stage_swaps:  # one gather on the device, one DMA into page-locked memory
-                sources = self._staging(len(pairs)).copy_(
-                    self.every_layer[:, :, list(device_pages)]).unbind(2)
-            else:
-                sources = [self.every_layer[:, :, page] for page in device_pages]
-            # page by page: one indexed assignment of them all would go element by element
-            for source, host_page in zip(sources, host_pages):
-                self.swap_store[:, :, host_page].copy_(source)
+        pages = [device_page for device_page, _ in pairs]
+        if pairs and self.stage_swaps:  # one gather on the device, one DMA to page-locked memory
+            sources = self._staging(len(pairs)).copy_(self.every_layer[:, :, pages]).unbind(2)
+        else:
+            sources = [self.every_layer[:, :, page] for page in pages]
+        # page by page: one indexed assignment of them all would go element by element
+        for source, (_, host_page) in zip(sources, pairs):
+            self.swap_store[:, :, host_page].copy_(source)
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """Copy (host page, device page) pairs' K/V of every layer back into the pool."""
-        if not pairs:
-            return
-        if self.stage_swaps:  # gathered straight into page-locked memory, one DMA, one scatter
+        if pairs and self.stage_swaps:  # gathered into page-locked memory, one DMA, one scatter
             host_pages, device_pages = zip(*pairs)
             pages = torch.index_select(self.swap_store, 2, torch.tensor(host_pages),
                                        out=self._staging(len(pairs)))
@@ -243,15 +236,6 @@ class PagePool:
         for h, page in zip(hashes[:full], page_table):
             self.prefix.register(h, page)
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached page; unreferenced ones return to the free list."""
-        if self.prefix is None:
-            return
-        for page in list(self.prefix.hash_of):
-            if page in self.prefix.lru:  # no request holds it
-                self.free.append(page)
-            self.prefix.forget(page)
-
     # --- checks -------------------------------------------------------------------------------
     def check(self, page_tables: list[list[int]], swapped: list[list[int]] = ()) -> None:
         """AssertionError unless ref counts, page states and host pages all balance."""
@@ -261,20 +245,12 @@ class PagePool:
                                  f"{len(host) - len(self.swap_free)} held of "
                                  f"{self.num_swap_pages} (lost or held twice)")
         held = Counter(page for table in page_tables for page in table)
+        # an unreferenced page is free or cached, once; a referenced one neither
+        idle = Counter([*self.free, *(self.prefix.lru if self.prefix is not None else ())])
         for page, have in enumerate(self.ref_count):
             if have != held[page]:
                 raise AssertionError(f"page {page}: ref count {have} but held by {held[page]} "
                                      f"tables")
-        free = set(self.free)
-        cached = set(self.prefix.lru) if self.prefix is not None else set()
-        if len(free) != len(self.free):
-            raise AssertionError("a page is on the free list twice")
-        if free & cached:
-            raise AssertionError(f"pages both free and cached: {sorted(free & cached)}")
-        for page in free | cached:
-            if self.ref_count[page]:
-                raise AssertionError(f"page {page} is free or cached but has references")
-        unaccounted = [p for p in range(self.num_pages)
-                       if self.ref_count[p] == 0 and p not in free and p not in cached]
-        if unaccounted:
-            raise AssertionError(f"pages leaked (no owner, not free, not cached): {unaccounted}")
+            if idle[page] != (have == 0):
+                raise AssertionError(f"page {page}: ref count {have} but on the free and cached "
+                                     f"lists {idle[page]} times (leaked or listed twice)")

@@ -94,21 +94,6 @@ def test_lru_eviction_of_unreferenced_cached_pages():
     pool.check([taken])
 
 
-def test_reset_prefix_cache_frees_cached_pages_and_keeps_used_ones():
-    pool = PagePool(6, 2)
-    kept, dropped = pool.allocate(2), pool.allocate(2)
-    pool.register_prompt_pages([1, 2, 3, 4], kept, 4)
-    pool.register_prompt_pages([5, 6, 7, 8], dropped, 4)
-    pool.release(dropped)  # cached, unreferenced
-    assert pool.num_cached == 2 and pool.num_free == 2
-    pool.reset_prefix_cache()
-    assert pool.num_cached == 0 and pool.num_free == 4  # the cached pages are free again
-    assert pool.match_prefix([1, 2, 3, 4, 0]) == [] and pool.match_prefix([5, 6, 7, 8, 0]) == []
-    pool.check([kept])  # the pages still in a table are untouched
-    pool.release(kept)
-    assert pool.num_free == 6
-
-
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["alloc", "release", "register"]),
                           st.integers(0, 5)), max_size=60), st.integers(0, 2**16))
@@ -184,24 +169,6 @@ def test_a_page_already_indexed_is_not_indexed_again_under_other_tokens():
     fresh = pool.allocate(4)  # every page, the two cached ones evicted
     assert pool.match_prefix([1, 2, 3, 4, 0]) == [] and pool.match_prefix([5, 6, 7, 8, 0]) == []
     pool.check([fresh])
-
-
-def test_after_a_reset_every_page_allocated_leaves_none_available():
-    """`reset_prefix_cache` takes the pages off the LRU list as it frees them: once the index
-    holds pages again, no page counts as available twice (an allocation would otherwise
-    "evict" a page some request uses)."""
-    pool = PagePool(4, 2)
-    table = pool.allocate(2)
-    pool.register_prompt_pages([1, 2, 3, 4], table, 4)
-    pool.release(table)
-    pool.reset_prefix_cache()
-    assert (pool.num_free, pool.num_cached) == (4, 0)
-    every = pool.allocate(4)
-    pool.register_prompt_pages([5, 6, 7, 8], every, 4)  # the index is not empty again
-    assert (pool.num_available, pool.num_used) == (0, 4)
-    with pytest.raises(MemoryError):
-        pool.allocate(1)
-    pool.check([every])
 
 
 def test_the_swap_space_is_host_memory_whatever_the_pools_device():
