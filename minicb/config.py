@@ -72,12 +72,10 @@ def cpuinfo(*names: str) -> str | None:
     """The value of the first /proc/cpuinfo line whose name starts with one of `names`, or None."""
     try:
         with open("/proc/cpuinfo") as lines:
-            for line in lines:
-                if line.startswith(names):
-                    return line.split(":", 1)[1].strip()
+            values = (line.split(":", 1)[1].strip() for line in lines if line.startswith(names))
+            return next(values, None)
     except OSError:
-        pass
-    return None
+        return None
 
 
 def cache_root() -> Path:

@@ -1,4 +1,4 @@
-"""One request's whole state (chapter 01): its tokens, its pages, its place in the state machine
+"""One request's whole state as plain fields, like nano-vllm's `Sequence` (chapter 01):
 
     WAITING -> RUNNING (prefill chunks, then decode) -> FINISHED
        ^          |                 (stop / length / cancelled / error / deadline / rejected)
@@ -6,8 +6,7 @@
        +-- SWAPPED (pages copied to host memory, copied back later) <-+
 
 "cancelled" and "deadline" end a request in any state, "rejected" one arriving, "error" the
-members of a failed step. Like nano-vllm's `Sequence`, everything the scheduler needs lives here
-as plain fields; beside it `SamplingParams` (what the user asked for) and `RequestOutput`."""
+members of a failed step. Beside it: `SamplingParams` (what the user asked) and `RequestOutput`."""
 
 from __future__ import annotations
 
@@ -79,18 +78,21 @@ class SamplingParams:
                  f"an integer in [0, {MAX_LOGPROBS}] or None")):
             if not ok(getattr(self, name)):
                 raise ValueError(f"{name} must be {what}, got {getattr(self, name)!r:.40}")
-        # bytes iterate as ints (b"\n " would be ids 10 and 32): a string's bytes are no ids
-        if isinstance(self.stop_token_ids, (int, str, bytes, bytearray)) or \
-                not hasattr(self.stop_token_ids, "__iter__"):
-            raise ValueError(f"stop_token_ids must be a list of token ids, got "
-                             f"{self.stop_token_ids!r} (stop strings go in stop)")
-        stop = tuple(islice(self.stop_token_ids, MAX_STOP_TOKEN_IDS + 1))
-        if len(stop) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids")
-        if any(not is_int(t) or t < 0 for t in stop):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {stop!r:.80}")
-        object.__setattr__(self, "stop_token_ids", stop)
-        object.__setattr__(self, "stop", stop_strings(self.stop))
+        ids = self.stop_token_ids  # bytes iterate as ints (b"\n " as 10, 32): no token ids
+        if isinstance(ids, (int, str, bytes, bytearray)) or not hasattr(ids, "__iter__"):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {ids!r} (stop "
+                             f"strings go in stop)")
+        ids = tuple(islice(ids, MAX_STOP_TOKEN_IDS + 1))  # an endless iterator stops here
+        if len(ids) > MAX_STOP_TOKEN_IDS or any(not is_int(t) or t < 0 for t in ids):
+            raise ValueError(f"stop_token_ids must be at most {MAX_STOP_TOKEN_IDS} integers >= 0, "
+                             f"got {ids!r:.80}")
+        stop = () if self.stop is None else self.stop  # one string is one stop string (vLLM)
+        stop = (stop,) if isinstance(stop, str) else stop
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"stop must be a string or a list of non-empty strings (token ids go "
+                             f"in stop_token_ids), got {self.stop!r:.80}")
+        object.__setattr__(self, "stop_token_ids", ids)
+        object.__setattr__(self, "stop", tuple(stop))
 
     @property
     def greedy(self) -> bool:
@@ -100,20 +102,7 @@ class SamplingParams:
     @property
     def penalised(self) -> bool:
         """A penalty is set: sampling needs the request's `sampler.TokenCounts`."""
-        return bool(self.presence_penalty or self.frequency_penalty
-                    or self.repetition_penalty != 1.0)
-
-
-def stop_strings(stop: object) -> tuple[str, ...]:
-    """`SamplingParams.stop` as a tuple: one string is one stop string, as in vLLM."""
-    if stop is None:
-        return ()
-    strings = (stop,) if isinstance(stop, str) else stop
-    if not isinstance(strings, (list, tuple)) or not all(isinstance(s, str) and s
-                                                         for s in strings):
-        raise ValueError(f"stop must be a string or a list of non-empty strings (token ids go "
-                         f"in stop_token_ids), got {stop!r:.80}")
-    return tuple(strings)
+        return (self.presence_penalty, self.frequency_penalty, self.repetition_penalty) != (0, 0, 1)
 
 
 @dataclass
@@ -212,11 +201,8 @@ class Request:
     def token_ids_slice(self, start: int, stop: int) -> list[int]:
         """`all_token_ids[start:stop]` without building the whole list."""
         p = len(self.prompt_token_ids)
-        if start >= p:
-            return self.output_token_ids[start - p:stop - p]
-        if stop <= p:
-            return self.prompt_token_ids[start:stop]
-        return self.prompt_token_ids[start:] + self.output_token_ids[:stop - p]
+        outputs = self.output_token_ids[max(start - p, 0):max(stop - p, 0)]
+        return self.prompt_token_ids[start:stop] + outputs
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -229,7 +215,7 @@ class Request:
     @property
     def num_remaining(self) -> int:
         """Tokens to run through the model before the next can be sampled."""
-        return len(self.prompt_token_ids) + len(self.output_token_ids) - self.num_computed_tokens
+        return self.num_tokens - self.num_computed_tokens
 
     @property
     def is_prefill(self) -> bool:

@@ -1,10 +1,6 @@
-"""Schedulers (chapters 02-06): one interface, one class per policy, the queue they share.
-
-Each step the engine hands the policy a `SchedulerContext` (the queues, the limits and six
-verbs: `schedule`, `admit`, `reserve`, `preempt`, `reserve_or_preempt`, `release_slot`) and
-gets back a `ScheduledBatch`: who advances by how many tokens. Policies see requests, token
-counts and pages, never tensors. Queue order and admission control (chapter 06) live here too.
-"""
+"""Schedulers (chapters 02-06): each step a policy gets a `SchedulerContext` (queues, limits,
+six verbs) and fills its `ScheduledBatch`: who advances by how many tokens. Policies see requests,
+token counts and pages, never tensors. Queue order and admission control live here too."""
 
 from __future__ import annotations
 
@@ -118,7 +114,6 @@ class Admission:
         return True
 
     def pages_to_admit(self, req: Request, claimed: set[int] | None = None) -> int:
-        """Available pages admitting `req` whole takes (`PagePool.pages_to_take`)."""
         return self.pool.pages_to_take(prefix_hits(self.pool, req), self.pool.pages_needed(
             self.tokens_to_admit(req)), claimed)
 
@@ -180,10 +175,9 @@ class SchedulerContext:
         return True
 
     def admit(self, req: Request, max_tokens: int, min_tokens: int = 1) -> int:
-        """Move a waiting request into the running set: share its cached prefix pages, take a
-        slot and pages for a first chunk of at most `max_tokens` tokens (a swapped request's
-        pages come back from host memory). Returns the chunk's size, or 0, changing nothing,
-        if it does not fit or is shorter than `min_tokens` while more remain."""
+        """Move a waiting request to the running set with a slot, its cached prefix pages and pages
+        for a first chunk of at most `max_tokens` (a swapped one's come back from host). Its size,
+        or 0, changing nothing, if it does not fit or is under `min_tokens` while more remain."""
         if req.status not in (Status.WAITING, Status.PREEMPTED, Status.SWAPPED) \
                 or req not in self.waiting:
             raise SchedulerError(f"step {self.step}: ctx.admit({req.request_id}): only a "
@@ -219,15 +213,15 @@ class SchedulerContext:
         return num_tokens
 
     def preempt(self, req: Request) -> None:
-        """Take a running request's pages and requeue it at the front: its K/V copied to host
-        memory under preemption_mode="swap" while there is room, else recomputed when it
-        returns. One swapped in this same step keeps its host pages (the copy was planned)."""
+        """Take a running request's pages and requeue it at the front, its K/V swapped to host
+        memory (preemption_mode="swap", while there is room) or to be recomputed."""
         if req.status is not Status.RUNNING or req not in self.running:
             raise SchedulerError(f"step {self.step}: ctx.preempt({req.request_id}): only a "
                                  f"running request can be preempted; it is {req.status.value}")
         host_pages = self._swapping_in.pop(req.request_id, None)
         keep = self.pool.pages_needed(req.num_computed_tokens)  # not pages reserved ahead
-        if host_pages is not None:  # its fresh pages hold nothing yet: nothing to register
+        # swapped in this step: its host pages stay its own, its fresh pages hold nothing yet
+        if host_pages is not None:
             planned = set(host_pages)
             self.batch.swap_in = [(h, p) for h, p in self.batch.swap_in if h not in planned]
             self.batch.swap_release = [h for h in self.batch.swap_release if h not in planned]
