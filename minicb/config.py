@@ -31,7 +31,6 @@ def is_int(value: object) -> bool:
 
 
 def is_positive_int(value: object) -> bool:
-    """An int >= 1 that is not a bool: what every count knob needs."""
     return is_int(value) and value >= 1
 
 
@@ -55,14 +54,12 @@ def resolve_device(device: object, quantization: str | None = None) -> str:
     if dev is None or dev.type not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r} "
                          f"(minicb runs on those)")
-    if dev.type == "cpu":
-        return str(device)
-    if not torch.cuda.is_available():
+    if dev.type == "cuda" and not torch.cuda.is_available():
         why = ("it is a CPU-only build: install a CUDA build of torch (README, 'Running on a "
                "GPU')" if torch.version.cuda is None else "no GPU is visible")
         raise ValueError(f"device={device!r}, but torch {torch.__version__} cannot use CUDA "
                          f"({why}); use device='cpu'")
-    if dev.index is not None and dev.index >= torch.cuda.device_count():
+    if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
         raise ValueError(f"device={device!r}, but torch sees {torch.cuda.device_count()} "
                          f"CUDA GPU(s), numbered from 0")
     return str(device)
@@ -139,25 +136,20 @@ class EngineConfig:
     prompt_lookup_min: int = 2  # the shortest
 
     def __post_init__(self) -> None:
-        """Raise ValueError naming the first bad field and what is allowed."""
-        if isinstance(self.policy, type):
-            raise ValueError(f"policy={self.policy.__name__} is a class: pass an instance, "
-                             f"policy={self.policy.__name__}()")
-        if isinstance(self.policy, str) and self.policy not in POLICIES or not isinstance(
-                self.policy, str) and not hasattr(self.policy, "schedule"):
-            raise ValueError(f"policy must be one of {POLICIES} or a Scheduler, "
-                             f"got {self.policy!r}")
-
-        def optional(ok):
-            return lambda v: v is None or ok(v)
+        policy = self.policy
+        if isinstance(policy, type):
+            raise ValueError(f"policy={policy.__name__} is a class: pass an instance, "
+                             f"policy={policy.__name__}()")
+        if not (policy in POLICIES if isinstance(policy, str) else hasattr(policy, "schedule")):
+            raise ValueError(f"policy must be one of {POLICIES} or a Scheduler, got {policy!r}")
 
         for names, ok, what in (
                 (("page_size", "max_num_seqs", "max_num_batched_tokens", "chunk_size",
                   "min_chunk", "prompt_lookup_max", "prompt_lookup_min"), is_positive_int,
                  "a positive integer"),
                 (("num_pages", "priority_aging_steps", "num_swap_pages"),
-                 optional(is_positive_int), "a positive integer or None"),
-                (("max_preemptions",), optional(lambda v: is_int(v) and v >= 0),
+                 lambda v: v is None or is_positive_int(v), "a positive integer or None"),
+                (("max_preemptions",), lambda v: v is None or is_int(v) and v >= 0,
                  "an integer >= 0 or None"),
                 (("enable_prefix_caching", "check_invariants", "trace_snapshots",
                   "reject_when_full", "use_cuda_graphs", "batch_timeout_in_seconds"),
@@ -190,7 +182,7 @@ class EngineConfig:
             raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
         # a Scheduler instance is held to the rules of the policy it names (PDScheduler() is "pd")
-        kind = self.policy if isinstance(self.policy, str) else getattr(self.policy, "name", None)
+        kind = policy if isinstance(policy, str) else getattr(policy, "name", None)
         for applies, small, big, why in (
                 (kind in ("chunked", "pd"), "max_num_batched_tokens", "max_num_seqs",
                  ", or running decodes cannot all advance in one step"),

@@ -15,10 +15,9 @@ import torch
 
 def page_hash(previous: bytes | None, token_ids: list[int] | tuple[int, ...]) -> bytes:
     """Chained hash of a full page: it names the page's tokens *and* everything before them."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(previous or b"")
-    h.update(array("q", token_ids).tobytes())  # 8 bytes per id: no two id lists collide
-    return h.digest()
+    # 8 bytes per id: no two id lists give the same bytes
+    data = (previous or b"") + array("q", token_ids).tobytes()
+    return hashlib.blake2b(data, digest_size=16).digest()
 
 
 def prompt_page_hashes(token_ids: list[int], page_size: int) -> list[bytes]:
@@ -43,19 +42,15 @@ class PrefixIndex:
 
     def register(self, h: bytes, page: int) -> None:
         """Index `page` as the full page `h`, unless either is indexed (it then stays private)."""
-        if h in self.page_of or page in self.hash_of:
-            return
-        self.page_of[h] = page
-        self.hash_of[page] = h
+        if h not in self.page_of and page not in self.hash_of:
+            self.page_of[h], self.hash_of[page] = page, h
 
     def forget(self, page: int) -> None:
-        h = self.hash_of.pop(page)
-        del self.page_of[h]
+        del self.page_of[self.hash_of.pop(page)]
         self.lru.pop(page, None)
 
 
-def zeroed(shape: tuple[int, ...], dtype: torch.dtype,
-           device: str | torch.device) -> torch.Tensor:
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
     """A zero tensor for a page pool: on the CPU from calloc, only the pages a run writes."""
     # numpy's zeros come from calloc; torch.zeros would write every byte at load
     num_bytes = math.prod(shape) * dtype.itemsize
@@ -79,12 +74,10 @@ class PagePool:
                  head_dim: int = 0, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu", enable_prefix_caching: bool = True,
                  num_swap_pages: int = 0) -> None:
-        if num_pages < 1 or page_size < 1:
-            raise ValueError(f"num_pages and page_size must be >= 1, got {num_pages}, {page_size}")
-        if num_swap_pages < 0:
-            raise ValueError(f"num_swap_pages must be >= 0, got {num_swap_pages}")
-        self.num_pages = num_pages
-        self.page_size = page_size
+        if num_pages < 1 or page_size < 1 or num_swap_pages < 0:
+            raise ValueError(f"num_pages and page_size must be >= 1 and num_swap_pages >= 0, got "
+                             f"{num_pages}, {page_size}, {num_swap_pages}")
+        self.num_pages, self.page_size = num_pages, page_size
         self.ref_count = [0] * num_pages
         self.free: deque[int] = deque(range(num_pages))
         self.prefix = PrefixIndex() if enable_prefix_caching else None
@@ -140,16 +133,14 @@ class PagePool:
         """Take `n` fresh pages, evicting cached ones (LRU) if need be; MemoryError if too few."""
         if n > self.num_available:
             raise MemoryError(f"need {n} pages, only {self.num_available} available")
-        pages = []
-        for _ in range(n):
-            if not self.free:
-                victim, _ = self.prefix.lru.popitem(last=False)
-                self.prefix.forget(victim)
-                self.free.append(victim)
-                self.num_evicted += 1
-            page = self.free.popleft()
+        for _ in range(n - self.num_free):  # evict the least recently used cached pages
+            victim, _ = self.prefix.lru.popitem(last=False)
+            self.prefix.forget(victim)
+            self.free.append(victim)
+            self.num_evicted += 1
+        pages = [self.free.popleft() for _ in range(n)]
+        for page in pages:
             self.ref_count[page] = 1
-            pages.append(page)
         return pages
 
     def share(self, pages: list[int]) -> None:
@@ -172,14 +163,12 @@ class PagePool:
             self.ref_count[page] -= 1
             if self.ref_count[page] == 0:
                 if self.prefix is not None and page in self.prefix.hash_of:
-                    self.prefix.lru[page] = None
-                    self.prefix.lru.move_to_end(page)
+                    self.prefix.lru[page] = None  # the newest: evicted last
                 else:
                     self.free.append(page)
 
     # --- swap space ---------------------------------------------------------------------------
     def allocate_swap(self, n: int) -> list[int]:
-        """Take `n` host pages; MemoryError (taking none) if fewer are free."""
         if n > len(self.swap_free):
             raise MemoryError(f"need {n} swap pages, only {len(self.swap_free)} free")
         return [self.swap_free.popleft() for _ in range(n)]
@@ -249,8 +238,7 @@ class PagePool:
         idle = Counter([*self.free, *(self.prefix.lru if self.prefix is not None else ())])
         for page, have in enumerate(self.ref_count):
             if have != held[page]:
-                raise AssertionError(f"page {page}: ref count {have} but held by {held[page]} "
-                                     f"tables")
+                raise AssertionError(f"page {page}: ref count {have}, held by {held[page]} tables")
             if idle[page] != (have == 0):
                 raise AssertionError(f"page {page}: ref count {have} but on the free and cached "
                                      f"lists {idle[page]} times (leaked or listed twice)")

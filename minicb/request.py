@@ -29,7 +29,6 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-GREEDY_BELOW = 1e-5  # a temperature under this samples greedily
 MAX_TOKENS = 2**24  # past any model's context: a larger max_tokens is a mistake, not a wish
 MAX_STOP_TOKEN_IDS = 1024  # a longer list is an attack or a bug, not a stop rule
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit (vLLM's default max_logprobs is 20 too)
@@ -97,7 +96,7 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         """Temperature below 1e-5 (as in vLLM: too small to sample from in float32), or top_k 1."""
-        return self.temperature < GREEDY_BELOW or self.top_k == 1
+        return self.temperature < 1e-5 or self.top_k == 1
 
     @property
     def penalised(self) -> bool:
@@ -189,7 +188,6 @@ class Request:
 
     @property
     def deadline_time(self) -> float:
-        """When (engine clock) the deadline passes; infinity without one."""
         if self.deadline is None or self.metrics.arrival_time is None:
             return float("inf")
         return self.metrics.arrival_time + self.deadline
@@ -248,7 +246,3 @@ class RequestOutput:
     # rank order, then the sampled token if not among them -> the model's raw log-softmax
     # (before bans, penalties, temperature, top-k and top-p: vLLM's default "raw_logprobs")
     logprobs: list[dict[int, float]] | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None

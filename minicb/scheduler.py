@@ -157,7 +157,6 @@ class SchedulerContext:
         return self.pool.num_available
 
     def pages_to_advance(self, req: Request, num_tokens: int) -> int:
-        """New pages `req` needs to hold `num_tokens` more tokens."""
         need = self.pool.pages_needed(req.num_computed_tokens + num_tokens)
         return max(0, need - len(req.page_table))
 
@@ -199,8 +198,7 @@ class SchedulerContext:
         self.pool.share(hit)
         req.page_table = hit + self.pool.allocate(total_pages - len(hit))
         if swapped:  # its host pages go back once copied (a swap-out this step must wait)
-            self.batch.swap_in.extend(zip(req.swapped_pages[len(hit):],
-                                          req.page_table[len(hit):]))
+            self.batch.swap_in.extend(zip(req.swapped_pages[len(hit):], req.page_table[len(hit):]))
             self.batch.swap_release.extend(req.swapped_pages)
             self._swapping_in[req.request_id], req.swapped_pages = req.swapped_pages, []
         else:
@@ -287,8 +285,7 @@ def check_batch(batch: object, ctx: SchedulerContext, requests: dict[str, Reques
                              f"ctx.schedule and ctx.preempt fill; got {got}")
     seen: set[str] = set()
     for item in batch.items:
-        if not (isinstance(item, (tuple, list)) and len(item) == 2
-                and isinstance(item[0], Request)):
+        if not (isinstance(item, tuple | list) and len(item) == 2 and isinstance(item[0], Request)):
             raise SchedulerError(f"step {step}: batch item {item!r:.60} is not a (request, "
                                  f"number of tokens) pair: add members with ctx.schedule")
         req, n = item
@@ -296,8 +293,7 @@ def check_batch(batch: object, ctx: SchedulerContext, requests: dict[str, Reques
         if rule:
             raise SchedulerError(f"step {step}, request {req.request_id!r}: {rule}")
         seen.add(req.request_id)
-    if any(not isinstance(r, Request) or requests.get(r.request_id) is not r
-           for r in batch.idle):
+    if any(not isinstance(r, Request) or requests.get(r.request_id) is not r for r in batch.idle):
         raise SchedulerError(f"step {step}: an idle member is not a request of this engine")
     members = len(batch.items) + len(batch.idle)
     if members > cfg.max_num_seqs:
@@ -315,7 +311,6 @@ def check_batch(batch: object, ctx: SchedulerContext, requests: dict[str, Reques
 
 def _broken_rule(req: Request, n: object, ctx: SchedulerContext, requests: dict[str, Request],
                  seen: set[str]) -> str | None:
-    """The first rule that scheduling `n` tokens of `req` breaks, or None."""
     if requests.get(req.request_id) is not req:
         return "unknown request (not added to this engine)"
     if req.is_finished:
