@@ -177,8 +177,7 @@ class SchedulerContext:
         """Move a waiting request to the running set with a slot, its cached prefix pages and pages
         for a first chunk of at most `max_tokens` (a swapped one's come back from host). Its size,
         or 0, changing nothing, if it does not fit or is under `min_tokens` while more remain."""
-        if req.status not in (Status.WAITING, Status.PREEMPTED, Status.SWAPPED) \
-                or req not in self.waiting:
+        if req not in self.waiting:  # waiting, preempted or swapped
             raise SchedulerError(f"step {self.step}: ctx.admit({req.request_id}): only a "
                                  f"request in the waiting queue can be admitted; it is "
                                  f"{req.status.value}")
@@ -188,10 +187,9 @@ class SchedulerContext:
         swapped = req.status is Status.SWAPPED
         start = req.num_computed_tokens if swapped else len(hit) * self.pool.page_size
         num_tokens = min(max_tokens, req.num_tokens - start)
-        total_tokens = start + num_tokens
-        if is_protected(req, self.config):  # its whole life now, so it never needs a page again
-            total_tokens = max(total_tokens, req.max_total_tokens)
-        total_pages = self.pool.pages_needed(total_tokens)
+        # a protected request gets its whole life's pages now: it never needs a page again
+        whole = req.max_total_tokens if is_protected(req, self.config) else 0
+        total_pages = self.pool.pages_needed(max(start + num_tokens, whole))
         if num_tokens < min(min_tokens, req.num_tokens - start) or \
                 self.pool.pages_to_take(hit, total_pages) > self.pool.num_available:
             return 0
@@ -523,7 +521,7 @@ class ContinuousScheduler(Scheduler):
         while ctx.waiting and not ctx.batch.preempted:
             req = ctx.waiting[0]
             over_budget = prefill_tokens + req.num_tokens > ctx.config.max_num_batched_tokens
-            if prefill_tokens and over_budget:
+            if prefill_tokens and over_budget:  # the first prompt joins whatever its length
                 break
             num_tokens = ctx.admit(req, req.num_tokens)
             if not num_tokens:
