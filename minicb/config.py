@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import math
 import os
+import sys
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -15,19 +15,15 @@ PREEMPTIONS = ("newest", "priority", "deadline", "fair")
 PREEMPTION_MODES = ("recompute", "swap")
 
 
-def is_finite_number(value: object) -> bool:
-    """An int or float that is not a bool, NaN or infinite: what every numeric knob needs."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return False
-    try:
-        return math.isfinite(value)
-    except OverflowError:  # an int too large for a float (10**400): no knob can use it
-        return False
-
-
 def is_int(value: object) -> bool:
     """An int that is not a bool (True is an int to Python, never a count or an id here)."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_finite_number(value: object) -> bool:
+    """An int or float that is not a bool, NaN or infinite: what every numeric knob needs."""
+    # NaN compares false; an int too large for a float (10**400) is no knob's value either
+    return (is_int(value) or isinstance(value, float)) and abs(value) <= sys.float_info.max
 
 
 def is_positive_int(value: object) -> bool:

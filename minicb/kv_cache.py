@@ -86,15 +86,12 @@ class PagePool:
         self.every_layer = zeroed((num_layers, 2, *shape), dtype, device)  # K, V of each layer
         self.k = [self.every_layer[layer, 0] for layer in range(num_layers)]
         self.v = [self.every_layer[layer, 1] for layer in range(num_layers)]
+        self.kv_caches = list(zip(self.k, self.v))  # what the model's forward takes
         # swap space (chapter 06): host pages a swapped-out request's K/V wait in, all layers
         self.num_swap_pages = num_swap_pages
         self.swap_free: deque[int] = deque(range(num_swap_pages))
         self.swap_store = zeroed((num_layers, 2, num_swap_pages, *shape[1:]), dtype, "cpu")
         self.stage_swaps = self.every_layer.is_cuda  # through page-locked buffers (_staging)
-
-    @property
-    def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return list(zip(self.k, self.v))
 
     # --- counts -------------------------------------------------------------------------------
     @property

@@ -81,9 +81,8 @@ def is_protected(req: Request, config: EngineConfig) -> bool:
 def prefix_hits(pool: PagePool, req: Request) -> list[int]:
     """The cached pages admitting `req` shares (a swapped one: only those it had computed)."""
     hit = pool.match_prefix(req.all_token_ids, req.page_hashes or None)
-    if req.status is Status.SWAPPED:  # a page others read must not be written
-        return hit[:req.num_computed_tokens // pool.page_size]
-    return hit
+    # a page others read must not be written: a swapped request shares only what it computed
+    return hit[:req.num_computed_tokens // pool.page_size] if req.status is Status.SWAPPED else hit
 
 
 class Admission:
