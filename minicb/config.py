@@ -155,7 +155,10 @@ class EngineConfig:
                  "a finite number >= 0"),
                 (("gpu_memory_utilization",), lambda v: is_finite_number(v) and 0 < v <= 1,
                  "in (0, 1]"),
-                (("quantization",), lambda v: v in QUANTIZATIONS, "None or 'int8'")):
+                (("quantization",), lambda v: v in QUANTIZATIONS, "None or 'int8'"),
+                (("page_size",), lambda v: v & (v - 1) == 0, "a power of two"),
+                (("prompt_lookup_min",), lambda v: v <= self.prompt_lookup_max,
+                 f"<= prompt_lookup_max ({self.prompt_lookup_max})")):
             for name in names:
                 if not ok(getattr(self, name)):
                     raise ValueError(f"{name} must be {what}, got {getattr(self, name)!r:.80}")
@@ -164,8 +167,6 @@ class EngineConfig:
                               ("attention_backend", ATTENTION_BACKENDS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        if self.page_size & (self.page_size - 1):
-            raise ValueError(f"page_size must be a power of two, got {self.page_size}")
         for name, does, knob, value in (
                 ("priority_aging_steps", "ages priorities", "preemption", "priority"),
                 ("num_swap_pages", "sizes the swap space", "preemption_mode", "swap")):
@@ -174,9 +175,6 @@ class EngineConfig:
         if self.quantization and str(self.device).startswith("cuda"):
             raise ValueError("quantization='int8' is a CPU option (torch's int8-weight CPU "
                              "kernel); on CUDA use dtype='bfloat16'")
-        if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
-                             f"prompt_lookup_max ({self.prompt_lookup_max})")
         # a Scheduler instance is held to the rules of the policy it names (PDScheduler() is "pd")
         kind = policy if isinstance(policy, str) else getattr(policy, "name", None)
         for applies, small, big, why in (

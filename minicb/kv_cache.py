@@ -227,9 +227,8 @@ class PagePool:
         """AssertionError unless ref counts, page states and host pages all balance."""
         host = [p for pages in swapped for p in pages] + list(self.swap_free)
         if sorted(host) != list(range(self.num_swap_pages)):
-            raise AssertionError(f"swap pages do not balance: {len(self.swap_free)} free and "
-                                 f"{len(host) - len(self.swap_free)} held of "
-                                 f"{self.num_swap_pages} (lost or held twice)")
+            raise AssertionError(f"swap pages do not balance: {len(self.swap_free)} free, "
+                                 f"{len(host) - len(self.swap_free)} held of {self.num_swap_pages}")
         held = Counter(page for table in page_tables for page in table)
         # an unreferenced page is free or cached, once; a referenced one neither
         idle = Counter([*self.free, *(self.prefix.lru if self.prefix is not None else ())])

@@ -386,9 +386,8 @@ POLICY_FLAGS = ("whole_prompts", "holds_finished_slots", "waits_for_batch_timeou
 
 
 class Scheduler:
-    """Base class of every policy, the learner's included (chapter 03): `schedule` fills and
-    returns `ctx.batch`. The class attributes tell the engine what a policy does, never its
-    name. Each engine needs its own instance: a policy may keep state between steps."""
+    """Base class of every policy, the learner's too (chapter 03): `schedule` fills `ctx.batch`;
+    the class flags tell the engine what it does. One instance per engine: it may keep state."""
 
     name = "base"
     # prompts are prefilled whole (chapters 01-03): one long prompt may exceed the token budget
@@ -507,9 +506,8 @@ class DynamicScheduler(StaticScheduler):
 
 
 class ContinuousScheduler(Scheduler):
-    """Continuous batching (chapter 03): every step all running decodes advance one token and
-    waiting prompts join whole while slots, pages and the token budget allow (the first always
-    joins: a step may exceed the budget, the problem chapter 04's chunks solve)."""
+    """Continuous batching (chapter 03): each step every decode advances one token and whole
+    prompts join while slots, pages and budget allow (the first always: chapter 04's problem)."""
 
     name = "continuous"
     whole_prompts = True
@@ -557,10 +555,9 @@ class PDScheduler(Scheduler):
         return ctx.batch
 
 
-POLICY_CLASSES: dict[str, type[Scheduler]] = {
-    cls.name: cls for cls in (SingleScheduler, StaticScheduler, DynamicScheduler,
-                              ContinuousScheduler, ChunkedScheduler, PDScheduler)
-}
+POLICY_CLASSES: dict[str, type[Scheduler]] = {cls.name: cls for cls in (
+    SingleScheduler, StaticScheduler, DynamicScheduler, ContinuousScheduler, ChunkedScheduler,
+    PDScheduler)}
 
 
 def make_scheduler(policy: str | Scheduler) -> Scheduler:
