@@ -5,8 +5,7 @@
        +-- PREEMPTED (pages freed, recomputed later) <-+
        +-- SWAPPED (pages copied to host memory, copied back later) <-+
 
-"cancelled" and "deadline" end a request in any state, "rejected" one arriving, "error" the
-members of a failed step. Beside it: `SamplingParams` (what the user asked) and `RequestOutput`."""
+"cancelled" and "deadline" end it in any state, "rejected" on arrival, "error" in a failed step."""
 
 from __future__ import annotations
 

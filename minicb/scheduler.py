@@ -137,8 +137,7 @@ class Admission:
 
 # ------------------------------------------------------------------- what a policy may do
 class SchedulerContext:
-    """What a policy sees and may do during one step (chapter 03). The verbs act at once on
-    the queues and the pool; the swap copies they plan run after `schedule` returns."""
+    """What a policy sees and may do in one step (chapter 03): verbs act at once, swaps after."""
 
     def __init__(self, waiting: deque[Request], running: list[Request], pool: PagePool,
                  config: EngineConfig, step: int, now: float, free_slots: list[int],
