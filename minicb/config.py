@@ -195,7 +195,6 @@ class EngineConfig:
     def from_kwargs(cls, **kwargs) -> EngineConfig:
         """Build from keyword arguments, refusing unknown names with the list of known ones."""
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
+        if unknown := sorted(set(kwargs) - known):
             raise ValueError(f"unknown engine option(s) {unknown}; known: {sorted(known)}")
         return cls(**kwargs)

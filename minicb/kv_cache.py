@@ -21,7 +21,6 @@ def page_hash(previous: bytes | None, token_ids: list[int] | tuple[int, ...]) ->
 
 
 def prompt_page_hashes(token_ids: list[int], page_size: int) -> list[bytes]:
-    """Hashes of every full page of `token_ids`, each chained to the one before."""
     hashes: list[bytes] = []
     for start in range(0, len(token_ids) - page_size + 1, page_size):
         hashes.append(page_hash(hashes[-1] if hashes else None, token_ids[start:start + page_size]))
@@ -115,15 +114,14 @@ class PagePool:
     def pages_needed(self, num_tokens: int) -> int:
         return (num_tokens + self.page_size - 1) // self.page_size
 
-    def pages_to_take(self, hit: list[int], total_pages: int,
-                      claimed: set[int] | None = None) -> int:
-        """Available pages a table of `total_pages` with hits `hit` takes: its new pages and the
+    def pages_to_take(self, hit: list[int], total: int, claimed: set[int] | None = None) -> int:
+        """Available pages a table of `total` pages with hits `hit` takes: its new pages and the
         cached hits no one holds (those not in `claimed`, which they then join)."""
         cached = {p for p in hit if self.ref_count[p] == 0}
         if claimed is not None:
             cached -= claimed
             claimed |= cached
-        return total_pages - len(hit) + len(cached)
+        return total - len(hit) + len(cached)
 
     # --- allocation ---------------------------------------------------------------------------
     def allocate(self, n: int) -> list[int]:

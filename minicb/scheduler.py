@@ -60,8 +60,7 @@ def enqueue(waiting: deque[Request], req: Request, preemption: str,
 def reorder(waiting: deque[Request], config: EngineConfig, step: int,
             tenant_service: Counter) -> None:
     """Re-sort the orders that change as steps pass: aged priorities, tenant service."""
-    aging = config.priority_aging_steps
-    if aging:
+    if aging := config.priority_aging_steps:
         def key(r):
             return r.priority - (step - r.metrics.arrival_step) // aging, r.seq_index
     elif config.preemption == "fair":
@@ -86,8 +85,8 @@ def prefix_hits(pool: PagePool, req: Request) -> list[int]:
 
 
 class Admission:
-    """Admission control (chapter 06): with `reject_when_full`, an arrival that the available
-    pages, less those the waiting requests will take, cannot hold is rejected at once."""
+    """Admission control (chapter 06): reject_when_full rejects what unclaimed pages can't hold."""
+    # unclaimed: the available pages, less those the waiting requests will take
 
     def __init__(self, pool: PagePool, config: EngineConfig, waiting: deque[Request]) -> None:
         self.pool, self.config, self.waiting = pool, config, waiting
@@ -418,9 +417,8 @@ class SingleScheduler(Scheduler):
     def schedule(self, ctx: SchedulerContext) -> ScheduledBatch:
         if not ctx.running and ctx.waiting:
             req = ctx.waiting[0]
-            num_tokens = ctx.admit(req, req.num_tokens)
-            if num_tokens:
-                ctx.schedule(req, num_tokens)
+            if ctx.admit(req, req.num_tokens):  # whole: what it admits is what remains
+                ctx.schedule(req, req.num_remaining)
             return ctx.batch
         for req in list(ctx.running):
             if req.status is Status.RUNNING and ctx.reserve_or_preempt(req, req.num_remaining):
@@ -469,19 +467,17 @@ class StaticScheduler(Scheduler):
             if not self.ready_to_form(ctx):
                 return ctx.batch
             for req in self.choose_batch(ctx):
-                num_tokens = ctx.admit(req, req.num_tokens)
-                if not num_tokens:
+                if not ctx.admit(req, req.num_tokens):
                     break
                 self.batch.append(req)
-                ctx.schedule(req, num_tokens)
+                ctx.schedule(req, req.num_remaining)
             return ctx.batch
         for req in self.batch:
             if req.is_finished:
                 ctx.batch.idle.append(req)
             elif req.status is not Status.RUNNING:  # preempted earlier: rejoin when it fits
-                num_tokens = ctx.admit(req, req.num_tokens) if req in ctx.waiting else 0
-                if num_tokens:
-                    ctx.schedule(req, num_tokens)
+                if ctx.admit(req, req.num_tokens):
+                    ctx.schedule(req, req.num_remaining)
             elif ctx.reserve_or_preempt(req, req.num_remaining):
                 ctx.schedule(req, req.num_remaining)
         return ctx.batch
