@@ -142,8 +142,8 @@ class SchedulerContext:
                  config: EngineConfig, step: int, now: float, free_slots: list[int],
                  tenant_service: Counter | None = None) -> None:
         self.waiting, self.running, self.pool, self.config = waiting, running, pool, config
-        self.step, self.now = step, now
-        self.free_slots = free_slots  # kept sorted: a new member takes the lowest
+        # free_slots is kept sorted: a new member takes the lowest
+        self.step, self.now, self.free_slots = step, now, free_slots
         self.tenant_service = tenant_service if tenant_service is not None else Counter()
         self.batch = ScheduledBatch()
         self.scheduled_ids: set[str] = set()
@@ -175,9 +175,8 @@ class SchedulerContext:
         for a first chunk of at most `max_tokens` (a swapped one's come back from host). Its size,
         or 0, changing nothing, if it does not fit or is under `min_tokens` while more remain."""
         if req not in self.waiting:  # waiting, preempted or swapped
-            raise SchedulerError(f"step {self.step}: ctx.admit({req.request_id}): only a "
-                                 f"request in the waiting queue can be admitted; it is "
-                                 f"{req.status.value}")
+            raise SchedulerError(f"step {self.step}: ctx.admit({req.request_id}): only a request "
+                                 f"in the waiting queue can be admitted; it is {req.status.value}")
         if not self.free_slots or max_tokens < 1:
             return 0
         hit = prefix_hits(self.pool, req)
@@ -515,11 +514,10 @@ class ContinuousScheduler(Scheduler):
             over_budget = prefill_tokens + req.num_tokens > ctx.config.max_num_batched_tokens
             if prefill_tokens and over_budget:  # the first prompt joins whatever its length
                 break
-            num_tokens = ctx.admit(req, req.num_tokens)
-            if not num_tokens:
+            if not ctx.admit(req, req.num_tokens):
                 break
-            ctx.schedule(req, num_tokens)
-            prefill_tokens += num_tokens
+            ctx.schedule(req, req.num_remaining)
+            prefill_tokens += req.num_remaining
         return ctx.batch
 
 
