@@ -245,3 +245,7 @@ class RequestOutput:
     # rank order, then the sampled token if not among them -> the model's raw log-softmax
     # (before bans, penalties, temperature, top-k and top-p: vLLM's default "raw_logprobs")
     logprobs: list[dict[int, float]] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

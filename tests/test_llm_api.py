@@ -502,3 +502,13 @@ def test_bytes_are_neither_a_prompt_nor_params(llm):
         with pytest.raises(ValueError, match=message):
             call()
         assert not llm.engine.requests
+
+
+def test_an_output_says_whether_it_finished_in_vllms_name(llm):
+    """`RequestOutput.finished`, vLLM's name, is true when the output has a finish reason (every
+    output `generate` returns) and false without one."""
+    import dataclasses
+
+    out = llm.generate("w5 w6", SamplingParams(max_tokens=3, **GREEDY), use_tqdm=False)[0]
+    assert out.finished and out.finish_reason == "length"
+    assert not dataclasses.replace(out, finish_reason=None).finished
