@@ -1,13 +1,5 @@
-"""The engine loop (chapter 03): `Engine.step()` runs one iteration as named phases.
-
-    housekeeping  arrivals join the queue, expired deadlines leave, time-dependent orders re-sort
-    schedule      the policy picks who advances by how many tokens (it may preempt), checked
-    forward       the runner flattens every member into one token batch and runs the model once
-    sample        one token for each member whose prompt is now fully in the cache
-    account       tokens now in the cache, service, recomputed work, shareable pages
-    reclaim       finished requests leave; their pages and slots go back
-    record        a `StepRecord` joins `engine.trace`; the invariant and progress checks run
-
+"""The engine loop (chapter 03): `Engine.step()` runs one iteration as named phases, each one
+call: housekeeping, schedule, forward and sample (the runner), account, reclaim, record.
 A request goes `add_request` -> `pending` -> `waiting` -> (the policy admits it) `running`
 -> `_finish`, which gives everything back."""
 
@@ -112,9 +104,8 @@ class Engine:
     @property
     def stall_limit(self) -> int:
         """Steps in a row without progress that make a stall (plus dynamic batching's wait)."""
-        if self.scheduler.waits_for_batch_timeout and not self.config.batch_timeout_in_seconds:
-            return STALL_STEPS + int(self.config.batch_timeout)
-        return STALL_STEPS
+        waits = self.scheduler.waits_for_batch_timeout and not self.config.batch_timeout_in_seconds
+        return STALL_STEPS + (int(self.config.batch_timeout) if waits else 0)
 
     def clock(self) -> float:
         """Seconds since `t0`, when the engine started."""
@@ -153,9 +144,8 @@ class Engine:
                 raise ValueError(f"{name} must be in [0, {vocab}), got {bad[:5]}")
         total = len(token_ids) + params.max_tokens
         if total > self.max_model_len:
-            raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens "
-                             f"({params.max_tokens}) = {total} exceeds the model's context of "
-                             f"{self.max_model_len} tokens")
+            raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens})"
+                             f" = {total} exceeds the model's context of {self.max_model_len}")
         capacity = self.pool.num_pages * self.pool.page_size
         if total > capacity:
             raise ValueError(f"prompt + max_tokens = {total} tokens can never fit in the page "
@@ -213,25 +203,23 @@ class Engine:
         req.metrics.arrival_time = self.clock() if req.arrives_at_time is None \
             else req.arrives_at_time
         if not self.admission.arrive(req):
-            self._finish(req, "rejected")  # its step's record lists it as finished
-            self._finished_between_steps.append(req.request_id)
+            # its step's record lists it as finished
+            self._finished_between_steps.append(self._finish(req, "rejected"))
 
     def cancel(self, request_id: str, reason: str = "cancelled") -> None:
         """Finish an unfinished request now, its pages back; "stop": a caller's stop string."""
         if reason not in ("cancelled", "stop"):
             raise ValueError(f"reason must be 'cancelled' or 'stop', got {reason!r}")
         req = self._known(request_id, "cancel")
-        if not req.is_finished:
-            self._finish(req, reason)
-            self._finished_between_steps.append(req.request_id)  # the next record lists it
+        if not req.is_finished:  # the next record lists it
+            self._finished_between_steps.append(self._finish(req, reason))
 
     def stop_at(self, request_id: str, num_output_tokens: int) -> None:
         """A caller's stop string ended the request after `num_output_tokens` tokens."""
         req = self._known(request_id, "stop")
-        if not is_int(num_output_tokens) or \
-                not 0 < num_output_tokens <= len(req.output_token_ids):
-            raise ValueError(f"num_output_tokens must be 1..{len(req.output_token_ids)}, got "
-                             f"{num_output_tokens}")
+        n = len(req.output_token_ids)
+        if not is_int(num_output_tokens) or not 0 < num_output_tokens <= n:
+            raise ValueError(f"num_output_tokens must be 1..{n}, got {num_output_tokens}")
         # later tokens of the same step (kept guesses, chapter 08) go too
         for kept in (req.output_token_ids, req.output_logprobs, req.metrics.token_times,
                      req.metrics.token_steps):
@@ -310,9 +298,8 @@ class Engine:
         self._arrived_since_last_step = []
         t_start = self.clock()  # after arrivals: nobody is scheduled before they arrived
         for req in [*self.waiting, *self.running] if self._num_with_deadline else ():
-            if req.deadline_time <= t_start:
-                self._finish(req, "deadline")  # its pages come back now
-                self._finished_between_steps.append(req.request_id)
+            if req.deadline_time <= t_start:  # its pages come back now
+                self._finished_between_steps.append(self._finish(req, "deadline"))
         reorder(self.waiting, self.config, self.step_count, self.tenant_service)
         return arrived_ids, t_start
 
@@ -355,8 +342,7 @@ class Engine:
     def _fail(self, items: list[tuple[Request, int]], exc: Exception) -> list[str]:
         for req, _ in items:
             req.error = f"{type(exc).__name__}: {exc}"
-            self._finish(req, "error")
-        return [r.request_id for r, _ in items]
+        return [self._finish(req, "error") for req, _ in items]
 
     def _append(self, reqs: list[Request], tokens: list[list[int]]) -> dict[str, int]:
         """Append new tokens up to the first that ends the request; how many each got."""
@@ -393,13 +379,8 @@ class Engine:
         return gained, recomputed
 
     def _reclaim(self, items: list[tuple[Request, int]]) -> list[str]:
-        finished = []
-        for req, _ in items:
-            reason = req.stop_reason()
-            if reason and not req.is_finished:
-                self._finish(req, reason)
-                finished.append(req.request_id)
-        return finished
+        ended = [(req, req.stop_reason()) for req, _ in items if not req.is_finished]
+        return [self._finish(req, reason) for req, reason in ended if reason]
 
     def _record(self, record: StepRecord, gained: int) -> StepRecord:
         """Trace the step (not dynamic batching's wait, chapter 02) and run the checks."""
@@ -414,8 +395,8 @@ class Engine:
         self._check_progress(record, gained)
         return record
 
-    def _finish(self, req: Request, reason: str) -> None:
-        """Leave the engine from any state, giving back its pages, slot and response."""
+    def _finish(self, req: Request, reason: str) -> str:
+        """Leave the engine from any state, giving back its pages, slot and response; its id."""
         was_running = req.status is Status.RUNNING
         if req.page_table:
             self.pool.register_prompt_pages(req.prompt_token_ids, req.page_table,
@@ -437,6 +418,7 @@ class Engine:
         for done in self.scheduler.release(req):  # E2E latency ends here (chapter 02)
             done.metrics.released_time = req.metrics.finish_time
             done.metrics.released_step = self.step_count
+        return req.request_id
 
     # ------------------------------------------------------------------------------ checks
     def _check_progress(self, record: StepRecord, gained: int) -> None:
@@ -453,10 +435,9 @@ class Engine:
             self._steps_without_progress = 0
             did = ("computed only tokens it had computed before (each preempted before it "
                    "regained what it lost)" if record.members else "scheduled nothing")
-            raise RuntimeError(
-                f"policy {self.scheduler.name!r} {did} for {self.stall_limit} steps in a row "
-                f"while requests wait or run: {stuck}. A scheduler must schedule work when it "
-                f"can; check its settings (e.g. min_chunk against the token budget)")
+            raise RuntimeError(f"policy {self.scheduler.name!r} {did} for {self.stall_limit} "
+                               f"steps in a row while requests wait or run: {stuck}; check its "
+                               f"settings (e.g. min_chunk against the token budget)")
 
     def check_invariants(self, record: StepRecord | None = None) -> None:
         """Raise InvariantError naming the step, request and rule if the books do not balance."""
@@ -466,8 +447,7 @@ class Engine:
                             [r.swapped_pages for r in self.waiting])
         except AssertionError as exc:
             raise InvariantError(f"step {step}: page pool: {exc}") from None
-        queued = Counter(r.request_id for q in (self.pending, self.waiting, self.running)
-                         for r in q)
+        queued = Counter(r.request_id for r in (*self.pending, *self.waiting, *self.running))
         for rid, req in self.requests.items():
             status, n = req.status.value, queued[rid]
             broken = ("is in two queues" if n > 1 else

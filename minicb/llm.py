@@ -12,8 +12,7 @@ from minicb.request import RequestOutput, SamplingParams
 Prompt = str | list[int]
 
 
-def _is_array(value: object) -> bool:
-    """A numpy array or a torch tensor (anything with `ndim` and `tolist`)."""
+def _is_array(value: object) -> bool:  # a numpy array or a torch tensor
     return hasattr(value, "ndim") and hasattr(value, "tolist")
 
 
@@ -22,10 +21,9 @@ def array_token_ids(array: Any) -> list:
     if array.ndim not in (1, 2):
         raise ValueError(f"a prompt array must be 1-D (one prompt's token ids) or 2-D (one "
                          f"prompt a row), got shape {tuple(array.shape)}")
-    ids = array.tolist()
-    if not all(is_int(t) for t in (ids if array.ndim == 1 else [t for row in ids for t in row])):
+    if not all(is_int(t) for t in array.reshape(-1).tolist()):
         raise ValueError(f"a prompt array must hold integer token ids, got dtype {array.dtype}")
-    return ids
+    return array.tolist()
 
 
 def prompt_list(prompts: object) -> list:
@@ -85,20 +83,19 @@ class IncrementalDecoder:
         end = len(token_ids) if upto is None else upto
         self.ids += [t for t in token_ids[self.num_seen:end] if t not in self.special]
         self.num_seen = max(self.num_seen, end)
-        ids = self.ids
-        if self.read_offset >= len(ids) and not final:
+        if self.read_offset >= len(self.ids) and not final:
             return ""
         # the window starts before the new tokens: a token decoded differently at the start
         # (a stripped leading space) is so in both decodes
-        prefix = self._decode(ids[self.prefix_offset:self.read_offset])
-        window = self._decode(ids[self.prefix_offset:])
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        window = self._decode(self.ids[self.prefix_offset:])
         if window.endswith("\ufffd") and not final:
             return ""  # wait for the rest of the character
         if window.startswith(prefix):
             delta = window[len(prefix):]
         else:  # a window decode that rewrites its prefix (cleaned-up spaces): decode it all
-            delta = self._decode(ids)[len(self.text):]
-        self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+            delta = self._decode(self.ids)[len(self.text):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         self.text += delta
         return delta
 
@@ -159,13 +156,13 @@ class LLM:
                  params: SamplingParams | Sequence[SamplingParams] | None) -> list[str]:
         prompts = prompt_list(prompts)
         params = SamplingParams() if params is None else params
-        if isinstance(params, (dict, str, bytes)) or not hasattr(params, "__iter__") and \
-                not isinstance(params, SamplingParams):
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        elif isinstance(params, (dict, str, bytes)) or not hasattr(params, "__iter__"):
             got = "a dict: write SamplingParams(**{...})" if isinstance(params, dict) else \
                 f"{params!r:.80}"
             raise ValueError(f"params must be a SamplingParams (or one per prompt), got {got}")
-        param_list = [params] * len(prompts) if isinstance(params, SamplingParams) \
-            else list(params)
+        param_list = list(params)
         if len(param_list) != len(prompts):
             raise ValueError(f"params has {len(param_list)} entries for {len(prompts)} prompts; "
                              "give one SamplingParams or one per prompt")
@@ -187,13 +184,11 @@ class LLM:
         return ids
 
     def _step(self) -> Any:
-        """One engine step, then stop strings looked for in its new text."""
         record = self.engine.step()
         self._match_stops(record.sampled + record.finished)
         return record
 
     def _match_stops(self, rids: list[str]) -> None:
-        """Stop at once each of `rids` whose new text holds one of its stop strings."""
         for rid in rids:
             m = self._stops.get(rid)
             if m is not None and not m.stopped:
@@ -211,7 +206,6 @@ class LLM:
             self._stops.pop(rid, None)
 
     def _output(self, rid: str) -> RequestOutput:
-        """The engine's output, its text cut before a stop string that ended it."""
         self._match_stops([rid])  # in case its last tokens came in a step nobody checked
         out = self.engine.output(rid)
         m = self._stops.get(rid)
@@ -223,21 +217,17 @@ class LLM:
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in prompt order."""
+        from tqdm.auto import tqdm
         ids = self._add_all(prompts, params)
-        bar = None
-        if use_tqdm:
-            from tqdm.auto import tqdm
-            bar = tqdm(total=len(ids), desc="generate", unit="req")
+        bar = tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm)
         try:
             while self._num_unfinished(ids):
                 self._step()
-                if bar is not None:
-                    bar.update(len(ids) - self._num_unfinished(ids) - bar.n)
+                bar.update(len(ids) - self._num_unfinished(ids) - bar.n)
             return [self._output(rid) for rid in ids]
         finally:
             self._close(ids)
-            if bar is not None:
-                bar.close()
+            bar.close()
 
     def stream(self, prompts: Prompt | Sequence[Prompt],
                params: SamplingParams | Sequence[SamplingParams] | None = None
@@ -284,9 +274,8 @@ class LLM:
              use_tqdm: bool = True) -> list[RequestOutput]:
         """Apply the checkpoint's chat template to one conversation (or a list of them)."""
         if isinstance(messages, str):  # llm.chat("hi"): the string, not its first letter
-            raise ValueError(f"chat() takes messages, a list of {{'role': ..., 'content': ...}}"
-                             f", got the string {messages!r}: pass [{{'role': 'user', "
-                             f"'content': {messages!r}}}], or call generate() with a prompt")
+            raise ValueError(f"chat() takes messages, got the string {messages!r}: pass "
+                             f"[{{'role': 'user', 'content': {messages!r}}}] or call generate()")
         if not isinstance(messages, (list, tuple)) or not messages:  # [] would return []
             raise ValueError(f"chat() takes a conversation (a non-empty list of {{'role': ..., "
                              f"'content': ...}} messages) or a non-empty list of them, got "

@@ -336,9 +336,10 @@ class FakeBar:
     """Stands in for tqdm.auto.tqdm: records what generate does with its bar."""
     made: list[FakeBar] = []
 
-    def __init__(self, total, **_):
+    def __init__(self, total, disable=False, **_):
         self.total, self.n, self.closed = total, 0, False
-        FakeBar.made.append(self)
+        if not disable:  # use_tqdm=False: a bar that shows nothing
+            FakeBar.made.append(self)
 
     def update(self, n):
         self.n += n
