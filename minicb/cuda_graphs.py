@@ -1,7 +1,6 @@
 """Decode steps replayed from CUDA graphs (chapter 07): a decode-only step launches the same
-kernels every time, so capturing it once per batch-size bucket and replaying it removes the
-launch cost that dominates small batches. B requests run in the smallest bucket >= B; the rows
-past B are padding (slot -1, context 0). With `capture=False` the buffers run eagerly (CPU)."""
+kernels every time, so a graph captured once per batch-size bucket and replayed saves that launch
+cost. B requests run in the smallest bucket >= B, rows past B padded; capture=False runs eagerly."""
 
 from __future__ import annotations
 
@@ -81,14 +80,12 @@ class DecodeGraphRunner:
         batch = len(input_ids)
         bucket = self.bucket(batch)
         dev = self.input_ids.device
-        self.input_ids[:batch] = torch.tensor(input_ids, device=dev)
-        self.positions[:batch] = torch.tensor(positions, device=dev)
-        self.slot_mapping[:batch] = torch.tensor(slot_mapping, device=dev)
-        self.context_lens[:batch] = torch.tensor(context_lens, dtype=torch.int32, device=dev)
-        self.input_ids[batch:bucket] = 0
-        self.positions[batch:bucket] = 0
-        self.slot_mapping[batch:bucket] = -1
-        self.context_lens[batch:bucket] = 0
+        for buffer, values, padding in ((self.input_ids, input_ids, 0),
+                                        (self.positions, positions, 0),
+                                        (self.slot_mapping, slot_mapping, -1),
+                                        (self.context_lens, context_lens, 0)):
+            buffer[:batch] = torch.tensor(values, dtype=buffer.dtype, device=dev)
+            buffer[batch:bucket] = padding  # slot -1: the rows past B write no K/V
         width = max(len(t) for t in page_tables)
         rows = torch.tensor([t + [0] * (width - len(t)) for t in page_tables], dtype=torch.int32)
         self.page_tables[:batch, :width] = rows.to(dev)

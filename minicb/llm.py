@@ -176,11 +176,9 @@ class LLM:
             if p.stop and self.tokenizer is None:
                 raise ValueError(f"prompt {i}: stop strings need a tokenizer, and this checkpoint "
                                  f"has none: use stop_token_ids")
-        ids = [self.engine.add_request(token_ids, p)
-               for token_ids, p in zip(token_lists, param_list)]
-        for rid, p in zip(ids, param_list):
-            if p.stop:
-                self._stops[rid] = StopMatcher(self.tokenizer, p.stop, p.min_tokens)
+        ids = [self.engine.add_request(t, p) for t, p in zip(token_lists, param_list)]
+        self._stops.update((rid, StopMatcher(self.tokenizer, p.stop, p.min_tokens))
+                           for rid, p in zip(ids, param_list) if p.stop)
         return ids
 
     def _step(self) -> Any:
@@ -234,14 +232,12 @@ class LLM:
                ) -> Iterator[tuple[str, list[int], str]]:
         """Yield `(request_id, new_token_ids, text_delta)` as steps produce tokens."""
         ids = self._add_all(prompts, params)
-        sent_tokens = {rid: 0 for rid in ids}
-        sent_text = {rid: 0 for rid in ids}
+        sent_tokens, sent_text = dict.fromkeys(ids, 0), dict.fromkeys(ids, 0)
         # its text comes through a StopMatcher: the request's own if it has stop strings
         texts = {} if self.tokenizer is None else {
             rid: self._stops.get(rid) or StopMatcher(self.tokenizer) for rid in ids}
 
-        def news(rid: str) -> tuple[str, list[int], str] | None:
-            """What `rid` has that was not yielded yet; None if nothing."""
+        def news(rid: str) -> tuple[str, list[int], str] | None:  # None: nothing not yielded
             req = self.engine.requests[rid]
             delta, m = "", texts.get(rid)
             if m is not None:
@@ -278,8 +274,7 @@ class LLM:
                              f"[{{'role': 'user', 'content': {messages!r}}}] or call generate()")
         if not isinstance(messages, (list, tuple)) or not messages:  # [] would return []
             raise ValueError(f"chat() takes a conversation (a non-empty list of {{'role': ..., "
-                             f"'content': ...}} messages) or a non-empty list of them, got "
-                             f"{messages!r:.80}")
+                             f"'content': ...}} messages) or a list of them, got {messages!r:.80}")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         for conversation in conversations:
             if not is_conversation(conversation):

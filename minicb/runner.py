@@ -1,6 +1,5 @@
 """The model runner (chapters 01, 03, 07), as nano-vllm's `model_runner`: it loads the model,
-sizes the page pool, flattens a step's members into one forward (or a CUDA graph's replay) and
-turns logits into tokens. The engine schedules and keeps the books; the runner computes."""
+sizes the page pool, runs a step's members as one forward (or a CUDA graph) and samples."""
 
 from __future__ import annotations
 
@@ -24,8 +23,7 @@ BOOKKEEPING_BYTES = 64  # host bytes a page's ref count and free-list entry take
 
 def default_num_pages(model_config, config: EngineConfig, dtype: torch.dtype) -> int:
     """1024 pages on the CPU; on CUDA, what `gpu_memory_utilization` of the free memory holds
-    once the weights are loaded (as vLLM sizes its KV cache), but no more than every slot at
-    the model's longest context needs (chapter 07)."""
+    once the weights are loaded (as vLLM does), at most what every slot's longest context needs."""
     if not str(config.device).startswith("cuda"):
         return 1024
     # an earlier engine's pool, dropped, still sits in torch's cache, which the driver counts
@@ -174,11 +172,14 @@ class ModelRunner:
         runner = self.graph_runner
         if runner is not None and len(items) <= runner.max_batch and all(
                 n == 1 and not r.is_prefill for r, n in items):
-            return self._replay(runner, [r for r, _ in items])
-        input_ids: list[int] = []
-        positions: list[int] = []
-        logit_rows: list[int] = []
-        to_sample: list[Request] = []
+            reqs, page_size = [r for r, _ in items], self.pool.page_size
+            positions = [r.num_computed_tokens for r in reqs]
+            slots = [r.page_table[p // page_size] * page_size + p % page_size
+                     for r, p in zip(reqs, positions)]
+            tokens = [r.token_ids_slice(p, p + 1)[0] for r, p in zip(reqs, positions)]
+            return reqs, runner.run(tokens, positions, slots, [p + 1 for p in positions],
+                                    [r.page_table for r in reqs])
+        input_ids, positions, logit_rows, to_sample = [], [], [], []
         for req, n in items:
             start, draft = req.num_computed_tokens, drafts.get(req.request_id, [])
             input_ids.extend(req.token_ids_slice(start, start + n - len(draft)) + draft)
@@ -197,16 +198,6 @@ class ModelRunner:
                                 int_tensor(positions, device=device), meta,
                                 self.pool.kv_caches, int_tensor(logit_rows, device=device))
         return to_sample, logits
-
-    def _replay(self, runner, reqs: list[Request]) -> tuple[list[Request], torch.Tensor]:
-        page_size = self.pool.page_size
-        positions = [r.num_computed_tokens for r in reqs]
-        slots = [r.page_table[p // page_size] * page_size + p % page_size
-                 for r, p in zip(reqs, positions)]
-        logits = runner.run([r.token_ids_slice(p, p + 1)[0] for r, p in zip(reqs, positions)],
-                            positions, slots, [p + 1 for p in positions],
-                            [r.page_table for r in reqs])
-        return reqs, logits
 
     @staticmethod
     def sample(reqs: list[Request], logits: torch.Tensor, drafts: dict[str, list[int]]

@@ -1,6 +1,5 @@
-"""Turning logits into tokens (chapter 01): vLLM's penalties, then greedy, temperature, top-k and
-top-p, with a per-request seed so that a seed gives the same tokens whatever shares the batch
-(up to the rounding the batch changes, chapter 03); beside them, the logprobs a request asks for."""
+"""Logits into tokens (chapter 01): vLLM's penalties, then greedy, temperature, top-k and top-p, a
+per-request seed (the same tokens whatever shares the batch, up to its rounding) and logprobs."""
 
 from __future__ import annotations
 
@@ -53,19 +52,16 @@ def penalise(logits: torch.Tensor, params: SamplingParams, counts: TokenCounts) 
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None],
-           banned: list[list[int]] | None = None,
+           generators: list[torch.Generator | None], banned: list[list[int]] | None = None,
            counts: list[TokenCounts | None] | None = None) -> list[int]:
-    """One token per row of `logits` [N, vocab] (float32), row i under params[i], never one of
-    banned[i] (the stop and end-of-sequence tokens of a request short of its `min_tokens`),
-    penalised by counts[i] (None: no penalty). `logits` itself is left as it came."""
+    """One token per row of `logits` [N, vocab], row i under params[i], never one of banned[i] (a
+    request's stop tokens before `min_tokens`), penalised by counts[i]; `logits` is not changed."""
     logits = logits.float()
     if (banned and any(banned)) or (counts and any(c is not None for c in counts)):
         logits = logits.clone()
     for i, ids in enumerate(banned or ()):
         if ids:
-            banned_ids = torch.tensor(ids, dtype=torch.long, device=logits.device)
-            row = logits[i].index_fill(0, banned_ids, float("-inf"))
+            row = logits[i].index_fill(0, torch.tensor(ids, device=logits.device), float("-inf"))
             if torch.isfinite(row).any():  # else nothing else could follow: keep the row
                 logits[i] = row
     for i, c in enumerate(counts or ()):
@@ -102,8 +98,8 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:
-    """One token from `probs` [vocab]: the first whose cumulative probability passes one uniform
-    number (`torch.multinomial` would draw a number per vocabulary entry)."""
+    """One token from `probs` [vocab]: the first whose cumulative mass passes a random draw."""
+    # one random number (`torch.multinomial` would draw one per vocabulary entry)
     cdf = probs.double().cumsum(-1)  # float64: no drift over 150,000 entries
     if not 0 < cdf[-1] < float("inf"):
         raise ValueError("cannot sample: the probabilities are not finite (NaN in the logits?)")

@@ -1,8 +1,7 @@
 """Speculative decoding by prompt lookup (chapter 08). A decode step reads every weight for one
-token per request, so a few more query rows cost little: guess the next `k` tokens (what
-followed the request's last `n` tokens where they occurred before), run the last token and the
-guesses as one causal chunk, and keep the guesses the model agrees with plus its own next token.
-A sampled request draws each position as it would without guesses, so its output is unchanged."""
+token per request, so a few more query rows cost little: guess the next `k` tokens (what followed
+the request's last `n` tokens before), run the last token and the guesses as one causal chunk,
+keep the guesses the model agrees with and its own next token: the output is as without guesses."""
 
 from __future__ import annotations
 
@@ -82,8 +81,7 @@ class Speculator:
 
 def verify(logits: torch.Tensor, draft: list[int], params: SamplingParams,
            generator: torch.Generator | None = None) -> list[int]:
-    """The accepted guesses of `draft`, then one token of the model's own (`logits`: one row
-    per position, [len(draft) + 1, vocab])."""
+    """The kept guesses of `draft`, then one of the model's own; `logits`: [len(draft) + 1, V]."""
     # a sampled request keeps a guess while its own draw equals it: with the model's probability
     if params.greedy:
         target = torch.argmax(logits, dim=-1).tolist()
