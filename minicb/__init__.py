@@ -1,5 +1,4 @@
-"""minicb: a course-sized LLM inference engine, from one request at a time to continuous
-batching with chunked prefill and PD interleaving. See README.md for the course map."""
+"""minicb: a course-sized LLM engine, from one request to continuous batching (see README.md)."""
 
 from minicb.config import EngineConfig
 from minicb.engine import Engine, SchedulerError

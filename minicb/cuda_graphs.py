@@ -1,6 +1,7 @@
-"""Decode steps replayed from CUDA graphs (chapter 07): a decode-only step launches the same
-kernels every time, so a graph captured once per batch-size bucket and replayed saves that launch
-cost. B requests run in the smallest bucket >= B, rows past B padded; capture=False runs eagerly."""
+"""Decode steps replayed from CUDA graphs (chapter 07): one capture per batch-size bucket, replayed,
+saves a decode step's kernel launches; `capture=False` runs the same buffers eagerly (CPU)."""
+# a decode-only step launches the same kernels every time; B requests run in the smallest
+# bucket >= B, the rows past B padded
 
 from __future__ import annotations
 

@@ -107,8 +107,7 @@ class Engine:
         waits = self.scheduler.waits_for_batch_timeout and not self.config.batch_timeout_in_seconds
         return STALL_STEPS + (int(self.config.batch_timeout) if waits else 0)
 
-    def clock(self) -> float:
-        """Seconds since `t0`, when the engine started."""
+    def clock(self) -> float:  # seconds since the engine started
         return self._now() - self.t0
 
     # ------------------------------------------------------------------------------ requests
@@ -116,8 +115,7 @@ class Engine:
         """A prompt's token ids: a list as given, a text through the tokenizer."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("prompt is a string but this checkpoint has no tokenizer; "
-                                 "pass token ids (a list of ints) instead")
+                raise ValueError("this checkpoint has no tokenizer: pass token ids, not a string")
             try:
                 prompt.encode("utf-8")
             except UnicodeEncodeError as exc:  # a lone surrogate: no tokenizer can take it
@@ -157,9 +155,9 @@ class Engine:
                     request_id: str | None = None, arrival_step: int | None = None,
                     arrival_time: float | None = None, priority: int = 0,
                     deadline: float | None = None, tenant: str | None = None) -> str:
-        """Queue a request to arrive now, at `arrival_step` or at `arrival_time` (engine-clock
-        seconds); returns its id. Bad input: ValueError, nothing changed."""
-        # deadline: seconds after arrival to finish in; tenant: who sent it (chapter 06)
+        """Queue a request to arrive now, at `arrival_step` or at `arrival_time`; returns its id."""
+        # arrival_time: engine-clock seconds; deadline: seconds after arrival to finish in;
+        # tenant: who sent it (chapter 06). Bad input: ValueError, nothing changed
         params = params or SamplingParams()
         token_ids = self.check_request(prompt, params)
         if request_id is None:  # the next free one: a caller may have taken "req-3" by hand

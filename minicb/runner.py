@@ -1,5 +1,5 @@
-"""The model runner (chapters 01, 03, 07), as nano-vllm's `model_runner`: it loads the model,
-sizes the page pool, runs a step's members as one forward (or a CUDA graph) and samples."""
+"""The model runner (chapters 01, 03, 07): it loads the model, sizes the pool, runs and samples."""
+# as nano-vllm's `model_runner`: the engine keeps the books, the runner computes
 
 from __future__ import annotations
 
@@ -222,8 +222,7 @@ class ModelRunner:
                 draft = drafts.get(req.request_id, [])
                 rows = logits[row:row + len(draft) + 1]
                 out.append(verify(rows, draft, req.params, req.generator) if draft else
-                           sample(rows, [req.params], [req.generator], [ban],
-                                  [req.token_counts]))
+                           sample(rows, [req.params], [req.generator], [ban], [req.token_counts]))
                 row += len(draft) + 1
                 last.append(row - 1)
         asked = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]

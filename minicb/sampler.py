@@ -1,5 +1,5 @@
-"""Logits into tokens (chapter 01): vLLM's penalties, then greedy, temperature, top-k and top-p, a
-per-request seed (the same tokens whatever shares the batch, up to its rounding) and logprobs."""
+"""Logits into tokens (chapter 01): penalties, greedy, temperature, top-k, top-p, and logprobs."""
+# a per-request seed: the same tokens whatever shares the batch (up to its rounding, chapter 03)
 
 from __future__ import annotations
 

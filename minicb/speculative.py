@@ -1,7 +1,7 @@
-"""Speculative decoding by prompt lookup (chapter 08). A decode step reads every weight for one
-token per request, so a few more query rows cost little: guess the next `k` tokens (what followed
-the request's last `n` tokens before), run the last token and the guesses as one causal chunk,
-keep the guesses the model agrees with and its own next token: the output is as without guesses."""
+"""Speculative decoding by prompt lookup (chapter 08): guess a request's next tokens from what
+followed its last few tokens before, check them in one forward, keep those the model agrees with."""
+# a decode step reads every weight for one token per request, so a few more query rows cost
+# little; a sampled request draws each position as it would without guesses: the same output
 
 from __future__ import annotations
 
@@ -14,11 +14,10 @@ from minicb.sampler import draw, probabilities
 
 
 class NgramIndex:
-    """Prompt lookup for one request whose tokens only grow: `propose` guesses what followed an
-    earlier occurrence of its last `n` tokens, `n` from `n_max` down to `n_min`."""
-    # the latest occurrence, or the earliest if fewer than `k` tokens follow the latest; the
-    # first and latest start of every run of n_min..n_max tokens are kept as tokens arrive, so
-    # a guess costs O(n_max), not a scan
+    """Prompt lookup for one request: what followed an earlier run of its last n tokens."""
+    # n from n_max down to n_min; the latest occurrence, or the earliest if fewer than `k` tokens
+    # follow the latest; the first and latest start of every run of n_min..n_max tokens are kept
+    # as tokens arrive, so a guess costs O(n_max), not a scan
 
     def __init__(self, n_max: int = 4, n_min: int = 2) -> None:
         self.n_max, self.n_min = n_max, n_min

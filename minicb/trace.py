@@ -1,5 +1,5 @@
-"""The trace (chapters 02-06): a `StepRecord` per engine step, plain data from which every picture
-and metric is computed without an engine. Time is both the step index and wall-clock seconds."""
+"""The trace (chapters 02-06): a `StepRecord` per engine step, the data every picture reads."""
+# plain data: pictures and metrics need no engine; time is both the step index and seconds
 
 from __future__ import annotations
 
