@@ -12,8 +12,7 @@ from minicb.attention import AttentionMetadata
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
-def graph_buckets(max_num_seqs: int, buckets: tuple[int, ...] = DEFAULT_BUCKETS
-                  ) -> tuple[int, ...]:
+def graph_buckets(max_num_seqs: int, buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> tuple[int, ...]:
     """The buckets worth capturing for `max_num_seqs` slots: the slot count caps them."""
     top = min(max_num_seqs, buckets[-1])
     return tuple(sorted({b for b in buckets if b < top} | {top}))

@@ -144,8 +144,7 @@ class StopMatcher:
 class LLM:
     """`LLM(model, **engine_config)`; the engine stays reachable as `llm.engine`."""
 
-    def __init__(self, model="smollm2-135m", config: EngineConfig | None = None,
-                 **options) -> None:
+    def __init__(self, model="smollm2-135m", config: EngineConfig | None = None, **options) -> None:
         self.engine = Engine(model, config, **options)
         self.tokenizer = self.engine.tokenizer
         # the stop strings of every request a generate or stream call still reads: any call's

@@ -72,8 +72,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
             for i, p in enumerate(params)]
 
 
-def top_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]
-                 ) -> list[dict[int, float]]:
+def top_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> list[dict[int, float]]:
     """Per row, the raw logprobs (vLLM's default) of its ks[i] most likely tokens and tokens[i]."""
     # one copy to the host for the whole batch
     logprobs = torch.log_softmax(logits.float(), dim=-1)

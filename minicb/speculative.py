@@ -72,8 +72,7 @@ class Speculator:
         return drafts
 
     @staticmethod
-    def kept(drafts: dict[str, list[int]], delivered: dict[str, int]
-             ) -> dict[str, tuple[int, int]]:
+    def kept(drafts: dict[str, list[int]], delivered: dict[str, int]) -> dict[str, tuple[int, int]]:
         """Request id -> (tokens guessed, guesses kept): all `delivered` tokens but the last."""
         return {rid: (len(d), delivered[rid] - 1) for rid, d in drafts.items() if rid in delivered}
 
