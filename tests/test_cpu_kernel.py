@@ -262,7 +262,7 @@ def test_the_torch_fallback_is_announced_once(monkeypatch, caplog):
     process, not one per engine built."""
     from minicb import attention
     monkeypatch.delenv("MINICB_ATTENTION", raising=False)
-    monkeypatch.setattr(attention, "_warned", set())
+    attention._warn_once.cache_clear()
     monkeypatch.setattr(cpu_kernel, "unavailable_reason", lambda: "no compiler here")
     with caplog.at_level(logging.WARNING, logger="minicb"):
         assert [attention.resolve_backend("auto", "cpu") for _ in range(3)] == ["torch"] * 3

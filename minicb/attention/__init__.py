@@ -1,11 +1,10 @@
-"""Attention over the paged KV cache (chapter 01; GPU kernels in chapter 07, CPU ones in 08).
-`AttentionMetadata` says where each member's rows are (decode rows first), how long its context
-is and which pages hold it. A backend provides `store_kv(k, v, k_cache, v_cache, meta)`,
-`attend(q, k_cache, v_cache, meta, scale)`, `rms_norm(x, weight, eps)` and
-`rope(q, k, cos, sin)`, over caches [num_pages, page_size, num_kv_heads, head_dim]."""
+"""Attention over the paged KV cache (chapter 01; GPU kernels in chapter 07, CPU ones in 08). A
+backend is a module with `torch_ref`'s `store_kv`, `attend`, `rms_norm` and `rope`, over caches
+[num_pages, page_size, num_kv_heads, head_dim] and one step's `AttentionMetadata`."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import os
@@ -43,13 +42,9 @@ def resolve_backend(name: str = "auto", device: str = "cpu") -> str:
     return name
 
 
-_warned: set[str] = set()
-
-
+@functools.cache  # once per message and process
 def _warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
-        logging.getLogger("minicb").warning(message)
+    logging.getLogger("minicb").warning(message)
 
 
 BACKENDS = {"torch": "torch_ref", "triton": "triton_ops", "cpu": "cpu_kernel"}  # name -> module

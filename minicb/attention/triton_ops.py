@@ -1,24 +1,7 @@
 """The Triton attention backend (chapter 07): the torch reference's `store_kv`, `attend`,
-`rms_norm` and `rope` as GPU kernels over the paged KV cache.
-
-- `_store_kv_kernel` writes the new K/V rows through the slot mapping (slot < 0 is skipped:
-  padded batches, as CUDA graphs need, use -1).
-- `_paged_attention_kernel` is one online-softmax loop over a member's pages. A program owns
-  one kv head and a tile of BLOCK_M rows (BLOCK_Q queries times the GROUP query heads sharing
-  that kv head, so K/V are read once per group); keys come in blocks of BLOCK_N tokens, each
-  token's page looked up in the page table, so any page size and order works and shared prefix
-  pages are the same ids in several tables. It runs once for the decode rows and once for the
-  prefill chunks (causal, a chunk may start mid-page).
-- `_rms_norm_kernel` and `_rope_kernel` are one launch each where PyTorch launches 6-8 and 14:
-  a small model's GPU step is hundreds of tiny kernels whose number sets its time (an H200
-  SmolLM2 step of 16 rows: 1,520 µs with these, 3,191 µs with PyTorch's; bench/GPU.md). In
-  16-bit RoPE here rounds once, from float32, where PyTorch rounds after every operation.
-
-Accumulation is float32; outputs have the query's dtype, caches must too. On the CPU, Triton's
-interpreter runs the kernels on CPU tensors, but only if `TRITON_INTERPRET=1` was set before
-anything imported `triton` (it is read when functions are decorated); otherwise CPU tensors
-raise a RuntimeError saying so.
-"""
+`rms_norm` and `rope` as GPU kernels over the paged KV cache, accumulating in float32 (caches
+have the query's dtype). On the CPU, Triton's interpreter runs them only if `TRITON_INTERPRET=1`
+was set before anything imported `triton`; otherwise CPU tensors raise a RuntimeError."""
 
 from __future__ import annotations
 
@@ -55,6 +38,9 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_token
              mask=ok)
 
 
+# RMSNorm and RoPE are one launch each where PyTorch launches 6-8 and 14: a small model's GPU step
+# is hundreds of tiny kernels whose number sets its time (bench/GPU.md). In 16-bit, RoPE here
+# rounds once, from float32, where PyTorch rounds after every operation.
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, eps, stride_xt, stride_xh, stride_ot, stride_oh,
                      DIM: tl.constexpr, BLOCK: tl.constexpr):
@@ -97,6 +83,11 @@ def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, num_q_heads, num_k_heads,
     _rotate_heads(k_ptr + t * stride_kt, stride_kh, num_k_heads, cos, sin, d, d_ok, HALF, BLOCK_H)
 
 
+# One online-softmax loop over a member's pages. A program owns one kv head and a tile of BLOCK_M
+# rows (BLOCK_Q queries times the GROUP query heads sharing that kv head, so K/V are read once per
+# group); each key's page is looked up in the page table, so any page size and order works and
+# shared prefix pages are the same ids in several tables. It runs once for the decode rows and
+# once for the prefill chunks (causal; a chunk may start mid-page).
 @triton.jit(do_not_specialize=["stride_pt"])  # the page-table width, see _store_kv_kernel
 def _paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
                             qsl_ptr, ctx_ptr, page_table_ptr, work_ptr, scale_log2,
@@ -327,38 +318,35 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         raise TypeError(f"KV cache dtype {k_cache.dtype} must match the query's {q.dtype}")
     q = _last_dim_contiguous(q)
-    # float32 stays exact (no TF32) so the kernel matches the reference; 16-bit inputs use the
-    # tensor cores natively and ignore this
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
     fp32 = q.dtype == torch.float32
     block_d = max(16, triton.next_power_of_2(head_dim))
+    # float32 stays exact (no TF32) so the kernel matches the reference; 16-bit inputs use the
+    # tensor cores natively and ignore this
     common = dict(HEAD_DIM=head_dim, PAGE_SIZE=meta.page_size, GROUP=group, BLOCK_D=block_d,
-                  DOT_PRECISION=precision)
-    fp32_key_block = max(16, FLOAT32_KEY_BLOCK // block_d)
-    (decode_n, decode_warps, decode_stages), (prefill_n, prefill_warps, prefill_stages) = (
-        DECODE_TILES, PREFILL_TILES)
-    decode_options = dict(BLOCK_N=fp32_key_block if fp32 else decode_n)
-    prefill_options = dict(BLOCK_N=fp32_key_block if fp32 else prefill_n)
-    if not _interpreted():  # compiled for a GPU (the interpreter takes no launch options)
-        decode_options.update(num_warps=decode_warps, num_stages=decode_stages)
-        prefill_options.update(num_warps=FLOAT32_PREFILL_NUM_WARPS if fp32 else prefill_warps,
-                               num_stages=prefill_stages)
+                  DOT_PRECISION="ieee" if fp32 else "tf32")
     args = [q, k_cache, v_cache, out, meta.query_start_loc, meta.context_lens, meta.page_tables]
     strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
                meta.page_tables.stride(0))
     scale_log2 = scale * LOG2E
-    if meta.num_decodes:
+    key_block = max(16, FLOAT32_KEY_BLOCK // block_d)  # float32's BLOCK_N
+    gpu = not _interpreted()  # compiled for a GPU: the interpreter takes no launch options
+    if meta.num_decodes:  # one program per decode member (the work list goes unused)
+        block_n, warps, stages = DECODE_TILES
         block_m = max(DECODE_BLOCK_M, triton.next_power_of_2(group))
+        options = dict(num_warps=warps, num_stages=stages) if gpu else {}
         _paged_attention_kernel[(meta.num_decodes, num_kv_heads)](
-            *args, meta.query_start_loc, scale_log2, *strides,  # work list unused for decode
-            BLOCK_Q=block_m // group, BLOCK_M=block_m, DECODE=True, **common, **decode_options)
-    if meta.num_decodes < meta.num_members:
+            *args, meta.query_start_loc, scale_log2, *strides, BLOCK_Q=block_m // group,
+            BLOCK_M=block_m, BLOCK_N=key_block if fp32 else block_n, DECODE=True, **common,
+            **options)
+    if meta.num_decodes < meta.num_members:  # one program per prefill tile
+        block_n, warps, stages = PREFILL_TILES
         block_m = max(PREFILL_BLOCK_M, triton.next_power_of_2(group))
-        block_q = block_m // group
-        work = _prefill_work(meta, block_q, q.device)
+        work = _prefill_work(meta, block_m // group, q.device)
+        warps = FLOAT32_PREFILL_NUM_WARPS if fp32 else warps
+        options = dict(num_warps=warps, num_stages=stages) if gpu else {}
         _paged_attention_kernel[(work.numel() // 2, num_kv_heads)](
-            *args, work, scale_log2, *strides,
-            BLOCK_Q=block_q, BLOCK_M=block_m, DECODE=False, **common, **prefill_options)
+            *args, work, scale_log2, *strides, BLOCK_Q=block_m // group, BLOCK_M=block_m,
+            BLOCK_N=key_block if fp32 else block_n, DECODE=False, **common, **options)
     return out

@@ -46,8 +46,7 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, cfg: Mapping) -> ModelConfig:
         """From a config.json dict with HF_DEFAULTS filled in; ValueError for what cannot run."""
-        archs = cfg.get("architectures") or []
-        arch = archs[0] if archs else _ARCH_FROM_MODEL_TYPE.get(cfg.get("model_type"), None)
+        arch = (cfg.get("architectures") or [_ARCH_FROM_MODEL_TYPE.get(cfg.get("model_type"))])[0]
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"unsupported architecture {arch or cfg.get('model_type')!r}; "
                              f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
@@ -253,8 +252,9 @@ class LlamaModel(nn.Module):
         self.attention_backend_name = name
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, 1, head_dim/2] from tables that grow in powers of two on the CPU and cover
-        max_position_embeddings at once elsewhere (the forward never reads positions back)."""
+        """cos, sin [T, 1, head_dim/2] of these positions, from tables built once."""
+        # on the CPU the tables grow in powers of two; elsewhere they cover
+        # max_position_embeddings at once, so the forward never reads positions back
         n = self.config.max_position_embeddings
         if positions.device.type == "cpu" and positions.numel():
             n = max(4096, 1 << int(positions.max()).bit_length())
@@ -300,19 +300,17 @@ class LlamaModel(nn.Module):
     def load_hf_state_dict(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Copy Hugging Face tensors into this model, fusing q/k/v and gate/up; KeyError names a
         missing tensor, ValueError one not float (fp8, packed int) or not the configured shape."""
-        def get(name: str) -> torch.Tensor:
-            if name not in tensors:
-                raise KeyError(f"checkpoint has no tensor {name!r}")
-            return tensors[name]
-
         def put(param: torch.Tensor, *names: str) -> None:
-            src = [get(n) for n in names]
-            for name, t in zip(names, src, strict=True):  # copy_ would cast fp8 or int silently
+            missing = [n for n in names if n not in tensors]
+            if missing:
+                raise KeyError(f"checkpoint has no tensor {missing[0]!r}")
+            for name in names:  # copy_ would cast fp8 or int silently
+                t = tensors[name]
                 if not t.is_floating_point() or t.element_size() < 2:
                     raise ValueError(f"tensor {name!r} is stored as {t.dtype}, a quantized "
                                      "format minicb does not read: use a float (unquantized) "
                                      "checkpoint")
-            src = src[0] if len(src) == 1 else torch.cat(src, dim=0)
+            src = torch.cat([tensors[n] for n in names]) if len(names) > 1 else tensors[names[0]]
             if src.shape != param.shape:
                 raise ValueError(f"tensor {' + '.join(names)!r} has shape {tuple(src.shape)}, "
                                  f"but config.json makes it {tuple(param.shape)}")

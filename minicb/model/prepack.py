@@ -1,11 +1,7 @@
 """Prepacked projections, the CPU's fast products (chapter 01, "the same bytes, a better
-layout"; chapter 08). oneDNN's inner product takes a weight packed once in its own layout,
-where `F.linear` repacks it every call: batches run 2.1-2.6x faster (bench/README.md). One to
-three rows are memory-bound and neither streams them at the memory's speed, so the plain weight
-stays too (a second copy, on huge pages) for the C `gemv`. Results differ from `F.linear` by
-float32 rounding. Default
-on x86-64 (`MINICB_PREPACK=0` or `prepack=False`: off); bfloat16 where oneDNN runs bf16. A
-prepacked model cannot be copied, saved, cast or moved: load it again."""
+layout"; chapter 08): oneDNN's inner product over a weight packed once in its own layout, where
+`F.linear` repacks it every call. On by default on x86-64 (`MINICB_PREPACK=0` or `prepack=False`:
+off). A prepacked model cannot be copied, saved, cast or moved: load it again."""
 
 from __future__ import annotations
 
@@ -39,13 +35,14 @@ def prepack_wanted(device: str | torch.device, dtype: torch.dtype) -> bool:
             and setting == "1")
 
 
-GEMV_ROWS = 3  # up to this many rows the C product streams the plain weight faster than oneDNN
+# One to three rows are memory-bound, and the C `gemv` streams the plain weight faster than
+# oneDNN's packed product: the plain weight stays too (a second copy, on huge pages)
+GEMV_ROWS = 3
 
 
 class PackedLinear(nn.Module):
-    """y = x @ weight.T + bias with the weight plain ([out, in], for up to GEMV_ROWS rows) and
-    packed (an opaque oneDNN tensor, for more). A tied LM head's `weight` is the embedding itself, a
-    buffer outside the state dict, so parameters are counted once."""
+    """y = x @ weight.T + bias, the weight plain ([out, in]) and packed (an opaque oneDNN tensor).
+    A tied LM head's `weight` is the embedding, a buffer, so parameters are counted once."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  tied: bool = False) -> None:
@@ -79,9 +76,8 @@ class PackedLinear(nn.Module):
 
 
 def into_huge_pages(tensors: list[torch.Tensor], align: int = 2 << 20) -> None:
-    """Move these tensors' data into one anonymous mapping that Linux backs with 2 MB pages where
-    it can (MADV_HUGEPAGE): a one-row step streams every weight once, and on 4 KB pages the
-    prefetchers stop at each page's edge (the one-row products ran 15-25% faster)."""
+    """Move these tensors' data into one anonymous mapping on 2 MB pages (MADV_HUGEPAGE)."""
+    # a one-row step streams every weight once, and the prefetchers stop at each 4 KB page's edge
     if not hasattr(mmap, "MADV_HUGEPAGE"):  # not Linux: the tensors stay where they are
         return
     sizes = [-(-t.numel() * t.element_size() // 64) * 64 for t in tensors]
@@ -96,8 +92,7 @@ def into_huge_pages(tensors: list[torch.Tensor], align: int = 2 << 20) -> None:
 
 
 def prepack_model(model: nn.Module) -> nn.Module:
-    """Replace every projection of a CPU `LlamaModel` and its LM head by a `PackedLinear`, their
-    plain weights (and the embedding) on huge pages."""
+    """Replace a CPU `LlamaModel`'s projections and LM head by `PackedLinear`s, on huge pages."""
     tied = model.lm_head is None
     into_huge_pages([*(getattr(owner, name).weight for owner, name in projections(model)),
                      model.embed_tokens.weight, *([] if tied else [model.lm_head.weight])])

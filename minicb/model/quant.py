@@ -1,7 +1,5 @@
 """Weight-only int8 quantization for CPU decoding (chapter 01, "bytes per token"): a one-row
-step streams every weight once, and int8 with one scale per row streams a quarter of float32.
-Products run in torch's `aten._weight_int8pack_mm` (bfloat16 activations and scales, as in
-gpt-fast; its float32 path is 10-30x slower): results differ by those roundings."""
+step streams every weight once, and int8 with one scale per row streams a quarter of float32."""
 
 from __future__ import annotations
 
@@ -35,6 +33,8 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
+        # bfloat16 activations and scales, as in gpt-fast (the kernel's float32 path is 10-30x
+        # slower): results differ by those roundings
         if self.packed:
             y = torch.ops.aten._weight_int8pack_mm(flat.to(torch.bfloat16).contiguous(),
                                                    self.qweight, self.scale).to(x.dtype)
