@@ -1,9 +1,8 @@
-"""The CPU kernel backend (chapter 08). Decode rows attend over their pages in place
-(`paged_decode.c`, float32 or bfloat16 caches), where the reference copies them out first; the
-rest is the reference's. For one decoded row (`cpu_ops.c`), `gemv` streams each weight once and
-`decode_layer` runs a layer in one call. Compiled once with `cc` (or `$CC`) and cached under
-`$MINICB_CACHE/kernels` by source, flags, compiler and CPU; without a compiler "auto" keeps the
-reference and "cpu" is refused with the compiler's message."""
+"""The CPU kernel backend (chapter 08): decode rows attend over their pages in place
+(`paged_decode.c`, float32 or bfloat16 caches), where the reference copies them out first; for
+one decoded row (`cpu_ops.c`), `gemv` streams each weight once and `decode_layer` runs a layer in
+one call. The rest is the reference's. Built with `cc` (or `$CC`) once per source, flags,
+compiler and CPU, into `$MINICB_CACHE/kernels`."""
 
 from __future__ import annotations
 
@@ -146,8 +145,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> to
 def decode_layer(x: torch.Tensor, weights: list[torch.Tensor | None], eps: float,
                  cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                  kv_cache: tuple[torch.Tensor, torch.Tensor], scale: float) -> torch.Tensor:
-    """One decoded float32 row x [1, hidden] through a layer (`DecoderLayer.row_weights`) in
-    one C call, in place: dispatched from Python, its thirty operations cost a sixth of a step."""
+    """One decoded float32 row x [1, hidden] through a layer (`DecoderLayer.row_weights`), in
+    place, in one C call: dispatched from Python, its thirty operations cost a sixth of a step."""
     k_cache, v_cache = kv_cache
     _check_metadata(meta, k_cache)
     page_size, kv_heads, head_dim = k_cache.shape[1:]

@@ -1,6 +1,5 @@
 """One step's members as the attention backends see them (chapter 01): `AttentionMetadata`, built
-by `build_metadata` from plain lists, and `int_tensor`, the fast way to turn those lists into
-tensors."""
+by `build_metadata` from plain lists, and `int_tensor`, which turns such lists into tensors."""
 
 from __future__ import annotations
 
@@ -91,9 +90,7 @@ class AttentionMetadata:
 def build_metadata(page_tables: list[list[int]], num_computed: list[int], num_new: list[int],
                    page_size: int, device: torch.device | str = "cpu") -> AttentionMetadata:
     """Metadata of members with `num_computed` cached and `num_new` new tokens, decodes first."""
-    num_decodes = 0
-    while num_decodes < len(num_new) and num_new[num_decodes] == 1:
-        num_decodes += 1
+    num_decodes = next((i for i, n in enumerate(num_new) if n != 1), len(num_new))
     ctx = [s + n for s, n in zip(num_computed, num_new)]
     for table, total in zip(page_tables, ctx):
         if (total + page_size - 1) // page_size > len(table):

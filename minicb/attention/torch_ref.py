@@ -34,13 +34,18 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
 
 
+def _slots(meta: AttentionMetadata, members: torch.Tensor | slice, width: int) -> torch.Tensor:
+    """[n, width]: the cache slots of positions 0 .. width-1 of these members' contexts."""
+    pos = torch.arange(width, device=meta.page_tables.device)
+    pages = meta.page_tables[members].long()[:, pos // meta.page_size]
+    return pages * meta.page_size + pos % meta.page_size
+
+
 def _context_slots(meta: AttentionMetadata, member: int, length: int) -> torch.Tensor:
-    """Slots of one prefill member's context: computed once per step, shared by all layers."""
+    """Slots [1, length] of one prefill member's context: once per step, shared by all layers."""
     key = ("context_slots", member)
     if key not in meta.cache:
-        pos = torch.arange(length, device=meta.page_tables.device)
-        pages = meta.page_tables[member].long()[pos // meta.page_size]
-        meta.cache[key] = pages * meta.page_size + pos % meta.page_size
+        meta.cache[key] = _slots(meta, slice(member, member + 1), length)
     return meta.cache[key]
 
 
@@ -50,9 +55,9 @@ DECODE_GROUP = 4  # decode rows per padded gather (see _decode_groups)
 def _decode_groups(meta: AttentionMetadata) -> list[tuple[torch.Tensor, torch.Tensor,
                                                           torch.Tensor]]:
     """Decode members sorted by context length in groups of DECODE_GROUP (one on a GPU), each
-    padded to its own longest: [(rows, slots [n, width], valid [n, width])], once per step.
-    One group gathers ~2x the keys of spread contexts (SmolLM2, 32 rows: 166 ms a step; groups
-    of 4: 81-83; row by row: 104)."""
+    padded to its own longest: [(rows, slots [n, width], valid [n, width])], once per step."""
+    # one group of spread contexts gathers ~2x the keys (SmolLM2, 32 rows: 166 ms a step;
+    # groups of 4: 81-83; row by row: 104)
     if "decode_groups" not in meta.cache:
         lens = meta.context_lens_list[:meta.num_decodes]
         order = sorted(range(len(lens)), key=lens.__getitem__)
@@ -62,14 +67,11 @@ def _decode_groups(meta: AttentionMetadata) -> list[tuple[torch.Tensor, torch.Te
         for i in range(0, len(order), size):
             rows = int_tensor(order[i:i + size], device=meta.page_tables.device)
             width = lens[order[min(i + size, len(order)) - 1]]
-            pos = torch.arange(width, device=rows.device)
-            valid = pos[None, :] < meta.context_lens[rows].long()[:, None]
-            pages = meta.page_tables[rows].long()[:, pos // meta.page_size]
+            slots = _slots(meta, rows, width)
+            valid = torch.arange(width, device=rows.device) < meta.context_lens[rows, None]
             # padding repeats the row's own first slot (masked out): a slot it does not own
             # may hold anything, and a NaN there would poison the row even at weight 0
-            slots = torch.where(valid, pages * meta.page_size + pos % meta.page_size,
-                                pages[:, :1] * meta.page_size)
-            groups.append((rows, slots, valid))
+            groups.append((rows, torch.where(valid, slots, slots[:, :1]), valid))
         meta.cache["decode_groups"] = groups
     return meta.cache["decode_groups"]
 
@@ -121,8 +123,7 @@ def attend_prefills(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         slots = _context_slots(meta, b, ctx)
         # [1, heads, tokens, D]: given 3-D tensors, the CPU's scaled_dot_product_attention
         # takes its unfused path (1.4x slower for a 512-token prompt, 2x for 2,048)
-        keys = _gather(k_flat, slots[None])
-        values = _gather(v_flat, slots[None])
+        keys, values = _gather(k_flat, slots), _gather(v_flat, slots)
         qb = q[start:end].transpose(0, 1)[None]
         qlen = end - start
         if qlen == ctx:  # the chunk is its whole context: plain causal, which skips the

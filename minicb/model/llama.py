@@ -62,12 +62,11 @@ class ModelConfig:
             raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r} (only 'silu')")
         if cfg.get("mlp_bias"):
             raise ValueError("unsupported: mlp_bias=True")
-        window = cfg.get("sliding_window")
+        window, max_len = cfg.get("sliding_window"), cfg["max_position_embeddings"]
         windowed = windowed_layers(name, cfg)
-        if windowed and window < cfg["max_position_embeddings"]:  # a longer one changes nothing
+        if windowed and window < max_len:  # a window as long as the context changes nothing
             raise ValueError(f"unsupported: sliding-window attention ({arch}, sliding_window="
-                             f"{window} < max_position_embeddings="
-                             f"{cfg['max_position_embeddings']}, in layers {windowed})")
+                             f"{window} < max_position_embeddings={max_len}, in layers {windowed})")
         # transformers >= 5 writes `rope_parameters`; older files have rope_theta + rope_scaling
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
@@ -89,7 +88,7 @@ class ModelConfig:
             attention_bias=bias or name == "qwen2",
             o_proj_bias=bias and name != "qwen2",
             qk_norm=name == "qwen3",
-            max_position_embeddings=cfg["max_position_embeddings"],
+            max_position_embeddings=max_len,
             bos_token_id=cfg.get("bos_token_id"), eos_token_id=cfg.get("eos_token_id"))
 
 
@@ -158,10 +157,9 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
-        self.head_dim = cfg.head_dim
-        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
-                                  bias=cfg.attention_bias)
+        self.head_dim, self.q_size = cfg.head_dim, cfg.num_heads * cfg.head_dim
+        qkv_size = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, qkv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
