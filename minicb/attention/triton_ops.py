@@ -235,11 +235,10 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     cols = num_kv_heads * head_dim
     block_c = triton.next_power_of_2(cols)
     block_t = max(1, min(64, 8192 // block_c))  # a tile of a few thousand elements
-    grid = (triton.cdiv(num_tokens, block_t),)
-    _store_kv_kernel[grid](k, v, kc, vc, meta.slot_mapping, num_tokens,
-                           k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                           kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1),
-                           HEAD_DIM=head_dim, NUM_COLS=cols, BLOCK_T=block_t, BLOCK_C=block_c)
+    _store_kv_kernel[(triton.cdiv(num_tokens, block_t),)](
+        k, v, kc, vc, meta.slot_mapping, num_tokens, k.stride(0), k.stride(1), v.stride(0),
+        v.stride(1), kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1),
+        HEAD_DIM=head_dim, NUM_COLS=cols, BLOCK_T=block_t, BLOCK_C=block_c)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -269,9 +268,8 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     half = head_dim // 2
     _rope_kernel[(num_tokens,)](
         q, k, cos, sin, num_q_heads, k.shape[1], q.stride(0), q.stride(1), k.stride(0),
-        k.stride(1), cos.stride(0), HALF=half,
-        BLOCK_H=triton.next_power_of_2(max(num_q_heads, k.shape[1])),
-        BLOCK_D=triton.next_power_of_2(half))
+        k.stride(1), cos.stride(0), HALF=half, BLOCK_D=triton.next_power_of_2(half),
+        BLOCK_H=triton.next_power_of_2(max(num_q_heads, k.shape[1])))
     return q, k
 
 

@@ -1,6 +1,5 @@
-"""A Llama-family decoder in plain PyTorch over the paged KV cache (chapter 01): Llama, SmolLM2,
-Mistral, Qwen2, Qwen3. It sees one flat token batch, never a request; q/k/v and gate/up are
-each one product, fused at load."""
+"""A Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2, Qwen3) in plain PyTorch over the paged
+KV cache (chapter 01): one flat token batch in, never a request; q/k/v and gate/up fused at load."""
 
 from __future__ import annotations
 
@@ -85,10 +84,8 @@ class ModelConfig:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=theta,
             rope_scaling=rope if rope_type == "llama3" else None,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bias or name == "qwen2",
-            o_proj_bias=bias and name != "qwen2",
-            qk_norm=name == "qwen3",
-            max_position_embeddings=max_len,
+            attention_bias=bias or name == "qwen2", o_proj_bias=bias and name != "qwen2",
+            qk_norm=name == "qwen3", max_position_embeddings=max_len,
             bos_token_id=cfg.get("bos_token_id"), eos_token_id=cfg.get("eos_token_id"))
 
 
