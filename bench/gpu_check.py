@@ -293,6 +293,7 @@ def time_fusion(model_path: str, device: str, smoke: bool) -> dict:
 
     from minicb.attention import torch_ref
     from minicb.attention import triton_ops as tops
+    from minicb.benchmark.launches import count_launches
     from minicb.cuda_graphs import DecodeGraphRunner
     from minicb.model.loader import load_model
     batch, context, page_size = (2, 40, 16) if smoke else (16, 512, 16)
@@ -314,7 +315,7 @@ def time_fusion(model_path: str, device: str, smoke: bool) -> dict:
             step_fn = (runner.graphs[batch].replay if device == "cuda"
                        else lambda r=runner: r.run(*step))
             out[label] = timed(step_fn, device, 1 if smoke else 50)
-            launches = tops.count_launches(lambda r=runner: r._forward(batch))
+            launches = count_launches(lambda r=runner: r._forward(batch))
             out[label + "_launches"] = sum(launches.values())
         finally:
             tops.rms_norm, tops.rope = fused

@@ -32,6 +32,7 @@ from paged_cases import HEAD_DIM, NUM_KV_HEADS, assert_close, batch  # noqa: E40
 
 from minicb.attention import build_metadata, torch_ref  # noqa: E402
 from minicb.attention import triton_ops as tops  # noqa: E402
+from minicb.benchmark.launches import count_launches  # noqa: E402
 
 if DEVICE == "cpu" and not tops._interpreted():
     pytest.skip("triton was imported before TRITON_INTERPRET=1 was set, so its kernels cannot run "
@@ -209,7 +210,7 @@ def test_triton_backend_launches_one_kernel_per_norm_and_per_rope(tiny_llama_dir
             return model(ids, pos, meta, kv, torch.arange(2, device=DEVICE))
 
         step()  # RoPE tables, Triton compilation
-        counts[name] = tops.count_launches(step)
+        counts[name] = count_launches(step)
     layers = info.config.num_layers
     triton_counts = counts["triton"]
     assert triton_counts["triton.rms_norm_kernel"] == 2 * layers + 1  # two per layer, final

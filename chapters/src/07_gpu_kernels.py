@@ -295,10 +295,12 @@ print(inspect.getsource(DecodeGraphRunner.run))
 # **Fewer kernels: fused RMSNorm and RoPE.** A graph removes the cost of *launching* kernels, not of running them.
 # In plain PyTorch one RMSNorm is 6–8 kernels and RoPE on q and k is 14.
 # So a backend also provides `rms_norm` and `rope`: the reference keeps plain PyTorch, and the Triton backend does each in one kernel.
-# `tops.count_launches` counts the kernels of one decode step with either backend:
+# `count_launches` (`minicb/benchmark/launches.py`) counts the kernels of one decode step with either backend:
 
 # %%
 # NBVAL_CHECK_OUTPUT
+from minicb.benchmark.launches import count_launches
+
 kv = model[0].allocate_kv_cache(4, 16)
 ids, positions = torch.tensor([5, 6], device=DEVICE), torch.tensor([10, 20], device=DEVICE)
 
@@ -312,7 +314,7 @@ launches = {}
 for backend in ("torch", "triton"):
     model[0].set_attention_backend(backend)
     decode_step()  # RoPE tables, compilation on a GPU
-    launches[backend] = tops.count_launches(decode_step)
+    launches[backend] = count_launches(decode_step)
 model[0].set_attention_backend("torch")
 for backend, counts in launches.items():
     print(f"{backend:>6} backend: {sum(counts.values()):4d} kernels per decode step, "

@@ -5,8 +5,6 @@ was set before anything imported `triton`; otherwise CPU tensors raise a Runtime
 
 from __future__ import annotations
 
-from collections import Counter
-
 import torch
 import triton
 import triton.language as tl
@@ -160,55 +158,6 @@ _KERNELS = {f.__name__: f for f in (_store_kv_kernel, _rms_norm_kernel, _rope_ke
 def _interpreted() -> bool:
     """True when these kernels and Triton's own helpers (tl.max) both run in the interpreter."""
     return all(type(f).__name__ == "InterpretedFunction" for f in (*_KERNELS.values(), tl.max))
-
-
-# PyTorch operators that launch no kernel: views, allocations, host scalars, and the copies the
-# interpreter itself makes around a kernel
-_NOT_KERNELS = frozenset({
-    "view", "_unsafe_view", "reshape", "_reshape_alias", "as_strided", "alias", "detach", "t",
-    "transpose", "permute", "expand", "unsqueeze", "squeeze", "select", "slice", "split",
-    "split_with_sizes", "chunk", "unbind", "lift_fresh", "empty", "empty_like", "new_empty",
-    "empty_strided", "set_", "scalar_tensor", "_local_scalar_dense"})
-
-
-def count_launches(fn) -> Counter:
-    """Run fn() and count the kernels it launches (chapter 07): Triton's by name ("triton.<name>")
-    and PyTorch operators that compute ("torch.<op>"), in the interpreter on the CPU too."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-    counts: Counter = Counter()
-    in_kernel = []
-
-    class Operators(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = func.overloadpacket.__name__
-            if not in_kernel and name not in _NOT_KERNELS:
-                counts["torch." + name] += 1
-            return func(*args, **(kwargs or {}))
-
-    class Counted:
-        def __init__(self, kernel) -> None:
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            launch = self.kernel[grid]
-
-            def run(*args, **kwargs):
-                counts["triton." + self.kernel.__name__.strip("_")] += 1
-                in_kernel.append(True)
-                try:
-                    return launch(*args, **kwargs)
-                finally:
-                    in_kernel.pop()
-            return run
-
-    module = globals()
-    module.update({name: Counted(kernel) for name, kernel in _KERNELS.items()})
-    try:
-        with Operators():
-            fn()
-    finally:
-        module.update(_KERNELS)
-    return counts
 
 
 def _check_device(t: torch.Tensor) -> None:
