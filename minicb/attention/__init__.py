@@ -26,9 +26,8 @@ def resolve_backend(name: str = "auto", device: str = "cpu") -> str:
         raise ValueError(f"{source} must be 'auto', 'torch', 'triton' or 'cpu', got {name!r}")
     if name == "triton" and not on_cuda and not get_backend("triton")._interpreted():
         # refuse now, not as an error in every request
-        raise ValueError("attention_backend='triton' on the CPU runs the kernels in Triton's "
-                         "interpreter: set TRITON_INTERPRET=1 before anything imports "
-                         "triton (e.g. TRITON_INTERPRET=1 python ...), or use 'torch'")
+        raise ValueError("attention_backend='triton' on the CPU needs Triton's interpreter: set "
+                         "TRITON_INTERPRET=1 before anything imports triton, or use 'torch'")
     if name == "cpu":
         if on_cuda:
             raise ValueError("attention_backend='cpu' is the C kernel for the CPU: on CUDA use "

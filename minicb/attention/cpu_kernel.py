@@ -137,8 +137,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> to
     y = torch.empty(x.shape[0], weight.shape[0])
     x = x if x.is_contiguous() else x.contiguous()
     library().gemv_f32(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
-                       y.data_ptr(), x.shape[0], weight.shape[0], weight.shape[1],
-                       torch.get_num_threads())
+                       y.data_ptr(), len(x), *weight.shape, torch.get_num_threads())
     return y
 
 
@@ -214,14 +213,14 @@ def attend_decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     tables, lens = meta.page_tables, meta.context_lens
     fn = getattr(library(), "paged_decode_attention" + ("_bf16" if k_cache.dtype ==
                                                         torch.bfloat16 else ""))
-    # named in torch.profiler tables (a ctypes call is otherwise invisible to it; chapter 08)
+    # named in torch.profiler tables (a ctypes call is otherwise invisible to it; chapter 08);
+    # the threads are this thread's setting: a server's engine thread has its own OpenMP state
     with torch.profiler.record_function(PROFILE_NAME):
         failed = fn(qd.data_ptr(), qd.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-                    od.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(),
-                    nd, num_heads, num_kv_heads, head_dim, meta.page_size,
-                    max(meta.context_lens_list[:nd]), scale,
-                    torch.get_num_threads())  # this thread's setting: a server's engine thread
-    if failed:                                # has its own OpenMP state
+                    od.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(), nd,
+                    num_heads, num_kv_heads, head_dim, meta.page_size,
+                    max(meta.context_lens_list[:nd]), scale, torch.get_num_threads())
+    if failed:
         raise MemoryError("the CPU attention kernel could not allocate its score buffers")
     if od.data_ptr() != out.data_ptr():
         out[:nd] = od
@@ -229,9 +228,8 @@ def attend_decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 
 @functools.cache  # once per kind of cache and process
 def _warn_reference(dtype: torch.dtype, device: torch.device) -> None:
-    logging.getLogger("minicb").warning(f"the cpu attention kernel reads contiguous float32 or "
-                                        f"bfloat16 caches on the CPU; these ({dtype}, {device}) "
-                                        "take the torch reference")
+    logging.getLogger("minicb").warning(f"the cpu kernel reads contiguous float32 or bfloat16 "
+                                        f"CPU caches: {dtype} on {device} take the torch reference")
 
 
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

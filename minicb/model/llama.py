@@ -54,9 +54,8 @@ class ModelConfig:
         quant = cfg.get("quantization_config")
         if quant:  # its tensors are packed integers or fp8 plus scales, not weights to copy
             method = quant.get("quant_method") if isinstance(quant, Mapping) else quant
-            raise ValueError(f"pre-quantized checkpoint (quant_method {method!r}): minicb "
-                             "loads float weights only; use the float (unquantized) checkpoint, "
-                             "and quantization='int8' to quantize it at load")
+            raise ValueError(f"pre-quantized checkpoint (quant_method {method!r}): use a float "
+                             "checkpoint, and quantization='int8' to quantize it at load")
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r} (only 'silu')")
         if cfg.get("mlp_bias"):
@@ -96,12 +95,9 @@ def windowed_layers(family: str, cfg: Mapping) -> list[int]:
         return []
     if family == "mistral":
         return list(layers)
-    if not cfg.get("use_sliding_window"):
-        return []
-    types = cfg.get("layer_types")
-    if types:
-        return [i for i in layers if types[i] == "sliding_attention"]
-    return [i for i in layers if i >= cfg["max_window_layers"]]
+    types = cfg.get("layer_types")  # else the layers from max_window_layers on
+    return [i for i in layers if cfg.get("use_sliding_window") and (
+        types[i] == "sliding_attention" if types else i >= cfg["max_window_layers"])]
 
 
 # transformers' defaults for keys a family's config.json may leave out: a missing key must mean
@@ -303,8 +299,7 @@ class LlamaModel(nn.Module):
                 t = tensors[name]
                 if not t.is_floating_point() or t.element_size() < 2:
                     raise ValueError(f"tensor {name!r} is stored as {t.dtype}, a quantized "
-                                     "format minicb does not read: use a float (unquantized) "
-                                     "checkpoint")
+                                     "format: use a float (unquantized) checkpoint")
             src = torch.cat([tensors[n] for n in names]) if len(names) > 1 else tensors[names[0]]
             if src.shape != param.shape:
                 raise ValueError(f"tensor {' + '.join(names)!r} has shape {tuple(src.shape)}, "

