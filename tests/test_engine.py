@@ -692,7 +692,7 @@ def test_a_loaded_model_keeps_its_dtype(tiny_llama_dir):
                                                            ignore_eos=True))
     engine.run()
     assert len(engine.requests[rid].output_token_ids) == 3
-    with pytest.raises(ValueError, match="dtype='float32' but the model passed in is torch.bfloat16"):
+    with pytest.raises(ValueError, match="dtype='float32' but the model passed in is torch.bf"):
         Engine(pair, dtype="float32")
 
 
