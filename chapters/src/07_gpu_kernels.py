@@ -130,7 +130,8 @@ for table, (done, _) in zip(tables, members):
         k_cache[table[pos // PAGE], pos % PAGE] = torch.randn(KV_HEADS, HEAD_DIM, generator=gen)
         v_cache[table[pos // PAGE], pos % PAGE] = torch.randn(KV_HEADS, HEAD_DIM, generator=gen)
 # the two shared pages must hold the same tokens for both decodes: member 1 wrote them last
-meta = build_metadata(tables, [d for d, _ in members], [n for _, n in members], PAGE)
+meta = build_metadata(tables, [d for d, _ in members], [n for _, n in members], PAGE,
+                      device=DEVICE)
 tokens = sum(n for _, n in members)
 q = torch.randn(tokens, KV_HEADS * GROUP, HEAD_DIM, generator=gen)
 k = torch.randn(tokens, KV_HEADS, HEAD_DIM, generator=gen)
@@ -150,10 +151,9 @@ outs = {}
 timings = {}
 for name, backend in (("torch", torch_ref), ("triton", tops)):
     kc, vc = k_cache.clone().to(DEVICE), v_cache.clone().to(DEVICE)
-    m = meta.to(DEVICE)
     t0 = time.perf_counter()
-    backend.store_kv(k.to(DEVICE), v.to(DEVICE), kc, vc, m)
-    outs[name] = backend.attend(q.to(DEVICE), kc, vc, m, scale).cpu()
+    backend.store_kv(k.to(DEVICE), v.to(DEVICE), kc, vc, meta)
+    outs[name] = backend.attend(q.to(DEVICE), kc, vc, meta, scale).cpu()
     timings[name] = time.perf_counter() - t0
     caches[name] = (kc.cpu(), vc.cpu())
 print({name: f"{t * 1000:.0f} ms" for name, t in timings.items()},
