@@ -38,6 +38,8 @@ def broken_compiler(monkeypatch, tmp_path):
 
 
 def test_the_kernel_builds_and_is_cached_readable_by_all():
+    """The C kernel builds here into the kernels cache folder with mode 0755 under the umask,
+    readable by every user."""
     assert cpu_kernel.unavailable_reason() is None
     path = cpu_kernel.library_path(cpu_kernel._compiler())
     assert path.exists() and path.parent.name == "kernels"
@@ -47,6 +49,8 @@ def test_the_kernel_builds_and_is_cached_readable_by_all():
 
 
 def test_a_damaged_cached_library_is_rebuilt(monkeypatch, tmp_path):
+    """A cached library that does not load is rebuilt in place into a working shared library,
+    leaving no temporary file beside it."""
     monkeypatch.setenv("MINICB_CACHE", str(tmp_path))
     compiler = cpu_kernel._compiler()
     path = cpu_kernel.library_path(compiler)
@@ -74,6 +78,8 @@ def test_a_build_keeps_only_the_newest_builds(monkeypatch, tmp_path):
 
 
 def test_cc_may_carry_a_wrapper_and_a_missing_one_is_named(monkeypatch):
+    """CC may name a wrapper and its compiler ("ccache gcc"), and a compiler that does not exist
+    raises RuntimeError naming it."""
     monkeypatch.setenv("CC", "ccache gcc")
     assert cpu_kernel._compiler() == ["ccache", "gcc"]
     with pytest.raises(RuntimeError, match="'/no/such/cc' was not found"):
@@ -184,6 +190,8 @@ def test_bfloat16_caches_are_read_in_float32(caplog, monkeypatch):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_engine_tokens_match_the_torch_backend_in_each_dtype(tiny_llama_dir, dtype):
+    """In float32 and bfloat16, the engine's greedy tokens with the C kernel equal those with the
+    torch backend."""
     from minicb import LLM, SamplingParams
     prompts = [list(range(3, 40)), list(range(50, 57)), list(range(60, 90))]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -194,6 +202,9 @@ def test_engine_tokens_match_the_torch_backend_in_each_dtype(tiny_llama_dir, dty
 
 
 def test_auto_picks_the_kernel_on_the_cpu(monkeypatch):
+    """auto picks the C kernel on the CPU unless MINICB_ATTENTION says otherwise; the C kernel on
+    CUDA, or an unknown backend from the argument or the environment, raises ValueError naming where
+    the value came from."""
     monkeypatch.delenv("MINICB_ATTENTION", raising=False)
     assert resolve_backend("auto", "cpu") == "cpu"
     monkeypatch.setenv("MINICB_ATTENTION", "torch")
@@ -209,6 +220,9 @@ def test_auto_picks_the_kernel_on_the_cpu(monkeypatch):
 
 def test_without_a_working_compiler_auto_falls_back_and_cpu_is_refused(broken_compiler, caplog,
                                                                         monkeypatch):
+    """Without a working compiler, auto falls back to the torch reference with a warning naming the
+    compiler's error, an explicit cpu backend raises ValueError with that error, and no partial
+    library is cached."""
     monkeypatch.delenv("MINICB_ATTENTION", raising=False)
     with caplog.at_level(logging.WARNING, logger="minicb"):
         assert resolve_backend("auto", "cpu") == "torch"

@@ -10,6 +10,8 @@ from minicb.kv_cache import PagePool, prompt_page_hashes
 
 
 def test_allocate_and_release_balance():
+    """Pages allocated and released keep num_free and num_used in balance; allocating past the pool
+    raises MemoryError, and releasing a page more often than it was taken raises ValueError."""
     pool = PagePool(8, 4)
     a = pool.allocate(3)
     b = pool.allocate(5)
@@ -25,6 +27,7 @@ def test_allocate_and_release_balance():
 
 
 def test_allocation_is_all_or_nothing():
+    """A request for more pages than are free raises MemoryError and takes none."""
     pool = PagePool(4, 4)
     pool.allocate(3)
     with pytest.raises(MemoryError):
@@ -53,6 +56,8 @@ def test_a_refused_share_or_release_changes_nothing(prefix_caching):
 
 
 def test_chained_hash_depends_on_everything_before():
+    """A page's hash covers every token before it: a different first page changes the second page's
+    hash, and a prompt shorter than one page has no hashes."""
     a = prompt_page_hashes([1, 2, 3, 4, 5, 6, 7, 8], 4)
     b = prompt_page_hashes([9, 2, 3, 4, 5, 6, 7, 8], 4)
     assert len(a) == 2 and a[0] != b[0]
@@ -61,6 +66,8 @@ def test_chained_hash_depends_on_everything_before():
 
 
 def test_prefix_hit_shares_pages_and_is_capped():
+    """A prefix match returns the longest run of cached full pages but leaves at least one prompt
+    token to compute, and sharing a matched page raises its reference count."""
     pool = PagePool(16, 4)
     prompt = list(range(12))
     table = pool.allocate(3)
@@ -75,6 +82,8 @@ def test_prefix_hit_shares_pages_and_is_capped():
 
 
 def test_lru_eviction_of_unreferenced_cached_pages():
+    """Released prompt pages stay cached and matchable; allocation takes free pages first, then
+    evicts the least recently used cached page (a match refreshes it) and counts the eviction."""
     pool = PagePool(5, 2)
     old = pool.allocate(2)
     pool.register_prompt_pages([1, 2, 3, 4], old, 4)
@@ -98,6 +107,8 @@ def test_lru_eviction_of_unreferenced_cached_pages():
 @given(st.lists(st.tuples(st.sampled_from(["alloc", "release", "register"]),
                           st.integers(0, 5)), max_size=60), st.integers(0, 2**16))
 def test_random_operations_never_leak(ops, seed):
+    """Any sequence of matched, shared, allocated, registered and released tables keeps the pool
+    consistent, and releasing them all leaves no page used."""
     rng = random.Random(seed)
     pool = PagePool(12, 2)
     tables: list[list[int]] = []
@@ -121,6 +132,7 @@ def test_random_operations_never_leak(ops, seed):
 
 
 def test_only_computed_prompt_pages_are_indexed():
+    """Only prompt pages whose tokens are all computed are registered for prefix matching."""
     from minicb.kv_cache import PagePool
     pool = PagePool(8, 4)
     prompt = list(range(12))

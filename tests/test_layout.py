@@ -32,6 +32,8 @@ def imports() -> dict[str, set[str]]:
 
 
 def test_the_core_imports_no_tooling_and_its_leaves_import_nothing():
+    """No core module (runner and model.loader included) imports benchmark, serving or course, and
+    kv_cache and trace import no other minicb module."""
     graph = imports()
     core = [m for m in graph if m != "minicb.__main__" and not m.startswith(TOOLING)]
     assert "minicb.runner" in core and "minicb.model.loader" in core

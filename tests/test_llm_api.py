@@ -44,6 +44,8 @@ def once(words: list[str], start: int) -> str:
 
 # ------------------------------------------------------------------------------ stop strings
 def test_sampling_params_stop_is_a_tuple_of_non_empty_strings():
+    """stop is stored as a tuple of strings (one string is one stop string, None is none); bytes,
+    empty strings, non-strings and sets raise ValueError."""
     assert SamplingParams().stop == ()
     assert SamplingParams(stop="w1").stop == ("w1",)  # one string is one stop string (vLLM)
     assert SamplingParams(stop=["a", "bc"]).stop == ("a", "bc")
@@ -75,6 +77,8 @@ def test_generate_cuts_the_text_before_the_earliest_stop_string_and_stops_at_onc
 
 
 def test_a_stop_string_may_span_tokens(llm):
+    """A stop string that spans two tokens ends the text just before it, with finish reason stop,
+    and keeps only the tokens needed to reach its end."""
     ref = llm.generate("w5 w6 w7", SamplingParams(max_tokens=12, **GREEDY), use_tqdm=False)[0]
     words = ref.text.split()
     stop = f"{words[2][-1]} {words[3][:2]}"  # the end of one word and the start of the next
@@ -143,6 +147,9 @@ def test_a_stop_string_completed_among_kept_guesses_ends_the_tokens_there(word_m
 
 
 def test_stop_at_drops_the_tokens_after_and_refuses_a_bad_count(word_model):
+    """stop_at(request_id, n) keeps the first n output tokens and their step record, finishes the
+    request with stop and frees its pages; n outside 1..len(output), a non-integer n or an unknown
+    request_id raises ValueError naming it."""
     llm = guessing_llm(word_model, 3)
     rid = llm.engine.add_request([100] * 8, SamplingParams(max_tokens=12, **GREEDY))
     llm.engine.step(), llm.engine.step()  # 1 token, then 4 more
@@ -160,6 +167,8 @@ def test_stop_at_drops_the_tokens_after_and_refuses_a_bad_count(word_model):
 
 
 def test_a_stop_string_in_the_last_allowed_token_is_a_stop(llm):
+    """A stop string completed by the last token max_tokens allows finishes the request with stop,
+    not length, in the output and in the engine's request."""
     ref = llm.generate("w5 w6 w7", SamplingParams(max_tokens=2, **GREEDY), use_tqdm=False)[0]
     first, stop = ref.text.split()
     assert stop not in first
@@ -170,6 +179,9 @@ def test_a_stop_string_in_the_last_allowed_token_is_a_stop(llm):
 
 
 def test_stream_holds_back_what_may_begin_a_stop_string_and_stops_there(llm):
+    """A stream never yields text that may begin a stop string: its text ends just before the stop
+    string, its tokens are those generate keeps, and without stop strings it yields the whole
+    text."""
     ref = llm.generate("w5 w6 w7", SamplingParams(max_tokens=12, **GREEDY), use_tqdm=False)[0]
     words = ref.text.split()
     stop = f"{words[2][-1]} {words[3][:2]}"  # its first character ends a word: held back
@@ -211,6 +223,7 @@ def test_a_stop_string_ends_its_request_whichever_call_steps_the_engine(llm):
 
 
 def test_chat_honours_stop_strings(llm):
+    """chat ends its reply just before the first stop string, with finish reason stop."""
     ref = llm.chat(HI, SamplingParams(max_tokens=8, **GREEDY), use_tqdm=False)[0]
     stop = once(ref.text.split(), 4)
     out = llm.chat(HI, SamplingParams(max_tokens=8, stop=stop, **GREEDY), use_tqdm=False)[0]
@@ -218,6 +231,8 @@ def test_chat_honours_stop_strings(llm):
 
 
 def test_stop_strings_without_a_tokenizer_are_refused_and_nothing_is_queued(tiny_model):
+    """Stop strings on an LLM with no tokenizer raise ValueError naming the prompt, in generate and
+    stream, before any request is queued or any page taken."""
     llm = LLM(tiny_model, num_pages=64)
     with pytest.raises(ValueError, match="prompt 1: stop strings need a tokenizer"):
         llm.generate([[5, 6], [7, 8]], [SamplingParams(max_tokens=3), SamplingParams(

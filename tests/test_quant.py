@@ -17,6 +17,9 @@ from minicb.model.quant import Int8Linear
 
 @pytest.mark.parametrize("in_features", [64, 40], ids=["packed-kernel", "dequantizing"])
 def test_int8_linear_is_its_dequantized_product(in_features):
+    """An int8 linear layer stores per-row int8 weights within half a scale step of the originals
+    (packed when in_features is a multiple of 16) and returns float32 within 2% of the product with
+    its dequantized weights."""
     torch.manual_seed(0)
     weight, bias = torch.randn(48, in_features), torch.randn(48)
     layer = Int8Linear(weight, bias)
@@ -34,6 +37,8 @@ def test_int8_linear_is_its_dequantized_product(in_features):
 
 
 def test_int8_model_stays_close_to_float32(tiny_llama_dir):
+    """The int8 tiny model quantizes every MLP down projection, its first logits stay within 10% of
+    float32's, and its greedy token is the same."""
     fp32, _ = load_model(tiny_llama_dir)
     int8, _ = load_model(tiny_llama_dir, quantization="int8")
     assert int8.quantization == "int8" and fp32.quantization is None
@@ -49,6 +54,8 @@ def test_int8_model_stays_close_to_float32(tiny_llama_dir):
 
 
 def test_tied_head_gets_its_own_int8_copy(tiny_checkpoint):
+    """With tied embeddings, the int8 model quantizes the output head and keeps the embedding table
+    in float32."""
     model, _ = load_model(tiny_checkpoint("llama", tie=True), quantization="int8")
     assert isinstance(model.lm_head, Int8Linear)
     assert model.embed_tokens.weight.dtype == torch.float32  # lookups stay float
@@ -56,6 +63,8 @@ def test_tied_head_gets_its_own_int8_copy(tiny_checkpoint):
 
 @pytest.mark.parametrize("policy", ["single", "continuous", "pd"])
 def test_engine_runs_int8_and_frees_every_page(tiny_llama_dir, policy):
+    """Under single, continuous and pd, an int8 engine finishes every request with max_tokens tokens
+    and frees every page."""
     engine = Engine(tiny_llama_dir, policy=policy, quantization="int8", num_pages=64,
                     max_num_seqs=4, max_num_batched_tokens=32, chunk_size=16,
                     check_invariants=True)
@@ -82,12 +91,15 @@ def test_int8_tokens_do_not_depend_on_the_batch(tiny_llama_dir):
 
 
 def test_llm_takes_quantization(tiny_llama_dir):
+    """LLM(quantization="int8") serves an int8 model and generates max_tokens tokens."""
     llm = LLM(tiny_llama_dir, quantization="int8", num_pages=32)
     out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=3, temperature=0.0))
     assert len(out[0].token_ids) == 3 and llm.engine.model.quantization == "int8"
 
 
 def test_bad_quantization_is_refused(tiny_llama_dir):
+    """An unknown quantization, int8 on CUDA, or a float32 model passed to an int8 engine raises
+    ValueError saying what to do; a passed model keeps the quantization it was loaded with."""
     with pytest.raises(ValueError, match="quantization must be None or 'int8'"):
         EngineConfig(quantization="int4")
     with pytest.raises(ValueError, match="CPU option"):

@@ -28,6 +28,8 @@ from minicb.sampler import make_generator
     (dict(stop_token_ids=iter(range(10**6))), "stop_token_ids"),
 ])
 def test_bad_or_absurd_sampling_params_are_refused_naming_the_field(kwargs, field):
+    """An out-of-range, non-finite, wrongly typed or unboundedly long sampling value (max_tokens,
+    the three penalties, logprobs, stop_token_ids) raises ValueError naming its field."""
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
 

@@ -28,6 +28,9 @@ def propose_ngram(ids, k, n_max=4, n_min=2):
 
 
 def test_lookup_proposes_what_followed_the_latest_earlier_occurrence():
+    """Prompt lookup finds the latest earlier occurrence of the longest tail n-gram (n_max down to
+    n_min, never the overlapping tail itself) and proposes up to k tokens that followed it, or
+    nothing when no n-gram recurs."""
     ids = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 1, 2, 3]
     assert propose_ngram(ids, 3, n_max=3) == [7, 8, 5]  # the later of two "1 2 3"s
     assert propose_ngram(ids, 1, n_max=3) == [7]
@@ -40,6 +43,8 @@ def test_lookup_proposes_what_followed_the_latest_earlier_occurrence():
 
 
 def test_greedy_verification_keeps_the_guesses_the_model_agrees_with():
+    """Greedy verification keeps the guesses up to the first that differs from the model's argmax
+    and adds the model's own next token, so it yields at least one token."""
     logits = torch.full((4, 10), -1.0)
     for row, token in enumerate([3, 4, 5, 6]):  # the model's argmax after each position
         logits[row, token] = 1.0
@@ -198,6 +203,8 @@ def test_a_kept_guess_after_a_stop_token_is_not_counted():
 
 
 def test_sampled_requests_speculate_and_end_at_max_tokens(make_engine):
+    """Sampled (temperature 0.7, top-k) requests with speculation on make guesses, each ends with
+    exactly max_tokens and finish reason length, and every page is freed."""
     engine = make_engine("pd", num_speculative_tokens=3)
     rng = random.Random(1)
     for i in range(4):
@@ -217,6 +224,8 @@ def test_sampled_requests_speculate_and_end_at_max_tokens(make_engine):
     (dict(prompt_lookup_min=5, prompt_lookup_max=3), "prompt_lookup_min"),
 ])
 def test_bad_settings_are_refused(make_engine, bad, message):
+    """A negative or boolean num_speculative_tokens, prompt_lookup_min below 1, or prompt_lookup_min
+    above prompt_lookup_max raises ValueError naming the setting."""
     with pytest.raises(ValueError, match=message):
         make_engine("pd", **bad)
 

@@ -50,6 +50,9 @@ def make_case(*args, **kwargs):
 @pytest.mark.parametrize("group", [1, 4])
 @pytest.mark.parametrize("page_size", [1, 16, 32, 64])
 def test_store_and_attend_match_reference(kind, group, page_size):
+    """For decode, prefill and mixed batches, every page size and GQA group: store_kv writes the
+    caches bit for bit as the torch reference (unwritten slots stay NaN), and attend writes every
+    output row and matches the reference without reading past a member's context."""
     members, shared, sharers = batch(kind, page_size, seed=page_size + group)
     q, k, v, k_cache, v_cache, meta = make_case(members, page_size, group, shared, sharers,
                                                 seed=group)
@@ -120,6 +123,8 @@ def test_non_power_of_two_group_and_head_dim():
 @pytest.mark.skipif(DEVICE == "cpu", reason="16-bit tensor-core paths only mean something on GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_accumulates_in_float32(dtype):
+    """In bfloat16 and float16, attend returns the input dtype and stays within 2e-2 of the float32
+    reference on the same cache."""
     members = [(40, 1), (70, 1), (16, 40)]
     q, k, v, k_cache, v_cache, meta = make_case(members, 16, 4, seed=5, dtype=dtype)
     tops.store_kv(k, v, k_cache, v_cache, meta)
@@ -131,6 +136,8 @@ def test_half_precision_accumulates_in_float32(dtype):
 
 
 def test_cpu_tensors_without_interpreter_fail_clearly(monkeypatch):
+    """CPU tensors given to the Triton kernels without the interpreter raise RuntimeError naming
+    TRITON_INTERPRET."""
     monkeypatch.setattr(tops, "_interpreted", lambda: False)
     q, k, v, k_cache, v_cache, meta = make_case([(3, 1)], 16, 1)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
@@ -176,6 +183,8 @@ def test_rms_norm_matches_reference_on_rows_and_strided_heads():
 
 @pytest.mark.parametrize("group", [1, 3])
 def test_rope_rotates_q_and_k_in_place_and_nothing_else(group):
+    """The rope kernel rotates q and k in place as the torch reference does, for one and several
+    query heads per KV head, and leaves v in the same fused buffer untouched."""
     from minicb.model.llama import ModelConfig, rope_inv_freq
     gen = torch.Generator().manual_seed(group)
     tokens, kv_heads, head_dim = 7, 2, 16
@@ -296,6 +305,8 @@ def test_padded_decode_row_with_empty_context_gives_zeros():
 
 
 def test_graph_buckets_stop_at_the_slot_count():
+    """CUDA-graph batch sizes are the powers of two up to the slot count, then the slot count
+    itself, and never more than 64."""
     from minicb.cuda_graphs import graph_buckets
     assert graph_buckets(16) == (1, 2, 4, 8, 16)
     assert graph_buckets(3) == (1, 2, 3)
