@@ -118,6 +118,8 @@ def test_metadata_slots_and_tables_match_the_formula():
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
 def test_int_tensor_equals_torch_tensor(dtype):
+    """int_tensor gives the same values and dtype as torch.tensor, in int64 and int32, for an empty
+    list, one value, negatives and the int32 maximum."""
     from minicb.attention import int_tensor
     for values in ([], [7], list(range(-5, 600)), [2**31 - 1]):
         got = int_tensor(values, dtype)
@@ -125,6 +127,8 @@ def test_int_tensor_equals_torch_tensor(dtype):
 
 
 def test_rope_inv_freq_matches_transformers(tiny_checkpoint):
+    """The llama3-scaled rope inverse frequencies equal those transformers computes for the same
+    config."""
     from transformers import AutoConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     path = tiny_checkpoint("llama3-rope")
@@ -134,6 +138,8 @@ def test_rope_inv_freq_matches_transformers(tiny_checkpoint):
 
 
 def test_sharded_checkpoint_loads_the_same(tiny_llama_dir, tmp_path):
+    """A checkpoint saved in shards with an index file loads to the same weights as the single
+    file."""
     hf = load_hf(tiny_llama_dir)
     hf.save_pretrained(tmp_path, max_shard_size="100KB")
     assert (tmp_path / "model.safetensors.index.json").is_file()
@@ -186,6 +192,9 @@ def test_prepacked_plain_weights_move_to_one_huge_page_region(tiny_llama_dir):
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"),
                     reason="prepacking is the default on x86-64 only")
 def test_prepack_is_the_float32_cpu_default(tiny_llama_dir, monkeypatch):
+    """On x86-64, a float32 CPU model is prepacked by default with the same weights and parameter
+    count; MINICB_PREPACK=0 and int8 turn it off, and a MINICB_PREPACK other than 0 or 1 raises
+    ValueError."""
     packed, _ = load_model(tiny_llama_dir)
     plain, _ = load_model(tiny_llama_dir, prepack=False)
     assert packed.prepacked and not plain.prepacked
@@ -216,6 +225,8 @@ needs_bf16_prepack = pytest.mark.skipif(
 
 @needs_bf16_prepack
 def test_packed_bfloat16_is_the_same_product_and_model():
+    """A bfloat16 PackedLinear keeps its weights unchanged and computes the plain linear product
+    within 2e-2."""
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(40, 24, generator=gen).bfloat16()
     bias = torch.randn(40, generator=gen).bfloat16()
@@ -228,6 +239,8 @@ def test_packed_bfloat16_is_the_same_product_and_model():
 
 @needs_bf16_prepack
 def test_a_prepacked_bfloat16_model_gives_the_same_logits(tiny_llama_dir):
+    """A prepacked bfloat16 model gives the unpacked model's logits within 0.05 and the same
+    argmax."""
     from minicb.attention import build_metadata
     logits = {}
     for prepack in (False, True):
@@ -242,6 +255,9 @@ def test_a_prepacked_bfloat16_model_gives_the_same_logits(tiny_llama_dir):
 
 
 def test_prepack_refuses_what_it_cannot_pack(tiny_llama_dir, monkeypatch):
+    """prepack=True with int8, or with 16-bit weights where the CPU lacks bfloat16 support, raises
+    ValueError asking for float32; a prepack that is not None, True or False is refused naming the
+    value."""
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
     for kwargs in (dict(quantization="int8"), dict(dtype=torch.bfloat16),
                    dict(dtype=torch.float16)):
@@ -269,6 +285,8 @@ def test_eos_ids_outside_the_vocabulary_are_left_out(tmp_path):
 
 
 def test_info_of_tiny_checkpoint(tiny_qwen2_dir):
+    """load_model's info for a tokenizer-less Qwen2 checkpoint has no tokenizer, eos id 2, the qwen2
+    architecture with attention bias and the given path, and no parameter requires grad."""
     model, info = load_model(tiny_qwen2_dir)
     assert info.tokenizer is None and info.eos_token_ids == (2,)
     assert info.config.architecture == "qwen2" and info.config.attention_bias
@@ -276,16 +294,21 @@ def test_info_of_tiny_checkpoint(tiny_qwen2_dir):
 
 
 def test_unknown_name_is_refused():
+    """A name that is neither a bundled model nor a directory raises ValueError listing the bundled
+    names."""
     with pytest.raises(ValueError, match="neither a bundled model.*smollm2-135m"):
         load_model("no-such-model")
 
 
 def test_directory_without_config_is_refused(tmp_path):
+    """A directory without config.json raises ValueError naming config.json."""
     with pytest.raises(ValueError, match="config.json"):
         load_model(tmp_path)
 
 
 def test_unsupported_architecture_is_refused(tiny_llama_dir, tmp_path):
+    """A checkpoint of an unsupported architecture raises ValueError naming it and the supported
+    ones."""
     shutil.copytree(tiny_llama_dir, tmp_path / "gpt2")
     cfg = json.loads((tmp_path / "gpt2" / "config.json").read_text())
     cfg["architectures"] = ["GPT2LMHeadModel"]
@@ -301,17 +324,22 @@ def test_unsupported_architecture_is_refused(tiny_llama_dir, tmp_path):
       "sliding_window": 1024, "max_window_layers": 0}, "sliding"),
 ])
 def test_unsupported_config_is_refused(tiny_llama_dir, change, match):
+    """A config with yarn rope scaling, a gelu activation or Qwen2 sliding-window layers raises
+    ValueError naming the feature."""
     cfg = json.loads((tiny_llama_dir / "config.json").read_text()) | change
     with pytest.raises(ValueError, match=match):
         ModelConfig.from_hf(cfg)
 
 
 def test_bundled_names_and_backend():
+    """Bundled names match case-insensitively, with or without the -Instruct suffix, and other names
+    are not bundled."""
     assert is_bundled("smollm2-135m") and is_bundled("SmolLM2-135M-Instruct")
     assert not is_bundled("llama-7b")
 
 
 def test_unknown_attention_backend_is_refused(tiny_llama_dir):
+    """set_attention_backend with an unknown name raises ValueError naming it."""
     model, _ = load_model(tiny_llama_dir)
     with pytest.raises(ValueError, match="bogus"):
         model.set_attention_backend("bogus")
@@ -321,6 +349,8 @@ def test_unknown_attention_backend_is_refused(tiny_llama_dir):
 
 @pytest.mark.slow
 def test_smollm2_greedy_matches_hf(smollm2_dir):
+    """On SmolLM2-135M chat prompts, the paged model's 16 greedy tokens equal Hugging Face's and its
+    first logits are within 1e-3."""
     model, info = load_model("smollm2-135m")
     assert info.path == smollm2_dir and info.tokenizer is not None and 2 in info.eos_token_ids
     hf = load_hf(smollm2_dir)

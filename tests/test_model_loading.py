@@ -48,6 +48,9 @@ def fp8_checkpoint(path: Path) -> Path:
 @pytest.mark.parametrize("method", ["fp8", "gptq", "awq", "compressed-tensors",
                                     "bitsandbytes"])
 def test_a_pre_quantized_checkpoint_is_refused(tiny_llama_dir, method):
+    """A config.json with a quantization_config (fp8, gptq, awq, compressed-tensors, bitsandbytes)
+    raises ValueError naming the method and pointing to a float checkpoint with
+    quantization='int8'."""
     cfg = json.loads((tiny_llama_dir / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": method, "bits": 4}
     with pytest.raises(ValueError, match=f"quant_method '{method}'.*float.*quantization='int8'"):
@@ -55,6 +58,8 @@ def test_a_pre_quantized_checkpoint_is_refused(tiny_llama_dir, method):
 
 
 def test_fp8_tensors_are_refused_even_without_a_quantization_config(tmp_path):
+    """A checkpoint whose tensors are float8 raises ValueError naming the first such tensor and its
+    dtype, and with a quantization_config the message names the method."""
     path = fp8_checkpoint(tmp_path / "fp8")
     with pytest.raises(ValueError, match=r"q_proj.weight' is stored as torch.float8_e4m3fn"):
         load_model(path, prepack=False)
@@ -64,6 +69,8 @@ def test_fp8_tensors_are_refused_even_without_a_quantization_config(tmp_path):
 
 
 def test_a_tensor_of_the_wrong_shape_is_named(tiny_llama_dir, tmp_path):
+    """A tensor whose shape differs from what config.json implies raises ValueError naming the
+    tensor, its shape and the expected shape."""
     tensors = load_file(tiny_llama_dir / "model.safetensors")
     tensors["model.layers.1.mlp.down_proj.weight"] = torch.zeros(64, 96)
     path = make_tiny_checkpoint(tmp_path / "bad-shape")
@@ -141,6 +148,8 @@ def test_qwen_sliding_window_counts_only_the_layers_that_use_it(tmp_path, family
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
 def test_qwen_without_max_position_embeddings_gets_32768(tmp_path, family):
+    """A Qwen2 or Qwen3 config without max_position_embeddings gets 32768, as transformers gives
+    it."""
     from transformers import AutoConfig, Qwen2Config, Qwen3Config
     cls = Qwen2Config if family == "qwen2" else Qwen3Config
     path = save_random_checkpoint(cls(**SHAPE, max_position_embeddings=32768), tmp_path / family)
@@ -178,6 +187,8 @@ def test_stop_ids_are_generation_configs_else_config_jsons(tmp_path):
 # --- F8: load_model's dtype takes the engine's names ---------------------------------------------
 
 def test_load_model_takes_the_engines_dtype_names(tiny_llama_dir):
+    """load_model takes the engine's dtype names (bfloat16, float16, float32, auto as float32) or a
+    torch dtype, and refuses any other dtype naming the choices."""
     for name, want in (("bfloat16", torch.bfloat16), ("float16", torch.float16),
                        ("float32", torch.float32), ("auto", torch.float32),
                        (torch.bfloat16, torch.bfloat16)):
@@ -206,6 +217,8 @@ def test_a_folder_named_like_the_bundled_model_does_not_hide_it(tmp_path, monkey
 
 
 def test_the_hub_id_warns_once_that_it_loads_the_bundled_q4_copy(monkeypatch):
+    """The Hugging Face id of SmolLM2-135M-Instruct resolves to the bundled Q4_1 copy with one
+    warning saying so; resolving it again, or by minicb's own name, does not warn."""
     import warnings
 
     from minicb.model import loader
@@ -244,6 +257,8 @@ def fake_bundled(tmp_path, monkeypatch):
 
 
 def test_an_unwritable_cache_names_minicb_cache(fake_bundled, tmp_path, monkeypatch):
+    """A cache path that cannot be created raises ValueError naming the path and MINICB_CACHE,
+    before any conversion."""
     from minicb.model.loader import ensure_bundled
     (tmp_path / "a-file").write_text("")
     monkeypatch.setenv("MINICB_CACHE", str(tmp_path / "a-file" / "cache"))
@@ -253,6 +268,7 @@ def test_an_unwritable_cache_names_minicb_cache(fake_bundled, tmp_path, monkeypa
 
 
 def test_minicb_cache_expands_the_home_directory(tmp_path, monkeypatch):
+    """A MINICB_CACHE starting with ~ is expanded to the home directory."""
     from minicb.config import cache_root
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setenv("MINICB_CACHE", "~/models")
@@ -260,6 +276,8 @@ def test_minicb_cache_expands_the_home_directory(tmp_path, monkeypatch):
 
 
 def test_the_converted_cache_is_readable_by_other_users(fake_bundled):
+    """Under umask 022, the converted cache folder is 0755 and its files 0644, whatever mode the
+    converter wrote them with."""
     import os
 
     from minicb.model.loader import ensure_bundled
@@ -368,6 +386,8 @@ def test_a_cache_that_cannot_be_written_is_used_as_it_is(fake_bundled, monkeypat
 
 
 def test_a_converted_cache_outlives_its_package(fake_bundled, monkeypatch):
+    """Once converted, the bundled model loads from its cache even when its GGUF package is gone,
+    without converting again."""
     from minicb.model import loader
     folder = loader.ensure_bundled("smollm2-135m")
 
