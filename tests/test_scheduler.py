@@ -36,6 +36,8 @@ def members_at(engine, step):
 
 @pytest.mark.parametrize("policy", ["continuous", "pd"])
 def test_r4_takes_r1_slot_at_step_31(make_engine, policy):
+    """Under continuous and pd, R1 finishes at step 30 and R4 prefills in its slot 0 at step 31
+    beside R2's and R3's decodes; R3 finishes at step 80, R2 at step 200, and no slot idles."""
     engine = r1_r4(make_engine, policy)
     r1 = engine.requests["R1"].metrics
     assert r1.finish_step == 30, "R1's 30 tokens come from steps 1..30"
@@ -49,6 +51,8 @@ def test_r4_takes_r1_slot_at_step_31(make_engine, policy):
 
 
 def test_chunked_r4_prefill_pauses_the_decodes(make_engine):
+    """Under chunked (prefill first), R4's prefill at step 31 runs alone in slot 0, so R2 finishes
+    one step later, at 201."""
     engine = r1_r4(make_engine, "chunked")
     at31 = members_at(engine, 31)
     assert set(at31) == {"R4"} and at31["R4"].slot == 0, "prefill-first: decodes wait a step"
@@ -56,6 +60,8 @@ def test_chunked_r4_prefill_pauses_the_decodes(make_engine):
 
 
 def test_static_r4_waits_for_r2(make_engine):
+    """Under static batching, R4 starts only at step 201 after R2; R1's finished slot idles from
+    step 31 to 200, and every member is returned whole at step 200, so its TTFT equals its E2E."""
     engine = r1_r4(make_engine, "static")
     assert engine.requests["R2"].metrics.finish_step == 200
     assert engine.requests["R4"].metrics.first_scheduled_step == 201
@@ -81,6 +87,8 @@ def test_static_r4_waits_for_r2(make_engine):
 
 
 def test_iteration_level_policies_release_at_the_finish(make_engine):
+    """Under continuous, each request is released at its finish step and time and streamed, and its
+    E2E is finish time minus arrival time."""
     engine = r1_r4(make_engine, "continuous")
     for r in engine.requests.values():
         assert (r.metrics.released_step, r.metrics.released_time) == (
@@ -91,6 +99,8 @@ def test_iteration_level_policies_release_at_the_finish(make_engine):
 
 
 def test_a_cancelled_static_member_is_released_at_once(make_engine):
+    """A static batch member cancelled at step 3 is released at step 3, not returned whole, and the
+    other member is released at its finish."""
     engine = make_engine("static", max_num_seqs=2)
     p = SamplingParams(max_tokens=20, **GREEDY)
     engine.add_request([1, 2, 3], p, request_id="a")
@@ -105,6 +115,8 @@ def test_a_cancelled_static_member_is_released_at_once(make_engine):
 
 
 def test_dynamic_waits_for_a_full_batch_or_the_timeout(make_engine):
+    """Dynamic batching starts a batch when it is full (step 3 for two slots) or when its oldest
+    request has waited batch_timeout steps (step 6 for a timeout of 5)."""
     engine = make_engine("dynamic", max_num_seqs=3, batch_timeout=5)
     p = SamplingParams(max_tokens=3, **GREEDY)
     engine.add_request([1, 2, 3], p, request_id="a")
@@ -136,6 +148,8 @@ def long_prefill(make_engine, policy, long_len=300):
 
 
 def test_pd_keeps_decodes_going_during_a_long_prefill(make_engine):
+    """Under pd, a 300-token prompt is prefilled in chunks over several steps while the short
+    requests still decoding get a token in each of them, within the 64-token budget."""
     engine, window, dec_at_p = long_prefill(make_engine, "pd")
     assert len(window) >= 300 // 64
     assert dec_at_p > 0
@@ -147,18 +161,23 @@ def test_pd_keeps_decodes_going_during_a_long_prefill(make_engine):
 
 
 def test_chunked_prefill_first_starves_decodes(make_engine):
+    """Under chunked, no decode token is produced while a 300-token prompt prefills, and no chunk
+    exceeds chunk_size 32."""
     engine, window, dec_at_p = long_prefill(make_engine, "chunked")
     assert dec_at_p == 0, "the chapter's problem two: no decode token during the prefill window"
     assert all(m.num_tokens <= 32 for rec in window for m in rec.members)
 
 
 def test_continuous_runs_a_long_prompt_in_one_step(make_engine):
+    """Under continuous, a 300-token prompt is prefilled whole in one step."""
     engine, window, _ = long_prefill(make_engine, "continuous")
     step = engine.requests["long"].metrics.first_scheduled_step
     assert members_at(engine, step)["long"].num_tokens == 300, "problem one: one huge step"
 
 
 def test_min_chunk_defers_a_small_chunk(make_engine):
+    """A prefill chunk smaller than min_chunk (6) waits until that much budget is free (step 11),
+    and every non-final chunk is at least min_chunk tokens."""
     engine = make_engine("pd", max_num_seqs=4, max_num_batched_tokens=8, chunk_size=8,
                          min_chunk=6)
     for i in range(3):  # three decodes leave 8 - 3 = 5 tokens of budget: less than min_chunk
@@ -212,6 +231,8 @@ def test_newest_means_the_latest_arrival_not_the_latest_added(make_engine):
 
 
 def test_priority_preemption_picks_the_least_important(make_engine):
+    """With preemption=priority, a full pool preempts the request with the largest priority number
+    and never the priority-0 one."""
     engine = make_engine("continuous", num_pages=10, page_size=8, max_num_seqs=4,
                          preemption="priority", enable_prefix_caching=False)
     p = SamplingParams(max_tokens=30, **GREEDY)
@@ -308,6 +329,8 @@ def test_half_prefilled_prompts_that_hold_every_page_do_not_deadlock(make_engine
 
 
 def test_deadline_preemption_picks_the_most_slack(make_engine):
+    """With preemption=deadline, a full pool preempts the request without a deadline, never the
+    earliest-deadline one, and every request still ends by length."""
     engine = make_engine("continuous", num_pages=10, page_size=8, max_num_seqs=4,
                          preemption="deadline", enable_prefix_caching=False)
     p = SamplingParams(max_tokens=30, **GREEDY)
@@ -321,6 +344,8 @@ def test_deadline_preemption_picks_the_most_slack(make_engine):
 
 
 def test_deadline_order_is_earliest_first():
+    """With preemption=deadline, a single slot admits requests earliest deadline first, those
+    without one last; with newest it admits them in arrival order."""
     from minicb.benchmark.sim import make_sim_engine
     order = {}
     for mode in ("newest", "deadline"):
@@ -408,6 +433,8 @@ def test_fair_order_serves_the_least_served_tenant_first():
 
 
 def test_fair_preemption_picks_the_most_served_tenant(make_engine):
+    """With preemption=fair, a full pool preempts a request of the tenant with two requests, never
+    the one with one."""
     engine = make_engine("continuous", num_pages=10, page_size=8, max_num_seqs=4,
                          preemption="fair", enable_prefix_caching=False)
     p = SamplingParams(max_tokens=30, **GREEDY)
@@ -421,6 +448,8 @@ def test_fair_preemption_picks_the_most_served_tenant(make_engine):
 
 @pytest.mark.parametrize("deadline", [0, -1.0, float("nan"), float("inf"), "soon"])
 def test_a_bad_deadline_is_refused(make_engine, deadline):
+    """A deadline that is not a positive finite number, or a tenant that is not a string, raises
+    ValueError naming it, and nothing is queued or allocated."""
     engine = make_engine("pd")
     with pytest.raises(ValueError, match="deadline"):
         engine.add_request([1, 2], SamplingParams(**GREEDY), deadline=deadline)
@@ -627,6 +656,8 @@ def test_preemption_counts_the_work_it_throws_away_and_the_work_redone():
 
 
 def test_a_deadline_counts_from_the_arrival():
+    """A deadline is seconds after the request's arrival, not after the clock's start: a request
+    arriving at 1.0 s with a 0.5 s deadline finishes by length."""
     from minicb.benchmark.sim import make_sim_engine
     from minicb.benchmark.workload import Workload, WorkloadRequest, run_workload
     engine = make_sim_engine("h100-like", policy="continuous")
