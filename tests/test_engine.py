@@ -25,6 +25,9 @@ def llm(tiny_model):
 
 
 def test_generate_returns_outputs_in_prompt_order(llm):
+    """generate returns one output per prompt in prompt order, each with max_tokens tokens, no text
+    without a tokenizer, ordered timestamps and one time and step per token, and frees every
+    page."""
     outs = llm.generate([[5, 6, 7], [8, 9, 10, 11, 12]], GREEDY, use_tqdm=False)
     assert [o.prompt_token_ids for o in outs] == [[5, 6, 7], [8, 9, 10, 11, 12]]
     assert all(len(o.token_ids) == 12 and o.finish_reason == "length" for o in outs)
@@ -36,6 +39,9 @@ def test_generate_returns_outputs_in_prompt_order(llm):
 
 
 def test_params_per_prompt_and_eos(tiny_model):
+    """Each prompt takes its own SamplingParams; a request ends at its first stop token or at an
+    end-of-sequence token (included, finish reason stop) unless ignore_eos, which runs it to
+    max_tokens."""
     llm = LLM(tiny_model, policy="continuous", num_pages=64)
     eos = llm.engine.info.eos_token_ids[0]
     first = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].token_ids
@@ -61,6 +67,8 @@ def test_params_per_prompt_and_eos(tiny_model):
 
 
 def test_sampler_topk1_is_greedy_and_seeds_repeat(llm):
+    """top_k=1 gives the greedy tokens at any temperature; a seed repeats its tokens (with top_p
+    too), another seed differs, and a seeded request gets the same tokens alone or batched."""
     prompt = [[3, 1, 4, 1, 5, 9, 2, 6]]
     greedy = llm.generate(prompt, GREEDY, use_tqdm=False)[0].token_ids
     topk1 = llm.generate(prompt, SamplingParams(max_tokens=12, temperature=0.8, top_k=1,
@@ -103,6 +111,8 @@ def test_draw_follows_the_distribution_and_never_picks_a_zero(monkeypatch):
 
 
 def test_top_p_keeps_only_the_nucleus():
+    """top_p keeps the most likely tokens until their mass reaches it (0.5 + 0.3 for 0.7), and top_k
+    keeps the k most likely."""
     import torch
 
     from minicb.sampler import filter_logits
@@ -114,6 +124,8 @@ def test_top_p_keeps_only_the_nucleus():
 
 
 def test_forget_drops_a_request_everywhere_even_its_tenants_service():
+    """forget removes a request from the requests, from the next step's finished list and from its
+    tenant's service count; forgetting a tenant's last request drops the tenant."""
     from minicb.benchmark.sim import make_sim_engine
     engine = make_sim_engine(policy="pd", preemption="fair")
     for rid, tenant in (("a", "x"), ("b", "x"), ("c", "y")):
@@ -146,6 +158,8 @@ def test_banning_every_token_leaves_the_row_as_it_was():
 
 
 def test_top_p_stops_where_the_mass_reaches_it():
+    """top_p keeps the fewest tokens whose mass reaches it exactly: two of four equal tokens for
+    0.5, and two of 0.5, 0.25, 0.25 for 0.75."""
     import torch
 
     from minicb.sampler import filter_logits
@@ -199,6 +213,9 @@ def test_min_tokens_keeps_stop_and_eos_tokens_from_being_sampled(llm):
 
 
 def test_prefix_reuse_counts_pages_and_keeps_tokens(tiny_model):
+    """A prompt sharing two full pages with a finished one reuses them (32 cached tokens, only the
+    rest computed) with the same tokens as without the cache; a prompt of exactly two cached
+    pages reuses only the first, so at least one token is computed."""
     system = list(range(3, 3 + 40))  # 40 shared tokens = 2 full pages of 16 (+ 8)
     a, b = system + [100, 101, 102], system + [200, 201]
     with_cache = LLM(tiny_model, policy="single", num_pages=64, check_invariants=True)
@@ -218,6 +235,9 @@ def test_prefix_reuse_counts_pages_and_keeps_tokens(tiny_model):
 
 
 def test_cancel_waiting_and_running_frees_pages(make_engine):
+    """Cancelling a running and a waiting request frees their pages and finishes them as cancelled;
+    cancelling again does nothing, an unknown id raises ValueError, and the engine serves the next
+    request."""
     engine = make_engine("continuous", max_num_seqs=1)
     running = engine.add_request([5] * 20, GREEDY)
     waiting = engine.add_request([6] * 20, GREEDY)
@@ -235,6 +255,8 @@ def test_cancel_waiting_and_running_frees_pages(make_engine):
 
 
 def test_stream_yields_every_token_once(llm):
+    """stream yields each request's tokens one at a time, each exactly once, the same as generate;
+    closing it early cancels the rest and frees every page."""
     ref = llm.generate([[5, 6, 7], [1, 2]], GREEDY, use_tqdm=False)
     got: dict[str, list[int]] = {}
     for rid, new, delta in llm.stream([[5, 6, 7], [1, 2]], GREEDY):
@@ -265,6 +287,8 @@ def test_two_streams_read_in_turn_each_get_every_token(llm):
 
 
 def test_a_failing_forward_fails_only_that_step(make_engine):
+    """A forward that raises for one request finishes it with reason error and the exception's text,
+    frees its pages, and later requests still run to length."""
     engine = make_engine("continuous")
     a = engine.add_request([5, 6], GREEDY)
     engine.step()
@@ -303,6 +327,9 @@ class Unreserved(Scheduler):
 
 
 def test_a_learner_scheduler_runs_and_bad_batches_are_refused(tiny_model):
+    """A Scheduler subclass runs as a policy; a batch over max_num_batched_tokens, a prefill chunk
+    over chunk_size, or tokens beyond the request's reserved pages raise SchedulerError naming the
+    limit, even with invariant checks off."""
     class MyPD(PDScheduler):
         name = "my-pd"
 
@@ -374,6 +401,8 @@ def test_the_engine_goes_by_a_policys_attributes_not_its_name(tiny_model):
 
 
 def test_invariant_checker_names_the_broken_rule(make_engine):
+    """check_invariants raises InvariantError naming the step, the page pool and the page whose
+    reference count is wrong."""
     engine = make_engine("pd")
     engine.add_request([1, 2, 3], GREEDY, request_id="x")
     engine.step()
@@ -394,6 +423,9 @@ def test_invariant_checker_names_the_broken_rule(make_engine):
     (dict(ignore_eos="false"), "ignore_eos"), (dict(ignore_eos=None), "ignore_eos"),
 ])
 def test_bad_sampling_params(kwargs, field):
+    """A max_tokens below 1, a negative or non-finite temperature, top_p outside (0, 1], a negative
+    top_k, a seed torch cannot take, min_tokens above max_tokens, a non-list or boolean
+    stop_token_ids, or a non-boolean ignore_eos raises ValueError naming the field."""
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
 
@@ -420,6 +452,9 @@ def test_bad_sampling_params(kwargs, field):
     (dict(max_preemptions=-1), "max_preemptions"), (dict(max_preemptions=1.0), "max_preemptions"),
 ])
 def test_bad_engine_config(kwargs, field):
+    """An EngineConfig with an invalid value (page size, pool and batch limits, policy, chunk sizes,
+    backend, device, dtype, timeouts, preemption settings, flags of the wrong type) raises
+    ValueError naming the field."""
     with pytest.raises(ValueError, match=field):
         EngineConfig(**kwargs)
 
@@ -460,6 +495,9 @@ def test_a_cuda_device_torch_cannot_use_is_refused_with_the_reason(monkeypatch):
 
 
 def test_bad_requests_are_refused_before_any_work(tiny_model):
+    """A bad prompt, bad params, a prompt that can never fit the pool or the context, a bad arrival,
+    priority or option raises ValueError naming it, and leaves no request, queue entry or page
+    behind (not even for a batch's good prompts); a request_id already in use is refused."""
     llm = LLM(tiny_model, num_pages=8, page_size=16)
     engine = llm.engine
     cases = [
@@ -591,6 +629,8 @@ def test_a_stalled_policy_raises_instead_of_spinning_and_leaves_nothing(tiny_mod
 
 
 def test_a_seed_torch_cannot_take_leaves_the_engine_untouched(tiny_model):
+    """A seed outside torch's range raises ValueError with no request recorded, and the engine then
+    serves normally."""
     llm = LLM(tiny_model, num_pages=16, check_invariants=True)
     with pytest.raises(ValueError, match="seed"):
         llm.generate([[5, 6]], SamplingParams(max_tokens=3, seed=2**70))
@@ -599,6 +639,8 @@ def test_a_seed_torch_cannot_take_leaves_the_engine_untouched(tiny_model):
 
 
 def test_bad_model_names(tmp_path):
+    """An LLM of an unknown model name raises ValueError naming the bundled models; a directory
+    without config.json raises ValueError naming it."""
     with pytest.raises(ValueError, match="bundled"):
         LLM("no-such-model")
     with pytest.raises(ValueError, match="config.json"):
@@ -606,6 +648,8 @@ def test_bad_model_names(tmp_path):
 
 
 def test_token_slice_equals_the_full_list_slice():
+    """Request.token_ids_slice(start, stop) equals the slice of prompt plus output for every start
+    and stop."""
     from minicb.request import Request
     req = Request("r", [1, 2, 3, 4], SamplingParams(), output_token_ids=[5, 6, 7])
     for start in range(8):
@@ -614,6 +658,8 @@ def test_token_slice_equals_the_full_list_slice():
 
 
 def test_a_caller_can_stop_a_request_itself(make_engine):
+    """cancel(request_id, reason="stop") finishes a running request as stop, frees its pages and
+    lists it in the next step's finished; any other reason raises ValueError."""
     engine = make_engine("continuous")
     rid = engine.add_request([5, 6, 7], GREEDY)
     engine.step()
@@ -697,6 +743,8 @@ def test_a_loaded_model_keeps_its_dtype(tiny_llama_dir):
 
 
 def test_a_loaded_model_on_another_device_is_refused(tiny_llama_dir):
+    """A passed model on a device other than the engine's raises ValueError naming both, and with
+    device auto naming the model's device."""
     from minicb.model.loader import load_model
     model, info = load_model(tiny_llama_dir, prepack=False)
     model.to("meta")  # anywhere but the engine's device
@@ -716,6 +764,8 @@ def test_a_loaded_model_without_its_info_is_refused_by_name(tiny_llama_dir):
 
 
 def test_device_auto_is_the_cpu_here_and_follows_a_loaded_model(tiny_llama_dir, monkeypatch):
+    """device auto resolves to cuda when CUDA is available, except for int8 (CPU only); an engine
+    given a loaded model takes that model's device."""
     import torch
 
     from minicb.config import resolve_device
@@ -836,6 +886,8 @@ class Malformed(PDScheduler):
     lambda ctx: (ctx.running[0], "1"), lambda ctx: (ctx.running[0], 1.0), (None, 1),
     lambda ctx: (ctx.running[0].request_id, 1)])
 def test_a_malformed_batch_item_is_a_scheduler_error_and_loses_nothing(tiny_model, item):
+    """A batch item that is not a (request, positive int) pair raises SchedulerError before the
+    forward, and the request stays running with nothing computed and the invariants intact."""
     engine = Engine(tiny_model, policy=Malformed(item), num_pages=16, check_invariants=True)
     engine.add_request([1, 2, 3], GREEDY)
     with pytest.raises(SchedulerError):
@@ -845,6 +897,8 @@ def test_a_malformed_batch_item_is_a_scheduler_error_and_loses_nothing(tiny_mode
 
 
 def test_idle_members_count_toward_max_num_seqs_in_the_message(tiny_model):
+    """Idle batch members count toward max_num_seqs, and the SchedulerError names how many members
+    are idle."""
     class IdleExtra(PDScheduler):
         def schedule(self, ctx):
             super().schedule(ctx)
