@@ -206,9 +206,9 @@ def test_bench_refuses_bad_flags(argv, message, capsys):
 
 
 def test_compare_hf_refuses_a_trace_with_cancels_or_deadlines(tmp_path, capsys, monkeypatch):
-    """transformers' baselines run every request to its full length: a trace that cancels one
-    or gives it a deadline is refused before any model loads (it ran, and its speed ratio and
-    token check compared different work)."""
+    """transformers' baselines run every request to its full length: a trace that cancels one or
+    gives it a deadline is refused before any model loads, since its speed ratio and token check
+    would compare different work."""
     patch(monkeypatch, "executor_from_args", lambda *a: 1 / 0)
     for extra in ('"cancel_after_tokens": 1', '"deadline_s": 0.5'):
         trace = tmp_path / "t.jsonl"
@@ -220,8 +220,8 @@ def test_compare_hf_refuses_a_trace_with_cancels_or_deadlines(tmp_path, capsys, 
 
 
 def test_sweep_lists_run_each_setting_once_and_slo_target_needs_rates(tmp_path, capsys):
-    """A sweep value given twice runs its setting twice, and --slo-target without --rates exits with
-    status 2 saying it needs --rates."""
+    """A sweep value listed twice ("256, 256", "8,08") runs its setting once, the same rows as
+    listed once, and --slo-target without --rates exits with status 2 saying it needs --rates."""
     rows = []
     for budgets, seqs in (("256, 256", "8,08"), ("256", "8")):
         out = tmp_path / "s.json"
@@ -229,7 +229,7 @@ def test_sweep_lists_run_each_setting_once_and_slo_target_needs_rates(tmp_path, 
                                  "--max-num-batched-tokens", budgets, "--max-num-seqs", seqs,
                                  "--out", str(out)]) == 0
         rows.append(len(json.loads(out.read_text())["rows"]))
-    assert rows[0] == rows[1]  # each value given twice ran its setting twice
+    assert rows[0] == rows[1]  # a value listed twice runs its setting once
     assert sweep.main_sweep(["--executor", "sim", "--num-requests", "4", "--no-progress",
                              "--slo-ttft", "1", "--slo-target", "0.5"]) == 2
     err = capsys.readouterr().err
@@ -629,9 +629,9 @@ def test_settings_sustaining_the_same_load_rank_by_their_goodput_there():
 
 
 def test_sweep_varies_only_the_settings_the_policy_reads(capsys):
-    """continuous ignores chunk_size and static ignores the budget and chunk_size: each is
-    swept once (with two values it ran the same schedule twice and could rank a copy best),
-    and the note says so; with speculation every policy reads the budget."""
+    """continuous ignores chunk_size and static ignores the budget and chunk_size: each is swept
+    once (two values would run the same schedule twice and could rank a copy best), and the note
+    says so; with speculation every policy reads the budget."""
     grid = ["--max-num-batched-tokens", "64,512", "--max-num-seqs", "4,16",
             "--chunk-size", "64,256"]
     for policy, rows, unread in (("continuous", 4, "chunk_size"),
@@ -817,10 +817,10 @@ def test_sweep_over_rates_refuses_bad_flags(extra, message, capsys):
 
 
 def test_dynamic_waits_on_the_clock_and_declares_its_timeout(tmp_path):
-    """Arrivals in seconds: dynamic batching's timeout is in seconds (counted in steps, an idle
-    engine's empty steps cost nothing and dynamic formed its batches when static did). At 0.2
-    requests/s on the simulated H100 every request arrives to an idle engine: static serves it
-    at once, dynamic waits the timeout for company that does not come."""
+    """Arrivals in seconds: dynamic batching's timeout is in seconds (in steps, an idle engine's
+    empty steps would cost nothing and dynamic would form its batches when static does). At 0.2
+    requests/s on the simulated H100 every request arrives to an idle engine: static serves it at
+    once, dynamic waits the timeout for company that does not come."""
     out = tmp_path / "dyn.json"
     assert bench.main_bench(["--executor", "sim", "--workload", "low-rate", "--rate", "0.2",
                              "--num-requests", "6", "--policy", "static,dynamic",

@@ -83,8 +83,9 @@ def test_a_prompt_in_the_decode_loop_is_named():
 
 
 def test_page_pool_that_forgets_a_ref_count_is_caught():
-    """The reason comes first: a gradebook's feedback keeps a failure's first line, which was
-    a header ("pool of 4 pages (random sequence 0); the last operations:")."""
+    """The reason comes first: a gradebook's feedback keeps a failure's first line, so that line
+    names what went wrong, not a header ("pool of 4 pages (random sequence 0); the last
+    operations:")."""
     base = solution("01_paged_kv.ipynb")["MyPagePool"]
 
     class ShareForgets(base):
@@ -911,7 +912,7 @@ def test_minicbs_own_function_is_not_an_answer():
 
 def _minicbs_own_behind_a_lambda():
     """A wrong 'answer' per function exercise: minicb's own version, called from a lambda or a
-    subclass (handing over the function itself was refused before; a wrapper passed)."""
+    subclass rather than handed over itself."""
     from minicb import SamplingParams
     from minicb.attention import build_metadata, torch_ref
     from minicb.benchmark import metrics

@@ -43,8 +43,8 @@ def stored_text(cell: dict) -> str:
 
 def test_every_printed_engine_source_is_the_current_source():
     """A chapter that prints engine code with `inspect.getsource` stores that print as a checked
-    output; this catches an engine edit that left the stored copy stale, in seconds instead of
-    in the notebook run (a `do_not_specialize` edit once did exactly that)."""
+    output; every such stored print equals the current source, so an engine edit that leaves it
+    stale fails here in seconds instead of in the notebook run."""
     import inspect
     stale = []
     for path in CHAPTERS:

@@ -271,8 +271,8 @@ def test_stream_yields_every_token_once(llm):
 
 
 def test_two_streams_read_in_turn_each_get_every_token(llm):
-    """The second stream's request finishes in steps the first stream runs: its tokens were
-    never yielded (1 of 5) before the stream sent what other steps had produced."""
+    """Two streams read in turn each get every token of their request, the same as generate, even
+    when the second stream's request finishes in steps the first stream runs."""
     ref = llm.generate([[5, 6], [7, 8]], [GREEDY, SamplingParams(
         max_tokens=5, temperature=0.0, ignore_eos=True)], use_tqdm=False)
     long, short = llm.stream([[5, 6]], GREEDY), llm.stream([[7, 8]], SamplingParams(
@@ -340,7 +340,7 @@ def test_a_learner_scheduler_runs_and_bad_batches_are_refused(tiny_model):
     engine.add_request([1] * 20, GREEDY)
     with pytest.raises(SchedulerError, match="exceed max_num_batched_tokens=8"):
         engine.step()
-    # chunk_size too, before the forward, with the invariant checks off (they were its only test)
+    # chunk_size too, before the forward, with the invariant checks off
     engine = Engine(tiny_model, policy=OverBudget(), chunk_size=8, num_pages=64)
     engine.add_request([1] * 20, GREEDY)
     with pytest.raises(SchedulerError, match="a prefill chunk of 20 tokens exceeds chunk_size=8"):

@@ -226,9 +226,9 @@ def test_exercise_demos_print_what_their_text_says(capsys):
 
 
 def test_a_stub_keeps_only_the_hint_comment_that_opens_its_region():
-    """_hint_lines: a comment after the answer's first code line (the `elif out: break`
-    dropped), or one that merely starts with HINT (`# HINTED`, the `\\b` dropped), is the
-    answer's and stays out of the stub. Without an exercise the message names none."""
+    """_hint_lines: a comment after the answer's first code line, or one that merely starts with
+    HINT (`# HINTED`), is the answer's and stays out of the stub. Without an exercise the message
+    names none."""
     body = ["def f():", "    ### BEGIN SOLUTION", "    # HINT: add one", "    y = 1",
             "    # the answer's own note", "    return y", "    ### END SOLUTION",
             "def g():", "    ### BEGIN SOLUTION", "    # HINTED: return 2", "    return 2",

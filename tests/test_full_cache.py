@@ -83,9 +83,8 @@ class AdmitFirst(Scheduler):
 
 
 def test_a_request_swapped_in_and_preempted_in_one_step_keeps_its_kv(make_engine):
-    """Admitted from swap, then the same step's victim: its K/V must stay in the host pages it
-    had (the copy back was only planned). The copies ran out before in, so its new host pages
-    got the old contents of its fresh device pages: other tokens, no invariant tripped."""
+    """A request admitted from swap and preempted in the same step keeps the host pages it had (the
+    copy back was only planned), and every request gets the single-request tokens."""
     jobs = [([235, 178, 208, 220, 230, 50, 169, 62, 173, 40, 225, 60], 9),
             ([21, 139, 219, 57], 13), ([113, 35], 4), ([216, 40, 24, 226, 206, 210], 12),
             ([193, 114, 246, 38, 206, 227, 68, 94, 220], 11)]
@@ -113,9 +112,8 @@ def test_a_request_swapped_in_and_preempted_in_one_step_keeps_its_kv(make_engine
 
 
 def test_verbs_refuse_the_wrong_request_before_changing_anything(make_engine):
-    """ctx.admit of a running request, ctx.preempt of a waiting one: a SchedulerError naming
-    the verb, and the pool, the slots and the queue as they were (admit replaced a running
-    request's page table, leaking its pages, before the queue refused it)."""
+    """ctx.admit of a running request, ctx.preempt of a waiting one: a SchedulerError naming the
+    verb, and the pool, the slots, the queues and the page tables as they were."""
     from minicb.engine import SchedulerError
     engine = make_engine("pd", num_pages=16, page_size=4, max_num_seqs=2)
     for prompt in ([5, 6, 7, 8, 9], [10, 11, 12], [13, 14]):

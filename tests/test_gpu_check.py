@@ -284,9 +284,9 @@ def test_a_timed_out_subprocess_logs_text_not_bytes(gpu_check, monkeypatch, tmp_
 
 def test_the_deadline_counts_from_when_the_shell_script_started(gpu_check, monkeypatch,
                                                                tmp_path):
-    """gpu_check.sh exports its start time: 400 s spent before main (torch's import, CUDA's
-    start-up) leave the stages 55 s of the 455, not 455 (the clock once started after the
-    import), and the table says 400 s have gone."""
+    """gpu_check.sh exports its start time and the deadline counts from it: 400 s spent before main
+    (torch's import, CUDA's start-up) leave the stages 55 s of the 455, not 455, and the table says
+    400 s have gone."""
     monkeypatch.setenv("MINICB_GPU_CHECK_START", str(time.time() - 400))
     table, calls = run_main(gpu_check, monkeypatch, tmp_path, **QUICK_STAGES)
     assert calls["run_tests"][0][1]["timeout"] == 60  # the least it gives the tests
@@ -368,9 +368,9 @@ NEWER_THAN_310 = {("datetime", "UTC"), ("typing", "Self"), ("enum", "StrEnum"),
 
 
 def test_what_runs_on_the_device_works_on_python_310():
-    """The GPU image may have Python 3.10 (minicb is imported from the checkout, not installed,
-    so requires-python does not stop it): no 3.11-only syntax, module or name in what the check
-    runs (`datetime.UTC` once crashed the benchmark after its pd run, before any JSON)."""
+    """The GPU image may have Python 3.10 (minicb is imported from the checkout, not installed, so
+    requires-python does not stop it): what the check runs uses no 3.11-only syntax, module or name
+    (such as `datetime.UTC`)."""
     import ast
     found = []
     for path in RUNS_ON_THE_DEVICE:
@@ -479,9 +479,9 @@ QUICK_STAGES = dict(
 
 
 def test_stages_get_what_is_left_before_the_deadline(gpu_check, monkeypatch, tmp_path):
-    """The stage limits (180 s tests, 200 s benchmark) added up past gpu_check.sh's 470 s, whose
-    SIGTERM lost the table's benchmark rows. The tests now get what is left minus the
-    benchmark's reserve (at least 60 s), the benchmark what is left (at most 200 s)."""
+    """The stages fit inside gpu_check.sh's deadline, so its SIGTERM never costs the table's
+    benchmark rows: the tests get what is left minus the benchmark's reserve (at least 60 s), the
+    benchmark what is left (at most 200 s)."""
     monkeypatch.setattr(gpu_check, "DEADLINE", 300)
     _, calls = run_main(gpu_check, monkeypatch, tmp_path, **QUICK_STAGES)
     assert 60 <= calls["run_tests"][0][1]["timeout"] <= 300 - gpu_check.BENCH_RESERVE

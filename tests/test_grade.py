@@ -61,16 +61,16 @@ def test_check_cells_read_points_tags_and_skip_markdown():
 
 
 def test_exercise_names_come_from_exercise_tags_too():
-    """exercise_names counted only `check:` tags: a notebook whose check cells were deleted
-    (only its `exercise:` stubs left) named no exercise."""
+    """exercise_names reads `exercise:` tags as well as check calls: a notebook whose check cells
+    are deleted (only its `exercise:` stubs left) still names its exercises."""
     nb = nbformat.v4.new_notebook(cells=[code(tags=("exercise:page_pool", "exercise:")),
                                          code("check.match_prefix(m)")])
     assert grade.exercise_names(nb) == {"page_pool", "match_prefix"}
 
 
 def test_a_notebook_with_no_exercise_name_needs_two_cells_of_a_source(tmp_path):
-    """identify_source took one shared cell ("import torch") for a match: any notebook was
-    graded as whichever source it shared a line with. Two shared cells identify it."""
+    """identify_source needs two cells shared with a source to identify an untagged notebook: one
+    shared cell ("import torch") identifies nothing."""
     source = nbformat.v4.new_notebook(cells=[code("import torch"), code("x = 1"),
                                              code(tags=("check:a",))])
     nbformat.write(source, tmp_path / "01_a.ipynb")
@@ -128,8 +128,8 @@ class FakeTimer:
 def test_a_cell_is_killed_twice_its_timeout_after_it_started_and_pythonpath_restored(
         monkeypatch, tmp_path):
     """_run_kernel's watchdog fires at 2 * timeout + 5 s (a timeout, an interrupt, and as long
-    again; `timeout + 5` killed a cell the interrupt was about to stop); its kill names the
-    running cell, and the grader's PYTHONPATH and IPYTHONDIR are undone afterwards."""
+    again, so a cell the interrupt is about to stop is not killed); its kill names the running cell,
+    and the grader's PYTHONPATH and IPYTHONDIR are undone afterwards."""
     killed = []
 
     class Client:
@@ -157,8 +157,8 @@ def test_a_cell_is_killed_twice_its_timeout_after_it_started_and_pythonpath_rest
 
 
 def test_the_check_mark_is_kept_past_the_output_cap():
-    """CappedClient dropped the grader's mark with the rest once a cell had printed
-    MAX_CELL_OUTPUT characters: a check that printed a lot and passed scored 0."""
+    """CappedClient drops a cell's output past MAX_CELL_OUTPUT characters with a note, but keeps the
+    grader's check mark printed after it, so a check that prints a lot and passes scores."""
     nb = nbformat.v4.new_notebook(cells=[code()])
     client = grade._capped_client()(nb, timeout=5, kernel_name="python3")
     client.clear_before_next_output = False  # what nbclient sets as a cell starts
@@ -178,9 +178,8 @@ def test_the_check_mark_is_kept_past_the_output_cap():
 
 
 def test_the_named_like_note_is_left_out_when_the_source_was_given(tmp_path, monkeypatch):
-    """Exercise 3's notebook saved as 02_...: graded as 03 with a note saying so; with
-    --source naming 03 the teacher chose it, and "named like ..., graded as those" is
-    not said (the `not source` condition dropped said it)."""
+    """Exercise 3's notebook saved as 02_...: graded as 03 with a note saying so; with --source
+    naming 03 the teacher chose it, and "named like ..., graded as those" is not said."""
     three = "03_continuous_batching.ipynb"
     shutil.copy(ROOT / "exercises" / three, tmp_path / "02_static_batching.ipynb")
     guessed = graded(tmp_path, monkeypatch, ran(), "02_static_batching.ipynb")
@@ -204,9 +203,9 @@ def test_a_cell_with_output_but_no_execution_count_ran(tmp_path, monkeypatch):
 
 
 def test_a_check_is_blamed_on_its_own_exercise_only(tmp_path, monkeypatch):
-    """A NameError in a check follows the error of a cell since the previous check cell,
-    never one before it (the previous check's own failure was named as the cause); an
-    ImportError is explained the same way as a NameError."""
+    """A NameError in a check follows the error of a cell since the previous check cell, never one
+    before it (not the previous check's own failure); an ImportError is explained the same way as a
+    NameError."""
     report = graded(tmp_path, monkeypatch, ran({
         "check:page_pool": "CheckFailed: wrong", "check:prefix_hashes": "NameError: name 'h'",
         "exercise:match_prefix": "SyntaxError: bad", "check:match_prefix": "ImportError: m"}))
@@ -227,9 +226,9 @@ def test_a_deleted_check_cell_still_counts_its_points_in_the_maximum(tmp_path, m
 
 
 def test_a_check_tag_moved_to_another_cell_is_restored_where_it_now_is():
-    """restore_checks looked a check up by its cell id even when a cell carried its tag: the
-    original (untagged) cell was restored, and the cell the learner had tagged `check:a` (its
-    text "pass", after the original) kept its own text and earned the point."""
+    """restore_checks finds a check by its tag before its cell id: when the learner tags another
+    cell `check:a`, that cell gets the source's check text back and the original untagged cell is
+    not taken for the check."""
     source = nbformat.v4.new_notebook(cells=[code("check.a(f)", ("check:a",))])
     nb = nbformat.v4.new_notebook(cells=[code("check.a(f)"), code("pass", ("check:a",))])
     nb.cells[0].id = source.cells[0].id
@@ -378,7 +377,7 @@ def test_a_cell_that_swallows_the_interrupt_is_killed_and_the_rest_still_graded(
     path = tmp_path / EXPECTED[0]
     nbformat.write(nb, path)
     t0 = time.monotonic()
-    # 3 s was too tight on a loaded machine: the cell importing torch timed out in one CI run
+    # 15 s: the cell importing torch needs several seconds on a loaded machine
     assert grade.main([str(path), "--timeout", "15"]) == 0
     assert time.monotonic() - t0 < 120
     out = capsys.readouterr().out
@@ -934,9 +933,8 @@ def _graded(tmp_path, monkeypatch, outcome, stopped=(), setup_error=None):
 
 
 def test_a_check_cell_cut_off_by_a_stopped_kernel_says_so(tmp_path, monkeypatch):
-    """A check cell that was running when its kernel was killed (no error, no mark) was told
-    "reported no error but did not run to its end (did an earlier cell change how errors ...
-    are handled?)" (the stopped-kernel branch dropped), blaming cells that did nothing."""
+    """A check cell that was running when its kernel was killed (no error, no mark) is reported as
+    still running when the kernel was stopped, not as a cell that hid its error."""
     report = _graded(tmp_path, monkeypatch, {"check:match_prefix": "silent"},
                      stopped=["execution stopped: cell 3 ignored the interrupt at 300 s "
                               "and its kernel was killed"])
@@ -945,8 +943,8 @@ def test_a_check_cell_cut_off_by_a_stopped_kernel_says_so(tmp_path, monkeypatch)
 
 
 def test_only_an_untouched_stubs_error_is_not_attempted(tmp_path, monkeypatch):
-    """attempted=False for any NotImplementedError (the stub's "write " prefix dropped): a
-    learner's own code raising NotImplementedError was listed as not attempted."""
+    """attempted is False only for the stub's own NotImplementedError ("write ..."); a learner's
+    code raising NotImplementedError counts as attempted."""
     report = _graded(tmp_path, monkeypatch, {
         "check:prefix_hashes": "NotImplementedError: write prompt_page_hashes (exercise "
                                "prefix_hashes)",
@@ -957,10 +955,9 @@ def test_only_an_untouched_stubs_error_is_not_attempted(tmp_path, monkeypatch):
 
 
 def test_the_setup_note_names_only_a_cell_before_the_first_check(tmp_path, monkeypatch):
-    """_first_setup_error scanned every cell (not those before the first check cell): an
-    exercise's own error after it was named as the setup cell's. A setup error is named by
-    the first line of its message only, and only when an exercise failed (the note came with
-    a full score too when the `not all(passed)` condition was dropped)."""
+    """_first_setup_error looks only at cells before the first check cell, so an exercise's own
+    error after it is not named as a setup error; a setup error is named by the first line of its
+    message only, and only when an exercise failed."""
     report = _graded(tmp_path, monkeypatch, {"exercise:match_prefix": "TypeError: bad operand",
                                              "check:match_prefix": "CheckFailed: wrong"})
     assert not any("raised" in note for note in report.notes)

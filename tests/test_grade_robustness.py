@@ -38,8 +38,7 @@ def write(path, *sources: str):
 @pytest.mark.slow
 def test_a_dead_worker_fails_only_its_notebook_and_the_gradebook_is_written(tmp_path, capsys):
     """--jobs 2: a notebook whose kernel kills its grading process (as the out-of-memory killer
-    would) broke the pool; the grader exited with a BrokenProcessPool traceback and no
-    gradebook. Now that notebook is reported as not graded and the others are graded."""
+    would) is reported as not graded, the others are graded, and the gradebook is written."""
     kill = "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)"
     paths = [write(tmp_path / "a.ipynb", "print('a')"), write(tmp_path / "b.ipynb", kill),
              write(tmp_path / "c.ipynb", "print('c')")]
@@ -56,9 +55,9 @@ def test_a_dead_worker_fails_only_its_notebook_and_the_gradebook_is_written(tmp_
 
 @pytest.mark.slow
 def test_a_kernel_that_dies_costs_only_its_own_cell(tmp_path):
-    """A cell whose kernel dies (a segfault, the out-of-memory killer; here os._exit) stopped
-    the run: every later exercise scored 0. Now the notebook runs again with that cell raising
-    an error that says so, and a note names the cell."""
+    """A cell whose kernel dies (a segfault, the out-of-memory killer; here os._exit) costs only
+    that cell: the notebook runs again with that cell raising an error that says so, later cells
+    run, and a note names the cell."""
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(s) for s in (
         "print('a')", "import os\nos._exit(9)", "print('c')")])
     notes = grade.execute(nb, tmp_path, timeout=20)
@@ -69,10 +68,9 @@ def test_a_kernel_that_dies_costs_only_its_own_cell(tmp_path):
 
 
 def test_check_cells_without_tags_or_ids_are_found_by_their_text():
-    """An editor that drops tags and cell ids, or a check cell deleted and retyped (new id, no
-    tag), scored 0: the check counted as missing. It is found by its text, or by a cell of
-    nothing but its `check.<name>(` call; a cell holding other code beside the call is never
-    taken for it (it may hold the answer)."""
+    """A check cell that lost its tag and id (an editor that drops them, or a check cell deleted and
+    retyped) is found by its text, or by a cell of nothing but its `check.<name>(` call; a cell
+    holding other code beside the call is never taken for it (it may hold the answer)."""
     nb, source = paged()
     for cell in nb.cells:
         cell.metadata.pop("tags", None)
@@ -95,9 +93,8 @@ def test_check_cells_without_tags_or_ids_are_found_by_their_text():
 
 
 def test_a_deleted_check_cell_is_put_back_after_its_exercise_cell():
-    """A deleted check cell scored its exercise 0 whatever the answer: it is put back after
-    the exercise's own cell (found by tag, id or first line), so deleting earns nothing and
-    costs nothing."""
+    """A deleted check cell is put back after the exercise's own cell (found by tag, id or first
+    line), so deleting it earns nothing and costs nothing."""
     nb, source = paged()
     for cell in nb.cells:
         cell.metadata.pop("tags", None)
@@ -114,10 +111,9 @@ def test_a_deleted_check_cell_is_put_back_after_its_exercise_cell():
 
 
 def test_an_answer_in_a_pasted_copy_of_a_check_cell_is_kept():
-    """JupyterLab keeps the tags of a pasted cell: a learner's answer written in a copy of the
-    check cell (after the original) was overwritten by the check, and the original ran the
-    grader's check on the stub. The cell with the source's id is the check; the copy keeps its
-    code as an ordinary cell and the check runs after it; an exact copy of the check goes."""
+    """A learner's answer written in a pasted copy of a check cell (JupyterLab keeps its tags) is
+    kept: the cell with the source's id is the check, the copy keeps its code as an ordinary cell
+    and the check runs after it, and an exact copy of the check goes."""
     nb, source = paged()
     at = checks_of(nb)
     answer = nbformat.v4.new_code_cell("class MyPagePool:  # my answer\n    pass",
@@ -139,8 +135,8 @@ def test_an_answer_in_a_pasted_copy_of_a_check_cell_is_kept():
 
 
 def test_a_setup_error_note_skips_check_cells_and_names_cells_as_learners_see_them():
-    """_first_setup_error quoted a check cell's first line, the grader's own GUARD import,
-    as if it were the learner's setup; check cells are left out of it."""
+    """_first_setup_error leaves check cells out (the grader's own GUARD import is never quoted as
+    the learner's setup) and names cells by the numbers a learner sees."""
     nb = nbformat.v4.new_notebook(cells=[
         nbformat.v4.new_code_cell(grade.GUARD + "check.a(f)", metadata={"tags": ["check:b"]}),
         nbformat.v4.new_code_cell("import nump as np"),
@@ -153,8 +149,9 @@ def test_a_setup_error_note_skips_check_cells_and_names_cells_as_learners_see_th
 
 
 def test_package_installs_never_run_in_the_graders_environment(tmp_path, monkeypatch):
-    """`%pip install ...` in a submission ran against the grader's own environment (its
-    .venv): install lines become prints saying they were skipped, with a note."""
+    """`%pip`, `!pip` and `!conda` lines in a submission never run in the grader's environment: they
+    become prints saying they were skipped, with a note naming the cells; code that only mentions
+    them runs as written."""
     path = write(tmp_path / "a.ipynb", "%pip install torch==1.0\nx = 1",
                  "if x:\n    !pip show torch\n    !conda install numpy", "print('%pip') # !pip")
     ran = []
@@ -172,9 +169,8 @@ def test_package_installs_never_run_in_the_graders_environment(tmp_path, monkeyp
 
 @pytest.mark.slow
 def test_one_huge_print_is_cut_in_the_kernel(tmp_path, monkeypatch):
-    """The output cap trimmed a message only once the grader had received it whole: one print
-    of 200 MB cost the grader 1 GB. The kernel now cuts each cell's printed text a little past
-    the cap (check marks always pass), and the grader's own cap and note follow as before."""
+    """The kernel cuts each cell's printed text a little past the cap, so the grader never receives
+    a huge print whole; check marks always pass, and the grader's own cap and note follow."""
     from nbclient import NotebookClient
 
     monkeypatch.setattr(grade, "MAX_CELL_OUTPUT", 1000)

@@ -102,9 +102,8 @@ def test_no_stop_string_before_min_tokens(llm):
 
 @pytest.mark.parametrize("also", [(), ("a stop string longer than the whole output",)])
 def test_no_stop_string_before_min_tokens_whatever_else_is_listed(llm, also):
-    """A stop string counts only if it ends in text the output made from `min_tokens` on: a
-    longer one listed beside it once widened every string's look-back into the text before
-    min_tokens, and the short one matched there."""
+    """A stop string counts only if it ends in text the output made from `min_tokens` on, whatever
+    longer stop strings are listed beside it."""
     ref = llm.generate("w5 w6 w7", SamplingParams(max_tokens=12, **GREEDY), use_tqdm=False)[0]
     words = ref.text.split()
     stop = once(words, 0)
@@ -125,9 +124,9 @@ def guessing_llm(word_model, k: int) -> LLM:
 
 @pytest.mark.parametrize("read", ["generate", "stream"])
 def test_a_stop_string_completed_among_kept_guesses_ends_the_tokens_there(word_model, read):
-    """Chapter 08: a step with kept guesses brings several tokens; the one that completes a
-    stop string ends the output, its ids and timings too, as if no guess had come after it
-    (they once kept the step's later tokens: 5 ids for a stop string done at the 2nd)."""
+    """Chapter 08: a step with kept guesses brings several tokens; the one that completes a stop
+    string ends the output, its ids and timings too, as if no guess had come after it (2 ids for a
+    stop string done at the 2nd)."""
     sp = SamplingParams(max_tokens=12, stop="w100 w100", **GREEDY)
     outs = {}
     for k in (0, 3):
@@ -198,9 +197,9 @@ def test_stream_holds_back_what_may_begin_a_stop_string_and_stops_there(llm):
 
 
 def test_a_stop_string_ends_its_request_whichever_call_steps_the_engine(llm):
-    """Two streams read in turn, or a stream paused while generate runs, step each other's
-    requests: a stop string reached in another call's step still stops the request at once
-    (it ran one token past, or to max_tokens, when only its own call looked)."""
+    """Two streams read in turn, or a stream paused while generate runs, step each other's requests:
+    a stop string reached in another call's step still stops the request at once, not a token later
+    or at max_tokens."""
     ref = llm.generate("w5 w6 w7", SamplingParams(max_tokens=12, **GREEDY), use_tqdm=False)[0]
     words = ref.text.split()
     stop = once(words, 3)
@@ -274,8 +273,8 @@ def test_a_1d_array_or_tensor_is_one_prompt_and_a_2d_one_a_list_of_prompts(tiny_
 
 
 def test_a_dict_or_a_set_of_prompts_is_refused(llm):
-    """A dict iterated as its keys: generate({"w5": 1}) ran the prompt "w5"; a set has no
-    order to give the outputs in."""
+    """A dict (which would iterate as its keys, a prompt per key), a set or a frozenset (no order to
+    give the outputs in) is refused as prompts, naming its type."""
     for bad, kind in (({"w5 w6": 1}, "dict"), ({"w5 w6", "w7"}, "set"),
                       (frozenset({"w5"}), "frozenset")):
         with pytest.raises(ValueError, match=f"prompts must be a prompt or a list of prompts, "
@@ -302,8 +301,9 @@ def test_chat_of_no_conversation_is_refused(llm):
 
 
 def test_a_chat_template_error_is_a_value_error(llm):
-    """As the server says it: jinja's UndefinedError or a TypeError from the template, or the
-    template's own raise_exception, came out raw."""
+    """As the server says it: jinja's UndefinedError, a TypeError from the template, or the
+    template's own raise_exception becomes a ValueError saying the chat template cannot be applied,
+    and nothing is queued."""
     saved = llm.tokenizer.chat_template
     templates = {"{{ messages[0]['content'].upper() }}": [{"role": "user", "content": 5}],
                  "{{ messages[0]['content'] + 1 }}": HI,

@@ -27,7 +27,7 @@ def edit_json(path: Path, **changes) -> None:
     path.write_text(json.dumps(data))
 
 
-# --- F1: pre-quantized checkpoints -------------------------------------------------------------
+# --- pre-quantized checkpoints -------------------------------------------------------------
 
 def fp8_checkpoint(path: Path) -> Path:
     """The tiny Llama with its projections stored as float8 plus a per-tensor scale (the
@@ -80,7 +80,7 @@ def test_a_tensor_of_the_wrong_shape_is_named(tiny_llama_dir, tmp_path):
         load_model(path, prepack=False)
 
 
-# --- F3: keys config.json leaves out take the family's transformers default ---------------------
+# --- keys config.json leaves out take the family's transformers default ---------------------
 
 SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2,
@@ -169,7 +169,7 @@ def test_qwen3_without_head_dim_gets_128(tmp_path):
     assert info.config.head_dim == 128 and model.layers[0].self_attn.head_dim == 128
 
 
-# --- F4: the stop tokens come from one source, as HF generate takes them -----------------------
+# --- the stop tokens come from one source, as HF generate takes them -----------------------
 
 def test_stop_ids_are_generation_configs_else_config_jsons(tmp_path):
     """config.json's EOS is a token a chat model may emit mid-answer: with generation_config.json
@@ -184,7 +184,7 @@ def test_stop_ids_are_generation_configs_else_config_jsons(tmp_path):
     assert load_model(path, prepack=False)[1].eos_token_ids == (5,)
 
 
-# --- F8: load_model's dtype takes the engine's names ---------------------------------------------
+# --- load_model's dtype takes the engine's names ---------------------------------------------
 
 def test_load_model_takes_the_engines_dtype_names(tiny_llama_dir):
     """load_model takes the engine's dtype names (bfloat16, float16, float32, auto as float32) or a
@@ -199,7 +199,7 @@ def test_load_model_takes_the_engines_dtype_names(tiny_llama_dir):
             load_model(tiny_llama_dir, device="cpu", dtype=bad, prepack=False)
 
 
-# --- F9: bundled names against local folders, and the Hub id --------------------------------------
+# --- bundled names against local folders, and the Hub id --------------------------------------
 
 def test_a_folder_named_like_the_bundled_model_does_not_hide_it(tmp_path, monkeypatch):
     """A ./smollm2-135m folder without config.json (a notebook's output folder) leaves the name
@@ -232,7 +232,7 @@ def test_the_hub_id_warns_once_that_it_loads_the_bundled_q4_copy(monkeypatch):
         loader.resolve("smollm2-135m")  # minicb's own name says what it is
 
 
-# --- the bundled model's converted cache (F5, F6, F7, F10) --------------------------------------
+# --- the bundled model's converted cache --------------------------------------
 
 @pytest.fixture
 def fake_bundled(tmp_path, monkeypatch):

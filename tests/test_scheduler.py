@@ -390,8 +390,8 @@ def test_a_missed_deadline_ends_the_request_and_frees_its_pages():
 
 
 def test_no_step_looks_for_expired_deadlines_when_no_request_has_one(monkeypatch):
-    """Without deadlines a step does not scan the queue for them (10,000 waiting requests made
-    that scan most of a simulated run); once one request has a deadline, steps check again."""
+    """Without deadlines a step does not scan the queue for them (with 10,000 waiting requests that
+    scan would be most of a simulated run); once one request has a deadline, steps check again."""
     from minicb.benchmark.sim import make_sim_engine
     from minicb.request import Request
     checked = []

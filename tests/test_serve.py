@@ -606,9 +606,9 @@ def test_a_speculating_server_streams_the_same_tokens(tiny_model):
 
 
 def test_a_stop_string_completed_among_kept_guesses_ends_the_stream_there(word_model):
-    """A step with kept guesses brings 4 tokens at once; the stop string "w100 w100" is done
-    at the output's 2nd: the client gets 2 token ids, the engine's record keeps 2 (it once
-    sent and kept all 5 the first two steps made)."""
+    """A step with kept guesses brings 4 tokens at once; the stop string "w100 w100" is done at the
+    output's 2nd: the client gets 2 token ids and the engine's record keeps 2, not the 5 the first
+    two steps made."""
     model, clock = guessable_model(word_model[1].tokenizer)
     engine = Engine(model, clock=clock, device="cpu", attention_backend="torch", policy="pd",
                     num_speculative_tokens=3, check_invariants=True)
@@ -1178,8 +1178,8 @@ def test_serve_cli_max_queue_0_means_no_limit_and_the_served_name(tiny_llama_dir
 
 def test_serve_cli_refuses_a_negative_max_queue_and_an_unknown_log_level(tiny_llama_dir,
                                                                           monkeypatch, capsys):
-    """--max-queue -1 (a server that would answer every request 429) and --log-level loud
-    (a KeyError from uvicorn once the model had loaded) are refused before any model loads."""
+    """--max-queue -1 (a server that would answer every request 429) and --log-level loud (which
+    uvicorn would refuse only after the model loads) are refused before any model loads."""
     import uvicorn
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: None)
     base = ["--model", str(tiny_llama_dir), "--device", "cpu", "--num-pages", "32"]

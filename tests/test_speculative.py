@@ -120,8 +120,8 @@ def test_same_greedy_text_as_without_guesses_on_smollm2(smollm2_dir):
 
 
 def test_end_of_sequence_among_kept_guesses_ends_the_request_on_smollm2(smollm2_dir):
-    """A chat reply whose end-of-sequence token arrives in a step with guesses after it: the
-    request ends there, as without guesses (it once ran on past it)."""
+    """A chat reply whose end-of-sequence token arrives in a step with guesses after it: the request
+    ends there, with the same tokens as without guesses."""
     from minicb import LLM
     prompt = [{"role": "user", "content": "Rename the variable x to total in this Python code:"
                                           "\nx = 0\nfor price in prices:\n    x = x + price\n"

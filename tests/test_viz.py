@@ -333,8 +333,8 @@ def test_render_text_compresses_to_width(static):
 
 
 def test_a_life_shorter_than_a_column_still_shows_its_work():
-    """Six steps a column: a request prefilled at step 50 and finished at step 51 shows its
-    prefill, then its finish (the mark alone once overwrote the only column it computed in)."""
+    """Six steps a column: a request prefilled at step 50 and finished at step 51 shows its prefill,
+    then its finish; the finish mark does not hide the only column it computed in."""
     from minicb.benchmark.sim import make_sim_engine
     from minicb.request import SamplingParams
     e = make_sim_engine(policy="continuous", max_num_seqs=2)
