@@ -331,7 +331,7 @@ def test_unsupported_config_is_refused(tiny_llama_dir, change, match):
         ModelConfig.from_hf(cfg)
 
 
-def test_bundled_names_and_backend():
+def test_bundled_names_match_case_insensitively_with_or_without_instruct():
     """Bundled names match case-insensitively, with or without the -Instruct suffix, and other names
     are not bundled."""
     assert is_bundled("smollm2-135m") and is_bundled("SmolLM2-135M-Instruct")
