@@ -432,7 +432,7 @@ for label, pair, backend in (("F.linear, attention per operation", model_plain, 
 # %% [markdown]
 # Read the GB/s against what this machine's memory gives one or two cores: a few tens of GB/s on a current server, less on a busy one.
 # That bandwidth, not arithmetic, bounds every engine's single stream; llama.cpp, the engine most people run on a CPU, meets the same limit.
-# `bench/llama_cpp.py` runs it beside `minicb serve` on the same requests: in `bench/results/llama-cpp-2026-12-06.json`, one request ran at 0.94–1.12× llama.cpp's speed with two threads, and 16 or 32 at once at 1.06–1.55× ([docs/benchmarks.md](../docs/benchmarks.md)).
+# `bench/llama_cpp.py` runs it beside `minicb serve` on the same requests: in `bench/results/llama-cpp-2026-12-07.json`, one request ran at 0.94–0.99× llama.cpp's speed with two threads, and 16 or 32 at once at 1.33–1.70× ([docs/benchmarks.md](../docs/benchmarks.md)).
 #
 # ## 5. A second step, built: steps that yield several tokens
 #
