@@ -506,7 +506,7 @@ for guesses in ([3, 4, 5], [3, 4, 7], [9, 4, 7]):
 
 # %% [markdown]
 # In the engine, `num_speculative_tokens=k` turns it on.
-# After the policy schedules a step, `Engine._propose_drafts` gives each decode member up to `k` guesses within the budget and pages left.
+# After the policy schedules a step, `Speculator.propose` (`minicb/speculative.py`) gives each decode member up to `k` guesses within the budget and pages left.
 # The policy is unchanged, so `pd` still serves every decode first. `StepRecord.speculated` records what was guessed and kept.
 #
 # Three chat requests, one at a time, with and without 4 guesses a step:
