@@ -41,9 +41,9 @@ from minicb.course.exercises import (
     points_of,
     show_points,
 )
+from minicb.course.grade import case_weights
 
 CHECK_CALL = re.compile(r"^check\.(?P<name>\w+)\((?P<answer>.*)\)\s*$")
-WEIGHT = re.compile(r"^weight:(?P<case>[\w.-]+)=(?P<weight>\d+(\.\d+)?)$")
 CONFIG = '''\
 # nbgrader's configuration for the minicb exercises (python -m minicb nbgrader-course).
 c = get_config()  # noqa: F821 (nbgrader provides it)
@@ -100,8 +100,8 @@ def course_notebook(source: nbformat.NotebookNode, hidden_seed: int) -> nbformat
         tags = cell_tags(cell)
         check = next((t.split(":", 1)[1] for t in tags if t.startswith("check:")), None)
         if check is not None and cell.cell_type == "code":
-            weights = {m["case"]: float(m["weight"]) for t in tags if (m := WEIGHT.match(t))}
-            cell.source = test_cell_source(cell.source, points[check], weights, hidden_seed)
+            cell.source = test_cell_source(cell.source, points[check], case_weights(cell),
+                                           hidden_seed)
             _meta(cell, grade=True, solution=False, locked=True, points=points[check])
         elif BEGIN in cell.source or END in cell.source:
             if cell.cell_type == "code":
