@@ -233,9 +233,10 @@ print("prepacked:", model[0].prepacked, "| plain:", model_plain[0].prepacked)
 print(model[0].layers[0].mlp.down_proj, "vs", model_plain[0].layers[0].mlp.down_proj)
 
 
-def decode_ms(pair, rows: int) -> float:
+def decode_ms(pair, rows: int, backend: str = "auto") -> float:
     """Median forward time of the decode steps that ran `rows` requests together."""
-    batch_llm = LLM(pair, policy="continuous", max_num_seqs=rows, enable_prefix_caching=False)
+    batch_llm = LLM(pair, policy="continuous", max_num_seqs=rows, enable_prefix_caching=False,
+                    attention_backend=backend)
     prompts = [random_prompt(32, np.random.default_rng(i)) for i in range(rows)]
     batch_llm.generate(prompts, SamplingParams(max_tokens=17, temperature=0.0, ignore_eos=True),
                        use_tqdm=False)
@@ -412,20 +413,10 @@ print("same greedy tokens from both backends:", tokens["torch"] == tokens[KERNEL
 # NBVAL_IGNORE_OUTPUT
 weight_bytes = sum(p.numel() * p.element_size() for p in model[0].parameters())
 print(f"weights read per token: {weight_bytes / 1e6:.0f} MB")
-
-
-def one_row_ms(pair, backend: str) -> float:
-    """Median forward time of one request's decode steps."""
-    alone = LLM(pair, policy="single", attention_backend=backend, enable_prefix_caching=False)
-    alone.generate([random_prompt(32, np.random.default_rng(0))],
-                   SamplingParams(max_tokens=33, temperature=0.0, ignore_eos=True), use_tqdm=False)
-    return float(np.median([r.t_forward for r in alone.engine.trace[-32:]])) * 1e3
-
-
 for label, pair, backend in (("F.linear, attention per operation", model_plain, "torch"),
                              ("prepacked: C product per operation", model, "torch"),
                              (f"prepacked, {KERNEL} backend: C layer", model, KERNEL)):
-    ms = one_row_ms(pair, backend)
+    ms = decode_ms(pair, 1, backend)  # the layout table's timer, at one request
     print(f"{label:<38}{ms:6.1f} ms/token {1e3 / ms:6.1f} tokens/s"
           f" {weight_bytes / ms / 1e6:5.1f} GB/s")
 
